@@ -1,0 +1,5 @@
+import sys
+
+from planc.cli import main
+
+sys.exit(main())

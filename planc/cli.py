@@ -1,0 +1,47 @@
+"""`planc` command line: one sub-command per module in planc/commands/, imported only when used.
+
+Keeping the imports lazy keeps `planc lint` free of torch and fast enough for a pre-commit hook.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "lint": "Validate plan files (schema + semantic rules).",
+    "rules": "List the lint rules, or explain one: planc rules CODE.",
+    "schema": "Print the JSON Schema of plan format v1.",
+    "explain": "Resolve a plan against a model built on the meta device and print what it does.",
+    "migrate": "Rewrite removed styles in a plan into their current form.",
+    "init": "Write a starting plan from transformers' own plans for a model type.",
+    "demo": "Apply a shipped plan on CPU ranks to a tiny model and compare with the unsharded model.",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="planc", description="Declarative TP/EP plans for MoE models.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help_text in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=f"planc.commands.{name}")
+        # Each command module adds its own arguments; importing it is cheap (heavy imports happen in run()).
+        importlib.import_module(f"planc.commands.{name}").add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse exits 2 on usage errors, 0 on --help
+        return int(e.code or 0)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""EP strategy objects: what the experts of a plan do across the EP group, and why.
+
+`resolve_ep` turns `experts.implementation` + `experts.ep_implementation` into one of these objects
+at compile time. They hold no process group: `explain` prints them, `planc.apply` binds them with
+`strategy.runtime()(experts_module, strategy, groups)`. The same classes appear in explain output, in
+the installed forward (`module.forward.strategy`) and in docs/ep.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import ClassVar
+
+from planc.spec.model import Experts, Parallel
+
+
+@dataclass(frozen=True)
+class EPStrategy:
+    """Base: a named way to run experts sharded over an EP group."""
+
+    reason: str
+
+    name: ClassVar[str] = ""
+    # Every rank of the EP group must hold the same batch (ep_size == tp_size).
+    needs_shared_batch: ClassVar[bool] = False
+    inference_only: ClassVar[bool] = False
+    # "planc.runtime.ep.<module>:<Class>" implementing the forward.
+    runtime_path: ClassVar[str] = ""
+
+    def runtime(self):
+        """The torch class that implements this strategy (imported lazily: compile stays torch-free)."""
+        module, _, cls = self.runtime_path.partition(":")
+        return getattr(importlib.import_module(module), cls)
+
+    def describe(self) -> str:
+        return f"{type(self).__name__}: {self.reason}"
+
+    def to_json(self) -> dict:
+        return {"strategy": type(self).__name__, "name": self.name, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class AllToAllEP(EPStrategy):
+    """Only routed tokens move: counts exchange, token all-to-all, local experts, reverse all-to-all."""
+
+    name: ClassVar[str] = "all_to_all"
+    runtime_path: ClassVar[str] = "planc.runtime.ep.all_to_all:AllToAllEPRuntime"
+
+
+@dataclass(frozen=True)
+class AllReduceEP(EPStrategy):
+    """Every rank runs its experts over the whole batch (off-rank slots masked), outputs all-reduced."""
+
+    name: ClassVar[str] = "all_reduce"
+    needs_shared_batch: ClassVar[bool] = True
+    runtime_path: ClassVar[str] = "planc.runtime.ep.all_reduce:AllReduceEPRuntime"
+
+
+@dataclass(frozen=True)
+class MegaMoeEP(EPStrategy):
+    """DeepGEMM Mega MoE: equal batch slice per rank, fused dispatch+GEMMs+combine, outputs all-gathered."""
+
+    name: ClassVar[str] = "deepgemm_megamoe"
+    needs_shared_batch: ClassVar[bool] = True
+    inference_only: ClassVar[bool] = True
+    runtime_path: ClassVar[str] = "planc.runtime.ep.megamoe:MegaMoeEPRuntime"
+
+
+@dataclass(frozen=True)
+class AutoEP(EPStrategy):
+    """all_reduce when the EP group shares the batch and no gradient flows, else all_to_all (per call)."""
+
+    name: ClassVar[str] = "auto"
+    runtime_path: ClassVar[str] = "planc.runtime.ep.auto:AutoEPRuntime"
+    shares_batch: bool = True
+
+
+EP_STRATEGIES: dict[str, type[EPStrategy]] = {
+    cls.name: cls for cls in (AllToAllEP, AllReduceEP, MegaMoeEP, AutoEP)
+}
+
+
+class EPResolutionError(ValueError):
+    """The experts implementation and the EP implementation cannot be combined."""
+
+    def __init__(self, message: str, hint: str, field: str):
+        super().__init__(message)
+        self.hint = hint
+        self.field = field
+
+
+def resolve_ep(experts: Experts, parallel: Parallel) -> EPStrategy:
+    """Pick the EP strategy object for a plan's experts settings, or raise EPResolutionError."""
+    impl, ep = experts.implementation, experts.ep_implementation
+    shares_batch = parallel.ep_size == parallel.tp_size
+    if impl == "deepgemm_megamoe":
+        if ep not in ("auto", "deepgemm_megamoe"):
+            raise EPResolutionError(
+                f"experts.implementation `deepgemm_megamoe` runs only with the MegaMoeEP strategy, "
+                f"got ep_implementation `{ep}`",
+                "write `ep_implementation: auto` (or `deepgemm_megamoe`), or choose other experts",
+                "experts.ep_implementation",
+            )
+        strategy = MegaMoeEP(
+            reason="experts.implementation is deepgemm_megamoe: the fused kernel does its own dispatch and combine"
+            if ep == "auto"
+            else "ep_implementation: deepgemm_megamoe"
+        )
+    elif ep == "deepgemm_megamoe":
+        raise EPResolutionError(
+            f"ep_implementation `deepgemm_megamoe` needs experts.implementation `deepgemm_megamoe`, got `{impl}`",
+            "write `implementation: deepgemm_megamoe`, or pick `ep_implementation: auto`",
+            "experts.ep_implementation",
+        )
+    elif ep == "all_to_all":
+        strategy = AllToAllEP(reason="ep_implementation: all_to_all")
+    elif ep == "all_reduce":
+        strategy = AllReduceEP(reason="ep_implementation: all_reduce")
+    else:
+        strategy = AutoEP(
+            reason=(
+                "EP group shares the batch (ep_size == tp_size): all_reduce without gradients, "
+                "all_to_all when gradients flow (decided per call)"
+            )
+            if shares_batch
+            else "EP group spans different batches (ep_size != tp_size): always all_to_all",
+            shares_batch=shares_batch,
+        )
+    if strategy.needs_shared_batch and not shares_batch:
+        raise EPResolutionError(
+            f"{type(strategy).__name__} needs every rank of the EP group to hold the same batch "
+            f"(ep_size == tp_size), got ep_size={parallel.ep_size}, tp_size={parallel.tp_size}",
+            "set `ep_size` equal to `tp_size`, or use `ep_implementation: all_to_all`",
+            "experts.ep_implementation",
+        )
+    return strategy

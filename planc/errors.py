@@ -1,0 +1,30 @@
+"""Exceptions every layer raises. Each carries what is wrong, where, and what to write instead."""
+
+from __future__ import annotations
+
+
+class PlancError(Exception):
+    """Base of planc's errors."""
+
+
+class PlanError(PlancError):
+    """A plan that does not load or validate. `diagnostics` holds every problem found (lint Diagnostics)."""
+
+    def __init__(self, diagnostics):
+        self.diagnostics = list(diagnostics)
+        super().__init__("\n".join(d.format() if hasattr(d, "format") else str(d) for d in self.diagnostics))
+
+
+class CompileError(PlancError):
+    """A plan that cannot be resolved against this model. `problems` lists every conflict found."""
+
+    def __init__(self, problems):
+        self.problems = list(problems)
+        lines = [f"{len(self.problems)} problem(s) resolving the plan against the model:"]
+        for p in self.problems:
+            lines.append(f"  {p}")
+        super().__init__("\n".join(lines))
+
+
+class ApplyError(PlancError):
+    """planc.apply could not install the plan; the model is left exactly as it was."""

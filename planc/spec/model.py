@@ -1,0 +1,101 @@
+"""Pydantic models of plan format v1: the single source of truth for the schema.
+
+`planc schema` prints `Plan.model_json_schema()`; `schemas/plan.schema.json` is that output. Style
+names are plain strings at this level (the schema lists the valid ones for editors) so that the
+linter can tell a removed style, with its migration, from a typo, with its did-you-mean.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from planc.spec.styles import ALL_STYLES
+
+ExpertsImplementation = Literal["eager", "batched_mm", "grouped_mm", "deepgemm", "sonicmoe", "deepgemm_megamoe"]
+EPImplementation = Literal["auto", "all_to_all", "all_reduce", "deepgemm_megamoe"]
+MegaMoeBackend = Literal["auto", "deep_gemm", "reference"]
+
+StyleName = Annotated[
+    str,
+    Field(
+        description="A parallel style (transformers' vocabulary).",
+        json_schema_extra={"enum": sorted(ALL_STYLES)},
+    ),
+]
+PatternText = Annotated[
+    str,
+    Field(
+        min_length=1,
+        description="Dot-separated module/parameter path; '*' matches one segment, '{a,b}' alternatives.",
+    ),
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelRef(_Strict):
+    """Which transformers model family the plan is written for."""
+
+    type: str = Field(min_length=1, description="transformers `config.model_type`, e.g. `mixtral`.")
+
+
+class Parallel(_Strict):
+    """Parallel sizes. World size is `tp_size * dp_size`; the EP group is `ep_size` consecutive ranks."""
+
+    tp_size: int = Field(ge=1, description="Tensor-parallel group size.")
+    ep_size: int = Field(default=1, ge=1, description="Expert-parallel group size.")
+    dp_size: int = Field(default=1, ge=1, description="Data-parallel replicas.")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.dp_size
+
+
+class MegaMoe(_Strict):
+    """Settings of the DeepGEMM Mega MoE experts (only with `implementation: deepgemm_megamoe`)."""
+
+    backend: MegaMoeBackend = Field(
+        default="auto", description="`deep_gemm` (SM100 kernel), `reference` (PyTorch) or `auto`."
+    )
+    max_tokens_per_rank: Optional[int] = Field(
+        default=None, ge=1, description="Pre-sizes the shared symmetric buffer (tokens per rank)."
+    )
+    activation_clamp: Optional[float] = Field(
+        default=None, ge=0, description="SwiGLU clamp; absent: the model config's `swiglu_limit`, else none."
+    )
+    quantize: Literal["none", "fp4"] = Field(
+        default="none", description="`fp4`: quantize bf16 experts to FP4 when the plan is applied."
+    )
+
+
+class Experts(_Strict):
+    """How the experts compute (`implementation`) and how they are spread over ranks (`ep_implementation`)."""
+
+    implementation: ExpertsImplementation = Field(default="grouped_mm", description="Experts kernel.")
+    ep_implementation: EPImplementation = Field(default="auto", description="Expert-parallel strategy.")
+    megamoe: Optional[MegaMoe] = None
+
+
+class Plan(_Strict):
+    """A planc plan, format version 1."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        title="planc plan",
+        json_schema_extra={"$id": "https://planc.dev/schemas/plan.schema.json"},
+    )
+
+    version: Literal[1] = Field(description="Plan format version; must be 1.")
+    name: Optional[str] = None
+    description: Optional[str] = None
+    extends: Optional[str] = Field(default=None, description="Parent plan, path relative to this file.")
+    model: ModelRef
+    parallel: Parallel
+    experts: Experts = Field(default_factory=Experts)
+    tp_plan: dict[PatternText, StyleName] = Field(default_factory=dict)
+    ep_plan: dict[PatternText, StyleName] = Field(default_factory=dict)

@@ -1,0 +1,132 @@
+"""Path patterns of plan rules: dot-separated segments, `*` for any one segment, `{a,b}` alternatives.
+
+A pattern is expanded once into concrete alternatives (`self_attn.{q,k}_proj` -> two alternatives),
+each a tuple of segments where `*` is a wildcard; matching a module path is then a per-segment
+comparison. Only whole-segment wildcards exist, so a pattern can never match "half" a name.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass
+from functools import cached_property
+
+_SEGMENT_OK = re.compile(r"^[A-Za-z0-9_*{},\-]+$")
+
+
+class PatternError(ValueError):
+    """A pattern that can never match anything (empty segment, bad braces, stray characters)."""
+
+    def __init__(self, pattern: str, problem: str, hint: str):
+        super().__init__(f"pattern {pattern!r}: {problem}")
+        self.pattern = pattern
+        self.problem = problem
+        self.hint = hint
+
+
+def _expand_segment(pattern: str, segment: str) -> list[str]:
+    """Expand the brace groups of one segment: `{q,k}_proj` -> [`q_proj`, `k_proj`]."""
+    parts: list[list[str]] = []
+    i = 0
+    while i < len(segment):
+        c = segment[i]
+        if c == "{":
+            close = segment.find("}", i)
+            if close < 0:
+                raise PatternError(pattern, f"unclosed '{{' in segment {segment!r}", "close the group: `{a,b}`")
+            body = segment[i + 1 : close]
+            if "{" in body:
+                raise PatternError(pattern, f"nested braces in segment {segment!r}", "flatten to one `{a,b,c}` group")
+            options = body.split(",")
+            if any(o == "" for o in options):
+                raise PatternError(
+                    pattern, f"empty alternative in {{{body}}}", "list non-empty alternatives: `{a,b}`"
+                )
+            if any("*" in o for o in options):
+                raise PatternError(pattern, "'*' inside braces", "use '*' as a whole segment instead")
+            parts.append(options)
+            i = close + 1
+        elif c == "}":
+            raise PatternError(pattern, f"unmatched '}}' in segment {segment!r}", "open the group with '{'")
+        elif c == ",":
+            raise PatternError(pattern, f"',' outside braces in segment {segment!r}", "write alternatives as `{a,b}`")
+        else:
+            j = i
+            while j < len(segment) and segment[j] not in "{},":
+                j += 1
+            parts.append([segment[i:j]])
+            i = j
+    return ["".join(p) for p in itertools.product(*parts)]
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """A rule's path pattern, parsed and validated on construction."""
+
+    text: str
+
+    def __post_init__(self) -> None:
+        self.alternatives  # noqa: B018 - validate eagerly
+
+    @cached_property
+    def alternatives(self) -> tuple[tuple[str, ...], ...]:
+        text = self.text
+        if not text or text.strip() != text:
+            raise PatternError(text, "empty pattern or surrounding whitespace", "write a path like `model.layers.*.mlp`")
+        segments = _split_top_level(text)
+        expanded: list[list[str]] = []
+        for seg in segments:
+            if seg == "":
+                raise PatternError(text, "empty path segment (`..`, or a leading/trailing dot)", "remove the extra dot")
+            if not _SEGMENT_OK.match(seg):
+                bad = sorted({c for c in seg if not re.match(r"[A-Za-z0-9_*{},\-]", c)})
+                raise PatternError(
+                    text,
+                    f"segment {seg!r} has characters no module path contains: {' '.join(bad)}",
+                    "patterns are not globs or regexes: use '*' for a whole segment and {a,b} for alternatives",
+                )
+            if "*" in seg and seg != "*":
+                raise PatternError(text, f"'*' must be a whole segment, got {seg!r}", "use `*` alone between dots")
+            expanded.append(_expand_segment(text, seg))
+        return tuple(tuple(alt) for alt in itertools.product(*expanded))
+
+    def matches(self, path: str) -> bool:
+        segs = path.split(".")
+        return any(_match(alt, segs) for alt in self.alternatives)
+
+    @property
+    def has_wildcard(self) -> bool:
+        return any("*" in alt for alt in self.alternatives)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on dots that are not inside braces (`{a.b}` is rejected later as a bad segment)."""
+    out, depth, cur = [], 0, []
+    for c in text:
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+        if c == "." and depth == 0:
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(c)
+    out.append("".join(cur))
+    return out
+
+
+def _match(alt: tuple[str, ...], segs: list[str]) -> bool:
+    return len(alt) == len(segs) and all(a == "*" or a == s for a, s in zip(alt, segs))
+
+
+def try_pattern(text: str) -> Pattern | PatternError:
+    """Parse without raising: the linter reports the error, the compiler raises it."""
+    try:
+        return Pattern(text)
+    except PatternError as e:
+        return e
