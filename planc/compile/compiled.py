@@ -36,12 +36,21 @@ class SourceRule:
 
 @dataclass(frozen=True)
 class Assignment:
-    """One concrete target (parameter or module) and the style installed on it."""
+    """One concrete target (parameter or module) and the style installed on it.
+
+    `inherited`: a parameter that has no rule of its own and takes its module's TP style, as in
+    transformers (a `colwise` rule on `q_proj` shards `q_proj.weight` and `q_proj.bias`).
+    """
 
     fqn: str
     target: Literal["parameter", "module"]
     style: str
     rule: SourceRule
+    inherited: bool = False
+
+    @property
+    def table(self) -> Literal["tp", "ep"]:
+        return "tp" if self.rule.table == "tp_plan" else "ep"
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,9 @@ class ExpertsAssignment:
     intermediate_size: Optional[int]
     has_gate: bool
     is_fp4: bool
+    # "ep" (ep_dispatch_experts), "tp" (moe_tp_experts) or None (replicated: only when tp and ep sizes are 1)
+    mode: Optional[Literal["ep", "tp"]] = None
+    is_transposed: bool = False
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,24 @@ class CompileWarning:
     message: str
     hint: str
     where: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: warning {self.code} {self.message}\n      hint: {self.hint}"
+
+
+@dataclass(frozen=True)
+class CompileProblem:
+    """One reason the plan does not resolve: what, which module, which plan line, what to write instead."""
+
+    code: str
+    message: str
+    module: Optional[str]  # module/parameter path (concrete, or generic with `*` when many share it)
+    where: str  # `file:line:col` of the rule or key, else `tp_plan['pattern']`
+    hint: str
+
+    def __str__(self) -> str:
+        module = f"\n      module: {self.module}" if self.module else ""
+        return f"{self.where}: {self.code} {self.message}{module}\n      hint: {self.hint}"
 
 
 @dataclass(frozen=True)
@@ -75,6 +105,18 @@ class RuleCoverage:
     modules: int
     parameters: int
     bytes_total: int
+    bytes_per_rank: int
+    active: bool = True  # False: the table's size is 1, so the rule matched but installs nothing
+    example: Optional[str] = None  # one concrete target it matched
+
+
+@dataclass(frozen=True)
+class ReplicatedGroup:
+    """Parameters no rule shards, grouped by generic module path (`model.layers.*.input_layernorm`)."""
+
+    path: str
+    modules: int
+    parameters: int
     bytes_per_rank: int
 
 
@@ -91,6 +133,10 @@ class CompiledPlan:
     bytes_replicated_per_rank: int
     warnings: tuple[CompileWarning, ...] = ()
     fingerprint: str = field(default="")
+    plan_name: Optional[str] = None
+    plan_path: Optional[str] = None
+    bytes_total: int = 0  # all parameters, unsharded (tied tensors once)
+    replicated: tuple["ReplicatedGroup", ...] = ()  # dense weights left whole on every rank, by generic path
 
     def __post_init__(self) -> None:
         if not self.fingerprint:
@@ -99,6 +145,19 @@ class CompiledPlan:
     @property
     def bytes_per_rank(self) -> int:
         return self.bytes_sharded_per_rank + self.bytes_replicated_per_rank
+
+    @property
+    def experts_covered(self) -> int:
+        """Experts modules that run expert- or tensor-parallel under this plan."""
+        return sum(1 for e in self.experts if e.mode is not None)
+
+    @property
+    def full_coverage(self) -> bool:
+        """Every experts module is sharded (compile refuses otherwise when a size is > 1) and every rule matched."""
+        sharding = self.parallel.tp_size > 1 or self.parallel.ep_size > 1
+        return (not sharding or self.experts_covered == len(self.experts)) and all(
+            c.modules + c.parameters > 0 for c in self.coverage
+        )
 
     def assignment_for(self, fqn: str) -> Optional[Assignment]:
         for a in self.assignments:
@@ -114,7 +173,14 @@ class CompiledPlan:
             "parallel": self.parallel.model_dump(),
             "experts_settings": self.experts_settings.model_dump(),
             "assignments": [
-                {"fqn": a.fqn, "target": a.target, "style": a.style, "table": a.rule.table, "pattern": a.rule.pattern}
+                {
+                    "fqn": a.fqn,
+                    "target": a.target,
+                    "style": a.style,
+                    "table": a.rule.table,
+                    "pattern": a.rule.pattern,
+                    "inherited": a.inherited,
+                }
                 for a in self.assignments
             ],
             "experts": [
@@ -128,6 +194,8 @@ class CompiledPlan:
                     "intermediate_size": e.intermediate_size,
                     "has_gate": e.has_gate,
                     "is_fp4": e.is_fp4,
+                    "mode": e.mode,
+                    "is_transposed": e.is_transposed,
                 }
                 for e in self.experts
             ],

@@ -1,7 +1,10 @@
 """load_plan(): a plan source -> LoadedPlan (the merged, validated Plan plus positions).
 
 `extends` merges the parent first (mappings key by key, the child wins; rule tables by pattern);
-positions point at whichever file the winning key came from.
+positions point at whichever file the winning key came from. A parent must live inside the directory
+tree of the plan that was loaded first, so a plan in a repository cannot make the linter read
+`/etc/passwd` or a file outside the checkout. Loading goes through the linter, so `load_plan` and
+`planc lint` reject exactly the same plans with exactly the same diagnostics.
 """
 
 from __future__ import annotations
@@ -10,24 +13,31 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from pydantic import ValidationError
+from planc.spec.source import NOT_A_MAPPING, Position, SourceDoc, SourceError, parse_yaml, read_text
 
-from planc.spec.model import Plan
-from planc.spec.source import Position, SourceDoc, SourceError, parse_yaml
+# Codes (documented in planc.lint.rules_extends).
+EXTENDS_OUTSIDE = "PLC200"
+EXTENDS_CYCLE = "PLC201"
+EXTENDS_MISSING = "PLC202"
 
-MAX_PLAN_BYTES = 1 << 20
+MAX_EXTENDS_DEPTH = 16
+
+LoadError = SourceError  # kept for callers of the first skeleton
 
 
 @dataclass
 class LoadedPlan:
     """A validated plan and where each of its keys was written."""
 
-    plan: Plan
+    plan: Any  # planc.spec.model.Plan
     path: Optional[str]
     docs: list = field(default_factory=list)  # SourceDocs, child first
     key_positions: dict = field(default_factory=dict)
+    value_positions: dict = field(default_factory=dict)
+    diagnostics: list = field(default_factory=list)  # warnings the linter found (errors raise instead)
 
     def position(self, keypath) -> Optional[Position]:
+        """Position of a key, else of the nearest enclosing key, else the top of the file."""
         keypath = tuple(keypath)
         while keypath:
             pos = self.key_positions.get(keypath)
@@ -36,121 +46,153 @@ class LoadedPlan:
             keypath = keypath[:-1]
         return Position(self.path, 1, 1) if self.path else None
 
+    def value_position(self, keypath) -> Optional[Position]:
+        return self.value_positions.get(tuple(keypath)) or self.position(keypath)
 
-class LoadError(Exception):
-    """A problem found while loading, before validation (used by load_plan to build diagnostics)."""
 
-    def __init__(self, code: str, message: str, hint: str, position: Optional[Position]):
-        super().__init__(message)
-        self.code, self.message, self.hint, self.position = code, message, hint, position
+@dataclass
+class MergedSource:
+    """A document with its `extends` chain merged in, before validation."""
+
+    data: dict
+    path: Optional[str]
+    docs: list  # SourceDocs, child first
+    key_positions: dict
+    value_positions: dict
+    problems: list  # non-fatal SourceErrors of every document in the chain
 
 
 def read_source(path: str) -> SourceDoc:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_PLAN_BYTES + 1)
-    except OSError as e:
-        raise LoadError("PLC002", f"cannot read plan: {e.strerror}", "check the path", Position(path, 1, 1)) from None
-    if len(raw) > MAX_PLAN_BYTES:
-        raise LoadError("PLC002", "plan file is larger than 1 MiB", "plans are small: split or trim it", Position(path, 1, 1))
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise LoadError("PLC002", "plan is not valid UTF-8", "save the file as UTF-8", Position(path, line, 1)) from None
-    return parse_yaml(text, path)
+    """Read and parse one plan file (no `extends`); raises SourceError."""
+    return parse_yaml(read_text(path), path)
 
 
-def _merge(parent: dict, child: dict) -> dict:
-    out = dict(parent)
-    for k, v in child.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _merge(out[k], v)
-        else:
-            out[k] = v
-    return out
+def resolve_extends(doc: SourceDoc, root_dir: Optional[str] = None) -> MergedSource:
+    """Merge `doc` with its parents. `root_dir`: the tree parents must stay in (default: doc's directory)."""
+    if root_dir is None:
+        root_dir = os.path.dirname(os.path.realpath(doc.path)) if doc.path else os.getcwd()
+    seen = (os.path.realpath(doc.path),) if doc.path else ()
+    return _collect(doc, os.path.realpath(root_dir), seen)
 
 
-def _collect(doc: SourceDoc, root_dir: str, seen: tuple[str, ...]) -> tuple[dict, dict, list]:
-    """Resolve `extends` chains: returns (merged data, key positions, docs child-first)."""
+def _collect(doc: SourceDoc, root_dir: str, seen: tuple) -> MergedSource:
     data = doc.data
     if not isinstance(data, dict):
-        raise LoadError(
-            "PLC003", "a plan must be a YAML mapping", "start from `version: 1` and `model: {type: ...}`",
+        kind = "empty" if data is None else f"a {type(data).__name__}, not a mapping"
+        raise SourceError(
+            NOT_A_MAPPING,
+            f"a plan must be a YAML mapping; this document is {kind}",
+            "start the plan with `version: 1`, `model: {type: ...}` and `parallel: {tp_size: ...}`",
             Position(doc.path, 1, 1),
         )
-    positions: dict = {}
-    docs = [doc]
-    parent_data: dict = {}
     ext = data.get("extends")
-    if isinstance(ext, str) and doc.path:
-        parent_path = os.path.realpath(os.path.join(os.path.dirname(doc.path), ext))
-        where = doc.value_position(("extends",))
-        if os.path.commonpath([parent_path, root_dir]) != root_dir:
-            raise LoadError(
-                "PLC004", f"`extends: {ext}` leaves the directory tree of the linted plan ({root_dir})",
-                "keep parent plans next to or below the plan that extends them", where,
-            )
-        if parent_path in seen:
-            chain = " -> ".join(os.path.basename(s) for s in seen + (parent_path,))
-            raise LoadError("PLC004", f"`extends` cycle: {chain}", "remove the `extends` that closes the cycle", where)
-        if not os.path.isfile(parent_path):
-            raise LoadError("PLC004", f"`extends: {ext}`: no such file", "give a path relative to this plan", where)
-        parent_doc = read_source(parent_path)
-        parent_data, positions, parent_docs = _collect(parent_doc, root_dir, seen + (parent_path,))
-        docs += parent_docs
-    merged = _merge(parent_data, {k: v for k, v in data.items() if k != "extends"})
-    if "extends" in data:
-        merged["extends"] = data["extends"]
-    positions = {**positions, **doc.key_positions}
-    return merged, positions, docs
+    if not isinstance(ext, str):  # absent, or a wrong type that validation reports
+        return MergedSource(data, doc.path, [doc], dict(doc.key_positions), dict(doc.value_positions), list(doc.problems))
+    parent = _parent_doc(doc, ext, root_dir, seen)
+    merged = _collect(parent, root_dir, seen + (os.path.realpath(parent.path),))
+    return _merge(merged, doc)
 
 
-def load_document(doc: SourceDoc) -> tuple[dict, dict, list]:
-    """Merge a parsed document with its parents; returns (data, key positions, docs)."""
-    root_dir = os.path.dirname(os.path.realpath(doc.path)) if doc.path else os.getcwd()
-    seen = (os.path.realpath(doc.path),) if doc.path else ()
-    return _collect(doc, root_dir, seen)
+def _parent_doc(doc: SourceDoc, ext: str, root_dir: str, seen: tuple) -> SourceDoc:
+    where = doc.value_position(("extends",)) or Position(doc.path, 1, 1)
+    base = os.path.dirname(doc.path) if doc.path else ""
+    shown = os.path.normpath(os.path.join(base, ext))
+    real = os.path.realpath(os.path.join(os.path.dirname(os.path.realpath(doc.path)) if doc.path else os.getcwd(), ext))
+    if not ext.strip() or os.path.isabs(ext) or os.path.commonpath([real, root_dir]) != root_dir:
+        raise SourceError(
+            EXTENDS_OUTSIDE,
+            f"`extends: {ext}` points outside the directory tree of the linted plan ({root_dir})",
+            "keep the parent plan next to or below the plan that is linted, and give a relative path",
+            where,
+        )
+    if real in seen:
+        chain = " -> ".join(os.path.basename(s) for s in seen + (real,))
+        raise SourceError(EXTENDS_CYCLE, f"`extends` cycle: {chain}", "remove the `extends` that closes the cycle", where)
+    if len(seen) > MAX_EXTENDS_DEPTH:
+        raise SourceError(
+            EXTENDS_CYCLE,
+            f"`extends` chain is deeper than {MAX_EXTENDS_DEPTH} plans",
+            "flatten the chain: one or two levels of `extends` are enough",
+            where,
+        )
+    if not os.path.isfile(real):
+        raise SourceError(
+            EXTENDS_MISSING,
+            f"`extends: {ext}`: no such plan file ({shown})",
+            "give the parent's path relative to this plan's directory",
+            where,
+        )
+    try:
+        return parse_yaml(read_text(real), shown)
+    except SourceError as e:
+        if e.position.path is None or e.position.path == real:
+            e.position = Position(shown, e.position.line, e.position.col)
+        raise
 
 
-def validate(data: Mapping[str, Any]) -> Plan:
+def _merge(parent: MergedSource, child: SourceDoc) -> MergedSource:
+    """Child over parent: mappings merge key by key, anything else is replaced (with its positions)."""
+    replaced: set = set()  # key paths where the child's value replaced the parent's subtree
+
+    def merge(p: dict, c: dict, prefix: tuple) -> dict:
+        out = dict(p)
+        for k, v in c.items():
+            kp = prefix + (k,)
+            if isinstance(v, dict) and isinstance(out.get(k), dict):
+                out[k] = merge(out[k], v, kp)
+            else:
+                if k in out:
+                    replaced.add(kp)
+                out[k] = v
+        return out
+
+    data = merge({k: v for k, v in parent.data.items() if k != "extends"}, child.data, ())
+
+    def keep(kp: tuple) -> bool:
+        return not any(kp[:i] in replaced for i in range(1, len(kp) + 1))
+
+    keys = {kp: pos for kp, pos in parent.key_positions.items() if keep(kp) and kp != ("extends",)}
+    values = {kp: pos for kp, pos in parent.value_positions.items() if keep(kp) and kp != ("extends",)}
+    keys.update(child.key_positions)
+    values.update(child.value_positions)
+    return MergedSource(
+        data, child.path, [child, *parent.docs], keys, values, list(child.problems) + parent.problems
+    )
+
+
+def validate(data: Mapping[str, Any]):
+    """The pydantic Plan of merged data; raises pydantic.ValidationError."""
+    from planc.spec.model import Plan
+
     return Plan.model_validate(dict(data))
 
 
 def load_plan(source) -> LoadedPlan:
-    """Load a plan from a path, a YAML string, a mapping or a LoadedPlan; raises PlanError when invalid."""
+    """Load a plan from a path, a YAML string, a mapping or a LoadedPlan; raises PlanError when invalid.
+
+    Every source goes through the linter: a plan that `planc lint` rejects does not load, and the
+    PlanError carries the same diagnostics. Warnings are kept on `LoadedPlan.diagnostics`.
+    """
     from planc.errors import PlanError
+    from planc.lint import runner
+    from planc.spec.model import Plan
 
     if isinstance(source, LoadedPlan):
         return source
     if isinstance(source, Plan):
         return LoadedPlan(plan=source, path=None)
     if isinstance(source, Mapping):
-        try:
-            return LoadedPlan(plan=validate(source), path=None)
-        except ValidationError as e:
-            from planc.lint.runner import diagnostics_from_validation
-
-            raise PlanError(diagnostics_from_validation(e, None, {})) from None
-    if isinstance(source, os.PathLike) or (isinstance(source, str) and "\n" not in source and source.endswith((".yaml", ".yml"))):
-        path = os.fspath(source)
-        from planc.lint.runner import lint_file
-
-        diags = lint_file(path)
-        errors = [d for d in diags if d.severity == "error"]
-        if errors:
-            raise PlanError(errors)
-        doc = read_source(path)
-        data, positions, docs = load_document(doc)
-        return LoadedPlan(plan=validate(data), path=path, docs=docs, key_positions=positions)
-    if isinstance(source, str):
-        from planc.lint.runner import lint_text
-
-        diags = lint_text(source)
-        errors = [d for d in diags if d.severity == "error"]
-        if errors:
-            raise PlanError(errors)
-        doc = parse_yaml(source, None)
-        data, positions, docs = load_document(doc)
-        return LoadedPlan(plan=validate(data), path=None, docs=docs, key_positions=positions)
-    raise TypeError(f"load_plan() takes a path, YAML text, a mapping or a LoadedPlan, not {type(source).__name__}")
+        result = runner.check_data(dict(source))
+    elif isinstance(source, os.PathLike) or (
+        isinstance(source, str) and "\n" not in source and source.strip().endswith((".yaml", ".yml"))
+    ):
+        result = runner.check_file(os.fspath(source))
+    elif isinstance(source, str):
+        result = runner.check_text(source)
+    else:
+        raise TypeError(f"load_plan() takes a path, YAML text, a mapping or a LoadedPlan, not {type(source).__name__}")
+    errors = [d for d in result.diagnostics if d.severity == "error"]
+    if errors or result.loaded is None:
+        raise PlanError(errors or result.diagnostics)
+    result.loaded.diagnostics = list(result.diagnostics)
+    return result.loaded

@@ -1,0 +1,104 @@
+"""`planc explain PLAN`: resolve a plan against the real module tree of its model, without weights.
+
+The model named by `model.type` is built on the `meta` device from transformers' default config for
+that type (or `--config config.json`), with `--set key=value` overrides, so a 600B-parameter model
+costs no memory. Prints what each rule matched, the EP strategy and why, and the bytes per rank.
+
+Exit status: 0 the plan resolves, 1 it does not (the CompileError or lint errors are printed),
+2 usage errors (unreadable --config, bad --set, unknown model type).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DTYPES = ("config", "float32", "bfloat16", "float16")
+# keys of a saved config.json that are metadata, not constructor arguments
+_CONFIG_METADATA = ("model_type", "architectures", "transformers_version", "auto_map", "_name_or_path")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("plan", metavar="PLAN", help="plan file (YAML)")
+    parser.add_argument("--config", metavar="CONFIG_JSON", help="a model config.json instead of the default config")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config value (YAML scalar), e.g. --set num_hidden_layers=4; repeatable",
+    )
+    parser.add_argument("--format", choices=("text", "json"), default="text", help="output format")
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default="config",
+        help="parameter dtype for the byte counts (default: the config's dtype, else bfloat16)",
+    )
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """`key=value` pairs; values are YAML scalars (`4` -> 4, `true` -> True, `[1,2]` -> list)."""
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set {item!r}: write KEY=VALUE, e.g. --set num_hidden_layers=4")
+        out[key.strip()] = yaml.safe_load(value) if value.strip() else None
+    return out
+
+
+def read_config(path: str) -> dict:
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a config.json holds a JSON object")
+    return data
+
+
+def build_model(model_type: str, config: dict, dtype: str):
+    """The `*ForCausalLM` on the meta device, cast to the dtype the byte counts should use."""
+    import torch
+
+    from planc.runtime.models import build_meta_model
+
+    kwargs = {k: v for k, v in config.items() if k not in _CONFIG_METADATA}
+    model = build_meta_model(model_type, kwargs)
+    if dtype == "config":
+        name = getattr(model.config, "dtype", None) or kwargs.get("torch_dtype") or "bfloat16"
+        dtype = str(name).replace("torch.", "")
+    return model.to(getattr(torch, dtype))
+
+
+def run(args: argparse.Namespace) -> int:
+    from planc.compile.render import render_json, render_text
+    from planc.compile.resolve import compile_plan
+    from planc.errors import CompileError, PlanError
+    from planc.spec.load import load_plan
+
+    try:
+        loaded = load_plan(args.plan)
+    except PlanError as e:
+        sys.stderr.write(f"planc explain: {args.plan} does not lint clean:\n{e}\n")
+        return 1
+    except (OSError, TypeError) as e:
+        sys.stderr.write(f"planc explain: cannot read {args.plan}: {e}\n")
+        return 2
+    try:
+        overrides = parse_overrides(args.overrides)
+        config = read_config(args.config) if args.config else {}
+    except (OSError, ValueError) as e:
+        sys.stderr.write(f"planc explain: {e}\n")
+        return 2
+    model_type = config.get("model_type") or loaded.plan.model.type
+    try:
+        model = build_model(model_type, {**config, **overrides}, args.dtype)
+    except (ValueError, TypeError) as e:
+        sys.stderr.write(f"planc explain: cannot build a `{model_type}` model: {e}\n")
+        return 2
+    try:
+        compiled = compile_plan(loaded, model)
+    except CompileError as e:
+        sys.stderr.write(f"planc explain: {args.plan} does not resolve against {type(model).__name__}:\n{e}\n")
+        return 1
+    sys.stdout.write((render_json(compiled) if args.format == "json" else render_text(compiled)) + "\n")
+    return 0

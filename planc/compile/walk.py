@@ -1,0 +1,195 @@
+"""A read-only, duck-typed snapshot of a model's module tree for the compiler.
+
+The compiler must not import torch (the linter and `planc explain` stay light, and the layering rule
+keeps the runtime the only torch user), so the model is read through the few methods every
+`nn.Module` has: `named_modules()`, `named_parameters(recurse=False)`, `p.shape`, `p.numel()`,
+`p.element_size()`, `p.dtype`, and `model.config`. Nothing is written to the model.
+
+Paths are also indexed by their *generic* form (numeric segments -> `*`, as transformers'
+`replace_layer_number_by_wildcard`), so a plan rule is matched against a few dozen generic paths
+instead of thousands of concrete ones.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+_NUMERIC = re.compile(r"^\d+$")
+
+
+def generic_path(fqn: str) -> str:
+    """`model.layers.3.mlp` -> `model.layers.*.mlp` (only whole numeric segments: ModuleList indices)."""
+    return ".".join("*" if _NUMERIC.match(s) else s for s in fqn.split("."))
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    fqn: str
+    owner: str  # fqn of the module that holds it directly
+    name: str
+    shape: tuple[int, ...]
+    numel: int
+    nbytes: int
+    dtype: str
+    tensor_id: int  # identity of the tensor, to find tied parameters (never stored in the CompiledPlan)
+
+
+@dataclass(frozen=True)
+class ExpertsInfo:
+    """An experts module under transformers' experts contract."""
+
+    num_experts: int
+    has_gate: bool
+    is_transposed: bool
+    hidden_size: Optional[int]
+    intermediate_size: Optional[int]
+    is_fp4: bool
+    top_k: Optional[int]
+
+
+@dataclass(frozen=True)
+class ModuleInfo:
+    fqn: str
+    class_name: str
+    params: tuple[str, ...]  # fqns of its direct parameters, in registration order
+    experts: Optional[ExpertsInfo] = None
+
+
+@dataclass
+class ModelWalk:
+    """Every module and parameter of a model, in `named_modules()` order, plus generic-path indexes."""
+
+    model_class: str
+    model_type: Optional[str]
+    config: Any
+    modules: dict[str, ModuleInfo] = field(default_factory=dict)
+    params: dict[str, ParamInfo] = field(default_factory=dict)
+    # generic path -> concrete fqns (modules and parameters share one namespace)
+    by_generic: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def experts(self) -> list[ModuleInfo]:
+        return [m for m in self.modules.values() if m.experts is not None]
+
+    def kind(self, fqn: str) -> str:
+        return "parameter" if fqn in self.params else "module"
+
+
+def _dtype_name(p) -> str:
+    return str(getattr(p, "dtype", "unknown")).replace("torch.", "")
+
+
+def _nbytes(p) -> int:
+    numel = int(p.numel())
+    size = getattr(p, "element_size", None)
+    if callable(size):
+        return numel * int(size())
+    return numel * int(getattr(getattr(p, "dtype", None), "itemsize", 4))
+
+
+_CONTRACT_CACHE: dict[type, bool] = {}
+
+
+def _has_experts_forward(module) -> bool:
+    """`forward(hidden_states, top_k_index, top_k_weights)`: three positional inputs after self.
+
+    gpt_oss names them `router_indices`/`routing_weights`, so the names of the last two are not checked.
+    """
+    cls = type(module)
+    hit = _CONTRACT_CACHE.get(cls)
+    if hit is None:
+        hit = False
+        fwd = getattr(cls, "forward", None)
+        if fwd is not None:
+            try:
+                sig = inspect.signature(fwd)
+            except (TypeError, ValueError):
+                sig = None
+            if sig is not None:
+                names = [
+                    n
+                    for n, p in sig.parameters.items()
+                    if n != "self" and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                ]
+                hit = len(names) >= 3 and names[0] == "hidden_states"
+        _CONTRACT_CACHE[cls] = hit
+    return hit
+
+
+def _config_int(config, *names) -> Optional[int]:
+    for n in names:
+        v = getattr(config, n, None)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    return None
+
+
+def _experts_info(module, own: dict[str, ParamInfo], config) -> Optional[ExpertsInfo]:
+    local = {p.name: p for p in own.values()}
+    if "down_proj" not in local or not ("gate_up_proj" in local or "up_proj" in local):
+        return None
+    if not _has_experts_forward(module):
+        return None
+    first = local.get("gate_up_proj") or local["up_proj"]
+    down = local["down_proj"]
+    if len(first.shape) != 3 or len(down.shape) != 3:
+        return None  # per-expert tensors are [E, out, in]
+    has_gate = bool(getattr(module, "has_gate", "gate_up_proj" in local))
+    is_transposed = bool(getattr(module, "is_transposed", False))
+    num_experts = getattr(module, "num_experts", None)
+    if not isinstance(num_experts, int):
+        num_experts = first.shape[0]
+    # down_proj is [E, H, I], or [E, I, H] when transposed (gpt_oss)
+    hidden, inter = (down.shape[2], down.shape[1]) if is_transposed else (down.shape[1], down.shape[2])
+    if first.dtype in ("int8", "uint8"):
+        inter = inter * 2  # FP4 packs two values per byte along the reduction dim
+    return ExpertsInfo(
+        num_experts=num_experts,
+        has_gate=has_gate,
+        is_transposed=is_transposed,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        is_fp4=first.dtype == "int8",
+        top_k=_config_int(config, "num_experts_per_tok", "top_k", "moe_topk"),
+    )
+
+
+def walk_model(model) -> ModelWalk:
+    """Snapshot `model` (an nn.Module or anything with the same four methods); reads only."""
+    config = getattr(model, "config", None)
+    walk = ModelWalk(
+        model_class=type(model).__name__,
+        model_type=getattr(config, "model_type", None),
+        config=config,
+    )
+    modules, params, by_generic = walk.modules, walk.params, walk.by_generic
+    for mname, module in model.named_modules():
+        own: dict[str, ParamInfo] = {}
+        for pname, p in module.named_parameters(recurse=False):
+            if p is None:
+                continue
+            fqn = f"{mname}.{pname}" if mname else pname
+            info = ParamInfo(
+                fqn=fqn,
+                owner=mname,
+                name=pname,
+                shape=tuple(int(s) for s in p.shape),
+                numel=int(p.numel()),
+                nbytes=_nbytes(p),
+                dtype=_dtype_name(p),
+                tensor_id=id(p),
+            )
+            own[fqn] = info
+        experts = _experts_info(module, own, config) if own else None
+        if mname:
+            modules[mname] = ModuleInfo(mname, type(module).__name__, tuple(own), experts)
+            by_generic.setdefault(generic_path(mname), []).append(mname)
+        else:
+            modules[""] = ModuleInfo("", type(module).__name__, tuple(own), experts)
+        for fqn, info in own.items():
+            params[fqn] = info
+            by_generic.setdefault(generic_path(fqn), []).append(fqn)
+    return walk

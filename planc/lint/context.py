@@ -1,0 +1,56 @@
+"""LintContext: what a rule check sees — the merged plan data, the validated Plan, the positions.
+
+Checks read the raw merged data for the rule tables (so style and pattern rules still run when some
+other part of the plan fails validation) and `ctx.plan` for everything typed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+from planc.lint.diagnostic import Diagnostic
+from planc.spec.source import Position
+
+TABLES = ("tp_plan", "ep_plan")
+
+
+@dataclass
+class LintContext:
+    data: dict  # merged document (extends resolved), plain data
+    plan: Any  # planc.spec.model.Plan, or None when validation failed
+    path: Optional[str]
+    key_positions: dict
+    value_positions: dict
+
+    def position(self, keypath) -> Position:
+        """Position of a key, else of the nearest enclosing key, else the top of the file."""
+        keypath = tuple(keypath)
+        while keypath:
+            pos = self.key_positions.get(keypath)
+            if pos is not None:
+                return pos
+            keypath = keypath[:-1]
+        return Position(self.path, 1, 1)
+
+    def value_position(self, keypath) -> Position:
+        pos = self.value_positions.get(tuple(keypath))
+        return pos if pos is not None and tuple(keypath) in self.key_positions else self.position(keypath)
+
+    def written(self, keypath) -> bool:
+        """Whether the key is written in the plan (or a parent it extends), not just a default."""
+        return tuple(keypath) in self.key_positions
+
+    def diag(self, code: str, message: str, hint: str, keypath=(), *, at_value: bool = False) -> Diagnostic:
+        from planc.lint.registry import severity_of
+
+        pos = self.value_position(keypath) if at_value else self.position(keypath)
+        return Diagnostic(code, severity_of(code), message, hint, pos)
+
+    def table(self, name: str) -> Iterator[tuple[str, str]]:
+        """(pattern, style) entries of a rule table as written, skipping entries of the wrong type."""
+        table = self.data.get(name) if isinstance(self.data, dict) else None
+        if isinstance(table, dict):
+            for pattern, style in table.items():
+                if isinstance(pattern, str) and isinstance(style, str):
+                    yield pattern, style

@@ -1,0 +1,61 @@
+"""Diagnostic: one problem in a plan, with where it is and what to write instead.
+
+Every layer that reports a plan problem (loader, schema, semantic rules) produces these, so the CLI,
+pre-commit, `load_plan` errors and the JSON/GitHub reports all print the same thing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from planc.spec.source import Position
+
+ERROR = "error"
+WARNING = "warning"
+
+
+@dataclass(frozen=True)
+class Diagnostic:
+    code: str  # stable rule code, e.g. PLC401 (see `planc rules`)
+    severity: str  # "error" | "warning"
+    message: str  # what is wrong
+    hint: str  # what to write instead
+    position: Optional[Position] = None  # where; None only for problems with no file (a mapping plan)
+
+    @property
+    def path(self) -> Optional[str]:
+        return self.position.path if self.position else None
+
+    @property
+    def line(self) -> int:
+        return self.position.line if self.position else 1
+
+    @property
+    def col(self) -> int:
+        return self.position.col if self.position else 1
+
+    def location(self) -> str:
+        return f"{self.path or '<string>'}:{self.line}:{self.col}"
+
+    def format(self) -> str:
+        """`path:line:col: CODE severity: message` and an indented hint line."""
+        text = f"{self.location()}: {self.code} {self.severity}: {self.message}"
+        return f"{text}\n    hint: {self.hint}" if self.hint else text
+
+    def to_json(self) -> dict:
+        return {
+            "path": self.path,
+            "line": self.line,
+            "col": self.col,
+            "code": self.code,
+            "severity": self.severity,
+            "message": self.message,
+            "hint": self.hint,
+        }
+
+    def sort_key(self) -> tuple:
+        return (self.path or "", self.line, self.col, self.code, self.message)
+
+    def __str__(self) -> str:
+        return self.format()

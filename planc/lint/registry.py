@@ -1,0 +1,96 @@
+"""The lint rules: one `Rule` per stable code, registered by the `rules_*` family modules.
+
+Like ruff, a code never changes meaning once published; `planc rules` lists them, `planc rules CODE`
+prints the doc, and docs/lint.md is generated from (and tested against) this registry. Each rule
+carries a failing and a passing example plan, which the tests run and the docs show.
+
+Rules with a `check` run over a `LintContext`. Rules without one document a diagnostic that the
+loader or the schema validation emits (a YAML syntax error cannot be found by a check over a plan).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+from planc.lint.diagnostic import ERROR
+
+# Family modules, in the order `planc rules` lists them.
+FAMILIES = ("source", "schema", "extends", "patterns", "styles", "removed", "ep", "sizes")
+
+_RULES: dict[str, "Rule"] = {}
+_loaded = False
+
+
+@dataclass(frozen=True)
+class Rule:
+    code: str  # PLCnnn, stable
+    name: str  # kebab-case, stable too (`planc rules NAME` works as well)
+    title: str  # one line
+    doc: str  # why it matters and what to write instead
+    check: Optional[Callable] = None  # (LintContext) -> Iterable[Diagnostic]; None: emitted by the loader
+    severity: str = ERROR
+    family: str = ""
+    needs_plan: bool = True  # skip when the document does not validate (the check reads ctx.plan)
+    bad: Optional[str] = None  # example plan that triggers the rule
+    good: Optional[str] = None  # the same plan, fixed
+
+
+def rule(code: str, name: str, title: str, *, severity: str = ERROR, needs_plan: bool = True,
+         bad: Optional[str] = None, good: Optional[str] = None, doc: Optional[str] = None):
+    """Register a check function (its docstring is the rule's doc)."""
+
+    def deco(fn: Callable) -> Callable:
+        register(Rule(code, name, title, doc or _dedent(fn.__doc__ or ""), fn, severity,
+                      fn.__module__.rsplit("rules_", 1)[-1], needs_plan, bad, good))
+        return fn
+
+    return deco
+
+
+def register(r: Rule) -> Rule:
+    """Add a rule; a code or a name registered twice is a programming error."""
+    if r.code in _RULES or any(o.name == r.name for o in _RULES.values()):
+        raise ValueError(f"rule {r.code} ({r.name}) registered twice")
+    _RULES[r.code] = r
+    return r
+
+
+def _dedent(text: str) -> str:
+    import inspect
+
+    return inspect.cleandoc(text)
+
+
+def _load() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for family in FAMILIES:
+            importlib.import_module(f"planc.lint.rules_{family}")
+
+
+def all_rules() -> list[Rule]:
+    """Every rule, by family then code."""
+    _load()
+    order = {f: i for i, f in enumerate(FAMILIES)}
+    return sorted(_RULES.values(), key=lambda r: (order.get(r.family, len(order)), r.code))
+
+
+def get(code_or_name: str) -> Optional[Rule]:
+    _load()
+    key = code_or_name.strip()
+    found = _RULES.get(key.upper())
+    if found is None:
+        found = next((r for r in _RULES.values() if r.name == key.lower()), None)
+    return found
+
+
+def severity_of(code: str) -> str:
+    r = get(code)
+    return r.severity if r else ERROR
+
+
+def checks() -> Iterable[Rule]:
+    return [r for r in all_rules() if r.check is not None]

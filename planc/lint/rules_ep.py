@@ -1,0 +1,217 @@
+"""EP rules: experts implementation vs EP strategy, EP rules vs EP size, TP rules on EP experts.
+
+The strategy combinations are checked by calling the compiler's own `resolve_ep`, so `planc lint`
+and `planc.compile` accept and reject exactly the same settings, with the same message and hint.
+"""
+
+from __future__ import annotations
+
+from planc.lint.context import TABLES
+from planc.lint.registry import rule
+from planc.lint.diagnostic import WARNING
+from planc.spec.patterns import Pattern, PatternError
+
+MEGAMOE_OTHER_EP = "PLC400"
+MEGAMOE_EP_OTHER_EXPERTS = "PLC401"
+SHARED_BATCH = "PLC402"
+MEGAMOE_BLOCK = "PLC403"
+MISSING_DISPATCH = "PLC404"
+DISPATCH_WITHOUT_EP = "PLC405"
+TP_ON_EP_EXPERTS = "PLC406"
+
+_TOP = "version: 1\nmodel: {type: deepseek_v4}\n"
+_EP = (
+    "ep_plan:\n  model.layers.*.mlp.experts.{gate_up_proj,down_proj}: grouped_gemm\n"
+    "  model.layers.*.mlp.experts: ep_dispatch_experts\n"
+)
+
+
+def _resolution(ctx):
+    """(code, EPResolutionError) when resolve_ep refuses the plan's experts settings, else None."""
+    from planc.compile.ep import EPResolutionError, resolve_ep
+
+    experts, parallel = ctx.plan.experts, ctx.plan.parallel
+    try:
+        resolve_ep(experts, parallel)
+    except EPResolutionError as err:
+        impl, ep = experts.implementation, experts.ep_implementation
+        if impl == "deepgemm_megamoe" and ep not in ("auto", "deepgemm_megamoe"):
+            return MEGAMOE_OTHER_EP, err
+        if ep == "deepgemm_megamoe" and impl != "deepgemm_megamoe":
+            return MEGAMOE_EP_OTHER_EXPERTS, err
+        return SHARED_BATCH, err
+    return None
+
+
+def _emit(ctx, code):
+    found = _resolution(ctx)
+    if found is None or found[0] != code:
+        return
+    err = found[1]
+    keypath = tuple(err.field.split("."))
+    if code == SHARED_BATCH and not ctx.written(keypath):  # `auto` by default: blame what chose Mega MoE
+        keypath = ("experts", "implementation")
+    hint = err.hint
+    if code == SHARED_BATCH and ctx.plan.experts.implementation == "deepgemm_megamoe":
+        # all_to_all would trip PLC400: for Mega MoE experts only the sizes can change
+        hint = "set `ep_size` equal to `tp_size` (Mega MoE needs the EP group to share one batch), or choose other experts"
+    yield ctx.diag(code, str(err), hint, keypath, at_value=True)
+
+
+@rule(
+    MEGAMOE_OTHER_EP, "megamoe-needs-megamoe-ep", "Mega MoE experts with another `ep_implementation`",
+    bad=_TOP + "parallel: {tp_size: 8, ep_size: 8}\n"
+    "experts: {implementation: deepgemm_megamoe, ep_implementation: all_to_all}\n" + _EP,
+    good=_TOP + "parallel: {tp_size: 8, ep_size: 8}\n"
+    "experts: {implementation: deepgemm_megamoe, ep_implementation: auto}\n" + _EP,
+)
+def check_megamoe_other_ep(ctx):
+    """`experts.implementation: deepgemm_megamoe` is a fused kernel that does its own dispatch and
+    combine over the EP group; it runs only under the MegaMoeEP strategy. Write
+    `ep_implementation: auto` (which resolves to it) or `deepgemm_megamoe`."""
+    yield from _emit(ctx, MEGAMOE_OTHER_EP)
+
+
+@rule(
+    MEGAMOE_EP_OTHER_EXPERTS, "megamoe-ep-needs-megamoe-experts",
+    "`ep_implementation: deepgemm_megamoe` with other experts",
+    bad=_TOP + "parallel: {tp_size: 8, ep_size: 8}\n"
+    "experts: {implementation: grouped_mm, ep_implementation: deepgemm_megamoe}\n" + _EP,
+    good=_TOP + "parallel: {tp_size: 8, ep_size: 8}\n"
+    "experts: {implementation: deepgemm_megamoe, ep_implementation: deepgemm_megamoe}\n" + _EP,
+)
+def check_megamoe_ep_other_experts(ctx):
+    """The MegaMoeEP strategy calls the Mega MoE kernel: it needs
+    `experts.implementation: deepgemm_megamoe`. For other experts pick `auto`, `all_to_all` or
+    `all_reduce`."""
+    yield from _emit(ctx, MEGAMOE_EP_OTHER_EXPERTS)
+
+
+@rule(
+    SHARED_BATCH, "shared-batch-needs-ep-equal-tp",
+    "`all_reduce` or Mega MoE with `ep_size != tp_size`",
+    bad=_TOP + "parallel: {tp_size: 4, ep_size: 8, dp_size: 2}\n"
+    "experts: {implementation: grouped_mm, ep_implementation: all_reduce}\n" + _EP,
+    good=_TOP + "parallel: {tp_size: 4, ep_size: 8, dp_size: 2}\n"
+    "experts: {implementation: grouped_mm, ep_implementation: all_to_all}\n" + _EP,
+)
+def check_shared_batch(ctx):
+    """`all_reduce` and `deepgemm_megamoe` (written, or what `auto` resolves to for Mega MoE experts)
+    need every rank of the EP group to hold the same batch, which is the case only when the EP group
+    is the TP group (`ep_size == tp_size`). Otherwise use `all_to_all` (or `auto`, which then picks
+    it), or make the sizes equal."""
+    yield from _emit(ctx, SHARED_BATCH)
+
+
+@rule(
+    MEGAMOE_BLOCK, "megamoe-block-without-megamoe", "A `megamoe:` block without Mega MoE experts",
+    bad=_TOP + "parallel: {tp_size: 8, ep_size: 8}\n"
+    "experts:\n  implementation: grouped_mm\n  megamoe: {backend: reference}\n" + _EP,
+    good=_TOP + "parallel: {tp_size: 8, ep_size: 8}\n"
+    "experts:\n  implementation: deepgemm_megamoe\n  megamoe: {backend: reference}\n" + _EP,
+)
+def check_megamoe_block(ctx):
+    """The `experts.megamoe` settings (backend, buffer size, clamp, quantization) only apply to
+    `implementation: deepgemm_megamoe`; with other experts they would be ignored silently."""
+    experts = ctx.plan.experts
+    if experts.megamoe is not None and experts.implementation != "deepgemm_megamoe":
+        yield ctx.diag(
+            MEGAMOE_BLOCK,
+            f"`experts.megamoe` settings have no effect with implementation `{experts.implementation}`",
+            "set `experts.implementation: deepgemm_megamoe`, or delete the `megamoe:` block",
+            ("experts", "megamoe"),
+        )
+
+
+def _dispatch_rules(ctx):
+    return [p for p, s in ctx.table("ep_plan") if s == "ep_dispatch_experts"]
+
+
+@rule(
+    MISSING_DISPATCH, "missing-ep-dispatch", "`ep_size > 1` without an `ep_dispatch_experts` rule",
+    bad=_TOP + "parallel: {tp_size: 2, ep_size: 2}\n"
+    "ep_plan:\n  model.layers.*.mlp.experts.{gate_up_proj,down_proj}: grouped_gemm\n",
+    good=_TOP + "parallel: {tp_size: 2, ep_size: 2}\n" + _EP,
+)
+def check_missing_dispatch(ctx):
+    """With `ep_size > 1` each rank holds only its slice of the experts, so the experts forward must
+    be replaced by the EP implementation (`ep_dispatch_experts` on the experts module). Without it
+    tokens would be routed to experts the rank does not have."""
+    if ctx.plan.parallel.ep_size > 1 and not _dispatch_rules(ctx):
+        params = [p for p, s in ctx.table("ep_plan") if s == "grouped_gemm" and "." in p]
+        module = params[0].rsplit(".", 1)[0] if params else "model.layers.*.mlp.experts"
+        yield ctx.diag(
+            MISSING_DISPATCH,
+            f"ep_size is {ctx.plan.parallel.ep_size} but no ep_plan rule uses `ep_dispatch_experts`",
+            f"add `{module}: ep_dispatch_experts` to ep_plan, or set `ep_size: 1`",
+            ("parallel", "ep_size"), at_value=True,
+        )
+
+
+@rule(
+    DISPATCH_WITHOUT_EP, "ep-dispatch-without-ep", "`ep_dispatch_experts` with `ep_size == 1`",
+    severity=WARNING,
+    bad=_TOP + "parallel: {tp_size: 2}\nep_plan:\n  model.layers.*.mlp.experts: ep_dispatch_experts\n",
+    good=_TOP + "parallel: {tp_size: 2, ep_size: 2}\n" + _EP,
+)
+def check_dispatch_without_ep(ctx):
+    """With `ep_size: 1` there is no EP group: the rule installs a dispatch over one rank, which
+    only costs time. Set `parallel.ep_size`, or remove the rule. A warning: `--strict` fails on it."""
+    if ctx.plan.parallel.ep_size == 1:
+        for pattern in _dispatch_rules(ctx):
+            yield ctx.diag(
+                DISPATCH_WITHOUT_EP,
+                "`ep_dispatch_experts` with ep_size 1: there is no EP group to dispatch over",
+                "set `parallel.ep_size` to the EP group size, or remove this rule",
+                ("ep_plan", pattern),
+            )
+
+
+def _alternatives(text):
+    try:
+        return Pattern(text).alternatives
+    except PatternError:  # reported by PLC300
+        return ()
+
+
+def _unify(a, b) -> bool:
+    return len(a) == len(b) and all(x == "*" or y == "*" or x == y for x, y in zip(a, b))
+
+
+@rule(
+    TP_ON_EP_EXPERTS, "tp-rule-on-ep-experts", "A `tp_plan` rule on experts that `ep_plan` shards",
+    bad=_TOP + "parallel: {tp_size: 2, ep_size: 2}\n"
+    "tp_plan:\n  model.layers.*.mlp.experts.gate_up_proj: packed_colwise\n" + _EP,
+    good=_TOP + "parallel: {tp_size: 2, ep_size: 2}\n"
+    "tp_plan:\n  model.layers.*.mlp.shared_experts.gate_proj: colwise\n" + _EP,
+)
+def check_tp_on_ep_experts(ctx):
+    """With `ep_size > 1` the experts module named by an `ep_dispatch_experts` rule, and every
+    parameter and submodule below it, is sharded over the EP group by `ep_plan`. A `tp_plan` rule
+    that can match the same module or one of its parameters would shard it a second time. Remove the
+    tp_plan rule, or use tensor-parallel experts (`moe_tp_experts` in tp_plan) with `ep_size: 1`."""
+    if ctx.plan.parallel.ep_size <= 1:
+        return
+    covered = []  # (alternative, ep pattern, is_module)
+    for pattern, style in ctx.table("ep_plan"):
+        if style in ("ep_dispatch_experts", "grouped_gemm"):
+            covered += [(alt, pattern, style == "ep_dispatch_experts") for alt in _alternatives(pattern)]
+    for pattern, _style in ctx.table("tp_plan"):
+        for alt in _alternatives(pattern):
+            hit = next(
+                (ep for ep_alt, ep, is_module in covered
+                 if _unify(alt[: len(ep_alt)] if is_module else alt, ep_alt)),
+                None,
+            )
+            if hit is not None:
+                yield ctx.diag(
+                    TP_ON_EP_EXPERTS,
+                    f"tp_plan rule `{pattern}` can match experts that ep_plan shards (`{hit}`)",
+                    "remove this tp_plan rule (ep_plan shards the experts over the EP group), "
+                    "or set `ep_size: 1` and use `moe_tp_experts` for tensor-parallel experts",
+                    ("tp_plan", pattern),
+                )
+                break
+
+
+assert set(TABLES) == {"tp_plan", "ep_plan"}

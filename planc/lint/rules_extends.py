@@ -1,0 +1,24 @@
+"""Extends rules: problems resolving a plan's `extends` chain (emitted by planc.spec.load)."""
+
+from __future__ import annotations
+
+from planc.lint.registry import Rule, register
+from planc.spec import load
+
+register(Rule(
+    load.EXTENDS_OUTSIDE, "extends-outside-tree", "`extends` points outside the linted plan's directory tree",
+    "A parent plan must be a relative path that stays inside the directory of the plan that was\n"
+    "linted first (symlinks are resolved). This keeps a plan from making the linter read arbitrary\n"
+    "files, and keeps a repository's plans self-contained. Absolute paths are refused.",
+    family="extends",
+))
+register(Rule(
+    load.EXTENDS_CYCLE, "extends-cycle", "`extends` forms a cycle (or a chain deeper than 16)",
+    "A plan that extends itself, directly or through other plans, has no defined content.",
+    family="extends",
+))
+register(Rule(
+    load.EXTENDS_MISSING, "extends-missing", "The `extends` parent does not exist",
+    "The path is relative to the directory of the plan that contains `extends`.",
+    family="extends",
+))

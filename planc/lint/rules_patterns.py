@@ -1,0 +1,33 @@
+"""Pattern rules: rule-table patterns that can never match a module path."""
+
+from __future__ import annotations
+
+from planc.lint.context import TABLES
+from planc.lint.registry import rule
+from planc.spec.patterns import PatternError, try_pattern
+
+_HEAD = "version: 1\nmodel: {type: mixtral}\nparallel: {tp_size: 2}\ntp_plan:\n"
+
+INVALID_PATTERN = "PLC300"
+
+
+@rule(
+    INVALID_PATTERN, "invalid-pattern", "A pattern can never match (empty segment, bad braces, glob syntax)",
+    needs_plan=False,
+    bad=_HEAD + "  model.layers.*.self_attn.{q,k,v_proj: colwise\n",
+    good=_HEAD + "  model.layers.*.self_attn.{q,k,v}_proj: colwise\n",
+)
+def check_patterns(ctx):
+    """A pattern is dot-separated segments: `*` is one whole segment, `{a,b}` lists alternatives inside
+    a segment. Empty segments (`a..b`), unbalanced or nested braces, `*` inside a name (`q*`) and
+    regex or glob characters can never match a module path, so the rule would silently do nothing."""
+    for table in TABLES:
+        for pattern, _style in ctx.table(table):
+            parsed = try_pattern(pattern)
+            if isinstance(parsed, PatternError):
+                yield ctx.diag(
+                    INVALID_PATTERN,
+                    f"{table} pattern `{pattern}` can never match: {parsed.problem}",
+                    parsed.hint,
+                    (table, pattern),
+                )

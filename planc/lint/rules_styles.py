@@ -1,0 +1,78 @@
+"""Style rules: style names that do not exist, or that belong to the other rule table."""
+
+from __future__ import annotations
+
+from planc.lint.registry import rule
+from planc.lint.suggest import did_you_mean
+from planc.spec.styles import ALL_STYLES, EP_STYLES, REMOVED_STYLES, TP_STYLES
+
+UNKNOWN_STYLE = "PLC310"
+EP_STYLE_IN_TP = "PLC311"
+TP_STYLE_IN_EP = "PLC312"
+
+_HEAD = "version: 1\nmodel: {type: mixtral}\nparallel: {tp_size: 2, ep_size: 2}\n"
+_EP = (
+    "ep_plan:\n  model.layers.*.mlp.experts.{gate_up_proj,down_proj}: grouped_gemm\n"
+    "  model.layers.*.mlp.experts: ep_dispatch_experts\n"
+)
+TP_TABLE_STYLES = sorted(TP_STYLES)
+EP_TABLE_STYLES = sorted([*EP_STYLES, "replicate"])
+
+
+def _known(table: str, style: str) -> bool:
+    return style in ALL_STYLES or style in REMOVED_STYLES
+
+
+@rule(
+    UNKNOWN_STYLE, "unknown-style", "A style name that does not exist", needs_plan=False,
+    bad=_HEAD + "tp_plan:\n  model.layers.*.self_attn.o_proj: row_wise\n" + _EP,
+    good=_HEAD + "tp_plan:\n  model.layers.*.self_attn.o_proj: rowwise\n" + _EP,
+)
+def check_unknown(ctx):
+    """Styles are transformers' vocabulary (>= 5.23): `colwise`, `rowwise`, `packed_colwise`,
+    `embedding_rowwise`, `grouped_gemm`, `ep_dispatch_experts`, ... (`planc rules PLC310` and
+    docs/plan-format.md list them). The hint suggests the closest style valid in that table."""
+    for table, valid in (("tp_plan", TP_TABLE_STYLES), ("ep_plan", EP_TABLE_STYLES)):
+        for pattern, style in ctx.table(table):
+            if _known(table, style):
+                continue
+            guess = did_you_mean(style, valid) or did_you_mean(style, ALL_STYLES)
+            hint = f"did you mean `{guess}`?" if guess else f"{table} styles: {', '.join(valid)}"
+            yield ctx.diag(UNKNOWN_STYLE, f"unknown style `{style}` in {table}", hint, (table, pattern), at_value=True)
+
+
+@rule(
+    EP_STYLE_IN_TP, "ep-style-in-tp-plan", "An expert-parallel style in `tp_plan`", needs_plan=False,
+    bad=_HEAD + "tp_plan:\n  model.layers.*.mlp.experts: ep_dispatch_experts\n"
+    "ep_plan:\n  model.layers.*.mlp.experts.{gate_up_proj,down_proj}: grouped_gemm\n",
+    good=_HEAD + _EP,
+)
+def check_ep_in_tp(ctx):
+    """`grouped_gemm` and `ep_dispatch_experts` shard over the EP group, which only `ep_plan` rules
+    use. In `tp_plan` they would be sharded over the TP group with the wrong size."""
+    for pattern, style in ctx.table("tp_plan"):
+        if style in EP_STYLES:
+            yield ctx.diag(
+                EP_STYLE_IN_TP, f"`{style}` is an expert-parallel style, but this rule is in tp_plan",
+                f"move `{pattern}: {style}` to ep_plan", ("tp_plan", pattern), at_value=True,
+            )
+
+
+@rule(
+    TP_STYLE_IN_EP, "tp-style-in-ep-plan", "A tensor-parallel style in `ep_plan`", needs_plan=False,
+    bad=_HEAD + "tp_plan:\n  model.layers.*.self_attn.{q,k,v}_proj: colwise\n" + _EP
+    + "  model.layers.*.self_attn.o_proj: rowwise\n",
+    good=_HEAD + "tp_plan:\n  model.layers.*.self_attn.{q,k,v}_proj: colwise\n"
+    "  model.layers.*.self_attn.o_proj: rowwise\n" + _EP,
+)
+def check_tp_in_ep(ctx):
+    """`ep_plan` takes `grouped_gemm` (experts parameters), `ep_dispatch_experts` (the experts
+    module) and `replicate`. Tensor-parallel styles shard over the TP group and belong in `tp_plan`.
+    (`moe_tp_experts` in ep_plan is reported by PLC320 with its migration.)"""
+    for pattern, style in ctx.table("ep_plan"):
+        if style in TP_STYLES and style not in EP_TABLE_STYLES and style != "moe_tp_experts":
+            yield ctx.diag(
+                TP_STYLE_IN_EP, f"`{style}` is a tensor-parallel style, but this rule is in ep_plan",
+                f"move `{pattern}: {style}` to tp_plan; ep_plan takes {', '.join(EP_TABLE_STYLES)}",
+                ("ep_plan", pattern), at_value=True,
+            )

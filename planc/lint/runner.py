@@ -1,0 +1,186 @@
+"""Running the linter: files and directories in, sorted Diagnostics out, never an exception.
+
+One pipeline serves `planc lint`, pre-commit and `load_plan`: read (size, encoding) -> parse (YAML,
+positions, duplicate keys) -> resolve `extends` -> validate (pydantic) -> rule checks. A stage that
+fails stops that file with its diagnostic; the pattern and style rules still run when validation
+fails, because they read the raw rule tables.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from planc.lint.context import LintContext
+from planc.lint.diagnostic import ERROR, Diagnostic
+from planc.spec.source import UNREADABLE, Position, SourceDoc, SourceError, parse_yaml, read_text
+
+PLAN_SUFFIXES = (".yaml", ".yml")
+
+
+@dataclass
+class CheckResult:
+    """Diagnostics of one plan, and the LoadedPlan when it validated (load_plan uses it)."""
+
+    diagnostics: list = field(default_factory=list)
+    loaded: object = None  # planc.spec.load.LoadedPlan | None
+
+
+def _from_source_error(e: SourceError) -> Diagnostic:
+    from planc.lint.registry import severity_of
+
+    return Diagnostic(e.code, severity_of(e.code), e.message, e.hint, e.position)
+
+
+def _internal(exc: BaseException, path: Optional[str]) -> Diagnostic:
+    from planc.lint.rules_source import INTERNAL
+
+    return Diagnostic(
+        INTERNAL, ERROR, f"planc failed on this file: {type(exc).__name__}: {exc}",
+        "please report this with the plan attached", Position(path, 1, 1),
+    )
+
+
+def check_doc(doc: SourceDoc, root_dir: Optional[str] = None) -> CheckResult:
+    """All checks of one parsed document (its `extends` resolved inside `root_dir`)."""
+    from planc.spec.load import resolve_extends
+
+    try:
+        merged = resolve_extends(doc, root_dir)
+    except SourceError as e:
+        return CheckResult([_from_source_error(p) for p in doc.problems] + [_from_source_error(e)])
+    diags = [_from_source_error(p) for p in merged.problems]
+    ctx = LintContext(merged.data, None, doc.path, merged.key_positions, merged.value_positions)
+    result = _check_context(ctx, diags)
+    if result.loaded is not None:
+        result.loaded.docs = merged.docs
+    return result
+
+
+def _check_context(ctx: LintContext, diags: list) -> CheckResult:
+    from pydantic import ValidationError
+
+    from planc.lint.registry import checks
+    from planc.lint.rules_schema import from_validation
+    from planc.spec.load import LoadedPlan, validate
+
+    try:
+        ctx.plan = validate(ctx.data)
+    except ValidationError as err:
+        diags += from_validation(err, ctx)
+    for r in checks():
+        if r.needs_plan and ctx.plan is None:
+            continue
+        try:
+            diags += list(r.check(ctx))
+        except Exception as exc:  # a bug in one check must not hide the others' findings
+            diags.append(_internal(exc, ctx.path))
+    diags = _unique(diags)
+    loaded = None
+    if ctx.plan is not None:
+        loaded = LoadedPlan(ctx.plan, ctx.path, [], ctx.key_positions, ctx.value_positions)
+    return CheckResult(diags, loaded)
+
+
+def check_file(path: str, root_dir: Optional[str] = None) -> CheckResult:
+    try:
+        try:
+            doc = parse_yaml(read_text(path), path)
+        except SourceError as e:
+            return CheckResult([_from_source_error(e)])
+        return check_doc(doc, root_dir)
+    except Exception as exc:
+        return CheckResult([_internal(exc, path)])
+
+
+def check_text(text: str, path: Optional[str] = None) -> CheckResult:
+    """Lint YAML text; `path` (optional) names it in positions and anchors relative `extends`."""
+    try:
+        try:
+            doc = parse_yaml(text, path)
+        except SourceError as e:
+            return CheckResult([_from_source_error(e)])
+        return check_doc(doc)
+    except Exception as exc:
+        return CheckResult([_internal(exc, path)])
+
+
+def check_data(data: dict) -> CheckResult:
+    """Lint a plan given as a mapping (no positions, no `extends` resolution)."""
+    try:
+        return _check_context(LintContext(dict(data), None, None, {}, {}), [])
+    except Exception as exc:
+        return CheckResult([_internal(exc, None)])
+
+
+def lint_file(path: str) -> list[Diagnostic]:
+    return check_file(path).diagnostics
+
+
+def lint_text(text: str, path: Optional[str] = None) -> list[Diagnostic]:
+    return check_text(text, path).diagnostics
+
+
+def diagnostics_from_validation(err, path: Optional[str], positions) -> list[Diagnostic]:
+    """Diagnostics for a pydantic ValidationError of a Plan.
+
+    `positions` is a mapping of key path -> Position (key positions), or anything with
+    `key_positions` / `value_positions` (a SourceDoc, LoadedPlan or MergedSource).
+    """
+    keys = getattr(positions, "key_positions", positions) or {}
+    values = getattr(positions, "value_positions", {}) or {}
+    from planc.lint.rules_schema import from_validation
+
+    return from_validation(err, LintContext({}, None, path, dict(keys), dict(values)))
+
+
+def expand_paths(paths: Iterable[str]) -> tuple[list[str], list[Diagnostic]]:
+    """Files to lint (directories walked for *.yaml / *.yml, hidden entries skipped) and the
+    diagnostics for paths that do not exist or directories that hold no plans."""
+    from planc.lint.rules_source import NO_PLANS
+
+    files: list[str] = []
+    diags: list[Diagnostic] = []
+    for path in paths:
+        if os.path.isdir(path):
+            found = []
+            for root, dirs, names in os.walk(path):
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                found += [os.path.join(root, n) for n in sorted(names)
+                          if n.endswith(PLAN_SUFFIXES) and not n.startswith(".")]
+            if not found:
+                diags.append(Diagnostic(
+                    NO_PLANS, ERROR, f"directory `{path}` holds no plan files (*.yaml, *.yml)",
+                    "pass the directory that holds the plans, or the plan files themselves", Position(path, 1, 1),
+                ))
+            files += found
+        elif os.path.exists(path):
+            files.append(path)
+        else:
+            diags.append(Diagnostic(
+                UNREADABLE, ERROR, f"no such file or directory: `{path}`", "check the path", Position(path, 1, 1),
+            ))
+    return files, diags
+
+
+def lint_paths(paths, strict: bool = False) -> list[Diagnostic]:
+    """Lint files and directories; `strict` reports warnings as errors. Never raises on bad input."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    files, diags = expand_paths([os.fspath(p) for p in paths])
+    seen: set = set()
+    for f in files:
+        if f in seen:
+            continue
+        seen.add(f)
+        diags += check_file(f).diagnostics
+    diags = _unique(diags)
+    if strict:
+        diags = [Diagnostic(d.code, ERROR, d.message, d.hint, d.position) for d in diags]
+    return diags
+
+
+def _unique(diags: list[Diagnostic]) -> list[Diagnostic]:
+    """Sorted, without repeats (a parent plan's problems are found again through each child)."""
+    return sorted(set(diags), key=Diagnostic.sort_key)

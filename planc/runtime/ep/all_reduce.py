@@ -1,0 +1,35 @@
+"""AllReduceEP: every rank runs its own experts over the whole shared batch; outputs are summed.
+
+Needs the EP group to be the TP group (ep_size == tp_size: every rank holds the same batch). The
+routes to other ranks' experts are masked: local id = the sentinel `num_local_experts` (skipped by
+the experts kernels), weight 0. No tokens move and no split size is read back, so there is no host
+sync and the step is CUDA-graph capturable; the cost is every rank touching every token.
+
+Backward: each rank differentiates through its own experts only, so the gradients of the shared
+inputs (hidden states, routing weights) are partial and get summed over the group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from planc.runtime.ep.base import EPRuntime, sentinel_safe
+from planc.runtime.mesh import all_reduce_grad, all_reduce_sum
+
+
+class AllReduceEPRuntime(EPRuntime):
+    needs_shared_batch = True
+
+    def __init__(self, experts_module, strategy, groups):
+        super().__init__(experts_module, strategy, groups)
+        # GPT-OSS eager cannot take the sentinel: park off-rank slots on local expert 0 with weight 0 instead.
+        self.sentinel = self.num_local_experts if sentinel_safe(experts_module) else 0
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        g = self.groups
+        hidden_states = all_reduce_grad(hidden_states, g.ep_group)
+        top_k_weights = all_reduce_grad(top_k_weights, g.ep_group)
+        off_rank = torch.div(top_k_index, self.num_local_experts, rounding_mode="floor") != g.ep_rank
+        local_index = torch.where(off_rank, self.sentinel, top_k_index % self.num_local_experts)
+        output = self.experts_forward(hidden_states, local_index, top_k_weights.masked_fill(off_rank, 0.0))
+        return all_reduce_sum(output, g.ep_group)

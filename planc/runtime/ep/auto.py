@@ -1,0 +1,30 @@
+"""AutoEP: all_reduce at inference when the EP group shares the batch, all_to_all otherwise.
+
+The choice is made per call from grad mode (`torch.is_grad_enabled() and hidden_states.requires_grad`),
+not from `module.training`: `model.train()` under `no_grad` still takes the sync-free all_reduce path,
+and a training step always takes all_to_all, whose tokens-only traffic scales with training batches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from planc.runtime.ep.all_reduce import AllReduceEPRuntime
+from planc.runtime.ep.all_to_all import AllToAllEPRuntime
+from planc.runtime.ep.base import EPRuntime
+
+
+class AutoEPRuntime(EPRuntime):
+    def __init__(self, experts_module, strategy, groups):
+        super().__init__(experts_module, strategy, groups)
+        self.all_to_all = AllToAllEPRuntime(experts_module, strategy, groups)
+        shares = getattr(strategy, "shares_batch", True) and groups.shares_batch
+        self.all_reduce = AllReduceEPRuntime(experts_module, strategy, groups) if shares else None
+        self.last_choice = None  # "all_reduce" or "all_to_all": what the latest call ran (tests, debugging)
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        if self.all_reduce is not None and not (torch.is_grad_enabled() and hidden_states.requires_grad):
+            self.last_choice = "all_reduce"
+            return self.all_reduce(hidden_states, top_k_index, top_k_weights)
+        self.last_choice = "all_to_all"
+        return self.all_to_all(hidden_states, top_k_index, top_k_weights)

@@ -1,0 +1,128 @@
+"""What every EP runtime shares: expert-dim sharding of the experts' tensors and the installed forward.
+
+`grouped_gemm` keeps each rank's contiguous slice of the expert dimension (rank r of the EP group
+owns experts `[r * E/ep, (r + 1) * E/ep)`) of every tensor with a leading expert dim: weights,
+biases, FP8/FP4 scales. The experts module then holds `num_experts = E/ep` and the flag
+`_is_expert_parallel`, which transformers' experts kernels read to skip the sentinel id
+`num_experts` (an off-rank slot). Runtimes call the experts' own forward on local expert ids.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from planc.errors import ApplyError
+from planc.runtime.tp_styles import local_parameters
+
+
+def _where(module: nn.Module) -> str:
+    return getattr(module, "_planc_fqn", type(module).__name__)
+
+
+def shard_expert_tensor(module: nn.Module, name: str, groups) -> None:
+    """`grouped_gemm`: keep this rank's slice of the leading (expert) dim of parameter or buffer `name`."""
+    ep = groups.ep_size
+    tensor = module._parameters.get(name)
+    is_param = tensor is not None
+    if not is_param:
+        tensor = module._buffers.get(name)
+    if tensor is None:
+        raise ApplyError(
+            f"planc.runtime.ep.base: `grouped_gemm` names {_where(module)}.{name}, which is neither a parameter "
+            "nor a buffer of the experts module. Point the rule at the experts' tensors (gate_up_proj, down_proj, "
+            "their biases and scales)."
+        )
+    if isinstance(tensor, DTensor):
+        raise ApplyError(
+            f"planc.runtime.ep.base: {_where(module)}.{name} is already sharded (a DTensor); a tensor takes one "
+            "style. Keep either the tp_plan or the ep_plan rule for it."
+        )
+    num = tensor.shape[0] if tensor.ndim else 0
+    if num == 0 or num % ep:
+        raise ApplyError(
+            f"planc.runtime.ep.base: cannot shard {_where(module)}.{name} (shape {tuple(tensor.shape)}) by expert over "
+            f"{ep} EP ranks: its leading dim {num} is not a multiple of ep_size. Pick an ep_size that divides the "
+            "number of experts."
+        )
+    if is_param:
+        module._parameters[name] = nn.Parameter(
+            distribute_tensor(tensor.detach(), groups.ep_mesh, [Shard(0)], src_data_rank=None),
+            requires_grad=tensor.requires_grad,
+        )
+    else:
+        # Buffers (e.g. FP4 scales stored as buffers) stay plain tensors: the local slice.
+        module._buffers[name] = tensor.chunk(ep, dim=0)[groups.ep_rank].clone()
+    module.num_experts = num // ep
+    module._is_expert_parallel = True
+
+
+class EPRuntime:
+    """Base of the EP runtimes: `RuntimeCls(experts_module, strategy, groups)`, then
+    `runtime(hidden_states [T, H], top_k_index [T, K] global ids, top_k_weights [T, K]) -> [T, H]`.
+
+    Built after `grouped_gemm` has sharded the experts, so `experts.num_experts` is the local count.
+    """
+
+    needs_shared_batch = False
+
+    def __init__(self, experts_module: nn.Module, strategy, groups):
+        self.experts = experts_module
+        self.strategy = strategy
+        self.groups = groups
+        self.experts_forward = experts_module.forward  # the experts' own forward, on local expert ids
+        self.num_local_experts = int(experts_module.num_experts)
+        if self.needs_shared_batch and not groups.shares_batch:
+            raise ApplyError(
+                f"planc.runtime.ep: {type(self).__name__} on {_where(experts_module)} needs every rank of the EP "
+                f"group to hold the same batch (ep_size == tp_size), got ep_size={groups.ep_size}, "
+                f"tp_size={groups.tp_size}. Use `ep_implementation: all_to_all`, or set ep_size = tp_size."
+            )
+        if not getattr(experts_module, "_is_expert_parallel", False) and groups.ep_size > 1:
+            raise ApplyError(
+                f"planc.runtime.ep: {_where(experts_module)} is dispatched over {groups.ep_size} EP ranks but its "
+                "tensors are not sharded by expert. Add `grouped_gemm` rules for its gate_up_proj/down_proj "
+                "(and biases, scales) to ep_plan; they must come before the `ep_dispatch_experts` rule."
+            )
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        raise NotImplementedError
+
+
+def install_ep_forward(module: nn.Module, runtime) -> None:
+    """Replace the experts forward with `runtime` (an instance attribute, undone by restoring `__dict__`)."""
+
+    def ep_forward(hidden_states, top_k_index, top_k_weights, **kwargs):
+        if isinstance(hidden_states, DTensor):
+            hidden_states = hidden_states.to_local()
+        if isinstance(top_k_weights, DTensor):
+            top_k_weights = top_k_weights.to_local()
+        with local_parameters(module):
+            output = runtime(hidden_states, top_k_index, top_k_weights)
+        return output.to(hidden_states.dtype)
+
+    ep_forward.strategy = runtime.strategy
+    ep_forward.runtime = runtime
+    module.forward = ep_forward
+
+
+def sentinel_safe(module: nn.Module) -> bool:
+    """Whether the experts forward skips the off-rank sentinel id `num_experts`.
+
+    transformers' GPT-OSS eager forward one-hots ids with `num_classes=num_experts`, so the sentinel
+    crashes it ("Class values must be smaller than num_classes"); other kernels and eager forwards
+    skip it.
+    """
+    impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    return not (impl in (None, "eager") and type(module).__name__ == "GptOssExperts")
+
+
+def empty_safe_forward(experts_forward, tokens, expert_ids, weights):
+    """Run the experts on rows that may be empty, keeping the empty result connected to autograd."""
+    if tokens.shape[0]:
+        return experts_forward(tokens, expert_ids, weights)
+    out = experts_forward(tokens.sum(0, keepdim=True), expert_ids.new_zeros((1, 1)), weights.new_ones((1, 1)))
+    return out[:0]
+
+
+__all__ = ["EPRuntime", "install_ep_forward", "shard_expert_tensor", "sentinel_safe", "empty_safe_forward"]

@@ -1,0 +1,378 @@
+"""`planc.apply(model, plan, *, mesh=None)`: compile, agree across ranks, then install all or nothing.
+
+Read top to bottom, `apply` is the whole story:
+
+1. torch.distributed must be initialized (torchrun, or the caller's own `init_process_group`).
+2. Compile the plan against the model (`planc.compile.resolve.compile_plan`; changes nothing) and
+   run the checks that need no communication: world size, a model applied twice or sharded by
+   another tool, experts kernels that cannot run where the model lives.
+3. Every rank shares its fingerprint and check results (`all_gather_object`): if any rank failed or
+   any fingerprint differs, every rank raises the same ApplyError (a rank with another plan file
+   fails the job instead of hanging it in a collective).
+4. Build the process groups, snapshot everything the steps may touch, run `INSTALL_STEPS` in order.
+   If a step raises on any rank, every rank restores its snapshot (parameters, buffers, forwards,
+   attributes, hooks, configs) and raises.
+
+`INSTALL_STEPS` is a module-level list so tests can wrap a step to fail after it ran and check the
+rollback bit for bit.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from planc.errors import ApplyError
+from planc.runtime.ep.base import install_ep_forward, shard_expert_tensor
+from planc.runtime.mesh import Groups, build_groups
+from planc.runtime.tp_styles import tp_style
+
+# Experts kernels that need a CUDA GPU of at least this compute capability.
+_GPU_KERNELS = {"deepgemm": (9, 0), "sonicmoe": (9, 0)}
+
+
+def apply(model: nn.Module, plan, *, mesh=None):
+    """Compile `plan` against `model`, then shard and install it on every rank (all or nothing).
+
+    `plan`: a path, YAML text, mapping, `LoadedPlan` or `Plan`. `mesh`: an optional ("dp", "tp")
+    DeviceMesh; planc builds one from the plan's sizes otherwise. Returns the CompiledPlan.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ApplyError(
+            "planc.runtime.install: torch.distributed is not initialized. Launch with torchrun (or call "
+            "torch.distributed.init_process_group) before planc.apply."
+        )
+    compiled, problems = _compile_and_check(model, plan, mesh)
+    _agree_across_ranks(compiled, problems)
+    groups = build_groups(compiled.parallel, mesh)
+    state = InstallState(model=model, compiled=compiled, groups=groups)
+    _install_atomically(state)
+    return compiled
+
+
+# ---- 2. compile and local checks ---------------------------------------------------------------------------
+
+
+def _compile_and_check(model, plan, mesh):
+    """The CompiledPlan (or None) and the list of problems found on this rank, without any communication."""
+    compiled, problems = None, []
+    try:
+        compiled = _compile(model, plan)
+    except Exception as e:  # noqa: BLE001 - reported on every rank by _agree_across_ranks instead of hanging them
+        return None, [f"{type(e).__name__}: {e}"]
+    try:
+        problems += _local_checks(model, compiled, mesh)
+    except Exception as e:  # noqa: BLE001
+        problems.append(f"{type(e).__name__}: {e}")
+    return compiled, problems
+
+
+def _local_checks(model, compiled, mesh) -> list[str]:
+    problems = []
+    if mesh is None and dist.get_world_size() != compiled.parallel.world_size:
+        p = compiled.parallel
+        problems.append(
+            f"the plan needs tp_size * dp_size = {p.tp_size} * {p.dp_size} = {p.world_size} processes, but the "
+            f"world has {dist.get_world_size()}. Launch {p.world_size} processes, or change `parallel` in the plan."
+        )
+    problems += _already_sharded(model)
+    problems += _unrunnable_experts(model, compiled)
+    return problems
+
+
+def _compile(model, plan):
+    from planc.compile.resolve import compile_plan
+    from planc.spec.model import Plan
+
+    if not isinstance(plan, Plan) and not hasattr(plan, "plan"):
+        from planc.spec.load import load_plan
+
+        plan = load_plan(plan)
+    return compile_plan(plan, model)
+
+
+def _already_sharded(model: nn.Module) -> list[str]:
+    if getattr(model, "_planc_plan", None) is not None:
+        return [
+            "planc.apply was already called on this model; a plan installs once. Build a fresh model "
+            "(or reload it) to apply another plan."
+        ]
+    dtensors = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
+    if dtensors:
+        return [
+            f"the model is already sharded by another tool: {len(dtensors)} parameter(s) are DTensors "
+            f"(first: {dtensors[0]}), e.g. from transformers' tp_plan/distributed_config or FSDP2. Load it "
+            "without that tool's parallelism and let planc.apply shard it."
+        ]
+    hooked = [n or "<model>" for n, m in model.named_modules() if getattr(m, "_is_hooked", False)]
+    fsdp = [n or "<model>" for n, m in model.named_modules() if type(m).__name__.startswith("FSDP")]
+    if hooked or fsdp:
+        return [
+            f"the model is already parallelized by another tool (module {(hooked or fsdp)[0]} carries "
+            f"{'transformers parallel hooks (`_is_hooked`)' if hooked else 'an FSDP wrapper'}). Load it without "
+            "that tool's parallelism and let planc.apply shard it."
+        ]
+    return []
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _unrunnable_experts(model: nn.Module, compiled) -> list[str]:
+    """Experts kernels that cannot run where the model lives, found before anything is installed."""
+    impl = compiled.experts_settings.implementation
+    device = _model_device(model)
+    if impl in _GPU_KERNELS:
+        need = _GPU_KERNELS[impl]
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return [
+                f"experts.implementation `{impl}` runs CUDA kernels (compute capability >= {need[0]}.{need[1]}), "
+                f"but the model lives on {device.type}. Use `grouped_mm` (or `batched_mm`, `eager`) here, or move "
+                "the model to a suitable GPU before planc.apply."
+            ]
+        cap = torch.cuda.get_device_capability(device)
+        if cap < need:
+            return [
+                f"experts.implementation `{impl}` needs compute capability >= {need[0]}.{need[1]}, but "
+                f"{torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]}. Use `grouped_mm` on this GPU."
+            ]
+        if impl == "sonicmoe" and importlib.util.find_spec("sonicmoe") is None:
+            return ["experts.implementation `sonicmoe` needs the `sonicmoe` package; install it or use `grouped_mm`."]
+    if impl == "deepgemm_megamoe":
+        settings = compiled.experts_settings.megamoe
+        backend = settings.backend if settings else "auto"
+        try:
+            from planc.runtime.megamoe import resolve_backend
+
+            resolve_backend(backend, device if device.type == "cuda" else None)
+        except (RuntimeError, ValueError, ImportError, OSError) as e:
+            return [f"experts.implementation `deepgemm_megamoe` cannot run here: {e}"]
+    return []
+
+
+# ---- 3. rank agreement -------------------------------------------------------------------------------------
+
+
+def _agree_across_ranks(compiled, problems: list[str]) -> None:
+    """Raise the same ApplyError on every rank if any rank has problems or another fingerprint."""
+    mine = (compiled.fingerprint if compiled is not None else None, problems)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    failed = [(rank, p) for rank, (_, ps) in enumerate(everyone) for p in ps]
+    if failed:
+        lines = [f"  rank {rank}: {p}" for rank, p in failed]
+        raise ApplyError("planc.apply: nothing was installed:\n" + "\n".join(lines))
+    fingerprints = {rank: fp for rank, (fp, _) in enumerate(everyone)}
+    if len(set(fingerprints.values())) > 1:
+        by_fp: dict[str, list[int]] = {}
+        for rank, fp in fingerprints.items():
+            by_fp.setdefault(fp, []).append(rank)
+        table = "; ".join(f"ranks {ranks}: {fp}" for fp, ranks in sorted(by_fp.items(), key=lambda kv: kv[1]))
+        raise ApplyError(
+            f"planc.apply: the ranks compiled different plans (fingerprints {table}); nothing was installed. "
+            "Every rank must load the same plan file against the same model; `planc explain` prints the "
+            "fingerprint to compare."
+        )
+
+
+# ---- 4. the install steps ----------------------------------------------------------------------------------
+
+
+@dataclass
+class InstallState:
+    """What the steps share: the model, the compiled plan, the groups, and the modules by name."""
+
+    model: nn.Module
+    compiled: Any
+    groups: Groups
+    modules: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.modules = dict(self.model.named_modules())
+
+    def module(self, fqn: str) -> nn.Module:
+        try:
+            return self.modules[fqn]
+        except KeyError:
+            raise ApplyError(
+                f"planc.runtime.install: the compiled plan names `{fqn}`, which this model does not have; "
+                "compile the plan against this model (planc.apply does) instead of reusing a CompiledPlan."
+            ) from None
+
+
+def step_set_experts_implementation(state: InstallState) -> None:
+    """transformers' experts dispatch reads `config._experts_implementation`: set it its own way."""
+    impl = state.compiled.experts_settings.implementation
+    if impl == "deepgemm_megamoe" or not state.compiled.experts:
+        return  # Mega MoE gets an instance forward (step_install_megamoe); transformers refuses a runtime switch to it
+    if not hasattr(state.model, "set_experts_implementation"):
+        raise ApplyError(
+            f"planc.runtime.install: {type(state.model).__name__} is not a transformers PreTrainedModel, so its "
+            f"experts implementation cannot be set to `{impl}`. Apply the plan to a transformers model."
+        )
+    state.model.set_experts_implementation(impl)
+
+
+def step_shard_parameters(state: InstallState) -> None:
+    """Every parameter assignment: TP styles slice by feature, `grouped_gemm` by expert."""
+    for a in state.compiled.assignments:
+        if a.target != "parameter":
+            continue
+        owner_name, _, pname = a.fqn.rpartition(".")
+        owner = state.module(owner_name)
+        owner._planc_fqn = owner_name
+        if a.style == "grouped_gemm":
+            shard_expert_tensor(owner, pname, state.groups)
+        elif a.style == "ep_dispatch_experts":
+            continue  # a module style inherited by its parameters: grouped_gemm rules shard them
+        else:
+            style = tp_style(a.style, a.rule.where)
+            if isinstance(owner._parameters.get(pname), DTensor):
+                raise ApplyError(
+                    f"planc.runtime.install: {a.fqn} ({a.rule.where}) is already sharded by another rule; a "
+                    "parameter takes one style."
+                )
+            style.shard_param(owner, pname, state.groups.tp_mesh)
+
+
+def step_install_tp_forwards(state: InstallState) -> None:
+    """Every module assignment of the TP table: wrap its forward with the style's layouts."""
+    for a in state.compiled.assignments:
+        if a.target != "module" or a.style in ("ep_dispatch_experts", "grouped_gemm"):
+            continue
+        module = state.module(a.fqn)
+        module._planc_fqn = a.fqn
+        tp_style(a.style, a.rule.where).install(module, state.groups.tp_mesh)
+
+
+def step_install_megamoe(state: InstallState) -> None:
+    """`deepgemm_megamoe`: the Mega MoE experts forward (quantizing to FP4 when the plan says so)."""
+    if state.compiled.experts_settings.implementation != "deepgemm_megamoe":
+        return
+    from planc.runtime.megamoe import install_megamoe_forward
+
+    settings = state.compiled.experts_settings.megamoe
+    for e in state.compiled.experts:
+        install_megamoe_forward(
+            state.module(e.fqn),
+            backend=settings.backend if settings else "auto",
+            max_tokens_per_rank=settings.max_tokens_per_rank if settings else None,
+            activation_clamp=settings.activation_clamp if settings else None,
+            quantize=settings.quantize if settings else None,
+            num_global_experts=e.num_experts,
+            ep_rank=state.groups.ep_rank,
+            ep_size=state.groups.ep_size,
+        )
+
+
+def step_install_ep_forwards(state: InstallState) -> None:
+    """Every experts module with an EP strategy: bind its runtime and route the forward through it."""
+    for e in state.compiled.experts:
+        if e.strategy is None:
+            continue
+        module = state.module(e.fqn)
+        module._planc_fqn = e.fqn
+        runtime_cls = e.strategy.runtime()
+        runtime = runtime_cls(module, e.strategy, state.groups)
+        local = getattr(runtime, "num_local_experts", None)
+        if local is not None and local * state.groups.ep_size != e.num_experts:
+            raise ApplyError(
+                f"planc.runtime.install: {e.fqn} holds {local} experts per rank, but {e.num_experts} experts over "
+                f"{state.groups.ep_size} EP ranks is {e.num_experts // state.groups.ep_size}: shard every expert "
+                "tensor with `grouped_gemm` before `ep_dispatch_experts`."
+            )
+        install_ep_forward(module, runtime)
+
+
+def step_mark_applied(state: InstallState) -> None:
+    """Mark the model (double apply is refused) and the touched modules (other tools see them as hooked)."""
+    for a in state.compiled.assignments:
+        if a.target == "module":
+            state.module(a.fqn)._is_hooked = True
+    state.model._planc_plan = state.compiled
+    state.model._planc_groups = state.groups
+
+
+INSTALL_STEPS: list[Callable[[InstallState], None]] = [
+    step_set_experts_implementation,
+    step_shard_parameters,
+    step_install_tp_forwards,
+    step_install_megamoe,
+    step_install_ep_forwards,
+    step_mark_applied,
+]
+
+
+def _install_atomically(state: InstallState) -> None:
+    snapshot = Snapshot(state.model)
+    error: Optional[BaseException] = None
+    try:
+        for step in INSTALL_STEPS:
+            step(state)
+    except Exception as e:  # noqa: BLE001 - any failure rolls back, then is re-raised with context
+        error = e
+    # All or nothing across the world too: a rank that failed makes every rank roll back.
+    outcomes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}")
+    failed = [(rank, msg) for rank, msg in enumerate(outcomes) if msg is not None]
+    if failed:
+        snapshot.restore()
+        lines = "\n".join(f"  rank {rank}: {msg}" for rank, msg in failed)
+        raise ApplyError(
+            f"planc.apply failed while installing; the model was restored exactly as it was:\n{lines}"
+        ) from error
+
+
+# ---- snapshot / restore ------------------------------------------------------------------------------------
+
+
+def _copy_attrs(obj) -> dict:
+    """A copy of `obj.__dict__` one level deep (the containers modules mutate: params, buffers, hooks)."""
+    out = {}
+    for k, v in obj.__dict__.items():
+        out[k] = type(v)(v) if isinstance(v, (dict, list, set)) else v
+    return out
+
+
+def _configs(model: nn.Module) -> list:
+    seen, out = set(), []
+    stack = [getattr(m, "config", None) for m in model.modules()]
+    while stack:
+        c = stack.pop()
+        if c is None or id(c) in seen or not hasattr(c, "to_dict"):
+            continue
+        seen.add(id(c))
+        out.append(c)
+        stack.extend(v for v in vars(c).values() if hasattr(v, "to_dict") and hasattr(v, "model_type"))
+    return out
+
+
+class Snapshot:
+    """Everything an install may change, restorable exactly: every module's attributes (parameters,
+    buffers, submodules, hooks, forwards), every config's attributes, and each tensor's own Python
+    attributes and `requires_grad` (the steps never write tensor data in place)."""
+
+    def __init__(self, model: nn.Module):
+        self.modules = [(m, _copy_attrs(m)) for m in model.modules()]
+        self.configs = [(c, _copy_attrs(c)) for c in _configs(model)]
+        tensors = {id(t): t for m in model.modules() for t in (*m._parameters.values(), *m._buffers.values())}
+        self.tensors = [(t, dict(t.__dict__), t.requires_grad) for t in tensors.values() if t is not None]
+
+    def restore(self) -> None:
+        for obj, attrs in (*self.modules, *self.configs):
+            obj.__dict__.clear()
+            obj.__dict__.update(attrs)
+        for t, attrs, requires_grad in self.tensors:
+            t.__dict__.clear()
+            t.__dict__.update(attrs)
+            if t.requires_grad != requires_grad:
+                t.requires_grad_(requires_grad)

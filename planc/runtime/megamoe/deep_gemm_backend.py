@@ -1,0 +1,190 @@
+"""Binding to DeepGEMM's Mega MoE kernel (`fp8_fp4_mega_moe`, SM100 only).
+
+The API is pinned to DeepGEMM main at `PINNED_COMMIT` (v2.6.1). `load_deep_gemm()` checks that the
+installed module has every function with the parameters planc passes (by keyword) and names whatever is
+missing, so an API drift fails at install time instead of deep inside a forward. The PyPI `deep-gemm`
+package is a broken 2025 snapshot without Mega MoE: build from source (docs/megamoe.md).
+
+Per experts module: the FP4 weights are transformed once, at the first forward
+(`transform_sf_into_required_layout`, then `transform_weights_for_mega_moe`: gate/up interleave and the
+UTCCP scale layout). The module's FP4 parameters are then replaced by the kernel-layout tensors, as
+transformers does, so the weights are not held twice. Per call: quantize x to FP8, stage x, x_sf,
+topk_idx, topk_weights into the shared symmetric buffer (`buffers.py`), call the kernel with keywords.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+
+import torch
+import torch.nn as nn
+
+from planc.runtime.megamoe.buffers import BufferKey, get_buffer
+from planc.runtime.megamoe.quant import pack_ue8m0, quantize_fp8, ue8m0_to_float
+
+PINNED_COMMIT = "54e22612409371d6364144b69086735beb54e98b"
+PINNED_VERSION = "2.6.1"
+
+# name -> parameters planc passes by keyword (each must exist in the installed signature)
+REQUIRED_API: dict[str, tuple[str, ...]] = {
+    "get_symm_buffer_for_mega_moe": (
+        "group", "num_experts", "num_max_tokens_per_rank", "num_topk", "hidden", "intermediate_hidden",
+    ),
+    "transform_weights_for_mega_moe": ("l1_weights", "l2_weights"),
+    "transform_sf_into_required_layout": ("sf", "mn", "k", "recipe", "num_groups"),
+    "fp8_fp4_mega_moe": ("y", "l1_weights", "l2_weights", "sym_buffer", "activation_clamp"),
+}
+
+_BUILD_HINT = (
+    f"build DeepGEMM from source at commit {PINNED_COMMIT[:7]} (see docs/megamoe.md; the PyPI `deep-gemm` "
+    "package is not it), or set `experts.megamoe.backend: reference`"
+)
+
+
+def _parameter_names(fn) -> set[str] | None:
+    """Parameter names of a Python function or a pybind11 function (from its docstring signature)."""
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        pass
+    doc = (getattr(fn, "__doc__", None) or "").strip()
+    match = re.match(r"[\w.]+\((.*?)\)\s*(->|$|\n)", doc)
+    if match is None:
+        return None
+    return set(re.findall(r"(\w+)\s*:", match.group(1)))
+
+
+def check_deep_gemm_api(module) -> None:
+    """Raise ImportError naming each missing function or keyword parameter of the pinned API."""
+    problems = []
+    for name, params in REQUIRED_API.items():
+        fn = getattr(module, name, None)
+        if fn is None or not callable(fn):
+            problems.append(f"`deep_gemm.{name}` is missing")
+            continue
+        found = _parameter_names(fn)
+        if found is None:
+            problems.append(f"the signature of `deep_gemm.{name}` cannot be read")
+            continue
+        missing = [p for p in params if p not in found]
+        if missing:
+            problems.append(f"`deep_gemm.{name}` has no parameter(s) {', '.join(missing)}")
+    if problems:
+        version = getattr(module, "__version__", "unknown version")
+        raise ImportError(
+            f"the installed deep_gemm ({version}) does not match the Mega MoE API planc is pinned to "
+            f"(DeepGEMM {PINNED_VERSION}, {PINNED_COMMIT[:7]}): {'; '.join(problems)}. Fix: {_BUILD_HINT}."
+        )
+
+
+def load_deep_gemm():
+    """Import `deep_gemm` and check its Mega MoE API."""
+    try:
+        module = importlib.import_module("deep_gemm")
+    except ImportError as e:
+        raise ImportError(f"`deep_gemm` cannot be imported ({e}). Fix: {_BUILD_HINT}.") from e
+    check_deep_gemm_api(module)
+    return module
+
+
+def device_capability_text(device: torch.device | None = None) -> str:
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)}, compute capability sm_{major}{minor}"
+
+
+def check_device(device: torch.device | None = None) -> None:
+    """The kernel runs only on SM100-class GPUs (arch major 10: B200, B300, GB200, GB300)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(device)[0] != 10:
+        raise RuntimeError(
+            f"the deep_gemm Mega MoE kernel needs an SM100 GPU (compute capability 10.x: B200/B300/GB200/GB300); "
+            f"this device is {device_capability_text(device)}. Use `experts.megamoe.backend: reference` "
+            "(the pure-PyTorch implementation, much slower) on this machine."
+        )
+
+
+def deep_gemm_unavailable_reason(device: torch.device | None = None) -> str | None:
+    """None when the kernel can run here, else why not (for the `auto` backend's error)."""
+    try:
+        check_device(device)
+        load_deep_gemm()
+    except (ImportError, RuntimeError) as e:
+        return str(e)
+    return None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class DeepGemmMegaMoe:
+    """Runs one experts module through `deep_gemm.fp8_fp4_mega_moe`."""
+
+    def __init__(self, module: nn.Module, *, num_experts: int, activation_clamp, max_tokens_per_rank, deep_gemm=None):
+        self.module = module
+        self.num_experts = num_experts
+        self.activation_clamp = activation_clamp
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.dg = deep_gemm if deep_gemm is not None else load_deep_gemm()
+        w1 = _local(module.gate_up_proj)
+        self.num_local_experts, two_i, half_h = w1.shape
+        self.intermediate, self.hidden = two_i // 2, 2 * half_h
+        if self.hidden % 128 or self.intermediate % 128:
+            raise ValueError(
+                f"the deep_gemm Mega MoE kernel needs hidden and intermediate sizes divisible by 128, got "
+                f"hidden={self.hidden}, intermediate={self.intermediate}; use `experts.megamoe.backend: reference`"
+            )
+        self.l1 = self.l2 = None
+
+    def transform_weights(self) -> None:
+        """FP4 weights -> the kernel's layout, once; the module's parameters then hold that layout."""
+        m, dg = self.module, self.dg
+        e, h, i = self.num_local_experts, self.hidden, self.intermediate
+        sf1 = dg.transform_sf_into_required_layout(
+            sf=ue8m0_to_float(_local(m.gate_up_proj_scale_inv)).contiguous(), mn=2 * i, k=h, recipe=(1, 32), num_groups=e
+        )
+        sf2 = dg.transform_sf_into_required_layout(
+            sf=ue8m0_to_float(_local(m.down_proj_scale_inv)).contiguous(), mn=h, k=i, recipe=(1, 32), num_groups=e
+        )
+        self.l1, self.l2 = dg.transform_weights_for_mega_moe(
+            l1_weights=(_local(m.gate_up_proj).contiguous(), sf1), l2_weights=(_local(m.down_proj).contiguous(), sf2)
+        )
+        for name, tensor in (
+            ("gate_up_proj", self.l1[0]), ("gate_up_proj_scale_inv", self.l1[1]),
+            ("down_proj", self.l2[0]), ("down_proj_scale_inv", self.l2[1]),
+        ):
+            setattr(m, name, nn.Parameter(tensor, requires_grad=False))
+        m._planc_megamoe_weight_layout = "deep_gemm"
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights, process_group) -> torch.Tensor:
+        if self.l1 is None:
+            self.transform_weights()
+        dg = self.dg
+        n, hidden = hidden_states.shape
+        num_topk = top_k_index.shape[1]
+        key = BufferKey("deep_gemm", process_group.group_name, hidden, num_topk, self.num_experts, self.intermediate)
+
+        def allocate(capacity):
+            buf = dg.get_symm_buffer_for_mega_moe(
+                group=process_group, num_experts=self.num_experts, num_max_tokens_per_rank=capacity,
+                num_topk=num_topk, hidden=hidden, intermediate_hidden=self.intermediate,
+            )
+            return buf, buf.buffer.nbytes, buf.destroy
+
+        buf = get_buffer(
+            key, n, group=process_group, allocate=allocate,
+            max_tokens_per_rank=self.max_tokens_per_rank, device=hidden_states.device,
+        )
+        x_fp8, x_sf = quantize_fp8(hidden_states)
+        buf.x[:n].copy_(x_fp8)
+        buf.x_sf[:n].copy_(pack_ue8m0(x_sf))
+        buf.topk_idx[:n].copy_(top_k_index)
+        buf.topk_weights[:n].copy_(top_k_weights)
+        y = torch.empty((n, hidden), dtype=torch.bfloat16, device=hidden_states.device)
+        dg.fp8_fp4_mega_moe(
+            y=y, l1_weights=self.l1, l2_weights=self.l2, sym_buffer=buf, activation_clamp=self.activation_clamp,
+        )
+        return y

@@ -1,0 +1,263 @@
+"""Installs the Mega MoE forward on a transformers experts module (and takes it off again).
+
+After `install_megamoe_forward(...)` the module's forward is
+``forward(hidden_states [n, H], top_k_index [n, K] global ids (-1 = skip), top_k_weights [n, K],
+process_group=EP group) -> [n, H]``: the whole MoE for this rank's tokens, dispatch and combine
+included (the caller must not all-reduce). The `MegaMoeEP` runtime is the caller that `planc.apply`
+installs; it passes the EP group.
+
+The install is all or nothing and returns an `uninstall()` that puts back the module's original
+parameters and forward, so the apply layer can roll back.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from planc.runtime.megamoe import deep_gemm_backend
+from planc.runtime.megamoe.quant import quantize_experts_fp4
+from planc.runtime.megamoe.reference import DequantizedExperts, compute_dtype_for, reference_mega_moe
+
+BACKENDS = ("auto", "deep_gemm", "reference")
+_STATE = "_planc_megamoe"
+_FP4_PARAMS = ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv")
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def resolve_backend(backend: str, device: torch.device | None = None) -> str:
+    """`auto` -> `deep_gemm` where the kernel can run, else an error naming the explicit opt-in."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown Mega MoE backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    if backend == "reference":
+        return backend
+    if backend == "deep_gemm":
+        deep_gemm_backend.check_device(device)
+        deep_gemm_backend.load_deep_gemm()
+        return backend
+    reason = deep_gemm_backend.deep_gemm_unavailable_reason(device)
+    if reason is not None:
+        raise RuntimeError(
+            f"`experts.megamoe.backend: auto` found no usable deep_gemm kernel here ({reason}). Set "
+            "`experts.megamoe.backend: reference` to run the pure-PyTorch implementation explicitly (about 100x "
+            "slower than the kernel; never chosen silently)."
+        )
+    return "deep_gemm"
+
+
+@dataclass
+class ReferenceRunner:
+    """The reference backend for one module: dequantizes its FP4 weights once (per device) and runs."""
+
+    module: nn.Module
+    num_experts: int
+    activation_clamp: float | None
+    max_tokens_per_rank: int | None
+    _cache: DequantizedExperts | None = field(default=None, repr=False)
+
+    def weights(self, device: torch.device) -> DequantizedExperts:
+        if self._cache is None or self._cache.gate_up.device != device:
+            self._cache = None  # free the old copy first
+            m = self.module
+            p = {name: _local(getattr(m, name)).detach().to(device) for name in _FP4_PARAMS}
+            self._cache = DequantizedExperts.from_fp4(
+                p["gate_up_proj"], p["gate_up_proj_scale_inv"], p["down_proj"], p["down_proj_scale_inv"],
+                compute_dtype_for(device),
+            )
+        return self._cache
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights, process_group):
+        return reference_mega_moe(
+            hidden_states, top_k_index, top_k_weights, self.weights(hidden_states.device),
+            num_experts=self.num_experts,
+            group=process_group,
+            activation_clamp=self.activation_clamp,
+            max_tokens_per_rank=self.max_tokens_per_rank,
+        )
+
+
+@dataclass
+class MegaMoeState:
+    """What the installed forward needs; stored on the module as `_planc_megamoe`."""
+
+    backend: str
+    num_experts: int
+    ep_rank: int
+    ep_size: int
+    activation_clamp: float | None
+    runner: Callable[..., torch.Tensor]
+
+
+def megamoe_forward(self, hidden_states, top_k_index, top_k_weights, process_group=None):
+    """The experts forward planc installs (bound to the experts module)."""
+    state: MegaMoeState = getattr(self, _STATE)
+    if process_group is None:
+        raise ValueError(
+            "the Mega MoE experts forward needs the EP process group as `process_group=` (its buffers and its "
+            "dispatch/combine run over it). `planc.apply` supplies it through the MegaMoeEP runtime; when calling "
+            "the experts directly, pass the EP group (a one-rank group for a single process)."
+        )
+    if process_group.size() != state.ep_size or process_group.rank() != state.ep_rank:
+        raise ValueError(
+            f"the experts were installed for EP rank {state.ep_rank} of {state.ep_size}, but `process_group` is "
+            f"rank {process_group.rank()} of {process_group.size()}: pass the EP group they were sharded over"
+        )
+    if torch.is_grad_enabled() and hidden_states.requires_grad:
+        raise RuntimeError(
+            "Mega MoE is inference only (the kernel has no backward): run under `torch.no_grad()` or "
+            "`torch.inference_mode()`, or use `experts.ep_implementation: all_to_all` for training"
+        )
+    y = state.runner(hidden_states, top_k_index, top_k_weights.float(), process_group)
+    return y.to(hidden_states.dtype)
+
+
+def install_megamoe_forward(
+    experts: nn.Module,
+    *,
+    backend: str = "auto",
+    max_tokens_per_rank: int | None = None,
+    activation_clamp: float | None = None,
+    quantize: str | None = None,
+    num_global_experts: int | None = None,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    config: Any = None,
+    device: torch.device | None = None,
+) -> Callable[[], None]:
+    """Give `experts` the Mega MoE forward; return `uninstall()`, which restores it exactly.
+
+    - `experts` holds this rank's `E_loc = num_global_experts / ep_size` experts (global ids
+      ``[ep_rank * E_loc, (ep_rank + 1) * E_loc)``), as FP4 (see `quant.py` for the layout) or as
+      bf16/fp32 ``gate_up_proj [E_loc, 2I, H]``, ``down_proj [E_loc, H, I]`` with ``quantize="fp4"``,
+      which quantizes them here, at install time.
+    - `backend`: ``"deep_gemm"``, ``"reference"`` or ``"auto"`` (deep_gemm where it can run, else an error).
+    - `activation_clamp`: the SwiGLU clamp c; None -> ``config.swiglu_limit`` if set, else unclamped.
+      `config` defaults to ``experts.config``.
+    - `max_tokens_per_rank`: fixed buffer size; None -> the next power of two of the tokens per rank.
+    - `device`: the GPU the kernel runs on, for the backend checks (default: the weights' device, else
+      the current CUDA device).
+
+    The returned `uninstall()` holds the original parameters: drop it once the install is committed so
+    quantized-away bf16 weights are freed.
+    """
+    if getattr(experts, _STATE, None) is not None:
+        raise RuntimeError(f"{type(experts).__name__} already has the Mega MoE forward installed")
+    for attr in ("gate_up_proj", "down_proj"):
+        if getattr(experts, attr, None) is None:
+            raise TypeError(
+                f"{type(experts).__name__} has no `{attr}`: Mega MoE needs concatenated gate|up experts "
+                "(`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`)"
+            )
+    if getattr(experts, "is_transposed", False) or getattr(experts, "has_gate", True) is False:
+        raise NotImplementedError(
+            f"{type(experts).__name__} stores transposed or gate-less experts; the Mega MoE kernel computes "
+            "SwiGLU over `gate_up_proj [E, 2I, H]` with rows [gate | up]: use another experts implementation"
+        )
+    for bias in ("gate_up_proj_bias", "down_proj_bias"):
+        if getattr(experts, bias, None) is not None:
+            raise NotImplementedError(
+                f"{type(experts).__name__} has `{bias}`; the Mega MoE kernel has no expert biases: use another "
+                "experts implementation"
+            )
+    if quantize not in (None, "none", "fp4"):
+        raise ValueError(f"unknown `experts.megamoe.quantize` {quantize!r}: use `fp4` or leave it unset")
+    if ep_size < 1 or not 0 <= ep_rank < ep_size:
+        raise ValueError(f"invalid EP rank {ep_rank} of {ep_size}")
+
+    gate_up = _local(experts.gate_up_proj)
+    if device is None and gate_up.device.type == "cuda":
+        device = gate_up.device
+    resolved = resolve_backend(backend, device)
+
+    # Decide the FP4 parameters without touching the module yet.
+    if gate_up.dtype == torch.int8:
+        missing = [n for n in ("gate_up_proj_scale_inv", "down_proj_scale_inv") if getattr(experts, n, None) is None]
+        if missing:
+            raise ValueError(
+                f"{type(experts).__name__} has FP4 (int8) experts but no {', '.join(missing)}: FP4 experts need "
+                "their UE8M0 scales per 32 (see docs/megamoe.md for the layout)"
+            )
+        new_params = {}
+    elif quantize == "fp4":
+        if gate_up.is_meta:
+            raise ValueError("cannot quantize experts on the meta device: load the weights first")
+        q = quantize_experts_fp4(gate_up, _local(experts.down_proj))
+        new_params = {name: getattr(q, name) for name in _FP4_PARAMS}
+    else:
+        raise NotImplementedError(
+            f"Mega MoE runs FP4 experts (int8 `gate_up_proj` with UE8M0 scales), but "
+            f"{type(experts).__name__}.gate_up_proj is {gate_up.dtype}. Set `experts.megamoe.quantize: fp4` to "
+            "quantize the experts at apply time, or load an FP4 checkpoint."
+        )
+
+    num_local = (new_params.get("gate_up_proj", gate_up)).shape[0]
+    if num_global_experts is None:
+        num_global_experts = num_local * ep_size
+    if num_local * ep_size != num_global_experts:
+        raise ValueError(
+            f"{type(experts).__name__} holds {num_local} experts, but {num_global_experts} global experts over "
+            f"{ep_size} EP ranks means {num_global_experts // ep_size if num_global_experts % ep_size == 0 else '?'} "
+            "per rank: shard the expert dimension (`grouped_gemm`) before installing the Mega MoE forward"
+        )
+
+    if activation_clamp is None:
+        cfg = config if config is not None else getattr(experts, "config", None)
+        activation_clamp = getattr(cfg, "swiglu_limit", None)
+    if activation_clamp is not None:
+        activation_clamp = float(activation_clamp)
+        if not activation_clamp >= 0:
+            raise ValueError(f"`activation_clamp` must be >= 0 (the kernel clamps to [-c, c]), got {activation_clamp}")
+
+    # Mutate, remembering everything to put back.
+    saved_params = {name: experts._parameters.get(name, None) for name in _FP4_PARAMS}
+    had_params = {name: name in experts._parameters for name in _FP4_PARAMS}
+    had_forward = "forward" in experts.__dict__
+    saved_forward = experts.__dict__.get("forward")
+
+    def uninstall() -> None:
+        for name in _FP4_PARAMS:
+            if had_params[name]:
+                experts._parameters[name] = saved_params[name]
+            else:
+                experts._parameters.pop(name, None)
+        if had_forward:
+            experts.__dict__["forward"] = saved_forward
+        else:
+            experts.__dict__.pop("forward", None)
+        for attr in (_STATE, "_planc_megamoe_weight_layout"):
+            experts.__dict__.pop(attr, None)
+
+    try:
+        for name, tensor in new_params.items():
+            if name in experts._parameters:
+                del experts._parameters[name]
+            elif hasattr(experts, name):
+                delattr(experts, name)
+            experts.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+        if resolved == "deep_gemm":
+            runner = deep_gemm_backend.DeepGemmMegaMoe(
+                experts, num_experts=num_global_experts, activation_clamp=activation_clamp,
+                max_tokens_per_rank=max_tokens_per_rank,
+            )
+        else:
+            runner = ReferenceRunner(experts, num_global_experts, activation_clamp, max_tokens_per_rank)
+        experts.__dict__[_STATE] = MegaMoeState(
+            resolved, num_global_experts, ep_rank, ep_size, activation_clamp, runner
+        )
+        experts.__dict__["forward"] = types.MethodType(megamoe_forward, experts)
+    except BaseException:
+        uninstall()
+        raise
+    return uninstall
+
+
+def megamoe_state(experts: nn.Module) -> MegaMoeState | None:
+    """The installed Mega MoE state of an experts module, or None."""
+    return getattr(experts, _STATE, None)

@@ -1,0 +1,183 @@
+"""Process groups of a plan: the `dp` x `tp` DeviceMesh, the EP group, and the differentiable collectives on them.
+
+The dense mesh is `(dp, tp)` over the world: the ranks of a TP group hold the same batch. The EP
+group is `ep_size` consecutive ranks (`ep_rank = rank % ep_size`), so with `ep_size == tp_size` it
+is the TP group, with `ep_size > tp_size` it spans several data-parallel batches, and with
+`ep_size < tp_size` a TP group holds several copies of the experts. EP runtimes get one `Groups`.
+
+The autograd collectives live here because TP styles and EP runtimes both need them: DTensor's own
+`Replicate` backward averages where MoE needs a sum (each rank's expert shard contributes a partial
+gradient to the shared input), and `all_to_all_single` has no public autograd form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from planc.errors import ApplyError
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The process groups one rank uses: handed to TP styles (`tp_mesh`) and EP runtimes (everything)."""
+
+    mesh: DeviceMesh  # ("dp", "tp")
+    tp_mesh: DeviceMesh
+    ep_mesh: DeviceMesh
+    tp_group: dist.ProcessGroup
+    tp_rank: int
+    tp_size: int
+    ep_group: dist.ProcessGroup
+    ep_rank: int
+    ep_size: int
+
+    @property
+    def shares_batch(self) -> bool:
+        """Every rank of the EP group holds the same batch (the EP group is the TP group)."""
+        return dist.get_process_group_ranks(self.tp_group) == dist.get_process_group_ranks(self.ep_group)
+
+
+def device_type() -> str:
+    """`cuda` when the default backend is NCCL, else `cpu` (gloo)."""
+    backend = dist.get_backend()
+    return "cuda" if "nccl" in str(backend) else "cpu"
+
+
+def build_groups(parallel, mesh: Optional[DeviceMesh] = None) -> Groups:
+    """The `Groups` of `parallel` (a `planc.spec.model.Parallel`) on this world, or on the caller's `mesh`.
+
+    Every rank must call this (it creates process groups). A world that does not match the plan's
+    sizes raises the same ApplyError on every rank, before any group is created.
+    """
+    world = dist.get_world_size()
+    tp, ep, dp = parallel.tp_size, parallel.ep_size, parallel.dp_size
+    if mesh is None:
+        if world != tp * dp:
+            raise ApplyError(
+                f"planc.runtime.mesh: the plan needs tp_size * dp_size = {tp} * {dp} = {tp * dp} processes, "
+                f"but the world has {world}. Launch {tp * dp} processes (torchrun --nproc-per-node {tp * dp}), "
+                "or change `parallel` in the plan to match the world."
+            )
+        mesh = init_device_mesh(device_type(), (dp, tp), mesh_dim_names=("dp", "tp"))
+    else:
+        mesh = _check_caller_mesh(mesh, tp, dp, world)
+    if world % ep:
+        raise ApplyError(
+            f"planc.runtime.mesh: ep_size={ep} does not divide the world size {world}: the EP group is `ep_size` "
+            "consecutive ranks. Pick an ep_size that divides tp_size * dp_size."
+        )
+    tp_mesh = mesh["tp"]
+    if ep == tp:
+        ep_mesh = tp_mesh
+    else:
+        layout = torch.arange(world).view(world // ep, ep)
+        ep_mesh = DeviceMesh(mesh.device_type, layout, mesh_dim_names=("ep_replicas", "ep"))["ep"]
+    return Groups(
+        mesh=mesh,
+        tp_mesh=tp_mesh,
+        ep_mesh=ep_mesh,
+        tp_group=tp_mesh.get_group(),
+        tp_rank=tp_mesh.get_local_rank(),
+        tp_size=tp_mesh.size(),
+        ep_group=ep_mesh.get_group(),
+        ep_rank=ep_mesh.get_local_rank(),
+        ep_size=ep_mesh.size(),
+    )
+
+
+def _check_caller_mesh(mesh: DeviceMesh, tp: int, dp: int, world: int) -> DeviceMesh:
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim == 1:
+        if mesh.size() != tp or world != tp:
+            raise ApplyError(
+                f"planc.runtime.mesh: the 1-D mesh passed to planc.apply has {mesh.size()} ranks in a world of "
+                f"{world}, the plan wants tp_size={tp}, dp_size={dp}. Pass a 2-D mesh named ('dp', 'tp'), "
+                "or leave `mesh` out and planc builds it."
+            )
+        return init_device_mesh(mesh.device_type, (1, tp), mesh_dim_names=("dp", "tp"))
+    if "tp" not in names or "dp" not in names or mesh.ndim != 2:
+        raise ApplyError(
+            f"planc.runtime.mesh: the mesh passed to planc.apply has dims {names}; planc needs a 2-D mesh "
+            "named ('dp', 'tp'). Build it with init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))."
+        )
+    if mesh["tp"].size() != tp or mesh["dp"].size() != dp or mesh.size() != world:
+        raise ApplyError(
+            f"planc.runtime.mesh: the mesh passed to planc.apply is dp={mesh['dp'].size()} x tp={mesh['tp'].size()} "
+            f"over {mesh.size()} of {world} ranks, the plan wants dp={dp} x tp={tp}. "
+            "Make the mesh match the plan's `parallel` sizes."
+        )
+    return mesh
+
+
+# ---- differentiable collectives -------------------------------------------------------------------------
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the group forward; identity backward (the loss downstream is replicated)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _AllReduceGrad(torch.autograd.Function):
+    """Identity forward; sum the gradient over the group backward (each rank's grad is partial)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """Partial outputs -> their sum on every rank (identity backward)."""
+    if dist.get_world_size(group) == 1:
+        return x
+    return _AllReduceSum.apply(x, group)
+
+
+def all_reduce_grad(x: torch.Tensor, group) -> torch.Tensor:
+    """A replicated input whose gradient each rank only computes in part: sum it in backward."""
+    if dist.get_world_size(group) == 1 or not (torch.is_grad_enabled() and x.requires_grad):
+        return x
+    return _AllReduceGrad.apply(x, group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """`all_to_all_single` with uneven splits; its backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits: Sequence[int], input_splits: Sequence[int], group):
+        ctx.splits, ctx.group = (list(output_splits), list(input_splits)), group
+        out = x.new_empty((sum(output_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), list(output_splits), list(input_splits), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        back = grad.new_empty((sum(input_splits), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), input_splits, output_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def all_to_all(x: torch.Tensor, output_splits, input_splits, group) -> torch.Tensor:
+    """Send `input_splits[r]` rows of `x` to rank r, receive `output_splits[r]` from it (differentiable)."""
+    return _AllToAll.apply(x, output_splits, input_splits, group)

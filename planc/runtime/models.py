@@ -1,0 +1,122 @@
+"""Build transformers MoE models from configs: tiny random ones for tests and the demo, full-size on meta.
+
+Tests, `planc demo` and `planc explain` need real transformers models without the hub. The tiny
+configs keep every dimension the shipped plans shard divisible by 4 (heads, KV heads, experts), so
+the same model runs on 1, 2 and 4 ranks; `build_meta_model` builds the family's default (full-size)
+config on the meta device, which costs no memory, for the compiler to walk.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+# Small enough for CPU tests (forward < 50 ms), big enough that every sharded dim splits over 4 ranks.
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "mixtral": dict(
+        vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=128,
+    ),
+    "qwen3_moe": dict(
+        vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=128,
+    ),
+    "gpt_oss": dict(
+        vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=128,
+    ),
+    "deepseek_v3": dict(
+        vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
+        q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=128,
+    ),
+    "deepseek_v4": dict(
+        vocab_size=128, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, q_lora_rank=32, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16, index_topk=4,
+        sliding_window=8, qk_rope_head_dim=8, hc_mult=2, hc_sinkhorn_iters=2,
+        layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
+        mlp_layer_types=["hash_moe", "moe"], max_position_embeddings=128,
+    ),
+}
+
+MODEL_TYPES = tuple(TINY_CONFIGS)
+
+
+def _config_class(model_type: str):
+    from transformers import AutoConfig
+
+    try:
+        return type(AutoConfig.for_model(model_type))
+    except ValueError as e:
+        raise ValueError(
+            f"planc.runtime.models: transformers knows no model type `{model_type}`; "
+            "use a `config.model_type` such as " + ", ".join(MODEL_TYPES)
+        ) from e
+
+
+def tiny_config(model_type: str, **overrides):
+    """The tiny config of `model_type` (fp32, eager attention), with `overrides` applied."""
+    if model_type not in TINY_CONFIGS:
+        raise ValueError(
+            f"planc.runtime.models: no tiny config for `{model_type}`; known: {', '.join(MODEL_TYPES)}. "
+            "Build the model yourself from a config and pass it to planc.apply."
+        )
+    kwargs = {**TINY_CONFIGS[model_type], **overrides}
+    kwargs.setdefault("tie_word_embeddings", False)
+    config = _config_class(model_type)(**kwargs)
+    config._attn_implementation = "eager"
+    return config
+
+
+def build_tiny_model(model_type: str, *, seed: int = 0, experts_implementation: Optional[str] = None, **overrides):
+    """A tiny random `*ForCausalLM` of `model_type`, fp32, eval mode, identical for the same seed on every rank."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(model_type, **overrides)
+    torch.manual_seed(seed)
+    kwargs = {"experts_implementation": experts_implementation} if experts_implementation else {}
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
+    _randomize_zero_inits(model, seed)
+    return model.eval()
+
+
+def _randomize_zero_inits(model, seed: int) -> None:
+    """Give zero/one-initialised parameters (router biases, norms, sinks) random values too.
+
+    A parameter left at zero or one hides sharding mistakes (a wrongly sliced zero bias is still zero).
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            flat = p.detach().flatten()
+            if flat.numel() and bool((flat == flat[0]).all()):
+                p.add_(0.02 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.01 * torch.randn(b.shape, generator=gen, dtype=b.dtype))
+
+
+def clone_model(model):
+    """An independent deep copy (the unsharded reference in tests and the demo)."""
+    return copy.deepcopy(model)
+
+
+def build_meta_model(model_type: str, config_overrides: Optional[dict] = None):
+    """The full-size `*ForCausalLM` of `model_type` from transformers' default config, on the meta device.
+
+    No memory is allocated, so `planc explain` can resolve a plan against a 600B-parameter model.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = _config_class(model_type)(**(config_overrides or {}))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)

@@ -1,0 +1,313 @@
+"""Tensor-parallel styles: one small object per plan style, on torch's public DTensor API.
+
+Modelled on `torch/distributed/tensor/parallel/style.py`, but split the way a compiled plan is: a
+style's `shard_param(module, name, mesh)` turns one parameter into a DTensor holding this rank's
+slice (`src_data_rank=None`: every rank already holds the full, identical weight, so no
+communication), and its `install(module, mesh)` wraps the module's forward with the layout changes
+its neighbours expect. Forwards see plain local tensors at module boundaries, as transformers
+models expect; inside, DTensor propagates the sharding and its autograd makes the backward right.
+
+Every forward this module installs is an instance attribute `module.forward` (the class forward is
+untouched), so `planc.runtime.install` can undo it by restoring the module's `__dict__`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from planc.errors import ApplyError
+from planc.runtime.mesh import all_reduce_grad, all_reduce_sum
+
+
+def _where(module: nn.Module) -> str:
+    return getattr(module, "_planc_fqn", type(module).__name__)
+
+
+def _as_dtensor_param(param: torch.Tensor, mesh, placement) -> nn.Parameter:
+    local = param.detach()
+    return nn.Parameter(
+        distribute_tensor(local, mesh, [placement], src_data_rank=None), requires_grad=param.requires_grad
+    )
+
+
+def _to_local(x):
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+@contextlib.contextmanager
+def local_parameters(module: nn.Module):
+    """Run the module's own forward on the local shards of its DTensor parameters.
+
+    Kernels (grouped_mm, experts loops, deep_gemm) take plain tensors. `to_local()` is differentiable,
+    so the gradients still land on the DTensor parameters.
+    """
+    originals = {n: p for n, p in module._parameters.items() if isinstance(p, DTensor)}
+    for name, p in originals.items():
+        module._parameters[name] = p.to_local()
+    try:
+        yield
+    finally:
+        module._parameters.update(originals)
+
+
+class TPStyle:
+    """Base: no sharding, no forward change (the `replicate` style)."""
+
+    name = "replicate"
+
+    def shard_param(self, module: nn.Module, name: str, mesh) -> None:
+        """Replace `module._parameters[name]` with this rank's slice (a DTensor parameter)."""
+
+    def install(self, module: nn.Module, mesh) -> None:
+        """Wrap `module.forward` with this style's input/output layouts."""
+
+    def _wrap(self, module: nn.Module, mesh, forward) -> None:
+        original = module.forward
+
+        def tp_forward(*args, **kwargs):
+            return forward(original, *args, **kwargs)
+
+        tp_forward.planc_style = self.name
+        module.forward = tp_forward
+
+    def _shard_own_params(self, module: nn.Module, mesh) -> None:
+        """Shard the module's direct parameters the plan did not list on their own (a module-only rule)."""
+        for name, p in list(module._parameters.items()):
+            if p is not None and not isinstance(p, DTensor):
+                self.shard_param(module, name, mesh)
+
+    def _require_linear(self, module: nn.Module, attr: str) -> None:
+        if not hasattr(module, attr):
+            raise ApplyError(
+                f"planc.runtime.tp_styles: `{self.name}` on {_where(module)} ({type(module).__name__}) needs a "
+                f"linear layer (`{attr}`); put `{self.name}` on an nn.Linear, or `replicate` on this module."
+            )
+
+
+class Colwise(TPStyle):
+    """Shard output features (weight dim -2, bias dim -1); input replicated; output sharded or gathered."""
+
+    def __init__(self, gather_output: bool = False):
+        self.gather_output = gather_output
+        self.name = "colwise_gather_output" if gather_output else "colwise"
+
+    def shard_param(self, module, name, mesh):
+        p = module._parameters[name]
+        module._parameters[name] = _as_dtensor_param(p, mesh, Shard(max(p.ndim - 2, 0) if p.ndim > 1 else 0))
+
+    def install(self, module, mesh):
+        self._require_linear(module, "out_features")
+        self._shard_own_params(module, mesh)
+
+        def forward(original, x, *args, **kwargs):
+            x = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            if x.placements != (Replicate(),):
+                x = x.redistribute(mesh, [Replicate()])
+            out = original(x, *args, **kwargs)  # Shard(-1); backward all-reduces the input grad
+            if self.gather_output:
+                out = out.redistribute(mesh, [Replicate()])
+            return out.to_local()
+
+        self._wrap(module, mesh, forward)
+
+
+class Rowwise(TPStyle):
+    """Shard input features (weight dim -1, bias replicated); partial outputs all-reduced.
+
+    `split_input`: the input arrives replicated and each rank keeps its slice (`rowwise_split_input`);
+    otherwise it arrives already sharded on the last dim (after a `colwise`).
+    """
+
+    def __init__(self, split_input: bool = False):
+        self.split_input = split_input
+        self.name = "rowwise_split_input" if split_input else "rowwise"
+
+    def shard_param(self, module, name, mesh):
+        p = module._parameters[name]
+        placement = Replicate() if (name.endswith("bias") and p.ndim == 1) else Shard(p.ndim - 1)
+        module._parameters[name] = _as_dtensor_param(p, mesh, placement)
+
+    def install(self, module, mesh):
+        self._require_linear(module, "in_features")
+        self._shard_own_params(module, mesh)
+
+        def forward(original, x, *args, **kwargs):
+            if not isinstance(x, DTensor):
+                if self.split_input:
+                    x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                else:
+                    shape = (*x.shape[:-1], module.in_features)
+                    stride = torch.empty(shape, device="meta").stride()
+                    x = DTensor.from_local(x, mesh, [Shard(x.ndim - 1)], run_check=False, shape=shape, stride=stride)
+            if x.placements != (Shard(x.ndim - 1),):
+                x = x.redistribute(mesh, [Shard(x.ndim - 1)])
+            out = original(x, *args, **kwargs)  # Partial (+ replicated bias)
+            return out.redistribute(mesh, [Replicate()]).to_local()
+
+        self._wrap(module, mesh, forward)
+
+
+class PackedColwise(TPStyle):
+    """Colwise for fused gate|up weights: each half sharded, so rank r holds gate_r | up_r.
+
+    2-D `[2I, H]` Linear weights and 3-D `[E, 2I, H]` experts weights (dim -2), biases on dim -1.
+    The forward runs on local tensors (DTensor has no matmul rule for a strided shard); the
+    replicated input's gradient is partial, so it is summed over the group in backward.
+    """
+
+    name = "packed_colwise"
+
+    def shard_param(self, module, name, mesh):
+        p = module._parameters[name]
+        if getattr(module, "is_transposed", False):
+            raise ApplyError(
+                f"planc.runtime.tp_styles: `packed_colwise` on {_where(module)}.{name}: {type(module).__name__} stores "
+                "its experts transposed ([E, H, 2I]); planc shards [E, 2I, H] layouts only. Use expert parallelism "
+                "(`grouped_gemm` + `ep_dispatch_experts` in ep_plan) for these experts."
+            )
+        dim = p.ndim - 2 if p.ndim > 1 else p.ndim - 1
+        if getattr(module, "is_concatenated", True) is False:
+            raise ApplyError(
+                f"planc.runtime.tp_styles: `packed_colwise` on {_where(module)}.{name}: gate and up are interleaved, "
+                "not concatenated; shard these experts with expert parallelism instead."
+            )
+        if p.shape[dim] % (2 * mesh.size()):
+            raise ApplyError(
+                f"planc.runtime.tp_styles: `packed_colwise` on {_where(module)}.{name}: dim {dim} of size "
+                f"{p.shape[dim]} does not split into gate and up halves over {mesh.size()} ranks. "
+                "Pick a tp_size that divides the intermediate size."
+            )
+        module._parameters[name] = _as_dtensor_param(p, mesh, _StridedShard(dim, split_factor=2))
+
+    def install(self, module, mesh):
+        self._require_linear(module, "out_features")
+        self._shard_own_params(module, mesh)
+        group = mesh.get_group()
+
+        def forward(original, x, *args, **kwargs):
+            x = all_reduce_grad(_to_local(x), group)
+            with local_parameters(module):
+                return original(x, *args, **kwargs)
+
+        self._wrap(module, mesh, forward)
+
+
+class EmbeddingRowwise(TPStyle):
+    """Vocab-parallel embedding: rank r holds a slice of the vocabulary; partial lookups are summed."""
+
+    name = "embedding_rowwise"
+
+    def shard_param(self, module, name, mesh):
+        module._parameters[name] = _as_dtensor_param(module._parameters[name], mesh, Shard(0))
+
+    def install(self, module, mesh):
+        if not hasattr(module, "num_embeddings"):
+            raise ApplyError(
+                f"planc.runtime.tp_styles: `embedding_rowwise` on {_where(module)} ({type(module).__name__}) needs "
+                "an nn.Embedding; put it on the token embedding (`model.embed_tokens`)."
+            )
+        self._shard_own_params(module, mesh)
+
+        def forward(original, ids, *args, **kwargs):
+            ids = ids if isinstance(ids, DTensor) else DTensor.from_local(ids, mesh, [Replicate()], run_check=False)
+            out = original(ids, *args, **kwargs)
+            return out.redistribute(mesh, [Replicate()]).to_local()
+
+        self._wrap(module, mesh, forward)
+
+
+class ReplicatedWithGradAllReduce(TPStyle):
+    """Replicated parameters whose gradient each rank computes only in part (e.g. Qwen3's per-head q/k norms
+    over this rank's heads): the gradients are summed over the group after accumulation."""
+
+    name = "replicated_with_grad_allreduce"
+
+    def install(self, module, mesh):
+        group = mesh.get_group()
+
+        def reduce_grad(param):
+            torch.distributed.all_reduce(param.grad, group=group)
+
+        for name, p in list(module._parameters.items()):
+            if p is None or isinstance(p, DTensor):
+                continue
+            # A new Parameter object (same storage) carries the hook, so rollback only has to restore the
+            # module's `_parameters` to leave the user's Parameter objects untouched.
+            fresh = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+            if fresh.requires_grad:
+                fresh.register_post_accumulate_grad_hook(reduce_grad)
+            module._parameters[name] = fresh
+
+
+class MoeTPExperts(TPStyle):
+    """Tensor-parallel experts (ep_size == 1): every rank holds a slice of every expert.
+
+    Pair with `packed_colwise` on `gate_up_proj` and `rowwise` on `down_proj`. Each rank runs all
+    experts on its slice of the intermediate dim, producing a partial output that is summed over
+    the group; the replicated inputs (hidden states, routing weights) get partial gradients, which
+    are summed in backward.
+    """
+
+    name = "moe_tp_experts"
+
+    def install(self, module, mesh):
+        where = _where(module)
+        for pname in ("gate_up_proj", "up_proj", "down_proj"):
+            p = module._parameters.get(pname)
+            if p is not None and not isinstance(p, DTensor):
+                raise ApplyError(
+                    f"planc.runtime.tp_styles: `moe_tp_experts` on {where} needs `{pname}` sharded, but the plan "
+                    f"leaves it whole. Add `{where}.{pname}: "
+                    f"{'rowwise' if pname == 'down_proj' else 'packed_colwise'}` to tp_plan."
+                )
+        if module._parameters.get("down_proj_bias") is not None:
+            raise ApplyError(
+                f"planc.runtime.tp_styles: `moe_tp_experts` on {where}: {type(module).__name__} has a down "
+                "projection bias, which every rank would add once. Use expert parallelism for these experts."
+            )
+        group = mesh.get_group()
+
+        def forward(original, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+            hidden_states = all_reduce_grad(_to_local(hidden_states), group)
+            top_k_weights = all_reduce_grad(_to_local(top_k_weights), group)
+            with local_parameters(module):
+                out = original(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+            return all_reduce_sum(out, group)
+
+        self._wrap(module, mesh, forward)
+
+
+TP_STYLES: dict[str, TPStyle] = {
+    style.name: style
+    for style in (
+        Colwise(),
+        Colwise(gather_output=True),
+        Rowwise(),
+        Rowwise(split_input=True),
+        PackedColwise(),
+        EmbeddingRowwise(),
+        TPStyle(),
+        ReplicatedWithGradAllReduce(),
+        MoeTPExperts(),
+    )
+}
+
+
+def tp_style(name: str, where: Optional[str] = None) -> TPStyle:
+    """The style object for a plan's style name; a name the runtime does not implement is an error."""
+    try:
+        return TP_STYLES[name]
+    except KeyError:
+        raise ApplyError(
+            f"planc.runtime.tp_styles: style `{name}`{f' at {where}' if where else ''} has no runtime "
+            f"implementation; implemented: {', '.join(sorted(TP_STYLES))}. Pick one of those, or `replicate`."
+        ) from None
+
+
+__all__ = ["TPStyle", "TP_STYLES", "tp_style", "local_parameters"]

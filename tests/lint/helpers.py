@@ -1,0 +1,40 @@
+"""Shared helpers of the lint tests: the repository root and running the real `planc` CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PLANS = sorted((REPO / "plans").glob("*.y*ml"))
+
+GOOD = """\
+version: 1
+model: {type: mixtral}
+parallel: {tp_size: 2, ep_size: 2}
+tp_plan:
+  model.layers.*.self_attn.{q,k,v}_proj: colwise
+  model.layers.*.self_attn.o_proj: rowwise
+ep_plan:
+  model.layers.*.mlp.experts.{gate_up_proj,down_proj}: grouped_gemm
+  model.layers.*.mlp.experts: ep_dispatch_experts
+"""
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
+    return e
+
+
+def planc(*args: str, cwd=REPO, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run `python -m planc ARGS` in a fresh process (the same entry point as the console script)."""
+    return subprocess.run(
+        [sys.executable, "-m", "planc", *args], cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def codes(diags) -> list[str]:
+    return [d.code for d in diags]

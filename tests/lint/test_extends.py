@@ -1,0 +1,158 @@
+"""`extends`: merge semantics, positions of the winning key, and the directory-tree fence."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from planc.errors import PlanError
+from planc.lint.runner import lint_file, lint_paths
+from planc.spec.load import LoadedPlan, load_plan
+
+from .helpers import GOOD, codes
+
+CHILD = """\
+version: 1
+extends: base.yaml
+parallel: {tp_size: 4, ep_size: 4}
+tp_plan:
+  model.layers.*.self_attn.o_proj: colwise
+"""
+
+
+@pytest.fixture
+def tree(tmp_path):
+    (tmp_path / "base.yaml").write_text(GOOD)
+    (tmp_path / "child.yaml").write_text(CHILD)
+    return tmp_path
+
+
+def test_child_wins_key_by_key_and_tables_merge_by_pattern(tree):
+    loaded = load_plan(str(tree / "child.yaml"))
+    assert isinstance(loaded, LoadedPlan)
+    plan = loaded.plan
+    assert (plan.parallel.tp_size, plan.parallel.ep_size) == (4, 4)
+    assert plan.model.type == "mixtral"
+    assert plan.tp_plan["model.layers.*.self_attn.o_proj"] == "colwise"
+    assert plan.tp_plan["model.layers.*.self_attn.{q,k,v}_proj"] == "colwise"
+    assert len(plan.ep_plan) == 2
+    assert plan.extends == "base.yaml"
+
+
+def test_positions_follow_the_winning_key(tree):
+    loaded = load_plan(str(tree / "child.yaml"))
+    child, base = str(tree / "child.yaml"), str(tree / "base.yaml")
+    assert loaded.position(("tp_plan", "model.layers.*.self_attn.o_proj")) .path == child
+    assert loaded.position(("tp_plan", "model.layers.*.self_attn.{q,k,v}_proj")).path == base
+    assert loaded.position(("model", "type")).path == base
+    assert loaded.position(("parallel", "ep_size")).path == child
+
+
+def test_replaced_subtrees_lose_parent_positions(tmp_path):
+    (tmp_path / "base.yaml").write_text(GOOD)
+    (tmp_path / "child.yaml").write_text("version: 1\nextends: base.yaml\ntp_plan: {}\n")
+    loaded = load_plan(str(tmp_path / "child.yaml"))
+    assert loaded.plan.tp_plan == {}  # an empty mapping merges: parent rules stay
+    (tmp_path / "child.yaml").write_text("version: 1\nextends: base.yaml\nname: x\nmodel: {type: qwen3_moe}\n")
+    loaded = load_plan(str(tmp_path / "child.yaml"))
+    assert loaded.position(("model", "type")).path.endswith("child.yaml")
+
+
+def test_diagnostic_in_parent_points_at_parent_line(tree):
+    (tree / "base.yaml").write_text(GOOD.replace("o_proj: rowwise", "o_proj: rowwize"))
+    (tree / "child.yaml").write_text("version: 1\nextends: base.yaml\n")
+    [d] = lint_file(str(tree / "child.yaml"))
+    assert d.code == "PLC310" and d.path == str(tree / "base.yaml") and d.line == 6
+
+
+def test_semantic_rule_uses_merged_values(tree):
+    (tree / "child.yaml").write_text("version: 1\nextends: base.yaml\nparallel: {tp_size: 2, ep_size: 1}\n")
+    assert codes(lint_file(str(tree / "child.yaml"))) == ["PLC405"]
+
+
+def test_parent_problems_are_reported_once_across_files(tree):
+    (tree / "base.yaml").write_text(GOOD.replace("o_proj: rowwise", "o_proj: rowwize"))
+    (tree / "child.yaml").write_text("version: 1\nextends: base.yaml\n")
+    assert codes(lint_paths([str(tree)])) == ["PLC310"]
+
+
+def test_extends_outside_tree(tmp_path):
+    (tmp_path / "base.yaml").write_text(GOOD)
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    (sub / "child.yaml").write_text("version: 1\nextends: ../base.yaml\n")
+    [d] = lint_file(str(sub / "child.yaml"))
+    assert d.code == "PLC200" and (d.line, d.col) == (2, 10)
+
+
+def test_extends_absolute_path(tree):
+    (tree / "child.yaml").write_text(f"version: 1\nextends: {tree / 'base.yaml'}\n")
+    assert codes(lint_file(str(tree / "child.yaml"))) == ["PLC200"]
+
+
+def test_extends_symlink_out_of_tree(tmp_path):
+    (tmp_path / "base.yaml").write_text(GOOD)
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    os.symlink(tmp_path / "base.yaml", sub / "link.yaml")
+    (sub / "child.yaml").write_text("version: 1\nextends: link.yaml\n")
+    assert codes(lint_file(str(sub / "child.yaml"))) == ["PLC200"]
+
+
+def test_extends_below_is_allowed_and_stays_in_first_tree(tmp_path):
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "b.yaml").write_text(GOOD)
+    (tmp_path / "base" / "mid.yaml").write_text("version: 1\nextends: b.yaml\n")
+    (tmp_path / "child.yaml").write_text("version: 1\nextends: base/mid.yaml\n")
+    assert lint_file(str(tmp_path / "child.yaml")) == []
+    # mid.yaml reaching back up to the first plan's directory is inside the first plan's tree
+    (tmp_path / "top.yaml").write_text(GOOD)
+    (tmp_path / "base" / "mid.yaml").write_text("version: 1\nextends: ../top.yaml\n")
+    assert lint_file(str(tmp_path / "child.yaml")) == []
+
+
+@pytest.mark.parametrize("files", [{"a.yaml": "a.yaml"}, {"a.yaml": "b.yaml", "b.yaml": "a.yaml"}])
+def test_extends_cycle(tmp_path, files):
+    for name, parent in files.items():
+        (tmp_path / name).write_text(f"version: 1\nextends: {parent}\n")
+    [d] = lint_file(str(tmp_path / "a.yaml"))
+    assert d.code == "PLC201" and "cycle" in d.message
+
+
+def test_extends_missing_parent(tree):
+    (tree / "child.yaml").write_text("version: 1\nextends: nope.yaml\n")
+    assert codes(lint_file(str(tree / "child.yaml"))) == ["PLC202"]
+
+
+def test_parent_that_is_not_yaml(tree):
+    (tree / "base.yaml").write_bytes(b"\xff\xfe")
+    [d] = lint_file(str(tree / "child.yaml"))
+    assert d.code == "PLC003" and d.path == str(tree / "base.yaml")
+
+
+def test_extends_wrong_type_is_a_schema_error(tree):
+    (tree / "child.yaml").write_text(GOOD + "extends: [a]\n")
+    assert codes(lint_file(str(tree / "child.yaml"))) == ["PLC102"]
+
+
+def test_load_plan_raises_plan_error_with_diagnostics(tree):
+    (tree / "child.yaml").write_text("version: 1\nextends: nope.yaml\n")
+    with pytest.raises(PlanError) as err:
+        load_plan(str(tree / "child.yaml"))
+    assert [d.code for d in err.value.diagnostics] == ["PLC202"]
+    assert "child.yaml:2:10: PLC202 error" in str(err.value)
+
+
+def test_load_plan_sources(tree):
+    text_plan = load_plan(GOOD)
+    assert text_plan.plan.parallel.ep_size == 2 and text_plan.position(("tp_plan",)).line == 4
+    assert load_plan(text_plan) is text_plan
+    assert load_plan({"version": 1, "model": {"type": "m"}, "parallel": {"tp_size": 1}}).plan.parallel.tp_size == 1
+    with pytest.raises(PlanError) as err:
+        load_plan({"version": 1, "model": {"type": "m"}, "parallel": {"tp_size": 2, "ep_size": 2}})
+    assert [d.code for d in err.value.diagnostics] == ["PLC404"]
+    warned = load_plan(GOOD.replace("ep_size: 2", "ep_size: 1"))
+    assert [d.code for d in warned.diagnostics] == ["PLC405"]
+    with pytest.raises(TypeError):
+        load_plan(42)

@@ -1,0 +1,117 @@
+"""Multi-rank (gloo): the reference's dispatch/combine and the MegaMoeEP sliced forward equal one process."""
+
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from planc.runtime.ep.megamoe import MegaMoeEPRuntime, slice_for_rank
+from planc.runtime.megamoe import buffer_stats, install_megamoe_forward
+from planc.runtime.megamoe.quant import quantize_experts_fp4
+from planc.runtime.megamoe.reference import DequantizedExperts, reference_mega_moe
+from tests.distributed import run_distributed
+from tests.megamoe.common import E, full_weights, mixtral_experts, routing
+
+CLAMP = 1.0  # small enough to be active on these inputs
+
+
+def dequantized(lo=0, hi=E):
+    w1, w2 = full_weights(0)
+    q = quantize_experts_fp4(w1[lo:hi], w2[lo:hi])
+    return DequantizedExperts.from_fp4(q.gate_up_proj, q.gate_up_proj_scale_inv, q.down_proj, q.down_proj_scale_inv)
+
+
+def _reference_rank(rank, world_size, counts):
+    """Each rank routes its own tokens over the whole group; several calls, ragged counts per rank."""
+    e_loc = E // world_size
+    experts = dequantized(rank * e_loc, (rank + 1) * e_loc)
+    outs = []
+    with torch.no_grad():
+        for call, per_rank in enumerate(counts):
+            x, idx, w = routing(per_rank[rank], seed=100 * call + rank, masked=0.15)
+            outs.append(reference_mega_moe(x, idx, w, experts, num_experts=E, group=dist.group.WORLD,
+                                           activation_clamp=CLAMP))
+    return outs, buffer_stats().allocations
+
+
+# per call, the token count of each rank (every call's counts share a power-of-two bucket; zeros included)
+COUNTS = {
+    2: [(3, 4), (0, 1), (5, 8), (2, 2)],
+    4: [(3, 4, 4, 3), (0, 1, 0, 1), (7, 5, 8, 6)],
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_distributed_reference_equals_single_process(world_size):
+    results = run_distributed(_reference_rank, world_size, COUNTS[world_size])
+    single = dequantized()
+    for call, per_rank in enumerate(COUNTS[world_size]):
+        for rank, n in enumerate(per_rank):
+            x, idx, w = routing(n, seed=100 * call + rank, masked=0.15)
+            expected = reference_mega_moe(x, idx, w, single, num_experts=E, activation_clamp=CLAMP)
+            assert torch.equal(results[rank][0][call], expected), (call, rank)
+    assert len({allocations for _, allocations in results}) == 1  # every rank took the same buffer path
+
+
+def _megamoe_ep_rank(rank, world_size, batch_sizes):
+    e_loc = E // world_size
+    w1, w2 = full_weights(0)
+    experts = mixtral_experts(w1[rank * e_loc:(rank + 1) * e_loc], w2[rank * e_loc:(rank + 1) * e_loc])
+    install_megamoe_forward(experts, backend="reference", quantize="fp4", activation_clamp=CLAMP,
+                            num_global_experts=E, ep_rank=rank, ep_size=world_size)
+    group = dist.group.WORLD
+    runtime = MegaMoeEPRuntime(
+        experts, types.SimpleNamespace(name="deepgemm_megamoe", settings=None),
+        types.SimpleNamespace(ep_group=group, ep_rank=rank, ep_size=world_size, tp_group=group),
+    )
+    outs = []
+    with torch.no_grad():
+        for t in batch_sizes:
+            x, idx, w = routing(t, seed=t, masked=0.15)  # the shared batch: same on every rank
+            outs.append(runtime(x.float(), idx, w))
+    return outs
+
+
+BATCHES = {2: [1, 3, 4, 7], 4: [1, 2, 3, 5, 9]}  # smaller than the ranks, not dividing, dividing
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_megamoe_ep_sliced_forward_equals_single_process(world_size):
+    results = run_distributed(_megamoe_ep_rank, world_size, BATCHES[world_size])
+    single = dequantized()
+    for i, t in enumerate(BATCHES[world_size]):
+        x, idx, w = routing(t, seed=t, masked=0.15)
+        expected = reference_mega_moe(x.float(), idx, w, single, num_experts=E, activation_clamp=CLAMP).float()
+        for rank in range(world_size):
+            y = results[rank][i]
+            assert y.shape == (t, x.shape[1]) and y.dtype == torch.float32
+            assert torch.equal(y, expected), (t, rank)
+
+
+def test_slices_are_equal_and_padded():
+    x, idx, w = routing(3, seed=0)
+    parts = [slice_for_rank(x, idx, w, r, 4) for r in range(4)]
+    assert all(p[0].shape[0] == 1 for p in parts)
+    assert torch.equal(torch.cat([p[0] for p in parts[:3]]), x)
+    px, pidx, pw = parts[3]  # only padding
+    assert not px.any() and (pidx == -1).all() and not pw.any()
+    x, idx, w = routing(5, seed=0)
+    a, b = slice_for_rank(x, idx, w, 0, 2), slice_for_rank(x, idx, w, 1, 2)
+    assert torch.equal(a[1], idx[:3]) and torch.equal(b[1][:2], idx[3:]) and (b[1][2] == -1).all()
+
+
+def test_megamoe_ep_refuses_grad(world1):
+    experts = mixtral_experts(*full_weights(0))
+    install_megamoe_forward(experts, backend="reference", quantize="fp4")
+    runtime = MegaMoeEPRuntime(
+        experts, types.SimpleNamespace(name="deepgemm_megamoe", settings=None),
+        types.SimpleNamespace(ep_group=world1, ep_rank=0, ep_size=1, tp_group=world1),
+    )
+    x, idx, w = routing(2, seed=0)
+    with pytest.raises(RuntimeError, match="inference only"):
+        runtime(x.float().requires_grad_(), idx, w)
+    with torch.no_grad():
+        assert runtime(x, idx, w).shape == x.shape

@@ -1,0 +1,54 @@
+"""planc.apply's contract: rank agreement, all-or-nothing install, clear refusals."""
+
+import pytest
+import torch.distributed as dist
+
+from planc.errors import ApplyError
+from tests.distributed import run_distributed
+from tests.runtime.workers import errors_world, rollback_world, shipped_plan
+
+
+def test_apply_needs_initialized_process_group():
+    if dist.is_initialized():
+        pytest.skip("this test process already joined a process group (another test's fixture)")
+    from planc import apply
+    from planc.runtime.models import build_tiny_model
+
+    with pytest.raises(ApplyError, match="torch.distributed is not initialized.*torchrun"):
+        apply(build_tiny_model("mixtral"), shipped_plan("mixtral", tp=2))
+
+
+@pytest.mark.distributed
+def test_failure_at_each_install_step_restores_the_model_bit_for_bit():
+    from planc.runtime.install import INSTALL_STEPS
+
+    results = run_distributed(rollback_world, 2)
+    for rank, res in enumerate(results):
+        for model_type in ("qwen3_moe", "deepseek_v4"):
+            for step in INSTALL_STEPS:
+                for who in ("all", "rank1"):
+                    key = f"{model_type}/{step.__name__}/{who}"
+                    assert res[key] == [], (rank, key, res[key])
+        assert res["qwen3_moe/apply_after_rollbacks"] <= 1e-5
+        assert res["deepseek_v4/apply_after_rollbacks"] < 1.0  # FP4 experts: close, not equal
+
+
+@pytest.mark.distributed
+def test_refusals_raise_the_same_error_on_every_rank_and_change_nothing():
+    results = run_distributed(errors_world, 2)
+    expected = {
+        "disagree": "ranks compiled different plans",
+        "rank1_invalid_plan": "rank 1:",
+        "world_size": "needs tp_size * dp_size = 4 * 1 = 4 processes, but the world has 2",
+        "deepgemm_on_cpu": "`deepgemm` runs CUDA kernels",
+        "sonicmoe_on_cpu": "`sonicmoe` runs CUDA kernels",
+        "megamoe_auto_backend_on_cpu": "backend: reference",
+        "double_apply": "already called on this model",
+    }
+    for name, fragment in expected.items():
+        messages = {res[name][0] for res in results}
+        assert len(messages) == 1, (name, messages)  # the same error on every rank
+        (message,) = messages
+        assert fragment in message, (name, message)
+        for res in results:
+            assert res[name][1] == [], (name, res[name][1])  # nothing changed

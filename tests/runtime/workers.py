@@ -1,0 +1,400 @@
+"""Code that runs on every rank of a spawned gloo world (module level: spawn pickles functions by name).
+
+Each world builds tiny random transformers models from configs, applies the shipped plans with
+their sizes overridden to the world, and returns plain numbers / strings that the tests assert on.
+One world runs many checks: spawning (importing torch + transformers per rank) is the slow part.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+TOL = 1e-5
+PLANS = Path(__file__).resolve().parents[2] / "plans"
+PLAN_FILES = {
+    "mixtral": "mixtral.yaml",
+    "qwen3_moe": "qwen3_moe.yaml",
+    "gpt_oss": "gpt_oss.yaml",
+    "deepseek_v3": "deepseek_v3.yaml",
+    "deepseek_v4": "deepseek_v4_allreduce.yaml",
+}
+
+
+# ---- helpers -------------------------------------------------------------------------------------------------
+
+
+def shipped_plan(model_type: str, *, tp: int, ep: int | None = None, dp: int = 1, file: str | None = None, **experts):
+    """A shipped plan as a mapping, sizes overridden (and `experts` settings, e.g. ep_implementation)."""
+    from planc.spec.load import load_plan
+
+    data = load_plan(str(PLANS / (file or PLAN_FILES[model_type]))).plan.model_dump()
+    data["extends"] = None  # already merged
+    data["parallel"] = {"tp_size": tp, "ep_size": ep if ep is not None else tp, "dp_size": dp}
+    data["experts"].update(experts)
+    if data["experts"].get("megamoe") is not None and "backend" in experts:
+        data["experts"]["megamoe"]["backend"] = experts.pop("backend")
+    return data
+
+
+def batch(seed: int, rows: int = 2, cols: int = 9) -> torch.Tensor:
+    return torch.randint(0, 128, (rows, cols), generator=torch.Generator().manual_seed(seed))
+
+
+def full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def logits_diff(model, ref, ids) -> float:
+    with torch.no_grad():
+        return (model(ids).logits - ref(ids).logits).abs().max().item()
+
+
+def train_step_diff(model, ref, ids, *, only=None) -> tuple[float, float]:
+    """One training step on both models: |loss diff| and the max |grad diff| over every (gathered) gradient."""
+    model.train()
+    ref.train()
+    loss, ref_loss = model(ids, labels=ids).loss, ref(ids, labels=ids).loss
+    loss.backward()
+    ref_loss.backward()
+    ref_params = dict(ref.named_parameters())
+    worst = 0.0
+    for name, p in model.named_parameters():
+        if only is not None and only not in name:
+            continue
+        r = ref_params[name].grad
+        if r is None and p.grad is None:
+            continue
+        if (r is None) != (p.grad is None):
+            return abs(loss.item() - ref_loss.item()), float("inf")  # a gradient went missing
+        worst = max(worst, (full(p.grad) - r).abs().max().item())
+    model.eval()
+    ref.eval()
+    return abs(loss.item() - ref_loss.item()), worst
+
+
+def fresh(model_type: str, impl: str | None = None, **overrides):
+    """A tiny model and an unsharded copy of it (running the same experts implementation)."""
+    from planc.runtime.models import build_tiny_model
+
+    model = build_tiny_model(model_type, **overrides)
+    ref = copy.deepcopy(model)
+    if impl:
+        ref.set_experts_implementation(impl)
+    return model, ref
+
+
+def ep_runtimes(model):
+    return [m.forward.runtime for m in model.modules() if hasattr(m.__dict__.get("forward"), "runtime")]
+
+
+# ---- equivalence worlds --------------------------------------------------------------------------------------
+
+
+def equivalence_world(rank, world_size, model_type):
+    """Logits and a training step vs an unsharded copy, for all_to_all, all_reduce and auto (+ extras)."""
+    from planc import apply
+
+    res = {}
+    for strategy in ("all_to_all", "all_reduce", "auto"):
+        plan = shipped_plan(model_type, tp=world_size, ep_implementation=strategy)
+        model, ref = fresh(model_type, plan["experts"]["implementation"])
+        apply(model, plan)
+        key = f"tp{world_size}/ep{world_size}/{strategy}"
+        res[f"{key}/logits"] = logits_diff(model, ref, batch(rank * 0 + 1))
+        if strategy == "auto":
+            chosen = {rt.last_choice for rt in ep_runtimes(model)}
+            res[f"{key}/no_grad_choice"] = chosen
+        res[f"{key}/loss"], res[f"{key}/grads"] = train_step_diff(model, ref, batch(2))
+        if strategy == "auto":
+            res[f"{key}/grad_choice"] = {rt.last_choice for rt in ep_runtimes(model)}
+    if model_type == "gpt_oss":  # eager GPT-OSS experts cannot take the sentinel: all_reduce parks slots on expert 0
+        plan = shipped_plan(model_type, tp=world_size, ep_implementation="all_reduce", implementation="eager")
+        model, ref = fresh(model_type, "eager")
+        apply(model, plan)
+        res[f"tp{world_size}/ep{world_size}/all_reduce+eager/logits"] = logits_diff(model, ref, batch(3))
+        loss, grads = train_step_diff(model, ref, batch(4))
+        res[f"tp{world_size}/ep{world_size}/all_reduce+eager/loss"] = loss
+        res[f"tp{world_size}/ep{world_size}/all_reduce+eager/grads"] = grads
+    if model_type == "mixtral" and world_size == 2:
+        res.update(_moe_tp_experts(world_size))
+    if model_type == "mixtral" and world_size == 4:
+        res.update(_ep_wider_than_tp(rank))
+    if model_type in ("mixtral", "qwen3_moe") and world_size == 2:
+        res.update(_transformers_peer(model_type, world_size))
+    return res
+
+
+def _moe_tp_experts(world_size):
+    """ep_size == 1: experts tensor-parallel (packed_colwise gate_up, rowwise down, moe_tp_experts)."""
+    from planc import apply
+
+    plan = shipped_plan("mixtral", tp=world_size, ep=1)
+    plan["ep_plan"] = {}
+    plan["tp_plan"].update(
+        {
+            "model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+            "model.layers.*.mlp.experts.down_proj": "rowwise",
+            "model.layers.*.mlp.experts": "moe_tp_experts",
+        }
+    )
+    model, ref = fresh("mixtral", plan["experts"]["implementation"])
+    apply(model, plan)
+    key = f"tp{world_size}/ep1/moe_tp_experts"
+    loss, grads = train_step_diff(model, ref, batch(6))
+    return {f"{key}/logits": logits_diff(model, ref, batch(5)), f"{key}/loss": loss, f"{key}/grads": grads}
+
+
+def _ep_wider_than_tp(rank):
+    """tp=2, dp=2, ep=4: the EP group spans two batches; each replica feeds its own tokens."""
+    from planc import apply
+
+    plan = shipped_plan("mixtral", tp=2, ep=4, dp=2, ep_implementation="all_to_all")
+    model, ref = fresh("mixtral", plan["experts"]["implementation"])
+    apply(model, plan)
+    replica = rank // 2
+    key = "tp2/ep4/dp2/all_to_all"
+    ids = [batch(10 + r) for r in range(2)]
+    out = {f"{key}/logits": logits_diff(model, ref, ids[replica])}
+    # Training: the experts' gradients sum over both replicas' tokens; the reference sees both batches.
+    model.train()
+    ref.train()
+    loss = model(ids[replica], labels=ids[replica]).loss
+    loss.backward()
+    ref_losses = [ref(i, labels=i).loss for i in ids]
+    sum(ref_losses).backward()
+    out[f"{key}/loss"] = abs(loss.item() - ref_losses[replica].item())
+    ref_params = dict(ref.named_parameters())
+    out[f"{key}/expert_grads"] = max(
+        (full(p.grad) - ref_params[n].grad).abs().max().item() for n, p in model.named_parameters() if ".experts." in n
+    )
+    return out
+
+
+def _expand(table: dict) -> dict:
+    """planc patterns ({a,b} alternatives) -> transformers plan keys (one key per alternative)."""
+    from planc.spec.patterns import Pattern
+
+    return {".".join(alt): style for key, style in table.items() for alt in Pattern(key).alternatives}
+
+
+def _transformers_peer(model_type, world_size):
+    """The same model + plan through transformers' own EP gives the same logits as planc."""
+    from transformers import DistributedConfig
+
+    from planc import apply
+
+    out = {}
+    for strategy in ("all_to_all", "all_reduce"):
+        plan = shipped_plan(model_type, tp=world_size, ep_implementation=strategy)
+        ours, _ = fresh(model_type)
+        theirs = copy.deepcopy(ours)
+        apply(ours, plan)
+        theirs.set_experts_implementation(plan["experts"]["implementation"])
+        dc = DistributedConfig(
+            tp_size=world_size,
+            ep_size=world_size,
+            tp_plan=_expand(plan["tp_plan"]),
+            ep_plan=_expand(plan["ep_plan"]),
+            ep_implementation=strategy,
+        )
+        cls = type(theirs)
+        dc, _, mesh_manager = cls.prepare_distribute_model(dc)
+        theirs = cls.maybe_distribute_model(theirs, dc, mesh_manager)
+        with torch.no_grad():
+            ids = batch(7)
+            diff = (ours(ids).logits - theirs(ids).logits).abs().max().item()
+        out[f"tp{world_size}/ep{world_size}/{strategy}/vs_transformers"] = diff
+        # A model transformers already sharded is refused.
+        try:
+            apply(theirs, plan)
+            out["refuses_transformers_sharded"] = "applied"
+        except Exception as e:  # noqa: BLE001
+            out["refuses_transformers_sharded"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+# ---- install: errors and rollback ------------------------------------------------------------------------------
+
+
+def capture(model) -> dict:
+    """Everything apply may touch, in a comparable form (identities and exact tensor values)."""
+
+    def attrs(obj):
+        out = {}
+        for k, v in obj.__dict__.items():
+            if isinstance(v, dict):
+                out[k] = {kk: id(vv) for kk, vv in v.items()}
+            elif isinstance(v, (list, set)):
+                out[k] = sorted(map(id, v))
+            else:
+                out[k] = id(v)
+        return out
+
+    return {
+        "params": [(n, id(p), type(p), p.requires_grad, sorted(p.__dict__)) for n, p in model.named_parameters()],
+        "values": {n: p.detach().clone() for n, p in model.state_dict(keep_vars=True).items()},
+        "modules": {n: attrs(m) for n, m in model.named_modules()},
+        "config": (model.config._experts_implementation, model.config.to_dict()),
+    }
+
+
+def differences(before: dict, after: dict) -> list[str]:
+    out = []
+    for key in ("params", "modules", "config"):
+        if before[key] != after[key]:
+            if key == "modules":
+                changed = [n for n in before[key] if before[key][n] != after[key].get(n)]
+                out.append(f"module attributes changed: {changed[:5]}")
+            else:
+                out.append(f"{key} changed")
+    if before["values"].keys() != after["values"].keys():
+        out.append("state_dict keys changed")
+    else:
+        for n, v in before["values"].items():
+            w = after["values"][n]
+            if type(w) is not type(v) or v.shape != w.shape or v.dtype != w.dtype or not torch.equal(v, w):
+                out.append(f"{n} changed")
+    return out
+
+
+class Injected(RuntimeError):
+    pass
+
+
+def _failing_after(step, should_fail: bool):
+    def step_then_fail(state):
+        step(state)
+        if should_fail:
+            raise Injected(f"injected failure after {step.__name__}")
+
+    return step_then_fail
+
+
+def rollback_world(rank, world_size):
+    """A failure injected after each install step (on every rank, or on rank 1 only) leaves the model as it was."""
+    from planc import apply
+    from planc.errors import ApplyError
+    from planc.runtime import install
+
+    plans = {
+        "qwen3_moe": shipped_plan("qwen3_moe", tp=world_size),
+        "deepseek_v4": shipped_plan(
+            "deepseek_v4", tp=world_size, file="deepseek_v4_megamoe.yaml", backend="reference"
+        ),
+    }
+    out = {}
+    steps = list(install.INSTALL_STEPS)
+    for model_type, plan in plans.items():
+        model, _ = fresh(model_type)
+        ids = batch(1)
+        with torch.no_grad():
+            logits = model(ids).logits
+        before = capture(model)
+        for i, step in enumerate(steps):
+            for who in ("all", "rank1"):
+                install.INSTALL_STEPS[:] = steps
+                install.INSTALL_STEPS[i] = _failing_after(step, who == "all" or rank == 1)
+                try:
+                    apply(model, plan)
+                    problems = ["apply did not raise"]
+                except ApplyError as e:
+                    problems = [] if "restored exactly" in str(e) and "injected" in str(e) else [f"message: {e}"]
+                finally:
+                    install.INSTALL_STEPS[:] = steps
+                problems += differences(before, capture(model))
+                with torch.no_grad():
+                    if not torch.equal(model(ids).logits, logits):
+                        problems.append("logits changed")
+                out[f"{model_type}/{step.__name__}/{who}"] = problems
+        # after all that, the real apply still works on the same model
+        apply(model, plan)
+        with torch.no_grad():
+            out[f"{model_type}/apply_after_rollbacks"] = (model(ids).logits - logits).abs().max().item()
+    return out
+
+
+def errors_world(rank, world_size):
+    """Each refusal raises the same ApplyError on every rank, and leaves the model untouched."""
+    from planc import apply
+    from planc.errors import ApplyError
+
+    out = {}
+
+    def attempt(name, model, plan):
+        before = capture(model)
+        try:
+            apply(model, plan)
+            out[name] = ("no error", [])
+        except ApplyError as e:
+            out[name] = (str(e), differences(before, capture(model)))
+
+    model, _ = fresh("mixtral")
+    # ranks disagree: another EP implementation on rank 1 -> another fingerprint
+    other = "all_reduce" if rank == 1 else "all_to_all"
+    attempt("disagree", model, shipped_plan("mixtral", tp=world_size, ep_implementation=other))
+    # rank 1's plan does not even load (unknown style): rank 0 must not hang
+    bad = shipped_plan("mixtral", tp=world_size)
+    if rank == 1:
+        bad["tp_plan"]["lm_head"] = "colwise_gather_outputs"
+    attempt("rank1_invalid_plan", model, bad)
+    attempt("world_size", model, shipped_plan("mixtral", tp=2 * world_size))
+    attempt("deepgemm_on_cpu", model, shipped_plan("mixtral", tp=world_size, implementation="deepgemm"))
+    attempt("sonicmoe_on_cpu", model, shipped_plan("mixtral", tp=world_size, implementation="sonicmoe"))
+    attempt(
+        "megamoe_auto_backend_on_cpu",
+        fresh("deepseek_v4")[0],
+        shipped_plan("deepseek_v4", tp=world_size, file="deepseek_v4_megamoe.yaml"),
+    )
+    apply(model, shipped_plan("mixtral", tp=world_size))
+    attempt("double_apply", model, shipped_plan("mixtral", tp=world_size))
+    return out
+
+
+# ---- deepgemm_megamoe ----------------------------------------------------------------------------------------
+
+
+def megamoe_world(rank, world_size, batch_sizes):
+    """planc's sliced Mega MoE (reference backend) vs the single-process reference of the same FP4 experts."""
+    from planc import apply
+    from planc.runtime.megamoe import install_megamoe_forward
+
+    singles = [dist.new_group([r]) for r in range(world_size)]  # every rank creates every group, in order
+    single = singles[rank]
+    plan = shipped_plan("deepseek_v4", tp=world_size, file="deepseek_v4_megamoe.yaml", backend="reference")
+    model, ref = fresh("deepseek_v4")
+    num_experts = model.config.n_routed_experts
+    for name, experts in ref.named_modules():
+        if name.endswith("mlp.experts"):
+            install_megamoe_forward(
+                experts, backend="reference", quantize="fp4", num_global_experts=num_experts, ep_size=1
+            )
+            unsharded = experts.forward
+            experts.forward = lambda h, i, w, _f=unsharded: _f(h, i, w, process_group=single)
+    apply(model, plan)
+    out = {}
+    layer = model.model.layers[1].mlp.experts
+    ref_layer = ref.model.layers[1].mlp.experts
+    gen = torch.Generator().manual_seed(3)
+    for t in batch_sizes:
+        x = torch.randn(t, model.config.hidden_size, generator=gen)
+        idx = torch.stack([torch.randperm(num_experts, generator=gen)[:2] for _ in range(t)])
+        w = torch.rand(t, 2, generator=gen)
+        with torch.no_grad():
+            y, expected = layer(x, idx, w), ref_layer(x, idx, w)
+        out[f"experts/T={t}"] = (tuple(y.shape), (y - expected).abs().max().item() if t else 0.0)
+    ids = batch(8)
+    with torch.no_grad():
+        out["logits"] = (model(ids).logits - ref(ids).logits).abs().max().item()
+        out["logits_scale"] = ref(ids).logits.abs().max().item()
+    try:
+        model(ids)  # grad mode on, parameters require grad
+        out["under_grad"] = "no error"
+    except RuntimeError as e:
+        out["under_grad"] = str(e)
+    return out
