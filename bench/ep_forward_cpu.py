@@ -9,7 +9,8 @@ so that drift on a shared box hits both sides alike. The peer is installed the w
 
 Models: one MoE layer (the `MixtralSparseMoeBlock`: router + experts + EP) of a mid-size Mixtral-like
 config (hidden 1024, 8 experts, top-2, intermediate 2816), and a full tiny Mixtral (`planc.runtime.models`).
-Each rank times its own call; a cell's time is the median over repetitions of the slowest rank.
+Each rank times its own call; a cell's time is the median over repetitions of the slowest rank, and its
+ratio the median over repetitions of planc / transformers (adjacent in time, so drift cancels).
 Torch runs one thread per rank so ranks do not fight over the cores.
 
     python bench/ep_forward_cpu.py --json ep_forward_cpu.json          # 2 and 4 ranks, ~5 min on 2 cores
@@ -181,10 +182,17 @@ def run_cells(rank: int, world: int, models, impls, tokens, reps_table, profile=
                     times = slowest_rank(time_interleaved(fns, warmup, reps))
                 peer_s = statistics.median(times["peer"])
                 planc_s = statistics.median(times["planc"]) if "planc" in times else None
+                # Each repetition ran both sides back to back: the median of the per-repetition ratios cancels
+                # the drift of a shared box better than the ratio of the medians (both are kept).
+                paired = None
+                if planc_s is not None:
+                    paired = statistics.median(p / q for p, q in zip(times["planc"], times["peer"]))
                 row = dict(
                     world=world, model=kind, impl=impl, tokens=t, reps=reps, peer_ms=peer_s * 1e3,
-                    planc_ms=None if planc_s is None else planc_s * 1e3,
-                    ratio=None if planc_s is None else planc_s / peer_s, max_abs_diff=diff, planc_error=planc_error,
+                    planc_ms=None if planc_s is None else planc_s * 1e3, ratio=paired,
+                    ratio_of_medians=None if planc_s is None else planc_s / peer_s, max_abs_diff=diff,
+                    planc_error=planc_error, peer_times_ms=[x * 1e3 for x in times["peer"]],
+                    planc_times_ms=[x * 1e3 for x in times.get("planc", [])],
                 )
                 rows.append(row)
                 if rank == 0:
@@ -264,7 +272,8 @@ def spawn(fn, world: int, *args):
 
 def markdown_table(rows: list, world: int) -> str:
     lines = [
-        f"**{world} gloo ranks** (median of the slowest rank per call; ratio = planc / transformers, <= 1.0 is as fast or faster)",
+        f"**{world} gloo ranks**: median time of the slowest rank per call; ratio = median over repetitions of "
+        "planc / transformers (the two run back to back in each repetition); <= 1.0 is as fast or faster",
         "",
         "| model | EP | tokens | transformers ms | planc ms | ratio | max abs diff |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
@@ -284,7 +293,9 @@ def machine() -> str:
     import torch
     import transformers
 
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (load {load:.1f} at the end), "
+            f"torch {torch.__version__}, "
             f"transformers {transformers.__version__}, 1 torch thread per rank")
 
 

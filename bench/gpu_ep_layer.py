@@ -123,9 +123,27 @@ def planc_plan() -> dict:
 
 
 def install_planc(model):
+    """`planc.apply` at ep_size 1: planc installs nothing on the experts there (no copy, no wrapper)."""
     import planc
 
     planc.apply(model, planc_plan())
+    return model
+
+
+def install_planc_wrapper(model):
+    """planc's AllReduceEP wrapper bound the way `planc.apply` binds it at ep_size > 1 (expert tensors sharded
+    into DTensors, runtime, installed forward), forced onto the one-rank group so its cost can be measured."""
+    from planc.compile.ep import AllReduceEP
+    from planc.runtime.ep.all_reduce import AllReduceEPRuntime
+    from planc.runtime.ep.base import install_ep_forward, shard_expert_tensor
+    from planc.runtime.mesh import build_groups
+    from planc.spec.model import Parallel
+
+    groups = build_groups(Parallel(tp_size=1, ep_size=1))
+    experts = experts_of(model)
+    for name in ("gate_up_proj", "down_proj"):
+        shard_expert_tensor(experts, name, groups)
+    install_ep_forward(experts, AllReduceEPRuntime(experts, AllReduceEP(reason="bench: forced at ep_size 1"), groups))
     return model
 
 
@@ -229,17 +247,16 @@ def run(args) -> dict:
     peer = install_peer(share_weights_copy(base), device)
     rebind_to_local(experts_of(peer), experts_of(base))
     planc_error = None
+    sides = {"bare": experts_of(base), "transformers": experts_of(peer)}
     try:
         ours = install_planc(share_weights_copy(base))
+        sides["planc.apply"] = experts_of(ours)
+        sides["planc"] = experts_of(install_planc_wrapper(share_weights_copy(base)))
     except Exception as e:  # still time the peer
         ours, planc_error = None, f"{type(e).__name__}: {e}"
-        print(f"[gpu_ep_layer] planc.apply failed: {planc_error}", file=sys.stderr, flush=True)
+        print(f"[gpu_ep_layer] planc failed: {planc_error}", file=sys.stderr, flush=True)
     setup_s = time.perf_counter() - t0
     planc_wraps = ours is not None and hasattr(experts_of(ours).forward, "runtime")
-
-    sides = {"bare": experts_of(base), "transformers": experts_of(peer)}
-    if ours is not None:
-        sides["planc"] = experts_of(ours)
     timer = Timer(device)
     rows = []
     for t in tokens:
@@ -265,6 +282,8 @@ def run(args) -> dict:
             for mode, mfns in modes.items():
                 med = measure(mfns, timer, warmup=2, reps=reps, inner=inner)
                 row = {"tokens": t, "mode": mode, "bare_us": med["bare"] * 1e6}
+                if "planc.apply" in med:
+                    row["planc_apply_us"] = med["planc.apply"] * 1e6
                 for n in ("transformers", "planc"):
                     if n in med:
                         row[f"{n}_us"] = med[n] * 1e6
@@ -308,10 +327,14 @@ def markdown(result: dict) -> str:
             return f"{r[f'{n}_overhead_us']:.1f} ({100 * r[f'{n}_overhead_share']:.0f}%)"
         lines.append(f"| {r['tokens']} | {r['mode']} | {r['bare_us']:.1f} | {_fmt(r.get('transformers_us'))} | "
                      f"{ov('transformers')} | {_fmt(r.get('planc_us'))} | {ov('planc')} | {_fmt(r.get('ratio'), '.2f')} |")
+    lines.append("\nplanc = planc's AllReduceEP runtime bound as `planc.apply` binds it at ep_size > 1, forced onto "
+                 "the one-rank group.")
     if result["planc_error"]:
-        lines.append(f"\nplanc.apply failed: {result['planc_error']}")
+        lines.append(f"planc failed: {result['planc_error']}")
     elif not result["planc_installs_wrapper"]:
-        lines.append("\nplanc installed no EP wrapper at ep_size 1 (the experts run their own forward).")
+        apply_us = ", ".join(f"{r['tokens']} {r['mode']}: {r['planc_apply_us']:.1f} us" for r in result["rows"]
+                             if "planc_apply_us" in r)
+        lines.append(f"`planc.apply` itself installs no EP wrapper at ep_size 1 (the experts run bare): {apply_us}.")
     return "\n".join(lines)
 
 
@@ -337,6 +360,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: use --device cpu --tiny")
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # steadier on a shared box
     started = time.perf_counter()
     result = run(args)
     result["wall_s"] = time.perf_counter() - started

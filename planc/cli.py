@@ -20,19 +20,22 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """All commands are listed; only `only`'s module is imported, so one command cannot break another."""
     parser = argparse.ArgumentParser(prog="planc", description="Declarative TP/EP plans for MoE models.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=f"planc.commands.{name}")
-        # Each command module adds its own arguments; importing it is cheap (heavy imports happen in run()).
-        importlib.import_module(f"planc.commands.{name}").add_arguments(p)
+        if name == only:
+            importlib.import_module(f"planc.commands.{name}").add_arguments(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in COMMANDS else None)
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse exits 2 on usage errors, 0 on --help

@@ -86,7 +86,7 @@ def render_text(compiled: CompiledPlan) -> str:
         f"{len(compiled.coverage)} rules matched, {compiled.experts_covered}/{len(compiled.experts)} experts "
         "modules sharded"
     )
-    other = [w for w in compiled.warnings if w.code != "PLC551"]
+    other = [w for w in compiled.warnings if w.code != "PLC651"]
     if other:
         lines.append("")
         lines.append("warnings:")

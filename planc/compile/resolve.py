@@ -31,29 +31,30 @@ from planc.spec.patterns import Pattern, PatternError
 from planc.spec.styles import ALL_STYLES, EP_STYLES, REMOVED_STYLES, RUNTIME_STYLES, TP_STYLES
 
 # Problem codes (documented in docs/compile.md).
-UNMATCHED_RULE = "PLC501"
-EXPERTS_UNCOVERED = "PLC502"
-CONFLICTING_RULES = "PLC503"
-TP_ON_EP_EXPERTS = "PLC504"
-STYLE_NOT_INSTALLABLE = "PLC505"
-EXPERTS_NOT_DIVISIBLE = "PLC506"
-MODEL_TYPE_MISMATCH = "PLC507"
-MEGAMOE_NO_GATE = "PLC508"
-MEGAMOE_TOP_K = "PLC509"
-MEGAMOE_EP_SIZE = "PLC510"
-MEGAMOE_SIZES = "PLC511"
-MEGAMOE_NOT_FP4 = "PLC512"
-WRONG_TARGET = "PLC513"
-EP_RESOLUTION = "PLC514"
-EXPERTS_PARTIAL = "PLC515"
-UNEVEN_SHARD = "PLC516"
-HEAD_SPLIT = "PLC517"
-WRONG_TABLE = "PLC518"
-BAD_PATTERN = "PLC519"
+UNMATCHED_RULE = "PLC601"
+EXPERTS_UNCOVERED = "PLC602"
+CONFLICTING_RULES = "PLC603"
+TP_ON_EP_EXPERTS = "PLC604"
+STYLE_NOT_INSTALLABLE = "PLC605"
+EXPERTS_NOT_DIVISIBLE = "PLC606"
+MODEL_TYPE_MISMATCH = "PLC607"
+MEGAMOE_NO_GATE = "PLC608"
+MEGAMOE_TOP_K = "PLC609"
+MEGAMOE_EP_SIZE = "PLC610"
+MEGAMOE_SIZES = "PLC611"
+MEGAMOE_NOT_FP4 = "PLC612"
+WRONG_TARGET = "PLC613"
+EP_RESOLUTION = "PLC614"
+EXPERTS_PARTIAL = "PLC615"
+UNEVEN_SHARD = "PLC616"
+HEAD_SPLIT = "PLC617"
+WRONG_TABLE = "PLC618"
+BAD_PATTERN = "PLC619"
+BAD_SIZES = "PLC620"
 # Warning codes.
-REPLICATED_DENSE = "PLC551"
-TABLE_INACTIVE = "PLC552"
-MEGAMOE_ALIGNMENT = "PLC553"
+REPLICATED_DENSE = "PLC651"
+TABLE_INACTIVE = "PLC652"
+MEGAMOE_ALIGNMENT = "PLC653"
 
 # Module styles that hook an experts module; their parameters need rules of their own.
 EXPERTS_MODULE_STYLES = {"ep_dispatch_experts": "ep", "moe_tp_experts": "tp"}
@@ -168,6 +169,18 @@ class _Resolver:
                 _where(self.loaded, ("model", "type")),
                 f"write `model: {{type: {have}}}` if the rules fit this model, or compile the plan against a "
                 f"`{want}` model",
+            )
+
+    def check_sizes(self) -> None:
+        """The lint size rules, repeated here: a mapping or Plan object reaches compile without lint."""
+        p = self.parallel
+        if p.ep_size > 1 and (p.ep_size % p.tp_size or p.world_size % p.ep_size):
+            self.problems.add(
+                BAD_SIZES,
+                f"ep_size {p.ep_size} must be a multiple of tp_size {p.tp_size} and divide the world "
+                f"(tp_size * dp_size = {p.world_size}): an EP group is made of whole TP groups",
+                _where(self.loaded, ("parallel", "ep_size")),
+                f"use `ep_size: {p.tp_size}`, or a multiple of it that divides {p.world_size}, or `ep_size: 1`",
             )
 
     def collect_rules(self) -> None:
@@ -323,13 +336,13 @@ class _Resolver:
                         WRONG_TARGET,
                         f"`{style}` hooks an experts module's forward, but `{rule.pattern_text}` matches a parameter",
                         rule.source.where,
-                        f"write `{style}` on the experts module (`{owner.fqn}` here, as a pattern with `*`)",
+                        f"write `{style}` on the experts module (`{generic_path(owner.fqn)}`)",
                         fqn,
                     )
                 elif style in PARAMETER_ONLY_STYLES and owner.experts is None:
                     self.problems.add(
                         WRONG_TARGET,
-                        f"`{style}` shards the expert dimension, but `{fqn}` belongs to {owner.class_name}, "
+                        f"`{style}` shards the expert dimension, but `{generic_path(fqn)}` belongs to {owner.class_name}, "
                         "which is not an experts module",
                         rule.source.where,
                         "use `grouped_gemm` only on the parameters of experts modules (gate_up_proj, down_proj, ...); "
@@ -342,7 +355,7 @@ class _Resolver:
                     names = ", ".join(p.rsplit(".", 1)[-1] for p in module.params) or "none"
                     self.problems.add(
                         WRONG_TARGET,
-                        f"`{style}` is a parameter style, but `{rule.pattern_text}` matches the module {fqn} "
+                        f"`{style}` is a parameter style, but `{rule.pattern_text}` matches the module {generic_path(fqn)} "
                         f"({module.class_name})",
                         rule.source.where,
                         f"write one rule per parameter (`{rule.pattern_text}.{{...}}`; its parameters: {names}) and "
@@ -353,7 +366,7 @@ class _Resolver:
                     self.problems.add(
                         WRONG_TARGET,
                         f"`{style}` needs an experts module (forward(hidden_states, top_k_index, top_k_weights) with "
-                        f"gate_up_proj/down_proj), but {fqn} is a {module.class_name}",
+                        f"gate_up_proj/down_proj), but {generic_path(fqn)} is a {module.class_name}",
                         rule.source.where,
                         "point the rule at the `experts` child of the MoE block, e.g. `model.layers.*.mlp.experts`",
                         fqn,
@@ -383,8 +396,10 @@ class _Resolver:
                 return r, True
             return None, False
 
+        owner_of: dict[str, Optional[str]] = {}  # module -> the EP experts module it is (in), parents first
         for mname, minfo in walk.modules.items():
-            experts_owner = mname if mname in ep_experts else _ep_ancestor(mname, ep_experts)
+            experts_owner = mname if mname in ep_experts else owner_of.get(mname.rpartition(".")[0])
+            owner_of[mname] = experts_owner
             targets = [(p, "parameter", mname) for p in minfo.params] + ([(mname, "module", None)] if mname else [])
             for fqn, target, owner in targets:
                 tr, t_inh = style_in(tp_map, fqn, owner)
@@ -670,7 +685,7 @@ class _Resolver:
                 replicated += per_rank
                 owner = walk.modules[p.owner]
                 if owner.experts is None:
-                    g = groups.setdefault(generic_path(p.owner) or "<root>", [set(), 0, 0])
+                    g = groups.setdefault(owner.generic or "<root>", [set(), 0, 0])
                     g[0].add(p.owner)
                     g[1] += 1
                     g[2] += per_rank
@@ -735,6 +750,7 @@ class _Resolver:
 
     def run(self) -> CompiledPlan:
         self.check_model_type()
+        self.check_sizes()
         self.collect_rules()
         self.match_rules()
         maps = self.table_maps()
@@ -767,17 +783,6 @@ class _Resolver:
 
 def _match_alt(alt: tuple, segs: list) -> bool:
     return len(alt) == len(segs) and all(a == "*" or a == s for a, s in zip(alt, segs))
-
-
-def _ep_ancestor(fqn: str, ep_experts: set) -> Optional[str]:
-    if not ep_experts:
-        return None
-    parts = fqn.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        prefix = ".".join(parts[:i])
-        if prefix in ep_experts:
-            return prefix
-    return None
 
 
 def _head_dim(config) -> Optional[int]:

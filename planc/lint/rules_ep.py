@@ -6,7 +6,6 @@ and `planc.compile` accept and reject exactly the same settings, with the same m
 
 from __future__ import annotations
 
-from planc.lint.context import TABLES
 from planc.lint.registry import rule
 from planc.lint.diagnostic import WARNING
 from planc.spec.patterns import Pattern, PatternError
@@ -213,5 +212,3 @@ def check_tp_on_ep_experts(ctx):
                 )
                 break
 
-
-assert set(TABLES) == {"tp_plan", "ep_plan"}

@@ -11,7 +11,7 @@ import typing
 from typing import Any, Optional
 
 from planc.lint.diagnostic import Diagnostic
-from planc.lint.registry import Rule, register
+from planc.lint.registry import Rule, register, rule
 from planc.lint.suggest import did_you_mean
 
 MISSING = "PLC100"
@@ -36,13 +36,6 @@ register(Rule(
     family="schema",
     bad=_BASE + "parallel: {tp_size: 2, ep_szie: 1}\n",
     good=_BASE + "parallel: {tp_size: 2, ep_size: 1}\n",
-))
-register(Rule(
-    WRONG_TYPE, "wrong-type", "A value has the wrong type",
-    "Sizes are integers, names are strings, `experts`, `parallel`, `tp_plan` and `ep_plan` are mappings.",
-    family="schema",
-    bad=_BASE + "parallel: {tp_size: eight}\n",
-    good=_BASE + "parallel: {tp_size: 8}\n",
 ))
 register(Rule(
     BAD_VALUE, "bad-enum-value", "A value is not one of the allowed choices",
@@ -181,7 +174,7 @@ def from_validation(err, ctx) -> list[Diagnostic]:
         elif typ in _RANGE_TYPES:
             out.append(ctx.diag(OUT_OF_RANGE, f"`{where}`: {e['msg']}, got {_show(value)}",
                                 _range_hint(loc, e), keypath, at_value=True))
-        elif typ.endswith(("_type", "_parsing")) or typ in ("model_attributes_type", "int_from_float", "bool_parsing"):
+        elif typ.endswith(("_type", "_parsing")) or typ in ("int_from_float", "finite_number"):
             out.append(ctx.diag(WRONG_TYPE, f"`{where}`: {e['msg']}, got {_show(value)}",
                                 _type_hint(loc), keypath, at_value=True))
         else:
@@ -216,3 +209,37 @@ def _type_hint(loc: tuple) -> str:
         if ann is str:
             return "write a string (quote it if YAML reads it as something else)"
     return "see docs/plan-format.md for the type of this key"
+
+
+@rule(
+    WRONG_TYPE, "wrong-type", "A value has the wrong type",
+    bad=_BASE + "parallel: {tp_size: \"8\"}\n",
+    good=_BASE + "parallel: {tp_size: 8}\n",
+)
+def check_strict_types(ctx):
+    """Sizes are integers, names are strings, `experts`, `parallel`, `tp_plan` and `ep_plan` are
+    mappings. pydantic alone would quietly accept `tp_size: "8"` or `tp_size: true` (lax mode); planc
+    rejects them like the JSON Schema does, so editors, check-jsonschema and planc agree."""
+    from planc.spec.model import Plan
+
+    yield from _strict(ctx, Plan, ctx.data, ())
+
+
+def _strict(ctx, model, data, prefix):
+    if not isinstance(data, dict):
+        return
+    for name, info in model.model_fields.items():
+        if name not in data or data[name] is None:
+            continue
+        value, loc = data[name], prefix + (name,)
+        ann = _unwrap(info.annotation)
+        if hasattr(ann, "model_fields"):
+            yield from _strict(ctx, ann, value, loc)
+            continue
+        want = {int: (int,), float: (int, float), str: (str,)}.get(ann)
+        if want and (isinstance(value, bool) or not isinstance(value, want)):
+            kind = {int: "a whole number", float: "a number", str: "a string"}[ann]
+            yield ctx.diag(WRONG_TYPE, f"`{_where(loc)}` must be {kind}, got {_show(value)}",
+                           f"write {kind}, e.g. `{name}: {8 if ann is not str else 'text'}` (no quotes)"
+                           if ann is not str else f"quote the value: `{name}: \"{value}\"`",
+                           loc, at_value=True)

@@ -69,13 +69,16 @@ def _check_context(ctx: LintContext, diags: list) -> CheckResult:
         ctx.plan = validate(ctx.data)
     except ValidationError as err:
         diags += from_validation(err, ctx)
-    for r in checks():
+    for r in checks():  # schema-family checks come first (registry order)
         if r.needs_plan and ctx.plan is None:
             continue
         try:
-            diags += list(r.check(ctx))
+            found = list(r.check(ctx))
         except Exception as exc:  # a bug in one check must not hide the others' findings
-            diags.append(_internal(exc, ctx.path))
+            found = [_internal(exc, ctx.path)]
+        diags += found
+        if r.family == "schema" and found:  # the Plan holds coerced values: semantic rules would mislead
+            ctx.plan = None
     diags = _unique(diags)
     loaded = None
     if ctx.plan is not None:

@@ -87,13 +87,8 @@ def _local_checks(model, compiled, mesh) -> list[str]:
 
 
 def _compile(model, plan):
-    from planc.compile.resolve import compile_plan
-    from planc.spec.model import Plan
+    from planc.compile.resolve import compile_plan  # accepts a path, YAML text, mapping, Plan or LoadedPlan
 
-    if not isinstance(plan, Plan) and not hasattr(plan, "plan"):
-        from planc.spec.load import load_plan
-
-        plan = load_plan(plan)
     return compile_plan(plan, model)
 
 

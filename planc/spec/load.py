@@ -98,7 +98,14 @@ def _parent_doc(doc: SourceDoc, ext: str, root_dir: str, seen: tuple) -> SourceD
     base = os.path.dirname(doc.path) if doc.path else ""
     shown = os.path.normpath(os.path.join(base, ext))
     real = os.path.realpath(os.path.join(os.path.dirname(os.path.realpath(doc.path)) if doc.path else os.getcwd(), ext))
-    if not ext.strip() or os.path.isabs(ext) or os.path.commonpath([real, root_dir]) != root_dir:
+    if not ext.strip() or os.path.isabs(ext):
+        raise SourceError(
+            EXTENDS_OUTSIDE,
+            f"`extends: {ext}` must be a path relative to this plan",
+            "write the parent's path relative to this plan's directory, e.g. `extends: base.yaml`",
+            where,
+        )
+    if os.path.commonpath([real, root_dir]) != root_dir:
         raise SourceError(
             EXTENDS_OUTSIDE,
             f"`extends: {ext}` points outside the directory tree of the linted plan ({root_dir})",

@@ -50,13 +50,16 @@ def test_positions_follow_the_winning_key(tree):
 
 
 def test_replaced_subtrees_lose_parent_positions(tmp_path):
-    (tmp_path / "base.yaml").write_text(GOOD)
-    (tmp_path / "child.yaml").write_text("version: 1\nextends: base.yaml\ntp_plan: {}\n")
+    base = GOOD.replace("parallel: {tp_size: 2, ep_size: 2}", "parallel: {tp_size: 2, ep_size: 2}\n"
+                        "experts:\n  implementation: deepgemm_megamoe\n  megamoe: {backend: reference}")
+    (tmp_path / "base.yaml").write_text(base)
+    (tmp_path / "child.yaml").write_text("version: 1\nextends: base.yaml\ntp_plan: {}\nexperts: {megamoe: null}\n")
     loaded = load_plan(str(tmp_path / "child.yaml"))
-    assert loaded.plan.tp_plan == {}  # an empty mapping merges: parent rules stay
-    (tmp_path / "child.yaml").write_text("version: 1\nextends: base.yaml\nname: x\nmodel: {type: qwen3_moe}\n")
-    loaded = load_plan(str(tmp_path / "child.yaml"))
-    assert loaded.position(("model", "type")).path.endswith("child.yaml")
+    assert len(loaded.plan.tp_plan) == 2  # an empty mapping merges: the parent's rules stay
+    assert loaded.plan.experts.megamoe is None and loaded.plan.experts.implementation == "deepgemm_megamoe"
+    assert ("experts", "megamoe", "backend") not in loaded.key_positions
+    assert loaded.position(("experts", "megamoe")).path.endswith("child.yaml")
+    assert loaded.position(("experts", "implementation")).path.endswith("base.yaml")
 
 
 def test_diagnostic_in_parent_points_at_parent_line(tree):

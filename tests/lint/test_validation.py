@@ -78,3 +78,15 @@ def test_diagnostics_from_validation_accepts_plain_key_positions():
     assert str(d.position) == "f.yaml:4:1" and d.code == "PLC101"
     [d] = diagnostics_from_validation(err.value, None, {})
     assert d.position.line == 1
+
+
+@pytest.mark.parametrize("value", ["true", '"8"', "'8'"])
+def test_lax_coercions_are_wrong_types(value):
+    d = diag(GOOD.replace("tp_size: 2", f"tp_size: {value}"))
+    assert (d.code, d.line, d.col) == ("PLC102", 3, 21)
+    assert "`tp_size: 8` (no quotes)" in d.hint
+
+
+def test_numbers_where_strings_belong():
+    d = diag(GOOD.replace("type: mixtral", "type: 3"))
+    assert (d.code, d.line) == ("PLC102", 2)

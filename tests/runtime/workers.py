@@ -34,9 +34,10 @@ def shipped_plan(model_type: str, *, tp: int, ep: int | None = None, dp: int = 1
     data = load_plan(str(PLANS / (file or PLAN_FILES[model_type]))).plan.model_dump()
     data["extends"] = None  # already merged
     data["parallel"] = {"tp_size": tp, "ep_size": ep if ep is not None else tp, "dp_size": dp}
+    backend = experts.pop("backend", None)
     data["experts"].update(experts)
-    if data["experts"].get("megamoe") is not None and "backend" in experts:
-        data["experts"]["megamoe"]["backend"] = experts.pop("backend")
+    if backend is not None:
+        data["experts"]["megamoe"]["backend"] = backend
     return data
 
 

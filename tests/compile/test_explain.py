@@ -1,0 +1,72 @@
+"""`planc explain` on the full-size default configs with the shipped plans, and its failure modes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from planc.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SHIPPED = {
+    "mixtral.yaml": 32,
+    "qwen3_moe.yaml": 24,
+    "gpt_oss.yaml": 36,
+    "deepseek_v3.yaml": 58,
+    "deepseek_v4_allreduce.yaml": 43,
+    "deepseek_v4_megamoe.yaml": 43,
+}
+
+
+def plan(name):
+    return os.path.join(ROOT, "plans", name)
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_plan_has_full_coverage_on_the_full_size_model(name, capsys):
+    assert main(["explain", plan(name), "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["full_coverage"] is True
+    assert data["experts_covered"] == len(data["experts"]) == SHIPPED[name]
+    assert all(c["modules"] + c["parameters"] > 0 for c in data["coverage"])
+    assert data["bytes_per_rank"] < data["bytes_total"]
+    strategy = data["experts"][0]["strategy"]
+    assert strategy["reason"]
+    if name == "deepseek_v4_megamoe.yaml":
+        assert strategy["strategy"] == "MegaMoeEP"
+
+
+def test_text_output_groups_by_rule(capsys):
+    assert main(["explain", plan("mixtral.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.*.self_attn.{q,k,v}_proj" in out and "96 modules" in out
+    assert "strategy AutoEP:" in out and "coverage: full" in out
+    assert "per rank:" in out and "replicated" in out
+
+
+def test_set_overrides_the_config(capsys):
+    assert main(["explain", plan("mixtral.yaml"), "--set", "num_hidden_layers=2", "--format", "json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["experts"]) == 2
+
+
+def test_config_json(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "mixtral", "num_hidden_layers": 3, "architectures": ["MixtralForCausalLM"]}))
+    assert main(["explain", plan("mixtral.yaml"), "--config", str(cfg), "--format", "json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["experts"]) == 3
+
+
+def test_plan_that_does_not_resolve_exits_1_with_the_problems(tmp_path, capsys):
+    text = open(plan("mixtral.yaml")).read().replace("model.layers.*.self_attn.o_proj", "model.layers.*.self_attn.out_proj")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    assert main(["explain", str(bad), "--set", "num_hidden_layers=2"]) == 1
+    err = capsys.readouterr().err
+    assert "PLC601" in err and f"{bad}:" in err and "model.layers.*.self_attn.o_proj" in err
+
+
+def test_bad_set_is_a_usage_error(capsys):
+    assert main(["explain", plan("mixtral.yaml"), "--set", "num_hidden_layers"]) == 2
+    assert "KEY=VALUE" in capsys.readouterr().err

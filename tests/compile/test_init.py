@@ -1,0 +1,45 @@
+"""`planc init --from-transformers`: per family, the output lints clean and compiles on the full-size model."""
+
+from __future__ import annotations
+
+import pytest
+
+from planc.cli import main
+from planc.compile.resolve import compile_plan
+from planc.lint.runner import lint_text
+from planc.runtime.models import build_meta_model
+from planc.spec.source import parse_yaml
+
+FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "deepseek_v4"]
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_init_plan_lints_clean_and_compiles(model_type, tmp_path, capsys):
+    out = tmp_path / "plan.yaml"
+    assert main(["init", "--from-transformers", model_type, "-o", str(out)]) == 0
+    text = out.read_text()
+    assert [d.format() for d in lint_text(text) if d.severity == "error"] == []
+    compiled = compile_plan(str(out), build_meta_model(model_type))
+    assert compiled.full_coverage and compiled.experts_covered == len(compiled.experts) > 0
+    data = parse_yaml(text).data
+    # class-correct prefix: every base-model rule starts with `model.`; lm_head comes from the model class
+    assert all(k.startswith("model.") for k in data["ep_plan"])
+    assert data["tp_plan"]["lm_head"] == "colwise_gather_output"
+    assert data["ep_plan"]["model.layers.*.mlp.experts"] == "ep_dispatch_experts"
+
+
+def test_init_drops_what_transformers_drops_and_says_so(capsys):
+    assert main(["init", "--from-transformers", "qwen3_moe"]) == 0
+    text = capsys.readouterr().out
+    data = parse_yaml(text).data
+    # transformers' TP rules on the experts lose to its EP rules; the dense-MLP rules match nothing here
+    assert "model.layers.*.mlp.experts" not in data["tp_plan"]
+    assert "model.layers.*.mlp.gate_proj" not in data["tp_plan"]
+    assert "#   tp_plan `model.layers.*.mlp.gate_proj: colwise`: matches nothing" in text
+    # 4 KV heads: the largest size that compiles is 4
+    assert data["parallel"] == {"tp_size": 4, "ep_size": 4}
+
+
+def test_unknown_model_type_is_a_usage_error(capsys):
+    assert main(["init", "--from-transformers", "no_such_model"]) == 2
+    assert "no_such_model" in capsys.readouterr().err

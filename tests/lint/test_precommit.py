@@ -1,0 +1,80 @@
+"""The `planc-lint` hook of .pre-commit-hooks.yaml, run by the real pre-commit client.
+
+The hook runs as a `repo: local` hook built from the published definition (same id, files regex and
+entry), with `planc` replaced by this interpreter's `-m planc`, so the test needs no network.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from .helpers import GOOD, REPO, env
+
+PRE_COMMIT = shutil.which("pre-commit") or os.path.join(os.path.dirname(sys.executable), "pre-commit")
+pytestmark = pytest.mark.skipif(
+    not os.path.exists(PRE_COMMIT) or shutil.which("git") is None, reason="needs git and pre-commit"
+)
+
+
+def hook(hook_id: str) -> dict:
+    hooks = yaml.safe_load((REPO / ".pre-commit-hooks.yaml").read_text())
+    return next(h for h in hooks if h["id"] == hook_id)
+
+
+def local_language() -> str:
+    from pre_commit import all_languages
+
+    return "unsupported" if "unsupported" in all_languages.languages else "system"
+
+
+def test_manifest_is_valid_for_pre_commit():
+    r = subprocess.run([PRE_COMMIT, "validate-manifest", str(REPO / ".pre-commit-hooks.yaml")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_hooks_file_shape():
+    lint, explain = hook("planc-lint"), hook("planc-explain")
+    assert lint["entry"] == "planc lint" and lint["language"] == "python"
+    assert explain["entry"] == "planc explain" and explain["language"] == "python"
+    assert explain["files"] == r"^plans/.*\.ya?ml$"
+
+
+def run(cmd, cwd, **kw):
+    e = env()
+    e.update(PRE_COMMIT_HOME=str(cwd.parent / "pre-commit-home"), GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t",
+             GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")
+    return subprocess.run(cmd, cwd=cwd, env=e, capture_output=True, text=True, timeout=240, **kw)
+
+
+def test_planc_lint_hook_passes_good_and_fails_bad(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "plans").mkdir(parents=True)
+    h = hook("planc-lint")
+    entry = h["entry"].replace("planc", f"{sys.executable} -m planc", 1)
+    config = {"repos": [{"repo": "local", "hooks": [
+        {"id": h["id"], "name": h["name"], "entry": entry, "language": local_language(), "files": h["files"]}
+    ]}]}
+    (repo / ".pre-commit-config.yaml").write_text(yaml.safe_dump(config))
+    (repo / "plans" / "good.yaml").write_text(GOOD)
+    (repo / "notes.yaml").write_text("not: [a plan\n")  # outside plans/: the hook must not see it
+    assert run(["git", "init", "-q"], repo).returncode == 0
+    assert run(["git", "add", "-A"], repo).returncode == 0
+
+    ok = run([PRE_COMMIT, "run", "--all-files"], repo)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "planc lint" in ok.stdout and "Passed" in ok.stdout
+
+    (repo / "plans" / "bad.yaml").write_text(GOOD.replace("rowwise", "rowwize"))
+    run(["git", "add", "-A"], repo)
+    bad = run([PRE_COMMIT, "run", "--all-files"], repo)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "Failed" in bad.stdout
+    assert "plans/bad.yaml:6:36: PLC310 error: unknown style `rowwize`" in bad.stdout
+    assert "good.yaml" not in bad.stdout.replace("in 2 files", "")

@@ -1,0 +1,40 @@
+"""Diagnostic formatting and the text/json/github renderers."""
+
+from __future__ import annotations
+
+import json
+
+from planc.lint.diagnostic import Diagnostic
+from planc.lint.report import render
+from planc.spec.source import Position
+
+D = Diagnostic("PLC310", "error", "unknown style `a,b: c`", "did you mean `x`?\n50% sure", Position("p, q.yaml", 3, 7))
+W = Diagnostic("PLC405", "warning", "no EP group", "set ep_size", Position("p.yaml", 1, 1))
+
+
+def test_format_shape():
+    assert D.format() == "p, q.yaml:3:7: PLC310 error: unknown style `a,b: c`\n    hint: did you mean `x`?\n50% sure"
+    assert Diagnostic("PLC100", "error", "m", "h", None).format().startswith("<string>:1:1: PLC100 error: m")
+
+
+def test_text_summary():
+    assert render([D, W], "text", 2).endswith("1 error(s), 1 warning(s) in 2 files\n")
+    assert render([], "text", 1) == "1 file checked: no problems\n"
+
+
+def test_json_roundtrip():
+    doc = json.loads(render([D], "json", 1))
+    assert doc["diagnostics"][0] == {
+        "path": "p, q.yaml", "line": 3, "col": 7, "code": "PLC310", "severity": "error",
+        "message": "unknown style `a,b: c`", "hint": "did you mean `x`?\n50% sure",
+    }
+
+
+def test_github_escapes_properties_and_data():
+    out = render([D, W], "github", 2).splitlines()
+    assert out[0] == (
+        "::error file=p%2C q.yaml,line=3,col=7,title=PLC310::unknown style `a,b: c`"
+        "%0Ahint: did you mean `x`?%0A50%25 sure"
+    )
+    assert out[1].startswith("::warning file=p.yaml,line=1,col=1,title=PLC405::")
+    assert render([], "github", 0) == ""
