@@ -220,13 +220,14 @@ def measure(fns: dict, timer: Timer, warmup: int, reps: int, inner: int) -> dict
 
 def run(args) -> dict:
     device = args.device
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     init_world(device)
     shapes = dict(TINY if args.tiny else FULL)
     if args.experts:
         shapes["n_routed_experts"] = args.experts
     tokens = list(args.tokens or ((1, 16, 64) if args.tiny else DECODE + PREFILL))
     if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         e, h, i = shapes["n_routed_experts"], shapes["hidden_size"], shapes["moe_intermediate_size"]
         free_gb = torch.cuda.mem_get_info()[0] / 2**30
 
@@ -267,7 +268,7 @@ def run(args) -> dict:
             diffs = {n: float((f() - ref).abs().max()) for n, f in fns.items() if n != "bare"}
             inner = 1 if t >= 4096 else (2 if args.tiny else 10)
             reps = args.reps or (5 if t >= 4096 else 15)
-            modes = {"eager": fns}
+            modes, graphs = {"eager": fns}, None
             if device == "cuda" and not args.no_graphs:
                 graphs = {}
                 for n, f in fns.items():
@@ -294,10 +295,11 @@ def run(args) -> dict:
                     row["ratio"] = row["planc_us"] / row["transformers_us"]
                 rows.append(row)
                 print(_line(row), flush=True)
-            del modes, fns
+            del modes, fns, ref
+            graphs = None  # free this cell's graph pools before the next
     return {
-        "benchmark": "gpu_ep_layer", "device": device, "dtype": str(dtype_for(device)).removeprefix("torch."), "machine": machine(device), "shapes": shapes,
-        "setup_s": setup_s, "planc_error": planc_error, "planc_installs_wrapper": planc_wraps, "rows": rows,
+        "benchmark": "gpu_ep_layer", "device": device, "dtype": str(dtype_for(device)).removeprefix("torch."),
+        "machine": machine(device), "shapes": shapes, "setup_s": setup_s, "planc_error": planc_error, "planc_installs_wrapper": planc_wraps, "rows": rows,
     }
 
 

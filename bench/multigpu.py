@@ -122,6 +122,23 @@ def single_process_megamoe(model):
     return model
 
 
+def bind_missing_megamoe_runtimes(model) -> int:
+    """Workaround for ep_size 1: `planc.apply` installs the Mega MoE experts forward but no MegaMoeEP runtime
+    there (the compiler gives experts no EP strategy at ep_size 1), so nothing passes the `process_group` that
+    forward requires. Bind the runtime the way `planc.apply` does at ep_size > 1; returns how many were bound."""
+    from planc.compile.ep import MegaMoeEP
+    from planc.runtime.ep.base import install_ep_forward
+    from planc.runtime.ep.megamoe import MegaMoeEPRuntime
+    from planc.runtime.megamoe import megamoe_state
+
+    groups, bound = getattr(model, "_planc_groups", None), 0
+    for m in model.modules():
+        if megamoe_state(m) is not None and not hasattr(m.forward, "runtime"):
+            install_ep_forward(m, MegaMoeEPRuntime(m, MegaMoeEP(reason="bound by bench/multigpu.py"), groups))
+            bound += 1
+    return bound
+
+
 def rel_diff(out, ref) -> tuple[float, float]:
     d = float((out.float() - ref.float()).abs().max())
     return d, d / max(float(ref.float().abs().max()), 1e-30)
@@ -141,8 +158,10 @@ def run_correctness(world: int, device, sizes) -> list:
             cells = [("all_to_all", False), ("all_reduce", False), ("auto", False), ("auto", True)]
             if model_type == "deepseek_v4":
                 cells.append(("deepgemm_megamoe", False))
+                if world == 1:
+                    cells.append(("deepgemm_megamoe", "bind"))
             for impl, grad in cells:
-                label = impl + (" (grad)" if grad else "")
+                label = impl + {False: "", True: " (grad)", "bind": " (runtime bound by bench)"}[grad]
                 row = {"model": model_type, "size": size, "impl": label, "world": world}
                 try:
                     reference = ref
@@ -151,12 +170,16 @@ def run_correctness(world: int, device, sizes) -> list:
                             reference = single_process_megamoe(copy.deepcopy(base))(input_ids=ids, use_cache=False).logits
                     model = copy.deepcopy(base)
                     planc.apply(model, shipped_plan(model_type, world, impl))
+                    if grad == "bind":
+                        bind_missing_megamoe_runtimes(model)
+                        grad = False
                     with torch.set_grad_enabled(grad):
                         out = model(input_ids=ids, use_cache=False).logits
                     if grad:
                         out.float().sum().backward()  # the all_to_all backward runs too
                     runtime = _first_runtime(model)
-                    row["ran"] = getattr(runtime, "last_choice", None) or getattr(getattr(runtime, "strategy", None), "name", None)
+                    row["ran"] = (getattr(runtime, "last_choice", None) or getattr(getattr(runtime, "strategy", None), "name", None)
+                                  or "no EP wrapper")
                     row["max_abs_diff"], row["rel_diff"] = rel_diff(out.detach(), reference)
                     tol = REL_TOL["megamoe" if impl == "deepgemm_megamoe" else "fp32"]
                     row["tol"] = tol
@@ -219,7 +242,7 @@ def install_peer(model, world: int, impl: str, device_type: str):
     return apply_expert_parallelism(model, mesh, mesh, plan, ep_implementation=impl)
 
 
-def run_performance(world: int, device_type: str, args) -> list:
+def run_performance(world: int, device_type: str, args, notes: list) -> list:
     import planc
 
     shapes = dict(layer_bench.TINY if device_type == "cpu" else layer_bench.FULL)
@@ -238,6 +261,8 @@ def run_performance(world: int, device_type: str, args) -> list:
         try:
             m = layer_bench.share_weights_copy(base)
             planc.apply(m, experts_plan(world, impl))
+            if impl == "deepgemm_megamoe" and bind_missing_megamoe_runtimes(m):
+                notes.append("deepgemm_megamoe: planc.apply bound no MegaMoeEP runtime at ep_size 1; the bench bound it")
             sides[("planc", impl)] = layer_bench.experts_of(m)
         except Exception as e:  # noqa: BLE001
             log(f"  planc {impl} apply failed: {type(e).__name__}: {e}")
@@ -254,7 +279,17 @@ def run_performance(world: int, device_type: str, args) -> list:
             if not pair:
                 continue
             with torch.no_grad():
-                fns = {who: (lambda e=e: e(x, idx, w)) for who, e in pair.items()}
+                fns = {}
+                for who, e in pair.items():
+                    try:
+                        e(x, idx, w)
+                        fns[who] = lambda e=e: e(x, idx, w)
+                    except Exception as err:  # noqa: BLE001 - a side that cannot run is reported, not timed
+                        log(f"  {who} {impl} T={t}: forward failed: {type(err).__name__}: {err}")
+                        notes.append(f"{who} {impl}: forward failed: {type(err).__name__}: {err}")
+                        sides.pop((who, impl), None)
+                if not fns:
+                    continue
                 diff = None
                 if len(fns) == 2:
                     diff = float((fns["planc"]() - fns["transformers"]()).abs().max())
@@ -302,6 +337,7 @@ def run_buffers(world: int, device, args) -> dict:
     model = build("deepseek_v4", "mid", world, device, num_hidden_layers=layers,
                   layer_types=["sliding_attention"] * layers, mlp_layer_types=["moe"] * layers)
     planc.apply(model, shipped_plan("deepseek_v4", world, "deepgemm_megamoe"))
+    bound = bind_missing_megamoe_runtimes(model)
     destroy_megamoe_buffers()
     cuda = device.type == "cuda"
     steps = []
@@ -319,7 +355,7 @@ def run_buffers(world: int, device, args) -> dict:
             "cuda_allocated_delta": None if not cuda else torch.cuda.memory_allocated() - mem0,
         })
     destroy_megamoe_buffers()
-    return {"world": world, "moe_layers": layers, "steps": steps}
+    return {"world": world, "moe_layers": layers, "steps": steps, "runtimes_bound_by_bench": bound}
 
 
 # ---- report --------------------------------------------------------------------------------------------------
@@ -344,6 +380,10 @@ def markdown(result: dict) -> str:
         for r in result["performance"]:
             out.append(f"| {r['impl']} | {r['tokens']} | {r['mode']} | {_f(r['transformers_us'])} | {_f(r['planc_us'])} | "
                        f"{_f(r['ratio'], '.2f')} |")
+        out.append("")
+    for n in result.get("notes", []):
+        out.append(f"Note: {n}")
+    if result.get("notes"):
         out.append("")
     b = result.get("buffers")
     if b:
@@ -407,7 +447,12 @@ def main(argv=None) -> int:
         shapes = dict(layer_bench.TINY if args.device == "cpu" else layer_bench.FULL)
         shapes["n_routed_experts"] = args.experts_per_rank * world
         result["perf_shapes"] = shapes
-        result["performance"] = run_performance(world, args.device, args)
+        result["notes"] = []
+        result["performance"] = run_performance(world, args.device, args, result["notes"])
+        if world == 1:
+            result["notes"].append("world 1: planc.apply installs no EP wrapper for all_to_all/all_reduce (nothing to "
+                                   "exchange), so planc's column is the bare experts; bench/gpu_ep_layer.py times "
+                                   "planc's wrapper forced onto one rank")
     if "buffers" in args.sections:
         try:
             result["buffers"] = run_buffers(world, device, args)

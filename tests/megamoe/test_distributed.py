@@ -87,7 +87,10 @@ def check_megamoe_ep(world_size, results):
 
 def _rank(rank, world_size):
     # one spawn per world size (process start-up dominates the cost of these tests)
-    return _reference_rank(rank, world_size, COUNTS[world_size]), _megamoe_ep_rank(rank, world_size, BATCHES[world_size])
+    return (
+        _reference_rank(rank, world_size, COUNTS[world_size]),
+        _megamoe_ep_rank(rank, world_size, BATCHES[world_size]),
+    )
 
 
 @pytest.mark.distributed

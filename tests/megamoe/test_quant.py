@@ -46,7 +46,8 @@ def test_fp4_rounds_to_nearest_with_ties_toward_zero(value, expected):
 def test_fp4_scales_are_ue8m0_and_representable_values_round_trip_exactly():
     g = torch.Generator().manual_seed(1)
     table = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-    codes = table[torch.randint(0, 8, (16, 64), generator=g)] * torch.where(torch.rand(16, 64, generator=g) < 0.5, -1, 1)
+    signs = torch.where(torch.rand(16, 64, generator=g) < 0.5, -1, 1)
+    codes = table[torch.randint(0, 8, (16, 64), generator=g)] * signs
     codes[:, ::32] = 6.0  # amax 6 in every group
     x = codes * 2.0 ** torch.randint(-8, 8, (16, 2), generator=g).repeat_interleave(32, dim=1)
     packed, sf = quantize_fp4(x)

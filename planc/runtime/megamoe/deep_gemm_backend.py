@@ -143,12 +143,10 @@ class DeepGemmMegaMoe:
         """FP4 weights -> the kernel's layout, once; the module's parameters then hold that layout."""
         m, dg = self.module, self.dg
         e, h, i = self.num_local_experts, self.hidden, self.intermediate
-        sf1 = dg.transform_sf_into_required_layout(
-            sf=ue8m0_to_float(_local(m.gate_up_proj_scale_inv)).contiguous(), mn=2 * i, k=h, recipe=(1, 32), num_groups=e
-        )
-        sf2 = dg.transform_sf_into_required_layout(
-            sf=ue8m0_to_float(_local(m.down_proj_scale_inv)).contiguous(), mn=h, k=i, recipe=(1, 32), num_groups=e
-        )
+        sf1 = ue8m0_to_float(_local(m.gate_up_proj_scale_inv)).contiguous()  # float32 [E, 2I, H/32]
+        sf2 = ue8m0_to_float(_local(m.down_proj_scale_inv)).contiguous()  # float32 [E, H, I/32]
+        sf1 = dg.transform_sf_into_required_layout(sf=sf1, mn=2 * i, k=h, recipe=(1, 32), num_groups=e)
+        sf2 = dg.transform_sf_into_required_layout(sf=sf2, mn=h, k=i, recipe=(1, 32), num_groups=e)
         self.l1, self.l2 = dg.transform_weights_for_mega_moe(
             l1_weights=(_local(m.gate_up_proj).contiguous(), sf1), l2_weights=(_local(m.down_proj).contiguous(), sf2)
         )

@@ -155,7 +155,8 @@ def local_experts_forward(
     rows = order // k
     x_rows = x_fp8.view(torch.uint8)[rows].view(torch.float8_e4m3fn)  # gather as bytes: portable
     hidden = x_fp8.shape[1]
-    x = (x_rows.to(dtype).view(m * k, hidden // GRAN, GRAN) * ue8m0_to_float(x_sf[rows]).to(dtype).unsqueeze(2)).flatten(1)
+    x_scales = ue8m0_to_float(x_sf[rows]).to(dtype).unsqueeze(2)
+    x = (x_rows.to(dtype).view(m * k, hidden // GRAN, GRAN) * x_scales).flatten(1)
 
     h = _group_gemm(x, experts.gate_up, offs).to(torch.bfloat16)  # L1, rounded to BF16 once
     gate, up = h[:, :inter], h[:, inter:]
