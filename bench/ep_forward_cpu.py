@@ -282,7 +282,7 @@ def markdown_table(rows: list, world: int) -> str:
         if r["world"] != world or "profile" in r:
             continue
         planc_ms = "n/a" if r["planc_ms"] is None else f"{r['planc_ms']:.2f}"
-        ratio = "n/a" if r["ratio"] is None else f"**{r['ratio']:.2f}**" if r["ratio"] > 1.0 else f"{r['ratio']:.2f}"
+        ratio = "n/a" if r["ratio"] is None else f"**{r['ratio']:.2f}**" if r["ratio"] >= 1.005 else f"{r['ratio']:.2f}"
         diff = "n/a" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.1e}"
         model = "MoE layer (1024/8x2816)" if r["model"] == "layer" else "tiny Mixtral"
         lines.append(f"| {model} | {r['impl']} | {r['tokens']} | {r['peer_ms']:.2f} | {planc_ms} | {ratio} | {diff} |")
@@ -306,14 +306,17 @@ def main(argv=None) -> int:
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
     p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     p.add_argument("--quick", action="store_true", help="a few repetitions per cell (smoke test)")
+    p.add_argument("--reps", type=int, help="repetitions for every cell (default: 40 for small batches ... 5 for 2048)")
     p.add_argument("--json", metavar="OUT", help="write every row (and the machine) as JSON")
     p.add_argument("--profile", nargs=4, metavar=("WORLD", "IMPL", "MODEL", "TOKENS"),
                    help="profile both sides of one cell instead of timing")
     args = p.parse_args(argv)
 
-    reps = QUICK_REPS if args.quick else REPS
+    reps = dict(QUICK_REPS if args.quick else REPS)
     for t in args.tokens:
         reps.setdefault(t, (2, 10))
+        if args.reps:
+            reps[t] = (reps[t][0], args.reps)
     if args.profile:
         w, impl, kind, t = args.profile
         spawn(run_cells, int(w), [kind], [impl], [int(t)], reps, True)

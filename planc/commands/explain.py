@@ -19,7 +19,7 @@ _CONFIG_METADATA = ("model_type", "architectures", "transformers_version", "auto
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("plan", metavar="PLAN", help="plan file (YAML)")
+    parser.add_argument("plans", nargs="+", metavar="PLAN", help="plan file(s) (YAML); pre-commit passes several")
     parser.add_argument("--config", metavar="CONFIG_JSON", help="a model config.json instead of the default config")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -70,35 +70,52 @@ def build_model(model_type: str, config: dict, dtype: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    from planc.compile.render import render_json, render_text
-    from planc.compile.resolve import compile_plan
-    from planc.errors import CompileError, PlanError
-    from planc.spec.load import load_plan
+    import json
 
-    try:
-        loaded = load_plan(args.plan)
-    except PlanError as e:
-        sys.stderr.write(f"planc explain: {args.plan} does not lint clean:\n{e}\n")
-        return 1
-    except (OSError, TypeError) as e:
-        sys.stderr.write(f"planc explain: cannot read {args.plan}: {e}\n")
-        return 2
     try:
         overrides = parse_overrides(args.overrides)
         config = read_config(args.config) if args.config else {}
     except (OSError, ValueError) as e:
         sys.stderr.write(f"planc explain: {e}\n")
         return 2
+    status, outputs = 0, []
+    for path in args.plans:
+        rc, out = explain_one(path, config, overrides, args.dtype, args.format)
+        status = max(status, rc)
+        if out is not None:
+            outputs.append(out)
+    if args.format == "json":
+        data = [json.loads(o) for o in outputs]
+        sys.stdout.write(json.dumps(data[0] if len(args.plans) == 1 and data else data, indent=2, sort_keys=True) + "\n")
+    else:
+        sys.stdout.write("\n\n".join(outputs) + ("\n" if outputs else ""))
+    return status
+
+
+def explain_one(path: str, config: dict, overrides: dict, dtype: str, fmt: str):
+    """(exit status, rendered output or None) for one plan file."""
+    from planc.compile.render import render_json, render_text
+    from planc.compile.resolve import compile_plan
+    from planc.errors import CompileError, PlanError
+    from planc.spec.load import load_plan
+
+    try:
+        loaded = load_plan(path)
+    except PlanError as e:
+        sys.stderr.write(f"planc explain: {path} does not lint clean:\n{e}\n")
+        return 1, None
+    except (OSError, TypeError) as e:
+        sys.stderr.write(f"planc explain: cannot read {path}: {e}\n")
+        return 2, None
     model_type = config.get("model_type") or loaded.plan.model.type
     try:
-        model = build_model(model_type, {**config, **overrides}, args.dtype)
+        model = build_model(model_type, {**config, **overrides}, dtype)
     except (ValueError, TypeError) as e:
         sys.stderr.write(f"planc explain: cannot build a `{model_type}` model: {e}\n")
-        return 2
+        return 2, None
     try:
         compiled = compile_plan(loaded, model)
     except CompileError as e:
-        sys.stderr.write(f"planc explain: {args.plan} does not resolve against {type(model).__name__}:\n{e}\n")
-        return 1
-    sys.stdout.write((render_json(compiled) if args.format == "json" else render_text(compiled)) + "\n")
-    return 0
+        sys.stderr.write(f"planc explain: {path} does not resolve against {type(model).__name__}:\n{e}\n")
+        return 1, None
+    return 0, render_json(compiled) if fmt == "json" else render_text(compiled)

@@ -554,7 +554,6 @@ class _Resolver:
         return out
 
     def check_experts_params(self, m, mode, final: dict[str, _Rule]) -> None:
-        walk = self.walk
         for pfqn in m.params:
             r = final.get(pfqn)
             name = pfqn.rsplit(".", 1)[-1]
@@ -565,7 +564,7 @@ class _Resolver:
                     + (f" (it has `{r.style}`)" if r else "")
                     + ": every rank would index a full tensor with its local expert ids",
                     final[m.fqn].source.where,
-                    f"add `{m.fqn and generic_path(m.fqn)}.{name}: grouped_gemm` to ep_plan",
+                    f"add `{generic_path(m.fqn)}.{name}: grouped_gemm` to ep_plan",
                     pfqn,
                 )
             elif mode == "tp" and name in ("gate_up_proj", "up_proj", "down_proj") and (
@@ -589,7 +588,6 @@ class _Resolver:
                     f"add `{generic_path(m.fqn)}: ep_dispatch_experts` to ep_plan",
                     pfqn,
                 )
-        _ = walk
 
     def check_megamoe(self, m) -> None:
         info, settings = m.experts, self.plan.experts.megamoe

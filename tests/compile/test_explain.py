@@ -70,3 +70,11 @@ def test_plan_that_does_not_resolve_exits_1_with_the_problems(tmp_path, capsys):
 def test_bad_set_is_a_usage_error(capsys):
     assert main(["explain", plan("mixtral.yaml"), "--set", "num_hidden_layers"]) == 2
     assert "KEY=VALUE" in capsys.readouterr().err
+
+
+def test_several_plans_as_pre_commit_passes_them(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(open(plan("mixtral.yaml")).read().replace("lm_head", "lm_heed"))
+    assert main(["explain", plan("mixtral.yaml"), str(bad), "--set", "num_hidden_layers=2"]) == 1
+    captured = capsys.readouterr()
+    assert "coverage: full" in captured.out and "lm_heed" in captured.err and "`lm_head`" in captured.err

@@ -97,7 +97,20 @@ def ep_runtimes(model):
 # ---- equivalence worlds --------------------------------------------------------------------------------------
 
 
-def equivalence_world(rank, world_size, model_type):
+def equivalence_world(rank, world_size, model_types):
+    """Every model of `model_types` in one world (spawning dominates the cost): {model: checks or traceback}."""
+    import traceback
+
+    out = {}
+    for model_type in model_types:
+        try:
+            out[model_type] = equivalence_checks(rank, world_size, model_type)
+        except Exception:  # noqa: BLE001 - report every model, not only the first failure
+            out[model_type] = traceback.format_exc()
+    return out
+
+
+def equivalence_checks(rank, world_size, model_type):
     """Logits and a training step vs an unsharded copy, for all_to_all, all_reduce and auto (+ extras)."""
     from planc import apply
 
