@@ -259,48 +259,63 @@ def run(args) -> dict:
     setup_s = time.perf_counter() - t0
     planc_wraps = ours is not None and hasattr(experts_of(ours).forward, "runtime")
     timer = Timer(device)
-    rows = []
-    for t in tokens:
-        x, idx, w = routes(t, shapes, device)
-        with torch.no_grad():
-            fns = {n: (lambda m=m: m(x, idx, w)) for n, m in sides.items()}
-            ref = fns["bare"]()
-            diffs = {n: float((f() - ref).abs().max()) for n, f in fns.items() if n != "bare"}
-            inner = 1 if t >= 4096 else (2 if args.tiny else 10)
-            reps = args.reps or (5 if t >= 4096 else 15)
-            modes, graphs = {"eager": fns}, None
-            if device == "cuda" and not args.no_graphs:
-                graphs = {}
-                for n, f in fns.items():
-                    try:
-                        graphs[n], _ = capture(f)
-                    except Exception as e:  # noqa: BLE001 - a side that does not capture is reported, not fatal
-                        print(f"[gpu_ep_layer] {n} T={t}: CUDA graph capture failed: {type(e).__name__}: {e}",
-                              file=sys.stderr, flush=True)
-                        torch.cuda.synchronize()
-                if "bare" in graphs:
-                    modes["graph"] = graphs
-            for mode, mfns in modes.items():
-                med = measure(mfns, timer, warmup=2, reps=reps, inner=inner)
-                row = {"tokens": t, "mode": mode, "bare_us": med["bare"] * 1e6}
-                if "planc.apply" in med:
-                    row["planc_apply_us"] = med["planc.apply"] * 1e6
-                for n in ("transformers", "planc"):
-                    if n in med:
-                        row[f"{n}_us"] = med[n] * 1e6
-                        row[f"{n}_overhead_us"] = (med[n] - med["bare"]) * 1e6
-                        row[f"{n}_overhead_share"] = (med[n] - med["bare"]) / med[n]
-                        row[f"{n}_max_abs_diff"] = diffs[n]
-                if "planc_us" in row and "transformers_us" in row:
-                    row["ratio"] = row["planc_us"] / row["transformers_us"]
-                rows.append(row)
-                print(_line(row), flush=True)
-            del modes, fns, ref
-            graphs = None  # free this cell's graph pools before the next
-    return {
+    result = {
         "benchmark": "gpu_ep_layer", "device": device, "dtype": str(dtype_for(device)).removeprefix("torch."),
-        "machine": machine(device), "shapes": shapes, "setup_s": setup_s, "planc_error": planc_error, "planc_installs_wrapper": planc_wraps, "rows": rows,
+        "machine": machine(device), "shapes": shapes, "setup_s": setup_s, "planc_error": planc_error,
+        "planc_installs_wrapper": planc_wraps, "rows": [],
     }
+    for t in tokens:
+        try:
+            result["rows"] += run_cell(t, sides, shapes, device, timer, args)
+        except Exception as e:  # noqa: BLE001 - one failing cell must not cost the others
+            print(f"[gpu_ep_layer] T={t}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            result["rows"].append({"tokens": t, "error": f"{type(e).__name__}: {e}"})
+            if device == "cuda":
+                torch.cuda.synchronize()
+        if args.json:  # written after every cell, so a run cut short still leaves its numbers
+            Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+def run_cell(t: int, sides: dict, shapes: dict, device: str, timer: Timer, args) -> list:
+    """Eager (and on GPU, CUDA-graph) timings of every side for `t` tokens."""
+    rows = []
+    x, idx, w = routes(t, shapes, device)
+    with torch.no_grad():
+        fns = {n: (lambda m=m: m(x, idx, w)) for n, m in sides.items()}
+        ref = fns["bare"]()
+        diffs = {n: float((f() - ref).abs().max()) for n, f in fns.items() if n != "bare"}
+        inner = 1 if t >= 4096 else 10
+        reps = args.reps or (5 if t >= 4096 else 15)
+        modes = {"eager": fns}
+        if device == "cuda" and not args.no_graphs:
+            graphs = {}
+            for n, f in fns.items():
+                try:
+                    graphs[n], _ = capture(f)
+                except Exception as e:  # noqa: BLE001 - a side that does not capture is reported, not fatal
+                    print(f"[gpu_ep_layer] {n} T={t}: CUDA graph capture failed: {type(e).__name__}: {e}",
+                          file=sys.stderr, flush=True)
+                    torch.cuda.synchronize()
+            if "bare" in graphs:
+                modes["graph"] = graphs
+        for mode, mfns in modes.items():
+            med = measure(mfns, timer, warmup=2, reps=reps, inner=inner)
+            row = {"tokens": t, "mode": mode, "bare_us": med["bare"] * 1e6}
+            if "planc.apply" in med:
+                row["planc_apply_us"] = med["planc.apply"] * 1e6
+            for n in ("transformers", "planc"):
+                if n in med:
+                    row[f"{n}_us"] = med[n] * 1e6
+                    row[f"{n}_overhead_us"] = (med[n] - med["bare"]) * 1e6
+                    row[f"{n}_overhead_share"] = (med[n] - med["bare"]) / med[n]
+                    row[f"{n}_max_abs_diff"] = diffs[n]
+            if "planc_us" in row and "transformers_us" in row:
+                row["ratio"] = row["planc_us"] / row["transformers_us"]
+            rows.append(row)
+            print(_line(row), flush=True)
+    return rows
+
 
 
 def _fmt(v, spec=".1f"):
@@ -323,6 +338,10 @@ def markdown(result: dict) -> str:
              "planc overhead us (share) | planc / transformers |",
              "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['tokens']} | error | {r['error'][:100]} | | | | | |")
+            continue
+
         def ov(n):
             if f"{n}_overhead_us" not in r:
                 return "n/a"

@@ -28,7 +28,6 @@ import copy
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -275,50 +274,63 @@ def run_performance(world: int, device_type: str, args, notes: list) -> list:
         inner = 1 if t >= 4096 else (2 if device_type == "cpu" else 10)
         reps = args.reps or (5 if t >= 4096 else 15)
         for impl in args.impls:
-            pair = {who: sides[(who, impl)] for who in ("transformers", "planc") if (who, impl) in sides}
-            if not pair:
-                continue
-            with torch.no_grad():
-                fns = {}
-                for who, e in pair.items():
-                    try:
-                        e(x, idx, w)
-                        fns[who] = lambda e=e: e(x, idx, w)
-                    except Exception as err:  # noqa: BLE001 - a side that cannot run is reported, not timed
-                        log(f"  {who} {impl} T={t}: forward failed: {type(err).__name__}: {err}")
-                        notes.append(f"{who} {impl}: forward failed: {type(err).__name__}: {err}")
-                        sides.pop((who, impl), None)
-                if not fns:
-                    continue
-                diff = None
-                if len(fns) == 2:
-                    diff = float((fns["planc"]() - fns["transformers"]()).abs().max())
-                modes = {"eager": fns}
-                if device_type == "cuda" and impl != "all_to_all" and not args.no_graphs:
-                    graphs = {}
-                    for who, f in fns.items():
-                        try:
-                            graphs[who], _ = layer_bench.capture(f)
-                        except Exception as e:  # noqa: BLE001
-                            log(f"  {who} {impl} T={t}: CUDA graph capture failed: {type(e).__name__}: {e}")
-                            torch.cuda.synchronize()
-                    if graphs:
-                        modes["graph"] = graphs
-                for mode, mfns in modes.items():
-                    med = layer_bench.measure(mfns, timer, warmup=2, reps=reps, inner=inner)
-                    # the world waits for its slowest rank
-                    vals = torch.tensor([med.get(k, float("nan")) for k in ("transformers", "planc")],
-                                        dtype=torch.float64, device=_dist_device())
-                    dist.all_reduce(vals, op=dist.ReduceOp.MAX)
-                    tr, pl = (None if v != v else v * 1e6 for v in vals.tolist())
-                    row = {"world": world, "impl": impl, "tokens": t, "mode": mode, "transformers_us": tr,
-                           "planc_us": pl, "ratio": (pl / tr) if tr and pl else None, "max_abs_diff": diff}
-                    rows.append(row)
-                    log(f"  perf {impl:16s} T={t:5d} {mode:5s} transformers {_f(tr)} us  planc {_f(pl)} us  "
-                        f"ratio {_f(row['ratio'], '.2f')}")
-                del modes, fns
+            try:
+                rows += perf_cell(world, impl, t, sides, x, idx, w, timer, inner, reps, device_type, args, notes)
+            except Exception as e:  # noqa: BLE001 - deterministic failures hit every rank alike; go on
+                log(f"  perf {impl} T={t}: {type(e).__name__}: {e}")
+                notes.append(f"{impl} T={t}: {type(e).__name__}: {e}")
+                if device_type == "cuda":
+                    torch.cuda.synchronize()
     del sides
     _cleanup()
+    return rows
+
+
+def perf_cell(world, impl, t, sides, x, idx, w, timer, inner, reps, device_type, args, notes) -> list:
+    """transformers and planc on one (EP implementation, tokens) cell: eager, and graph replay where it captures."""
+    rows = []
+    pair = {who: sides[(who, impl)] for who in ("transformers", "planc") if (who, impl) in sides}
+    if not pair:
+        return rows
+    with torch.no_grad():
+        fns = {}
+        for who, e in pair.items():
+            try:
+                e(x, idx, w)
+                fns[who] = lambda e=e: e(x, idx, w)
+            except Exception as err:  # noqa: BLE001 - a side that cannot run is reported, not timed
+                log(f"  {who} {impl} T={t}: forward failed: {type(err).__name__}: {err}")
+                notes.append(f"{who} {impl}: forward failed: {type(err).__name__}: {err}")
+                sides.pop((who, impl), None)
+        if not fns:
+            return rows
+        diff = None
+        if len(fns) == 2:
+            diff = float((fns["planc"]() - fns["transformers"]()).abs().max())
+        modes = {"eager": fns}
+        if device_type == "cuda" and impl != "all_to_all" and not args.no_graphs:
+            graphs = {}
+            for who, f in fns.items():
+                try:
+                    graphs[who], _ = layer_bench.capture(f)
+                except Exception as e:  # noqa: BLE001
+                    log(f"  {who} {impl} T={t}: CUDA graph capture failed: {type(e).__name__}: {e}")
+                    torch.cuda.synchronize()
+            if graphs:
+                modes["graph"] = graphs
+        for mode, mfns in modes.items():
+            med = layer_bench.measure(mfns, timer, warmup=2, reps=reps, inner=inner)
+            # the world waits for its slowest rank
+            vals = torch.tensor([med.get(k, float("nan")) for k in ("transformers", "planc")],
+                                dtype=torch.float64, device=_dist_device())
+            dist.all_reduce(vals, op=dist.ReduceOp.MAX)
+            tr, pl = (None if v != v else v * 1e6 for v in vals.tolist())
+            row = {"world": world, "impl": impl, "tokens": t, "mode": mode, "transformers_us": tr,
+                   "planc_us": pl, "ratio": (pl / tr) if tr and pl else None, "max_abs_diff": diff}
+            rows.append(row)
+            log(f"  perf {impl:16s} T={t:5d} {mode:5s} transformers {_f(tr)} us  planc {_f(pl)} us  "
+                f"ratio {_f(row['ratio'], '.2f')}")
+        del modes, fns
     return rows
 
 
@@ -441,8 +453,13 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     result = {"benchmark": "multigpu", "world": world, "device": args.device, "machine": machine(args.device)}
     log(f"[multigpu] {result['machine']}, world {world}")
+    def dump():  # after every section, so a run cut short still leaves what it measured
+        if args.json and dist.get_rank() == 0:
+            Path(args.json).write_text(json.dumps(result, indent=2))
+
     if "correctness" in args.sections:
         result["correctness"] = run_correctness(world, device, args.sizes)
+        dump()
     if "performance" in args.sections:
         shapes = dict(layer_bench.TINY if args.device == "cpu" else layer_bench.FULL)
         shapes["n_routed_experts"] = args.experts_per_rank * world
@@ -453,6 +470,7 @@ def main(argv=None) -> int:
             result["notes"].append("world 1: planc.apply installs no EP wrapper for all_to_all/all_reduce (nothing to "
                                    "exchange), so planc's column is the bare experts; bench/gpu_ep_layer.py times "
                                    "planc's wrapper forced onto one rank")
+        dump()
     if "buffers" in args.sections:
         try:
             result["buffers"] = run_buffers(world, device, args)

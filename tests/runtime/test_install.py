@@ -44,6 +44,7 @@ def test_refusals_raise_the_same_error_on_every_rank_and_change_nothing():
         "sonicmoe_on_cpu": "`sonicmoe` runs CUDA kernels",
         "megamoe_auto_backend_on_cpu": "backend: reference",
         "double_apply": "already called on this model",
+        "caller_mesh_mismatch": "the plan wants dp=1 x tp=2",
     }
     for name, fragment in expected.items():
         messages = {res[name][0] for res in results}
@@ -52,3 +53,20 @@ def test_refusals_raise_the_same_error_on_every_rank_and_change_nothing():
         assert fragment in message, (name, message)
         for res in results:
             assert res[name][1] == [], (name, res[name][1])  # nothing changed
+    for res in results:
+        assert res["caller_mesh_logits"] <= 1e-5
+
+
+def test_unknown_style_is_refused_by_name():
+    from planc.runtime.tp_styles import tp_style
+
+    with pytest.raises(ApplyError, match="style `colwise_rep` at tp_plan.*implemented: colwise"):
+        tp_style("colwise_rep", "tp_plan['lm_head']")
+
+
+def test_meta_model_builds_full_size_without_memory():
+    from planc.runtime.models import build_meta_model
+
+    model = build_meta_model("mixtral", {"num_hidden_layers": 2})
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert model.model.layers[0].mlp.experts.gate_up_proj.shape == (8, 2 * 14336, 4096)

@@ -120,7 +120,13 @@ def equivalence_checks(rank, world_size, model_type):
         model, ref = fresh(model_type, plan["experts"]["implementation"])
         apply(model, plan)
         key = f"tp{world_size}/ep{world_size}/{strategy}"
-        res[f"{key}/logits"] = logits_diff(model, ref, batch(rank * 0 + 1))
+        res[f"{key}/logits"] = logits_diff(model, ref, batch(1))
+        if strategy == "all_to_all":  # 3 tokens: fewer than 4 ranks, not dividing 2; some TP slices are empty
+            res[f"{key}/logits_3_tokens"] = logits_diff(model, ref, batch(9, rows=1, cols=3))
+            loss, grads = train_step_diff(model, ref, batch(9, rows=1, cols=3))
+            res[f"{key}/loss_3_tokens"], res[f"{key}/grads_3_tokens"] = loss, grads
+            model.zero_grad()
+            ref.zero_grad()
         if strategy == "auto":
             chosen = {rt.last_choice for rt in ep_runtimes(model)}
             res[f"{key}/no_grad_choice"] = chosen
@@ -365,7 +371,20 @@ def errors_world(rank, world_size):
         fresh("deepseek_v4")[0],
         shipped_plan("deepseek_v4", tp=world_size, file="deepseek_v4_megamoe.yaml"),
     )
-    apply(model, shipped_plan("mixtral", tp=world_size))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    wrong_mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp", "tp"))
+    try:
+        before = capture(model)
+        apply(model, shipped_plan("mixtral", tp=world_size), mesh=wrong_mesh)
+        out["caller_mesh_mismatch"] = ("no error", [])
+    except ApplyError as e:
+        out["caller_mesh_mismatch"] = (str(e), differences(before, capture(model)))
+    # the caller's own (dp, tp) mesh is used as given
+    mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
+    reference = copy.deepcopy(model)
+    apply(model, shipped_plan("mixtral", tp=world_size), mesh=mesh)
+    out["caller_mesh_logits"] = logits_diff(model, reference, batch(1))
     attempt("double_apply", model, shipped_plan("mixtral", tp=world_size))
     return out
 
