@@ -497,7 +497,8 @@ class _Resolver:
                         )
 
     def resolve_strategy(self) -> Optional[EPStrategy]:
-        if not self.ep_experts:
+        # Mega MoE experts always run behind MegaMoeEP (it hands the kernel its process group), even at ep_size 1.
+        if not self.ep_experts and self.plan.experts.implementation != "deepgemm_megamoe":
             return None
         try:
             return resolve_ep(self.plan.experts, self.parallel)
@@ -539,7 +540,7 @@ class _Resolver:
             out.append(
                 ExpertsAssignment(
                     fqn=m.fqn,
-                    strategy=strategy if mode == "ep" else None,
+                    strategy=strategy if mode == "ep" or self.plan.experts.implementation == "deepgemm_megamoe" else None,
                     num_experts=info.num_experts,
                     num_local_experts=info.num_experts // self.ep if mode == "ep" and self.ep else info.num_experts,
                     top_k=info.top_k,

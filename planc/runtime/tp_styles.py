@@ -99,7 +99,7 @@ class Colwise(TPStyle):
 
     def shard_param(self, module, name, mesh):
         p = module._parameters[name]
-        module._parameters[name] = _as_dtensor_param(p, mesh, Shard(max(p.ndim - 2, 0) if p.ndim > 1 else 0))
+        module._parameters[name] = _as_dtensor_param(p, mesh, Shard(p.ndim - 2 if p.ndim > 1 else 0))
 
     def install(self, module, mesh):
         self._require_linear(module, "out_features")

@@ -18,5 +18,5 @@ def test_megamoe_apply_equals_single_process_reference(world_size):
             assert shape == (t, 64), (rank, t, shape)
             assert diff == 0.0, (rank, t, diff)  # same FP4 experts, same tokens: bit-identical
         # through the whole model: TP-sharded attention/shared experts round differently before the FP8 inputs
-        assert res["logits"] <= 1e-3 * max(1.0, res["logits_scale"]), res
+        assert res["logits"] <= 1e-4 * max(1.0, res["logits_scale"]), res  # observed 1.5e-7
         assert "inference only" in res["under_grad"], res["under_grad"]
