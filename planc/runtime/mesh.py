@@ -2,8 +2,8 @@
 
 The dense mesh is `(dp, tp)` over the world: the ranks of a TP group hold the same batch. The EP
 group is `ep_size` consecutive ranks (`ep_rank = rank % ep_size`), so with `ep_size == tp_size` it
-is the TP group, with `ep_size > tp_size` it spans several data-parallel batches, and with
-`ep_size < tp_size` a TP group holds several copies of the experts. EP runtimes get one `Groups`.
+is the TP group, and with `ep_size > tp_size` it spans several data-parallel batches (only
+all_to_all moves tokens between batches). EP runtimes get one `Groups`.
 
 The autograd collectives live here because TP styles and EP runtimes both need them: DTensor's own
 `Replicate` backward averages where MoE needs a sum (each rank's expert shard contributes a partial

@@ -1,4 +1,4 @@
-"""AllToAllEP: only the routed tokens move, so it works for any layout (ep_size above, equal to or below tp_size).
+"""AllToAllEP: only the routed tokens move, so it works for any layout (ep_size equal to tp_size or above it).
 
 Per call:
 1. The ranks of a TP group hold the same batch; each keeps its own row slice (`Shard(0)`), so every
