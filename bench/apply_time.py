@@ -61,21 +61,6 @@ def install_peer(model, world: int):
     return type(model).maybe_distribute_model(model, dc, mesh_manager)
 
 
-def compile_fn():
-    """`planc.compile`, or what it calls once the `planc.compile` subpackage has shadowed it.
-
-    After any `import planc.compile.*` (planc.apply and planc.compile itself do one), the attribute
-    `planc.compile` is the subpackage, not the function (reported to the lead).
-    """
-    import planc
-
-    if callable(planc.compile):
-        return planc.compile
-    from planc.compile.resolve import compile_plan
-
-    return compile_plan
-
-
 def time_apply(rank: int, world: int, models, reps: int) -> list:
     import torch
     import torch.distributed as dist
@@ -109,7 +94,7 @@ def time_apply(rank: int, world: int, models, reps: int) -> list:
                 del m
             m = copy.deepcopy(base)
             t0 = time.perf_counter()
-            compile_fn()(plan, m)
+            planc.compile(plan, m)
             if r:
                 times["planc.compile"].append(time.perf_counter() - t0)
         agg = {}

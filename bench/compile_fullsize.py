@@ -56,7 +56,7 @@ def _flat(table: dict) -> dict:
 def run(repeats: int) -> list[dict]:
     from transformers import DistributedConfig
 
-    from planc.compile.resolve import compile_plan
+    from planc.compiler.resolve import compile_plan
     from planc.runtime.models import build_meta_model
     from planc.spec.load import load_plan
 

@@ -133,7 +133,7 @@ def install_planc(model):
 def install_planc_wrapper(model):
     """planc's AllReduceEP wrapper bound the way `planc.apply` binds it at ep_size > 1 (expert tensors sharded
     into DTensors, runtime, installed forward), forced onto the one-rank group so its cost can be measured."""
-    from planc.compile.ep import AllReduceEP
+    from planc.compiler.ep import AllReduceEP
     from planc.runtime.ep.all_reduce import AllReduceEPRuntime
     from planc.runtime.ep.base import install_ep_forward, shard_expert_tensor
     from planc.runtime.mesh import build_groups

@@ -125,7 +125,7 @@ def bind_missing_megamoe_runtimes(model) -> int:
     """Workaround for ep_size 1: `planc.apply` installs the Mega MoE experts forward but no MegaMoeEP runtime
     there (the compiler gives experts no EP strategy at ep_size 1), so nothing passes the `process_group` that
     forward requires. Bind the runtime the way `planc.apply` does at ep_size > 1; returns how many were bound."""
-    from planc.compile.ep import MegaMoeEP
+    from planc.compiler.ep import MegaMoeEP
     from planc.runtime.ep.base import install_ep_forward
     from planc.runtime.ep.megamoe import MegaMoeEPRuntime
     from planc.runtime.megamoe import megamoe_state

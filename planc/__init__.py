@@ -26,7 +26,7 @@ def lint_paths(paths, **kwargs):
 
 def compile(plan, model):  # noqa: A001 - the verb is the API
     """Resolve `plan` against `model` (never changes it) and return the CompiledPlan."""
-    from planc.compile.resolve import compile_plan
+    from planc.compiler.resolve import compile_plan
 
     return compile_plan(plan, model)
 

@@ -94,8 +94,8 @@ def run(args: argparse.Namespace) -> int:
 
 def explain_one(path: str, config: dict, overrides: dict, dtype: str, fmt: str):
     """(exit status, rendered output or None) for one plan file."""
-    from planc.compile.render import render_json, render_text
-    from planc.compile.resolve import compile_plan
+    from planc.compiler.render import render_json, render_text
+    from planc.compiler.resolve import compile_plan
     from planc.errors import CompileError, PlanError
     from planc.spec.load import load_plan
 

@@ -47,8 +47,8 @@ def init_plan(model_type: str) -> str:
     """The plan text for `model_type` (raises ValueError for unknown types)."""
     import transformers
 
-    from planc.compile.resolve import compile_plan
-    from planc.compile.walk import walk_model
+    from planc.compiler.resolve import compile_plan
+    from planc.compiler.walk import walk_model
     from planc.errors import CompileError
     from planc.runtime.models import build_meta_model
     from planc.spec.patterns import Pattern

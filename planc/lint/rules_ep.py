@@ -27,7 +27,7 @@ _EP = (
 
 def _resolution(ctx):
     """(code, EPResolutionError) when resolve_ep refuses the plan's experts settings, else None."""
-    from planc.compile.ep import EPResolutionError, resolve_ep
+    from planc.compiler.ep import EPResolutionError, resolve_ep
 
     experts, parallel = ctx.plan.experts, ctx.plan.parallel
     try:

@@ -3,7 +3,7 @@
 Read top to bottom, `apply` is the whole story:
 
 1. torch.distributed must be initialized (torchrun, or the caller's own `init_process_group`).
-2. Compile the plan against the model (`planc.compile.resolve.compile_plan`; changes nothing) and
+2. Compile the plan against the model (`planc.compiler.resolve.compile_plan`; changes nothing) and
    run the checks that need no communication: world size, a model applied twice or sharded by
    another tool, experts kernels that cannot run where the model lives.
 3. Every rank shares its fingerprint and check results (`all_gather_object`): if any rank failed or
@@ -87,7 +87,7 @@ def _local_checks(model, compiled, mesh) -> list[str]:
 
 
 def _compile(model, plan):
-    from planc.compile.resolve import compile_plan  # accepts a path, YAML text, mapping, Plan or LoadedPlan
+    from planc.compiler.resolve import compile_plan  # accepts a path, YAML text, mapping, Plan or LoadedPlan
 
     return compile_plan(plan, model)
 

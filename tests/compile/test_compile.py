@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 
-from planc.compile.ep import AllReduceEP, AllToAllEP, AutoEP, MegaMoeEP
-from planc.compile.resolve import compile_plan
+from planc.compiler.ep import AllReduceEP, AllToAllEP, AutoEP, MegaMoeEP
+from planc.compiler.resolve import compile_plan
 from planc.spec.model import Plan
 from tests.compile.fakes import fake_moe, fake_plan
 
@@ -140,7 +140,7 @@ FINGERPRINT = textwrap.dedent(
     """
     import sys
     sys.path.insert(0, {root!r})
-    from planc.compile.resolve import compile_plan
+    from planc.compiler.resolve import compile_plan
     from planc.runtime.models import build_meta_model
     c = compile_plan({plan!r}, build_meta_model("mixtral", {{"num_hidden_layers": 2}}))
     print(c.fingerprint)
@@ -171,7 +171,7 @@ NO_TORCH = textwrap.dedent(
     import json, sys
     sys.path.insert(0, {root!r})
     sys.path.insert(0, {tests!r})
-    import planc.compile.resolve as resolve
+    import planc.compiler.resolve as resolve
     from compile.fakes import fake_moe, fake_plan
     c = resolve.compile_plan(fake_plan(), fake_moe())
     print(json.dumps({{"torch": "torch" in sys.modules, "transformers": "transformers" in sys.modules,
@@ -193,3 +193,12 @@ def test_compiled_plan_is_immutable_and_printable():
         compiled.fingerprint = "x"
     text = str(compiled)
     assert "AutoEP" in text and "coverage: full" in text and "per rank:" in text
+
+
+def test_planc_compile_stays_callable_after_the_compiler_is_imported():
+    """`planc.compile` is the public function; importing the compiler package must not shadow it."""
+    import planc
+    import planc.compiler.resolve  # noqa: F401 - the import that used to replace planc.compile
+
+    assert callable(planc.compile)
+    assert planc.compile.__module__ == "planc"

@@ -6,8 +6,8 @@ import textwrap
 
 import pytest
 
-from planc.compile import resolve as R
-from planc.compile.resolve import compile_plan
+from planc.compiler import resolve as R
+from planc.compiler.resolve import compile_plan
 from planc.errors import CompileError
 from tests.compile.fakes import fake_moe, fake_plan
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from planc.cli import main
-from planc.compile.resolve import compile_plan
+from planc.compiler.resolve import compile_plan
 from planc.lint.runner import lint_text
 from planc.runtime.models import build_meta_model
 from planc.spec.source import parse_yaml

@@ -70,7 +70,7 @@ def test_megamoe_with_other_ep_points_at_ep_implementation():
 
 
 def test_lint_and_compile_agree_on_ep_strategy_messages():
-    from planc.compile.ep import EPResolutionError, resolve_ep
+    from planc.compiler.ep import EPResolutionError, resolve_ep
     from planc.spec.model import Experts, Parallel
 
     text = (

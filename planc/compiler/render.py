@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from planc.compile.compiled import CompiledPlan
+from planc.compiler.compiled import CompiledPlan
 
 
 def human_bytes(n: float) -> str:
@@ -22,7 +22,7 @@ def human_bytes(n: float) -> str:
 
 def _group_experts(compiled: CompiledPlan) -> list[tuple[str, int, object]]:
     """Experts modules folded by (generic path, strategy, sizes): one line per kind, not per layer."""
-    from planc.compile.walk import generic_path
+    from planc.compiler.walk import generic_path
 
     groups: dict[tuple, list] = {}
     for e in compiled.experts:

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
-from planc.compile.compiled import (
+from planc.compiler.compiled import (
     Assignment,
     CompiledPlan,
     CompileProblem,
@@ -24,8 +24,8 @@ from planc.compile.compiled import (
     RuleCoverage,
     SourceRule,
 )
-from planc.compile.ep import EPResolutionError, EPStrategy, resolve_ep
-from planc.compile.walk import ModelWalk, generic_path, walk_model
+from planc.compiler.ep import EPResolutionError, EPStrategy, resolve_ep
+from planc.compiler.walk import ModelWalk, generic_path, walk_model
 from planc.errors import CompileError
 from planc.spec.patterns import Pattern, PatternError
 from planc.spec.styles import ALL_STYLES, EP_STYLES, REMOVED_STYLES, RUNTIME_STYLES, TP_STYLES

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from planc.compile.ep import EPStrategy
+from planc.compiler.ep import EPStrategy
 from planc.spec.model import Experts, Parallel
 
 
@@ -204,7 +204,7 @@ class CompiledPlan:
         }
 
     def __str__(self) -> str:
-        from planc.compile.render import render_text
+        from planc.compiler.render import render_text
 
         return render_text(self)
 

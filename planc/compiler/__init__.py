@@ -1,13 +1,13 @@
 """Resolution of a plan against a model: pure, inspectable, changes nothing. No torch import here."""
 
-from planc.compile.ep import AllReduceEP, AllToAllEP, AutoEP, EPStrategy, MegaMoeEP, resolve_ep
+from planc.compiler.ep import AllReduceEP, AllToAllEP, AutoEP, EPStrategy, MegaMoeEP, resolve_ep
 
 __all__ = ["AllReduceEP", "AllToAllEP", "AutoEP", "EPStrategy", "MegaMoeEP", "resolve_ep", "compile_plan"]
 
 
 def __getattr__(name):
     if name == "compile_plan":
-        from planc.compile.resolve import compile_plan
+        from planc.compiler.resolve import compile_plan
 
         return compile_plan
     raise AttributeError(name)
