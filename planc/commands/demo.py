@@ -94,5 +94,10 @@ def run(args) -> int:
             print(f"planc demo: a rank failed:\n{e}", file=sys.stderr)
             return 1
         with open(out_path) as f:
+            print(
+                f"planc demo: {args.plan} applied to a tiny random {plan['model']['type']} on {WORLD} CPU ranks "
+                f"(gloo), sizes overridden to tp_size={plan['parallel']['tp_size']} "
+                f"ep_size={plan['parallel']['ep_size']}\n"
+            )
             print(f.read(), end="")
     return 0

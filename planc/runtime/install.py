@@ -6,12 +6,14 @@ Read top to bottom, `apply` is the whole story:
 2. Compile the plan against the model (`planc.compiler.resolve.compile_plan`; changes nothing) and
    run the checks that need no communication: world size, a model applied twice or sharded by
    another tool, experts kernels that cannot run where the model lives.
-3. Every rank shares its fingerprint and check results (`all_gather_object`): if any rank failed or
-   any fingerprint differs, every rank raises the same ApplyError (a rank with another plan file
-   fails the job instead of hanging it in a collective).
-4. Build the process groups, snapshot everything the steps may touch, run `INSTALL_STEPS` in order.
-   If a step raises on any rank, every rank restores its snapshot (parameters, buffers, forwards,
-   attributes, hooks, configs) and raises.
+3. Every rank shares a status flag and its fingerprint's digest in one small all-reduce: if any rank
+   failed or any fingerprint differs, the ranks gather their messages (`all_gather_object`, only
+   then) and every rank raises the same ApplyError (a rank with another plan file fails the job
+   instead of hanging it in a collective).
+4. Build the process groups, snapshot everything the steps may touch, run `INSTALL_STEPS` in order,
+   then all-reduce one status flag. If a step raised on any rank, the ranks gather the messages,
+   every rank restores its snapshot (parameters, buffers, forwards, attributes, hooks, configs) and
+   raises.
 
 `INSTALL_STEPS` is a module-level list so tests can wrap a step to fail after it ran and check the
 rollback bit for bit.
@@ -19,6 +21,7 @@ rollback bit for bit.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -157,9 +160,38 @@ def _unrunnable_experts(model: nn.Module, compiled) -> list[str]:
 # ---- 3. rank agreement -------------------------------------------------------------------------------------
 
 
+def _flags_device() -> torch.device:
+    """Where a collective's tensor must live: the current GPU under NCCL, else the CPU (gloo)."""
+    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _digest(fingerprint: Optional[str]) -> int:
+    """A fingerprint as a non-negative int64 (0: no fingerprint, the rank failed to compile)."""
+    if fingerprint is None:
+        return 0
+    return int.from_bytes(hashlib.blake2b(str(fingerprint).encode(), digest_size=8).digest(), "big") >> 1
+
+
+def _all_agree(ok: bool, digest: int = 0) -> bool:
+    """One all-reduce (MAX over [failed, digest, -digest]): True when every rank is ok with the same digest."""
+    t = torch.tensor([0 if ok else 1, digest, -digest], dtype=torch.int64, device=_flags_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    any_failed, max_digest, neg_min_digest = t.tolist()
+    return not any_failed and max_digest == -neg_min_digest
+
+
 def _agree_across_ranks(compiled, problems: list[str]) -> None:
-    """Raise the same ApplyError on every rank if any rank has problems or another fingerprint."""
-    mine = (compiled.fingerprint if compiled is not None else None, problems)
+    """Raise the same ApplyError on every rank if any rank has problems or another fingerprint.
+
+    The common case (all agree) costs one small all-reduce; the messages are gathered only when
+    some rank disagrees, and then every rank builds the same error from them.
+    """
+    fingerprint = compiled.fingerprint if compiled is not None else None
+    if _all_agree(not problems and fingerprint is not None, _digest(fingerprint)):
+        return
+    mine = (fingerprint, problems)
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     failed = [(rank, p) for rank, (_, ps) in enumerate(everyone) for p in ps]
@@ -316,6 +348,8 @@ def _install_atomically(state: InstallState) -> None:
     except Exception as e:  # noqa: BLE001 - any failure rolls back, then is re-raised with context
         error = e
     # All or nothing across the world too: a rank that failed makes every rank roll back.
+    if _all_agree(error is None):
+        return
     outcomes: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}")
     failed = [(rank, msg) for rank, msg in enumerate(outcomes) if msg is not None]

@@ -118,7 +118,11 @@ def _check_caller_mesh(mesh: DeviceMesh, tp: int, dp: int, world: int) -> Device
 
 
 class _AllReduceSum(torch.autograd.Function):
-    """Sum over the group forward; identity backward (the loss downstream is replicated)."""
+    """Sum over the group forward; identity backward (the loss downstream is replicated).
+
+    Only used when a gradient flows: the input may be saved by the op that produced it, so it is
+    reduced on a copy. Without autograd, `all_reduce_sum` reduces in place instead.
+    """
 
     @staticmethod
     def forward(ctx, x, group):
@@ -146,18 +150,100 @@ class _AllReduceGrad(torch.autograd.Function):
         return grad, None
 
 
+def _needs_grad(x: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and x.requires_grad
+
+
 def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
-    """Partial outputs -> their sum on every rank (identity backward)."""
+    """Partial outputs -> their sum on every rank (identity backward).
+
+    `x` must be a fresh intermediate the caller gives up (an experts or matmul output): when no
+    gradient flows through it, it is reduced in place and returned, as transformers'
+    `_AllReduceForward` does; with autograd it is reduced on a copy.
+    """
     if dist.get_world_size(group) == 1:
+        return x
+    if not _needs_grad(x):
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
         return x
     return _AllReduceSum.apply(x, group)
 
 
 def all_reduce_grad(x: torch.Tensor, group) -> torch.Tensor:
     """A replicated input whose gradient each rank only computes in part: sum it in backward."""
-    if dist.get_world_size(group) == 1 or not (torch.is_grad_enabled() and x.requires_grad):
+    if dist.get_world_size(group) == 1 or not _needs_grad(x):
         return x
     return _AllReduceGrad.apply(x, group)
+
+
+def shard_bounds(size: int, rank: int, world: int) -> tuple[int, int]:
+    """(start, length) of rank `rank`'s slice of a dim of `size` split `torch.chunk`-style over `world`
+    ranks, the way DTensor's `Shard` splits it (the last ranks may hold less, or nothing)."""
+    chunk = -(-size // world)
+    start = min(rank * chunk, size)
+    return start, min(chunk, size - start)
+
+
+def _gather_last_dim(x: torch.Tensor, group, sizes: Sequence[int]) -> torch.Tensor:
+    x = x.contiguous()
+    width = max(sizes)
+    if x.shape[-1] != width:  # uneven shards: pad to the widest, trim after
+        x = torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+    parts = [torch.empty_like(x) for _ in sizes]
+    dist.all_gather(parts, x, group=group)
+    if any(s != width for s in sizes):
+        parts = [p[..., :s] for p, s in zip(parts, sizes)]
+    return torch.cat(parts, dim=-1)
+
+
+class _AllGatherLastDim(torch.autograd.Function):
+    """Concatenate the ranks' last-dim shards forward; keep this rank's slice of the gradient backward
+    (the gathered output is replicated, so every rank's gradient of it is the same)."""
+
+    @staticmethod
+    def forward(ctx, x, group, sizes):
+        ctx.rank, ctx.sizes = dist.get_rank(group), list(sizes)
+        return _gather_last_dim(x, group, ctx.sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        start = sum(ctx.sizes[: ctx.rank])
+        return grad.narrow(-1, start, ctx.sizes[ctx.rank]), None, None
+
+
+class _SplitLastDim(torch.autograd.Function):
+    """Keep this rank's last-dim slice of a replicated tensor forward; all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, sizes):
+        ctx.group, ctx.sizes = group, list(sizes)
+        rank = dist.get_rank(group)
+        return x.narrow(-1, sum(ctx.sizes[:rank]), ctx.sizes[rank]).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last_dim(grad, ctx.group, ctx.sizes), None, None
+
+
+def all_gather_last_dim(x: torch.Tensor, group, sizes: Sequence[int]) -> torch.Tensor:
+    """This rank's last-dim shard (of width `sizes[rank]`) -> the concatenation of every rank's (differentiable:
+    backward keeps this rank's slice)."""
+    if dist.get_world_size(group) == 1:
+        return x
+    if not _needs_grad(x):
+        return _gather_last_dim(x, group, sizes)
+    return _AllGatherLastDim.apply(x, group, tuple(sizes))
+
+
+def split_last_dim(x: torch.Tensor, group, sizes: Sequence[int]) -> torch.Tensor:
+    """A replicated tensor -> this rank's last-dim slice (of width `sizes[rank]`; backward all-gathers the gradient)."""
+    if dist.get_world_size(group) == 1:
+        return x
+    if not _needs_grad(x):
+        rank = dist.get_rank(group)
+        return x.narrow(-1, sum(sizes[:rank]), sizes[rank])
+    return _SplitLastDim.apply(x, group, tuple(sizes))
 
 
 class _AllToAll(torch.autograd.Function):

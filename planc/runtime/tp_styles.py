@@ -5,7 +5,10 @@ style's `shard_param(module, name, mesh)` turns one parameter into a DTensor hol
 slice (`src_data_rank=None`: every rank already holds the full, identical weight, so no
 communication), and its `install(module, mesh)` wraps the module's forward with the layout changes
 its neighbours expect. Forwards see plain local tensors at module boundaries, as transformers
-models expect; inside, DTensor propagates the sharding and its autograd makes the backward right.
+models expect. Parameters stay DTensors (state dicts, checkpoints and `full_tensor()` see the real
+layout), but the forwards compute on their local shards (`to_local()`, differentiable) with plain
+collectives: no DTensor dispatch per call. The autograd collectives of `planc.runtime.mesh` make the
+backward right (summed input gradients before a colwise, all-gathered gradients after a split).
 
 Every forward this module installs is an instance attribute `module.forward` (the class forward is
 untouched), so `planc.runtime.install` can undo it by restoring the module's `__dict__`.
@@ -17,12 +20,17 @@ import contextlib
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from planc.errors import ApplyError
-from planc.runtime.mesh import all_reduce_grad, all_reduce_sum
+from planc.runtime.mesh import all_gather_last_dim, all_reduce_grad, all_reduce_sum, shard_bounds, split_last_dim
+
+
+def _needs_grad(x: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and x.requires_grad
 
 
 def _where(module: nn.Module) -> str:
@@ -38,6 +46,18 @@ def _as_dtensor_param(param: torch.Tensor, mesh, placement) -> nn.Parameter:
 
 def _to_local(x):
     return x.to_local() if isinstance(x, DTensor) else x
+
+
+def _shard_sizes(module: nn.Module, dim: int, fallback: int, mesh) -> list[int]:
+    """Every rank's width of the weight's sharded `dim` (DTensor `Shard` splits torch.chunk-style)."""
+    w = module._parameters.get("weight")
+    size = w.shape[dim] if w is not None else fallback
+    return [shard_bounds(size, r, mesh.size())[1] for r in range(mesh.size())]
+
+
+def _is_plain(module: nn.Module, cls: type) -> bool:
+    """The module runs `cls`'s own forward (no subclass forward to honour): call the functional op directly."""
+    return type(module).forward is cls.forward
 
 
 @contextlib.contextmanager
@@ -105,14 +125,21 @@ class Colwise(TPStyle):
         self._require_linear(module, "out_features")
         self._shard_own_params(module, mesh)
 
+        group, gather = mesh.get_group(), self.gather_output
+        sizes = _shard_sizes(module, -2, module.out_features, mesh)
+        plain = _is_plain(module, nn.Linear)
+
         def forward(original, x, *args, **kwargs):
-            x = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-            if x.placements != (Replicate(),):
-                x = x.redistribute(mesh, [Replicate()])
-            out = original(x, *args, **kwargs)  # Shard(-1); backward all-reduces the input grad
-            if self.gather_output:
-                out = out.redistribute(mesh, [Replicate()])
-            return out.to_local()
+            if isinstance(x, DTensor):
+                x = x.redistribute(mesh, [Replicate()]).to_local()
+            x = all_reduce_grad(x, group)  # replicated input: each rank's gradient of it is partial
+            if plain and not args and not kwargs:
+                out = F.linear(x, _to_local(module.weight), _to_local(module.bias))
+            else:
+                with local_parameters(module):
+                    out = original(x, *args, **kwargs)
+            # this rank's slice of the output features; gathered: backward keeps this rank's slice
+            return all_gather_last_dim(out, group, sizes) if gather else out
 
         self._wrap(module, mesh, forward)
 
@@ -137,18 +164,28 @@ class Rowwise(TPStyle):
         self._require_linear(module, "in_features")
         self._shard_own_params(module, mesh)
 
+        group, split = mesh.get_group(), self.split_input
+        sizes = _shard_sizes(module, -1, module.in_features, mesh)
+        plain = _is_plain(module, nn.Linear)
+
         def forward(original, x, *args, **kwargs):
-            if not isinstance(x, DTensor):
-                if self.split_input:
-                    x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-                else:
-                    shape = (*x.shape[:-1], module.in_features)
-                    stride = torch.empty(shape, device="meta").stride()
-                    x = DTensor.from_local(x, mesh, [Shard(x.ndim - 1)], run_check=False, shape=shape, stride=stride)
-            if x.placements != (Shard(x.ndim - 1),):
-                x = x.redistribute(mesh, [Shard(x.ndim - 1)])
-            out = original(x, *args, **kwargs)  # Partial (+ replicated bias)
-            return out.redistribute(mesh, [Replicate()]).to_local()
+            if isinstance(x, DTensor):
+                x = x.redistribute(mesh, [Shard(x.ndim - 1)]).to_local()
+            elif split:
+                x = split_last_dim(x, group, sizes)  # backward all-gathers the input gradient
+            bias = module._parameters.get("bias")
+            if plain and not args and not kwargs:
+                out = F.linear(x, _to_local(module.weight))
+            else:
+                # the local forward must produce only the partial matmul: the bias is added once, after the sum
+                module._parameters["bias"] = None
+                try:
+                    with local_parameters(module):
+                        out = original(x, *args, **kwargs)
+                finally:
+                    module._parameters["bias"] = bias
+            out = all_reduce_sum(out, group)  # a fresh partial: reduced in place without autograd
+            return out if bias is None else out + _to_local(bias)
 
         self._wrap(module, mesh, forward)
 
@@ -214,10 +251,37 @@ class EmbeddingRowwise(TPStyle):
             )
         self._shard_own_params(module, mesh)
 
+        group = mesh.get_group()
+        start, length = shard_bounds(module._parameters["weight"].shape[0], mesh.get_local_rank(), mesh.size())
+        end = start + length
+        plain = _is_plain(module, nn.Embedding) and getattr(module, "max_norm", None) is None
+
         def forward(original, ids, *args, **kwargs):
-            ids = ids if isinstance(ids, DTensor) else DTensor.from_local(ids, mesh, [Replicate()], run_check=False)
-            out = original(ids, *args, **kwargs)
-            return out.redistribute(mesh, [Replicate()]).to_local()
+            if isinstance(ids, DTensor):
+                ids = ids.full_tensor()
+            outside = (ids < start) | (ids >= end)
+            local_ids = (ids - start).masked_fill_(outside, 0)
+            pad = getattr(module, "padding_idx", None)
+            local_pad = pad - start if pad is not None and start <= pad < end else None
+            weight = _to_local(module.weight)
+            if length == 0:  # this rank holds no rows (a tiny vocabulary over many ranks)
+                out = weight.new_zeros((*ids.shape, weight.shape[-1]))
+            elif plain and not args and not kwargs:
+                out = F.embedding(local_ids, weight, local_pad, None, module.norm_type, module.scale_grad_by_freq,
+                                  module.sparse)
+            else:
+                has_pad = hasattr(module, "padding_idx")
+                if has_pad:
+                    module.padding_idx = local_pad  # a global padding index means nothing on this rank's rows
+                try:
+                    with local_parameters(module):
+                        out = original(local_ids, *args, **kwargs)
+                finally:
+                    if has_pad:
+                        module.padding_idx = pad
+            mask = outside.unsqueeze(-1)
+            out = out.masked_fill(mask, 0) if _needs_grad(out) else out.masked_fill_(mask, 0)
+            return all_reduce_sum(out, group)  # exactly one rank holds each id's row
 
         self._wrap(module, mesh, forward)
 
