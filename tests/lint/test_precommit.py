@@ -1,7 +1,9 @@
 """The `planc-lint` hook of .pre-commit-hooks.yaml, run by the real pre-commit client.
 
-The hook runs as a `repo: local` hook built from the published definition (same id, files regex and
-entry), with `planc` replaced by this interpreter's `-m planc`, so the test needs no network.
+Two ways: as a `repo: local` hook built from the published definition (same id, files regex and entry,
+with `planc` replaced by this interpreter's `-m planc`; no network), and through `pre-commit try-repo`,
+which builds the hook's own environment from a git copy of this repository as users get it (pip
+installs pydantic and pyyaml from the package registry).
 """
 
 from __future__ import annotations
@@ -78,3 +80,37 @@ def test_planc_lint_hook_passes_good_and_fails_bad(tmp_path):
     assert "Failed" in bad.stdout
     assert "plans/bad.yaml:6:36: PLC310 error: unknown style `rowwize`" in bad.stdout
     assert "good.yaml" not in bad.stdout.replace("in 2 files", "")
+
+
+def test_published_hook_installs_and_runs_via_try_repo(tmp_path):
+    """The hook as users get it: pre-commit builds planc's own environment from this repository.
+
+    `pre-commit try-repo` clones a git repository and pip-installs it (pydantic and pyyaml come from the
+    package registry), so this covers `language: python`, the console script and `.pre-commit-hooks.yaml`
+    end to end. The repository is a committed copy of this checkout's package files.
+    """
+    src = tmp_path / "planc-src"
+    src.mkdir()
+    for name in ("planc", "pyproject.toml", "README.md", ".pre-commit-hooks.yaml"):
+        path = REPO / name
+        if path.is_dir():
+            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(path, src / name)
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "planc"]):
+        assert run(cmd, src).returncode == 0
+
+    user = tmp_path / "user"
+    (user / "plans").mkdir(parents=True)
+    (user / "plans" / "good.yaml").write_text(GOOD)
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"]):
+        assert run(cmd, user).returncode == 0
+    ok = run([PRE_COMMIT, "try-repo", str(src), "planc-lint", "--all-files"], user)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "Passed" in ok.stdout
+
+    (user / "plans" / "bad.yaml").write_text(GOOD.replace("rowwise", "rowwize"))
+    run(["git", "add", "-A"], user)
+    bad = run([PRE_COMMIT, "try-repo", str(src), "planc-lint", "--all-files"], user)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "plans/bad.yaml:6:36: PLC310 error: unknown style `rowwize`" in bad.stdout
