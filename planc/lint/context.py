@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from planc.lint.diagnostic import Diagnostic
-from planc.spec.source import Position
+from planc.spec.source import Position, nearest_key_position
 
 TABLES = ("tp_plan", "ep_plan")
 
@@ -25,13 +25,7 @@ class LintContext:
 
     def position(self, keypath) -> Position:
         """Position of a key, else of the nearest enclosing key, else the top of the file."""
-        keypath = tuple(keypath)
-        while keypath:
-            pos = self.key_positions.get(keypath)
-            if pos is not None:
-                return pos
-            keypath = keypath[:-1]
-        return Position(self.path, 1, 1)
+        return nearest_key_position(self.key_positions, keypath, self.path)
 
     def value_position(self, keypath) -> Position:
         pos = self.value_positions.get(tuple(keypath))

@@ -185,65 +185,75 @@ def shard_bounds(size: int, rank: int, world: int) -> tuple[int, int]:
     return start, min(chunk, size - start)
 
 
-def _gather_last_dim(x: torch.Tensor, group, sizes: Sequence[int]) -> torch.Tensor:
-    x = x.contiguous()
+def _gather(x: torch.Tensor, group, sizes: Sequence[int], dim: int) -> torch.Tensor:
+    """Concatenate every rank's slice along `dim` (rank r's is `sizes[r]` wide; uneven and empty slices padded)."""
+    dim = dim % x.ndim
     width = max(sizes)
-    if x.shape[-1] != width:  # uneven shards: pad to the widest, trim after
-        x = torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+    if x.shape[dim] != width:  # uneven shards: pad to the widest, trim after
+        pad = [0, 0] * (x.ndim - 1 - dim) + [0, width - x.shape[dim]]
+        x = torch.nn.functional.pad(x, pad)
+    x = x.contiguous()
     parts = [torch.empty_like(x) for _ in sizes]
     dist.all_gather(parts, x, group=group)
     if any(s != width for s in sizes):
-        parts = [p[..., :s] for p, s in zip(parts, sizes)]
-    return torch.cat(parts, dim=-1)
+        parts = [p.narrow(dim, 0, s) for p, s in zip(parts, sizes)]
+    return torch.cat(parts, dim=dim)
 
 
-class _AllGatherLastDim(torch.autograd.Function):
-    """Concatenate the ranks' last-dim shards forward; keep this rank's slice of the gradient backward
+def _slice(x: torch.Tensor, group, sizes: Sequence[int], dim: int) -> torch.Tensor:
+    rank = dist.get_rank(group)
+    return x.narrow(dim, sum(sizes[:rank]), sizes[rank])
+
+
+class _AllGather(torch.autograd.Function):
+    """Concatenate the ranks' shards along `dim` forward; keep this rank's slice of the gradient backward
     (the gathered output is replicated, so every rank's gradient of it is the same)."""
 
     @staticmethod
-    def forward(ctx, x, group, sizes):
-        ctx.rank, ctx.sizes = dist.get_rank(group), list(sizes)
-        return _gather_last_dim(x, group, ctx.sizes)
+    def forward(ctx, x, group, sizes, dim):
+        ctx.group, ctx.sizes, ctx.dim = group, sizes, dim
+        return _gather(x, group, sizes, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        start = sum(ctx.sizes[: ctx.rank])
-        return grad.narrow(-1, start, ctx.sizes[ctx.rank]), None, None
+        return _slice(grad, ctx.group, ctx.sizes, ctx.dim), None, None, None
 
 
-class _SplitLastDim(torch.autograd.Function):
-    """Keep this rank's last-dim slice of a replicated tensor forward; all-gather the gradient backward."""
+class _Split(torch.autograd.Function):
+    """Keep this rank's slice of a replicated tensor along `dim` forward; all-gather the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x, group, sizes):
-        ctx.group, ctx.sizes = group, list(sizes)
-        rank = dist.get_rank(group)
-        return x.narrow(-1, sum(ctx.sizes[:rank]), ctx.sizes[rank]).contiguous()
+    def forward(ctx, x, group, sizes, dim):
+        ctx.group, ctx.sizes, ctx.dim = group, sizes, dim
+        return _slice(x, group, sizes, dim).contiguous()
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_last_dim(grad, ctx.group, ctx.sizes), None, None
+        return _gather(grad, ctx.group, ctx.sizes, ctx.dim), None, None, None
 
 
-def all_gather_last_dim(x: torch.Tensor, group, sizes: Sequence[int]) -> torch.Tensor:
-    """This rank's last-dim shard (of width `sizes[rank]`) -> the concatenation of every rank's (differentiable:
-    backward keeps this rank's slice)."""
+def all_gather_dim(x: torch.Tensor, group, sizes: Sequence[int], dim: int = -1) -> torch.Tensor:
+    """This rank's shard along `dim` (`sizes[rank]` wide) -> the concatenation of every rank's, in rank order
+    (differentiable: backward keeps this rank's slice). Uneven and empty shards are fine."""
     if dist.get_world_size(group) == 1:
         return x
     if not _needs_grad(x):
-        return _gather_last_dim(x, group, sizes)
-    return _AllGatherLastDim.apply(x, group, tuple(sizes))
+        return _gather(x, group, sizes, dim)
+    return _AllGather.apply(x, group, tuple(sizes), dim)
 
 
-def split_last_dim(x: torch.Tensor, group, sizes: Sequence[int]) -> torch.Tensor:
-    """A replicated tensor -> this rank's last-dim slice (of width `sizes[rank]`; backward all-gathers the gradient)."""
+def split_dim(x: torch.Tensor, group, sizes: Sequence[int], dim: int = -1) -> torch.Tensor:
+    """A replicated tensor -> this rank's slice along `dim` (`sizes[rank]` wide; backward all-gathers the gradient)."""
     if dist.get_world_size(group) == 1:
         return x
     if not _needs_grad(x):
-        rank = dist.get_rank(group)
-        return x.narrow(-1, sum(sizes[:rank]), sizes[rank])
-    return _SplitLastDim.apply(x, group, tuple(sizes))
+        return _slice(x, group, sizes, dim)
+    return _Split.apply(x, group, tuple(sizes), dim)
+
+
+def shard_sizes(size: int, world: int) -> list[int]:
+    """Every rank's length of a dim of `size` split like DTensor's `Shard` (see `shard_bounds`)."""
+    return [shard_bounds(size, r, world)[1] for r in range(world)]
 
 
 class _AllToAll(torch.autograd.Function):

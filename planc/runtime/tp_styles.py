@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from planc.errors import ApplyError
-from planc.runtime.mesh import all_gather_last_dim, all_reduce_grad, all_reduce_sum, shard_bounds, split_last_dim
+from planc.runtime.mesh import all_gather_dim, all_reduce_grad, all_reduce_sum, shard_bounds, shard_sizes, split_dim
 
 
 def _needs_grad(x: torch.Tensor) -> bool:
@@ -52,7 +52,7 @@ def _shard_sizes(module: nn.Module, dim: int, fallback: int, mesh) -> list[int]:
     """Every rank's width of the weight's sharded `dim` (DTensor `Shard` splits torch.chunk-style)."""
     w = module._parameters.get("weight")
     size = w.shape[dim] if w is not None else fallback
-    return [shard_bounds(size, r, mesh.size())[1] for r in range(mesh.size())]
+    return shard_sizes(size, mesh.size())
 
 
 def _is_plain(module: nn.Module, cls: type) -> bool:
@@ -139,7 +139,7 @@ class Colwise(TPStyle):
                 with local_parameters(module):
                     out = original(x, *args, **kwargs)
             # this rank's slice of the output features; gathered: backward keeps this rank's slice
-            return all_gather_last_dim(out, group, sizes) if gather else out
+            return all_gather_dim(out, group, sizes) if gather else out
 
         self._wrap(module, mesh, forward)
 
@@ -172,7 +172,7 @@ class Rowwise(TPStyle):
             if isinstance(x, DTensor):
                 x = x.redistribute(mesh, [Shard(x.ndim - 1)]).to_local()
             elif split:
-                x = split_last_dim(x, group, sizes)  # backward all-gathers the input gradient
+                x = split_dim(x, group, sizes)  # backward all-gathers the input gradient
             bias = module._parameters.get("bias")
             if plain and not args and not kwargs:
                 out = F.linear(x, _to_local(module.weight))

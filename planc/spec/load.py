@@ -13,7 +13,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from planc.spec.source import NOT_A_MAPPING, Position, SourceDoc, SourceError, parse_yaml, read_text
+from planc.spec.source import (
+    NOT_A_MAPPING,
+    Position,
+    SourceDoc,
+    SourceError,
+    nearest_key_position,
+    parse_yaml,
+    read_text,
+)
 
 # Codes (documented in planc.lint.rules_extends).
 EXTENDS_OUTSIDE = "PLC200"
@@ -38,13 +46,9 @@ class LoadedPlan:
 
     def position(self, keypath) -> Optional[Position]:
         """Position of a key, else of the nearest enclosing key, else the top of the file."""
-        keypath = tuple(keypath)
-        while keypath:
-            pos = self.key_positions.get(keypath)
-            if pos is not None:
-                return pos
-            keypath = keypath[:-1]
-        return Position(self.path, 1, 1) if self.path else None
+        if not self.key_positions and not self.path:
+            return None  # built from a mapping or a Plan: there is no source to point at
+        return nearest_key_position(self.key_positions, keypath, self.path)
 
     def value_position(self, keypath) -> Optional[Position]:
         return self.value_positions.get(tuple(keypath)) or self.position(keypath)

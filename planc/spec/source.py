@@ -82,13 +82,18 @@ class SourceDoc:
 
     def position(self, keypath: KeyPath) -> Optional[Position]:
         """Best position for a key path: the key itself, else the nearest enclosing key."""
-        keypath = tuple(keypath)
-        while keypath:
-            pos = self.key_positions.get(keypath)
-            if pos is not None:
-                return pos
-            keypath = keypath[:-1]
-        return Position(self.path, 1, 1)
+        return nearest_key_position(self.key_positions, keypath, self.path)
+
+
+def nearest_key_position(key_positions: dict, keypath: KeyPath, path: Optional[str]) -> Position:
+    """Position of a key, else of the nearest enclosing key that was written, else the top of the file."""
+    keypath = tuple(keypath)
+    while keypath:
+        pos = key_positions.get(keypath)
+        if pos is not None:
+            return pos
+        keypath = keypath[:-1]
+    return Position(path, 1, 1)
 
 
 def read_text(path: str) -> str:

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from planc.runtime.ep.base import EPRuntime, empty_safe_forward
-from planc.runtime.mesh import all_to_all
+from planc.runtime.mesh import all_gather_dim, all_to_all, shard_sizes, split_dim
 
 
 class AllToAllEPRuntime(EPRuntime):
@@ -26,9 +25,10 @@ class AllToAllEPRuntime(EPRuntime):
         g = self.groups
         num_tokens, hidden = hidden_states.shape
         if g.tp_size > 1:
+            # DTensor's Shard(0) row split (torch.chunk), on plain tensors: backward all-gathers the row gradients
+            rows = shard_sizes(num_tokens, g.tp_size)
             hidden_states, top_k_index, top_k_weights = (
-                DTensor.from_local(t, g.tp_mesh, [Replicate()], run_check=False).redistribute(g.tp_mesh, [Shard(0)]).to_local()
-                for t in (hidden_states, top_k_index, top_k_weights)
+                split_dim(t, g.tp_group, rows, 0) for t in (hidden_states, top_k_index, top_k_weights)
             )
         num_local, ep = self.num_local_experts, g.ep_size
         top_k = top_k_index.shape[-1]
@@ -56,7 +56,5 @@ class AllToAllEPRuntime(EPRuntime):
         output = (per_slot * top_k_weights.unsqueeze(-1).to(per_slot.dtype)).sum(dim=1)
         if g.tp_size == 1:
             return output
-        # Shard(0) -> Replicate: one all-gather of the (possibly uneven or empty) row slices.
-        return DTensor.from_local(
-            output.contiguous(), g.tp_mesh, [Shard(0)], run_check=False, shape=(num_tokens, hidden), stride=(hidden, 1)
-        ).full_tensor()
+        # Shard(0) -> Replicate: one all-gather of the (possibly uneven or empty) row slices; backward keeps ours.
+        return all_gather_dim(output, g.tp_group, rows, 0)
