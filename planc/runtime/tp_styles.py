@@ -176,14 +176,16 @@ class Rowwise(TPStyle):
             bias = module._parameters.get("bias")
             if plain and not args and not kwargs:
                 out = F.linear(x, _to_local(module.weight))
+            elif bias is None:
+                with local_parameters(module):
+                    out = original(x, *args, **kwargs)
             else:
-                # the local forward must produce only the partial matmul: the bias is added once, after the sum
-                module._parameters["bias"] = None
-                try:
-                    with local_parameters(module):
-                        out = original(x, *args, **kwargs)
-                finally:
-                    module._parameters["bias"] = bias
+                # A subclass forward may not add the bias last (`(x W^T + b) * s`): DTensor's Partial + Replicate
+                # rules place the bias right, so such a module keeps the DTensor forward.
+                shape = (*x.shape[:-1], sum(sizes))
+                stride = torch.empty(shape, device="meta").stride()
+                x = DTensor.from_local(x, mesh, [Shard(x.ndim - 1)], run_check=False, shape=shape, stride=stride)
+                return original(x, *args, **kwargs).redistribute(mesh, [Replicate()]).to_local()
             out = all_reduce_sum(out, group)  # a fresh partial: reduced in place without autograd
             return out if bias is None else out + _to_local(bias)
 
