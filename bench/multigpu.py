@@ -121,23 +121,6 @@ def single_process_megamoe(model):
     return model
 
 
-def bind_missing_megamoe_runtimes(model) -> int:
-    """Workaround for ep_size 1: `planc.apply` installs the Mega MoE experts forward but no MegaMoeEP runtime
-    there (the compiler gives experts no EP strategy at ep_size 1), so nothing passes the `process_group` that
-    forward requires. Bind the runtime the way `planc.apply` does at ep_size > 1; returns how many were bound."""
-    from planc.compiler.ep import MegaMoeEP
-    from planc.runtime.ep.base import install_ep_forward
-    from planc.runtime.ep.megamoe import MegaMoeEPRuntime
-    from planc.runtime.megamoe import megamoe_state
-
-    groups, bound = getattr(model, "_planc_groups", None), 0
-    for m in model.modules():
-        if megamoe_state(m) is not None and not hasattr(m.forward, "runtime"):
-            install_ep_forward(m, MegaMoeEPRuntime(m, MegaMoeEP(reason="bound by bench/multigpu.py"), groups))
-            bound += 1
-    return bound
-
-
 def rel_diff(out, ref) -> tuple[float, float]:
     d = float((out.float() - ref.float()).abs().max())
     return d, d / max(float(ref.float().abs().max()), 1e-30)
@@ -157,10 +140,8 @@ def run_correctness(world: int, device, sizes) -> list:
             cells = [("all_to_all", False), ("all_reduce", False), ("auto", False), ("auto", True)]
             if model_type == "deepseek_v4":
                 cells.append(("deepgemm_megamoe", False))
-                if world == 1:
-                    cells.append(("deepgemm_megamoe", "bind"))
             for impl, grad in cells:
-                label = impl + {False: "", True: " (grad)", "bind": " (runtime bound by bench)"}[grad]
+                label = impl + (" (grad)" if grad else "")
                 row = {"model": model_type, "size": size, "impl": label, "world": world}
                 try:
                     reference = ref
@@ -169,9 +150,6 @@ def run_correctness(world: int, device, sizes) -> list:
                             reference = single_process_megamoe(copy.deepcopy(base))(input_ids=ids, use_cache=False).logits
                     model = copy.deepcopy(base)
                     planc.apply(model, shipped_plan(model_type, world, impl))
-                    if grad == "bind":
-                        bind_missing_megamoe_runtimes(model)
-                        grad = False
                     with torch.set_grad_enabled(grad):
                         out = model(input_ids=ids, use_cache=False).logits
                     if grad:
@@ -260,8 +238,6 @@ def run_performance(world: int, device_type: str, args, notes: list) -> list:
         try:
             m = layer_bench.share_weights_copy(base)
             planc.apply(m, experts_plan(world, impl))
-            if impl == "deepgemm_megamoe" and bind_missing_megamoe_runtimes(m):
-                notes.append("deepgemm_megamoe: planc.apply bound no MegaMoeEP runtime at ep_size 1; the bench bound it")
             sides[("planc", impl)] = layer_bench.experts_of(m)
         except Exception as e:  # noqa: BLE001
             log(f"  planc {impl} apply failed: {type(e).__name__}: {e}")
@@ -349,7 +325,6 @@ def run_buffers(world: int, device, args) -> dict:
     model = build("deepseek_v4", "mid", world, device, num_hidden_layers=layers,
                   layer_types=["sliding_attention"] * layers, mlp_layer_types=["moe"] * layers)
     planc.apply(model, shipped_plan("deepseek_v4", world, "deepgemm_megamoe"))
-    bound = bind_missing_megamoe_runtimes(model)
     destroy_megamoe_buffers()
     cuda = device.type == "cuda"
     steps = []
@@ -367,7 +342,7 @@ def run_buffers(world: int, device, args) -> dict:
             "cuda_allocated_delta": None if not cuda else torch.cuda.memory_allocated() - mem0,
         })
     destroy_megamoe_buffers()
-    return {"world": world, "moe_layers": layers, "steps": steps, "runtimes_bound_by_bench": bound}
+    return {"world": world, "moe_layers": layers, "steps": steps}
 
 
 # ---- report --------------------------------------------------------------------------------------------------
