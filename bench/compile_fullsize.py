@@ -25,7 +25,8 @@ import sys
 import time
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 PLANS = {
     "mixtral": "mixtral.yaml",
@@ -34,7 +35,6 @@ PLANS = {
     "deepseek_v3": "deepseek_v3.yaml",
     "deepseek_v4": "deepseek_v4_allreduce.yaml",
 }
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _timed(fn, repeats: int) -> tuple[float, object]:

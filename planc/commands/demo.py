@@ -43,30 +43,25 @@ def _plan_for_two_ranks(path: str) -> dict:
 
 
 def _rank(rank: int, port: int, plan: dict, seed: int, out_path: str) -> None:
-    import copy
-
     import torch
     import torch.distributed as dist
 
     from planc import apply
-    from planc.runtime.models import build_tiny_model
+    from planc.runtime.models import build_tiny_model, clone_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         model = build_tiny_model(plan["model"]["type"], seed=seed)
-        reference = copy.deepcopy(model)
-        if plan["experts"]["implementation"] != "deepgemm_megamoe":
+        reference = clone_model(model)
+        megamoe = plan["experts"]["implementation"] == "deepgemm_megamoe"
+        if not megamoe:
             reference.set_experts_implementation(plan["experts"]["implementation"])
         compiled = apply(model, plan)
         ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(seed))
         with torch.no_grad():
-            logits = model(ids).logits
-            if plan["experts"]["implementation"] == "deepgemm_megamoe":
-                diff_note = " (FP4 experts vs the bf16/fp32 unsharded model)"
-            else:
-                diff_note = ""
-            diff = (logits - reference(ids).logits).abs().max().item()
+            diff = (model(ids).logits - reference(ids).logits).abs().max().item()
+        diff_note = " (FP4 experts vs the bf16/fp32 unsharded model)" if megamoe else ""
         if rank == 0:
             with open(out_path, "w") as f:
                 f.write(f"{compiled}\n\nmax |logits - unsharded logits| on {WORLD} ranks: {diff:.3e}{diff_note}\n")

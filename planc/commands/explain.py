@@ -72,29 +72,30 @@ def build_model(model_type: str, config: dict, dtype: str):
 def run(args: argparse.Namespace) -> int:
     import json
 
+    from planc.compiler.render import json_data, render_text
+
     try:
         overrides = parse_overrides(args.overrides)
         config = read_config(args.config) if args.config else {}
     except (OSError, ValueError) as e:
         sys.stderr.write(f"planc explain: {e}\n")
         return 2
-    status, outputs = 0, []
+    status, compiled = 0, []
     for path in args.plans:
-        rc, out = explain_one(path, config, overrides, args.dtype, args.format)
+        rc, c = explain_one(path, config, overrides, args.dtype)
         status = max(status, rc)
-        if out is not None:
-            outputs.append(out)
+        if c is not None:
+            compiled.append(c)
     if args.format == "json":
-        data = [json.loads(o) for o in outputs]
+        data = [json_data(c) for c in compiled]
         sys.stdout.write(json.dumps(data[0] if len(args.plans) == 1 and data else data, indent=2, sort_keys=True) + "\n")
     else:
-        sys.stdout.write("\n\n".join(outputs) + ("\n" if outputs else ""))
+        sys.stdout.write("\n\n".join(render_text(c) for c in compiled) + ("\n" if compiled else ""))
     return status
 
 
-def explain_one(path: str, config: dict, overrides: dict, dtype: str, fmt: str):
-    """(exit status, rendered output or None) for one plan file."""
-    from planc.compiler.render import render_json, render_text
+def explain_one(path: str, config: dict, overrides: dict, dtype: str):
+    """(exit status, CompiledPlan or None) for one plan file; the problems go to stderr."""
     from planc.compiler.resolve import compile_plan
     from planc.errors import CompileError, PlanError
     from planc.spec.load import load_plan
@@ -118,4 +119,4 @@ def explain_one(path: str, config: dict, overrides: dict, dtype: str, fmt: str):
     except CompileError as e:
         sys.stderr.write(f"planc explain: {path} does not resolve against {type(model).__name__}:\n{e}\n")
         return 1, None
-    return 0, render_json(compiled) if fmt == "json" else render_text(compiled)
+    return 0, compiled

@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _transformers_plans(model_type: str):
-    """(tp rules, ep rules, lm-head rules, prefix, model class) exactly as transformers declares them."""
+    """(tp rules, ep rules, lm-head rules, prefix, model class, config) exactly as transformers declares them."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(model_type)
@@ -66,6 +66,7 @@ def init_plan(model_type: str) -> str:
     tp.update({f"{prefix}.{k}": v for k, v in tp_base.items()})
     tp.update(head)
     ep.update({f"{prefix}.{k}": v for k, v in ep_base.items()})
+    ep_experts = [k for k, s in ep.items() if s == "ep_dispatch_experts"]
 
     def keep(table: str, pattern: str, style: str) -> bool:
         if not any(Pattern(pattern).matches(g) for g in generic):
@@ -74,7 +75,7 @@ def init_plan(model_type: str) -> str:
         if style not in RUNTIME_STYLES:
             notes.append(f"{table} `{pattern}: {style}`: planc's runtime does not install `{style}`")
             return False
-        if table == "tp_plan" and ep and _under(pattern, [k for k, s in ep.items() if s == "ep_dispatch_experts"]):
+        if table == "tp_plan" and _under(pattern, ep_experts):
             notes.append(f"tp_plan `{pattern}: {style}`: the experts are expert-parallel (ep_plan), EP wins")
             return False
         return True

@@ -23,12 +23,10 @@ def run(args: argparse.Namespace) -> int:
 
     from planc.lint.report import counts, render
     from planc.lint.rules_source import UNREADABLE_CODES
-    from planc.lint.runner import expand_paths, lint_paths
+    from planc.lint.runner import check_paths
 
-    paths = args.paths or DEFAULT_PATHS
-    diags = lint_paths(paths, strict=args.strict)
-    files, _ = expand_paths(paths)
-    sys.stdout.write(render(diags, args.format, len(set(files))))
+    files, diags = check_paths(args.paths or DEFAULT_PATHS, strict=args.strict)
+    sys.stdout.write(render(diags, args.format, len(files)))
     errors, _warnings = counts(diags)
     if any(d.code in UNREADABLE_CODES for d in diags):
         return 2

@@ -10,7 +10,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def explain(r) -> str:
-    """The text `planc rules CODE` prints (also the body of the rule's section in docs/lint.md)."""
+    """The text `planc rules CODE` prints (docs/lint.md renders the same fields as markdown: planc.lint.docs)."""
     lines = [f"{r.code} {r.name} ({r.severity}, {r.family})", "", r.title + ".", "", r.doc]
     if r.bad:
         lines += ["", "Fails:", "", *("    " + line for line in r.bad.rstrip("\n").split("\n"))]

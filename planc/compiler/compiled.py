@@ -58,7 +58,9 @@ class ExpertsAssignment:
     """An experts module (transformers experts contract) and how it runs under this plan."""
 
     fqn: str
-    strategy: Optional[EPStrategy]  # None when the experts are tensor-parallel (moe_tp_experts) or replicated
+    # None when the experts are tensor-parallel (moe_tp_experts) or replicated, except under Mega MoE:
+    # deepgemm_megamoe experts always carry MegaMoeEP, also at ep_size 1 (the kernel needs its process group)
+    strategy: Optional[EPStrategy]
     num_experts: int
     num_local_experts: int
     top_k: Optional[int]
@@ -136,7 +138,7 @@ class CompiledPlan:
     plan_name: Optional[str] = None
     plan_path: Optional[str] = None
     bytes_total: int = 0  # all parameters, unsharded (tied tensors once)
-    replicated: tuple["ReplicatedGroup", ...] = ()  # dense weights left whole on every rank, by generic path
+    replicated: tuple[ReplicatedGroup, ...] = ()  # dense weights left whole on every rank, by generic path
 
     def __post_init__(self) -> None:
         if not self.fingerprint:

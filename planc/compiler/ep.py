@@ -76,18 +76,19 @@ class AutoEP(EPStrategy):
     shares_batch: bool = True
 
 
-EP_STRATEGIES: dict[str, type[EPStrategy]] = {
-    cls.name: cls for cls in (AllToAllEP, AllReduceEP, MegaMoeEP, AutoEP)
-}
-
-
 class EPResolutionError(ValueError):
     """The experts implementation and the EP implementation cannot be combined."""
 
-    def __init__(self, message: str, hint: str, field: str):
+    # What went wrong, so the linter can give each case its own stable code.
+    MEGAMOE_OTHER_EP = "megamoe_other_ep"  # Mega MoE experts with another ep_implementation
+    MEGAMOE_EP_OTHER_EXPERTS = "megamoe_ep_other_experts"  # MegaMoeEP with other experts
+    SHARED_BATCH = "shared_batch"  # a strategy that needs ep_size == tp_size
+
+    def __init__(self, message: str, hint: str, field: str, kind: str):
         super().__init__(message)
         self.hint = hint
         self.field = field
+        self.kind = kind
 
 
 def resolve_ep(experts: Experts, parallel: Parallel) -> EPStrategy:
@@ -101,6 +102,7 @@ def resolve_ep(experts: Experts, parallel: Parallel) -> EPStrategy:
                 f"got ep_implementation `{ep}`",
                 "write `ep_implementation: auto` (or `deepgemm_megamoe`), or choose other experts",
                 "experts.ep_implementation",
+                EPResolutionError.MEGAMOE_OTHER_EP,
             )
         strategy = MegaMoeEP(
             reason="experts.implementation is deepgemm_megamoe: the fused kernel does its own dispatch and combine"
@@ -112,6 +114,7 @@ def resolve_ep(experts: Experts, parallel: Parallel) -> EPStrategy:
             f"ep_implementation `deepgemm_megamoe` needs experts.implementation `deepgemm_megamoe`, got `{impl}`",
             "write `implementation: deepgemm_megamoe`, or pick `ep_implementation: auto`",
             "experts.ep_implementation",
+            EPResolutionError.MEGAMOE_EP_OTHER_EXPERTS,
         )
     elif ep == "all_to_all":
         strategy = AllToAllEP(reason="ep_implementation: all_to_all")
@@ -131,7 +134,11 @@ def resolve_ep(experts: Experts, parallel: Parallel) -> EPStrategy:
         raise EPResolutionError(
             f"{type(strategy).__name__} needs every rank of the EP group to hold the same batch "
             f"(ep_size == tp_size), got ep_size={parallel.ep_size}, tp_size={parallel.tp_size}",
-            "set `ep_size` equal to `tp_size`, or use `ep_implementation: all_to_all`",
+            # Mega MoE experts run only behind MegaMoeEP: for them only the sizes can change.
+            "set `ep_size` equal to `tp_size` (Mega MoE needs the EP group to share one batch), or choose other experts"
+            if isinstance(strategy, MegaMoeEP)
+            else "set `ep_size` equal to `tp_size`, or use `ep_implementation: all_to_all`",
             "experts.ep_implementation",
+            EPResolutionError.SHARED_BATCH,
         )
     return strategy

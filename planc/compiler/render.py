@@ -7,23 +7,21 @@ chosen; then what stays replicated and the per-rank total.
 
 from __future__ import annotations
 
-import json
-
 from planc.compiler.compiled import CompiledPlan
+from planc.compiler.walk import generic_path
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
+def human_bytes(n: float, digits: int = 2) -> str:
+    """`1536` -> `1.50 KiB` (whole bytes below 1 KiB; `digits` decimals above)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{int(n)} B" if unit == "B" else f"{n:.{digits}f} {unit}"
         n /= 1024
-    return f"{n} B"
+    return f"{n:.{digits}f} TiB"
 
 
 def _group_experts(compiled: CompiledPlan) -> list[tuple[str, int, object]]:
     """Experts modules folded by (generic path, strategy, sizes): one line per kind, not per layer."""
-    from planc.compiler.walk import generic_path
-
     groups: dict[tuple, list] = {}
     for e in compiled.experts:
         key = (generic_path(e.fqn), e.mode, e.strategy, e.num_experts, e.num_local_experts)
@@ -86,7 +84,7 @@ def render_text(compiled: CompiledPlan) -> str:
         f"{len(compiled.coverage)} rules matched, {compiled.experts_covered}/{len(compiled.experts)} experts "
         "modules sharded"
     )
-    other = [w for w in compiled.warnings if w.code != "PLC651"]
+    other = [w for w in compiled.warnings if w.code != "PLC651"]  # PLC651: the replicated section above
     if other:
         lines.append("")
         lines.append("warnings:")
@@ -94,8 +92,8 @@ def render_text(compiled: CompiledPlan) -> str:
     return "\n".join(lines)
 
 
-def render_json(compiled: CompiledPlan) -> str:
-    """The canonical form plus the explain-only numbers (coverage, replicated groups, warnings)."""
+def json_data(compiled: CompiledPlan) -> dict:
+    """The canonical form plus the explain-only numbers (coverage, replicated groups, warnings), for `--format json`."""
     data = compiled.to_json()
     data["fingerprint"] = compiled.fingerprint
     data["plan_name"] = compiled.plan_name
@@ -123,4 +121,4 @@ def render_json(compiled: CompiledPlan) -> str:
     data["full_coverage"] = compiled.full_coverage
     data["experts_covered"] = compiled.experts_covered
     data["warnings"] = [{"code": w.code, "message": w.message, "hint": w.hint, "where": w.where} for w in compiled.warnings]
-    return json.dumps(data, indent=2, sort_keys=True)
+    return data

@@ -25,6 +25,7 @@ from planc.compiler.compiled import (
     SourceRule,
 )
 from planc.compiler.ep import EPResolutionError, EPStrategy, resolve_ep
+from planc.compiler.render import human_bytes
 from planc.compiler.walk import ModelWalk, generic_path, walk_model
 from planc.errors import CompileError
 from planc.spec.patterns import Pattern, PatternError
@@ -71,6 +72,16 @@ TP_SHARDING = {
     "embedding_colwise": (1, 0, False),
 }
 EP_TABLE_STYLES = frozenset(EP_STYLES) | {"replicate"}
+
+
+def _shard_dim(style: str, shape: tuple) -> Optional[int]:
+    """The dim `style` splits over the TP group for a parameter of `shape`; None when it stays whole."""
+    if style not in TP_SHARDING:
+        return None
+    dim2, dim1, _ = TP_SHARDING[style]
+    return dim2 if len(shape) >= 2 else dim1
+
+
 MEGAMOE_MAX_TOP_K = 32
 MEGAMOE_MAX_RANKS = 72
 ATTENTION_PROJ = {"q_proj": "out", "k_proj": "out", "v_proj": "out", "o_proj": "in"}
@@ -137,14 +148,6 @@ def _source_rule(loaded, table: str, pattern: str, style: str) -> SourceRule:
     return SourceRule(table, pattern, style, pos.path or "<string>", pos.line, pos.col)
 
 
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return f"{n} B"
-
-
 class _Resolver:
     def __init__(self, loaded, walk: ModelWalk):
         self.loaded = loaded
@@ -153,6 +156,7 @@ class _Resolver:
         self.parallel = self.plan.parallel
         self.tp, self.ep = self.parallel.tp_size, self.parallel.ep_size
         self.active = {"tp": self.tp > 1, "ep": self.ep > 1}
+        self.megamoe = self.plan.experts.implementation == "deepgemm_megamoe"
         self.problems = _Problems()
         self.warnings: list[CompileWarning] = []
         self.rules: list[_Rule] = []
@@ -251,23 +255,7 @@ class _Resolver:
             for alt in rule.pattern.alternatives:
                 hits = 0
                 for gsegs, fqns in generics:
-                    if len(gsegs) != len(alt):
-                        continue
-                    ok, concrete_index = True, False
-                    for a, g in zip(alt, gsegs):
-                        if a == "*" or a == g:
-                            continue
-                        if g == "*" and a.isdigit():
-                            concrete_index = True
-                            continue
-                        ok = False
-                        break
-                    if not ok:
-                        continue
-                    if concrete_index:
-                        matched = [f for f in fqns if _match_alt(alt, f.split("."))]
-                    else:
-                        matched = fqns
+                    matched = _match_generic(alt, gsegs, fqns)
                     hits += len(matched)
                     rule.targets.update(matched)
                 rule.per_alternative.append(hits)
@@ -374,16 +362,21 @@ class _Resolver:
 
     # ---- expansion -------------------------------------------------------------------------------
 
-    def expand(self, maps) -> tuple[list[Assignment], dict[str, _Rule]]:
+    def find_ep_experts(self, maps) -> set[str]:
+        """The experts modules that ep_plan shards by expert (none while ep_size is 1)."""
+        if not self.active["ep"]:
+            return set()
+        modules = self.walk.modules
+        return {
+            fqn for fqn, r in maps["ep"].items()
+            if r.style == "ep_dispatch_experts" and fqn in modules and modules[fqn].experts is not None
+        }
+
+    def expand(self, maps, ep_experts: set[str]) -> tuple[list[Assignment], dict[str, _Rule]]:
         """Concrete assignments in module order, each module's parameters before the module."""
         walk, active = self.walk, self.active
         tp_map = maps["tp"] if active["tp"] else {}
         ep_map = maps["ep"] if active["ep"] else {}
-        ep_experts = {
-            fqn for fqn, r in ep_map.items() if r.style == "ep_dispatch_experts" and fqn in walk.modules
-            and walk.modules[fqn].experts is not None
-        }
-        self.ep_experts = ep_experts
         out: list[Assignment] = []
         final: dict[str, _Rule] = {}
 
@@ -440,19 +433,21 @@ class _Resolver:
         for fqns in by_tensor.values():
             if len(fqns) < 2:
                 continue
-            styles = {f: final[f].style if f in final else None for f in fqns}
-            if len(set(styles.values())) > 1 or (len([s for s in styles.values() if s]) > 1):
-                ruled = [f for f in fqns if f in final]
-                r = final[ruled[-1]]
-                listing = ", ".join(f"{f} ({s or 'no rule'})" for f, s in styles.items())
-                self.problems.add(
-                    CONFLICTING_RULES,
-                    f"tied parameters share one tensor but the plan treats them separately: {listing}",
-                    r.source.where,
-                    "a tied tensor can be sharded once: keep the rule on one of them only, or untie the weights "
-                    "(`tie_word_embeddings: false` in the config)",
-                    ruled[-1],
-                )
+            # Any rule on a tied name treats the names separately: a name without a rule would read the
+            # shard as the whole tensor, and two rules would shard the one tensor twice.
+            ruled = [f for f in fqns if f in final]
+            if not ruled:
+                continue
+            listing = ", ".join(f"{f} ({final[f].style if f in final else 'no rule'})" for f in fqns)
+            self.problems.add(
+                CONFLICTING_RULES,
+                f"tied parameters share one tensor but the plan treats them separately: {listing}",
+                final[ruled[-1]].source.where,
+                "a tied tensor stays whole: delete "
+                + " and ".join(dict.fromkeys(f"`{final[f].pattern_text}`" for f in ruled))
+                + ", or untie the weights (`tie_word_embeddings: false` in the config)",
+                ruled[-1],
+            )
 
     def check_shards(self, assignments: list[Assignment], final: dict[str, _Rule]) -> None:
         walk, tp = self.walk, self.tp
@@ -463,10 +458,10 @@ class _Resolver:
             if a.target != "parameter" or a.style not in TP_SHARDING:
                 continue
             p = walk.params[a.fqn]
-            dim2, dim1, packed = TP_SHARDING[a.style]
-            dim = dim2 if len(p.shape) >= 2 else dim1
+            dim = _shard_dim(a.style, p.shape)
             if dim is None or not p.shape:
                 continue
+            packed = TP_SHARDING[a.style][2]
             size = p.shape[dim]
             parts = tp * (2 if packed else 1)
             where = final[a.fqn].source.where
@@ -480,25 +475,23 @@ class _Resolver:
                     a.fqn,
                 )
                 continue
-            leaf = p.owner.rsplit(".", 1)[-1]
-            side = ATTENTION_PROJ.get(leaf)
-            if head_dim and side and len(p.shape) >= 1:
-                local = size // tp
-                if (side == "out" and dim in (-2, 0)) or (side == "in" and dim == -1):
-                    if local % head_dim:
-                        self.problems.add(
-                            HEAD_SPLIT,
-                            f"`{a.style}` gives each of the {tp} ranks {local} features of {generic_path(p.fqn)}, which is not a "
-                            f"whole number of heads (head_dim {head_dim}): attention would split a head across ranks",
-                            where,
-                            f"use a tp_size that divides the head count ({size // head_dim} heads here), or "
-                            "`replicate` attention",
-                            a.fqn,
-                        )
+            side = ATTENTION_PROJ.get(p.owner.rsplit(".", 1)[-1])
+            splits_heads = (side == "out" and dim in (-2, 0)) or (side == "in" and dim == -1)
+            local = size // tp
+            if head_dim and splits_heads and local % head_dim:
+                self.problems.add(
+                    HEAD_SPLIT,
+                    f"`{a.style}` gives each of the {tp} ranks {local} features of {generic_path(p.fqn)}, which is not a "
+                    f"whole number of heads (head_dim {head_dim}): attention would split a head across ranks",
+                    where,
+                    f"use a tp_size that divides the head count ({size // head_dim} heads here), or "
+                    "`replicate` attention",
+                    a.fqn,
+                )
 
-    def resolve_strategy(self) -> Optional[EPStrategy]:
+    def resolve_strategy(self, ep_experts: set[str]) -> Optional[EPStrategy]:
         # Mega MoE experts always run behind MegaMoeEP (it hands the kernel its process group), even at ep_size 1.
-        if not self.ep_experts and self.plan.experts.implementation != "deepgemm_megamoe":
+        if not ep_experts and not self.megamoe:
             return None
         try:
             return resolve_ep(self.plan.experts, self.parallel)
@@ -519,7 +512,7 @@ class _Resolver:
                     EXPERTS_UNCOVERED,
                     f"experts module {m.class_name} has no EP or TP rule: with tp_size={self.tp}, ep_size={self.ep} "
                     f"every rank would hold all {info.num_experts} experts "
-                    f"({_human(sum(walk.params[p].nbytes for p in m.params))} per layer)",
+                    f"({human_bytes(sum(walk.params[p].nbytes for p in m.params), digits=1)} per layer)",
                     _where(self.loaded, (table,)),
                     "shard them by expert: ep_plan `<path>.experts.{gate_up_proj,down_proj}: grouped_gemm` and "
                     "`<path>.experts: ep_dispatch_experts` (or moe_tp_experts in tp_plan)",
@@ -535,14 +528,14 @@ class _Resolver:
                     + f" ({', '.join(str(d) for d in _divisors(info.num_experts) if d > 1)})",
                     m.fqn,
                 )
-            if self.plan.experts.implementation == "deepgemm_megamoe":
+            if self.megamoe:
                 self.check_megamoe(m)
             out.append(
                 ExpertsAssignment(
                     fqn=m.fqn,
-                    strategy=strategy if mode == "ep" or self.plan.experts.implementation == "deepgemm_megamoe" else None,
+                    strategy=strategy if mode == "ep" or self.megamoe else None,
                     num_experts=info.num_experts,
-                    num_local_experts=info.num_experts // self.ep if mode == "ep" and self.ep else info.num_experts,
+                    num_local_experts=info.num_experts // self.ep if mode == "ep" else info.num_experts,
                     top_k=info.top_k,
                     hidden_size=info.hidden_size,
                     intermediate_size=info.intermediate_size,
@@ -674,9 +667,8 @@ class _Resolver:
             if r is not None:
                 if r.style == "grouped_gemm":
                     div = ep
-                elif r.style in TP_SHARDING:
-                    dim2, dim1, _ = TP_SHARDING[r.style]
-                    div = tp if (dim2 if len(p.shape) >= 2 else dim1) is not None else 1
+                elif _shard_dim(r.style, p.shape) is not None:
+                    div = tp
             per_rank = -(-p.nbytes // div)
             if div > 1:
                 sharded += per_rank
@@ -711,14 +703,13 @@ class _Resolver:
             active = self.active[r.kind]
             if active:
                 mods, params = counts[r.index]
+                total, per_rank = per_rule_bytes.get(r.index, (0, 0))
             else:  # inactive table: report what it matched, it installs nothing
                 mods = sum(1 for f in r.targets if f in self.walk.modules)
                 params = len(r.targets) - mods
-            b = per_rule_bytes.get(r.index, [0, 0])
-            if not active:
-                b = [sum(self.walk.params[f].nbytes for f in r.targets if f in self.walk.params)] * 2
+                total = per_rank = sum(self.walk.params[f].nbytes for f in r.targets if f in self.walk.params)
             example = examples.get(r.index) or (min(r.targets, key=len) if r.targets else None)
-            out.append(RuleCoverage(r.source, mods, params, b[0], b[1], active, example))
+            out.append(RuleCoverage(r.source, mods, params, total, per_rank, active, example))
         return out
 
     def table_warnings(self, replicated_groups) -> None:
@@ -739,7 +730,7 @@ class _Resolver:
                 CompileWarning(
                     REPLICATED_DENSE,
                     f"{g.path}: {g.parameters} parameter(s) in {g.modules} module(s) stay replicated, "
-                    f"{_human(g.bytes_per_rank)} per rank",
+                    f"{human_bytes(g.bytes_per_rank, digits=1)} per rank",
                     "often intended for norms, routers and small layers; add a tp_plan rule to shard large ones",
                     g.path,
                 )
@@ -753,10 +744,11 @@ class _Resolver:
         self.collect_rules()
         self.match_rules()
         maps = self.table_maps()
-        assignments, final = self.expand(maps)
+        ep_experts = self.find_ep_experts(maps)
+        assignments, final = self.expand(maps, ep_experts)
         self.check_tied(final)
         self.check_shards(assignments, final)
-        strategy = self.resolve_strategy()
+        strategy = self.resolve_strategy(ep_experts)
         experts = self.experts_assignments(final, strategy)
         total, sharded, replicated, per_rule_bytes, replicated_groups = self.account(final)
         if self.problems:
@@ -782,6 +774,25 @@ class _Resolver:
 
 def _match_alt(alt: tuple, segs: list) -> bool:
     return len(alt) == len(segs) and all(a == "*" or a == s for a, s in zip(alt, segs))
+
+
+def _match_generic(alt: tuple, gsegs: list, fqns: list) -> list:
+    """The concrete `fqns` of generic path `gsegs` that alternative `alt` matches.
+
+    All of them, unless `alt` names a layer index (`model.layers.7.mlp`) where the generic path has `*`:
+    then each concrete path is checked.
+    """
+    if len(gsegs) != len(alt):
+        return []
+    concrete_index = False
+    for a, g in zip(alt, gsegs):
+        if a == "*" or a == g:
+            continue
+        if g == "*" and a.isdigit():
+            concrete_index = True
+            continue
+        return []
+    return [f for f in fqns if _match_alt(alt, f.split("."))] if concrete_index else fqns
 
 
 def _head_dim(config) -> Optional[int]:

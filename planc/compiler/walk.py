@@ -73,9 +73,6 @@ class ModelWalk:
     def experts(self) -> list[ModuleInfo]:
         return [m for m in self.modules.values() if m.experts is not None]
 
-    def kind(self, fqn: str) -> str:
-        return "parameter" if fqn in self.params else "module"
-
 
 _DTYPE_NAMES: dict = {}
 
@@ -164,7 +161,7 @@ def _experts_info(module, own: dict[str, ParamInfo], config) -> Optional[Experts
 
 
 def walk_model(model) -> ModelWalk:
-    """Snapshot `model` (an nn.Module or anything with the same four methods); reads only."""
+    """Snapshot `model` (an nn.Module or anything with the methods listed above); reads only."""
     config = getattr(model, "config", None)
     walk = ModelWalk(
         model_class=type(model).__name__,

@@ -29,16 +29,15 @@ def _resolution(ctx):
     """(code, EPResolutionError) when resolve_ep refuses the plan's experts settings, else None."""
     from planc.compiler.ep import EPResolutionError, resolve_ep
 
-    experts, parallel = ctx.plan.experts, ctx.plan.parallel
+    codes = {
+        EPResolutionError.MEGAMOE_OTHER_EP: MEGAMOE_OTHER_EP,
+        EPResolutionError.MEGAMOE_EP_OTHER_EXPERTS: MEGAMOE_EP_OTHER_EXPERTS,
+        EPResolutionError.SHARED_BATCH: SHARED_BATCH,
+    }
     try:
-        resolve_ep(experts, parallel)
+        resolve_ep(ctx.plan.experts, ctx.plan.parallel)
     except EPResolutionError as err:
-        impl, ep = experts.implementation, experts.ep_implementation
-        if impl == "deepgemm_megamoe" and ep not in ("auto", "deepgemm_megamoe"):
-            return MEGAMOE_OTHER_EP, err
-        if ep == "deepgemm_megamoe" and impl != "deepgemm_megamoe":
-            return MEGAMOE_EP_OTHER_EXPERTS, err
-        return SHARED_BATCH, err
+        return codes[err.kind], err
     return None
 
 
@@ -50,11 +49,7 @@ def _emit(ctx, code):
     keypath = tuple(err.field.split("."))
     if code == SHARED_BATCH and not ctx.written(keypath):  # `auto` by default: blame what chose Mega MoE
         keypath = ("experts", "implementation")
-    hint = err.hint
-    if code == SHARED_BATCH and ctx.plan.experts.implementation == "deepgemm_megamoe":
-        # all_to_all would trip PLC400: for Mega MoE experts only the sizes can change
-        hint = "set `ep_size` equal to `tp_size` (Mega MoE needs the EP group to share one batch), or choose other experts"
-    yield ctx.diag(code, str(err), hint, keypath, at_value=True)
+    yield ctx.diag(code, str(err), err.hint, keypath, at_value=True)
 
 
 @rule(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from planc.lint.context import TABLES
 from planc.lint.registry import rule
 from planc.spec.styles import REMOVED_STYLES
 
@@ -29,11 +30,12 @@ def check_removed(ctx):
     itself, and Mega MoE takes global ids), and `experts.implementation: deepgemm_megamoe` selects
     Mega MoE. `moe_tp_experts` inside `ep_plan` is reported too: it is a tensor-parallel style.
     `planc migrate` rewrites these."""
-    for table in ("tp_plan", "ep_plan"):
+    for table in TABLES:
         for pattern, style in ctx.table(table):
-            hint = REMOVED_STYLES.get(style)
-            if hint is None and table == "ep_plan" and style == "moe_tp_experts":
-                hint = MOE_TP_EXPERTS_IN_EP
-            if hint is not None:
-                what = "removed style" if style in REMOVED_STYLES else "style not valid in ep_plan"
-                yield ctx.diag(REMOVED_STYLE, f"{what} `{style}` in {table}", hint, (table, pattern), at_value=True)
+            if style in REMOVED_STYLES:
+                what, hint = "removed style", REMOVED_STYLES[style]
+            elif table == "ep_plan" and style == "moe_tp_experts":
+                what, hint = "style not valid in ep_plan", MOE_TP_EXPERTS_IN_EP
+            else:
+                continue
+            yield ctx.diag(REMOVED_STYLE, f"{what} `{style}` in {table}", hint, (table, pattern), at_value=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import typing
 from typing import Any, Optional
 
+from planc.lint.context import TABLES
 from planc.lint.diagnostic import Diagnostic
 from planc.lint.registry import Rule, register, rule
 from planc.lint.suggest import did_you_mean
@@ -74,13 +75,14 @@ _EXAMPLES = {
 }
 _RANGE_TYPES = {"greater_than_equal", "greater_than", "less_than", "less_than_equal", "string_too_short",
                 "too_short", "too_long", "string_too_long"}
+_KINDS = {int: "a whole number", float: "a number", str: "a string"}  # scalar field types, in words
 
 
 def _where(loc: tuple) -> str:
     """`experts.megamoe.backend`, or `tp_plan['model.x']` inside a rule table."""
     out = ""
     for i, part in enumerate(loc):
-        if i > 0 and loc[0] in ("tp_plan", "ep_plan") and i == 1:
+        if i == 1 and loc[0] in TABLES:
             out += f"[{part!r}]"
         elif part == "[key]":
             out += " key"
@@ -148,10 +150,10 @@ def from_validation(err, ctx) -> list[Diagnostic]:
                                 "write the pattern as a dotted path, e.g. `model.layers.*.mlp.experts`", keypath))
         elif typ == "missing":
             name = loc[-1] if loc else "?"
-            parent = _where(loc[:-1]) if len(loc) > 1 else "the plan"
+            parent = _where(loc[:-1])  # "the plan" at the top level
             example = _EXAMPLES.get(str(name), f"{name}: ...")
             out.append(ctx.diag(MISSING, f"{parent} is missing the required key `{name}`",
-                                f"add `{example}`" + (f" under `{_where(loc[:-1])}`" if len(loc) > 1 else ""),
+                                f"add `{example}`" + (f" under `{parent}`" if len(loc) > 1 else ""),
                                 loc[:-1]))
         elif typ == "extra_forbidden":
             model = _model_at(loc[:-1])
@@ -192,22 +194,16 @@ def _range_hint(loc: tuple, e: dict) -> str:
 
 
 def _type_hint(loc: tuple) -> str:
-    if len(loc) >= 2 and loc[0] in ("tp_plan", "ep_plan"):
+    if len(loc) >= 2 and loc[0] in TABLES:
         return "write `pattern: style` with the style as a plain string, e.g. `model.layers.*.mlp.down_proj: rowwise`"
-    if loc and loc[0] in ("tp_plan", "ep_plan", "experts", "parallel", "model"):
-        if len(loc) == 1:
-            return f"`{loc[0]}` is a mapping of keys to values (see docs/plan-format.md)"
+    if len(loc) == 1 and loc[0] in (*TABLES, "experts", "parallel", "model"):
+        return f"`{loc[0]}` is a mapping of keys to values (see docs/plan-format.md)"
     info = _field(loc)
-    if info is not None:
-        ann = _unwrap(info.annotation)
-        if hasattr(ann, "model_fields"):
-            return f"`{_where(loc)}` is a mapping with the keys: {', '.join(ann.model_fields)}"
-        if ann is int:
-            return "write a whole number"
-        if ann is float:
-            return "write a number"
-        if ann is str:
-            return "write a string (quote it if YAML reads it as something else)"
+    ann = _unwrap(info.annotation) if info is not None else None
+    if hasattr(ann, "model_fields"):
+        return f"`{_where(loc)}` is a mapping with the keys: {', '.join(ann.model_fields)}"
+    if ann in _KINDS:
+        return f"write {_KINDS[ann]}" + (" (quote it if YAML reads it as something else)" if ann is str else "")
     return "see docs/plan-format.md for the type of this key"
 
 
@@ -238,8 +234,7 @@ def _strict(ctx, model, data, prefix):
             continue
         want = {int: (int,), float: (int, float), str: (str,)}.get(ann)
         if want and (isinstance(value, bool) or not isinstance(value, want)):
-            kind = {int: "a whole number", float: "a number", str: "a string"}[ann]
-            yield ctx.diag(WRONG_TYPE, f"`{_where(loc)}` must be {kind}, got {_show(value)}",
-                           f"write {kind}, e.g. `{name}: {8 if ann is not str else 'text'}` (no quotes)"
-                           if ann is not str else f"quote the value: `{name}: \"{value}\"`",
-                           loc, at_value=True)
+            kind = _KINDS[ann]
+            hint = (f"quote the value: `{name}: \"{value}\"`" if ann is str
+                    else f"write {kind}, e.g. `{name}: 8` (no quotes)")
+            yield ctx.diag(WRONG_TYPE, f"`{_where(loc)}` must be {kind}, got {_show(value)}", hint, loc, at_value=True)

@@ -8,9 +8,10 @@ fails, because they read the raw rule tables.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from planc.lint.context import LintContext
 from planc.lint.diagnostic import ERROR, Diagnostic
@@ -86,10 +87,13 @@ def _check_context(ctx: LintContext, diags: list) -> CheckResult:
     return CheckResult(diags, loaded)
 
 
-def check_file(path: str, root_dir: Optional[str] = None) -> CheckResult:
+def _check_source(
+    parse: Callable[[], SourceDoc], path: Optional[str], root_dir: Optional[str] = None
+) -> CheckResult:
+    """Parse, then check; a parse failure is the one diagnostic, and nothing raises."""
     try:
         try:
-            doc = parse_yaml(read_text(path), path)
+            doc = parse()
         except SourceError as e:
             return CheckResult([_from_source_error(e)])
         return check_doc(doc, root_dir)
@@ -97,16 +101,13 @@ def check_file(path: str, root_dir: Optional[str] = None) -> CheckResult:
         return CheckResult([_internal(exc, path)])
 
 
+def check_file(path: str, root_dir: Optional[str] = None) -> CheckResult:
+    return _check_source(lambda: parse_yaml(read_text(path), path), path, root_dir)
+
+
 def check_text(text: str, path: Optional[str] = None) -> CheckResult:
     """Lint YAML text; `path` (optional) names it in positions and anchors relative `extends`."""
-    try:
-        try:
-            doc = parse_yaml(text, path)
-        except SourceError as e:
-            return CheckResult([_from_source_error(e)])
-        return check_doc(doc)
-    except Exception as exc:
-        return CheckResult([_internal(exc, path)])
+    return _check_source(lambda: parse_yaml(text, path), path)
 
 
 def check_data(data: dict) -> CheckResult:
@@ -169,19 +170,21 @@ def expand_paths(paths: Iterable[str]) -> tuple[list[str], list[Diagnostic]]:
 
 def lint_paths(paths, strict: bool = False) -> list[Diagnostic]:
     """Lint files and directories; `strict` reports warnings as errors. Never raises on bad input."""
+    return check_paths(paths, strict)[1]
+
+
+def check_paths(paths, strict: bool = False) -> tuple[list[str], list[Diagnostic]]:
+    """`lint_paths`, plus the plan files that were linted (each once): `planc lint` counts them."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    files, diags = expand_paths([os.fspath(p) for p in paths])
-    seen: set = set()
+    found, diags = expand_paths([os.fspath(p) for p in paths])
+    files = list(dict.fromkeys(found))
     for f in files:
-        if f in seen:
-            continue
-        seen.add(f)
         diags += check_file(f).diagnostics
     diags = _unique(diags)
     if strict:
-        diags = [Diagnostic(d.code, ERROR, d.message, d.hint, d.position) for d in diags]
-    return diags
+        diags = [dataclasses.replace(d, severity=ERROR) for d in diags]
+    return files, diags
 
 
 def _unique(diags: list[Diagnostic]) -> list[Diagnostic]:

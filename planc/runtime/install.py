@@ -146,15 +146,20 @@ def _unrunnable_experts(model: nn.Module, compiled) -> list[str]:
         if impl == "sonicmoe" and importlib.util.find_spec("sonicmoe") is None:
             return ["experts.implementation `sonicmoe` needs the `sonicmoe` package; install it or use `grouped_mm`."]
     if impl == "deepgemm_megamoe":
-        settings = compiled.experts_settings.megamoe
-        backend = settings.backend if settings else "auto"
         try:
             from planc.runtime.megamoe import resolve_backend
 
-            resolve_backend(backend, device if device.type == "cuda" else None)
+            resolve_backend(_megamoe_settings(compiled).backend, device if device.type == "cuda" else None)
         except (RuntimeError, ValueError, ImportError, OSError) as e:
             return [f"experts.implementation `deepgemm_megamoe` cannot run here: {e}"]
     return []
+
+
+def _megamoe_settings(compiled):
+    """The plan's `experts.megamoe` settings, or their defaults when the plan leaves them out."""
+    from planc.spec.model import MegaMoe
+
+    return compiled.experts_settings.megamoe or MegaMoe()
 
 
 # ---- 3. rank agreement -------------------------------------------------------------------------------------
@@ -287,14 +292,16 @@ def step_install_megamoe(state: InstallState) -> None:
         return
     from planc.runtime.megamoe import install_megamoe_forward
 
-    settings = state.compiled.experts_settings.megamoe
+    settings = _megamoe_settings(state.compiled)
     for e in state.compiled.experts:
+        module = state.module(e.fqn)
+        module._planc_fqn = e.fqn
         install_megamoe_forward(
-            state.module(e.fqn),
-            backend=settings.backend if settings else "auto",
-            max_tokens_per_rank=settings.max_tokens_per_rank if settings else None,
-            activation_clamp=settings.activation_clamp if settings else None,
-            quantize=settings.quantize if settings else None,
+            module,
+            backend=settings.backend,
+            max_tokens_per_rank=settings.max_tokens_per_rank,
+            activation_clamp=settings.activation_clamp,
+            quantize=settings.quantize,
             num_global_experts=e.num_experts,
             ep_rank=state.groups.ep_rank,
             ep_size=state.groups.ep_size,

@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from planc.errors import ApplyError
 
@@ -150,8 +151,14 @@ class _AllReduceGrad(torch.autograd.Function):
         return grad, None
 
 
-def _needs_grad(x: torch.Tensor) -> bool:
+def needs_grad(x: torch.Tensor) -> bool:
+    """A gradient flows through `x` in this call (grad mode on and `x` requires grad)."""
     return torch.is_grad_enabled() and x.requires_grad
+
+
+def to_local(x):
+    """This rank's plain tensor of `x`: a DTensor's local shard (differentiable), anything else as is."""
+    return x.to_local() if isinstance(x, DTensor) else x
 
 
 def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
@@ -163,7 +170,7 @@ def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     """
     if dist.get_world_size(group) == 1:
         return x
-    if not _needs_grad(x):
+    if not needs_grad(x):
         x = x.contiguous()
         dist.all_reduce(x, group=group)
         return x
@@ -172,7 +179,7 @@ def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
 
 def all_reduce_grad(x: torch.Tensor, group) -> torch.Tensor:
     """A replicated input whose gradient each rank only computes in part: sum it in backward."""
-    if dist.get_world_size(group) == 1 or not _needs_grad(x):
+    if dist.get_world_size(group) == 1 or not needs_grad(x):
         return x
     return _AllReduceGrad.apply(x, group)
 
@@ -237,7 +244,7 @@ def all_gather_dim(x: torch.Tensor, group, sizes: Sequence[int], dim: int = -1) 
     (differentiable: backward keeps this rank's slice). Uneven and empty shards are fine."""
     if dist.get_world_size(group) == 1:
         return x
-    if not _needs_grad(x):
+    if not needs_grad(x):
         return _gather(x, group, sizes, dim)
     return _AllGather.apply(x, group, tuple(sizes), dim)
 
@@ -246,7 +253,7 @@ def split_dim(x: torch.Tensor, group, sizes: Sequence[int], dim: int = -1) -> to
     """A replicated tensor -> this rank's slice along `dim` (`sizes[rank]` wide; backward all-gathers the gradient)."""
     if dist.get_world_size(group) == 1:
         return x
-    if not _needs_grad(x):
+    if not needs_grad(x):
         return _slice(x, group, sizes, dim)
     return _Split.apply(x, group, tuple(sizes), dim)
 

@@ -26,14 +26,20 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from planc.errors import ApplyError
-from planc.runtime.mesh import all_gather_dim, all_reduce_grad, all_reduce_sum, shard_bounds, shard_sizes, split_dim
+from planc.runtime.mesh import (
+    all_gather_dim,
+    all_reduce_grad,
+    all_reduce_sum,
+    needs_grad,
+    shard_bounds,
+    shard_sizes,
+    split_dim,
+    to_local,
+)
 
 
-def _needs_grad(x: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and x.requires_grad
-
-
-def _where(module: nn.Module) -> str:
+def module_path(module: nn.Module) -> str:
+    """The module's path in the model for error messages (set by the install steps), else its class name."""
     return getattr(module, "_planc_fqn", type(module).__name__)
 
 
@@ -42,10 +48,6 @@ def _as_dtensor_param(param: torch.Tensor, mesh, placement) -> nn.Parameter:
     return nn.Parameter(
         distribute_tensor(local, mesh, [placement], src_data_rank=None), requires_grad=param.requires_grad
     )
-
-
-def _to_local(x):
-    return x.to_local() if isinstance(x, DTensor) else x
 
 
 def _shard_sizes(module: nn.Module, dim: int, fallback: int, mesh) -> list[int]:
@@ -87,7 +89,7 @@ class TPStyle:
     def install(self, module: nn.Module, mesh) -> None:
         """Wrap `module.forward` with this style's input/output layouts."""
 
-    def _wrap(self, module: nn.Module, mesh, forward) -> None:
+    def _wrap(self, module: nn.Module, forward) -> None:
         original = module.forward
 
         def tp_forward(*args, **kwargs):
@@ -105,9 +107,16 @@ class TPStyle:
     def _require_linear(self, module: nn.Module, attr: str) -> None:
         if not hasattr(module, attr):
             raise ApplyError(
-                f"planc.runtime.tp_styles: `{self.name}` on {_where(module)} ({type(module).__name__}) needs a "
+                f"planc.runtime.tp_styles: `{self.name}` on {module_path(module)} ({type(module).__name__}) needs a "
                 f"linear layer (`{attr}`); put `{self.name}` on an nn.Linear, or `replicate` on this module."
             )
+
+    def _prepare_linear(self, module: nn.Module, mesh, features: str, dim: int):
+        """Check and shard a linear layer; return its TP group, every rank's width of weight dim `dim`
+        (`features`, e.g. `out_features`, when it has no weight), and whether it is a plain nn.Linear."""
+        self._require_linear(module, features)
+        self._shard_own_params(module, mesh)
+        return mesh.get_group(), _shard_sizes(module, dim, getattr(module, features), mesh), _is_plain(module, nn.Linear)
 
 
 class Colwise(TPStyle):
@@ -122,26 +131,22 @@ class Colwise(TPStyle):
         module._parameters[name] = _as_dtensor_param(p, mesh, Shard(p.ndim - 2 if p.ndim > 1 else 0))
 
     def install(self, module, mesh):
-        self._require_linear(module, "out_features")
-        self._shard_own_params(module, mesh)
-
-        group, gather = mesh.get_group(), self.gather_output
-        sizes = _shard_sizes(module, -2, module.out_features, mesh)
-        plain = _is_plain(module, nn.Linear)
+        group, sizes, plain = self._prepare_linear(module, mesh, "out_features", -2)
+        gather = self.gather_output
 
         def forward(original, x, *args, **kwargs):
             if isinstance(x, DTensor):
                 x = x.redistribute(mesh, [Replicate()]).to_local()
             x = all_reduce_grad(x, group)  # replicated input: each rank's gradient of it is partial
             if plain and not args and not kwargs:
-                out = F.linear(x, _to_local(module.weight), _to_local(module.bias))
+                out = F.linear(x, to_local(module.weight), to_local(module.bias))
             else:
                 with local_parameters(module):
                     out = original(x, *args, **kwargs)
             # this rank's slice of the output features; gathered: backward keeps this rank's slice
             return all_gather_dim(out, group, sizes) if gather else out
 
-        self._wrap(module, mesh, forward)
+        self._wrap(module, forward)
 
 
 class Rowwise(TPStyle):
@@ -161,12 +166,8 @@ class Rowwise(TPStyle):
         module._parameters[name] = _as_dtensor_param(p, mesh, placement)
 
     def install(self, module, mesh):
-        self._require_linear(module, "in_features")
-        self._shard_own_params(module, mesh)
-
-        group, split = mesh.get_group(), self.split_input
-        sizes = _shard_sizes(module, -1, module.in_features, mesh)
-        plain = _is_plain(module, nn.Linear)
+        group, sizes, plain = self._prepare_linear(module, mesh, "in_features", -1)
+        split = self.split_input
 
         def forward(original, x, *args, **kwargs):
             if isinstance(x, DTensor):
@@ -175,7 +176,7 @@ class Rowwise(TPStyle):
                 x = split_dim(x, group, sizes)  # backward all-gathers the input gradient
             bias = module._parameters.get("bias")
             if plain and not args and not kwargs:
-                out = F.linear(x, _to_local(module.weight))
+                out = F.linear(x, to_local(module.weight))
             elif bias is None:
                 with local_parameters(module):
                     out = original(x, *args, **kwargs)
@@ -187,9 +188,9 @@ class Rowwise(TPStyle):
                 x = DTensor.from_local(x, mesh, [Shard(x.ndim - 1)], run_check=False, shape=shape, stride=stride)
                 return original(x, *args, **kwargs).redistribute(mesh, [Replicate()]).to_local()
             out = all_reduce_sum(out, group)  # a fresh partial: reduced in place without autograd
-            return out if bias is None else out + _to_local(bias)
+            return out if bias is None else out + to_local(bias)
 
-        self._wrap(module, mesh, forward)
+        self._wrap(module, forward)
 
 
 class PackedColwise(TPStyle):
@@ -206,19 +207,19 @@ class PackedColwise(TPStyle):
         p = module._parameters[name]
         if getattr(module, "is_transposed", False):
             raise ApplyError(
-                f"planc.runtime.tp_styles: `packed_colwise` on {_where(module)}.{name}: {type(module).__name__} stores "
+                f"planc.runtime.tp_styles: `packed_colwise` on {module_path(module)}.{name}: {type(module).__name__} stores "
                 "its experts transposed ([E, H, 2I]); planc shards [E, 2I, H] layouts only. Use expert parallelism "
                 "(`grouped_gemm` + `ep_dispatch_experts` in ep_plan) for these experts."
             )
         dim = p.ndim - 2 if p.ndim > 1 else p.ndim - 1
         if getattr(module, "is_concatenated", True) is False:
             raise ApplyError(
-                f"planc.runtime.tp_styles: `packed_colwise` on {_where(module)}.{name}: gate and up are interleaved, "
+                f"planc.runtime.tp_styles: `packed_colwise` on {module_path(module)}.{name}: gate and up are interleaved, "
                 "not concatenated; shard these experts with expert parallelism instead."
             )
         if p.shape[dim] % (2 * mesh.size()):
             raise ApplyError(
-                f"planc.runtime.tp_styles: `packed_colwise` on {_where(module)}.{name}: dim {dim} of size "
+                f"planc.runtime.tp_styles: `packed_colwise` on {module_path(module)}.{name}: dim {dim} of size "
                 f"{p.shape[dim]} does not split into gate and up halves over {mesh.size()} ranks. "
                 "Pick a tp_size that divides the intermediate size."
             )
@@ -230,11 +231,11 @@ class PackedColwise(TPStyle):
         group = mesh.get_group()
 
         def forward(original, x, *args, **kwargs):
-            x = all_reduce_grad(_to_local(x), group)
+            x = all_reduce_grad(to_local(x), group)
             with local_parameters(module):
                 return original(x, *args, **kwargs)
 
-        self._wrap(module, mesh, forward)
+        self._wrap(module, forward)
 
 
 class EmbeddingRowwise(TPStyle):
@@ -248,7 +249,7 @@ class EmbeddingRowwise(TPStyle):
     def install(self, module, mesh):
         if not hasattr(module, "num_embeddings"):
             raise ApplyError(
-                f"planc.runtime.tp_styles: `embedding_rowwise` on {_where(module)} ({type(module).__name__}) needs "
+                f"planc.runtime.tp_styles: `embedding_rowwise` on {module_path(module)} ({type(module).__name__}) needs "
                 "an nn.Embedding; put it on the token embedding (`model.embed_tokens`)."
             )
         self._shard_own_params(module, mesh)
@@ -265,7 +266,7 @@ class EmbeddingRowwise(TPStyle):
             local_ids = (ids - start).masked_fill_(outside, 0)
             pad = getattr(module, "padding_idx", None)
             local_pad = pad - start if pad is not None and start <= pad < end else None
-            weight = _to_local(module.weight)
+            weight = to_local(module.weight)
             if length == 0:  # this rank holds no rows (a tiny vocabulary over many ranks)
                 out = weight.new_zeros((*ids.shape, weight.shape[-1]))
             elif plain and not args and not kwargs:
@@ -282,10 +283,10 @@ class EmbeddingRowwise(TPStyle):
                     if has_pad:
                         module.padding_idx = pad
             mask = outside.unsqueeze(-1)
-            out = out.masked_fill(mask, 0) if _needs_grad(out) else out.masked_fill_(mask, 0)
+            out = out.masked_fill(mask, 0) if needs_grad(out) else out.masked_fill_(mask, 0)
             return all_reduce_sum(out, group)  # exactly one rank holds each id's row
 
-        self._wrap(module, mesh, forward)
+        self._wrap(module, forward)
 
 
 class ReplicatedWithGradAllReduce(TPStyle):
@@ -323,7 +324,7 @@ class MoeTPExperts(TPStyle):
     name = "moe_tp_experts"
 
     def install(self, module, mesh):
-        where = _where(module)
+        where = module_path(module)
         for pname in ("gate_up_proj", "up_proj", "down_proj"):
             p = module._parameters.get(pname)
             if p is not None and not isinstance(p, DTensor):
@@ -340,13 +341,13 @@ class MoeTPExperts(TPStyle):
         group = mesh.get_group()
 
         def forward(original, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
-            hidden_states = all_reduce_grad(_to_local(hidden_states), group)
-            top_k_weights = all_reduce_grad(_to_local(top_k_weights), group)
+            hidden_states = all_reduce_grad(to_local(hidden_states), group)
+            top_k_weights = all_reduce_grad(to_local(top_k_weights), group)
             with local_parameters(module):
                 out = original(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
             return all_reduce_sum(out, group)
 
-        self._wrap(module, mesh, forward)
+        self._wrap(module, forward)
 
 
 TP_STYLES: dict[str, TPStyle] = {
@@ -376,4 +377,4 @@ def tp_style(name: str, where: Optional[str] = None) -> TPStyle:
         ) from None
 
 
-__all__ = ["TPStyle", "TP_STYLES", "tp_style", "local_parameters"]
+__all__ = ["TPStyle", "TP_STYLES", "tp_style", "local_parameters", "module_path"]

@@ -30,8 +30,6 @@ EXTENDS_MISSING = "PLC202"
 
 MAX_EXTENDS_DEPTH = 16
 
-LoadError = SourceError  # kept for callers of the first skeleton
-
 
 @dataclass
 class LoadedPlan:
@@ -66,15 +64,15 @@ class MergedSource:
     problems: list  # non-fatal SourceErrors of every document in the chain
 
 
-def read_source(path: str) -> SourceDoc:
-    """Read and parse one plan file (no `extends`); raises SourceError."""
-    return parse_yaml(read_text(path), path)
+def _real_dir(doc: SourceDoc) -> str:
+    """The resolved directory a document's relative `extends` starts from (the working directory for text)."""
+    return os.path.dirname(os.path.realpath(doc.path)) if doc.path else os.getcwd()
 
 
 def resolve_extends(doc: SourceDoc, root_dir: Optional[str] = None) -> MergedSource:
     """Merge `doc` with its parents. `root_dir`: the tree parents must stay in (default: doc's directory)."""
     if root_dir is None:
-        root_dir = os.path.dirname(os.path.realpath(doc.path)) if doc.path else os.getcwd()
+        root_dir = _real_dir(doc)
     seen = (os.path.realpath(doc.path),) if doc.path else ()
     return _collect(doc, os.path.realpath(root_dir), seen)
 
@@ -101,7 +99,7 @@ def _parent_doc(doc: SourceDoc, ext: str, root_dir: str, seen: tuple) -> SourceD
     where = doc.value_position(("extends",)) or Position(doc.path, 1, 1)
     base = os.path.dirname(doc.path) if doc.path else ""
     shown = os.path.normpath(os.path.join(base, ext))
-    real = os.path.realpath(os.path.join(os.path.dirname(os.path.realpath(doc.path)) if doc.path else os.getcwd(), ext))
+    real = os.path.realpath(os.path.join(_real_dir(doc), ext))
     if not ext.strip() or os.path.isabs(ext):
         raise SourceError(
             EXTENDS_OUTSIDE,
@@ -179,10 +177,11 @@ def validate(data: Mapping[str, Any]):
 
 
 def load_plan(source) -> LoadedPlan:
-    """Load a plan from a path, a YAML string, a mapping or a LoadedPlan; raises PlanError when invalid.
+    """Load a plan from a path, a YAML string, a mapping, a Plan or a LoadedPlan; raises PlanError when invalid.
 
-    Every source goes through the linter: a plan that `planc lint` rejects does not load, and the
-    PlanError carries the same diagnostics. Warnings are kept on `LoadedPlan.diagnostics`.
+    Every source except a Plan (already validated) or a LoadedPlan (returned as is) goes through the
+    linter: a plan that `planc lint` rejects does not load, and the PlanError carries the same
+    diagnostics. Warnings are kept on `LoadedPlan.diagnostics`.
     """
     from planc.errors import PlanError
     from planc.lint import runner
@@ -201,7 +200,9 @@ def load_plan(source) -> LoadedPlan:
     elif isinstance(source, str):
         result = runner.check_text(source)
     else:
-        raise TypeError(f"load_plan() takes a path, YAML text, a mapping or a LoadedPlan, not {type(source).__name__}")
+        raise TypeError(
+            f"load_plan() takes a path, YAML text, a mapping, a Plan or a LoadedPlan, not {type(source).__name__}"
+        )
     errors = [d for d in result.diagnostics if d.severity == "error"]
     if errors or result.loaded is None:
         raise PlanError(errors or result.diagnostics)

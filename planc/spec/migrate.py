@@ -80,14 +80,13 @@ def _replace_value(line: str, col: int, old: str, new: str) -> str:
 class _Editor:
     """Line edits keyed by 0-based line index, applied bottom-up so indices stay valid."""
 
-    def __init__(self, text: str, doc: SourceDoc):
+    def __init__(self, text: str):
         self.lines = text.splitlines(keepends=True)
         if self.lines and not self.lines[-1].endswith("\n"):
             self.lines[-1] += _newline(self.lines)
             self.added_final_newline = True
         else:
             self.added_final_newline = False
-        self.doc = doc
         self.nl = _newline(self.lines)
         self.replace: dict[int, list[str]] = {}
         self.insert_after: dict[int, list[str]] = {}
@@ -123,9 +122,9 @@ def _rules(doc: SourceDoc, table: str) -> list[tuple[str, str]]:
 
 def _block_table(doc: SourceDoc, table: str) -> None:
     """Refuse tables in flow style: one rule per line is what the editor relies on."""
+    tpos = doc.key_position((table,))
     for pattern, _ in _rules(doc, table):
         kpos, vpos = doc.key_position((table, pattern)), doc.value_position((table, pattern))
-        tpos = doc.key_position((table,))
         if kpos is None or vpos is None or tpos is None or kpos.line == tpos.line or kpos.line != vpos.line:
             raise MigrateError(
                 f"`{table}` must be written one rule per line (block style) for `planc migrate`; "
@@ -140,7 +139,7 @@ def migrate_text(text: str, path: Optional[str] = None) -> Migration:
         raise MigrateError("a plan is a YAML mapping")
     for table in ("tp_plan", "ep_plan"):
         _block_table(doc, table)
-    ed = _Editor(text, doc)
+    ed = _Editor(text)
     changes: list[str] = []
     tp_rules, ep_rules = _rules(doc, "tp_plan"), _rules(doc, "ep_plan")
     styles = {s for _, s in tp_rules + ep_rules}
@@ -151,7 +150,6 @@ def migrate_text(text: str, path: Optional[str] = None) -> Migration:
         return doc.key_position((table, pattern)).line - 1
 
     for table, rules in (("tp_plan", tp_rules), ("ep_plan", ep_rules)):
-        other = "ep_plan" if table == "tp_plan" else "tp_plan"
         for pattern, style in rules:
             i = lineno(table, pattern)
             vpos = doc.value_position((table, pattern))
@@ -182,13 +180,14 @@ def migrate_text(text: str, path: Optional[str] = None) -> Migration:
                     )
                 else:
                     ed.set(i, [])
-                    moves[other].append(line.lstrip(" "))
+                    moves["tp_plan"].append(line.lstrip(" "))
                     changes.append(f"moved `{pattern}: moe_tp_experts` from ep_plan to tp_plan")
     if dropped_ep_router and "moe_tp_experts" in {s for _, s in ep_rules}:
         _set_experts_key(ed, doc, "ep_implementation", "all_reduce", changes, only_if_absent=True)
     if styles & set(MEGAMOE_STYLES):
         _set_experts_key(ed, doc, "implementation", "deepgemm_megamoe", changes)
-        ep = (doc.data.get("experts") or {}).get("ep_implementation") if isinstance(doc.data.get("experts"), dict) else None
+        experts = doc.data.get("experts")
+        ep = experts.get("ep_implementation") if isinstance(experts, dict) else None
         if ep is not None and ep not in _EXPERTS_OK_EP:
             _set_experts_key(ed, doc, "ep_implementation", "auto", changes)
     for table, new_lines in moves.items():

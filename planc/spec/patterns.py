@@ -12,7 +12,8 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 
-_SEGMENT_OK = re.compile(r"^[A-Za-z0-9_*{},\-]+$")
+_SEGMENT_CHAR = r"[A-Za-z0-9_*{},\-]"  # module-name characters plus the pattern syntax
+_SEGMENT_OK = re.compile(f"{_SEGMENT_CHAR}+")
 
 
 class PatternError(ValueError):
@@ -79,11 +80,12 @@ class Pattern:
         for seg in segments:
             if seg == "":
                 raise PatternError(text, "empty path segment (`..`, or a leading/trailing dot)", "remove the extra dot")
-            if not _SEGMENT_OK.match(seg):
-                bad = sorted({c for c in seg if not re.match(r"[A-Za-z0-9_*{},\-]", c)})
+            if not _SEGMENT_OK.fullmatch(seg):  # fullmatch: `^...$` would let a trailing newline through
+                bad = sorted({c for c in seg if not re.fullmatch(_SEGMENT_CHAR, c)})
+                shown = " ".join(c if c.isprintable() and not c.isspace() else repr(c) for c in bad)
                 raise PatternError(
                     text,
-                    f"segment {seg!r} has characters no module path contains: {' '.join(bad)}",
+                    f"segment {seg!r} has characters no module path contains: {shown}",
                     "patterns are not globs or regexes: use '*' for a whole segment and {a,b} for alternatives",
                 )
             if "*" in seg and seg != "*":
@@ -94,10 +96,6 @@ class Pattern:
     def matches(self, path: str) -> bool:
         segs = path.split(".")
         return any(_match(alt, segs) for alt in self.alternatives)
-
-    @property
-    def has_wildcard(self) -> bool:
-        return any("*" in alt for alt in self.alternatives)
 
     def __str__(self) -> str:
         return self.text

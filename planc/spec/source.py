@@ -136,9 +136,13 @@ def decode(raw: bytes, path: Optional[str] = None) -> str:
 
 def parse_yaml(text: str, path: Optional[str] = None) -> SourceDoc:
     """Parse one YAML document into a SourceDoc; raises SourceError for anything that is not plain data."""
-    if len(text) > MAX_PLAN_BYTES and len(text.encode("utf-8", "replace")) > MAX_PLAN_BYTES:
+    # The same byte bound as read_text(); a character is at most 4 UTF-8 bytes, so shorter text needs no encoding.
+    if len(text) > MAX_PLAN_BYTES // 4 and len(text.encode("utf-8", "replace")) > MAX_PLAN_BYTES:
         raise SourceError(
-            TOO_LARGE, "plan text is larger than 1 MiB", "a plan is a few dozen lines", Position(path, 1, 1)
+            TOO_LARGE,
+            f"plan text is larger than {MAX_PLAN_BYTES // (1 << 20)} MiB",
+            "a plan is a few dozen lines",
+            Position(path, 1, 1),
         )
     if text.startswith("\ufeff"):
         text = text[1:]

@@ -30,7 +30,8 @@ EP_STYLES: dict[str, str] = {
     "ep_dispatch_experts": "replace the experts forward with the plan's EP implementation",
 }
 
-# Styles valid in either table (transformers accepts `replicate` everywhere).
+# Every current style name. Which table takes which is checked by the lint style rules (PLC311,
+# PLC312): EP styles and `replicate` in ep_plan, TP styles in tp_plan.
 ALL_STYLES: dict[str, str] = {**TP_STYLES, **EP_STYLES}
 
 # Removed styles -> what to write instead (used by lint hints and `planc migrate`).
@@ -60,7 +61,3 @@ RUNTIME_STYLES = frozenset(
         "ep_dispatch_experts",
     }
 )
-
-EXPERTS_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm", "deepgemm", "sonicmoe", "deepgemm_megamoe")
-EP_IMPLEMENTATIONS = ("auto", "all_to_all", "all_reduce", "deepgemm_megamoe")
-MEGAMOE_BACKENDS = ("auto", "deep_gemm", "reference")

@@ -92,11 +92,11 @@ def fake_moe(
     return root
 
 
-def fake_plan(ep_size=2, tp_size=2, **experts):
-    """A mapping plan for `fake_moe` that compiles: attention TP, experts EP."""
+def fake_plan(ep_size=2, tp_size=2, model_type="fake_moe", **experts):
+    """A mapping plan for `fake_moe` (or the tiny `model_type` model) that compiles: attention TP, experts EP."""
     plan = {
         "version": 1,
-        "model": {"type": "fake_moe"},
+        "model": {"type": model_type},
         "parallel": {"tp_size": tp_size, "ep_size": ep_size},
         "tp_plan": {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise"},
         "ep_plan": {

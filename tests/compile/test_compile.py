@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -42,7 +43,7 @@ def test_parameters_come_before_their_module_whatever_the_file_order(tmp_path, m
 
 
 def test_module_rule_covers_its_parameters_like_transformers(mixtral):
-    compiled = compile_plan(Plan.model_validate({**fake_plan(), "model": {"type": "mixtral"}}), mixtral)
+    compiled = compile_plan(Plan.model_validate(fake_plan(model_type="mixtral")), mixtral)
     a = compiled.assignment_for("model.layers.0.self_attn.q_proj.weight")
     assert a.style == "colwise" and a.inherited and a.table == "tp"
     m = compiled.assignment_for("model.layers.0.self_attn.q_proj")
@@ -74,6 +75,14 @@ def test_ep_strategy_object_and_its_reason(parallel, experts, cls, shares):
         assert strategy.shares_batch is shares
     assert all(e.num_local_experts == 4 and e.mode == "ep" for e in compiled.experts)
     assert strategy.runtime_path.startswith("planc.runtime.ep.")
+
+
+def test_megamoe_experts_carry_megamoe_ep_at_ep_size_1():
+    # the kernel takes its process group from MegaMoeEP, so the strategy is there without EP too
+    plan = fake_plan(ep_size=1, tp_size=1, implementation="deepgemm_megamoe", megamoe={"quantize": "fp4"})
+    plan["tp_plan"] = {}
+    compiled = compile_plan(Plan.model_validate(plan), fake_moe())
+    assert all(type(e.strategy) is MegaMoeEP and e.mode is None for e in compiled.experts)
 
 
 def test_moe_tp_experts_have_no_strategy(mixtral):
@@ -127,7 +136,7 @@ def _state(model):
 
 def test_compile_never_changes_the_model(mixtral):
     before = _state(mixtral)
-    compile_plan(Plan.model_validate({**fake_plan(), "model": {"type": "mixtral"}}), mixtral)
+    compile_plan(Plan.model_validate(fake_plan(model_type="mixtral")), mixtral)
     after = _state(mixtral)
     assert before[1] == after[1] and before[2] == after[2]
     assert before[0].keys() == after[0].keys()
@@ -189,7 +198,7 @@ def test_compile_path_imports_no_torch():
 
 def test_compiled_plan_is_immutable_and_printable():
     compiled = compile_plan(Plan.model_validate(fake_plan()), fake_moe())
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         compiled.fingerprint = "x"
     text = str(compiled)
     assert "AutoEP" in text and "coverage: full" in text and "per rank:" in text

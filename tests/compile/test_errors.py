@@ -92,21 +92,29 @@ def test_two_styles_on_one_target(tmp_path, mixtral):
     assert "colwise" in p.message and "rowwise" in p.message
 
 
-def test_tied_weights_with_two_rules(mixtral):
+def test_tied_weights_with_two_rules():
     from planc.runtime.models import build_tiny_model
 
     tied = build_tiny_model("mixtral", tie_word_embeddings=True)
-    plan = fake_plan()
-    plan.update(model={"type": "mixtral"}, tp_plan={"model.embed_tokens": "embedding_rowwise", "lm_head": "colwise_gather_output"})
-    plan["ep_plan"] = {k: v for k, v in plan["ep_plan"].items()}
+    plan = fake_plan(model_type="mixtral")
+    plan["tp_plan"] = {"model.embed_tokens": "embedding_rowwise", "lm_head": "colwise_gather_output"}
     (p,) = only(problems(plan, tied), R.CONFLICTING_RULES)
     assert "tied" in p.message and "tie_word_embeddings" in p.hint
 
 
+def test_tied_weights_with_one_rule():
+    # lm_head would read the vocab shard of the embedding as its whole weight
+    from planc.runtime.models import build_tiny_model
+
+    plan = fake_plan(model_type="mixtral")
+    plan["tp_plan"] = {"model.embed_tokens": "embedding_rowwise"}
+    (p,) = only(problems(plan, build_tiny_model("mixtral", tie_word_embeddings=True)), R.CONFLICTING_RULES)
+    assert "lm_head.weight (no rule)" in p.message and "delete `model.embed_tokens`" in p.hint
+
+
 def test_tp_rule_on_experts_that_ep_shards(mixtral):
     # lint (PLC406) catches this on the patterns; a mapping reaches the compiler unlinted.
-    plan = fake_plan()
-    plan["model"] = {"type": "mixtral"}
+    plan = fake_plan(model_type="mixtral")
     plan["tp_plan"] = {"model.layers.*.mlp.experts.gate_up_proj": "packed_colwise"}
     (p,) = only(problems(plan, mixtral), R.TP_ON_EP_EXPERTS)
     assert p.module.startswith("model.layers.*.mlp.experts.gate_up_proj")
@@ -120,8 +128,7 @@ def test_style_the_runtime_does_not_install(tmp_path, mixtral):
 
 
 def test_removed_style_points_to_migrate(mixtral):
-    plan = fake_plan()
-    plan["model"] = {"type": "mixtral"}
+    plan = fake_plan(model_type="mixtral")
     plan["ep_plan"]["model.layers.*.mlp.gate"] = "ep_router"
     (p,) = only(problems(plan, mixtral), R.STYLE_NOT_INSTALLABLE)
     assert "removed" in p.message and "planc migrate" in p.hint
@@ -165,8 +172,7 @@ def test_megamoe_deep_gemm_sizes():
     probs = problems(megamoe_plan(backend="deep_gemm"), fake_moe(hidden=192, inter=96))
     (p,) = only(probs, R.MEGAMOE_SIZES)
     assert "hidden 192" in p.message and "intermediate 96" in p.message and "reference" in p.hint
-    # the reference backend takes any size
-    compile_plan(megamoe_plan(backend="reference"), fake_moe(hidden=192, inter=96))  # noqa: the reference takes any size
+    compile_plan(megamoe_plan(backend="reference"), fake_moe(hidden=192, inter=96))  # the reference takes any size
 
 
 def test_megamoe_bf16_experts_without_quantize():
@@ -176,8 +182,7 @@ def test_megamoe_bf16_experts_without_quantize():
 
 
 def test_parameter_style_on_a_module(mixtral):
-    plan = fake_plan()
-    plan["model"] = {"type": "mixtral"}
+    plan = fake_plan(model_type="mixtral")
     plan["tp_plan"] = {}
     plan["ep_plan"] = {"model.layers.*.mlp.experts": "grouped_gemm"}
     probs = problems(plan, mixtral)
@@ -186,16 +191,14 @@ def test_parameter_style_on_a_module(mixtral):
 
 
 def test_ep_dispatch_on_a_module_that_is_not_experts(mixtral):
-    plan = fake_plan()
-    plan["model"] = {"type": "mixtral"}
+    plan = fake_plan(model_type="mixtral")
     plan["ep_plan"]["model.layers.*.mlp"] = "ep_dispatch_experts"
     (p,) = only(problems(plan, mixtral), R.WRONG_TARGET)
     assert "MixtralSparseMoeBlock" in p.message and "experts" in p.hint
 
 
 def test_ep_strategy_that_cannot_run(tmp_path, mixtral):
-    plan = fake_plan(tp_size=2, ep_size=2, ep_implementation="all_reduce")
-    plan["model"] = {"type": "mixtral"}
+    plan = fake_plan(model_type="mixtral", ep_implementation="all_reduce")
     plan["parallel"] = {"tp_size": 1, "ep_size": 2, "dp_size": 2}
     plan["tp_plan"] = {}
     (p,) = only(problems(plan, mixtral), R.EP_RESOLUTION)
@@ -203,8 +206,7 @@ def test_ep_strategy_that_cannot_run(tmp_path, mixtral):
 
 
 def test_experts_parameter_left_whole_under_ep(mixtral):
-    plan = fake_plan()
-    plan["model"] = {"type": "mixtral"}
+    plan = fake_plan(model_type="mixtral")
     plan["ep_plan"] = {"model.layers.*.mlp.experts.gate_up_proj": "grouped_gemm", "model.layers.*.mlp.experts": "ep_dispatch_experts"}
     (p,) = only(problems(plan, mixtral), R.EXPERTS_PARTIAL)
     assert "down_proj" in p.message and "model.layers.*.mlp.experts.down_proj: grouped_gemm" in p.hint
@@ -229,16 +231,14 @@ def test_attention_head_split_across_ranks(tmp_path, mixtral):
 
 
 def test_style_in_the_wrong_table(mixtral):
-    plan = fake_plan()
-    plan["model"] = {"type": "mixtral"}
+    plan = fake_plan(model_type="mixtral")
     plan["tp_plan"] = {"model.layers.*.self_attn.q_proj": "grouped_gemm"}
     probs = problems(plan, mixtral)
     assert any(p.code == R.WRONG_TABLE and "move" in p.hint for p in probs)
 
 
 def test_sizes_checked_for_unlinted_mappings(mixtral):
-    plan = fake_plan()
-    plan["model"] = {"type": "mixtral"}
+    plan = fake_plan(model_type="mixtral")
     plan["parallel"] = {"tp_size": 2, "ep_size": 3, "dp_size": 3}
     (p,) = only(problems(plan, mixtral), R.BAD_SIZES)
     assert "multiple of tp_size 2" in p.message

@@ -68,7 +68,7 @@ def test_megamoe_experts_in_tp_plan_moves_to_ep_plan_and_fixes_ep_implementation
     assert data["experts"]["implementation"] == "deepgemm_megamoe"
     assert data["experts"]["ep_implementation"] == "auto"
     assert "  ep_implementation: auto  # old\n" in m.text  # the value changes, the comment stays
-    assert data["tp_plan"] is None or data["tp_plan"] == {}
+    assert data["tp_plan"] == {} and "tp_plan: {}\n" in m.text  # an emptied table stays valid
     assert data["ep_plan"]["model.layers.*.mlp.experts"] == "ep_dispatch_experts"
 
 

@@ -44,7 +44,7 @@ def test_plan_format_has_tested_examples():
 @pytest.mark.parametrize("expect, text", EXAMPLES)
 def test_plan_format_examples(expect, text):
     got = [d.code for d in lint_text(text)]
-    assert got == [] if expect == "clean" else expect in got, got
+    assert (got == []) if expect == "clean" else (expect in got), got
 
 
 def test_lint_md_sample_output_is_what_planc_prints():

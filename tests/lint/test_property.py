@@ -44,7 +44,7 @@ def check(diags, text=None):
         assert isinstance(d, Diagnostic)
         assert d.code != "PLC000", (d.format(), text)
         assert get(d.code) is not None, d.code
-        assert d.line >= 1 and d.col >= 1 and d.message and d.hint
+        assert d.position is not None and d.line >= 1 and d.col >= 1 and d.message and d.hint
 
 
 @SETTINGS

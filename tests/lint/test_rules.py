@@ -208,6 +208,12 @@ def test_patterns_that_can_never_match(pattern):
     assert d.line == 5 and pattern in d.message
 
 
+def test_pattern_with_a_newline_in_a_segment_can_never_match():
+    text = GOOD.replace("tp_plan:\n", 'tp_plan:\n  "model.a\\n.b": colwise\n')
+    d = only(text, "PLC300")
+    assert d.line == 5 and "'\\n'" in d.message
+
+
 def test_style_rules_run_even_when_validation_fails():
     text = GOOD.replace("tp_size: 2", "tp_size: zero").replace("rowwise", "rowwize")
     got = codes(lint_text(text))

@@ -52,6 +52,15 @@ def test_file_over_one_mib(tmp_path):
     one(lint_text(GOOD + "#" * MAX_PLAN_BYTES), "PLC004")
 
 
+def test_text_over_one_mib_of_bytes_in_fewer_characters(tmp_path):
+    text = GOOD + "#" + "é" * (MAX_PLAN_BYTES // 2) + "\n"  # fewer characters than MAX_PLAN_BYTES, more bytes
+    assert len(text) < MAX_PLAN_BYTES < len(text.encode())
+    one(lint_text(text), "PLC004")
+    p = tmp_path / "big.yaml"
+    p.write_text(text, encoding="utf-8")
+    one(lint_file(str(p)), "PLC004")
+
+
 def test_missing_file_and_directory_as_file(tmp_path):
     one(lint_file(str(tmp_path / "nope.yaml")), "PLC002")
     one(lint_file(str(tmp_path)), "PLC002")

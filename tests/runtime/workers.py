@@ -346,10 +346,10 @@ def errors_world(rank, world_size):
 
     out = {}
 
-    def attempt(name, model, plan):
+    def attempt(name, model, plan, **kwargs):
         before = capture(model)
         try:
-            apply(model, plan)
+            apply(model, plan, **kwargs)
             out[name] = ("no error", [])
         except ApplyError as e:
             out[name] = (str(e), differences(before, capture(model)))
@@ -374,12 +374,7 @@ def errors_world(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
 
     wrong_mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp", "tp"))
-    try:
-        before = capture(model)
-        apply(model, shipped_plan("mixtral", tp=world_size), mesh=wrong_mesh)
-        out["caller_mesh_mismatch"] = ("no error", [])
-    except ApplyError as e:
-        out["caller_mesh_mismatch"] = (str(e), differences(before, capture(model)))
+    attempt("caller_mesh_mismatch", model, shipped_plan("mixtral", tp=world_size), mesh=wrong_mesh)
     # the caller's own (dp, tp) mesh is used as given
     mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
     reference = copy.deepcopy(model)

@@ -13,11 +13,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from planc.errors import ApplyError
-from planc.runtime.tp_styles import local_parameters
-
-
-def _where(module: nn.Module) -> str:
-    return getattr(module, "_planc_fqn", type(module).__name__)
+from planc.runtime.mesh import to_local
+from planc.runtime.tp_styles import local_parameters, module_path
 
 
 def shard_expert_tensor(module: nn.Module, name: str, groups) -> None:
@@ -29,19 +26,19 @@ def shard_expert_tensor(module: nn.Module, name: str, groups) -> None:
         tensor = module._buffers.get(name)
     if tensor is None:
         raise ApplyError(
-            f"planc.runtime.ep.base: `grouped_gemm` names {_where(module)}.{name}, which is neither a parameter "
+            f"planc.runtime.ep.base: `grouped_gemm` names {module_path(module)}.{name}, which is neither a parameter "
             "nor a buffer of the experts module. Point the rule at the experts' tensors (gate_up_proj, down_proj, "
             "their biases and scales)."
         )
     if isinstance(tensor, DTensor):
         raise ApplyError(
-            f"planc.runtime.ep.base: {_where(module)}.{name} is already sharded (a DTensor); a tensor takes one "
+            f"planc.runtime.ep.base: {module_path(module)}.{name} is already sharded (a DTensor); a tensor takes one "
             "style. Keep either the tp_plan or the ep_plan rule for it."
         )
     num = tensor.shape[0] if tensor.ndim else 0
     if num == 0 or num % ep:
         raise ApplyError(
-            f"planc.runtime.ep.base: cannot shard {_where(module)}.{name} (shape {tuple(tensor.shape)}) by expert over "
+            f"planc.runtime.ep.base: cannot shard {module_path(module)}.{name} (shape {tuple(tensor.shape)}) by expert over "
             f"{ep} EP ranks: its leading dim {num} is not a multiple of ep_size. Pick an ep_size that divides the "
             "number of experts."
         )
@@ -74,13 +71,13 @@ class EPRuntime:
         self.num_local_experts = int(experts_module.num_experts)
         if self.needs_shared_batch and not groups.shares_batch:
             raise ApplyError(
-                f"planc.runtime.ep: {type(self).__name__} on {_where(experts_module)} needs every rank of the EP "
+                f"planc.runtime.ep: {type(self).__name__} on {module_path(experts_module)} needs every rank of the EP "
                 f"group to hold the same batch (ep_size == tp_size), got ep_size={groups.ep_size}, "
                 f"tp_size={groups.tp_size}. Use `ep_implementation: all_to_all`, or set ep_size = tp_size."
             )
         if not getattr(experts_module, "_is_expert_parallel", False) and groups.ep_size > 1:
             raise ApplyError(
-                f"planc.runtime.ep: {_where(experts_module)} is dispatched over {groups.ep_size} EP ranks but its "
+                f"planc.runtime.ep: {module_path(experts_module)} is dispatched over {groups.ep_size} EP ranks but its "
                 "tensors are not sharded by expert. Add `grouped_gemm` rules for its gate_up_proj/down_proj "
                 "(and biases, scales) to ep_plan; they must come before the `ep_dispatch_experts` rule."
             )
@@ -93,10 +90,7 @@ def install_ep_forward(module: nn.Module, runtime) -> None:
     """Replace the experts forward with `runtime` (an instance attribute, undone by restoring `__dict__`)."""
 
     def ep_forward(hidden_states, top_k_index, top_k_weights, **kwargs):
-        if isinstance(hidden_states, DTensor):
-            hidden_states = hidden_states.to_local()
-        if isinstance(top_k_weights, DTensor):
-            top_k_weights = top_k_weights.to_local()
+        hidden_states, top_k_weights = to_local(hidden_states), to_local(top_k_weights)
         with local_parameters(module):
             output = runtime(hidden_states, top_k_index, top_k_weights)
         return output.to(hidden_states.dtype)

@@ -15,6 +15,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from planc.runtime.mesh import needs_grad
+from planc.runtime.tp_styles import module_path
+
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
@@ -50,10 +53,11 @@ class MegaMoeEPRuntime:
         self.experts_forward = experts_module.forward
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        if torch.is_grad_enabled() and hidden_states.requires_grad:
+        if needs_grad(hidden_states):
             raise RuntimeError(
-                "the deepgemm_megamoe EP implementation is inference only (the kernel has no backward): run under "
-                "`torch.no_grad()` / `torch.inference_mode()`, or train with `experts.ep_implementation: all_to_all`"
+                f"planc.runtime.ep.megamoe: the deepgemm_megamoe EP implementation on {module_path(self.experts)} is "
+                "inference only (the kernel has no backward): run under `torch.no_grad()` / `torch.inference_mode()`, "
+                "or train with `experts.ep_implementation: all_to_all`"
             )
         num_tokens, hidden = hidden_states.shape
         x, idx, w = slice_for_rank(hidden_states, top_k_index, top_k_weights, self.ep_rank, self.ep_size)

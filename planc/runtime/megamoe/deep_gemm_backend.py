@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from planc.runtime.megamoe.buffers import BufferKey, get_buffer
 from planc.runtime.megamoe.quant import pack_ue8m0, quantize_fp8, ue8m0_to_float
+from planc.runtime.mesh import to_local
 
 PINNED_COMMIT = "54e22612409371d6364144b69086735beb54e98b"
 PINNED_VERSION = "2.6.1"
@@ -116,10 +117,6 @@ def deep_gemm_unavailable_reason(device: torch.device | None = None) -> str | No
     return None
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 class DeepGemmMegaMoe:
     """Runs one experts module through `deep_gemm.fp8_fp4_mega_moe`."""
 
@@ -129,7 +126,7 @@ class DeepGemmMegaMoe:
         self.activation_clamp = activation_clamp
         self.max_tokens_per_rank = max_tokens_per_rank
         self.dg = deep_gemm if deep_gemm is not None else load_deep_gemm()
-        w1 = _local(module.gate_up_proj)
+        w1 = to_local(module.gate_up_proj)
         self.num_local_experts, two_i, half_h = w1.shape
         self.intermediate, self.hidden = two_i // 2, 2 * half_h
         if self.hidden % 128 or self.intermediate % 128:
@@ -143,12 +140,12 @@ class DeepGemmMegaMoe:
         """FP4 weights -> the kernel's layout, once; the module's parameters then hold that layout."""
         m, dg = self.module, self.dg
         e, h, i = self.num_local_experts, self.hidden, self.intermediate
-        sf1 = ue8m0_to_float(_local(m.gate_up_proj_scale_inv)).contiguous()  # float32 [E, 2I, H/32]
-        sf2 = ue8m0_to_float(_local(m.down_proj_scale_inv)).contiguous()  # float32 [E, H, I/32]
+        sf1 = ue8m0_to_float(to_local(m.gate_up_proj_scale_inv)).contiguous()  # float32 [E, 2I, H/32]
+        sf2 = ue8m0_to_float(to_local(m.down_proj_scale_inv)).contiguous()  # float32 [E, H, I/32]
         sf1 = dg.transform_sf_into_required_layout(sf=sf1, mn=2 * i, k=h, recipe=(1, 32), num_groups=e)
         sf2 = dg.transform_sf_into_required_layout(sf=sf2, mn=h, k=i, recipe=(1, 32), num_groups=e)
         self.l1, self.l2 = dg.transform_weights_for_mega_moe(
-            l1_weights=(_local(m.gate_up_proj).contiguous(), sf1), l2_weights=(_local(m.down_proj).contiguous(), sf2)
+            l1_weights=(to_local(m.gate_up_proj).contiguous(), sf1), l2_weights=(to_local(m.down_proj).contiguous(), sf2)
         )
         for name, tensor in (
             ("gate_up_proj", self.l1[0]), ("gate_up_proj_scale_inv", self.l1[1]),

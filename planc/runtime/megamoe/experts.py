@@ -22,14 +22,17 @@ import torch.nn as nn
 from planc.runtime.megamoe import deep_gemm_backend
 from planc.runtime.megamoe.quant import quantize_experts_fp4
 from planc.runtime.megamoe.reference import DequantizedExperts, compute_dtype_for, reference_mega_moe
+from planc.runtime.mesh import to_local
 
 BACKENDS = ("auto", "deep_gemm", "reference")
 _STATE = "_planc_megamoe"
 _FP4_PARAMS = ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv")
 
 
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
+def _describe(experts: nn.Module) -> str:
+    """The experts module for error messages: its path in the model (set by `planc.apply`) and its class."""
+    fqn = getattr(experts, "_planc_fqn", None)
+    return f"{fqn} ({type(experts).__name__})" if fqn else type(experts).__name__
 
 
 def resolve_backend(backend: str, device: torch.device | None = None) -> str:
@@ -66,7 +69,7 @@ class ReferenceRunner:
         if self._cache is None or self._cache.gate_up.device != device:
             self._cache = None  # free the old copy first
             m = self.module
-            p = {name: _local(getattr(m, name)).detach().to(device) for name in _FP4_PARAMS}
+            p = {name: to_local(getattr(m, name)).detach().to(device) for name in _FP4_PARAMS}
             self._cache = DequantizedExperts.from_fp4(
                 p["gate_up_proj"], p["gate_up_proj_scale_inv"], p["down_proj"], p["down_proj_scale_inv"],
                 compute_dtype_for(device),
@@ -147,23 +150,24 @@ def install_megamoe_forward(
     The returned `uninstall()` holds the original parameters: drop it once the install is committed so
     quantized-away bf16 weights are freed.
     """
+    where = _describe(experts)
     if getattr(experts, _STATE, None) is not None:
-        raise RuntimeError(f"{type(experts).__name__} already has the Mega MoE forward installed")
+        raise RuntimeError(f"{where} already has the Mega MoE forward installed")
     for attr in ("gate_up_proj", "down_proj"):
         if getattr(experts, attr, None) is None:
             raise TypeError(
-                f"{type(experts).__name__} has no `{attr}`: Mega MoE needs concatenated gate|up experts "
+                f"{where} has no `{attr}`: Mega MoE needs concatenated gate|up experts "
                 "(`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`)"
             )
     if getattr(experts, "is_transposed", False) or getattr(experts, "has_gate", True) is False:
         raise NotImplementedError(
-            f"{type(experts).__name__} stores transposed or gate-less experts; the Mega MoE kernel computes "
+            f"{where} stores transposed or gate-less experts; the Mega MoE kernel computes "
             "SwiGLU over `gate_up_proj [E, 2I, H]` with rows [gate | up]: use another experts implementation"
         )
     for bias in ("gate_up_proj_bias", "down_proj_bias"):
         if getattr(experts, bias, None) is not None:
             raise NotImplementedError(
-                f"{type(experts).__name__} has `{bias}`; the Mega MoE kernel has no expert biases: use another "
+                f"{where} has `{bias}`; the Mega MoE kernel has no expert biases: use another "
                 "experts implementation"
             )
     if quantize not in (None, "none", "fp4"):
@@ -171,7 +175,7 @@ def install_megamoe_forward(
     if ep_size < 1 or not 0 <= ep_rank < ep_size:
         raise ValueError(f"invalid EP rank {ep_rank} of {ep_size}")
 
-    gate_up = _local(experts.gate_up_proj)
+    gate_up = to_local(experts.gate_up_proj)
     if device is None and gate_up.device.type == "cuda":
         device = gate_up.device
     resolved = resolve_backend(backend, device)
@@ -181,19 +185,19 @@ def install_megamoe_forward(
         missing = [n for n in ("gate_up_proj_scale_inv", "down_proj_scale_inv") if getattr(experts, n, None) is None]
         if missing:
             raise ValueError(
-                f"{type(experts).__name__} has FP4 (int8) experts but no {', '.join(missing)}: FP4 experts need "
+                f"{where} has FP4 (int8) experts but no {', '.join(missing)}: FP4 experts need "
                 "their UE8M0 scales per 32 (see docs/megamoe.md for the layout)"
             )
         new_params = {}
     elif quantize == "fp4":
         if gate_up.is_meta:
             raise ValueError("cannot quantize experts on the meta device: load the weights first")
-        q = quantize_experts_fp4(gate_up, _local(experts.down_proj))
+        q = quantize_experts_fp4(gate_up, to_local(experts.down_proj))
         new_params = {name: getattr(q, name) for name in _FP4_PARAMS}
     else:
         raise NotImplementedError(
             f"Mega MoE runs FP4 experts (int8 `gate_up_proj` with UE8M0 scales), but "
-            f"{type(experts).__name__}.gate_up_proj is {gate_up.dtype}. Set `experts.megamoe.quantize: fp4` to "
+            f"the `gate_up_proj` of {where} is {gate_up.dtype}. Set `experts.megamoe.quantize: fp4` to "
             "quantize the experts at apply time, or load an FP4 checkpoint."
         )
 
@@ -202,7 +206,7 @@ def install_megamoe_forward(
         num_global_experts = num_local * ep_size
     if num_local * ep_size != num_global_experts:
         raise ValueError(
-            f"{type(experts).__name__} holds {num_local} experts, but {num_global_experts} global experts over "
+            f"{where} holds {num_local} experts, but {num_global_experts} global experts over "
             f"{ep_size} EP ranks means {num_global_experts // ep_size if num_global_experts % ep_size == 0 else '?'} "
             "per rank: shard the expert dimension (`grouped_gemm`) before installing the Mega MoE forward"
         )
