@@ -264,6 +264,9 @@ def run(args) -> dict:
         "machine": machine(device), "shapes": shapes, "setup_s": setup_s, "planc_error": planc_error,
         "planc_installs_wrapper": planc_wraps, "rows": [],
     }
+    if args.profile:
+        profile_sides(args.profile, sides, shapes, device)
+        return result
     for t in tokens:
         try:
             result["rows"] += run_cell(t, sides, shapes, device, timer, args)
@@ -275,6 +278,28 @@ def run(args) -> dict:
         if args.json:  # written after every cell, so a run cut short still leaves its numbers
             Path(args.json).write_text(json.dumps(result, indent=2))
     return result
+
+
+def profile_sides(t: int, sides: dict, shapes: dict, device: str, reps: int = 5) -> None:
+    """Where each side's time goes at `t` tokens: torch.profiler's top operators, device time first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x, idx, w = routes(t, shapes, device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    sort = "cuda_time_total" if device == "cuda" else "cpu_time_total"
+    with torch.no_grad():
+        for name, m in sides.items():
+            for _ in range(2):
+                m(x, idx, w)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            with profile(activities=activities) as prof:
+                for _ in range(reps):
+                    m(x, idx, w)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+            print(f"\n### {name}, {t} tokens, {reps} calls\n", flush=True)
+            print(prof.key_averages().table(sort_by=sort, row_limit=14), flush=True)
 
 
 def run_cell(t: int, sides: dict, shapes: dict, device: str, timer: Timer, args) -> list:
@@ -378,6 +403,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, help="samples per cell (default 15, 5 for prefill)")
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--json", metavar="OUT")
+    p.add_argument("--profile", type=int, metavar="TOKENS",
+                   help="instead of timing, print torch.profiler's top kernels of every side at TOKENS tokens")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: use --device cpu --tiny")
