@@ -24,12 +24,9 @@ import argparse
 import copy
 import json
 import os
-import pickle
 import platform
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -224,47 +221,14 @@ def _row_line(r: dict) -> str:
     return f"  world={r['world']} {r['model']:5s} {r['impl']:10s} T={r['tokens']:5d}  peer {r['peer_ms']:9.2f} ms  planc {planc_ms:>9s} ms  ratio {ratio}"
 
 
-# ---- spawn harness (same approach as tests/distributed.py; benches do not import tests/) --------------------
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, result_dir, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world))
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        result = fn(rank, world, *args)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(result_dir, f"{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
+# ---- spawn harness ----------------------------------------------------------------------------------------------
 
 
 def spawn(fn, world: int, *args):
-    """`fn(rank, world, *args)` on `world` gloo ranks; rank 0's return value."""
-    import torch.multiprocessing as mp
+    """`fn(rank, world, *args)` on `world` gloo ranks (planc's own local-world launcher); rank 0's return value."""
+    from planc.runtime.local_world import run_local_world
 
-    for _ in range(5):
-        with tempfile.TemporaryDirectory() as d:
-            try:
-                mp.spawn(_worker, args=(world, _free_port(), d, fn, args), nprocs=world, join=True)
-            except mp.ProcessRaisedException as e:
-                if "address already in use" in str(e).lower() or "EADDRINUSE" in str(e):
-                    continue
-                raise
-            with open(os.path.join(d, "0.pkl"), "rb") as f:
-                return pickle.load(f)
-    raise RuntimeError("no free port after 5 tries")
+    return run_local_world(fn, world, *args)[0]
 
 
 # ---- report --------------------------------------------------------------------------------------------------

@@ -22,7 +22,6 @@ import copy
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -47,10 +46,9 @@ def init_world(device: str) -> None:
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        from planc.runtime.local_world import free_port
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
     if dist.get_world_size() != 1:
         raise SystemExit("gpu_ep_layer.py runs on one rank; bench/multigpu.py covers several")

@@ -1,70 +1,10 @@
-"""One spawn harness for every multi-rank test: real gloo process groups on CPU.
+"""The spawn harness every multi-rank test shares: real gloo process groups on CPU.
 
-`run_distributed(fn, world_size, *args)` starts `world_size` processes with
-`torch.multiprocessing.spawn`, initialises a gloo process group in each on a free port (retrying
-when another test grabbed the port first), calls `fn(rank, world_size, *args)` and returns the
-list of per-rank return values (they must be picklable). An exception on any rank fails the test
-with that rank's traceback.
+`run_distributed(fn, world_size, *args)` is `planc.runtime.local_world.run_local_world`: it spawns
+`world_size` processes, initialises gloo on a free port (with retry), calls `fn(rank, world_size, *args)`
+and returns the per-rank results. `fn` must be a module-level function.
 """
 
-from __future__ import annotations
+from planc.runtime.local_world import free_port, run_local_world as run_distributed
 
-import os
-import socket
-import tempfile
-import pickle
-
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world_size, port, result_dir, fn, args):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-    )
-    import torch
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        result = fn(rank, world_size, *args)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(result_dir, f"{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
-
-
-def run_distributed(fn, world_size: int, *args, retries: int = 5):
-    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks and return the results by rank."""
-    last_error = None
-    for _ in range(retries):
-        with tempfile.TemporaryDirectory() as result_dir:
-            try:
-                mp.spawn(
-                    _worker,
-                    args=(world_size, free_port(), result_dir, fn, args),
-                    nprocs=world_size,
-                    join=True,
-                )
-            except mp.ProcessRaisedException as e:
-                if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
-                    last_error = e
-                    continue
-                raise
-            results = []
-            for rank in range(world_size):
-                with open(os.path.join(result_dir, f"{rank}.pkl"), "rb") as f:
-                    results.append(pickle.load(f))
-            return results
-    raise RuntimeError(f"could not find a free port after {retries} tries") from last_error
+__all__ = ["free_port", "run_distributed"]

@@ -7,10 +7,7 @@ explain table and the max abs logits difference. Needs torch and transformers, n
 
 from __future__ import annotations
 
-import os
-import socket
 import sys
-import tempfile
 from pathlib import Path
 
 DEFAULT_PLAN = Path(__file__).resolve().parents[2] / "plans" / "mixtral.yaml"
@@ -22,12 +19,6 @@ def add_arguments(parser) -> None:
         "plan", nargs="?", default=str(DEFAULT_PLAN), help="plan file (default: plans/mixtral.yaml)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the tiny model and the batch")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _plan_for_two_ranks(path: str) -> dict:
@@ -42,37 +33,31 @@ def _plan_for_two_ranks(path: str) -> dict:
     return data
 
 
-def _rank(rank: int, port: int, plan: dict, seed: int, out_path: str) -> None:
+def _rank(rank: int, world: int, plan: dict, seed: int) -> str:
+    """One rank of the demo (a gloo process group is already up): apply, compare; returns the report."""
     import torch
-    import torch.distributed as dist
 
     from planc import apply
     from planc.runtime.models import build_tiny_model, clone_model
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
-        model = build_tiny_model(plan["model"]["type"], seed=seed)
-        reference = clone_model(model)
-        megamoe = plan["experts"]["implementation"] == "deepgemm_megamoe"
-        if not megamoe:
-            reference.set_experts_implementation(plan["experts"]["implementation"])
-        compiled = apply(model, plan)
-        ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(seed))
-        with torch.no_grad():
-            diff = (model(ids).logits - reference(ids).logits).abs().max().item()
-        diff_note = " (FP4 experts vs the bf16/fp32 unsharded model)" if megamoe else ""
-        if rank == 0:
-            with open(out_path, "w") as f:
-                f.write(f"{compiled}\n\nmax |logits - unsharded logits| on {WORLD} ranks: {diff:.3e}{diff_note}\n")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    model = build_tiny_model(plan["model"]["type"], seed=seed)
+    reference = clone_model(model)
+    megamoe = plan["experts"]["implementation"] == "deepgemm_megamoe"
+    if not megamoe:
+        reference.set_experts_implementation(plan["experts"]["implementation"])
+    compiled = apply(model, plan)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        diff = (model(ids).logits - reference(ids).logits).abs().max().item()
+    diff_note = " (FP4 experts vs the bf16/fp32 unsharded model)" if megamoe else ""
+    return f"{compiled}\n\nmax |logits - unsharded logits| on {world} ranks: {diff:.3e}{diff_note}\n"
 
 
 def run(args) -> int:
     try:
         import torch.multiprocessing as mp
+
+        from planc.runtime.local_world import run_local_world
     except ImportError:
         print("planc demo: needs torch and transformers: pip install 'planc[runtime]'", file=sys.stderr)
         return 2
@@ -81,18 +66,15 @@ def run(args) -> int:
     except Exception as e:  # noqa: BLE001 - a plan error is the user's to fix: print it, exit 1
         print(f"planc demo: {args.plan}: {e}", file=sys.stderr)
         return 1
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = os.path.join(tmp, "report.txt")
-        try:
-            mp.spawn(_rank, args=(_free_port(), plan, args.seed, out_path), nprocs=WORLD, join=True)
-        except mp.ProcessRaisedException as e:
-            print(f"planc demo: a rank failed:\n{e}", file=sys.stderr)
-            return 1
-        with open(out_path) as f:
-            print(
-                f"planc demo: {args.plan} applied to a tiny random {plan['model']['type']} on {WORLD} CPU ranks "
-                f"(gloo), sizes overridden to tp_size={plan['parallel']['tp_size']} "
-                f"ep_size={plan['parallel']['ep_size']}\n"
-            )
-            print(f.read(), end="")
+    try:
+        report = run_local_world(_rank, WORLD, plan, args.seed)[0]
+    except mp.ProcessRaisedException as e:
+        print(f"planc demo: a rank failed:\n{e}", file=sys.stderr)
+        return 1
+    print(
+        f"planc demo: {args.plan} applied to a tiny random {plan['model']['type']} on {WORLD} CPU ranks "
+        f"(gloo), sizes overridden to tp_size={plan['parallel']['tp_size']} "
+        f"ep_size={plan['parallel']['ep_size']}\n"
+    )
+    print(report, end="")
     return 0

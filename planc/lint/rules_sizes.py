@@ -41,7 +41,7 @@ def check_divides_world(ctx):
     """The world (`tp_size * dp_size` ranks) is cut into EP groups of `ep_size` ranks; a remainder
     would leave ranks without an EP group."""
     p = ctx.plan.parallel
-    world = p.tp_size * p.dp_size
+    world = p.world_size
     if p.ep_size > 1 and world % p.ep_size:
         divisors = [d for d in range(p.tp_size, world + 1, p.tp_size) if world % d == 0 and d > 1]
         yield ctx.diag(

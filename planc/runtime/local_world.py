@@ -1,0 +1,70 @@
+"""Single-host gloo worlds: `planc demo`, the tests and the CPU benchmarks run several ranks this way.
+
+`run_local_world(fn, world_size, *args)` starts `world_size` processes with
+`torch.multiprocessing.spawn`, initialises a gloo process group in each on a free port (retrying when
+another process grabbed the port first), calls `fn(rank, world_size, *args)` and returns the list of
+per-rank return values (they must be picklable; `fn` must be a module-level function). An exception on
+any rank raises `torch.multiprocessing.ProcessRaisedException` with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (callers retry when it no longer is)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, result_dir, fn, args):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)  # ranks share the host's cores
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(result_dir, f"{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+def _port_taken(error: Exception) -> bool:
+    text = str(error)
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
+
+
+def run_local_world(fn, world_size: int, *args, retries: int = 5) -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks and return the results by rank."""
+    last_error = None
+    for _ in range(retries):
+        with tempfile.TemporaryDirectory() as result_dir:
+            try:
+                mp.spawn(_worker, args=(world_size, free_port(), result_dir, fn, args), nprocs=world_size, join=True)
+            except mp.ProcessRaisedException as e:
+                if _port_taken(e):
+                    last_error = e
+                    continue
+                raise
+            results = []
+            for rank in range(world_size):
+                with open(os.path.join(result_dir, f"{rank}.pkl"), "rb") as f:
+                    results.append(pickle.load(f))
+            return results
+    raise RuntimeError(f"could not find a free port after {retries} tries") from last_error
