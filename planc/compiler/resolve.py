@@ -24,6 +24,7 @@ from planc.compiler.compiled import (
     RuleCoverage,
     SourceRule,
 )
+from planc.compiler import forward_checks
 from planc.compiler.ep import EPResolutionError, EPStrategy, resolve_ep
 from planc.compiler.render import human_bytes
 from planc.compiler.walk import ModelWalk, generic_path, walk_model
@@ -453,7 +454,7 @@ class _Resolver:
         walk, tp = self.walk, self.tp
         if tp <= 1:
             return
-        head_dim = _head_dim(walk.config)
+        config_head_dim = _head_dim(walk.config)
         for a in assignments:
             if a.target != "parameter" or a.style not in TP_SHARDING:
                 continue
@@ -475,9 +476,11 @@ class _Resolver:
                     a.fqn,
                 )
                 continue
-            side = ATTENTION_PROJ.get(p.owner.rsplit(".", 1)[-1])
+            proj = p.owner.rsplit(".", 1)[-1]
+            side = ATTENTION_PROJ.get(proj)
             splits_heads = (side == "out" and dim in (-2, 0)) or (side == "in" and dim == -1)
             local = size // tp
+            head_dim = _proj_head_dim(walk, p.owner, proj, config_head_dim)
             if head_dim and splits_heads and local % head_dim:
                 self.problems.add(
                     HEAD_SPLIT,
@@ -748,6 +751,9 @@ class _Resolver:
         assignments, final = self.expand(maps, ep_experts)
         self.check_tied(final)
         self.check_shards(assignments, final)
+        forward_checks.check_bare_parameters(self, assignments, final)
+        forward_checks.check_dense_experts(self, final)
+        forward_checks.check_experts_implementation(self, _where(self.loaded, ("experts", "implementation")))
         strategy = self.resolve_strategy(ep_experts)
         experts = self.experts_assignments(final, strategy)
         total, sharded, replicated, per_rule_bytes, replicated_groups = self.account(final)
@@ -795,11 +801,35 @@ def _match_generic(alt: tuple, gsegs: list, fqns: list) -> list:
     return [f for f in fqns if _match_alt(alt, f.split("."))] if concrete_index else fqns
 
 
+def _proj_head_dim(walk, owner: str, proj: str, config_head_dim: Optional[int]) -> Optional[int]:
+    """The head width a q/k/v/o projection's features come in: v_proj/o_proj use v_head_dim where the
+    attention has one (MLA-style, dots3_note, mimo_v2_flash); the attention module's own attributes win
+    over the config (per-layer configs such as gemma4 have no global head_dim)."""
+    parent = walk.modules.get(owner.rpartition(".")[0])
+    dims = parent.head_dims if parent is not None else None
+    cfg_v = _config_attr(walk.config, "v_head_dim")
+    if proj in ("v_proj", "o_proj"):
+        for v in ((dims or (None, None))[1], cfg_v if isinstance(cfg_v, int) and cfg_v > 0 else None):
+            if v:
+                return v
+    if dims and dims[0]:
+        return dims[0]
+    return config_head_dim
+
+
+def _config_attr(config, name: str):
+    """getattr that tolerates per-layer configs raising for a global attribute (gemma4's AmbiguousGlobalPerLayer...)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - such configs raise their own error type for a per-layer attribute
+        return None
+
+
 def _head_dim(config) -> Optional[int]:
-    hd = getattr(config, "head_dim", None)
+    hd = _config_attr(config, "head_dim")
     if isinstance(hd, int) and hd > 0:
         return hd
-    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    hidden, heads = _config_attr(config, "hidden_size"), _config_attr(config, "num_attention_heads")
     if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads == 0:
         return hidden // heads
     return None

@@ -246,6 +246,9 @@ def step_set_experts_implementation(state: InstallState) -> None:
     impl = state.compiled.experts_settings.implementation
     if impl == "deepgemm_megamoe" or not state.compiled.experts:
         return  # Mega MoE gets an instance forward (step_install_megamoe); transformers refuses a runtime switch to it
+    can = getattr(type(state.model), "_can_set_experts_implementation", None)
+    if impl == "eager" and callable(can) and not can():
+        return  # the class runs its own experts forward and refuses any switch (the compiler checked: PLC622)
     if not hasattr(state.model, "set_experts_implementation"):
         raise ApplyError(
             f"planc.runtime.install: {type(state.model).__name__} is not a transformers PreTrainedModel, so its "

@@ -57,6 +57,9 @@ RUNTIME_STYLES = frozenset(
         "replicate",
         "replicated_with_grad_allreduce",
         "moe_tp_experts",
+        "packed_rowwise",
+        "local_params",
+        "all_reduce",
         "grouped_gemm",
         "ep_dispatch_experts",
     }
