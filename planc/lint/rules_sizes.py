@@ -1,13 +1,21 @@
-"""Size rules: an EP group size that does not fit the TP groups and the world.
+"""Size rules: sizes beyond any cluster, and an EP group size that does not fit the TP groups and the world.
 
 The check itself is `planc.spec.sizes.check_sizes` (the compiler and the runtime call the same
-function); these rules only place its problems in the file.
+function, and its hints come from the one solver, `solve_sizes`); these rules only place its
+problems in the file.
 """
 
 from __future__ import annotations
 
 from planc.lint.registry import Rule, register, rule
-from planc.spec.sizes import EP_NOT_DIVIDING_WORLD, EP_NOT_MULTIPLE_OF_TP, WORLD_MISMATCH, check_sizes
+from planc.spec.sizes import (
+    EP_NOT_DIVIDING_WORLD,
+    EP_NOT_MULTIPLE_OF_TP,
+    MAX_WORLD_SIZE,
+    SIZE_BEYOND_CLUSTERS,
+    WORLD_MISMATCH,
+    check_sizes,
+)
 
 _TOP = "version: 1\nmodel: {type: mixtral}\n"
 _EP = (
@@ -45,6 +53,18 @@ def check_divides_world(ctx):
     yield from _problems(ctx, EP_NOT_DIVIDING_WORLD)
 
 
+@rule(
+    SIZE_BEYOND_CLUSTERS, "size-beyond-any-cluster", "A parallel size is larger than any cluster",
+    bad=_TOP + "parallel: {tp_size: 8, ep_size: 8, dp_size: 100000000000}\n" + _EP,
+    good=_TOP + "parallel: {tp_size: 8, ep_size: 8, dp_size: 16}\n" + _EP,
+)
+def check_world_size(ctx):
+    """`tp_size`, `ep_size`, `dp_size` and the world `tp_size * dp_size` are at most 2**20 (1,048,576)
+    ranks, an order of magnitude above the largest clusters: a larger value is a typo. The other size
+    rules skip such a plan, so their hints are always computed over a bounded range."""
+    yield from _problems(ctx, SIZE_BEYOND_CLUSTERS)
+
+
 register(Rule(
     WORLD_MISMATCH, "world-size-mismatch", "the launched world does not have `tp_size * dp_size` ranks",
     "`planc.apply` compares the plan's world (`tp_size * dp_size`) with `torch.distributed`'s world size "
@@ -53,3 +73,5 @@ register(Rule(
     "world and pass every other check of the plan against the model.",
     family="sizes",
 ))
+
+__all__ = ["MAX_WORLD_SIZE"]

@@ -13,7 +13,18 @@ from typing import Callable, Iterable, Optional
 
 EP_NOT_MULTIPLE_OF_TP = "PLC500"
 EP_NOT_DIVIDING_WORLD = "PLC501"
-WORLD_MISMATCH = "PLC502"
+SIZE_BEYOND_CLUSTERS = "PLC502"
+WORLD_MISMATCH = "PLC503"
+
+# 2**20 ranks: an order of magnitude above the largest training clusters. A larger size is a typo
+# (or an attack on the hint arithmetic), and the other size checks skip it.
+MAX_WORLD_SIZE = 1 << 20
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of n in increasing order, in O(sqrt(n)) steps."""
+    small = [k for k in range(1, int(n**0.5) + 1) if n % k == 0]
+    return small + [n // k for k in reversed(small) if k * k != n]
 
 
 @dataclass(frozen=True)
@@ -60,10 +71,12 @@ def solve_sizes(
     """
     tp_divides = [d for d in tp_divides if d]
     out = []
-    for tp in range(1, world + 1):
-        if world % tp or any(d % tp for d in tp_divides):
+    if world < 1 or world > MAX_WORLD_SIZE:
+        return out
+    for tp in divisors(world):
+        if any(d % tp for d in tp_divides):
             continue
-        eps = [1] + [ep for ep in range(tp, world + 1, tp) if ep > 1 and world % ep == 0]
+        eps = [1] + [tp * k for k in divisors(world // tp) if tp * k > 1]  # whole TP groups dividing the world
         for ep in eps:
             if ep > 1 and num_experts is not None and num_experts % ep:
                 continue
@@ -98,6 +111,14 @@ def check_sizes(tp: int, ep: int, dp: int, world: Optional[int] = None) -> list[
     A world that does not match is reported alone: the other checks are about the plan's own world.
     """
     plan_world = tp * dp
+    if max(tp, ep, dp, plan_world) > MAX_WORLD_SIZE:
+        key = max(("tp_size", "ep_size", "dp_size"), key=lambda k: {"tp_size": tp, "ep_size": ep, "dp_size": dp}[k])
+        return [SizeProblem(
+            SIZE_BEYOND_CLUSTERS, ("parallel", key),
+            f"parallel sizes ask for {plan_world:,} ranks (tp_size {tp} * dp_size {dp}, ep_size {ep}); planc "
+            f"accepts at most {MAX_WORLD_SIZE:,}",
+            f"check `{key}`: a real job has at most a few thousand ranks",
+        )]
     if world is not None and world != plan_world:
         found = solve_sizes(world, prefer=Sizes(tp, ep, world // tp if world % tp == 0 else 1))
         return [SizeProblem(
@@ -107,19 +128,21 @@ def check_sizes(tp: int, ep: int, dp: int, world: Optional[int] = None) -> list[
             + sizes_hint(found, world, "change `parallel` to match the world"),
         )]
     out = []
-    if ep > 1 and ep % tp:
-        found = solve_sizes(plan_world, prefer=Sizes(tp, ep, dp), need_ep=True)
-        out.append(SizeProblem(
-            EP_NOT_MULTIPLE_OF_TP, ("parallel", "ep_size"),
-            f"ep_size {ep} is not a multiple of tp_size {tp}: an EP group is made of whole TP groups",
-            sizes_hint(found, plan_world, "set `ep_size: 1`"),
-        ))
-    if ep > 1 and plan_world % ep:
-        found = solve_sizes(plan_world, prefer=Sizes(tp, ep, dp), need_ep=True)
-        out.append(SizeProblem(
-            EP_NOT_DIVIDING_WORLD, ("parallel", "ep_size"),
-            f"ep_size {ep} does not divide the world size tp_size*dp_size = {plan_world}: the world is cut into "
-            "EP groups of ep_size consecutive ranks",
-            sizes_hint(found, plan_world, "set `ep_size: 1`"),
-        ))
+    if ep > 1 and (ep % tp or plan_world % ep):
+        # the EP sizes that fit this tp_size and this world, from the one solver
+        eps = sorted(s.ep for s in solve_sizes(plan_world, prefer=Sizes(tp, ep, dp), need_ep=True, limit=1 << 20)
+                     if s.tp == tp)[:6]
+        fits = f"use an ep_size among {eps}, " if eps else ""
+        if ep % tp:
+            out.append(SizeProblem(
+                EP_NOT_MULTIPLE_OF_TP, ("parallel", "ep_size"),
+                f"ep_size {ep} is not a multiple of tp_size {tp}: an EP group is made of whole TP groups",
+                f"{fits}or `ep_size: 1`" if eps else "set `ep_size: 1`",
+            ))
+        if plan_world % ep:
+            out.append(SizeProblem(
+                EP_NOT_DIVIDING_WORLD, ("parallel", "ep_size"),
+                f"ep_size {ep} does not divide the world size tp_size*dp_size = {plan_world}",
+                f"{fits}or change dp_size" if eps else "set `ep_size: 1`",
+            ))
     return out

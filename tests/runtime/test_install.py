@@ -49,7 +49,7 @@ def test_refusals_raise_the_same_error_on_every_rank_and_change_nothing():
         "disagree": "ranks compiled different plans",
         "rank1_invalid_plan": "rank 1:",
         # reported alone, once, with the ranks it happened on, with sizes that fit 2 ranks
-        "world_size": "ranks 0, 1: PLC502: the plan needs tp_size * dp_size = 4 * 1 = 4 processes, but the world has 2",
+        "world_size": "ranks 0, 1: PLC503: the plan needs tp_size * dp_size = 4 * 1 = 4 processes, but the world has 2",
         "lm_head_colwise": "PLC632",
         "rowwise_without_colwise": "PLC631",
         "deepgemm_on_cpu": "`deepgemm` runs CUDA kernels",
