@@ -42,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="override a config value (YAML scalar; `text_config.x` for a sub-config); repeatable",
     )
     parser.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
+    parser.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
 
 
 @dataclass
@@ -288,7 +289,14 @@ def _render(fam, model_cls, prefix, version, size, ep_on, draft: _Draft, impl, w
 
 def run(args: argparse.Namespace) -> int:
     from planc.commands.explain import parse_overrides, read_config
+    from planc.commands.files import OutputError, check_target, write_file
 
+    if args.output:
+        try:
+            check_target(args.output, overwrite=args.force)  # before the minute of building and compiling
+        except OutputError as e:
+            sys.stderr.write(f"planc init: {e}\n")
+            return 2
     try:
         overrides = parse_overrides(args.overrides)
         config = read_config(args.config) if args.config else {}
@@ -304,8 +312,11 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(text)
+        try:
+            write_file(args.output, text.encode("utf-8"), overwrite=args.force)
+        except OutputError as e:
+            sys.stderr.write(f"planc init: {e}\n")
+            return 2
     else:
         sys.stdout.write(text)
     return 0

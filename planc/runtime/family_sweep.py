@@ -27,6 +27,7 @@ from typing import Optional
 TOL = 1e-5
 STRATEGIES = ("all_to_all", "all_reduce", "auto")
 WORLD = 2
+MAX_TINY_PARAMS = 20_000_000  # fp32 on every rank plus the reference copy: keep the world within CI memory
 _CODE = re.compile(r"\b(PLC\d{3})\b")
 
 
@@ -86,6 +87,12 @@ def prepare(fam) -> dict:
     except Exception as e:  # noqa: BLE001 - recorded: transformers cannot build this tiny config
         rec["build"] = f"fail: {type(e).__name__}: {_one_line(e)}"
         return rec
+    numel = sum(p.numel() for p in meta.parameters())
+    if numel > MAX_TINY_PARAMS:
+        biggest = max(meta.named_children(), key=lambda nc: sum(p.numel() for p in nc[1].parameters()))[0]
+        rec["build"] = (f"fail: the derived config still has {numel / 1e6:.0f}M parameters (mostly `{biggest}`), "
+                        f"over the sweep's {MAX_TINY_PARAMS / 1e6:.0f}M")
+        return rec
     rec["build"] = "pass"
     try:
         text = init_plan(fam.model_type, config.to_dict(), sizes=(WORLD,))
@@ -107,8 +114,18 @@ def prepare(fam) -> dict:
     return rec
 
 
-def _set_strategy(text: str, strategy: str) -> str:
-    return text.replace("ep_implementation: auto", f"ep_implementation: {strategy}")
+def _with_strategy(plan: dict, strategy: str) -> dict:
+    return {**plan, "experts": {**plan.get("experts", {}), "ep_implementation": strategy}}
+
+
+def at_world_sizes(text: str) -> dict:
+    """A plan's data with its sizes set to what the sweep's world runs: tp 2, ep 2 (or 1 without EP), dp 1."""
+    import yaml
+
+    data = yaml.safe_load(text)
+    ep = data["parallel"].get("ep_size", 1) > 1
+    data["parallel"] = {"tp_size": WORLD, "ep_size": WORLD if ep else 1}
+    return data
 
 
 def apply_world(rank, world_size, jobs):
@@ -121,8 +138,8 @@ def apply_world(rank, world_size, jobs):
     from planc.runtime.families import family
 
     out = {}
-    for text_type, text, ep in jobs:
-        res = out[text_type] = {}
+    for key, text_type, plan, ep in jobs:
+        res = out[key] = {}
         try:
             fam = family(text_type)
             base = build_family_model(fam)
@@ -136,7 +153,7 @@ def apply_world(rank, world_size, jobs):
         for strategy in STRATEGIES if ep else ("tp",):
             try:
                 model = copy.deepcopy(base)
-                apply(model, _set_strategy(text, strategy) if ep else text)
+                apply(model, _with_strategy(plan, strategy) if ep else plan)
                 with torch.no_grad():
                     got = _logits(model(input_ids=ids))
                 diff = (got - want).abs().max().item()
@@ -158,24 +175,34 @@ def _logits(out):
     return logits if logits is not None else out[0]
 
 
-def run_sweep(families=None) -> dict:
-    """{text_type: record} for every family (or the given ones): steps 1-3 with their outcomes."""
-    from planc.runtime.families import moe_families
+def run_sweep(families=None, shipped: Optional[dict] = None) -> tuple[dict, dict]:
+    """({text_type: record} for every family (or the given ones), {plan path: apply outcomes} for the
+    `shipped` plans {path: text}, run at the world's sizes on their family's tiny model) in one 2-rank world."""
+    import yaml
+
+    from planc.runtime.families import family, moe_families
     from planc.runtime.local_world import run_local_world
 
     fams = families if families is not None else moe_families()
     records = {f.text_type: prepare(f) for f in fams}
-    jobs = [(t, r["plan"], r.get("ep", False)) for t, r in records.items()
+    jobs = [(t, t, at_world_sizes(r["plan"]), r.get("ep", False)) for t, r in records.items()
             if r.get("explain") == "pass" and r.get("lint") == "pass"]
+    for path, text in (shipped or {}).items():
+        data = at_world_sizes(text)
+        jobs.append((path, family(yaml.safe_load(text)["model"]["type"]).text_type, data, data["parallel"]["ep_size"] > 1))
     per_rank = run_local_world(apply_world, WORLD, jobs)
-    for t, _, _ in jobs:
+    plans: dict = {}
+    for key, _, _, _ in jobs:
         merged: dict = {}
         for res in per_rank:
-            for k, v in res[t].items():
+            for k, v in res[key].items():
                 if merged.get(k, "pass") == "pass":  # the worst outcome over the ranks
                     merged[k] = v
-        records[t]["apply"] = merged
-    return records
+        if key in records:
+            records[key]["apply"] = merged
+        else:
+            plans[key] = merged
+    return records, plans
 
 
 def family_status(rec: dict) -> str:
@@ -247,7 +274,7 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--write", metavar="FILE", help="write the rendered table to FILE (docs/models.md)")
     parser.add_argument("--json", metavar="FILE", help="also dump the raw records")
     args = parser.parse_args(argv)
-    records = run_sweep()
+    records, _ = run_sweep()
     text = render_models_md(records, transformers.__version__)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

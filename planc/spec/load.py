@@ -95,18 +95,21 @@ def _collect(doc: SourceDoc, root_dir: str, seen: tuple) -> MergedSource:
     return _merge(merged, doc)
 
 
+_NUL_SHOWN = "\\0"
+
+
 def _parent_doc(doc: SourceDoc, ext: str, root_dir: str, seen: tuple) -> SourceDoc:
     where = doc.value_position(("extends",)) or Position(doc.path, 1, 1)
     base = os.path.dirname(doc.path) if doc.path else ""
-    shown = os.path.normpath(os.path.join(base, ext))
-    real = os.path.realpath(os.path.join(_real_dir(doc), ext))
-    if not ext.strip() or os.path.isabs(ext):
+    if not ext.strip() or os.path.isabs(ext) or "\x00" in ext:  # a NUL byte is no path (os.path raises on it)
         raise SourceError(
             EXTENDS_OUTSIDE,
-            f"`extends: {ext}` must be a path relative to this plan",
+            f"`extends: {ext.replace(chr(0), _NUL_SHOWN)}` must be a path relative to this plan",
             "write the parent's path relative to this plan's directory, e.g. `extends: base.yaml`",
             where,
         )
+    shown = os.path.normpath(os.path.join(base, ext))
+    real = os.path.realpath(os.path.join(_real_dir(doc), ext))
     if os.path.commonpath([real, root_dir]) != root_dir:
         raise SourceError(
             EXTENDS_OUTSIDE,
