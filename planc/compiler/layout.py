@@ -142,6 +142,8 @@ def check_layouts(c, assignments, final: dict[str, PlanRule]) -> None:
         if spec is None or fqn in explained:
             continue
         parent, _, leaf = fqn.rpartition(".")
+        if spec.output == SHARDED and _consumes_shards_inside(_style(module_rule.get(parent))):
+            continue  # a per-head gate inside a `local_params` attention: its forward takes the local heads
         if spec.output == SHARDED:
             if leaf in MODEL_OUTPUTS:
                 c.problems.add(
@@ -185,6 +187,12 @@ def check_layouts(c, assignments, final: dict[str, PlanRule]) -> None:
                 f"write `{rule.pattern_text}: rowwise_split_input` (it slices the replicated input itself)",
                 fqn,
             )
+
+
+def _consumes_shards_inside(spec: Optional[Style]) -> bool:
+    """A container style (`local_params`) whose forward runs on local shards and whose children do the
+    communication: a sharded child output consumed inside its forward is this rank's heads, as intended."""
+    return spec is not None and spec.local_forward and not spec.shards and spec.output is None
 
 
 def _check_chain(c, blocks: _Blocks, container: str, chain: Chain, module_rule) -> set[str]:

@@ -49,8 +49,14 @@ def sweep():
 def test_every_family_passes_or_is_refused_with_its_code(sweep):
     records, _ = sweep
     assert {f.text_type for f in moe_families()} == set(records)
+    # families whose derived tiny config transformers cannot build are listed (docs/models.md) but not run;
+    # the derivation must keep covering most families
+    built = [n for n, rec in records.items() if family_status(rec) != "not built"]
+    assert len(built) >= 0.7 * len(records), sorted(set(records) - set(built))
     problems = []
     for name, rec in sorted(records.items()):
+        if name not in built:
+            continue
         outcomes = {k: rec[k] for k in ("init", "lint", "explain") if k in rec}
         outcomes.update({f"apply/{k}": v for k, v in (rec.get("apply") or {}).items()})
         for step, outcome in outcomes.items():
