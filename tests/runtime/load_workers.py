@@ -109,3 +109,13 @@ def error_world(rank, world, cases):
         except Exception as e:  # noqa: BLE001
             out[name] = f"{type(e).__name__}: {e}"
     return out
+
+
+def everything_world(rank, world, root, case_names, layouts, tied_path, error_cases):
+    """One world for all of a world size's checks (starting ranks costs more than the checks)."""
+    out = {"load": load_world(rank, world, root, case_names, layouts)}
+    if tied_path is not None:
+        out["tied"] = tied_world(rank, world, tied_path)
+    if error_cases:
+        out["errors"] = error_world(rank, world, error_cases)
+    return out
