@@ -27,7 +27,9 @@ whose parameters carry planc's placements.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -186,7 +188,13 @@ def _meta_model(config, dtype) -> nn.Module:
 
 
 class _SafetensorsFill:
-    """Between sharding and forwards: transformers' loader reads this rank's byte ranges into the meta-sharded model."""
+    """Between sharding and forwards: transformers' loader reads this rank's byte ranges into the meta-sharded model.
+
+    It runs once per decoder layer (the keys without a layer index first), so the loader's in-flight
+    reads and any conversion temporaries are one layer's; and a Mega MoE plan with `quantize: fp4`
+    quantizes each layer's local experts as soon as they arrive, so no rank ever holds more than one
+    layer of unquantized experts.
+    """
 
     def __init__(self, files: CheckpointFiles, device: torch.device):
         self.files = files
@@ -198,13 +206,29 @@ class _SafetensorsFill:
         from transformers.modeling_utils import LoadStateDictConfig
 
         model = state.model
+        mapping = get_model_conversion_mapping(model)
         config = LoadStateDictConfig(
             pretrained_model_name_or_path=str(self.files.root),
             dtype=model.config.dtype,
             device_map={"": self.device},
-            weight_mapping=get_model_conversion_mapping(model),
+            weight_mapping=mapping,
         )
-        info, _ = convert_and_load_state_dict_in_model(model, self.files.slices(), config)
+        slices = self.files.slices()
+        infos, used = [], {}
+        quantize = _experts_to_quantize(state)
+        for keys in _by_layer(slices):
+            with _no_progress_bars():  # one bar per layer per rank would bury the output
+                info, _ = convert_and_load_state_dict_in_model(model, {k: slices[k] for k in keys}, config)
+            infos.append(info)
+            used.update((id(c), c) for c in getattr(model, "_weight_conversions", None) or [])
+            for fqn in [f for f in quantize if _filled(state.module(f))]:
+                from planc.runtime.megamoe.experts import quantize_to_fp4
+
+                quantize_to_fp4(state.module(fqn))
+                quantize.remove(fqn)
+        # What save/export reverse later: every conversion any layer used (transformers keeps the last call's).
+        model._weight_conversions = [c for c in mapping if id(c) in used]
+        info = _merged(infos)
         model._adjust_missing_and_unexpected_keys(info)
         problems = loading_problems(model, info, self.files)
         if problems:
@@ -218,6 +242,69 @@ class _SafetensorsFill:
                 f"{self.files.root}: after loading, {len(left)} tensor(s) were never read (first: `{left[0]}`): the "
                 "checkpoint lacks them. Use a checkpoint saved from this model type and config."
             )
+
+
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    from transformers.utils import logging
+
+    was = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            logging.enable_progress_bar()
+
+
+def _by_layer(keys) -> list[list[str]]:
+    """Checkpoint keys grouped by decoder layer index (keys of no layer first): one loader call per group.
+
+    A converter's inputs (e.g. one layer's per-expert w1/w3) always share a layer index, so every
+    group is complete for the conversions it feeds.
+    """
+    groups: dict[int, list[str]] = {}
+    for key in keys:
+        m = _LAYER.search(key)
+        groups.setdefault(int(m.group(1)) if m else -1, []).append(key)
+    return [groups[i] for i in sorted(groups)]
+
+
+def _merged(infos):
+    """One LoadStateDictInfo for all the per-layer loader calls (a key is missing only if no call filled it)."""
+    from transformers.utils.loading_report import LoadStateDictInfo
+
+    missing = set.intersection(*(set(i.missing_keys) for i in infos)) if infos else set()
+    return LoadStateDictInfo(
+        missing_keys=missing,
+        unexpected_keys=set().union(*(i.unexpected_keys for i in infos)),
+        mismatched_keys=set().union(*(i.mismatched_keys for i in infos)),
+        error_msgs=[m for i in infos for m in i.error_msgs],
+        conversion_errors={k: v for i in infos for k, v in i.conversion_errors.items()},
+        skipped_pp_keys=set(),
+    )
+
+
+def _experts_to_quantize(state) -> list[str]:
+    """The experts modules a Mega MoE plan quantizes to FP4 (`megamoe.quantize: fp4`) that hold floats."""
+    settings = state.compiled.experts_settings
+    if settings.implementation != "deepgemm_megamoe" or settings.megamoe is None or settings.megamoe.quantize != "fp4":
+        return []
+    out = []
+    for e in state.compiled.experts:
+        p = state.module(e.fqn)._parameters.get("gate_up_proj")
+        if p is not None and p.is_floating_point():
+            out.append(e.fqn)
+    return out
+
+
+def _filled(experts: nn.Module) -> bool:
+    return all(
+        (p := experts._parameters.get(n)) is not None and not p.is_meta for n in ("gate_up_proj", "down_proj")
+    )
 
 
 class _DcpFill:
