@@ -82,6 +82,18 @@ def _shard_dim(style: str, shape: tuple) -> Optional[int]:
     return dim2 if len(shape) >= 2 else dim1
 
 
+def shard_divisor(style: Optional[str], shape: tuple, tp: int, ep: int) -> int:
+    """Over how many ranks a parameter of `shape` under `style` is split (1: every rank holds it whole).
+
+    The one rule for per-rank bytes: the compiler's accounting and the memory budget both use it.
+    """
+    if style == "grouped_gemm":
+        return ep
+    if style is not None and _shard_dim(style, shape) is not None:
+        return tp
+    return 1
+
+
 MEGAMOE_MAX_TOP_K = 32
 MEGAMOE_MAX_RANKS = 72
 ATTENTION_PROJ = {"q_proj": "out", "k_proj": "out", "v_proj": "out", "o_proj": "in"}
@@ -656,6 +668,7 @@ class _Resolver:
         seen: set[int] = set()
         total = sharded = replicated = 0
         per_rule_bytes: dict[int, list[int]] = {}
+        self.by_dtype: dict[str, int] = {}  # bytes per rank by dtype, for the memory budget
         groups: "OrderedDict[str, list]" = OrderedDict()
         for p in walk.params.values():
             if p.tensor_id in seen:
@@ -663,13 +676,9 @@ class _Resolver:
             seen.add(p.tensor_id)
             total += p.nbytes
             r = final.get(p.fqn)
-            div = 1
-            if r is not None:
-                if r.style == "grouped_gemm":
-                    div = ep
-                elif _shard_dim(r.style, p.shape) is not None:
-                    div = tp
+            div = shard_divisor(r.style if r is not None else None, p.shape, tp, ep)
             per_rank = -(-p.nbytes // div)
+            self.by_dtype[p.dtype] = self.by_dtype.get(p.dtype, 0) + per_rank
             if div > 1:
                 sharded += per_rank
             else:
@@ -769,6 +778,7 @@ class _Resolver:
             plan_path=self.loaded.path,
             bytes_total=total,
             replicated=replicated_groups,
+            bytes_per_rank_by_dtype=tuple(sorted(self.by_dtype.items(), key=lambda kv: -kv[1])),
         )
 
 

@@ -108,6 +108,27 @@ def checkpoint_problems(model: nn.Module, files: CheckpointFiles) -> list[str]:
     return problems
 
 
+def target_reads(model: nn.Module, files: CheckpointFiles) -> list[tuple[str, str, tuple, int]]:
+    """`(model parameter, checkpoint dtype, parameter shape, bytes)` for every checkpoint tensor the model takes."""
+    from transformers.core_model_loading import rename_source_key
+
+    renamings, converters = _mapping(model)
+    model_keys = model.state_dict()
+    out = []
+    for key, info in files.tensors.items():
+        renamed, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, model_keys)
+        if renamed not in model_keys and key in model_keys:
+            renamed = key
+        if renamed in model_keys:
+            out.append((renamed, _DTYPE_NAMES.get(info.dtype, info.dtype), tuple(model_keys[renamed].shape), info.nbytes))
+    return out
+
+
+_DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "float8_e4m3fn",
+                "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu", "I8": "int8", "U8": "uint8", "I64": "int64",
+                "I32": "int32", "F64": "float64", "BOOL": "bool"}
+
+
 def loading_problems(model: nn.Module, info, files: CheckpointFiles) -> list[str]:
     """What transformers' loader reported (after `_adjust_missing_and_unexpected_keys`), as planc errors."""
     problems = []
@@ -131,4 +152,4 @@ def loading_problems(model: nn.Module, info, files: CheckpointFiles) -> list[str
     return problems
 
 
-__all__ = ["checkpoint_problems", "loading_problems"]
+__all__ = ["checkpoint_problems", "loading_problems", "target_reads"]

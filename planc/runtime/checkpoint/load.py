@@ -77,6 +77,8 @@ def load(
         compiled, problems = install.compile_and_check(model, loaded, mesh, device=device)
         if compiled is not None and files is not None:
             problems += checkpoint_problems(model, files)
+        if compiled is not None and device.type == "cuda":
+            problems += _memory_problems(compiled, device, source)
     except PlancError as e:
         problems.append(str(e))
     except Exception as e:  # noqa: BLE001 - reported on every rank by the agreement instead of hanging them
@@ -100,6 +102,14 @@ def load(
         if files is not None:
             files.close()
     return model
+
+
+def _memory_problems(compiled, device, source) -> list[str]:
+    """PLC660 before any read when this rank's shard alone cannot fit its GPU."""
+    from planc.compiler.memory import budget_problems
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    return [f"{p.code} {p.message} ({device}). Hint: {p.hint}" for p in budget_problems(compiled, total, str(source))]
 
 
 # ---- 1-2. checkpoint, config, plan, meta model -------------------------------------------------------------
