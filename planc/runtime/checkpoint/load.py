@@ -72,7 +72,9 @@ def load(
             config = _config(files.config_path.parent, dtype)
         else:
             config = _config(dcp_dir, dtype)
-        loaded = _plan_for(plan, config, files.config_path if files else Path(dcp_dir) / "config.json")
+        config_path = files.config_path if files else Path(dcp_dir) / "config.json"
+        _check_quantization(config, config_path)
+        loaded = _plan_for(plan, config, config_path)
         model = _meta_model(config, dtype)
         compiled, problems = install.compile_and_check(model, loaded, mesh, device=device)
         if compiled is not None and files is not None:
@@ -156,6 +158,20 @@ def _config(root, dtype):
         raise CheckpointError(f"{Path(root) / 'config.json'}: transformers cannot build a config from it: {e}") from None
     config.dtype = _resolve_dtype(dtype, config)
     return config
+
+
+def _check_quantization(config, config_path) -> None:
+    """Pre-quantized checkpoints are refused before any read: planc's styles do not yet shard their scales."""
+    q = getattr(config, "quantization_config", None)
+    if q is None:
+        return
+    method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", type(q).__name__)
+    raise CheckpointError(
+        f"{config_path}: the checkpoint is pre-quantized (`quantization_config.quant_method: {method}`), which "
+        "planc.load does not support yet: the quantizer's scale tensors (e.g. FP8 `weight_scale_inv`) would have "
+        "to be sharded with their weights. Load a bf16/fp32 checkpoint; for FP4 Mega MoE experts use a plan with "
+        "`experts.megamoe.quantize: fp4`, which quantizes each rank's experts as they are read."
+    )
 
 
 def _plan_for(plan, config, config_path):
