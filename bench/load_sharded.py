@@ -11,7 +11,7 @@ fresh gloo world (peak RSS is a per-process high-water mark), one route after th
 - full + apply: `from_pretrained(dir)` of the whole model on every rank, then `planc.apply(plan)`.
 
 Per rank: the process baseline (RSS after importing torch/transformers and joining the group), the
-peak RSS over the load (`ru_maxrss`) minus that baseline, the bytes the rank holds afterwards, the
+peak RSS over the load (the kernel's high-water mark VmHWM, reset right before the load) minus that baseline, the bytes the rank holds afterwards, the
 largest single checkpoint tensor, and the load's wall time (the slowest rank's). Logits of planc.load
 are compared with full + apply bit for bit. The issue's bars: peak <= 1.1 x transformers' and <= local
 shard bytes + largest tensor + 400 MiB; time ratio planc / transformers <= 1.0.
@@ -60,8 +60,18 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MIB
 
 
+def _reset_peak() -> None:
+    """Reset the kernel's RSS high-water mark (VmHWM), so the peak is the load's, not the imports'."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def _peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _held_bytes(model) -> int:
@@ -102,6 +112,7 @@ def route_world(rank, world, route, path):
     gc.collect()
     dist.barrier()
     base = _rss_mib()
+    _reset_peak()
     start = time.perf_counter()
     if route == "planc.load":
         model = planc.load(path, plan, dtype=torch.float32)

@@ -250,7 +250,10 @@ class _SafetensorsFill:
             for fqn in [f for f in quantize if _filled(state.module(f))]:
                 from planc.runtime.megamoe.experts import quantize_to_fp4
 
-                quantize_to_fp4(state.module(fqn))
+                experts = state.module(fqn)
+                quantize_to_fp4(experts)
+                for p in experts.parameters(recurse=False):
+                    p._is_hf_initialized = True  # loaded, not to be re-initialised by transformers' finalisation
                 quantize.remove(fqn)
         # What save/export reverse later: every conversion any layer used (transformers keeps the last call's).
         model._weight_conversions = [c for c in mapping if id(c) in used]
