@@ -216,10 +216,9 @@ def _meta_model(config, dtype) -> nn.Module:
 class _SafetensorsFill:
     """Between sharding and forwards: transformers' loader reads this rank's byte ranges into the meta-sharded model.
 
-    It runs once per decoder layer (the keys without a layer index first), so the loader's in-flight
-    reads and any conversion temporaries are one layer's; and a Mega MoE plan with `quantize: fp4`
-    quantizes each layer's local experts as soon as they arrive, so no rank ever holds more than one
-    layer of unquantized experts.
+    For a Mega MoE plan with `quantize: fp4` it runs once per decoder layer (the keys without a layer
+    index first) and quantizes each layer's local experts as soon as they arrive, so no rank ever holds
+    more than one layer of unquantized experts; otherwise one call reads everything.
     """
 
     def __init__(self, files: CheckpointFiles, device: torch.device):
@@ -242,7 +241,10 @@ class _SafetensorsFill:
         slices = self.files.slices()
         infos, used = [], {}
         quantize = _experts_to_quantize(state)
-        for keys in _by_layer(slices):
+        # One loader call keeps its read pool busy across layers (as from_pretrained does); per layer only when
+        # experts are quantized as they arrive, which must see each layer complete before the next one is read.
+        groups = _by_layer(slices) if quantize else [list(slices)]
+        for keys in groups:
             with _no_progress_bars():  # one bar per layer per rank would bury the output
                 info, _ = convert_and_load_state_dict_in_model(model, {k: slices[k] for k in keys}, config)
             infos.append(info)
