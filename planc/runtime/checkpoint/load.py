@@ -348,7 +348,7 @@ class _DcpFill:
     def __call__(self, state) -> None:
         from planc.runtime.checkpoint.dcp import fill_from_dcp
 
-        fill_from_dcp(state.model, self.path, device=self.device)
+        fill_from_dcp(state.model, self.path, device=self.device, compiled=state.compiled, groups=state.groups)
 
 
 def _move_buffers(model: nn.Module, device: torch.device) -> None:
