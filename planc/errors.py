@@ -28,3 +28,7 @@ class CompileError(PlancError):
 
 class ApplyError(PlancError):
     """planc.apply could not install the plan; the model is left exactly as it was."""
+
+
+class CheckpointError(PlancError):
+    """planc.save / planc.export / a checkpoint read could not complete; an existing checkpoint is left intact."""
