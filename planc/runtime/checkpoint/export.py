@@ -7,11 +7,10 @@ it expects to read it. No rank ever holds the whole model:
 
 1. Plan on `meta`: the reverse conversion runs on meta tensors of every global shape, group by group
    (a group: one decoder layer's tensors, or one top-level tensor), which gives every hub tensor's
-   name, shape and dtype, hence the shard files and the index, before any data moves.
+   name, shape and dtype, hence the shard files, their headers and the index, before any data moves.
 2. Stream: for each group, every rank takes part in gathering its tensors (`DTensor.full_tensor()`, one
-   group at a time); rank 0 converts the group, keeps the results for the shard file they belong to,
-   and writes a shard file as soon as all of its tensors are in (`safetensors.torch.save_file`).
-   Rank 0 holds at most one shard file's tensors plus one group; the others one group.
+   group at a time); rank 0 converts the group and writes each resulting tensor at its planned offset
+   in its shard file (`_ShardWriter`). Every rank holds at most one group's full tensors.
 3. `config.json` (with `dtype` and `architectures` as `save_pretrained` writes them),
    `generation_config.json`, and `model.safetensors.index.json` when there are several files.
 
@@ -97,6 +96,7 @@ class _Layout:
     file_of: dict[str, int]
     meta: dict[str, tuple[tuple[int, ...], torch.dtype]]
     remaining: list[set[str]] = field(default_factory=list)
+    headers: list[bytes] = field(default_factory=list)
 
     @property
     def total_size(self) -> int:
@@ -131,20 +131,66 @@ def _plan(model: nn.Module, state: dict, key_groups: list[list[str]], max_shard_
     return _Layout(files, assignment, meta, remaining)
 
 
-class _ShardWriter:
-    """Rank 0: keeps converted tensors per shard file and writes a file once all of its tensors are in.
+# The safetensors format's dtype names (https://github.com/huggingface/safetensors, "Format").
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
 
-    safetensors writes a file from a complete dict (its header, with every offset, comes first), so a
-    file's tensors are held until the last one arrives; the layout keeps that to one file at a time.
+
+class _ShardWriter:
+    """Rank 0: writes each converted tensor straight into its shard file, at the offset the layout planned.
+
+    Written by hand because safetensors' own writers (`save_file`, `save`) take a complete dict: the
+    header, with every tensor's offsets, comes first, so they would need a whole file's tensors in memory
+    at once (the whole model, for a model that fits one file). The layout already knows every name,
+    shape and dtype, so the header is written first and each tensor's bytes as it arrives; the format is
+    an 8-byte little-endian header length, the JSON header (padded with spaces to 8 bytes), then the data.
+    `from_pretrained` and `safe_open` read the files back in the tests.
     """
 
     def __init__(self, directory: Path, layout: _Layout):
         self.directory, self.layout = directory, layout
-        self.pending: dict[int, dict[str, torch.Tensor]] = {}
+        self.offsets: dict[str, tuple[int, int]] = {}
+        self.data_start: list[int] = []
+        self.current: Optional[tuple[int, object]] = None  # (file index, open file)
+        for i, names in enumerate(self._names_by_file()):
+            header: dict = {"__metadata__": {"format": "pt"}}
+            pos = 0
+            for name in names:
+                shape, dtype = layout.meta[name]
+                if dtype not in _ST_DTYPES:
+                    raise CheckpointError(
+                        f"planc.export: {name} is {dtype}, which the safetensors format has no name for here; "
+                        "cast the model to a supported dtype (bf16, fp16, fp32, fp8, int8) first."
+                    )
+                nbytes = torch.Size(shape).numel() * dtype.itemsize
+                header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+                self.offsets[name] = (pos, nbytes)
+                pos += nbytes
+            text = json.dumps(header, separators=(",", ":")).encode()
+            text += b" " * (-len(text) % 8)
+            self.data_start.append(8 + len(text))
+            layout.headers.append(len(text).to_bytes(8, "little") + text)
+
+    def _names_by_file(self) -> list[list[str]]:
+        names: list[list[str]] = [[] for _ in self.layout.files]
+        for name, i in self.layout.file_of.items():  # planned order
+            names[i].append(name)
+        return names
+
+    def _file(self, i: int):
+        if self.current is not None and self.current[0] == i:
+            return self.current[1]
+        if self.current is not None:
+            self.current[1].close()
+        f = open(self.directory / self.layout.files[i], "wb")
+        f.write(self.layout.headers[i])
+        self.current = (i, f)
+        return f
 
     def add(self, tensors: dict[str, torch.Tensor]) -> None:
-        from safetensors.torch import save_file
-
         for name, t in tensors.items():
             planned = self.layout.meta.get(name)
             if planned is None or planned != (tuple(t.shape), t.dtype):
@@ -152,18 +198,20 @@ class _ShardWriter:
                     f"planc.export: the reverse conversion gave {name} {tuple(t.shape)} {t.dtype}, planned "
                     f"{planned}; the model changed during export?"
                 )
-            t = t.detach().to("cpu").contiguous()
-            if t.untyped_storage().nbytes() != t.nbytes:  # a view (chunk, per-expert slice): own its bytes
-                t = t.clone()
             i = self.layout.file_of[name]
-            self.pending.setdefault(i, {})[name] = t
+            offset, nbytes = self.offsets[name]
+            f = self._file(i)
+            f.seek(self.data_start[i] + offset)
+            data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            f.write(memoryview(data.numpy()) if nbytes else b"")  # no copy of the bytes
             self.layout.remaining[i].discard(name)
-            if not self.layout.remaining[i]:
-                save_file(self.pending.pop(i), str(self.directory / self.layout.files[i]), metadata={"format": "pt"})
 
     def finish(self) -> None:
+        if self.current is not None:
+            self.current[1].close()
+            self.current = None
         unwritten = [self.layout.files[i] for i, r in enumerate(self.layout.remaining) if r]
-        if unwritten or self.pending:
+        if unwritten:
             raise CheckpointError(f"planc.export: shard files {unwritten} never received all their tensors.")
         if len(self.layout.files) > 1:
             index = {
