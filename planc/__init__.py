@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = ["load_plan", "lint_paths", "compile", "apply", "save", "export", "destroy_megamoe_buffers", "__version__"]
+__all__ = [
+    "load_plan", "lint_paths", "compile", "apply", "load", "save", "export", "destroy_megamoe_buffers", "__version__",
+]
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -45,6 +47,16 @@ def apply(model, plan, *, mesh=None):
     return _apply(model, plan, mesh=mesh)
 
 
+def load(source, plan, *, dtype=None, device=None, mesh=None):
+    """Load the checkpoint directory `source` sharded by `plan`: every rank reads only its own shards.
+
+    Returns the applied model (as `from_pretrained` returns one); its CompiledPlan is `model._planc_plan`.
+    """
+    from planc.runtime.checkpoint.load import load as _load
+
+    return _load(source, plan, dtype=dtype, device=device, mesh=mesh)
+
+
 def save(model: nn.Module, directory) -> Path:
     """Write an applied model as a sharded checkpoint (torch.distributed.checkpoint, every rank its own shards)
     with its plan beside it; `planc.load` reads it back under any plan or sizes. Call on every rank.
@@ -54,7 +66,7 @@ def save(model: nn.Module, directory) -> Path:
     return _save(model, directory)
 
 
-def export(model: nn.Module, directory, *, max_shard_size: "int | str" = "5GB") -> Path:
+def export(model: nn.Module, directory, *, max_shard_size: int | str = "5GB") -> Path:
     """Write an applied model as consolidated hub-layout safetensors (transformers' reverse weight conversion),
     one tensor group at a time, that plain `from_pretrained(directory)` loads. Call on every rank."""
     from planc.runtime.checkpoint.export import export as _export
