@@ -47,15 +47,79 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 MODEL_TYPES = tuple(TINY_CONFIGS)
 
 
-def _config_class(model_type: str):
+class ModelBuildError(ValueError):
+    """transformers could not build a config or a model: one line that names the model type and the cause.
+
+    `planc init`, `planc explain` and `planc demo` print it as is (exit 2) instead of transformers'
+    traceback; every way planc builds a model goes through this module, so none of them can leak one.
+    """
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(exc).split()) or "(no message)"
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"{type(exc).__name__}: {text}"
+
+
+def known_model_types() -> list[str]:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return sorted(CONFIG_MAPPING_NAMES)
+
+
+def config_class(model_type: str):
+    """transformers' config class for `model_type`; an unknown type names the closest few known ones."""
+    import difflib
+
     from transformers import AutoConfig
 
     try:
         return type(AutoConfig.for_model(model_type))
-    except ValueError as e:
-        raise ValueError(
-            f"planc.runtime.models: transformers knows no model type `{model_type}`; "
-            "use a `config.model_type` such as " + ", ".join(MODEL_TYPES)
+    except Exception:  # noqa: BLE001 - ValueError with every model type listed (~7 KB): replaced below
+        known = known_model_types()
+        close = difflib.get_close_matches(str(model_type), known, n=3, cutoff=0.6)
+        moe = [t for t in MODEL_TYPES if t not in close]
+        hint = (f"did you mean {', '.join(f'`{c}`' for c in close)}?" if close
+                else "use a transformers `config.model_type`, e.g. " + ", ".join(f"`{t}`" for t in moe))
+        raise ModelBuildError(f"transformers knows no model type `{model_type}`; {hint}") from None
+
+
+def build_config(model_type: str, overrides: Optional[dict] = None):
+    """The config of `model_type` with `overrides` (config keyword arguments); ModelBuildError on any failure."""
+    cls = config_class(model_type)
+    try:
+        return cls(**(overrides or {}))
+    except Exception as e:  # noqa: BLE001 - e.g. transformers' StrictDataclassFieldValidationError for a bad value
+        raise ModelBuildError(f"cannot build a `{model_type}` config ({cls.__name__}): {_one_line(e)}") from e
+
+
+def causal_lm_class(config):
+    """The `*ForCausalLM` class transformers builds for a config (what a plan's `model.` paths refer to)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, ValueError):
+        raise ModelBuildError(
+            f"`{config.model_type}` has no *ForCausalLM class in transformers: planc plans shard causal LMs"
+        ) from None
+
+
+def build_model(config, *, meta: bool = False, **kwargs):
+    """`AutoModelForCausalLM.from_config(config, **kwargs)` (on the meta device: no memory); any exception
+    from transformers becomes one ModelBuildError line naming the model type and what failed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cls = causal_lm_class(config)
+    try:
+        if meta:
+            with torch.device("meta"):
+                return AutoModelForCausalLM.from_config(config, **kwargs)
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+    except Exception as e:  # noqa: BLE001 - transformers raises anything from a config it cannot build
+        raise ModelBuildError(
+            f"transformers cannot build a `{config.model_type}` model ({cls.__name__}) from this config: {_one_line(e)}"
         ) from e
 
 
@@ -68,7 +132,7 @@ def tiny_config(model_type: str, **overrides):
         )
     kwargs = {**TINY_CONFIGS[model_type], **overrides}
     kwargs.setdefault("tie_word_embeddings", False)
-    config = _config_class(model_type)(**kwargs)
+    config = build_config(model_type, kwargs)
     config._attn_implementation = "eager"
     return config
 
@@ -76,12 +140,11 @@ def tiny_config(model_type: str, **overrides):
 def build_tiny_model(model_type: str, *, seed: int = 0, experts_implementation: Optional[str] = None, **overrides):
     """A tiny random `*ForCausalLM` of `model_type`, fp32, eval mode, identical for the same seed on every rank."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     config = tiny_config(model_type, **overrides)
     torch.manual_seed(seed)
     kwargs = {"experts_implementation": experts_implementation} if experts_implementation else {}
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
+    model = build_model(config, dtype=torch.float32, **kwargs)
     _randomize_zero_inits(model, seed)
     return model.eval()
 
@@ -114,9 +177,4 @@ def build_meta_model(model_type: str, config_overrides: Optional[dict] = None):
 
     No memory is allocated, so `planc explain` can resolve a plan against a 600B-parameter model.
     """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    config = _config_class(model_type)(**(config_overrides or {}))
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+    return build_model(build_config(model_type, config_overrides), meta=True)

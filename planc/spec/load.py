@@ -97,6 +97,14 @@ def _collect(doc: SourceDoc, root_dir: str, seen: tuple) -> MergedSource:
 
 def _parent_doc(doc: SourceDoc, ext: str, root_dir: str, seen: tuple) -> SourceDoc:
     where = doc.value_position(("extends",)) or Position(doc.path, 1, 1)
+    if not ext.isprintable():  # NUL makes every os.path call raise; other control characters are typos too
+        bad = sorted({repr(c)[1:-1] for c in ext if not c.isprintable()})
+        raise SourceError(
+            EXTENDS_MISSING,
+            f"`extends` is not a file path: it contains {', '.join(bad)}",
+            "write the parent's path relative to this plan's directory, e.g. `extends: base.yaml`",
+            where,
+        )
     base = os.path.dirname(doc.path) if doc.path else ""
     shown = os.path.normpath(os.path.join(base, ext))
     real = os.path.realpath(os.path.join(_real_dir(doc), ext))
@@ -176,6 +184,35 @@ def validate(data: Mapping[str, Any]):
     return Plan.model_validate(dict(data))
 
 
+def _looks_like_path(text: str) -> bool:
+    """One line that names a file: a .yaml/.yml suffix, an existing path, or no YAML mapping syntax at all
+    (`plans/mixtral`); YAML plan text always has a `key: value`."""
+    if "\n" in text:
+        return False
+    return text.strip().endswith((".yaml", ".yml")) or os.path.exists(text) or (":" not in text and "{" not in text)
+
+
+def _not_a_plan_file(path: str):
+    """A PLC002 Diagnostic when `path` is a directory or does not exist (with the .yaml it may mean), else None."""
+    from planc.lint.diagnostic import ERROR, Diagnostic
+    from planc.spec.source import UNREADABLE
+
+    where = Position(path, 1, 1)
+    try:
+        if os.path.isdir(path):
+            plans = sorted(n for n in os.listdir(path) if n.endswith((".yaml", ".yml")))[:3]
+            example = ", ".join(f"`{os.path.join(path, n)}`" for n in plans) or "`plans/mixtral.yaml`"
+            return Diagnostic(UNREADABLE, ERROR, f"`{path}` is a directory; a plan is one YAML file",
+                              f"pass one plan file, e.g. {example}", where)
+        if not os.path.exists(path):
+            near = [path + s for s in (".yaml", ".yml") if os.path.isfile(path + s)]
+            hint = f"did you mean `{near[0]}`?" if near else "pass the path of a .yaml plan file, YAML text, a mapping or a Plan"
+            return Diagnostic(UNREADABLE, ERROR, f"no such plan file: `{path}`", hint, where)
+    except (ValueError, OSError):  # a NUL byte, a path too long: read_text reports it
+        return None
+    return None
+
+
 def load_plan(source) -> LoadedPlan:
     """Load a plan from a path, a YAML string, a mapping, a Plan or a LoadedPlan; raises PlanError when invalid.
 
@@ -193,10 +230,12 @@ def load_plan(source) -> LoadedPlan:
         return LoadedPlan(plan=source, path=None)
     if isinstance(source, Mapping):
         result = runner.check_data(dict(source))
-    elif isinstance(source, os.PathLike) or (
-        isinstance(source, str) and "\n" not in source and source.strip().endswith((".yaml", ".yml"))
-    ):
-        result = runner.check_file(os.fspath(source))
+    elif isinstance(source, os.PathLike) or (isinstance(source, str) and _looks_like_path(source)):
+        path = os.fspath(source)
+        not_a_file = _not_a_plan_file(path)
+        if not_a_file is not None:
+            raise PlanError([not_a_file])
+        result = runner.check_file(path)
     elif isinstance(source, str):
         result = runner.check_text(source)
     else:
