@@ -10,11 +10,12 @@ __version__ = "0.1.0"
 __all__ = ["load_plan", "lint_paths", "compile", "apply", "destroy_megamoe_buffers", "__version__"]
 
 
-def load_plan(source):
-    """Load and validate a plan (path, YAML string, mapping or LoadedPlan)."""
+def load_plan(source, *, parallel=None):
+    """Load and validate a plan (path, YAML string, mapping or LoadedPlan); `parallel` runs it at other
+    sizes, e.g. `{"tp_size": 2, "ep_size": 2}`, linted again at those sizes."""
     from planc.spec.load import load_plan as _load
 
-    return _load(source)
+    return _load(source, parallel=parallel)
 
 
 def lint_paths(paths, **kwargs):
@@ -31,11 +32,12 @@ def compile(plan, model):  # noqa: A001 - the verb is the API
     return compile_plan(plan, model)
 
 
-def apply(model, plan, *, mesh=None):
-    """Compile `plan` against `model`, then shard and install it on every rank (all or nothing)."""
+def apply(model, plan, *, mesh=None, parallel=None):
+    """Compile `plan` against `model`, then shard and install it on every rank (all or nothing);
+    `parallel` runs the plan at other sizes (see load_plan)."""
     from planc.runtime.install import apply as _apply
 
-    return _apply(model, plan, mesh=mesh)
+    return _apply(model, plan, mesh=mesh, parallel=parallel)
 
 
 def destroy_megamoe_buffers() -> None:

@@ -40,18 +40,20 @@ from planc.runtime.tp_styles import tp_style
 _GPU_KERNELS = {"deepgemm": (9, 0), "sonicmoe": (9, 0)}
 
 
-def apply(model: nn.Module, plan, *, mesh=None):
+def apply(model: nn.Module, plan, *, mesh=None, parallel=None):
     """Compile `plan` against `model`, then shard and install it on every rank (all or nothing).
 
     `plan`: a path, YAML text, mapping, `LoadedPlan` or `Plan`. `mesh`: an optional ("dp", "tp")
-    DeviceMesh; planc builds one from the plan's sizes otherwise. Returns the CompiledPlan.
+    DeviceMesh; planc builds one from the plan's sizes otherwise. `parallel`: run the plan at other
+    sizes, e.g. `{"tp_size": 2, "ep_size": 2}` (checked like the plan's own, `load_plan(parallel=)`).
+    Returns the CompiledPlan.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise ApplyError(
             "planc.runtime.install: torch.distributed is not initialized. Launch with torchrun (or call "
             "torch.distributed.init_process_group) before planc.apply."
         )
-    compiled, problems = _compile_and_check(model, plan, mesh)
+    compiled, problems = _compile_and_check(model, plan, mesh, parallel)
     _agree_across_ranks(compiled, problems)
     groups = build_groups(compiled.parallel, mesh)
     state = InstallState(model=model, compiled=compiled, groups=groups)
@@ -62,14 +64,14 @@ def apply(model: nn.Module, plan, *, mesh=None):
 # ---- 2. compile and local checks ---------------------------------------------------------------------------
 
 
-def _compile_and_check(model, plan, mesh):
+def _compile_and_check(model, plan, mesh, parallel=None):
     """The CompiledPlan (or None) and the list of problems found on this rank, without any communication.
 
     A world that does not fit the plan's sizes is reported first and alone: every other problem
     (heads split, experts uneven) would be about sizes that are not the ones launched.
     """
     try:
-        loaded = _load(plan)
+        loaded = _load(plan, parallel)
         if mesh is None:
             sizes = _world_problem(model, loaded)
             if sizes:
@@ -85,10 +87,10 @@ def _compile_and_check(model, plan, mesh):
     return compiled, problems
 
 
-def _load(plan):
+def _load(plan, parallel=None):
     from planc.spec.load import load_plan
 
-    return load_plan(plan)
+    return load_plan(plan, parallel=parallel)
 
 
 def _world_problem(model, loaded) -> Optional[str]:
@@ -101,7 +103,7 @@ def _world_problem(model, loaded) -> Optional[str]:
     if not problems:
         return None
     found = sizes_for_world(loaded, model, world)
-    hint = sizes_hint(found, world, "change `parallel` in the plan to match the world")
+    hint = sizes_hint(found, world, "change `parallel` in the plan (or pass `planc.apply(..., parallel={...})`) to match the world")
     return (
         f"{problems[0].code}: {problems[0].message}. Launch {p.world_size} processes (torchrun --nproc-per-node "
         f"{p.world_size}), or {hint}."

@@ -123,13 +123,54 @@ def build_model(config, *, meta: bool = False, **kwargs):
         ) from e
 
 
+# Shrunk values for any MoE family, by config attribute name (only the attributes a family's config has
+# are set). Heads are a multiple of 4 and experts of 8, so every size planc demo and the tests use
+# (1, 2, 4 ranks) divides them.
+_TINY_HEADS = 4
+_TINY_EXPERTS = 8
+_TINY_DERIVED: dict[str, Any] = dict(
+    num_hidden_layers=2, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+    shared_expert_intermediate_size=32, expert_intermediate_size=32, ffn_hidden_size=64,
+    num_attention_heads=_TINY_HEADS, num_key_value_heads=_TINY_HEADS, head_dim=16,
+    num_local_experts=_TINY_EXPERTS, num_experts=_TINY_EXPERTS, n_routed_experts=_TINY_EXPERTS,
+    moe_num_experts=_TINY_EXPERTS, num_experts_per_tok=2, moe_topk=2, n_group=1, topk_group=1,
+    n_shared_experts=1, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=128, max_position_embeddings=128,
+    kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+)
+
+
+def derive_tiny_config(model_type: str, **overrides):
+    """A tiny config for any family transformers can build, derived from the family's own config class:
+    its defaults with layers, widths, vocabulary, heads and experts shrunk (`_TINY_DERIVED`), per-layer
+    lists cut to the new depth, and token ids that would fall outside the small vocabulary unset.
+
+    Families with a hand-tuned entry in TINY_CONFIGS use that instead (`tiny_config`). Raises
+    ModelBuildError when the derived config does not build.
+    """
+    defaults = build_config(model_type).to_dict()
+    kwargs = {k: v for k, v in _TINY_DERIVED.items() if k in defaults}
+    layers = kwargs.get("num_hidden_layers", defaults.get("num_hidden_layers"))
+    for key, value in defaults.items():
+        if isinstance(value, list) and layers and len(value) > layers and key.endswith("layer_types"):
+            kwargs[key] = value[:layers]
+        elif key.endswith("_token_id") and isinstance(value, int) and value >= kwargs.get("vocab_size", value + 1):
+            kwargs[key] = None
+    if defaults.get("first_k_dense_replace"):
+        kwargs["first_k_dense_replace"] = 1  # one dense layer, one MoE layer
+    if defaults.get("sliding_window"):
+        kwargs["sliding_window"] = 8
+    kwargs.update(overrides)
+    kwargs.setdefault("tie_word_embeddings", False)
+    config = build_config(model_type, kwargs)
+    config._attn_implementation = "eager"
+    return config
+
+
 def tiny_config(model_type: str, **overrides):
-    """The tiny config of `model_type` (fp32, eager attention), with `overrides` applied."""
+    """The tiny config of `model_type` (fp32, eager attention), with `overrides` applied: the hand-tuned
+    one of TINY_CONFIGS, else one derived from the family's own config class (`derive_tiny_config`)."""
     if model_type not in TINY_CONFIGS:
-        raise ValueError(
-            f"planc.runtime.models: no tiny config for `{model_type}`; known: {', '.join(MODEL_TYPES)}. "
-            "Build the model yourself from a config and pass it to planc.apply."
-        )
+        return derive_tiny_config(model_type, **overrides)
     kwargs = {**TINY_CONFIGS[model_type], **overrides}
     kwargs.setdefault("tie_word_embeddings", False)
     config = build_config(model_type, kwargs)

@@ -213,13 +213,53 @@ def _not_a_plan_file(path: str):
     return None
 
 
-def load_plan(source) -> LoadedPlan:
+PARALLEL_KEYS = ("tp_size", "ep_size", "dp_size")
+
+
+def load_plan(source, *, parallel: Optional[Mapping[str, int]] = None) -> LoadedPlan:
     """Load a plan from a path, a YAML string, a mapping, a Plan or a LoadedPlan; raises PlanError when invalid.
 
     Every source except a Plan (already validated) or a LoadedPlan (returned as is) goes through the
     linter: a plan that `planc lint` rejects does not load, and the PlanError carries the same
     diagnostics. Warnings are kept on `LoadedPlan.diagnostics`.
+
+    `parallel` runs the plan at other sizes (`{"tp_size": 2, "ep_size": 2}`; keys left out keep the
+    plan's values): the plan is loaded as written, then linted again with the sizes replaced, so
+    the size rules (PLC500-PLC503) and the EP rules hold at the sizes that will run.
     """
+    loaded = _load(source)
+    return with_parallel(loaded, parallel) if parallel else loaded
+
+
+def with_parallel(loaded: LoadedPlan, parallel: Mapping[str, int]) -> LoadedPlan:
+    """`loaded` with its `parallel` sizes replaced, linted again; PlanError (naming the override) if that fails."""
+    from planc.errors import PlanError
+    from planc.lint import runner
+    from planc.lint.context import LintContext
+
+    if not isinstance(parallel, Mapping) or not set(parallel) <= set(PARALLEL_KEYS):
+        unknown = sorted(set(parallel) - set(PARALLEL_KEYS)) if isinstance(parallel, Mapping) else parallel
+        raise TypeError(f"parallel= takes a mapping with the keys {', '.join(PARALLEL_KEYS)}; got {unknown!r}")
+    data = loaded.plan.model_dump(exclude_none=True)
+    data.pop("extends", None)  # merged already
+    data["parallel"] = {**data["parallel"], **dict(parallel)}
+    # the sizes no longer come from the file: diagnostics about them point at its `parallel` key
+    keys = {kp: p for kp, p in loaded.key_positions.items() if kp[:1] != ("parallel",) or len(kp) == 1}
+    values = {kp: p for kp, p in loaded.value_positions.items() if kp[:1] != ("parallel",) or len(kp) == 1}
+    result = runner.check_context(LintContext(data, None, loaded.path, keys, values))
+    shown = ", ".join(f"{k}={v}" for k, v in parallel.items())
+    errors = [d for d in result.diagnostics if d.severity == "error"]
+    if errors or result.loaded is None:
+        import dataclasses
+
+        raise PlanError([dataclasses.replace(d, message=f"{d.message} (with parallel sizes {shown})")
+                         for d in errors or result.diagnostics])
+    result.loaded.docs = loaded.docs
+    result.loaded.diagnostics = list(result.diagnostics)
+    return result.loaded
+
+
+def _load(source) -> LoadedPlan:
     from planc.errors import PlanError
     from planc.lint import runner
     from planc.spec.model import Plan

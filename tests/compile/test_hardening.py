@@ -165,3 +165,39 @@ def test_compile_names_the_missing_suffix_the_directory_and_a_missing_model():
 def test_explain_on_a_missing_file_exits_2_like_lint(tmp_path, capsys):
     assert main(["explain", str(tmp_path / "missing.yaml")]) == 2
     assert "PLC002" in capsys.readouterr().err
+
+
+# ---- 16. the README's migrate example runs as written ----------------------------------------------------
+
+
+def test_readme_migrate_example_runs_as_pasted(tmp_path):
+    import re
+
+    block = re.search(r"<!-- runnable: migrate -->\n```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    assert block, "README.md has no runnable migrate example"
+    bin_dir = os.path.dirname(sys.executable)
+    run_env = {**env(), "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    r = subprocess.run(["bash", "-e", "-c", block.group(1)], cwd=tmp_path, env=run_env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "PLC320" in r.stdout and "+  model.layers.*.mlp.experts: ep_dispatch_experts" in r.stdout
+    assert r.stdout.rstrip().endswith("1 file checked: no problems")
+    assert "ep_dispatch_experts" in (tmp_path / "old_plan.yaml").read_text()
+
+
+# ---- 17. running a plan at other sizes -------------------------------------------------------------------
+
+
+def test_load_plan_at_other_sizes_is_checked_like_the_plan():
+    import planc
+    from planc.errors import PlanError
+
+    path = str(REPO / "plans" / "mixtral.yaml")
+    assert planc.load_plan(path).plan.parallel.tp_size == 8
+    loaded = planc.load_plan(path, parallel={"tp_size": 2, "ep_size": 2})
+    assert (loaded.plan.parallel.tp_size, loaded.plan.parallel.ep_size, loaded.plan.parallel.dp_size) == (2, 2, 1)
+    assert loaded.position(("tp_plan",)).line > 1  # positions of the plan's own keys are kept
+    with pytest.raises(PlanError, match=r"PLC500 .*\(with parallel sizes tp_size=2, ep_size=3\)"):
+        planc.load_plan(path, parallel={"tp_size": 2, "ep_size": 3})
+    with pytest.raises(TypeError, match="tp_size, ep_size, dp_size"):
+        planc.load_plan(path, parallel={"tp": 2})

@@ -191,3 +191,28 @@ def test_a_pattern_with_a_newline_stays_on_one_line():
     d = lint_text(HEAD + 'tp_plan:\n  "model.a\\nb\\x1b[2J": colwise\n', "p.yaml")
     text = d[0].format()
     assert text.count("\n") == 1 and "\\n" in text and "\x1b" not in text, text
+
+
+# ---- 15. CLI conventions ---------------------------------------------------------------------------------
+
+
+def test_version_flag():
+    from planc import __version__
+
+    r = planc("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"planc {__version__}", r.stdout + r.stderr
+
+
+def test_unknown_option_prints_the_commands_usage():
+    r = planc("lint", "--bogus")
+    assert r.returncode == 2 and r.stderr.startswith("usage: planc lint "), r.stderr
+    assert "planc lint: error: unrecognized arguments: --bogus" in r.stderr
+
+
+def test_summary_counts_files_and_paths_without_plans(tmp_path):
+    (tmp_path / "good.yaml").write_text(GOOD)
+    (tmp_path / "empty").mkdir()
+    r = planc("lint", str(tmp_path / "good.yaml"), str(tmp_path / "missing.yaml"))
+    assert r.returncode == 2 and r.stdout.splitlines()[-1].endswith("in 1 file; 1 path had no plan to lint"), r.stdout
+    r = planc("lint", str(tmp_path / "empty"))
+    assert r.returncode == 1 and r.stdout.splitlines()[-1].endswith("in 0 files; 1 path had no plan to lint"), r.stdout
