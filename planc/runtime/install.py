@@ -103,7 +103,10 @@ def _world_problem(model, loaded) -> Optional[str]:
     if not problems:
         return None
     found = sizes_for_world(loaded, model, world)
-    hint = sizes_hint(found, world, "change `parallel` in the plan (or pass `planc.apply(..., parallel={...})`) to match the world")
+    hint = sizes_hint(found, world, "change `parallel` in the plan to match the world")
+    if found:  # the same sizes without editing the plan: planc.apply(..., parallel=...)
+        s = found[0]
+        hint += f" (or keep the plan and pass parallel={{'tp_size': {s.tp}, 'ep_size': {s.ep}, 'dp_size': {s.dp}}})"
     return (
         f"{problems[0].code}: {problems[0].message}. Launch {p.world_size} processes (torchrun --nproc-per-node "
         f"{p.world_size}), or {hint}."
