@@ -19,11 +19,12 @@ if TYPE_CHECKING:
     from torch import nn
 
 
-def load_plan(source):
-    """Load and validate a plan (path, YAML string, mapping or LoadedPlan)."""
+def load_plan(source, *, parallel=None):
+    """Load and validate a plan (path, YAML string, mapping or LoadedPlan); `parallel` runs it at other
+    sizes, e.g. `{"tp_size": 2, "ep_size": 2}`, linted again at those sizes."""
     from planc.spec.load import load_plan as _load
 
-    return _load(source)
+    return _load(source, parallel=parallel)
 
 
 def lint_paths(paths, **kwargs):
@@ -40,21 +41,23 @@ def compile(plan, model):  # noqa: A001 - the verb is the API
     return compile_plan(plan, model)
 
 
-def apply(model, plan, *, mesh=None):
-    """Compile `plan` against `model`, then shard and install it on every rank (all or nothing)."""
+def apply(model, plan, *, mesh=None, parallel=None):
+    """Compile `plan` against `model`, then shard and install it on every rank (all or nothing);
+    `parallel` runs the plan at other sizes (see load_plan)."""
     from planc.runtime.install import apply as _apply
 
-    return _apply(model, plan, mesh=mesh)
+    return _apply(model, plan, mesh=mesh, parallel=parallel)
 
 
-def load(source, plan, *, dtype=None, device=None, mesh=None):
+def load(source, plan, *, dtype=None, device=None, mesh=None, parallel=None):
     """Load the checkpoint directory `source` sharded by `plan`: every rank reads only its own shards.
 
     Returns the applied model (as `from_pretrained` returns one); its CompiledPlan is `model._planc_plan`.
+    `parallel` runs the plan at other sizes, as for `apply`.
     """
     from planc.runtime.checkpoint.load import load as _load
 
-    return _load(source, plan, dtype=dtype, device=device, mesh=mesh)
+    return _load(source, plan, dtype=dtype, device=device, mesh=mesh, parallel=parallel)
 
 
 def save(model: nn.Module, directory) -> Path:
