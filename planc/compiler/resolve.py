@@ -52,6 +52,8 @@ HEAD_SPLIT = "PLC617"
 WRONG_TABLE = "PLC618"
 BAD_PATTERN = "PLC619"
 BAD_SIZES = "PLC620"
+MEGAMOE_ACTIVATION = "PLC621"
+MEGAMOE_KERNEL_BLOCKS = "PLC622"
 # Warning codes.
 REPLICATED_DENSE = "PLC651"
 TABLE_INACTIVE = "PLC652"
@@ -84,6 +86,11 @@ def _shard_dim(style: str, shape: tuple) -> Optional[int]:
 
 MEGAMOE_MAX_TOP_K = 32
 MEGAMOE_MAX_RANKS = 72
+# The real kernel's block alignment beyond its host checks (% 128): H/128 must be even, and at decode-sized
+# batches (about <= 8.5 tokens per expert) its heuristics take BLOCK_K = 256 over the intermediate size.
+MEGAMOE_KERNEL_BLOCK = 256
+# Config fields of gated activations other than the kernel's SiLU SwiGLU (the clamp is `swiglu_limit`).
+MEGAMOE_OTHER_ACTIVATION_FIELDS = ("swiglu_alpha", "mlp_gate_softcap", "mlp_up_softcap", "gate_softcap", "up_softcap")
 ATTENTION_PROJ = {"q_proj": "out", "k_proj": "out", "v_proj": "out", "o_proj": "in"}
 
 
@@ -612,29 +619,42 @@ class _Resolver:
                 _where(self.loaded, ("parallel", "ep_size")),
                 f"set ep_size <= {MEGAMOE_MAX_RANKS}",
             )
+        self.check_megamoe_activation(m, impl_where)
         backend = settings.backend if settings else "auto"
         h, i = info.hidden_size, info.intermediate_size
+        backend_where = _where(self.loaded, ("experts", "megamoe", "backend"))
         if h is not None and i is not None and backend in ("deep_gemm", "auto"):
             bad = [f"{n} {v}" for n, v in (("hidden", h), ("intermediate", i)) if v % 128]
+            blocks = [f"{n} {v}" for n, v in (("hidden", h), ("intermediate", i)) if v % MEGAMOE_KERNEL_BLOCK]
             if bad and backend == "deep_gemm":
                 self.problems.add(
                     MEGAMOE_SIZES,
                     f"the deep_gemm Mega MoE kernel needs hidden and intermediate sizes divisible by 128, "
                     f"got {', '.join(bad)}",
-                    _where(self.loaded, ("experts", "megamoe", "backend")),
-                    "write `megamoe: {backend: reference}` (PyTorch reference), or use `implementation: grouped_mm`",
+                    backend_where,
+                    "write `megamoe: {backend: triton}` (FP4 kept packed) or `{backend: reference}` (PyTorch), "
+                    "or use `implementation: grouped_mm`",
                     m.fqn,
                 )
-            elif bad or h % (512 if h > 4096 else 256) or i % 256:
+            elif blocks and backend == "deep_gemm":
+                self.problems.add(
+                    MEGAMOE_KERNEL_BLOCKS,
+                    f"the deep_gemm Mega MoE kernel passes its host checks (% 128) but not its block alignment: "
+                    f"hidden / 128 must be even and, at decode-sized batches (BLOCK_K {MEGAMOE_KERNEL_BLOCK}), "
+                    f"intermediate % {MEGAMOE_KERNEL_BLOCK} == 0; got {', '.join(blocks)}",
+                    backend_where,
+                    "write `megamoe: {backend: triton}` (FP4 kept packed) or `{backend: reference}`",
+                    m.fqn,
+                )
+            elif blocks:
                 self.warnings.append(
                     CompileWarning(
                         MEGAMOE_ALIGNMENT,
-                        f"{generic_path(m.fqn)}: hidden {h} / intermediate {i} "
-                        + ("are not multiples of 128: backend `auto` falls back to the reference"
-                           if bad else "pass the kernel's host checks (128) but not its block alignment "
-                           "(hidden % 256, % 512 above 4096; intermediate % 256)"),
-                        "verify on the target GPU, or write `megamoe: {backend: reference}`",
-                        _where(self.loaded, ("experts", "megamoe", "backend")),
+                        f"{generic_path(m.fqn)}: hidden {h} / intermediate {i} are not multiples of "
+                        f"{MEGAMOE_KERNEL_BLOCK}, which the deep_gemm kernel needs: backend `auto` runs the Triton "
+                        "backend (or the reference) even on SM100",
+                        "write `megamoe: {backend: triton}` to say so",
+                        backend_where,
                     )
                 )
         quantize = settings.quantize if settings else "none"
@@ -646,6 +666,27 @@ class _Resolver:
                 _where(self.loaded, ("experts", "megamoe")),
                 "write `megamoe: {quantize: fp4}` to quantize the experts when the plan is applied, or load an "
                 "FP4 checkpoint",
+                m.fqn,
+            )
+
+    def check_megamoe_activation(self, m, where) -> None:
+        """Every Mega MoE backend computes the kernel's SiLU SwiGLU (with the `swiglu_limit` clamp) and nothing else."""
+        config = self.walk.config
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        act = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None)
+        reasons = []
+        if act is not None and str(act).lower() not in ("silu", "swish"):
+            reasons.append(f"hidden_act is {act!r}")
+        for name in MEGAMOE_OTHER_ACTIVATION_FIELDS:
+            if getattr(text, name, None) is not None:
+                reasons.append(f"{name} is {getattr(text, name)!r}")
+        if reasons:
+            self.problems.add(
+                MEGAMOE_ACTIVATION,
+                f"Mega MoE computes SiLU SwiGLU (clamped by swiglu_limit) and nothing else, but this model's config "
+                f"sets {', '.join(reasons)}: the experts would compute a different function",
+                where,
+                "use `implementation: grouped_mm` for this model",
                 m.fqn,
             )
 
