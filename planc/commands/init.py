@@ -24,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="transformers `config.model_type`, e.g. mixtral",
     )
     parser.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
+    parser.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
 
 
 def _transformers_plans(model_type: str):
@@ -123,14 +124,25 @@ def _render(model_type, config_cls, model_cls, version, size, tp, ep, notes) -> 
 
 
 def run(args: argparse.Namespace) -> int:
+    from planc.commands.files import OutputError, check_target, write_file
+
+    if args.output:
+        try:
+            check_target(args.output, overwrite=args.force)  # before the minute of building and compiling
+        except OutputError as e:
+            sys.stderr.write(f"planc init: {e}\n")
+            return 2
     try:
         text = init_plan(args.model_type)
     except (ValueError, KeyError) as e:
         sys.stderr.write(f"planc init: {e}\n")
         return 2
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(text)
+        try:
+            write_file(args.output, text.encode("utf-8"), overwrite=args.force)
+        except OutputError as e:
+            sys.stderr.write(f"planc init: {e}\n")
+            return 2
     else:
         sys.stdout.write(text)
     return 0

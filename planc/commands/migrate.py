@@ -2,8 +2,11 @@
 
 Without `--write` it prints a unified diff and changes nothing. The result is linted before it is
 shown or written: a migration that would not lint clean is refused (exit 1) with the diagnostics.
-Exit status: 0 migrated or nothing to do, 1 the result does not lint clean, 2 unreadable input or a
-plan the line editor cannot rewrite.
+Exit status: 0 migrated or nothing to do, 1 the result does not lint clean, 2 unreadable input, a
+plan the line editor cannot rewrite, or a file that cannot be written (read-only file or directory,
+full disk): `--write` replaces the plan atomically (planc.commands.files), so it is never left
+half-written. A leading byte-order mark and every untouched byte are kept; a symlink is written
+through to its target.
 """
 
 from __future__ import annotations
@@ -18,13 +21,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from planc.commands.files import OutputError, write_file
     from planc.lint.runner import lint_text
     from planc.spec.migrate import MigrateError, migrate_text
-    from planc.spec.source import SourceError, read_text
+    from planc.spec.source import SourceError, decode, read_bytes
 
     try:
-        text = read_text(args.plan)
-        migration = migrate_text(text, args.plan)
+        raw = read_bytes(args.plan)
+        migration = migrate_text(decode(raw, args.plan), args.plan)
     except (SourceError, MigrateError) as e:
         sys.stderr.write(f"planc migrate: {args.plan}: {e}\n")
         return 2
@@ -41,8 +45,12 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(migration.diff(args.plan))
         return 1
     if args.write:
-        with open(args.plan, "w", encoding="utf-8", newline="") as f:
-            f.write(migration.text)
+        bom = b"\xef\xbb\xbf" if raw.startswith(b"\xef\xbb\xbf") else b""
+        try:
+            write_file(args.plan, bom + migration.text.encode("utf-8"), overwrite=True)
+        except OutputError as e:
+            sys.stderr.write(f"planc migrate: {e}\n")
+            return 2
         sys.stdout.write("".join(f"{args.plan}: {c}\n" for c in migration.changes))
     else:
         sys.stdout.write(migration.diff(args.plan))

@@ -38,11 +38,12 @@ def run(args: argparse.Namespace) -> int:
 
     text = schema_text()
     if args.output:
+        from planc.commands.files import OutputError, write_file
+
         try:
-            with open(args.output, "w", encoding="utf-8") as f:
-                f.write(text)
-        except OSError as e:
-            sys.stderr.write(f"planc schema: cannot write {args.output}: {e.strerror}\n")
+            write_file(args.output, text.encode("utf-8"), overwrite=True)  # regenerating is the point
+        except OutputError as e:
+            sys.stderr.write(f"planc schema: {e}\n")
             return 2
     else:
         sys.stdout.write(text)

@@ -79,10 +79,14 @@ def render_text(compiled: CompiledPlan) -> str:
         f"(model {human_bytes(compiled.bytes_total)})"
     )
     covered = "full" if compiled.full_coverage else "INCOMPLETE"
+    experts = (
+        f"{compiled.experts_covered}/{len(compiled.experts)} experts modules sharded"
+        if compiled.experts
+        else "no experts module found (planc finds experts by transformers' experts contract; see docs/compile.md)"
+    )
     lines.append(
         f"coverage: {covered}: {sum(1 for c in compiled.coverage if c.modules + c.parameters)}/"
-        f"{len(compiled.coverage)} rules matched, {compiled.experts_covered}/{len(compiled.experts)} experts "
-        "modules sharded"
+        f"{len(compiled.coverage)} rules matched, {experts}"
     )
     other = [w for w in compiled.warnings if w.code != "PLC651"]  # PLC651: the replicated section above
     if other:

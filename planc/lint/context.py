@@ -6,13 +6,18 @@ other part of the plan fails validation) and `ctx.plan` for everything typed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 from planc.lint.diagnostic import Diagnostic
+from planc.spec.patterns import MAX_ALTERNATIVES, Pattern, PatternError, try_pattern
 from planc.spec.source import Position, nearest_key_position
 
 TABLES = ("tp_plan", "ep_plan")
+
+# Alternatives over all patterns of one plan: rules compare them pairwise (PLC406), so the total is
+# bounded too. The shipped plans have under 40.
+MAX_PLAN_ALTERNATIVES = 4 * MAX_ALTERNATIVES
 
 
 @dataclass
@@ -22,6 +27,7 @@ class LintContext:
     path: Optional[str]
     key_positions: dict
     value_positions: dict
+    _patterns: Optional[dict] = field(default=None, repr=False, compare=False)
 
     def position(self, keypath) -> Position:
         """Position of a key, else of the nearest enclosing key, else the top of the file."""
@@ -48,3 +54,24 @@ class LintContext:
             for pattern, style in table.items():
                 if isinstance(pattern, str) and isinstance(style, str):
                     yield pattern, style
+
+    def patterns(self, name: str) -> Iterator[tuple[str, str, "Pattern | PatternError"]]:
+        """(pattern, style, parsed) of a rule table; past the plan's alternatives budget `parsed` is
+        a PatternError, so no rule expands more than MAX_PLAN_ALTERNATIVES in total."""
+        if self._patterns is None:
+            self._patterns, total = {}, 0
+            for table in TABLES:
+                for pattern, _style in self.table(table):
+                    parsed = try_pattern(pattern)
+                    if isinstance(parsed, Pattern):
+                        total += len(parsed.alternatives)
+                        if total > MAX_PLAN_ALTERNATIVES:
+                            parsed = PatternError(
+                                pattern,
+                                f"the plan's patterns expand to more than {MAX_PLAN_ALTERNATIVES} alternatives "
+                                "in total up to this one",
+                                "write fewer brace alternatives: use `*` for segments whose names do not matter",
+                            )
+                    self._patterns[(table, pattern)] = parsed
+        for pattern, style in self.table(name):
+            yield pattern, style, self._patterns[(name, pattern)]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from planc.lint.registry import rule
 from planc.lint.diagnostic import WARNING
-from planc.spec.patterns import Pattern, PatternError
+from planc.spec.patterns import PatternError
 
 MEGAMOE_OTHER_EP = "PLC400"
 MEGAMOE_EP_OTHER_EXPERTS = "PLC401"
@@ -161,11 +161,8 @@ def check_dispatch_without_ep(ctx):
             )
 
 
-def _alternatives(text):
-    try:
-        return Pattern(text).alternatives
-    except PatternError:  # reported by PLC300
-        return ()
+def _alternatives(parsed):
+    return () if isinstance(parsed, PatternError) else parsed.alternatives  # errors: reported by PLC300
 
 
 def _unify(a, b) -> bool:
@@ -187,11 +184,11 @@ def check_tp_on_ep_experts(ctx):
     if ctx.plan.parallel.ep_size <= 1:
         return
     covered = []  # (alternative, ep pattern, is_module)
-    for pattern, style in ctx.table("ep_plan"):
+    for pattern, style, parsed in ctx.patterns("ep_plan"):
         if style in ("ep_dispatch_experts", "grouped_gemm"):
-            covered += [(alt, pattern, style == "ep_dispatch_experts") for alt in _alternatives(pattern)]
-    for pattern, _style in ctx.table("tp_plan"):
-        for alt in _alternatives(pattern):
+            covered += [(alt, pattern, style == "ep_dispatch_experts") for alt in _alternatives(parsed)]
+    for pattern, _style, parsed in ctx.patterns("tp_plan"):
+        for alt in _alternatives(parsed):
             hit = next(
                 (ep for ep_alt, ep, is_module in covered
                  if _unify(alt[: len(ep_alt)] if is_module else alt, ep_alt)),

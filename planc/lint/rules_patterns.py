@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from planc.lint.context import TABLES
 from planc.lint.registry import rule
-from planc.spec.patterns import PatternError, try_pattern
+from planc.spec.patterns import PatternError
 
 _HEAD = "version: 1\nmodel: {type: mixtral}\nparallel: {tp_size: 2}\ntp_plan:\n"
 
@@ -20,10 +20,12 @@ INVALID_PATTERN = "PLC300"
 def check_patterns(ctx):
     """A pattern is dot-separated segments: `*` is one whole segment, `{a,b}` lists alternatives inside
     a segment. Empty segments (`a..b`), unbalanced or nested braces, `*` inside a name (`q*`) and
-    regex or glob characters can never match a module path, so the rule would silently do nothing."""
+    regex or glob characters can never match a module path, so the rule would silently do nothing.
+    Brace groups multiply: a pattern may expand to at most 256 alternatives and a plan to 1024 in
+    total (the count is computed before expanding), so a hostile plan cannot make lint, compile or
+    apply take unbounded time or memory."""
     for table in TABLES:
-        for pattern, _style in ctx.table(table):
-            parsed = try_pattern(pattern)
+        for pattern, _style, parsed in ctx.patterns(table):
             if isinstance(parsed, PatternError):
                 yield ctx.diag(
                     INVALID_PATTERN,

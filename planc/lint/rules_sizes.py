@@ -1,17 +1,34 @@
-"""Size rules: an EP group size that does not fit the TP groups and the world."""
+"""Size rules: sizes beyond any cluster, and an EP group size that does not fit the TP groups and the world.
+
+The check itself is `planc.spec.sizes.check_sizes` (the compiler and the runtime call the same
+function, and its hints come from the one solver, `solve_sizes`); these rules only place its
+problems in the file.
+"""
 
 from __future__ import annotations
 
-from planc.lint.registry import rule
-
-EP_NOT_MULTIPLE_OF_TP = "PLC500"
-EP_NOT_DIVIDING_WORLD = "PLC501"
+from planc.lint.registry import Rule, register, rule
+from planc.spec.sizes import (
+    EP_NOT_DIVIDING_WORLD,
+    EP_NOT_MULTIPLE_OF_TP,
+    MAX_WORLD_SIZE,
+    SIZE_BEYOND_CLUSTERS,
+    WORLD_MISMATCH,
+    check_sizes,
+)
 
 _TOP = "version: 1\nmodel: {type: mixtral}\n"
 _EP = (
     "ep_plan:\n  model.layers.*.mlp.experts.{gate_up_proj,down_proj}: grouped_gemm\n"
     "  model.layers.*.mlp.experts: ep_dispatch_experts\n"
 )
+
+
+def _problems(ctx, code):
+    p = ctx.plan.parallel
+    for problem in check_sizes(p.tp_size, p.ep_size, p.dp_size):
+        if problem.code == code:
+            yield ctx.diag(code, problem.message, problem.hint, problem.key, at_value=True)
 
 
 @rule(
@@ -22,14 +39,7 @@ _EP = (
 def check_multiple_of_tp(ctx):
     """An EP group is `ep_size` consecutive ranks and must be made of whole TP groups, so that
     every rank of a TP group sees the same experts. `ep_size: 1` (no EP) is always fine."""
-    p = ctx.plan.parallel
-    if p.ep_size > 1 and p.ep_size % p.tp_size:
-        yield ctx.diag(
-            EP_NOT_MULTIPLE_OF_TP,
-            f"ep_size {p.ep_size} is not a multiple of tp_size {p.tp_size}",
-            f"use an ep_size that is a multiple of {p.tp_size} (e.g. `ep_size: {p.tp_size}`), or `ep_size: 1`",
-            ("parallel", "ep_size"), at_value=True,
-        )
+    yield from _problems(ctx, EP_NOT_MULTIPLE_OF_TP)
 
 
 @rule(
@@ -40,13 +50,28 @@ def check_multiple_of_tp(ctx):
 def check_divides_world(ctx):
     """The world (`tp_size * dp_size` ranks) is cut into EP groups of `ep_size` ranks; a remainder
     would leave ranks without an EP group."""
-    p = ctx.plan.parallel
-    world = p.world_size
-    if p.ep_size > 1 and world % p.ep_size:
-        divisors = [d for d in range(p.tp_size, world + 1, p.tp_size) if world % d == 0 and d > 1]
-        yield ctx.diag(
-            EP_NOT_DIVIDING_WORLD,
-            f"ep_size {p.ep_size} does not divide the world size tp_size*dp_size = {world}",
-            f"use an ep_size among {divisors[:6]}, or change dp_size" if divisors else "set `ep_size: 1`",
-            ("parallel", "ep_size"), at_value=True,
-        )
+    yield from _problems(ctx, EP_NOT_DIVIDING_WORLD)
+
+
+@rule(
+    SIZE_BEYOND_CLUSTERS, "size-beyond-any-cluster", "A parallel size is larger than any cluster",
+    bad=_TOP + "parallel: {tp_size: 8, ep_size: 8, dp_size: 100000000000}\n" + _EP,
+    good=_TOP + "parallel: {tp_size: 8, ep_size: 8, dp_size: 16}\n" + _EP,
+)
+def check_world_size(ctx):
+    """`tp_size`, `ep_size`, `dp_size` and the world `tp_size * dp_size` are at most 2**20 (1,048,576)
+    ranks, an order of magnitude above the largest clusters: a larger value is a typo. The other size
+    rules skip such a plan, so their hints are always computed over a bounded range."""
+    yield from _problems(ctx, SIZE_BEYOND_CLUSTERS)
+
+
+register(Rule(
+    WORLD_MISMATCH, "world-size-mismatch", "the launched world does not have `tp_size * dp_size` ranks",
+    "`planc.apply` compares the plan's world (`tp_size * dp_size`) with `torch.distributed`'s world size "
+    "before anything else: with the wrong number of processes every other check is moot, so this problem "
+    "is reported alone, once, with the ranks it happened on. The hint lists sizes that fit the launched "
+    "world and pass every other check of the plan against the model.",
+    family="sizes",
+))
+
+__all__ = ["MAX_WORLD_SIZE"]

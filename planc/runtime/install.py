@@ -63,12 +63,21 @@ def apply(model: nn.Module, plan, *, mesh=None):
 
 
 def _compile_and_check(model, plan, mesh):
-    """The CompiledPlan (or None) and the list of problems found on this rank, without any communication."""
-    compiled, problems = None, []
+    """The CompiledPlan (or None) and the list of problems found on this rank, without any communication.
+
+    A world that does not fit the plan's sizes is reported first and alone: every other problem
+    (heads split, experts uneven) would be about sizes that are not the ones launched.
+    """
     try:
-        compiled = _compile(model, plan)
+        loaded = _load(plan)
+        if mesh is None:
+            sizes = _world_problem(model, loaded)
+            if sizes:
+                return None, [sizes]
+        compiled = _compile(model, loaded)
     except Exception as e:  # noqa: BLE001 - reported on every rank by _agree_across_ranks instead of hanging them
         return None, [f"{type(e).__name__}: {e}"]
+    problems = []
     try:
         problems += _local_checks(model, compiled, mesh)
     except Exception as e:  # noqa: BLE001
@@ -76,23 +85,40 @@ def _compile_and_check(model, plan, mesh):
     return compiled, problems
 
 
+def _load(plan):
+    from planc.spec.load import load_plan
+
+    return load_plan(plan)
+
+
+def _world_problem(model, loaded) -> Optional[str]:
+    """The sizes problem of this world (`planc.spec.sizes.check_sizes`), with sizes that fit it and compile."""
+    from planc.compiler.resolve import sizes_for_world
+    from planc.spec.sizes import check_sizes, sizes_hint
+
+    p, world = loaded.plan.parallel, dist.get_world_size()
+    problems = check_sizes(p.tp_size, p.ep_size, p.dp_size, world)
+    if not problems:
+        return None
+    found = sizes_for_world(loaded, model, world)
+    hint = sizes_hint(found, world, "change `parallel` in the plan to match the world")
+    return (
+        f"{problems[0].code}: {problems[0].message}. Launch {p.world_size} processes (torchrun --nproc-per-node "
+        f"{p.world_size}), or {hint}."
+    )
+
+
 def _local_checks(model, compiled, mesh) -> list[str]:
     problems = []
-    if mesh is None and dist.get_world_size() != compiled.parallel.world_size:
-        p = compiled.parallel
-        problems.append(
-            f"the plan needs tp_size * dp_size = {p.tp_size} * {p.dp_size} = {p.world_size} processes, but the "
-            f"world has {dist.get_world_size()}. Launch {p.world_size} processes, or change `parallel` in the plan."
-        )
     problems += _already_sharded(model)
     problems += _unrunnable_experts(model, compiled)
     return problems
 
 
-def _compile(model, plan):
-    from planc.compiler.resolve import compile_plan  # accepts a path, YAML text, mapping, Plan or LoadedPlan
+def _compile(model, loaded):
+    from planc.compiler.resolve import compile_plan
 
-    return compile_plan(plan, model)
+    return compile_plan(loaded, model)
 
 
 def _already_sharded(model: nn.Module) -> list[str]:
@@ -201,8 +227,7 @@ def _agree_across_ranks(compiled, problems: list[str]) -> None:
     dist.all_gather_object(everyone, mine)
     failed = [(rank, p) for rank, (_, ps) in enumerate(everyone) for p in ps]
     if failed:
-        lines = [f"  rank {rank}: {p}" for rank, p in failed]
-        raise ApplyError("planc.apply: nothing was installed:\n" + "\n".join(lines))
+        raise ApplyError("planc.apply: nothing was installed:\n" + _by_message(failed))
     fingerprints = {rank: fp for rank, (fp, _) in enumerate(everyone)}
     if len(set(fingerprints.values())) > 1:
         by_fp: dict[str, list[int]] = {}
@@ -214,6 +239,16 @@ def _agree_across_ranks(compiled, problems: list[str]) -> None:
             "Every rank must load the same plan file against the same model; `planc explain` prints the "
             "fingerprint to compare."
         )
+
+
+def _by_message(failed: list[tuple[int, str]]) -> str:
+    """One line per distinct message with the ranks it happened on (`ranks 0, 1: ...`), in first-rank order."""
+    ranks: dict[str, list[int]] = {}
+    for rank, message in failed:
+        ranks.setdefault(message, []).append(rank)
+    return "\n".join(
+        f"  {'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs))}: {message}" for message, rs in ranks.items()
+    )
 
 
 # ---- 4. the install steps ----------------------------------------------------------------------------------
@@ -362,9 +397,8 @@ def _install_atomically(state: InstallState) -> None:
     failed = [(rank, msg) for rank, msg in enumerate(outcomes) if msg is not None]
     if failed:
         snapshot.restore()
-        lines = "\n".join(f"  rank {rank}: {msg}" for rank, msg in failed)
         raise ApplyError(
-            f"planc.apply failed while installing; the model was restored exactly as it was:\n{lines}"
+            f"planc.apply failed while installing; the model was restored exactly as it was:\n{_by_message(failed)}"
         ) from error
 
 

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from planc.errors import ApplyError
+from planc.spec.sizes import check_sizes
 
 
 @dataclass(frozen=True)
@@ -57,21 +58,13 @@ def build_groups(parallel, mesh: Optional[DeviceMesh] = None) -> Groups:
     """
     world = dist.get_world_size()
     tp, ep, dp = parallel.tp_size, parallel.ep_size, parallel.dp_size
+    problems = check_sizes(tp, ep, dp, world if mesh is None else None)
+    if problems:
+        raise ApplyError(f"planc.runtime.mesh: {problems[0].message}. {problems[0].hint}.")
     if mesh is None:
-        if world != tp * dp:
-            raise ApplyError(
-                f"planc.runtime.mesh: the plan needs tp_size * dp_size = {tp} * {dp} = {tp * dp} processes, "
-                f"but the world has {world}. Launch {tp * dp} processes (torchrun --nproc-per-node {tp * dp}), "
-                "or change `parallel` in the plan to match the world."
-            )
         mesh = init_device_mesh(device_type(), (dp, tp), mesh_dim_names=("dp", "tp"))
     else:
         mesh = _check_caller_mesh(mesh, tp, dp, world)
-    if world % ep:
-        raise ApplyError(
-            f"planc.runtime.mesh: ep_size={ep} does not divide the world size {world}: the EP group is `ep_size` "
-            "consecutive ranks. Pick an ep_size that divides tp_size * dp_size."
-        )
     tp_mesh = mesh["tp"]
     if ep == tp:
         ep_mesh = tp_mesh

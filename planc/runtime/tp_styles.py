@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from planc.errors import ApplyError
+from planc.spec.styles import STYLE, STYLES, Style
 from planc.runtime.mesh import (
     all_gather_dim,
     all_reduce_grad,
@@ -79,12 +80,32 @@ def local_parameters(module: nn.Module):
 
 
 class TPStyle:
-    """Base: no sharding, no forward change (the `replicate` style)."""
+    """Base: no sharding, no forward change (the `replicate` style).
+
+    How a parameter is split is not decided here: `shard_param` reads the style's row of
+    `planc.spec.styles` (the table the compiler's byte accounting and layout pass read too).
+    """
 
     name = "replicate"
 
+    @property
+    def spec(self) -> Style:
+        return STYLE[self.name]
+
     def shard_param(self, module: nn.Module, name: str, mesh) -> None:
-        """Replace `module._parameters[name]` with this rank's slice (a DTensor parameter)."""
+        """Replace `module._parameters[name]` with this rank's slice (a DTensor parameter), as the table says."""
+        spec = self.spec
+        if not spec.shards:
+            return
+        p = module._parameters[name]
+        dim = spec.placement(p.ndim)
+        if dim is None:
+            placement = Replicate()
+        elif spec.packed:
+            placement = _StridedShard(dim % p.ndim, split_factor=2)
+        else:
+            placement = Shard(dim % p.ndim)
+        module._parameters[name] = _as_dtensor_param(p, mesh, placement)
 
     def install(self, module: nn.Module, mesh) -> None:
         """Wrap `module.forward` with this style's input/output layouts."""
@@ -126,10 +147,6 @@ class Colwise(TPStyle):
         self.gather_output = gather_output
         self.name = "colwise_gather_output" if gather_output else "colwise"
 
-    def shard_param(self, module, name, mesh):
-        p = module._parameters[name]
-        module._parameters[name] = _as_dtensor_param(p, mesh, Shard(p.ndim - 2 if p.ndim > 1 else 0))
-
     def install(self, module, mesh):
         group, sizes, plain = self._prepare_linear(module, mesh, "out_features", -2)
         gather = self.gather_output
@@ -159,11 +176,6 @@ class Rowwise(TPStyle):
     def __init__(self, split_input: bool = False):
         self.split_input = split_input
         self.name = "rowwise_split_input" if split_input else "rowwise"
-
-    def shard_param(self, module, name, mesh):
-        p = module._parameters[name]
-        placement = Replicate() if (name.endswith("bias") and p.ndim == 1) else Shard(p.ndim - 1)
-        module._parameters[name] = _as_dtensor_param(p, mesh, placement)
 
     def install(self, module, mesh):
         group, sizes, plain = self._prepare_linear(module, mesh, "in_features", -1)
@@ -211,7 +223,7 @@ class PackedColwise(TPStyle):
                 "its experts transposed ([E, H, 2I]); planc shards [E, 2I, H] layouts only. Use expert parallelism "
                 "(`grouped_gemm` + `ep_dispatch_experts` in ep_plan) for these experts."
             )
-        dim = p.ndim - 2 if p.ndim > 1 else p.ndim - 1
+        dim = self.spec.placement(p.ndim) % p.ndim
         if getattr(module, "is_concatenated", True) is False:
             raise ApplyError(
                 f"planc.runtime.tp_styles: `packed_colwise` on {module_path(module)}.{name}: gate and up are interleaved, "
@@ -223,7 +235,7 @@ class PackedColwise(TPStyle):
                 f"{p.shape[dim]} does not split into gate and up halves over {mesh.size()} ranks. "
                 "Pick a tp_size that divides the intermediate size."
             )
-        module._parameters[name] = _as_dtensor_param(p, mesh, _StridedShard(dim, split_factor=2))
+        super().shard_param(module, name, mesh)
 
     def install(self, module, mesh):
         self._require_linear(module, "out_features")
@@ -242,9 +254,6 @@ class EmbeddingRowwise(TPStyle):
     """Vocab-parallel embedding: rank r holds a slice of the vocabulary; partial lookups are summed."""
 
     name = "embedding_rowwise"
-
-    def shard_param(self, module, name, mesh):
-        module._parameters[name] = _as_dtensor_param(module._parameters[name], mesh, Shard(0))
 
     def install(self, module, mesh):
         if not hasattr(module, "num_embeddings"):
@@ -350,6 +359,8 @@ class MoeTPExperts(TPStyle):
         self._wrap(module, forward)
 
 
+# The runtime registry, keyed by the table's names: every `runtime` TP row has exactly one object here
+# (tests/runtime/test_styles_table.py checks both directions and each object's placements).
 TP_STYLES: dict[str, TPStyle] = {
     style.name: style
     for style in (
@@ -364,6 +375,19 @@ TP_STYLES: dict[str, TPStyle] = {
         MoeTPExperts(),
     )
 }
+
+
+def _check_registry() -> None:
+    """Fail at import if the registry and the table drift apart (a row marked `runtime` with no object)."""
+    want = {s.name for s in STYLES if s.runtime and s.section == "tp"}
+    if set(TP_STYLES) != want:
+        raise ImportError(
+            f"planc.runtime.tp_styles: runtime TP styles {sorted(set(TP_STYLES) ^ want)} differ from "
+            "planc.spec.styles.STYLES; add the object or fix the row's `runtime` flag"
+        )
+
+
+_check_registry()
 
 
 def tp_style(name: str, where: Optional[str] = None) -> TPStyle:

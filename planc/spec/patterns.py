@@ -8,12 +8,18 @@ comparison. Only whole-segment wildcards exist, so a pattern can never match "ha
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from dataclasses import dataclass
 from functools import cached_property
 
 _SEGMENT_CHAR = r"[A-Za-z0-9_*{},\-]"  # module-name characters plus the pattern syntax
 _SEGMENT_OK = re.compile(f"{_SEGMENT_CHAR}+")
+
+# A real rule lists a handful of alternatives (`{q,k,v}_proj`); brace groups multiply, so 22 groups
+# of two would be 4 million. The count is computed before anything is expanded, so a hostile plan
+# costs parsing time only (lint, compile and apply all go through Pattern).
+MAX_ALTERNATIVES = 256
 
 
 class PatternError(ValueError):
@@ -26,8 +32,8 @@ class PatternError(ValueError):
         self.hint = hint
 
 
-def _expand_segment(pattern: str, segment: str) -> list[str]:
-    """Expand the brace groups of one segment: `{q,k}_proj` -> [`q_proj`, `k_proj`]."""
+def _segment_parts(pattern: str, segment: str) -> list[list[str]]:
+    """The brace groups of one segment, unexpanded: `{q,k}_proj` -> [[`q`, `k`], [`_proj`]]."""
     parts: list[list[str]] = []
     i = 0
     while i < len(segment):
@@ -58,7 +64,7 @@ def _expand_segment(pattern: str, segment: str) -> list[str]:
                 j += 1
             parts.append([segment[i:j]])
             i = j
-    return ["".join(p) for p in itertools.product(*parts)]
+    return parts
 
 
 @dataclass(frozen=True)
@@ -76,7 +82,7 @@ class Pattern:
         if not text or text.strip() != text:
             raise PatternError(text, "empty pattern or surrounding whitespace", "write a path like `model.layers.*.mlp`")
         segments = _split_top_level(text)
-        expanded: list[list[str]] = []
+        parsed: list[list[list[str]]] = []
         for seg in segments:
             if seg == "":
                 raise PatternError(text, "empty path segment (`..`, or a leading/trailing dot)", "remove the extra dot")
@@ -90,7 +96,15 @@ class Pattern:
                 )
             if "*" in seg and seg != "*":
                 raise PatternError(text, f"'*' must be a whole segment, got {seg!r}", "use `*` alone between dots")
-            expanded.append(_expand_segment(text, seg))
+            parsed.append(_segment_parts(text, seg))
+        count = math.prod(len(options) for parts in parsed for options in parts)
+        if count > MAX_ALTERNATIVES:
+            raise PatternError(
+                text,
+                f"its brace groups expand to {count} alternatives (at most {MAX_ALTERNATIVES})",
+                "split it into a few rules, or use `*` for a segment whose names do not matter",
+            )
+        expanded = [["".join(p) for p in itertools.product(*parts)] for parts in parsed]
         return tuple(tuple(alt) for alt in itertools.product(*expanded))
 
     def matches(self, path: str) -> bool:

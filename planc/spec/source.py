@@ -11,7 +11,9 @@ The codes used here are documented by the `source` rule family in `planc.lint.ru
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -97,17 +99,51 @@ def nearest_key_position(key_positions: dict, keypath: KeyPath, path: Optional[s
 
 
 def read_text(path: str) -> str:
-    """Read a plan file as UTF-8 text, refusing unreadable, oversized and non-UTF-8 files."""
+    """Read a plan file as UTF-8 text, refusing unreadable, oversized, non-UTF-8 and non-regular files."""
+    return decode(read_bytes(path), path)
+
+
+def read_bytes(path: str) -> bytes:
+    """The bytes of a regular file of at most MAX_PLAN_BYTES, or a SourceError.
+
+    The file is opened non-blocking and checked with fstat before the first read, so a FIFO, a
+    socket or a device (`/dev/zero`) is refused at once instead of blocking a pre-commit hook
+    forever, and a file swapped between a check and the open cannot slip through.
+    """
     start = Position(path, 1, 1)
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_PLAN_BYTES + 1)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     except IsADirectoryError:
         raise SourceError(UNREADABLE, "is a directory, not a plan file", "pass a .yaml file or a directory", start) from None
     except OSError as e:
         raise SourceError(
             UNREADABLE, f"cannot read plan: {e.strerror or e}", "check the path and its permissions", start
         ) from None
+    except ValueError:  # an embedded NUL byte
+        raise SourceError(UNREADABLE, "the path contains a NUL byte", "check the path", start) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise SourceError(
+                UNREADABLE, "is a directory, not a plan file", "pass a .yaml file or a directory", start
+            )
+        if not stat.S_ISREG(mode):
+            raise SourceError(
+                UNREADABLE,
+                f"is not a regular file (a {_file_kind(mode)}); planc lints only regular files",
+                "pass the plan file itself, not a pipe, socket or device",
+                start,
+            )
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            raw = f.read(MAX_PLAN_BYTES + 1)
+    except OSError as e:
+        raise SourceError(
+            UNREADABLE, f"cannot read plan: {e.strerror or e}", "check the path and its permissions", start
+        ) from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
     if len(raw) > MAX_PLAN_BYTES:
         raise SourceError(
             TOO_LARGE,
@@ -115,7 +151,15 @@ def read_text(path: str) -> str:
             "a plan is a few dozen lines: this is not a plan, or it needs trimming",
             start,
         )
-    return decode(raw, path)
+    return raw
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return name
+    return "special file"
 
 
 def decode(raw: bytes, path: Optional[str] = None) -> str:

@@ -1,38 +1,110 @@
-"""The style vocabulary a plan may use, in transformers' current (>= 5.23) names.
+"""The style vocabulary: one row per style, in transformers' current (>= 5.23) names.
 
-Kept as data so the linter, the compiler and the runtime agree on one list, and so that removed
-styles can be recognised and migrated instead of being reported as plain typos.
+Every part of planc that needs to know what a style means reads its row here: lint (which table,
+removed, unknown), the compiler (target kind, bytes per rank, uneven shards, the layout pass) and
+the runtime (its registry is keyed by these names, and `tests/runtime` checks that each runtime
+style shards exactly as its row says). Adding a style is adding one row (and, for the runtime, one
+object in `planc.runtime.tp_styles`). No torch here: placements are plain dims.
+
+Modelled on torch's `distributed/tensor/parallel/style.py`: a style knows how it partitions a
+parameter (`placement`) and which activation layout its module takes and gives (`input`, `output`).
 """
 
 from __future__ import annotations
 
-TP_STYLES: dict[str, str] = {
-    "colwise": "shard the output features (weight dim -2); output stays sharded",
-    "colwise_gather_output": "colwise, output all-gathered (lm_head)",
-    "rowwise": "shard the input features (weight dim -1); output all-reduced",
-    "rowwise_split_input": "rowwise that slices a replicated input itself",
-    "packed_colwise": "colwise for fused gate|up weights (each half sharded separately)",
-    "packed_rowwise": "rowwise for weights packed on the last dim",
-    "embedding_rowwise": "vocab-parallel embedding, partial lookups summed",
-    "embedding_colwise": "hidden-dim sharded embedding, gathered",
-    "sequence_parallel": "replicated params, activations sharded on the sequence dim",
-    "replicated_with_grad_allreduce": "replicated params whose gradients are all-reduced",
-    "mla_kv_a_proj": "MLA kv_a_proj_with_mqa: rope slice all-reduced in backward",
-    "all_reduce": "all-reduce a module's partial output",
-    "moe_tp_experts": "tensor-parallel experts (each rank a slice of every expert)",
-    "moe_identity_expert": "identity expert input divided by the TP size",
-    "local_params": "run the module on its local shards",
-    "replicate": "every rank keeps the full parameter",
-}
+from dataclasses import dataclass
+from typing import Literal, Optional
 
-EP_STYLES: dict[str, str] = {
-    "grouped_gemm": "shard the expert dimension of an experts parameter over the EP group",
-    "ep_dispatch_experts": "replace the experts forward with the plan's EP implementation",
-}
+# Activation layouts at a module boundary (the last dim, features, is the one TP splits).
+REPLICATED = "replicated"  # every rank holds the whole tensor
+SHARDED = "sharded"  # each rank holds its slice of the last dim (e.g. its attention heads)
+Layout = Literal["replicated", "sharded"]
 
+
+@dataclass(frozen=True)
+class Style:
+    """One style: where it goes, what it does to a parameter, and the layouts its module sees.
+
+    `dims`: the dim split for a parameter with 2 or more dims, and for a 1-D one (a bias); None keeps
+    it whole. `packed`: the split dim holds two halves ([gate | up]) that are split separately.
+    `input`/`output`: the activation layout the module expects and produces once the style is
+    installed (None: not a module style, or it keeps whatever it gets). `runtime`: planc installs it.
+    """
+
+    name: str
+    section: Literal["tp", "ep"]  # the plan table it belongs to
+    target: Literal["module", "parameter"]  # a module style also covers the module's own parameters
+    doc: str
+    dims: tuple[Optional[int], Optional[int]] = (None, None)
+    packed: bool = False
+    mesh: Literal["tp", "ep"] = "tp"  # the group a split parameter is split over
+    input: Optional[Layout] = None
+    output: Optional[Layout] = None
+    runtime: bool = False
+    experts_mode: Optional[Literal["ep", "tp"]] = None  # a style that hooks an experts module's forward
+
+    def placement(self, ndim: int) -> Optional[int]:
+        """The dim split for a parameter of `ndim` dims, or None when it stays whole on every rank."""
+        if ndim == 0:
+            return None
+        return self.dims[0] if ndim >= 2 else self.dims[1]
+
+    @property
+    def shards(self) -> bool:
+        """Whether the style splits any parameter."""
+        return self.dims != (None, None)
+
+
+R, S = REPLICATED, SHARDED
+
+STYLES: tuple[Style, ...] = (
+    Style("colwise", "tp", "module", "shard the output features (weight dim -2); output stays sharded",
+          dims=(-2, 0), input=R, output=S, runtime=True),
+    Style("colwise_gather_output", "tp", "module", "colwise, output all-gathered (lm_head)",
+          dims=(-2, 0), input=R, output=R, runtime=True),
+    Style("rowwise", "tp", "module", "shard the input features (weight dim -1); output all-reduced",
+          dims=(-1, None), input=S, output=R, runtime=True),
+    Style("rowwise_split_input", "tp", "module", "rowwise that slices a replicated input itself",
+          dims=(-1, None), input=R, output=R, runtime=True),
+    Style("packed_colwise", "tp", "module", "colwise for fused gate|up weights (each half sharded separately)",
+          dims=(-2, -1), packed=True, input=R, output=S, runtime=True),
+    Style("packed_rowwise", "tp", "parameter", "rowwise for weights packed on the last dim",
+          dims=(-1, None), packed=True),
+    Style("embedding_rowwise", "tp", "module", "vocab-parallel embedding, partial lookups summed",
+          dims=(0, 0), input=R, output=R, runtime=True),
+    Style("embedding_colwise", "tp", "module", "hidden-dim sharded embedding, gathered",
+          dims=(1, 0), input=R, output=R),
+    Style("sequence_parallel", "tp", "module", "replicated params, activations sharded on the sequence dim"),
+    Style("replicated_with_grad_allreduce", "tp", "module", "replicated params whose gradients are all-reduced",
+          runtime=True),
+    Style("mla_kv_a_proj", "tp", "module", "MLA kv_a_proj_with_mqa: rope slice all-reduced in backward"),
+    Style("all_reduce", "tp", "module", "all-reduce a module's partial output"),
+    Style("moe_tp_experts", "tp", "module", "tensor-parallel experts (each rank a slice of every expert)",
+          input=R, output=R, runtime=True, experts_mode="tp"),
+    Style("moe_identity_expert", "tp", "module", "identity expert input divided by the TP size"),
+    Style("local_params", "tp", "module", "run the module on its local shards"),
+    Style("replicate", "tp", "module", "every rank keeps the full parameter", runtime=True),
+    Style("grouped_gemm", "ep", "parameter", "shard the expert dimension of an experts parameter over the EP group",
+          dims=(0, 0), mesh="ep", runtime=True),
+    Style("ep_dispatch_experts", "ep", "module", "replace the experts forward with the plan's EP implementation",
+          input=R, output=R, runtime=True, experts_mode="ep"),
+)
+
+STYLE: dict[str, Style] = {s.name: s for s in STYLES}
+
+# Name -> one-line doc views of the table, for lint messages and `planc rules`.
+TP_STYLES: dict[str, str] = {s.name: s.doc for s in STYLES if s.section == "tp"}
+EP_STYLES: dict[str, str] = {s.name: s.doc for s in STYLES if s.section == "ep"}
 # Every current style name. Which table takes which is checked by the lint style rules (PLC311,
 # PLC312): EP styles and `replicate` in ep_plan, TP styles in tp_plan.
 ALL_STYLES: dict[str, str] = {**TP_STYLES, **EP_STYLES}
+EP_TABLE_STYLES = frozenset(EP_STYLES) | {"replicate"}
+# Styles whose target is a parameter rather than a module.
+PARAMETER_STYLES = frozenset(s.name for s in STYLES if s.target == "parameter")
+# The styles planc's runtime installs. The compiler refuses the others instead of skipping them.
+RUNTIME_STYLES = frozenset(s.name for s in STYLES if s.runtime)
+# Module styles that hook an experts module: style -> experts mode.
+EXPERTS_MODULE_STYLES: dict[str, str] = {s.name: s.experts_mode for s in STYLES if s.experts_mode}
 
 # Removed styles -> what to write instead (used by lint hints and `planc migrate`).
 REMOVED_STYLES: dict[str, str] = {
@@ -42,22 +114,7 @@ REMOVED_STYLES: dict[str, str] = {
     "`experts.implementation: deepgemm_megamoe`",
 }
 
-# Styles whose target is a parameter rather than a module.
-PARAMETER_STYLES = frozenset({"grouped_gemm"})
 
-# The styles planc's runtime installs today. The compiler refuses the others instead of skipping them.
-RUNTIME_STYLES = frozenset(
-    {
-        "colwise",
-        "colwise_gather_output",
-        "rowwise",
-        "rowwise_split_input",
-        "packed_colwise",
-        "embedding_rowwise",
-        "replicate",
-        "replicated_with_grad_allreduce",
-        "moe_tp_experts",
-        "grouped_gemm",
-        "ep_dispatch_experts",
-    }
-)
+def style(name: str) -> Optional[Style]:
+    """The row of `name`, or None for a removed or unknown style."""
+    return STYLE.get(name)

@@ -93,12 +93,15 @@ def fake_moe(
 
 
 def fake_plan(ep_size=2, tp_size=2, model_type="fake_moe", **experts):
-    """A mapping plan for `fake_moe` (or the tiny `model_type` model) that compiles: attention TP, experts EP."""
+    """A mapping plan for `fake_moe` (or the tiny `model_type` model) that compiles: attention TP, experts EP.
+
+    The fake's attention has q_proj and o_proj only; a real model's q/k/v all feed o_proj (the layout pass)."""
+    qkv = "q_proj" if model_type == "fake_moe" else "{q,k,v}_proj"
     plan = {
         "version": 1,
         "model": {"type": model_type},
         "parallel": {"tp_size": tp_size, "ep_size": ep_size},
-        "tp_plan": {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise"},
+        "tp_plan": {f"model.layers.*.self_attn.{qkv}": "colwise", "model.layers.*.self_attn.o_proj": "rowwise"},
         "ep_plan": {
             "model.layers.*.mlp.experts.{gate_up_proj,down_proj}": "grouped_gemm",
             "model.layers.*.mlp.experts": "ep_dispatch_experts",

@@ -137,7 +137,9 @@ def test_removed_style_points_to_migrate(mixtral):
 def test_num_experts_not_divisible_by_ep_size(tmp_path, mixtral):
     text = HEAD.replace("tp_size: 2\n  ep_size: 2", "tp_size: 1\n  ep_size: 3\n  dp_size: 3") + EP
     (p,) = only(problems(write(tmp_path, text), mixtral), R.EXPERTS_NOT_DIVISIBLE)
-    assert "8 experts" in p.message and "2, 4, 8" in p.hint and p.where.endswith(":6:3")
+    assert "8 experts" in p.message and p.where.endswith(":6:3")
+    # sizes that compile, from the joint solver: other worlds with EP, or this world without
+    assert "launch 2 ranks" in p.hint and "ep_size: 1, dp_size: 3" in p.hint
 
 
 def test_model_type_differs_from_config(tmp_path, mixtral):

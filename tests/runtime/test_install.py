@@ -48,7 +48,10 @@ def test_refusals_raise_the_same_error_on_every_rank_and_change_nothing():
     expected = {
         "disagree": "ranks compiled different plans",
         "rank1_invalid_plan": "rank 1:",
-        "world_size": "needs tp_size * dp_size = 4 * 1 = 4 processes, but the world has 2",
+        # reported alone, once, with the ranks it happened on, with sizes that fit 2 ranks
+        "world_size": "ranks 0, 1: PLC503: the plan needs tp_size * dp_size = 4 * 1 = 4 processes, but the world has 2",
+        "lm_head_colwise": "PLC632",
+        "rowwise_without_colwise": "PLC631",
         "deepgemm_on_cpu": "`deepgemm` runs CUDA kernels",
         "sonicmoe_on_cpu": "`sonicmoe` runs CUDA kernels",
         "double_apply": "already called on this model",
@@ -61,6 +64,8 @@ def test_refusals_raise_the_same_error_on_every_rank_and_change_nothing():
         assert fragment in message, (name, message)
         for res in results:
             assert res[name][1] == [], (name, res[name][1])  # nothing changed
+    world = results[0]["world_size"][0]
+    assert world.count("\n  rank") == 1 and "PLC617" not in world and "tp_size: 2, ep_size: 2, dp_size: 1" in world
     for res in results:
         assert res["caller_mesh_logits"] <= 1e-5
 

@@ -119,7 +119,7 @@ def deep_gemm_unavailable_reason(device: torch.device | None = None) -> str | No
     return None
 
 
-KERNEL_BLOCK = 256  # the same number as planc.compiler.resolve.MEGAMOE_KERNEL_BLOCK (PLC611/PLC622)
+KERNEL_BLOCK = 256  # the same number as planc.compiler.checks.MEGAMOE_KERNEL_BLOCK (PLC611/PLC622)
 
 
 def kernel_size_problem(hidden: int, intermediate: int) -> str | None:

@@ -1,0 +1,433 @@
+"""Model-aware checks: what the expanded plan does to this model that cannot run or loses work.
+
+Each check reads the `Resolver` and reports through `c.problems` with the module path, the plan
+position and what to write instead.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Optional
+
+from planc.compiler.compiled import Assignment, CompileWarning, ExpertsAssignment
+from planc.compiler.context import *  # noqa: F403 - the problem codes
+from planc.compiler.context import PlanRule, key_where
+from planc.compiler.ep import EPResolutionError, EPStrategy, resolve_ep
+from planc.compiler.render import human_bytes
+from planc.compiler.walk import generic_path
+from planc.spec.sizes import check_sizes as _check_sizes
+from planc.spec.styles import (
+    ALL_STYLES,
+    EP_STYLES,
+    EP_TABLE_STYLES,
+    EXPERTS_MODULE_STYLES,
+    PARAMETER_STYLES,
+    REMOVED_STYLES,
+    RUNTIME_STYLES,
+    STYLE,
+    TP_STYLES,
+)
+
+MEGAMOE_MAX_TOP_K = 32
+MEGAMOE_MAX_RANKS = 72
+# The real kernel's block alignment beyond its host checks (% 128): H/128 must be even, and at decode-sized
+# batches (about <= 8.5 tokens per expert) its heuristics take BLOCK_K = 256 over the intermediate size.
+MEGAMOE_KERNEL_BLOCK = 256
+# Config fields of gated activations other than the kernel's SiLU SwiGLU (the clamp is `swiglu_limit`).
+MEGAMOE_OTHER_ACTIVATION_FIELDS = ("swiglu_alpha", "mlp_gate_softcap", "mlp_up_softcap", "gate_softcap", "up_softcap")
+ATTENTION_PROJ = {"q_proj": "out", "k_proj": "out", "v_proj": "out", "o_proj": "in"}
+
+
+
+def check_model_type(c) -> None:
+    want, have = c.plan.model.type, c.walk.model_type
+    if have is not None and want != have:
+        c.problems.add(
+            MODEL_TYPE_MISMATCH,
+            f"the plan is written for `model.type: {want}`, but this model's config.model_type is `{have}` "
+            f"({c.walk.model_class})",
+            key_where(c.loaded, ("model", "type")),
+            f"write `model: {{type: {have}}}` if the rules fit this model, or compile the plan against a "
+            f"`{want}` model",
+        )
+
+
+def check_sizes(c) -> None:
+    """`planc.spec.sizes.check_sizes`, the function lint and the runtime call, placed at `parallel`."""
+    p = c.parallel
+    for problem in _check_sizes(p.tp_size, p.ep_size, p.dp_size):
+        c.problems.add(BAD_SIZES, f"{problem.code}: {problem.message}", key_where(c.loaded, problem.key), problem.hint)
+
+
+def check_style(c, rule: PlanRule) -> None:
+    style, where, table = rule.style, rule.source.where, rule.table
+    if style in REMOVED_STYLES:
+        c.problems.add(
+            STYLE_NOT_INSTALLABLE,
+            f"style `{style}` was removed from transformers (>= 5.23) and planc does not install it",
+            where,
+            f"{REMOVED_STYLES[style]}; `planc migrate` rewrites it",
+        )
+        return
+    if style not in ALL_STYLES:
+        guess = difflib.get_close_matches(style, sorted(ALL_STYLES), n=1, cutoff=0.6)
+        c.problems.add(
+            STYLE_NOT_INSTALLABLE,
+            f"unknown style `{style}`",
+            where,
+            f"did you mean `{guess[0]}`?" if guess else f"use one of: {', '.join(sorted(RUNTIME_STYLES))}",
+        )
+        return
+    if table == "tp_plan" and style in EP_STYLES:
+        c.problems.add(
+            WRONG_TABLE,
+            f"`{style}` is an expert-parallel style, but this rule is in tp_plan",
+            where,
+            f"move `{rule.pattern_text}: {style}` to ep_plan",
+        )
+    elif table == "ep_plan" and style not in EP_TABLE_STYLES:
+        hint = (
+            f"move `{rule.pattern_text}: {style}` to tp_plan (with packed_colwise/rowwise on its parameters), or "
+            "shard the experts by expert: `grouped_gemm` on their parameters and `ep_dispatch_experts` on the module"
+            if style == "moe_tp_experts"
+            else f"move `{rule.pattern_text}: {style}` to tp_plan; ep_plan takes {', '.join(sorted(EP_TABLE_STYLES))}"
+        )
+        c.problems.add(WRONG_TABLE, f"`{style}` is a tensor-parallel style, but this rule is in ep_plan", where, hint)
+    if style not in RUNTIME_STYLES:
+        c.problems.add(
+            STYLE_NOT_INSTALLABLE,
+            f"planc's runtime does not install style `{style}` ({TP_STYLES.get(style, '')}); transformers would, "
+            "planc refuses instead of skipping it",
+            where,
+            f"use one of the installable styles ({', '.join(sorted(RUNTIME_STYLES))}), or `replicate` to keep "
+            "the module whole on every rank",
+        )
+
+
+def check_targets(c, rule: PlanRule) -> None:
+    walk, style = c.walk, rule.style
+    for fqn in rule.targets:
+        if fqn in walk.params:
+            owner = walk.modules[walk.params[fqn].owner]
+            if style in EXPERTS_MODULE_STYLES:
+                c.problems.add(
+                    WRONG_TARGET,
+                    f"`{style}` hooks an experts module's forward, but `{rule.pattern_text}` matches a parameter",
+                    rule.source.where,
+                    f"write `{style}` on the experts module (`{generic_path(owner.fqn)}`)",
+                    fqn,
+                )
+            elif style in PARAMETER_STYLES and owner.experts is None:
+                c.problems.add(
+                    WRONG_TARGET,
+                    f"`{style}` shards the expert dimension, but `{generic_path(fqn)}` belongs to {owner.class_name}, "
+                    "which is not an experts module",
+                    rule.source.where,
+                    "use `grouped_gemm` only on the parameters of experts modules (gate_up_proj, down_proj, ...); "
+                    "dense layers take TP styles in tp_plan",
+                    fqn,
+                )
+        else:
+            module = walk.modules[fqn]
+            if style in PARAMETER_STYLES:
+                names = ", ".join(p.rsplit(".", 1)[-1] for p in module.params) or "none"
+                c.problems.add(
+                    WRONG_TARGET,
+                    f"`{style}` is a parameter style, but `{rule.pattern_text}` matches the module {generic_path(fqn)} "
+                    f"({module.class_name})",
+                    rule.source.where,
+                    f"write one rule per parameter (`{rule.pattern_text}.{{...}}`; its parameters: {names}) and "
+                    "`ep_dispatch_experts` on the module",
+                    fqn,
+                )
+            elif style in EXPERTS_MODULE_STYLES and module.experts is None:
+                c.problems.add(
+                    WRONG_TARGET,
+                    f"`{style}` needs an experts module (forward(hidden_states, top_k_index, top_k_weights) with "
+                    f"gate_up_proj/down_proj), but {generic_path(fqn)} is a {module.class_name}",
+                    rule.source.where,
+                    "point the rule at the `experts` child of the MoE block, e.g. `model.layers.*.mlp.experts`",
+                    fqn,
+                )
+
+
+def check_tied(c, final: dict[str, PlanRule]) -> None:
+    by_tensor: dict[int, list[str]] = {}
+    for p in c.walk.params.values():
+        by_tensor.setdefault(p.tensor_id, []).append(p.fqn)
+    for fqns in by_tensor.values():
+        if len(fqns) < 2:
+            continue
+        # Any rule on a tied name treats the names separately: a name without a rule would read the
+        # shard as the whole tensor, and two rules would shard the one tensor twice.
+        ruled = [f for f in fqns if f in final]
+        if not ruled:
+            continue
+        listing = ", ".join(f"{f} ({final[f].style if f in final else 'no rule'})" for f in fqns)
+        c.problems.add(
+            CONFLICTING_RULES,
+            f"tied parameters share one tensor but the plan treats them separately: {listing}",
+            final[ruled[-1]].source.where,
+            "a tied tensor stays whole: delete "
+            + " and ".join(dict.fromkeys(f"`{final[f].pattern_text}`" for f in ruled))
+            + ", or untie the weights (`tie_word_embeddings: false` in the config)",
+            ruled[-1],
+        )
+
+
+def check_shards(c, assignments: list[Assignment], final: dict[str, PlanRule]) -> None:
+    walk, tp = c.walk, c.tp
+    if tp <= 1:
+        return
+    head_dim = _head_dim(walk.config)
+    for a in assignments:
+        spec = STYLE.get(a.style)
+        if a.target != "parameter" or spec is None or spec.mesh != "tp":
+            continue
+        p = walk.params[a.fqn]
+        dim = spec.placement(len(p.shape))
+        if dim is None or not p.shape:
+            continue
+        packed = spec.packed
+        size = p.shape[dim]
+        parts = tp * (2 if packed else 1)
+        where = final[a.fqn].source.where
+        if size % parts:
+            c.problems.add(
+                UNEVEN_SHARD,
+                f"`{a.style}` splits dim {dim} of {generic_path(p.fqn)} (size {size}) into {parts} "
+                f"{'halves x ranks' if packed else 'ranks'}, which does not divide evenly",
+                where,
+                c.sizes_hint(f"pick a tp_size that divides {size // (2 if packed else 1)}, or write `replicate` "
+                             "for this target"),
+                a.fqn,
+            )
+            continue
+        side = ATTENTION_PROJ.get(p.owner.rsplit(".", 1)[-1])
+        splits_heads = (side == "out" and dim in (-2, 0)) or (side == "in" and dim == -1)
+        local = size // tp
+        if head_dim and splits_heads and local % head_dim:
+            c.problems.add(
+                HEAD_SPLIT,
+                f"`{a.style}` gives each of the {tp} ranks {local} features of {generic_path(p.fqn)}, which is not a "
+                f"whole number of heads (head_dim {head_dim}): attention would split a head across ranks",
+                where,
+                c.sizes_hint(f"use a tp_size that divides the head count ({size // head_dim} heads here), or "
+                             "`replicate` attention"),
+                a.fqn,
+            )
+
+
+def resolve_strategy(c, ep_experts: set[str]) -> Optional[EPStrategy]:
+    # Mega MoE experts always run behind MegaMoeEP (it hands the kernel its process group), even at ep_size 1.
+    if not ep_experts and not c.megamoe:
+        return None
+    try:
+        return resolve_ep(c.plan.experts, c.parallel)
+    except EPResolutionError as e:
+        c.problems.add(EP_RESOLUTION, str(e), key_where(c.loaded, tuple(e.field.split("."))), e.hint)
+        return None
+
+
+def experts_assignments(c, final: dict[str, PlanRule], strategy) -> list[ExpertsAssignment]:
+    walk, out = c.walk, []
+    sharding = c.active["tp"] or c.active["ep"]
+    for m in walk.experts:
+        info = m.experts
+        rule = final.get(m.fqn)
+        mode = EXPERTS_MODULE_STYLES.get(rule.style) if rule is not None else None
+        if mode is None and sharding:
+            table = "ep_plan" if c.active["ep"] else "tp_plan"
+            c.problems.add(
+                EXPERTS_UNCOVERED,
+                f"experts module {m.class_name} has no EP or TP rule: with tp_size={c.tp}, ep_size={c.ep} "
+                f"every rank would hold all {info.num_experts} experts "
+                f"({human_bytes(sum(walk.params[p].nbytes for p in m.params), digits=1)} per layer)",
+                key_where(c.loaded, (table,)),
+                "shard them by expert: ep_plan `<path>.experts.{gate_up_proj,down_proj}: grouped_gemm` and "
+                "`<path>.experts: ep_dispatch_experts` (or moe_tp_experts in tp_plan)",
+                m.fqn,
+            )
+        check_experts_params(c, m, mode, final)
+        if mode == "ep" and info.num_experts % c.ep:
+            c.problems.add(
+                EXPERTS_NOT_DIVISIBLE,
+                f"{info.num_experts} experts cannot be split evenly over ep_size={c.ep} ranks",
+                key_where(c.loaded, ("parallel", "ep_size")),
+                c.sizes_hint(f"no sizes on {c.parallel.world_size} ranks split {info.num_experts} experts evenly "
+                             "and pass the other checks: launch another number of ranks, or shard the experts with "
+                             "`moe_tp_experts` in tp_plan and `ep_size: 1`"),
+                m.fqn,
+            )
+        if c.megamoe:
+            check_megamoe(c, m)
+        out.append(
+            ExpertsAssignment(
+                fqn=m.fqn,
+                strategy=strategy if mode == "ep" or c.megamoe else None,
+                num_experts=info.num_experts,
+                num_local_experts=info.num_experts // c.ep if mode == "ep" else info.num_experts,
+                top_k=info.top_k,
+                hidden_size=info.hidden_size,
+                intermediate_size=info.intermediate_size,
+                has_gate=info.has_gate,
+                is_fp4=info.is_fp4,
+                mode=mode,
+                is_transposed=info.is_transposed,
+            )
+        )
+    return out
+
+
+def check_experts_params(c, m, mode, final: dict[str, PlanRule]) -> None:
+    for pfqn in m.params:
+        r = final.get(pfqn)
+        name = pfqn.rsplit(".", 1)[-1]
+        if mode == "ep" and (r is None or r.style != "grouped_gemm"):
+            c.problems.add(
+                EXPERTS_PARTIAL,
+                f"{name} of expert-parallel experts is not sharded by expert"
+                + (f" (it has `{r.style}`)" if r else "")
+                + ": every rank would index a full tensor with its local expert ids",
+                final[m.fqn].source.where,
+                f"add `{generic_path(m.fqn)}.{name}: grouped_gemm` to ep_plan",
+                pfqn,
+            )
+        elif mode == "tp" and name in ("gate_up_proj", "up_proj", "down_proj") and (
+            r is None or not _splits_over_tp(r.style)
+        ):
+            want = "rowwise" if name == "down_proj" else ("packed_colwise" if name == "gate_up_proj" else "colwise")
+            c.problems.add(
+                EXPERTS_PARTIAL,
+                f"{name} of tensor-parallel experts (moe_tp_experts) is not sharded: the all-reduced output "
+                "would count every expert tp_size times",
+                final[m.fqn].source.where,
+                f"add `{generic_path(m.fqn)}.{name}: {want}` to tp_plan",
+                pfqn,
+            )
+        elif mode != "ep" and r is not None and r.style == "grouped_gemm" and c.active["ep"]:
+            c.problems.add(
+                EXPERTS_PARTIAL,
+                f"{name} is sharded by expert (grouped_gemm) but its experts module has no "
+                "`ep_dispatch_experts`: the forward would run local experts with global ids",
+                r.source.where,
+                f"add `{generic_path(m.fqn)}: ep_dispatch_experts` to ep_plan",
+                pfqn,
+            )
+
+
+def check_megamoe(c, m) -> None:
+    info, settings = m.experts, c.plan.experts.megamoe
+    impl_where = key_where(c.loaded, ("experts", "implementation"))
+    if not info.has_gate or info.is_transposed:
+        why = "have no gate (up_proj only)" if not info.has_gate else "store their weights transposed ([E, H, 2I])"
+        c.problems.add(
+            MEGAMOE_NO_GATE,
+            f"Mega MoE computes SwiGLU over [gate | up] rows of gate_up_proj [E, 2I, H]; these experts "
+            f"({m.class_name}) {why}",
+            impl_where,
+            "use `implementation: grouped_mm` for this model; deepgemm_megamoe needs gated, untransposed experts",
+            m.fqn,
+        )
+    if info.top_k is not None and info.top_k > MEGAMOE_MAX_TOP_K:
+        c.problems.add(
+            MEGAMOE_TOP_K,
+            f"Mega MoE supports top-k <= {MEGAMOE_MAX_TOP_K}, this model routes each token to {info.top_k} experts",
+            impl_where,
+            "use `implementation: grouped_mm` for this model",
+            m.fqn,
+        )
+    if c.ep > MEGAMOE_MAX_RANKS:
+        c.problems.add(
+            MEGAMOE_EP_SIZE,
+            f"Mega MoE reaches peers over one NVLink domain of at most {MEGAMOE_MAX_RANKS} ranks, "
+            f"ep_size is {c.ep}",
+            key_where(c.loaded, ("parallel", "ep_size")),
+            f"set ep_size <= {MEGAMOE_MAX_RANKS}",
+        )
+    check_megamoe_activation(c, m, impl_where)
+    backend = settings.backend if settings else "auto"
+    h, i = info.hidden_size, info.intermediate_size
+    backend_where = key_where(c.loaded, ("experts", "megamoe", "backend"))
+    if h is not None and i is not None and backend in ("deep_gemm", "auto"):
+        bad = [f"{n} {v}" for n, v in (("hidden", h), ("intermediate", i)) if v % 128]
+        blocks = [f"{n} {v}" for n, v in (("hidden", h), ("intermediate", i)) if v % MEGAMOE_KERNEL_BLOCK]
+        if bad and backend == "deep_gemm":
+            c.problems.add(
+                MEGAMOE_SIZES,
+                f"the deep_gemm Mega MoE kernel needs hidden and intermediate sizes divisible by 128, "
+                f"got {', '.join(bad)}",
+                backend_where,
+                "write `megamoe: {backend: triton}` (FP4 kept packed) or `{backend: reference}` (PyTorch), "
+                "or use `implementation: grouped_mm`",
+                m.fqn,
+            )
+        elif blocks and backend == "deep_gemm":
+            c.problems.add(
+                MEGAMOE_KERNEL_BLOCKS,
+                f"the deep_gemm Mega MoE kernel passes its host checks (% 128) but not its block alignment: "
+                f"hidden / 128 must be even and, at decode-sized batches (BLOCK_K {MEGAMOE_KERNEL_BLOCK}), "
+                f"intermediate % {MEGAMOE_KERNEL_BLOCK} == 0; got {', '.join(blocks)}",
+                backend_where,
+                "write `megamoe: {backend: triton}` (FP4 kept packed) or `{backend: reference}`",
+                m.fqn,
+            )
+        elif blocks:
+            c.warnings.append(
+                CompileWarning(
+                    MEGAMOE_ALIGNMENT,
+                    f"{generic_path(m.fqn)}: hidden {h} / intermediate {i} are not multiples of "
+                    f"{MEGAMOE_KERNEL_BLOCK}, which the deep_gemm kernel needs: backend `auto` runs the Triton "
+                    "backend (or the reference) even on SM100",
+                    "write `megamoe: {backend: triton}` to say so",
+                    backend_where,
+                )
+            )
+    quantize = settings.quantize if settings else "none"
+    if not info.is_fp4 and quantize == "none":
+        c.problems.add(
+            MEGAMOE_NOT_FP4,
+            f"Mega MoE runs FP8 x FP4 experts, but gate_up_proj of these experts is "
+            f"{c.walk.params[m.params[0]].dtype}, not FP4 (int8-packed), and megamoe.quantize is none",
+            key_where(c.loaded, ("experts", "megamoe")),
+            "write `megamoe: {quantize: fp4}` to quantize the experts when the plan is applied, or load an "
+            "FP4 checkpoint",
+            m.fqn,
+        )
+
+
+def check_megamoe_activation(c, m, where) -> None:
+    """Every Mega MoE backend computes the kernel's SiLU SwiGLU (with the `swiglu_limit` clamp) and nothing else."""
+    config = c.walk.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    act = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None)
+    reasons = []
+    if act is not None and str(act).lower() not in ("silu", "swish"):
+        reasons.append(f"hidden_act is {act!r}")
+    for name in MEGAMOE_OTHER_ACTIVATION_FIELDS:
+        if getattr(text, name, None) is not None:
+            reasons.append(f"{name} is {getattr(text, name)!r}")
+    if reasons:
+        c.problems.add(
+            MEGAMOE_ACTIVATION,
+            f"Mega MoE computes SiLU SwiGLU (clamped by swiglu_limit) and nothing else, but this model's config "
+            f"sets {', '.join(reasons)}: the experts would compute a different function",
+            where,
+            "use `implementation: grouped_mm` for this model",
+            m.fqn,
+        )
+
+
+def _head_dim(config) -> Optional[int]:
+    hd = getattr(config, "head_dim", None)
+    if isinstance(hd, int) and hd > 0:
+        return hd
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads == 0:
+        return hidden // heads
+    return None
+
+
+def _splits_over_tp(style: str) -> bool:
+    spec = STYLE.get(style)
+    return spec is not None and spec.mesh == "tp" and spec.shards

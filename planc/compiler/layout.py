@@ -1,0 +1,305 @@
+"""The layout pass: follow the activation layout through each block and refuse chains that cannot compute.
+
+Every TP module style declares the layout it takes and gives (`planc.spec.styles`: colwise takes a
+replicated input and leaves its output sharded, rowwise takes a sharded input and all-reduces). A
+module without a TP style computes on whole tensors: it takes and gives replicated activations. So
+a plan computes only when every sharded output is consumed by a module that takes a sharded input,
+and every sharded input comes from a sharded output:
+
+    embed_tokens ─R─▶ q/k/v_proj ─S─▶ attention ─S─▶ o_proj ─R─▶ residual ─R─▶ gate/up_proj ─S─▶ down_proj ─R─▶ ... ─▶ lm_head ─R─▶ logits
+
+Which module feeds which inside a block is not in the module tree. It is read, per container module,
+from what transformers declares for the model (the config class's `base_model_tp_plan` pairs each
+colwise producer with the rowwise consumer of the same container), and from the names every family
+shares (q/k/v_proj -> o_proj, gate/up_proj -> down_proj); each diagnostic says which one it assumed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from planc.compiler.context import (
+    LAYOUT_MODULE_PARAM_CONFLICT,
+    LAYOUT_NORM_OVER_SHARDED,
+    LAYOUT_OUTPUT_LEFT_SHARDED,
+    LAYOUT_PRODUCERS_DISAGREE,
+    LAYOUT_ROWWISE_WITHOUT_SHARDED,
+    LAYOUT_SHARDED_INTO_REPLICATED,
+    PlanRule,
+)
+from planc.compiler.walk import generic_path
+from planc.spec.styles import REPLICATED, SHARDED, STYLE, Style
+
+# Producer leaf names -> the consumer that takes their (sharded) outputs, in the same container module.
+NAMED_CHAINS: tuple[tuple[frozenset, str], ...] = (
+    (frozenset({"q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj"}), "o_proj"),
+    (frozenset({"gate_proj", "up_proj"}), "down_proj"),
+    (frozenset({"gate_up_proj"}), "down_proj"),
+    (frozenset({"w1", "w3"}), "w2"),
+)
+# A projection whose output a norm of the same container normalizes before the next projection (MLA).
+NORMED_OUTPUTS = {"q_a_proj": "q_a_layernorm", "kv_a_proj_with_mqa": "kv_a_layernorm"}
+MODEL_OUTPUTS = ("lm_head", "embed_out")
+
+
+@dataclass(frozen=True)
+class Chain:
+    """In `container` (a generic path), the outputs of `producers` feed `consumer`; `source` says who says so."""
+
+    container: str
+    producers: frozenset
+    consumer: str
+    source: str
+
+
+def _style(rule: Optional[PlanRule]) -> Optional[Style]:
+    return STYLE.get(rule.style) if rule is not None else None
+
+
+def _takes(spec: Optional[Style]) -> str:
+    return spec.input if spec is not None and spec.input else REPLICATED
+
+
+def _gives(spec: Optional[Style]) -> str:
+    return spec.output if spec is not None and spec.output else REPLICATED
+
+
+def _described(spec: Optional[Style]) -> str:
+    return f"`{spec.name}`" if spec is not None else "no TP rule"
+
+
+def declared_chains(walk) -> list[Chain]:
+    """The producer -> consumer pairs transformers declares for this model (`base_model_tp_plan`)."""
+    config = walk.config
+    plan = getattr(type(config), "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None)
+    if not isinstance(plan, dict):
+        return []
+    name = f"transformers' {type(config).__name__}.base_model_tp_plan"
+    by_container: dict[str, tuple[set, set]] = {}
+    for key, style_name in plan.items():
+        spec = STYLE.get(style_name)
+        if spec is None or spec.target != "module" or not isinstance(key, str):
+            continue
+        for g in walk.by_generic:
+            if g == key or g.endswith("." + key):
+                container, _, leaf = g.rpartition(".")
+                if g not in walk.modules and not any(f in walk.modules for f in walk.by_generic[g]):
+                    continue  # a parameter (experts' gate_up_proj): not a module boundary
+                prods, cons = by_container.setdefault(container, (set(), set()))
+                if spec.output == SHARDED:
+                    prods.add(leaf)
+                elif spec.input == SHARDED:
+                    cons.add(leaf)
+    out = []
+    for container, (prods, cons) in by_container.items():
+        if prods and len(cons) == 1:
+            out.append(Chain(container, frozenset(prods), next(iter(cons)), name))
+    return out
+
+
+class _Blocks:
+    """The model's containers and their children by leaf name, with the chains that hold in each."""
+
+    def __init__(self, walk):
+        self.children: dict[str, dict[str, str]] = {}
+        for fqn in walk.modules:
+            if fqn:
+                parent, _, leaf = fqn.rpartition(".")
+                self.children.setdefault(parent, {})[leaf] = fqn
+        self.declared = {c.container: c for c in declared_chains(walk)}
+
+    def chains(self, container: str) -> list[Chain]:
+        kids = self.children.get(container, {})
+        generic = generic_path(container)
+        out = []
+        declared = self.declared.get(generic)
+        if declared is not None and declared.consumer in kids:
+            out.append(declared)
+        for producers, consumer in NAMED_CHAINS:
+            present = producers & set(kids)
+            if present and consumer in kids and not any(c.consumer == consumer for c in out):
+                out.append(Chain(generic, frozenset(present), consumer,
+                                 f"the module names ({', '.join(sorted(present))} feed {consumer})"))
+        return out
+
+
+def check_layouts(c, assignments, final: dict[str, PlanRule]) -> None:
+    """Refuse every module style whose neighbours cannot take or give the layout it needs."""
+    if not c.active["tp"]:
+        return
+    walk = c.walk
+    module_rule = {a.fqn: final[a.fqn] for a in assignments if a.target == "module" and a.table == "tp"}
+    _check_module_vs_parameters(c, assignments, final, module_rule)
+    blocks = _Blocks(walk)
+    explained: set[str] = set()  # modules already reported as part of a chain
+    for container in blocks.children:
+        for chain in blocks.chains(container):
+            explained |= _check_chain(c, blocks, container, chain, module_rule)
+    for fqn, rule in module_rule.items():
+        spec = _style(rule)
+        if spec is None or fqn in explained:
+            continue
+        parent, _, leaf = fqn.rpartition(".")
+        if spec.output == SHARDED:
+            if leaf in MODEL_OUTPUTS:
+                c.problems.add(
+                    LAYOUT_OUTPUT_LEFT_SHARDED,
+                    f"`{spec.name}` leaves the output of {leaf} sharded: each rank would get 1/{c.tp} of the logits "
+                    "(generate picks different tokens on each rank, a loss with labels fails)",
+                    rule.source.where,
+                    f"write `{rule.pattern_text}: colwise_gather_output` (the logits are gathered on every rank)",
+                    fqn,
+                )
+                continue
+            normed = NORMED_OUTPUTS.get(leaf)
+            if normed and normed in blocks.children.get(parent, {}):
+                c.problems.add(
+                    LAYOUT_NORM_OVER_SHARDED,
+                    f"`{spec.name}` shards the output of {leaf}, which {normed} then normalizes over its whole "
+                    f"width: each rank would normalize over 1/{c.tp} of the features (data flow assumed from the "
+                    f"module names: {leaf} feeds {normed})",
+                    rule.source.where,
+                    f"write `replicate` for `{rule.pattern_text}` (as transformers' plans leave it), or "
+                    "`colwise_gather_output`",
+                    fqn,
+                )
+                continue
+            c.problems.add(
+                LAYOUT_SHARDED_INTO_REPLICATED,
+                f"`{spec.name}` leaves the output of {leaf} sharded, but no module after it takes a sharded "
+                f"input (no rowwise consumer is known for {leaf} in {generic_path(parent) or 'the model'}): the "
+                "next module would compute on 1/" + f"{c.tp} of the features",
+                rule.source.where,
+                f"write `{rule.pattern_text}: colwise_gather_output`, or `replicate`",
+                fqn,
+            )
+        elif spec.input == SHARDED:
+            c.problems.add(
+                LAYOUT_ROWWISE_WITHOUT_SHARDED,
+                f"`{spec.name}` expects the input of {leaf} sharded over the last dim, but no module before it "
+                f"leaves a sharded output (no colwise producer is known for {leaf} in "
+                f"{generic_path(parent) or 'the model'})",
+                rule.source.where,
+                f"write `{rule.pattern_text}: rowwise_split_input` (it slices the replicated input itself)",
+                fqn,
+            )
+
+
+def _check_chain(c, blocks: _Blocks, container: str, chain: Chain, module_rule) -> set[str]:
+    """Check one producer -> consumer chain in one container; returns the fqns it accounted for."""
+    kids = blocks.children[container]
+    consumer_fqn = kids[chain.consumer]
+    consumer_rule = module_rule.get(consumer_fqn)
+    consumer = _style(consumer_rule)
+    producers = {leaf: fqn for leaf, fqn in kids.items() if leaf in chain.producers}  # in module order
+    gives = {leaf: _gives(_style(module_rule.get(f))) for leaf, f in producers.items()}
+    sharded = [leaf for leaf, g in gives.items() if g == SHARDED]
+    assumed = f"data flow assumed from {chain.source}"
+    names = "/".join(producers)
+    if not sharded and _takes(consumer) == REPLICATED:
+        return set()  # nothing sharded crosses this chain; the consumer's own output is checked on its own
+    explained = set(producers.values()) | {consumer_fqn}
+    if sharded and len(sharded) != len(producers):
+        first = producers[sharded[0]]
+        whole = [leaf for leaf in producers if leaf not in sharded]
+        c.problems.add(
+            LAYOUT_PRODUCERS_DISAGREE,
+            f"{', '.join(sharded)} leave their outputs sharded but {', '.join(whole)} give whole ones; {chain.consumer} "
+            f"combines all of them, so their layouts must agree ({assumed})",
+            module_rule[first].source.where,
+            f"give {names} one style: all `colwise` (with `{chain.consumer}: rowwise`), or none",
+            first,
+        )
+        return explained
+    if sharded and _takes(consumer) != SHARDED:
+        first = producers[sharded[0]]
+        c.problems.add(
+            LAYOUT_SHARDED_INTO_REPLICATED,
+            f"{names} leave their outputs sharded, but {chain.consumer} ({_described(consumer)}) expects a whole "
+            f"input: the first forward fails with mismatched shapes ({assumed})",
+            (consumer_rule or module_rule[first]).source.where,
+            f"add `{generic_path(consumer_fqn)}: rowwise` to tp_plan",
+            consumer_fqn,
+        )
+    elif not sharded and _takes(consumer) == SHARDED:
+        c.problems.add(
+            LAYOUT_ROWWISE_WITHOUT_SHARDED,
+            f"`{consumer.name}` on {chain.consumer} expects its input sharded, but {names} leave their outputs "
+            f"whole (no colwise rule): the first forward fails with mismatched shapes ({assumed})",
+            consumer_rule.source.where,
+            f"add `{generic_path(container)}.{{{','.join(producers)}}}: colwise` to tp_plan, or write "
+            f"`{consumer_rule.pattern_text}: rowwise_split_input`",
+            consumer_fqn,
+        )
+    elif sharded:
+        _check_norms(c, blocks, container, producers, module_rule, assumed)
+    if _gives(consumer) == SHARDED:
+        c.problems.add(
+            LAYOUT_SHARDED_INTO_REPLICATED,
+            f"`{consumer.name}` leaves the output of {chain.consumer} sharded, but it goes back to the residual "
+            f"stream, which every module of the next block reads whole ({assumed})",
+            consumer_rule.source.where,
+            f"write `{consumer_rule.pattern_text}: rowwise`",
+            consumer_fqn,
+        )
+    return explained
+
+
+def _check_norms(c, blocks: _Blocks, container: str, producers: dict, module_rule, assumed: str) -> None:
+    """A norm in the container whose weight spans a producer's whole (now sharded) output would normalize
+    each rank's slice as if it were the whole (OLMoE's q_norm over all heads; Qwen3's per-head q_norm is fine)."""
+    walk = c.walk
+    widths = {}
+    for leaf, fqn in producers.items():
+        w = walk.params.get(f"{fqn}.weight")
+        if w is not None and len(w.shape) == 2:
+            widths[leaf] = w.shape[0]
+    for leaf, fqn in blocks.children[container].items():
+        if "norm" not in leaf.lower():
+            continue
+        w = walk.params.get(f"{fqn}.weight")
+        if w is None or len(w.shape) != 1:
+            continue
+        over = [p for p, width in widths.items() if width == w.shape[0] and width % c.tp == 0]
+        head_dim = getattr(walk.config, "head_dim", None)
+        if over and w.shape[0] != head_dim:
+            c.problems.add(
+                LAYOUT_NORM_OVER_SHARDED,
+                f"{leaf} normalizes over all {w.shape[0]} features of {over[0]}'s output, which the plan shards "
+                f"over {c.tp} ranks: each rank would normalize its slice as if it were the whole ({assumed})",
+                module_rule[producers[over[0]]].source.where,
+                f"gather before the norm: `{generic_path(container)}.{{{','.join(producers)}}}: colwise_gather_output` "
+                "and `o_proj: rowwise_split_input` (transformers' own plan for such models), or replicate attention",
+                fqn,
+            )
+
+
+def _check_module_vs_parameters(c, assignments, final, module_rule) -> None:
+    """A parameter rule that splits its tensor differently from its module's style: the module's forward
+    would compute on a tensor laid out the way it does not expect."""
+    walk = c.walk
+    for a in assignments:
+        if a.target != "parameter" or a.inherited:
+            continue
+        owner = walk.params[a.fqn].owner
+        mrule = module_rule.get(owner)
+        mspec = _style(mrule)
+        pspec = STYLE.get(a.style)
+        if mspec is None or pspec is None or mspec.experts_mode:
+            continue
+        ndim = len(walk.params[a.fqn].shape)
+        if (mspec.placement(ndim), mspec.packed, mspec.mesh) == (pspec.placement(ndim), pspec.packed, pspec.mesh):
+            continue
+        prule = final[a.fqn]
+        c.problems.add(
+            LAYOUT_MODULE_PARAM_CONFLICT,
+            f"module rule `{mrule.pattern_text}: {mspec.name}` ({mrule.source.where}) and parameter rule "
+            f"`{prule.pattern_text}: {pspec.name}` split {a.fqn.rsplit('.', 1)[-1]} differently "
+            f"(dim {mspec.placement(ndim)} vs {pspec.placement(ndim)}): the module's forward would get a weight "
+            "of the wrong shape",
+            prule.source.where,
+            f"delete `{prule.pattern_text}` (the module rule `{mspec.name}` already shards its parameters), or "
+            "make the two rules name the same style",
+            a.fqn,
+        )

@@ -1,0 +1,195 @@
+"""Matching: plan rules -> concrete module and parameter paths, in module order, params before modules.
+
+Patterns are matched against the model's generic paths (`model.layers.*.mlp`) and only then expanded
+to concrete ones, so a rule is tried against a few dozen paths, not thousands. A parameter without a
+rule of its own inherits its module's TP style, as in transformers.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Optional
+
+from planc.compiler import checks
+from planc.compiler.compiled import Assignment
+from planc.compiler.context import (
+    CONFLICTING_RULES,
+    BAD_PATTERN,
+    TP_ON_EP_EXPERTS,
+    UNMATCHED_RULE,
+    PlanRule,
+    source_rule,
+)
+from planc.spec.patterns import Pattern, PatternError
+from planc.spec.styles import ALL_STYLES, EXPERTS_MODULE_STYLES, PARAMETER_STYLES
+
+
+def collect_rules(c) -> None:
+    for table in ("tp_plan", "ep_plan"):
+        for pattern_text, style in getattr(c.plan, table).items():
+            rule = PlanRule(
+                len(c.rules), table, pattern_text, style, source_rule(c.loaded, table, pattern_text, style)
+            )
+            c.rules.append(rule)
+            where = rule.source.where
+            try:
+                rule.pattern = Pattern(pattern_text)
+            except PatternError as e:
+                c.problems.add(BAD_PATTERN, f"{table} pattern `{pattern_text}`: {e.problem}", where, e.hint)
+            checks.check_style(c, rule)
+
+
+def match_rules(c) -> None:
+    generics = [(g.split("."), fqns) for g, fqns in c.walk.by_generic.items()]
+    for rule in c.rules:
+        if rule.pattern is None:
+            continue
+        for alt in rule.pattern.alternatives:
+            hits = 0
+            for gsegs, fqns in generics:
+                matched = _match_generic(alt, gsegs, fqns)
+                hits += len(matched)
+                rule.targets.update(matched)
+            rule.per_alternative.append(hits)
+        check_matched(c, rule)
+
+
+def check_matched(c, rule: PlanRule) -> None:
+    alts = rule.pattern.alternatives
+    missing = [".".join(a) for a, n in zip(alts, rule.per_alternative) if n == 0]
+    if not missing:
+        return
+    for text in missing:
+        suggestions = suggest(c, text)
+        what = f"rule `{rule.pattern_text}`" if len(alts) == 1 else f"alternative `{text}` of rule `{rule.pattern_text}`"
+        hint = (
+            "closest paths in this model: " + ", ".join(f"`{s}`" for s in suggestions)
+            if suggestions
+            else "run `planc explain` on the plan to list the module paths of this model"
+        )
+        c.problems.add(
+            UNMATCHED_RULE,
+            f"{rule.table} {what} matches no module or parameter of {c.walk.model_class}",
+            rule.source.where,
+            hint,
+        )
+
+
+def suggest(c, text: str) -> list[str]:
+    candidates = list(c.walk.by_generic)
+    # The commonest mistake: the base-model prefix is missing (transformers' config plans have none).
+    out = [cand for cand in candidates if cand.endswith("." + text)]
+    for cand in difflib.get_close_matches(text, candidates, n=3, cutoff=0.5):
+        if cand not in out:
+            out.append(cand)
+    return out[:3]
+
+
+def table_maps(c) -> dict[str, dict[str, PlanRule]]:
+    maps: dict[str, dict[str, PlanRule]] = {"tp": {}, "ep": {}}
+    for rule in c.rules:
+        if rule.style not in ALL_STYLES:
+            continue
+        table = maps[rule.kind]
+        for fqn in rule.targets:
+            prev = table.get(fqn)
+            if prev is None:
+                table[fqn] = rule
+            elif prev.style != rule.style:
+                c.problems.add(
+                    CONFLICTING_RULES,
+                    f"{rule.table} rules `{prev.pattern_text}` ({prev.style}, {prev.source.where}) and "
+                    f"`{rule.pattern_text}` ({rule.style}) give the same target two different styles",
+                    rule.source.where,
+                    "keep one rule per target: narrow one pattern, or delete one of the two rules",
+                    fqn,
+                )
+        checks.check_targets(c, rule)
+    return maps
+
+
+def find_ep_experts(c, maps) -> set[str]:
+    """The experts modules that ep_plan shards by expert (none while ep_size is 1)."""
+    if not c.active["ep"]:
+        return set()
+    modules = c.walk.modules
+    return {
+        fqn for fqn, r in maps["ep"].items()
+        if r.style == "ep_dispatch_experts" and fqn in modules and modules[fqn].experts is not None
+    }
+
+
+def expand(c, maps, ep_experts: set[str]) -> tuple[list[Assignment], dict[str, PlanRule]]:
+    """Concrete assignments in module order, each module's parameters before the module."""
+    walk, active = c.walk, c.active
+    tp_map = maps["tp"] if active["tp"] else {}
+    ep_map = maps["ep"] if active["ep"] else {}
+    out: list[Assignment] = []
+    final: dict[str, PlanRule] = {}
+
+    def style_in(table_map, fqn, owner):
+        r = table_map.get(fqn)
+        if r is not None:
+            return r, False
+        r = table_map.get(owner) if owner is not None else None
+        if r is not None and r.style not in EXPERTS_MODULE_STYLES and r.style not in PARAMETER_STYLES:
+            return r, True
+        return None, False
+
+    owner_of: dict[str, Optional[str]] = {}  # module -> the EP experts module it is (in), parents first
+    for mname, minfo in walk.modules.items():
+        experts_owner = mname if mname in ep_experts else owner_of.get(mname.rpartition(".")[0])
+        owner_of[mname] = experts_owner
+        targets = [(p, "parameter", mname) for p in minfo.params] + ([(mname, "module", None)] if mname else [])
+        for fqn, target, owner in targets:
+            tr, t_inh = style_in(tp_map, fqn, owner)
+            er, e_inh = style_in(ep_map, fqn, owner)
+            if tr is not None and experts_owner is not None and not t_inh:
+                c.problems.add(
+                    TP_ON_EP_EXPERTS,
+                    f"tp_plan rule `{tr.pattern_text}` ({tr.style}) targets experts that ep_plan shards by expert "
+                    f"(ep_size={c.ep}); transformers silently drops such TP rules, planc refuses",
+                    tr.source.where,
+                    f"delete `{tr.pattern_text}` from tp_plan (with EP the experts are never tensor-sharded), "
+                    "or set `ep_size: 1` to keep them tensor-parallel",
+                    fqn,
+                )
+                tr = None
+            rule, inherited = (er, e_inh) if er is not None else (tr, t_inh)
+            if er is not None and tr is not None and er.style != tr.style:
+                c.problems.add(
+                    CONFLICTING_RULES,
+                    f"tp_plan rule `{tr.pattern_text}` ({tr.style}, {tr.source.where}) and ep_plan rule "
+                    f"`{er.pattern_text}` ({er.style}) give the same target two different styles",
+                    er.source.where,
+                    "keep one rule per target: delete one of the two rules",
+                    fqn,
+                )
+            if rule is None:
+                continue
+            final[fqn] = rule
+            out.append(Assignment(fqn, target, rule.style, rule.source, inherited))
+    return out, final
+
+
+def _match_alt(alt: tuple, segs: list) -> bool:
+    return len(alt) == len(segs) and all(a == "*" or a == s for a, s in zip(alt, segs))
+
+
+def _match_generic(alt: tuple, gsegs: list, fqns: list) -> list:
+    """The concrete `fqns` of generic path `gsegs` that alternative `alt` matches.
+
+    All of them, unless `alt` names a layer index (`model.layers.7.mlp`) where the generic path has `*`:
+    then each concrete path is checked.
+    """
+    if len(gsegs) != len(alt):
+        return []
+    concrete_index = False
+    for a, g in zip(alt, gsegs):
+        if a == "*" or a == g:
+            continue
+        if g == "*" and a.isdigit():
+            concrete_index = True
+            continue
+        return []
+    return [f for f in fqns if _match_alt(alt, f.split("."))] if concrete_index else fqns
