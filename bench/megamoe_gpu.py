@@ -217,8 +217,11 @@ def sweep(args, device, measure, packed):
                 continue  # big token tiles for a decode batch: never competitive
             try:
                 fit = cfg.fit(args.hidden, args.intermediate)
-                us, _ = graph_or_eager(device, measure, lambda: triton_local_experts_forward(
-                    q, sf, idx, w, packed, first_expert=0, activation_clamp=args.clamp, config=fit), True)
+                def run(fit=fit):
+                    return triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0,
+                                                        activation_clamp=args.clamp, config=fit)
+
+                us, _ = graph_or_eager(device, measure, run, device.type == "cuda")
             except Exception as e:  # a config that does not compile (shared memory, registers) is skipped
                 print(f"  T={n} {cfg}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
                 continue
