@@ -5,16 +5,26 @@ The public API is imported lazily so that `import planc` (and `planc lint`) neve
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
 
-__all__ = ["load_plan", "lint_paths", "compile", "apply", "load", "destroy_megamoe_buffers", "__version__"]
+__all__ = [
+    "load_plan", "lint_paths", "compile", "apply", "load", "save", "export", "destroy_megamoe_buffers", "__version__",
+]
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from torch import nn
 
 
-def load_plan(source):
-    """Load and validate a plan (path, YAML string, mapping or LoadedPlan)."""
+def load_plan(source, *, parallel=None):
+    """Load and validate a plan (path, YAML string, mapping or LoadedPlan); `parallel` runs it at other
+    sizes, e.g. `{"tp_size": 2, "ep_size": 2}`, linted again at those sizes."""
     from planc.spec.load import load_plan as _load
 
-    return _load(source)
+    return _load(source, parallel=parallel)
 
 
 def lint_paths(paths, **kwargs):
@@ -31,21 +41,40 @@ def compile(plan, model):  # noqa: A001 - the verb is the API
     return compile_plan(plan, model)
 
 
-def apply(model, plan, *, mesh=None):
-    """Compile `plan` against `model`, then shard and install it on every rank (all or nothing)."""
+def apply(model, plan, *, mesh=None, parallel=None):
+    """Compile `plan` against `model`, then shard and install it on every rank (all or nothing);
+    `parallel` runs the plan at other sizes (see load_plan)."""
     from planc.runtime.install import apply as _apply
 
-    return _apply(model, plan, mesh=mesh)
+    return _apply(model, plan, mesh=mesh, parallel=parallel)
 
 
-def load(source, plan, *, dtype=None, device=None, mesh=None):
+def load(source, plan, *, dtype=None, device=None, mesh=None, parallel=None):
     """Load the checkpoint directory `source` sharded by `plan`: every rank reads only its own shards.
 
     Returns the applied model (as `from_pretrained` returns one); its CompiledPlan is `model._planc_plan`.
+    `parallel` runs the plan at other sizes, as for `apply`.
     """
     from planc.runtime.checkpoint.load import load as _load
 
-    return _load(source, plan, dtype=dtype, device=device, mesh=mesh)
+    return _load(source, plan, dtype=dtype, device=device, mesh=mesh, parallel=parallel)
+
+
+def save(model: nn.Module, directory) -> Path:
+    """Write an applied model as a sharded checkpoint (torch.distributed.checkpoint, every rank its own shards)
+    with its plan beside it; `planc.load` reads it back under any plan or sizes. Call on every rank.
+    The directory is replaced only once the new checkpoint is complete."""
+    from planc.runtime.checkpoint.save import save as _save
+
+    return _save(model, directory)
+
+
+def export(model: nn.Module, directory, *, max_shard_size: int | str = "5GB") -> Path:
+    """Write an applied model as consolidated hub-layout safetensors (transformers' reverse weight conversion),
+    one tensor group at a time, that plain `from_pretrained(directory)` loads. Call on every rank."""
+    from planc.runtime.checkpoint.export import export as _export
+
+    return _export(model, directory, max_shard_size=max_shard_size)
 
 
 def destroy_megamoe_buffers() -> None:

@@ -29,10 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _transformers_plans(model_type: str):
     """(tp rules, ep rules, lm-head rules, prefix, model class, config) exactly as transformers declares them."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from planc.runtime.models import build_config, causal_lm_class
 
-    config = AutoConfig.for_model(model_type)
-    model_cls = AutoModelForCausalLM._model_mapping[type(config)]
+    config = build_config(model_type)
+    model_cls = causal_lm_class(config)
     prefix = getattr(model_cls, "base_model_prefix", "model") or "model"
     tp = dict(type(config).base_model_tp_plan or {})
     ep = dict(type(config).base_model_ep_plan or {})
@@ -45,7 +45,8 @@ def _under(pattern: str, ep_keys) -> bool:
 
 
 def init_plan(model_type: str) -> str:
-    """The plan text for `model_type` (raises ValueError for unknown types)."""
+    """The plan text for `model_type`; raises ValueError (planc.runtime.models.ModelBuildError: one line)
+    for unknown types and for configs or models transformers cannot build."""
     import transformers
 
     from planc.compiler.resolve import compile_plan

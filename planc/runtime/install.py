@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from planc.errors import ApplyError
+from planc.runtime.checkpoint.guards import guard_applied_model
 from planc.runtime.ep.base import install_ep_forward, shard_expert_tensor
 from planc.runtime.mesh import Groups, build_groups
 from planc.runtime.tp_styles import tp_style
@@ -40,14 +41,16 @@ from planc.runtime.tp_styles import tp_style
 _GPU_KERNELS = {"deepgemm": (9, 0), "sonicmoe": (9, 0)}
 
 
-def apply(model: nn.Module, plan, *, mesh=None):
+def apply(model: nn.Module, plan, *, mesh=None, parallel=None):
     """Compile `plan` against `model`, then shard and install it on every rank (all or nothing).
 
     `plan`: a path, YAML text, mapping, `LoadedPlan` or `Plan`. `mesh`: an optional ("dp", "tp")
-    DeviceMesh; planc builds one from the plan's sizes otherwise. Returns the CompiledPlan.
+    DeviceMesh; planc builds one from the plan's sizes otherwise. `parallel`: run the plan at other
+    sizes, e.g. `{"tp_size": 2, "ep_size": 2}` (checked like the plan's own, `load_plan(parallel=)`).
+    Returns the CompiledPlan.
     """
     require_distributed("planc.apply")
-    compiled, problems = compile_and_check(model, plan, mesh)
+    compiled, problems = compile_and_check(model, plan, mesh, parallel=parallel)
     agree_across_ranks(compiled, problems)
     groups = build_groups(compiled.parallel, mesh)
     state = InstallState(model=model, compiled=compiled, groups=groups)
@@ -67,7 +70,7 @@ def require_distributed(what: str) -> None:
 # ---- 2. compile and local checks ---------------------------------------------------------------------------
 
 
-def compile_and_check(model, plan, mesh, *, device: Optional[torch.device] = None):
+def compile_and_check(model, plan, mesh, *, device: Optional[torch.device] = None, parallel=None):
     """The CompiledPlan (or None) and the list of problems found on this rank, without any communication.
 
     A world that does not fit the plan's sizes is reported first and alone: every other problem
@@ -75,7 +78,7 @@ def compile_and_check(model, plan, mesh, *, device: Optional[torch.device] = Non
     the model will run (planc.load builds it on `meta` first); default: where it lives.
     """
     try:
-        loaded = _load(plan)
+        loaded = _load(plan, parallel)
         if mesh is None:
             sizes = _world_problem(model, loaded)
             if sizes:
@@ -91,10 +94,10 @@ def compile_and_check(model, plan, mesh, *, device: Optional[torch.device] = Non
     return compiled, problems
 
 
-def _load(plan):
+def _load(plan, parallel=None):
     from planc.spec.load import load_plan
 
-    return load_plan(plan)
+    return load_plan(plan, parallel=parallel)
 
 
 def _world_problem(model, loaded) -> Optional[str]:
@@ -108,6 +111,9 @@ def _world_problem(model, loaded) -> Optional[str]:
         return None
     found = sizes_for_world(loaded, model, world)
     hint = sizes_hint(found, world, "change `parallel` in the plan to match the world")
+    if found:  # the same sizes without editing the plan: planc.apply(..., parallel=...)
+        s = found[0]
+        hint += f" (or keep the plan and pass parallel={{'tp_size': {s.tp}, 'ep_size': {s.ep}, 'dp_size': {s.dp}}})"
     return (
         f"{problems[0].code}: {problems[0].message}. Launch {p.world_size} processes (torchrun --nproc-per-node "
         f"{p.world_size}), or {hint}."
@@ -375,6 +381,7 @@ def step_mark_applied(state: InstallState) -> None:
             state.module(a.fqn)._is_hooked = True
     state.model._planc_plan = state.compiled
     state.model._planc_groups = state.groups
+    guard_applied_model(state.model)  # save_pretrained / deepcopy refuse with what to call instead
 
 
 INSTALL_STEPS: list[Callable[[InstallState], None]] = [
@@ -424,12 +431,32 @@ def install_atomically(
 # ---- snapshot / restore ------------------------------------------------------------------------------------
 
 
+_CONTAINERS = (dict, list, set)
+
+
 def _copy_attrs(obj) -> dict:
-    """A copy of `obj.__dict__` one level deep (the containers modules mutate: params, buffers, hooks)."""
+    """`obj.__dict__` with a copy of the contents of each container (params, buffers, hooks), one level deep.
+
+    The containers themselves are kept too: a hook handle taken before `apply` holds a weak reference
+    to the very `_forward_hooks` dict, so restore must refill that object, not install a copy.
+    """
     out = {}
     for k, v in obj.__dict__.items():
-        out[k] = type(v)(v) if isinstance(v, (dict, list, set)) else v
+        out[k] = (v, type(v)(v)) if isinstance(v, _CONTAINERS) else (v, None)
     return out
+
+
+def _restore_attrs(obj, attrs: dict) -> None:
+    """Put back every attribute as the same object, with the contents each container had."""
+    obj.__dict__.clear()
+    for k, (v, contents) in attrs.items():
+        if contents is not None:
+            if isinstance(v, list):
+                v[:] = contents
+            else:
+                v.clear()
+                v.update(contents)
+        obj.__dict__[k] = v
 
 
 def _configs(model: nn.Module) -> list:
@@ -458,8 +485,7 @@ class Snapshot:
 
     def restore(self) -> None:
         for obj, attrs in (*self.modules, *self.configs):
-            obj.__dict__.clear()
-            obj.__dict__.update(attrs)
+            _restore_attrs(obj, attrs)
         for t, attrs, requires_grad in self.tensors:
             t.__dict__.clear()
             t.__dict__.update(attrs)

@@ -47,28 +47,133 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 MODEL_TYPES = tuple(TINY_CONFIGS)
 
 
-def _config_class(model_type: str):
+class ModelBuildError(ValueError):
+    """transformers could not build a config or a model: one line that names the model type and the cause.
+
+    `planc init`, `planc explain` and `planc demo` print it as is (exit 2) instead of transformers'
+    traceback; every way planc builds a model goes through this module, so none of them can leak one.
+    """
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(exc).split()) or "(no message)"
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"{type(exc).__name__}: {text}"
+
+
+def known_model_types() -> list[str]:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return sorted(CONFIG_MAPPING_NAMES)
+
+
+def config_class(model_type: str):
+    """transformers' config class for `model_type`; an unknown type names the closest few known ones."""
+    import difflib
+
     from transformers import AutoConfig
 
     try:
         return type(AutoConfig.for_model(model_type))
-    except ValueError as e:
-        raise ValueError(
-            f"planc.runtime.models: transformers knows no model type `{model_type}`; "
-            "use a `config.model_type` such as " + ", ".join(MODEL_TYPES)
+    except Exception:  # noqa: BLE001 - ValueError with every model type listed (~7 KB): replaced below
+        known = known_model_types()
+        close = difflib.get_close_matches(str(model_type), known, n=3, cutoff=0.6)
+        moe = [t for t in MODEL_TYPES if t not in close]
+        hint = (f"did you mean {', '.join(f'`{c}`' for c in close)}?" if close
+                else "use a transformers `config.model_type`, e.g. " + ", ".join(f"`{t}`" for t in moe))
+        raise ModelBuildError(f"transformers knows no model type `{model_type}`; {hint}") from None
+
+
+def build_config(model_type: str, overrides: Optional[dict] = None):
+    """The config of `model_type` with `overrides` (config keyword arguments); ModelBuildError on any failure."""
+    cls = config_class(model_type)
+    try:
+        return cls(**(overrides or {}))
+    except Exception as e:  # noqa: BLE001 - e.g. transformers' StrictDataclassFieldValidationError for a bad value
+        raise ModelBuildError(f"cannot build a `{model_type}` config ({cls.__name__}): {_one_line(e)}") from e
+
+
+def causal_lm_class(config):
+    """The `*ForCausalLM` class transformers builds for a config (what a plan's `model.` paths refer to)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, ValueError):
+        raise ModelBuildError(
+            f"`{config.model_type}` has no *ForCausalLM class in transformers: planc plans shard causal LMs"
+        ) from None
+
+
+def build_model(config, *, meta: bool = False, **kwargs):
+    """`AutoModelForCausalLM.from_config(config, **kwargs)` (on the meta device: no memory); any exception
+    from transformers becomes one ModelBuildError line naming the model type and what failed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cls = causal_lm_class(config)
+    try:
+        if meta:
+            with torch.device("meta"):
+                return AutoModelForCausalLM.from_config(config, **kwargs)
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+    except Exception as e:  # noqa: BLE001 - transformers raises anything from a config it cannot build
+        raise ModelBuildError(
+            f"transformers cannot build a `{config.model_type}` model ({cls.__name__}) from this config: {_one_line(e)}"
         ) from e
 
 
+# Shrunk values for any MoE family, by config attribute name (only the attributes a family's config has
+# are set). Heads are a multiple of 4 and experts of 8, so every size planc demo and the tests use
+# (1, 2, 4 ranks) divides them.
+_TINY_HEADS = 4
+_TINY_EXPERTS = 8
+_TINY_DERIVED: dict[str, Any] = dict(
+    num_hidden_layers=2, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+    shared_expert_intermediate_size=32, expert_intermediate_size=32, ffn_hidden_size=64,
+    num_attention_heads=_TINY_HEADS, num_key_value_heads=_TINY_HEADS, head_dim=16,
+    num_local_experts=_TINY_EXPERTS, num_experts=_TINY_EXPERTS, n_routed_experts=_TINY_EXPERTS,
+    moe_num_experts=_TINY_EXPERTS, num_experts_per_tok=2, moe_topk=2, n_group=1, topk_group=1,
+    n_shared_experts=1, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=128, max_position_embeddings=128,
+    kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+)
+
+
+def derive_tiny_config(model_type: str, **overrides):
+    """A tiny config for any family transformers can build, derived from the family's own config class:
+    its defaults with layers, widths, vocabulary, heads and experts shrunk (`_TINY_DERIVED`), per-layer
+    lists cut to the new depth, and token ids that would fall outside the small vocabulary unset.
+
+    Families with a hand-tuned entry in TINY_CONFIGS use that instead (`tiny_config`). Raises
+    ModelBuildError when the derived config does not build.
+    """
+    defaults = build_config(model_type).to_dict()
+    kwargs = {k: v for k, v in _TINY_DERIVED.items() if k in defaults}
+    layers = kwargs.get("num_hidden_layers", defaults.get("num_hidden_layers"))
+    for key, value in defaults.items():
+        if isinstance(value, list) and layers and len(value) > layers and key.endswith("layer_types"):
+            kwargs[key] = value[:layers]
+        elif key.endswith("_token_id") and isinstance(value, int) and value >= kwargs.get("vocab_size", value + 1):
+            kwargs[key] = None
+    if defaults.get("first_k_dense_replace"):
+        kwargs["first_k_dense_replace"] = 1  # one dense layer, one MoE layer
+    if defaults.get("sliding_window"):
+        kwargs["sliding_window"] = 8
+    kwargs.update(overrides)
+    kwargs.setdefault("tie_word_embeddings", False)
+    config = build_config(model_type, kwargs)
+    config._attn_implementation = "eager"
+    return config
+
+
 def tiny_config(model_type: str, **overrides):
-    """The tiny config of `model_type` (fp32, eager attention), with `overrides` applied."""
+    """The tiny config of `model_type` (fp32, eager attention), with `overrides` applied: the hand-tuned
+    one of TINY_CONFIGS, else one derived from the family's own config class (`derive_tiny_config`)."""
     if model_type not in TINY_CONFIGS:
-        raise ValueError(
-            f"planc.runtime.models: no tiny config for `{model_type}`; known: {', '.join(MODEL_TYPES)}. "
-            "Build the model yourself from a config and pass it to planc.apply."
-        )
+        return derive_tiny_config(model_type, **overrides)
     kwargs = {**TINY_CONFIGS[model_type], **overrides}
     kwargs.setdefault("tie_word_embeddings", False)
-    config = _config_class(model_type)(**kwargs)
+    config = build_config(model_type, kwargs)
     config._attn_implementation = "eager"
     return config
 
@@ -76,12 +181,11 @@ def tiny_config(model_type: str, **overrides):
 def build_tiny_model(model_type: str, *, seed: int = 0, experts_implementation: Optional[str] = None, **overrides):
     """A tiny random `*ForCausalLM` of `model_type`, fp32, eval mode, identical for the same seed on every rank."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     config = tiny_config(model_type, **overrides)
     torch.manual_seed(seed)
     kwargs = {"experts_implementation": experts_implementation} if experts_implementation else {}
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
+    model = build_model(config, dtype=torch.float32, **kwargs)
     _randomize_zero_inits(model, seed)
     return model.eval()
 
@@ -114,9 +218,4 @@ def build_meta_model(model_type: str, config_overrides: Optional[dict] = None):
 
     No memory is allocated, so `planc explain` can resolve a plan against a 600B-parameter model.
     """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    config = _config_class(model_type)(**(config_overrides or {}))
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+    return build_model(build_config(model_type, config_overrides), meta=True)
