@@ -30,6 +30,11 @@ from planc.spec.styles import (
 
 MEGAMOE_MAX_TOP_K = 32
 MEGAMOE_MAX_RANKS = 72
+# The real kernel's block alignment beyond its host checks (% 128): H/128 must be even, and at decode-sized
+# batches (about <= 8.5 tokens per expert) its heuristics take BLOCK_K = 256 over the intermediate size.
+MEGAMOE_KERNEL_BLOCK = 256
+# Config fields of gated activations other than the kernel's SiLU SwiGLU (the clamp is `swiglu_limit`).
+MEGAMOE_OTHER_ACTIVATION_FIELDS = ("swiglu_alpha", "mlp_gate_softcap", "mlp_up_softcap", "gate_softcap", "up_softcap")
 ATTENTION_PROJ = {"q_proj": "out", "k_proj": "out", "v_proj": "out", "o_proj": "in"}
 
 
@@ -342,29 +347,42 @@ def check_megamoe(c, m) -> None:
             key_where(c.loaded, ("parallel", "ep_size")),
             f"set ep_size <= {MEGAMOE_MAX_RANKS}",
         )
+    check_megamoe_activation(c, m, impl_where)
     backend = settings.backend if settings else "auto"
     h, i = info.hidden_size, info.intermediate_size
+    backend_where = key_where(c.loaded, ("experts", "megamoe", "backend"))
     if h is not None and i is not None and backend in ("deep_gemm", "auto"):
         bad = [f"{n} {v}" for n, v in (("hidden", h), ("intermediate", i)) if v % 128]
+        blocks = [f"{n} {v}" for n, v in (("hidden", h), ("intermediate", i)) if v % MEGAMOE_KERNEL_BLOCK]
         if bad and backend == "deep_gemm":
             c.problems.add(
                 MEGAMOE_SIZES,
                 f"the deep_gemm Mega MoE kernel needs hidden and intermediate sizes divisible by 128, "
                 f"got {', '.join(bad)}",
-                key_where(c.loaded, ("experts", "megamoe", "backend")),
-                "write `megamoe: {backend: reference}` (PyTorch reference), or use `implementation: grouped_mm`",
+                backend_where,
+                "write `megamoe: {backend: triton}` (FP4 kept packed) or `{backend: reference}` (PyTorch), "
+                "or use `implementation: grouped_mm`",
                 m.fqn,
             )
-        elif bad or h % (512 if h > 4096 else 256) or i % 256:
+        elif blocks and backend == "deep_gemm":
+            c.problems.add(
+                MEGAMOE_KERNEL_BLOCKS,
+                f"the deep_gemm Mega MoE kernel passes its host checks (% 128) but not its block alignment: "
+                f"hidden / 128 must be even and, at decode-sized batches (BLOCK_K {MEGAMOE_KERNEL_BLOCK}), "
+                f"intermediate % {MEGAMOE_KERNEL_BLOCK} == 0; got {', '.join(blocks)}",
+                backend_where,
+                "write `megamoe: {backend: triton}` (FP4 kept packed) or `{backend: reference}`",
+                m.fqn,
+            )
+        elif blocks:
             c.warnings.append(
                 CompileWarning(
                     MEGAMOE_ALIGNMENT,
-                    f"{generic_path(m.fqn)}: hidden {h} / intermediate {i} "
-                    + ("are not multiples of 128: backend `auto` falls back to the reference"
-                       if bad else "pass the kernel's host checks (128) but not its block alignment "
-                       "(hidden % 256, % 512 above 4096; intermediate % 256)"),
-                    "verify on the target GPU, or write `megamoe: {backend: reference}`",
-                    key_where(c.loaded, ("experts", "megamoe", "backend")),
+                    f"{generic_path(m.fqn)}: hidden {h} / intermediate {i} are not multiples of "
+                    f"{MEGAMOE_KERNEL_BLOCK}, which the deep_gemm kernel needs: backend `auto` runs the Triton "
+                    "backend (or the reference) even on SM100",
+                    "write `megamoe: {backend: triton}` to say so",
+                    backend_where,
                 )
             )
     quantize = settings.quantize if settings else "none"
@@ -380,6 +398,26 @@ def check_megamoe(c, m) -> None:
         )
 
 
+def check_megamoe_activation(c, m, where) -> None:
+    """Every Mega MoE backend computes the kernel's SiLU SwiGLU (with the `swiglu_limit` clamp) and nothing else."""
+    config = c.walk.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    act = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None)
+    reasons = []
+    if act is not None and str(act).lower() not in ("silu", "swish"):
+        reasons.append(f"hidden_act is {act!r}")
+    for name in MEGAMOE_OTHER_ACTIVATION_FIELDS:
+        if getattr(text, name, None) is not None:
+            reasons.append(f"{name} is {getattr(text, name)!r}")
+    if reasons:
+        c.problems.add(
+            MEGAMOE_ACTIVATION,
+            f"Mega MoE computes SiLU SwiGLU (clamped by swiglu_limit) and nothing else, but this model's config "
+            f"sets {', '.join(reasons)}: the experts would compute a different function",
+            where,
+            "use `implementation: grouped_mm` for this model",
+            m.fqn,
+        )
 def _proj_head_dim(walk, owner: str, proj: str, config_head_dim: Optional[int]) -> Optional[int]:
     """The head width a q/k/v/o projection's features come in: v_proj/o_proj use v_head_dim where the
     attention has one (dots3_note, mimo_v2_flash); the attention module's own attributes win over the
@@ -427,7 +465,7 @@ def _splits_over_tp(style: str) -> bool:
 
 
 def check_bare_parameters(c, assignments, final) -> None:
-    """PLC621: a sharded parameter whose module's forward planc does not wrap."""
+    """PLC623: a sharded parameter whose module's forward planc does not wrap."""
     if not c.active["tp"]:
         return
     walk = c.walk
@@ -457,7 +495,7 @@ def check_bare_parameters(c, assignments, final) -> None:
 
 
 def check_experts_implementation(c, where_impl: str) -> None:
-    """PLC622: an experts kernel the model class cannot switch to."""
+    """PLC624: an experts kernel the model class cannot switch to."""
     walk, impl = c.walk, c.plan.experts.implementation
     if walk.can_switch_experts is not False or impl in ("eager", "deepgemm_megamoe") or not walk.experts:
         return

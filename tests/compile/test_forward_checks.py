@@ -28,7 +28,7 @@ def test_sharded_sinks_without_a_wrapped_attention_forward_is_refused():
                         "model.layers.*.block_sparse_moe.experts.down_proj": "rowwise",
                         "model.layers.*.block_sparse_moe.experts": "moe_tp_experts"}}
     (p,) = _codes(plan, model)
-    assert p.code == "PLC621" and "model.layers.*.self_attn" in p.message
+    assert p.code == "PLC623" and "model.layers.*.self_attn" in p.message
     assert "`model.layers.*.self_attn: local_params`" in p.hint and p.where == "tp_plan['model.layers.*.self_attn.sinks']"
     plan["tp_plan"]["model.layers.*.self_attn"] = "local_params"
     compiled = compile_plan(plan, model)
@@ -40,7 +40,7 @@ def test_experts_kernel_the_class_cannot_switch_is_refused():
     plan = {"version": 1, "model": {"type": "longcat_flash"}, "parallel": {"tp_size": 1},
             "experts": {"implementation": "grouped_mm"}}
     (p,) = _codes(plan, model)
-    assert p.code == "PLC622" and "LongcatFlashForCausalLM" in p.message and "implementation: eager" in p.hint
+    assert p.code == "PLC624" and "LongcatFlashForCausalLM" in p.message and "implementation: eager" in p.hint
     plan["experts"]["implementation"] = "eager"
     compile_plan(plan, model)
 

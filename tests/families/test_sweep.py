@@ -30,8 +30,8 @@ REFUSAL_REASONS = {
     "PLC606": re.compile(r"experts cannot be split evenly over ep_size"),
     "PLC617": re.compile(r"not a\s+whole number of heads"),
     "PLC616": re.compile(r"does not divide evenly"),
-    "PLC621": re.compile(r"gets no style whose forward runs on local shards"),
-    "PLC622": re.compile(r"cannot switch its experts implementation"),
+    "PLC623": re.compile(r"gets no style whose forward runs on local shards"),
+    "PLC624": re.compile(r"cannot switch its experts implementation"),
     "PLC613": re.compile(r"needs an experts module|pre-scaled|is a parameter style|is not an experts module"),
     "PLC602": re.compile(r"has no EP or TP rule"),
 }

@@ -54,7 +54,6 @@ def test_refusals_raise_the_same_error_on_every_rank_and_change_nothing():
         "rowwise_without_colwise": "PLC631",
         "deepgemm_on_cpu": "`deepgemm` runs CUDA kernels",
         "sonicmoe_on_cpu": "`sonicmoe` runs CUDA kernels",
-        "megamoe_auto_backend_on_cpu": "backend: reference",
         "double_apply": "already called on this model",
         "caller_mesh_mismatch": "the plan wants dp=1 x tp=2",
     }
