@@ -213,6 +213,9 @@ def init_plan(model_type: str, config: Optional[dict] = None, overrides: Optiona
     try:
         fam = family(model_type)
     except KeyError:
+        from planc.runtime.models import config_class
+
+        config_class(model_type)  # a type transformers does not know: ModelBuildError naming the closest ones
         raise ValueError(
             f"transformers {transformers.__version__} declares no expert-parallel plan for `{model_type}` "
             "(no base_model_ep_plan, no experts in base_model_tp_plan); `planc init` starts from those plans"
