@@ -59,6 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--bf16-tflops", type=float, default=989.0, help="dense BF16 rate for the bound (H200: 989)")
     p.add_argument("--no-reference", action="store_true", help="skip the reference and grouped_mm columns")
     p.add_argument("--sweep", action="store_true", help="time the Triton tile configs instead (see above)")
+    p.add_argument("--profile", type=int, default=None, metavar="TOKENS",
+                   help="print the GPU kernels of one Triton layer call at this batch size (torch.profiler) and stop")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     if args.tiny:
@@ -178,26 +180,39 @@ def graph_or_eager(device, measure, fn, use_graph):
 
 
 SWEEP = (
-    KernelConfig(16, 32, 256, 32, 256, 4, 3),
-    KernelConfig(16, 32, 512, 64, 512, 4, 2),
-    KernelConfig(16, 64, 256, 64, 256, 4, 3),
-    KernelConfig(16, 64, 256, 128, 256, 4, 3),
-    KernelConfig(16, 64, 512, 128, 512, 4, 2),
-    KernelConfig(16, 64, 128, 64, 128, 4, 4),
-    KernelConfig(16, 128, 256, 128, 256, 4, 3),
-    KernelConfig(16, 128, 128, 128, 128, 8, 4),
-    KernelConfig(32, 64, 256, 128, 256, 4, 3),
-    KernelConfig(32, 128, 128, 128, 128, 8, 3),
+    KernelConfig(16, 64, 128, 64, 128, 4, 2),
+    KernelConfig(16, 64, 128, 64, 128, 4, 3),
+    KernelConfig(16, 128, 128, 128, 128, 8, 2),
+    KernelConfig(32, 64, 128, 64, 128, 4, 2),
+    KernelConfig(32, 128, 128, 128, 128, 8, 2),
+    KernelConfig(64, 64, 128, 64, 128, 4, 2),
+    KernelConfig(64, 128, 128, 128, 128, 8, 2),
     KernelConfig(64, 128, 64, 128, 64, 8, 3),
-    KernelConfig(64, 128, 128, 128, 128, 8, 3),
-    KernelConfig(64, 64, 128, 128, 128, 4, 3),
-    KernelConfig(128, 128, 64, 128, 64, 8, 3),
-    KernelConfig(128, 128, 128, 256, 64, 8, 3),
-    KernelConfig(16, 128, 128, 256, 128, 8, 5),
-    KernelConfig(16, 256, 128, 256, 128, 8, 4),
-    KernelConfig(16, 128, 256, 128, 256, 8, 3),
-    KernelConfig(64, 256, 64, 256, 64, 8, 3),
+    KernelConfig(128, 64, 128, 64, 128, 8, 2),
+    KernelConfig(128, 128, 64, 128, 64, 8, 2),
 )
+
+
+def profile(args, device, layer):
+    """Where one layer call's GPU time goes: every kernel of 5 eager calls, by total device time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(args.profile, args.hidden, generator=g, device=device, dtype=torch.bfloat16)
+    w, idx = torch.topk(torch.softmax(torch.randn(args.profile, args.experts, generator=g, device=device), -1),
+                        args.topk, dim=-1)
+    with torch.no_grad():
+        for _ in range(3):
+            layer(x, idx, w)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with torch_profile(activities=activities) as prof:
+            for _ in range(5):
+                layer(x, idx, w)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=30))
 
 
 def sweep(args, device, measure, packed):
@@ -259,6 +274,12 @@ def main(argv=None):
     tri_state = megamoe_state(tri)
     resident_fp4 = fp4_bytes(tri)
     bytes_per_expert = resident_fp4 / args.experts
+
+    if args.profile is not None:
+        profile(args, device, tri_layer)
+        destroy_megamoe_buffers()
+        dist.destroy_process_group()
+        return None
 
     if args.sweep:
         rows = sweep(args, device, measure, tri_state.runner.weights(device))
