@@ -137,8 +137,10 @@ def main(argv=None):
     del undo  # commit: frees the BF16 originals
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    groups = types.SimpleNamespace(ep_group=group, ep_rank=0, ep_size=1, tp_group=group)
-    strategy = types.SimpleNamespace(name="deepgemm_megamoe", settings=None)
+    from planc.spec.ep import MegaMoeEP
+
+    groups = types.SimpleNamespace(ep_group=group, ep_rank=0, ep_size=1, tp_group=group, tp_size=1, shares_batch=True)
+    strategy = MegaMoeEP(reason="bench")
     layer = MegaMoeEPRuntime(experts, strategy, groups)
     runner = megamoe_state(experts).runner
     baseline = grouped_mm_baseline(cfg, runner.weights(device))  # the reference's dequantized BF16 weights

@@ -22,7 +22,7 @@ def add_arguments(parser) -> None:
 
 
 def _plan_for_two_ranks(path: str) -> dict:
-    from planc.spec.load import load_plan
+    from planc.lint.load import load_plan
 
     data = load_plan(path).plan.model_dump()
     data["extends"] = None  # merged already

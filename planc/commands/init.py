@@ -86,7 +86,7 @@ def init_plan(model_type: str) -> str:
     for size in SIZES:
         text = _render(model_type, config_cls, model_cls.__name__, transformers.__version__, size, tp, ep, notes)
         try:
-            compile_plan(text, model)
+            compile_plan(model, text)
         except CompileError:
             continue
         return text

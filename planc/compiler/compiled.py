@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from planc.compiler.ep import EPStrategy
+from planc.spec.ep import EPStrategy
 from planc.spec.model import Experts, Parallel
 
 

@@ -32,15 +32,17 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from planc.errors import ApplyError
+from planc.runtime.ep import EP_RUNTIMES
 from planc.runtime.ep.base import install_ep_forward, shard_expert_tensor
 from planc.runtime.mesh import Groups, build_groups
+from planc.runtime.snapshot import Snapshot
 from planc.runtime.tp_styles import tp_style
 
 # Experts kernels that need a CUDA GPU of at least this compute capability.
 _GPU_KERNELS = {"deepgemm": (9, 0), "sonicmoe": (9, 0)}
 
 
-def apply(model: nn.Module, plan, *, mesh=None):
+def apply(model: nn.Module, plan: Any, *, mesh: Optional[Any] = None) -> Any:
     """Compile `plan` against `model`, then shard and install it on every rank (all or nothing).
 
     `plan`: a path, YAML text, mapping, `LoadedPlan` or `Plan`. `mesh`: an optional ("dp", "tp")
@@ -86,7 +88,7 @@ def _compile_and_check(model, plan, mesh):
 
 
 def _load(plan):
-    from planc.spec.load import load_plan
+    from planc.lint.load import load_plan
 
     return load_plan(plan)
 
@@ -118,7 +120,7 @@ def _local_checks(model, compiled, mesh) -> list[str]:
 def _compile(model, loaded):
     from planc.compiler.resolve import compile_plan
 
-    return compile_plan(loaded, model)
+    return compile_plan(model, loaded)
 
 
 def _already_sharded(model: nn.Module) -> list[str]:
@@ -350,10 +352,9 @@ def step_install_ep_forwards(state: InstallState) -> None:
             continue
         module = state.module(e.fqn)
         module._planc_fqn = e.fqn
-        runtime_cls = e.strategy.runtime()
-        runtime = runtime_cls(module, e.strategy, state.groups)
-        local = getattr(runtime, "num_local_experts", None)
-        if local is not None and local * state.groups.ep_size != e.num_experts:
+        runtime = EP_RUNTIMES[e.strategy.name](module, e.strategy, state.groups)
+        local = runtime.num_local_experts
+        if local * state.groups.ep_size != e.num_experts:
             raise ApplyError(
                 f"planc.runtime.install: {e.fqn} holds {local} experts per rank, but {e.num_experts} experts over "
                 f"{state.groups.ep_size} EP ranks is {e.num_experts // state.groups.ep_size}: shard every expert "
@@ -400,49 +401,3 @@ def _install_atomically(state: InstallState) -> None:
         raise ApplyError(
             f"planc.apply failed while installing; the model was restored exactly as it was:\n{_by_message(failed)}"
         ) from error
-
-
-# ---- snapshot / restore ------------------------------------------------------------------------------------
-
-
-def _copy_attrs(obj) -> dict:
-    """A copy of `obj.__dict__` one level deep (the containers modules mutate: params, buffers, hooks)."""
-    out = {}
-    for k, v in obj.__dict__.items():
-        out[k] = type(v)(v) if isinstance(v, (dict, list, set)) else v
-    return out
-
-
-def _configs(model: nn.Module) -> list:
-    seen, out = set(), []
-    stack = [getattr(m, "config", None) for m in model.modules()]
-    while stack:
-        c = stack.pop()
-        if c is None or id(c) in seen or not hasattr(c, "to_dict"):
-            continue
-        seen.add(id(c))
-        out.append(c)
-        stack.extend(v for v in vars(c).values() if hasattr(v, "to_dict") and hasattr(v, "model_type"))
-    return out
-
-
-class Snapshot:
-    """Everything an install may change, restorable exactly: every module's attributes (parameters,
-    buffers, submodules, hooks, forwards), every config's attributes, and each tensor's own Python
-    attributes and `requires_grad` (the steps never write tensor data in place)."""
-
-    def __init__(self, model: nn.Module):
-        self.modules = [(m, _copy_attrs(m)) for m in model.modules()]
-        self.configs = [(c, _copy_attrs(c)) for c in _configs(model)]
-        tensors = {id(t): t for m in model.modules() for t in (*m._parameters.values(), *m._buffers.values())}
-        self.tensors = [(t, dict(t.__dict__), t.requires_grad) for t in tensors.values() if t is not None]
-
-    def restore(self) -> None:
-        for obj, attrs in (*self.modules, *self.configs):
-            obj.__dict__.clear()
-            obj.__dict__.update(attrs)
-        for t, attrs, requires_grad in self.tensors:
-            t.__dict__.clear()
-            t.__dict__.update(attrs)
-            if t.requires_grad != requires_grad:
-                t.requires_grad_(requires_grad)

@@ -1,10 +1,11 @@
-"""load_plan(): a plan source -> LoadedPlan (the merged, validated Plan plus positions).
+"""Plan sources -> LoadedPlan (the merged, validated Plan plus positions): extends, merge, validation.
 
 `extends` merges the parent first (mappings key by key, the child wins; rule tables by pattern);
 positions point at whichever file the winning key came from. A parent must live inside the directory
 tree of the plan that was loaded first, so a plan in a repository cannot make the linter read
-`/etc/passwd` or a file outside the checkout. Loading goes through the linter, so `load_plan` and
-`planc lint` reject exactly the same plans with exactly the same diagnostics.
+`/etc/passwd` or a file outside the checkout. `load_plan` itself lives one layer up, in
+`planc.lint.load`: loading goes through the linter, so `load_plan` and `planc lint` reject exactly
+the same plans with exactly the same diagnostics.
 """
 
 from __future__ import annotations
@@ -174,37 +175,3 @@ def validate(data: Mapping[str, Any]):
     from planc.spec.model import Plan
 
     return Plan.model_validate(dict(data))
-
-
-def load_plan(source) -> LoadedPlan:
-    """Load a plan from a path, a YAML string, a mapping, a Plan or a LoadedPlan; raises PlanError when invalid.
-
-    Every source except a Plan (already validated) or a LoadedPlan (returned as is) goes through the
-    linter: a plan that `planc lint` rejects does not load, and the PlanError carries the same
-    diagnostics. Warnings are kept on `LoadedPlan.diagnostics`.
-    """
-    from planc.errors import PlanError
-    from planc.lint import runner
-    from planc.spec.model import Plan
-
-    if isinstance(source, LoadedPlan):
-        return source
-    if isinstance(source, Plan):
-        return LoadedPlan(plan=source, path=None)
-    if isinstance(source, Mapping):
-        result = runner.check_data(dict(source))
-    elif isinstance(source, os.PathLike) or (
-        isinstance(source, str) and "\n" not in source and source.strip().endswith((".yaml", ".yml"))
-    ):
-        result = runner.check_file(os.fspath(source))
-    elif isinstance(source, str):
-        result = runner.check_text(source)
-    else:
-        raise TypeError(
-            f"load_plan() takes a path, YAML text, a mapping, a Plan or a LoadedPlan, not {type(source).__name__}"
-        )
-    errors = [d for d in result.diagnostics if d.severity == "error"]
-    if errors or result.loaded is None:
-        raise PlanError(errors or result.diagnostics)
-    result.loaded.diagnostics = list(result.diagnostics)
-    return result.loaded
