@@ -11,7 +11,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
-from planc.compiler.compiled import CompileProblem, SourceRule
+from planc.compiler.compiled import CompileProblem, SourceRule, Where
+from planc.lint.diagnostic import Diagnostic
 from planc.compiler.walk import generic_path
 from planc.spec.patterns import Pattern
 
@@ -75,7 +76,7 @@ class Problems:
     def __bool__(self) -> bool:
         return bool(self._groups)
 
-    def build(self) -> list[CompileProblem]:
+    def build(self) -> list[Diagnostic]:
         out = []
         for (code, message, where, hint, generic), fqns in self._groups.items():
             concrete = list(dict.fromkeys(f for f in fqns if f))
@@ -89,9 +90,9 @@ class Problems:
         return out
 
 
-def key_where(loaded, keypath: tuple) -> str:
+def key_where(loaded, keypath: tuple) -> Where:
     pos = loaded.position(keypath)
-    return str(pos) if pos is not None else ".".join(str(k) for k in keypath)
+    return Where(str(pos), pos) if pos is not None else Where(".".join(str(k) for k in keypath))
 
 
 def source_rule(loaded, table: str, pattern: str, style: str) -> SourceRule:

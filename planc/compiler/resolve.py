@@ -17,11 +17,12 @@ from typing import Any, Optional
 
 from planc.compiler import bytes as accounting
 from planc.compiler import checks, layout, match
-from planc.compiler.compiled import CompiledPlan, CompileWarning
+from planc.compiler.compiled import CompiledPlan
 from planc.compiler.context import *  # noqa: F401,F403 - the problem codes, re-exported for callers and tests
 from planc.compiler.context import PlanRule, Problems
 from planc.compiler.walk import ModelWalk, walk_model
 from planc.errors import CompileError
+from planc.lint.diagnostic import Diagnostic
 from planc.spec.sizes import Sizes, sizes_hint, solve_sizes
 
 
@@ -37,7 +38,7 @@ class Resolver:
         self.active = {"tp": self.tp > 1, "ep": self.ep > 1}
         self.megamoe = self.plan.experts.implementation == "deepgemm_megamoe"
         self.problems = Problems()
-        self.warnings: list[CompileWarning] = []
+        self.warnings: list[Diagnostic] = []
         self.rules: list[PlanRule] = []
         self._suggest = suggest_sizes
         self._hint: Optional[str] = None

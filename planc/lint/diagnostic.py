@@ -1,7 +1,9 @@
 """Diagnostic: one problem in a plan, with where it is and what to write instead.
 
-Every layer that reports a plan problem (loader, schema, semantic rules) produces these, so the CLI,
-pre-commit, `load_plan` errors and the JSON/GitHub reports all print the same thing.
+The one shape every layer reports in: the loader, the schema, the lint rules and the compiler
+(`CompileError.problems` and `CompiledPlan.warnings` are Diagnostics too, with the module path they
+concern), so the CLI, pre-commit, `load_plan` errors, `planc explain` and the JSON/GitHub reports all
+print the same thing.
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ class Diagnostic:
     message: str  # what is wrong
     hint: str  # what to write instead
     position: Optional[Position] = None  # where; None only for problems with no file (a mapping plan)
+    module: Optional[str] = None  # compile diagnostics: the module/parameter path (generic with a count when many)
+    key: Optional[str] = None  # where, when there is no position: `tp_plan['lm_head']` for a plan built in code
+
+    @property
+    def where(self) -> str:
+        """`file:line:col`, or the plan key for a plan with no file."""
+        return self.location() if self.position is not None or self.key is None else self.key
 
     @property
     def path(self) -> Optional[str]:
@@ -40,7 +49,9 @@ class Diagnostic:
 
     def format(self) -> str:
         """`path:line:col: CODE severity: message` and an indented hint line."""
-        text = f"{self.location()}: {self.code} {self.severity}: {self.message}"
+        text = f"{self.where}: {self.code} {self.severity}: {self.message}"
+        if self.module:
+            text += f"\n    module: {self.module}"
         return f"{text}\n    hint: {self.hint}" if self.hint else text
 
     def to_json(self) -> dict:
@@ -52,6 +63,7 @@ class Diagnostic:
             "severity": self.severity,
             "message": self.message,
             "hint": self.hint,
+            **({"module": self.module} if self.module else {}),
         }
 
     def sort_key(self) -> tuple:
