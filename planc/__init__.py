@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-__all__ = ["load_plan", "lint_paths", "compile", "apply", "destroy_megamoe_buffers", "__version__"]
+__all__ = ["load_plan", "lint_paths", "compile", "apply", "load", "destroy_megamoe_buffers", "__version__"]
 
 
 def load_plan(source: "PlanSource") -> "LoadedPlan":
@@ -51,6 +51,16 @@ def apply(model: Any, plan: "PlanSource", *, mesh: Optional[Any] = None) -> "Com
     from planc.runtime.install import apply as _apply
 
     return _apply(model, plan, mesh=mesh)
+
+
+def load(source, plan, *, dtype=None, device=None, mesh=None):
+    """Load the checkpoint directory `source` sharded by `plan`: every rank reads only its own shards.
+
+    Returns the applied model (as `from_pretrained` returns one); its CompiledPlan is `model._planc_plan`.
+    """
+    from planc.runtime.checkpoint.load import load as _load
+
+    return _load(source, plan, dtype=dtype, device=device, mesh=mesh)
 
 
 def destroy_megamoe_buffers() -> None:

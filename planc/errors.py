@@ -30,3 +30,7 @@ class CompileError(PlancError):
 
 class ApplyError(PlancError):
     """planc.apply could not install the plan; the model is left exactly as it was."""
+
+
+class CheckpointError(PlancError):
+    """A checkpoint that cannot be loaded as asked: names the file and the tensor, and what to do."""

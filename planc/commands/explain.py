@@ -30,6 +30,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", choices=DTYPES, default="config",
         help="parameter dtype for the byte counts (default: the config's dtype, else bfloat16)",
     )
+    parser.add_argument(
+        "--checkpoint", metavar="DIR",
+        help="a local checkpoint directory: its config.json builds the model, and the bytes each rank reads "
+        "from its safetensors files are printed by dtype",
+    )
+    parser.add_argument(
+        "--device-memory", metavar="SIZE",
+        help="memory of the device each rank loads onto (e.g. 141GiB, 80GB): a plan whose per-rank shard does "
+        "not fit is refused (PLC660)",
+    )
 
 
 def parse_overrides(items: list[str]) -> dict:
@@ -74,24 +84,62 @@ def run(args: argparse.Namespace) -> int:
 
     from planc.compiler.render import json_data, render_text
 
+    from planc.compiler.memory import budget, budget_problems, parse_size
+
     try:
         overrides = parse_overrides(args.overrides)
-        config = read_config(args.config) if args.config else {}
+        config_path = args.config or (f"{args.checkpoint}/config.json" if args.checkpoint else None)
+        config = read_config(config_path) if config_path else {}
+        device_memory = parse_size(args.device_memory) if args.device_memory else None
     except (OSError, ValueError) as e:
         sys.stderr.write(f"planc explain: {e}\n")
         return 2
-    status, compiled = 0, []
+    status, compiled, budgets = 0, [], []
     for path in args.plans:
         rc, c = explain_one(path, config, overrides, args.dtype)
         status = max(status, rc)
-        if c is not None:
-            compiled.append(c)
+        if c is None:
+            continue
+        try:
+            reads = _checkpoint_reads(args.checkpoint, c, config, overrides, args.dtype) if args.checkpoint else None
+        except Exception as e:  # noqa: BLE001 - a checkpoint that cannot be read is the user's to fix
+            sys.stderr.write(f"planc explain: {e}\n")
+            return 2
+        problems = budget_problems(c, device_memory, where=path) if device_memory is not None else []
+        for p in problems:
+            sys.stderr.write(f"planc explain: {p.where}: {p.code} {p.message}\n      hint: {p.hint}\n")
+            status = max(status, 1)
+        compiled.append(c)
+        budgets.append(budget(c, device_memory, reads))
     if args.format == "json":
-        data = [json_data(c) for c in compiled]
+        data = [{**json_data(c), "memory": _budget_json(b)} for c, b in zip(compiled, budgets)]
         sys.stdout.write(json.dumps(data[0] if len(args.plans) == 1 and data else data, indent=2, sort_keys=True) + "\n")
     else:
-        sys.stdout.write("\n\n".join(render_text(c) for c in compiled) + ("\n" if compiled else ""))
+        text = [render_text(c) + "\n" + b.render() for c, b in zip(compiled, budgets)]
+        sys.stdout.write("\n\n".join(text) + ("\n" if compiled else ""))
     return status
+
+
+def _budget_json(b) -> dict:
+    return {
+        "hold_per_rank": dict(b.hold),
+        "read_per_rank": dict(b.read) if b.read is not None else None,
+        "device_memory": b.device_memory,
+    }
+
+
+def _checkpoint_reads(directory: str, compiled, config: dict, overrides: dict, dtype: str):
+    """Bytes each rank reads from `directory`'s safetensors files, by checkpoint dtype (headers only)."""
+    from planc.compiler.memory import read_per_rank
+    from planc.runtime.checkpoint.files import CheckpointFiles
+    from planc.runtime.checkpoint.keys import target_reads
+
+    model = build_model(config.get("model_type") or compiled.model_type, {**config, **overrides}, dtype)
+    files = CheckpointFiles.open(directory)
+    try:
+        return read_per_rank(compiled, target_reads(model, files))
+    finally:
+        files.close()
 
 
 def explain_one(path: str, config: dict, overrides: dict, dtype: str):

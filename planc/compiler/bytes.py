@@ -15,11 +15,23 @@ from planc.compiler.render import human_bytes
 from planc.spec.styles import STYLE
 
 
+def shard_divisor(style, shape: tuple, tp: int, ep: int) -> int:
+    """Over how many ranks a parameter of `shape` under `style` is split (1: every rank holds it whole).
+
+    From the style's row in `planc.spec.styles`; the accounting below and the memory budget both use it.
+    """
+    spec = STYLE.get(style) if style is not None else None
+    if spec is None or spec.placement(len(shape)) is None:
+        return 1
+    return ep if spec.mesh == "ep" else tp
+
+
 def account(c, final: dict[str, PlanRule]):
     walk, tp, ep = c.walk, c.tp, c.ep
     seen: set[int] = set()
     total = sharded = replicated = 0
     per_rule_bytes: dict[int, list[int]] = {}
+    c.by_dtype = {}  # bytes per rank by dtype: the memory budget (planc.compiler.memory)
     groups: "OrderedDict[str, list]" = OrderedDict()
     for p in walk.params.values():
         if p.tensor_id in seen:
@@ -27,12 +39,9 @@ def account(c, final: dict[str, PlanRule]):
         seen.add(p.tensor_id)
         total += p.nbytes
         r = final.get(p.fqn)
-        div = 1
-        if r is not None:
-            spec = STYLE.get(r.style)
-            if spec is not None and spec.placement(len(p.shape)) is not None:
-                div = ep if spec.mesh == "ep" else tp
+        div = shard_divisor(r.style if r is not None else None, p.shape, tp, ep)
         per_rank = -(-p.nbytes // div)
+        c.by_dtype[p.dtype] = c.by_dtype.get(p.dtype, 0) + per_rank
         if div > 1:
             sharded += per_rank
         else:

@@ -142,6 +142,7 @@ class CompiledPlan:
     plan_path: Optional[str] = None
     bytes_total: int = 0  # all parameters, unsharded (tied tensors once)
     replicated: tuple[ReplicatedGroup, ...] = ()  # dense weights left whole on every rank, by generic path
+    bytes_per_rank_by_dtype: tuple[tuple[str, int], ...] = ()  # (dtype, bytes) largest first
 
     def __post_init__(self) -> None:
         if not self.fingerprint:

@@ -122,6 +122,7 @@ class Resolver:
             plan_path=self.loaded.path,
             bytes_total=total,
             replicated=replicated_groups,
+            bytes_per_rank_by_dtype=tuple(sorted(self.by_dtype.items(), key=lambda kv: -kv[1])),
         )
 
 

@@ -34,6 +34,7 @@ LAYOUT_OUTPUT_LEFT_SHARDED = "PLC632"
 LAYOUT_NORM_OVER_SHARDED = "PLC633"
 LAYOUT_PRODUCERS_DISAGREE = "PLC634"
 LAYOUT_MODULE_PARAM_CONFLICT = "PLC635"
+DEVICE_MEMORY = "PLC660"
 REPLICATED_DENSE = "PLC651"
 TABLE_INACTIVE = "PLC652"
 MEGAMOE_ALIGNMENT = "PLC653"
@@ -231,3 +232,10 @@ _compile_rule(
     "the block alignment (hidden % 256, % 512 above 4096; intermediate % 256) are worth verifying on the GPU.",
     _V4 + _V4_EP.replace("backend: reference", "backend: auto"), _V4 + _V4_EP, severity=WARNING,
 )
+register(Rule(
+    DEVICE_MEMORY, "shard-exceeds-device-memory", "each rank's parameters alone exceed the device memory",
+    "With a device memory budget (`planc explain --device-memory 141GiB`, or `planc.load`, which knows its "
+    "device), the compiler refuses a plan whose per-rank parameters cannot fit, and names sizes or FP8 weights "
+    "that would. It needs the budget, so its examples are the explain runs of tests/compile/test_memory_budget.py.",
+    family="compile",
+))

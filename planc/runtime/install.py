@@ -48,27 +48,33 @@ def apply(model: nn.Module, plan: Any, *, mesh: Optional[Any] = None) -> Any:
     `plan`: a path, YAML text, mapping, `LoadedPlan` or `Plan`. `mesh`: an optional ("dp", "tp")
     DeviceMesh; planc builds one from the plan's sizes otherwise. Returns the CompiledPlan.
     """
+    require_distributed("planc.apply")
+    compiled, problems = compile_and_check(model, plan, mesh)
+    agree_across_ranks(compiled, problems)
+    groups = build_groups(compiled.parallel, mesh)
+    state = InstallState(model=model, compiled=compiled, groups=groups)
+    install_atomically(state)
+    return compiled
+
+
+def require_distributed(what: str) -> None:
+    """1. `what` (planc.apply, planc.load) runs on every rank of an initialized process group."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ApplyError(
             "planc.runtime.install: torch.distributed is not initialized. Launch with torchrun (or call "
-            "torch.distributed.init_process_group) before planc.apply."
+            f"torch.distributed.init_process_group) before {what}."
         )
-    compiled, problems = _compile_and_check(model, plan, mesh)
-    _agree_across_ranks(compiled, problems)
-    groups = build_groups(compiled.parallel, mesh)
-    state = InstallState(model=model, compiled=compiled, groups=groups)
-    _install_atomically(state)
-    return compiled
 
 
 # ---- 2. compile and local checks ---------------------------------------------------------------------------
 
 
-def _compile_and_check(model, plan, mesh):
+def compile_and_check(model, plan, mesh, *, device: Optional[torch.device] = None):
     """The CompiledPlan (or None) and the list of problems found on this rank, without any communication.
 
     A world that does not fit the plan's sizes is reported first and alone: every other problem
-    (heads split, experts uneven) would be about sizes that are not the ones launched.
+    (heads split, experts uneven) would be about sizes that are not the ones launched. `device`: where
+    the model will run (planc.load builds it on `meta` first); default: where it lives.
     """
     try:
         loaded = _load(plan)
@@ -77,11 +83,11 @@ def _compile_and_check(model, plan, mesh):
             if sizes:
                 return None, [sizes]
         compiled = _compile(model, loaded)
-    except Exception as e:  # noqa: BLE001 - reported on every rank by _agree_across_ranks instead of hanging them
+    except Exception as e:  # noqa: BLE001 - reported on every rank by agree_across_ranks instead of hanging them
         return None, [f"{type(e).__name__}: {e}"]
     problems = []
     try:
-        problems += _local_checks(model, compiled, mesh)
+        problems += _local_checks(model, compiled, mesh, device)
     except Exception as e:  # noqa: BLE001
         problems.append(f"{type(e).__name__}: {e}")
     return compiled, problems
@@ -110,10 +116,10 @@ def _world_problem(model, loaded) -> Optional[str]:
     )
 
 
-def _local_checks(model, compiled, mesh) -> list[str]:
+def _local_checks(model, compiled, mesh, device=None) -> list[str]:
     problems = []
     problems += _already_sharded(model)
-    problems += _unrunnable_experts(model, compiled)
+    problems += _unrunnable_experts(model, compiled, device)
     return problems
 
 
@@ -153,10 +159,10 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _unrunnable_experts(model: nn.Module, compiled) -> list[str]:
+def _unrunnable_experts(model: nn.Module, compiled, device: Optional[torch.device] = None) -> list[str]:
     """Experts kernels that cannot run where the model lives, found before anything is installed."""
     impl = compiled.experts_settings.implementation
-    device = _model_device(model)
+    device = device if device is not None else _model_device(model)
     if impl in _GPU_KERNELS:
         need = _GPU_KERNELS[impl]
         if device.type != "cuda" or not torch.cuda.is_available():
@@ -215,7 +221,7 @@ def _all_agree(ok: bool, digest: int = 0) -> bool:
     return not any_failed and max_digest == -neg_min_digest
 
 
-def _agree_across_ranks(compiled, problems: list[str]) -> None:
+def agree_across_ranks(compiled, problems: list[str], *, what: str = "planc.apply") -> None:
     """Raise the same ApplyError on every rank if any rank has problems or another fingerprint.
 
     The common case (all agree) costs one small all-reduce; the messages are gathered only when
@@ -229,7 +235,7 @@ def _agree_across_ranks(compiled, problems: list[str]) -> None:
     dist.all_gather_object(everyone, mine)
     failed = [(rank, p) for rank, (_, ps) in enumerate(everyone) for p in ps]
     if failed:
-        raise ApplyError("planc.apply: nothing was installed:\n" + _by_message(failed))
+        raise ApplyError(f"{what}: nothing was installed:\n" + _by_message(failed))
     fingerprints = {rank: fp for rank, (fp, _) in enumerate(everyone)}
     if len(set(fingerprints.values())) > 1:
         by_fp: dict[str, list[int]] = {}
@@ -237,7 +243,7 @@ def _agree_across_ranks(compiled, problems: list[str]) -> None:
             by_fp.setdefault(fp, []).append(rank)
         table = "; ".join(f"ranks {ranks}: {fp}" for fp, ranks in sorted(by_fp.items(), key=lambda kv: kv[1]))
         raise ApplyError(
-            f"planc.apply: the ranks compiled different plans (fingerprints {table}); nothing was installed. "
+            f"{what}: the ranks compiled different plans (fingerprints {table}); nothing was installed. "
             "Every rank must load the same plan file against the same model; `planc explain` prints the "
             "fingerprint to compare."
         )
@@ -382,12 +388,24 @@ INSTALL_STEPS: list[Callable[[InstallState], None]] = [
 ]
 
 
-def _install_atomically(state: InstallState) -> None:
+def install_atomically(
+    state: InstallState,
+    *,
+    after_sharding: Optional[Callable[[InstallState], None]] = None,
+    what: str = "planc.apply",
+) -> None:
+    """Run `INSTALL_STEPS` on every rank; if any rank fails, every rank restores its snapshot and raises.
+
+    `after_sharding`: planc.load's fill step, run right after `step_shard_parameters` (the model was
+    sharded on `meta`; the fill reads this rank's bytes into it) and before any forward is installed.
+    """
     snapshot = Snapshot(state.model)
     error: Optional[BaseException] = None
     try:
         for step in INSTALL_STEPS:
             step(state)
+            if step is step_shard_parameters and after_sharding is not None:
+                after_sharding(state)
     except Exception as e:  # noqa: BLE001 - any failure rolls back, then is re-raised with context
         error = e
     # All or nothing across the world too: a rank that failed makes every rank roll back.
@@ -398,6 +416,7 @@ def _install_atomically(state: InstallState) -> None:
     failed = [(rank, msg) for rank, msg in enumerate(outcomes) if msg is not None]
     if failed:
         snapshot.restore()
-        raise ApplyError(
-            f"planc.apply failed while installing; the model was restored exactly as it was:\n{_by_message(failed)}"
-        ) from error
+        outcome = (
+            "no model was returned" if what == "planc.load" else "the model was restored exactly as it was"
+        )
+        raise ApplyError(f"{what} failed while installing; {outcome}:\n{_by_message(failed)}") from error

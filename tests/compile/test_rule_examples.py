@@ -43,7 +43,7 @@ def test_every_compile_code_is_registered():
     assert emitted == {r.code for r in COMPILE_RULES}
 
 
-@pytest.mark.parametrize("rule", COMPILE_RULES, ids=lambda r: r.code)
+@pytest.mark.parametrize("rule", [r for r in COMPILE_RULES if r.bad], ids=lambda r: r.code)
 def test_bad_example_is_refused_and_good_one_compiles(rule):
     errors, warnings = _codes(rule.bad, rule.config)
     assert rule.code in (warnings if rule.severity == "warning" else errors), (errors, warnings)

@@ -223,12 +223,7 @@ def install_megamoe_forward(
     # Mutate; the one rollback path (planc.runtime.snapshot) puts back everything on failure.
     snapshot = Snapshot(experts)
     try:
-        for name, tensor in new_params.items():
-            if name in experts._parameters:
-                del experts._parameters[name]
-            elif hasattr(experts, name):
-                delattr(experts, name)
-            experts.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+        set_fp4_parameters(experts, new_params)
         if resolved == "deep_gemm":
             runner = deep_gemm_backend.DeepGemmMegaMoe(
                 experts, num_experts=num_global_experts, activation_clamp=activation_clamp,
@@ -244,6 +239,23 @@ def install_megamoe_forward(
         snapshot.restore()
         raise
     return snapshot.restore
+
+
+def set_fp4_parameters(experts: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Put FP4 experts tensors (`_FP4_PARAMS` names, this rank's experts) on the module in place of its own."""
+    for name, tensor in tensors.items():
+        if name in experts._parameters:
+            del experts._parameters[name]
+        elif hasattr(experts, name):
+            delattr(experts, name)
+        experts.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+
+
+def quantize_to_fp4(experts: nn.Module) -> None:
+    """Replace bf16/fp32 `gate_up_proj`/`down_proj` (local shards) by FP4 ones; planc.load calls it per layer as
+    the layer's weights arrive, so no rank ever holds more than one layer's unquantized experts."""
+    q = quantize_experts_fp4(to_local(experts.gate_up_proj).detach(), to_local(experts.down_proj).detach())
+    set_fp4_parameters(experts, {name: getattr(q, name) for name in _FP4_PARAMS})
 
 
 def megamoe_state(experts: nn.Module) -> MegaMoeState | None:

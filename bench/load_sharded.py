@@ -1,0 +1,228 @@
+"""Benchmark of issue 10: sharded loading. planc.load against transformers' own sharded from_pretrained
+and against today's route (full from_pretrained on every rank, then planc.apply), in one run.
+
+The checkpoint is a random mid-size Mixtral in the hub's per-expert layout (what `save_pretrained`
+writes: experts.N.w1/w2/w3, sharded files with an index), fp32, >= 1.4 GiB. Each route runs in its own
+fresh gloo world (peak RSS is a per-process high-water mark), one route after the other:
+
+- `planc.load(dir, plan)` (the shipped mixtral plan, sizes = world);
+- transformers: `from_pretrained(dir, distributed_config=DistributedConfig(tp_size=N, ep_size=N))`
+  (its built-in TP + EP plans);
+- full + apply: `from_pretrained(dir)` of the whole model on every rank, then `planc.apply(plan)`.
+
+Per rank: the process baseline (RSS after importing torch/transformers and joining the group), the
+peak RSS over the load (the kernel's high-water mark VmHWM, reset right before the load) minus that baseline, the bytes the rank holds afterwards, the
+largest single checkpoint tensor, and the load's wall time (the slowest rank's). Logits of planc.load
+are compared with full + apply bit for bit. The issue's bars: peak <= 1.1 x transformers' and <= local
+shard bytes + largest tensor + 400 MiB; time ratio planc / transformers <= 1.0.
+
+    python bench/load_sharded.py --workdir /tmp/planc-load-bench --world-sizes 2 4 --json load.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+MIB = 1 << 20
+# 433M parameters, 1.61 GiB in fp32: 4 layers of 8 experts (1024 -> 3584), vocabulary 32000.
+MIXTRAL = dict(
+    vocab_size=32000, hidden_size=1024, intermediate_size=3584, num_hidden_layers=4, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=64, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+ROUTES = ("planc.load", "transformers", "full+apply")
+
+
+def write_checkpoint(path: Path) -> None:
+    """A random Mixtral of the size above in the hub layout (once; reused when the directory exists)."""
+    if (path / "model.safetensors.index.json").is_file():
+        return
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(**MIXTRAL)).to(torch.float32)
+    model.save_pretrained(path, max_shard_size="300MB")
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MIB
+
+
+def _reset_peak() -> None:
+    """Reset the kernel's RSS high-water mark (VmHWM), so the peak is the load's, not the imports'."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _peak_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _held_bytes(model) -> int:
+    """Bytes this rank holds in parameters and buffers (local shards of DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    seen, total = set(), 0
+    for t in (*model.parameters(), *model.buffers()):
+        local = t.to_local() if isinstance(t, DTensor) else t
+        key = local.untyped_storage().data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += local.untyped_storage().nbytes()
+    return total
+
+
+def _plan(world: int) -> dict:
+    import planc
+
+    plan = planc.load_plan(str(REPO / "plans" / "mixtral.yaml")).plan.model_dump(mode="json", exclude_none=True)
+    plan.pop("extends", None)
+    plan["parallel"] = {"tp_size": world, "ep_size": world}
+    return plan
+
+
+def route_world(rank, world, route, path):
+    """One route on one rank: baseline, load, peak; the logits of a fixed batch for the equality check."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, DistributedConfig
+
+    import planc
+
+    plan = _plan(world)
+    import gc
+
+    gc.collect()
+    dist.barrier()
+    base = _rss_mib()
+    _reset_peak()
+    start = time.perf_counter()
+    if route == "planc.load":
+        model = planc.load(path, plan, dtype=torch.float32)
+    elif route == "transformers":
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, distributed_config=DistributedConfig(tp_size=world, ep_size=world)
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        planc.apply(model, plan)
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    peak = _peak_mib()
+    held = _held_bytes(model) / MIB
+    ids = torch.randint(0, MIXTRAL["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(0))
+    logits = None
+    if route != "transformers":
+        model.eval()
+        with torch.no_grad():
+            logits = model(ids).logits
+    return {"base_mib": base, "peak_over_base_mib": peak - base, "held_mib": held, "seconds": seconds,
+            "rss_after_mib": _rss_mib() - base, "logits": logits}
+
+
+def largest_tensor_mib(path: Path) -> float:
+    from planc.runtime.checkpoint.files import CheckpointFiles
+
+    files = CheckpointFiles.open(path)
+    try:
+        return max(t.nbytes for t in files.tensors.values()) / MIB
+    finally:
+        files.close()
+
+
+def run(path: Path, worlds, routes) -> list[dict]:
+    from planc.runtime.local_world import run_local_world
+
+    import torch
+
+    largest = largest_tensor_mib(path)
+    total = sum(p.stat().st_size for p in path.glob("*.safetensors")) / MIB
+    rows = []
+    for world in worlds:
+        logits = {}
+        for route in routes:
+            per_rank = run_local_world(route_world, world, route, str(path))
+            logits[route] = [r.pop("logits") for r in per_rank]
+            rows.append({
+                "world": world, "route": route, "checkpoint_mib": total, "largest_tensor_mib": largest,
+                "peak_over_base_mib": max(r["peak_over_base_mib"] for r in per_rank),
+                "held_mib": max(r["held_mib"] for r in per_rank),
+                "seconds": max(r["seconds"] for r in per_rank),
+                "base_mib": max(r["base_mib"] for r in per_rank),
+                "ranks": per_rank,
+            })
+        if "planc.load" in logits and "full+apply" in logits:
+            same = all(torch.equal(a, b) for a, b in zip(logits["planc.load"], logits["full+apply"]))
+            for r in rows:
+                if r["world"] == world and r["route"] == "planc.load":
+                    r["bit_identical_to_full_apply"] = same
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    out = []
+    for world in sorted({r["world"] for r in rows}):
+        mine = {r["route"]: r for r in rows if r["world"] == world}
+        peer = mine.get("transformers")
+        pl = mine.get("planc.load")
+        out += [
+            f"**{world} gloo ranks** (checkpoint {rows[0]['checkpoint_mib']:.0f} MiB, largest tensor "
+            f"{rows[0]['largest_tensor_mib']:.0f} MiB; per rank, the worst rank):",
+            "",
+            "| route | peak RSS over baseline MiB | held after MiB | load s | peak / transformers | time / transformers |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for route in ROUTES:
+            r = mine.get(route)
+            if r is None:
+                continue
+            pr = f"{r['peak_over_base_mib'] / peer['peak_over_base_mib']:.2f}" if peer else "n/a"
+            tr = f"{r['seconds'] / peer['seconds']:.2f}" if peer else "n/a"
+            out.append(f"| {route} | {r['peak_over_base_mib']:.0f} | {r['held_mib']:.0f} | {r['seconds']:.2f} | {pr} | {tr} |")
+        if pl:
+            bar = pl["held_mib"] + pl["largest_tensor_mib"] + 400
+            out += [
+                "",
+                f"planc.load: peak {pl['peak_over_base_mib']:.0f} MiB vs the bar local shards + largest tensor + 400 MiB "
+                f"= {bar:.0f} MiB ({'within' if pl['peak_over_base_mib'] <= bar else 'OVER'}); logits bit-identical to "
+                f"full + apply: {pl.get('bit_identical_to_full_apply')}",
+                "",
+            ]
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", default="/tmp/planc-load-bench", help="where the checkpoint is written (kept)")
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--routes", nargs="+", choices=ROUTES, default=list(ROUTES))
+    p.add_argument("--json", metavar="OUT")
+    args = p.parse_args(argv)
+    path = Path(args.workdir) / "mixtral-hub"
+    write_checkpoint(path)
+    rows = run(path, args.world_sizes, args.routes)
+    print(markdown(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""The memory budget: what each rank reads from a checkpoint and holds afterwards, against its device.
+
+`planc explain PLAN --device-memory 141GiB` (and `planc.load`, which knows its device) refuses a plan
+whose per-rank shard cannot fit before a byte is read: PLC660, with the numbers and what would fit
+(more ranks only shrink the sharded part; FP8 weights halve bf16 ones). Pure Python: the compiled
+plan already holds the bytes per rank by dtype; the per-parameter split comes from
+`shard_divisor`, the same rule the compiler's own accounting uses.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from planc.compiler.compiled import CompiledPlan, CompileProblem
+from planc.compiler.context import DEVICE_MEMORY
+from planc.compiler.render import human_bytes
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """`141GiB`, `80GB`, `1.5 TiB`, `1024` (bytes) -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{text!r} is not a size: write e.g. 141GiB, 80GB or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Bytes per rank by dtype: held after loading, and read from the checkpoint (when one is given)."""
+
+    hold: tuple[tuple[str, int], ...]
+    read: Optional[tuple[tuple[str, int], ...]] = None
+    device_memory: Optional[int] = None
+
+    @property
+    def hold_total(self) -> int:
+        return sum(n for _, n in self.hold)
+
+    def render(self) -> str:
+        def line(label, items):
+            parts = ", ".join(f"{dtype} {human_bytes(n, 1)}" for dtype, n in items)
+            return f"  {label}: {human_bytes(sum(n for _, n in items), 2)} per rank ({parts})"
+
+        lines = ["memory:"]
+        if self.read is not None:
+            lines.append(line("read from the checkpoint", self.read))
+        lines.append(line("held after loading", self.hold))
+        if self.device_memory is not None:
+            left = self.device_memory - self.hold_total
+            lines.append(
+                f"  device memory: {human_bytes(self.device_memory, 1)}; "
+                + (f"{human_bytes(left, 1)} left for activations and caches" if left >= 0 else
+                   f"OVER by {human_bytes(-left, 1)}")
+            )
+        return "\n".join(lines)
+
+
+def read_per_rank(compiled: CompiledPlan, reads: Iterable[tuple[str, str, tuple, int]]) -> tuple[tuple[str, int], ...]:
+    """Bytes per rank by checkpoint dtype, from `(model parameter, checkpoint dtype, parameter shape, bytes)`."""
+    from planc.compiler.bytes import shard_divisor
+
+    styles = {a.fqn: a.style for a in compiled.assignments if a.target == "parameter"}
+    p = compiled.parallel
+    out: dict[str, int] = {}
+    for fqn, dtype, shape, nbytes in reads:
+        div = shard_divisor(styles.get(fqn), shape, p.tp_size, p.ep_size)
+        out[dtype] = out.get(dtype, 0) + -(-nbytes // div)
+    return tuple(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def budget(compiled: CompiledPlan, device_memory: Optional[int] = None, read=None) -> Budget:
+    return Budget(compiled.bytes_per_rank_by_dtype, read, device_memory)
+
+
+def budget_problems(compiled: CompiledPlan, device_memory: int, where: str) -> list[CompileProblem]:
+    """PLC660 when this rank's parameters alone exceed `device_memory`, with what would fit."""
+    need = compiled.bytes_per_rank
+    if need <= device_memory:
+        return []
+    p = compiled.parallel
+    sharded, replicated = compiled.bytes_sharded_per_rank, compiled.bytes_replicated_per_rank
+    hints = []
+    if replicated < device_memory:
+        factor = -(-sharded // max(device_memory - replicated, 1))
+        hints.append(
+            f"about {factor}x the ranks for the sharded part (e.g. tp_size/ep_size {p.tp_size * factor}/"
+            f"{p.ep_size * factor}; the {human_bytes(replicated, 1)} replicated per rank does not shrink)"
+        )
+    wide = sum(n for dtype, n in compiled.bytes_per_rank_by_dtype if dtype in ("bfloat16", "float16", "float32"))
+    if wide:
+        hints.append(f"FP8 weights (a checkpoint with `quantization_config: fp8`) would hold about "
+                     f"{human_bytes(need - wide / 2, 1)} per rank if the 16-bit weights were FP8")
+    return [CompileProblem(
+        code=DEVICE_MEMORY,
+        message=(
+            f"each rank holds {human_bytes(need, 2)} of parameters under this plan "
+            f"(tp_size={p.tp_size}, ep_size={p.ep_size}; {human_bytes(sharded, 1)} sharded + "
+            f"{human_bytes(replicated, 1)} replicated), more than the {human_bytes(device_memory, 1)} of device memory"
+        ),
+        module=None,
+        where=where,
+        hint="use " + " or ".join(hints) + "." if hints else "use a device with more memory.",
+    )]
+
+
+__all__ = ["DEVICE_MEMORY", "Budget", "budget", "budget_problems", "parse_size", "read_per_rank"]

@@ -1,0 +1,167 @@
+"""A local safetensors checkpoint directory, opened for sliced reads and checked before any tensor is read.
+
+`CheckpointFiles.open(path)` finds `config.json` and the weights (one `model.safetensors`, or a
+`model.safetensors.index.json` with its shards), checks that every file named by the index exists and
+that every file's header parses and covers the file (a truncated shard fails here, naming the file),
+and keeps one `safe_open` handle per file. `slices()` gives every key as a lazy safetensors slice:
+transformers' loader reads only the byte ranges a rank's DTensor placements ask for.
+
+The handles use safetensors' `pread` backend rather than `mmap`: a slice read through `mmap` is a view
+of the whole tensor's mapped storage (a 40 KB row slice keeps the full 4 MB tensor, and the file,
+mapped for the model's lifetime), so every rank's RSS would grow with the file instead of its shard.
+`pread` copies just the requested bytes into a fresh tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from planc.errors import CheckpointError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One checkpoint tensor as its file header describes it (no bytes read)."""
+
+    key: str
+    file: str
+    dtype: str  # safetensors' dtype name: BF16, F32, F8_E4M3, I8, U8, ...
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * _DTYPE_BYTES.get(self.dtype, 1)
+
+
+_DTYPE_BYTES = {
+    "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+    "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "BOOL": 1, "F4": 1,
+}
+
+
+@dataclass
+class CheckpointFiles:
+    """The files of one checkpoint directory, their tensors (from headers) and open slice handles."""
+
+    root: Path
+    tensors: dict[str, TensorInfo]
+    _handles: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> "CheckpointFiles":
+        root = Path(path)
+        if not root.is_dir():
+            raise CheckpointError(
+                f"{root}: not a checkpoint directory. planc.load takes a local directory holding config.json and "
+                f"{SINGLE_NAME} (or {INDEX_NAME} with its shards), as save_pretrained writes it."
+            )
+        if not (root / CONFIG_NAME).is_file():
+            raise CheckpointError(f"{root}: no {CONFIG_NAME}; the model is built from it. Copy it beside the weights.")
+        files = _weight_files(root)
+        tensors: dict[str, TensorInfo] = {}
+        handles = {}
+        for name, expected in files.items():
+            handle, infos = _open_file(root / name)
+            handles[name] = handle
+            if expected is not None:
+                absent = sorted(expected - set(infos))
+                if absent:
+                    raise CheckpointError(
+                        f"{root / INDEX_NAME}: names tensor `{absent[0]}` in {name}, but {name} does not hold it"
+                        + (f" (nor {len(absent) - 1} more)" if len(absent) > 1 else "")
+                        + ". The index and the shards come from different saves: re-copy the checkpoint."
+                    )
+            for key, info in infos.items():
+                if expected is not None and key not in expected:
+                    continue  # the index is the truth about which file holds a key
+                if key in tensors:
+                    raise CheckpointError(
+                        f"{root}: tensor `{key}` is stored in both {tensors[key].file} and {name}; keep one."
+                    )
+                tensors[key] = info
+        return cls(root, tensors, handles)
+
+    @property
+    def config_path(self) -> Path:
+        return self.root / CONFIG_NAME
+
+    def read_config(self) -> dict:
+        try:
+            return json.loads(self.config_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{self.config_path}: cannot be read as JSON ({e}).") from None
+
+    def slices(self) -> dict[str, Any]:
+        """Every key as a lazy safetensors slice (nothing is read until it is indexed)."""
+        return {key: self._handles[info.file].get_slice(key) for key, info in self.tensors.items()}
+
+    def where(self, key: str) -> str:
+        """`file:tensor` for messages."""
+        info = self.tensors.get(key)
+        return f"{self.root / info.file}: `{key}`" if info else f"{self.root}: `{key}`"
+
+    def close(self) -> None:
+        for handle in self._handles.values():
+            handle.__exit__(None, None, None)
+        self._handles.clear()
+
+
+def _weight_files(root: Path) -> dict[str, set[str] | None]:
+    """File name -> the keys the index assigns to it (None for a single-file checkpoint)."""
+    index = root / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index with a `weight_map` ({e}).") from None
+        files: dict[str, set[str]] = {}
+        for key, name in weight_map.items():
+            if not isinstance(name, str) or Path(name).name != name:
+                raise CheckpointError(f"{index}: `{key}` maps to {name!r}; shards must be file names beside the index.")
+            files.setdefault(name, set()).add(key)
+        for name in files:
+            if not (root / name).is_file():
+                raise CheckpointError(
+                    f"{index}: names shard {name} (for `{sorted(files[name])[0]}` and {len(files[name]) - 1} more "
+                    f"tensors), which is missing from {root}. Copy the whole checkpoint."
+                )
+        return files  # type: ignore[return-value]
+    if (root / SINGLE_NAME).is_file():
+        return {SINGLE_NAME: None}
+    others = sorted(p.name for p in root.glob("*.safetensors"))
+    raise CheckpointError(
+        f"{root}: no {SINGLE_NAME} and no {INDEX_NAME}"
+        + (f" (found {', '.join(others[:3])} without an index)" if others else "")
+        + ". planc.load reads safetensors checkpoints as save_pretrained writes them."
+    )
+
+
+def _open_file(path: Path):
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        handle = safe_open(str(path), framework="pt", device="cpu", backend="pread")
+        handle.__enter__()
+        infos = {}
+        for key in handle.keys():
+            s = handle.get_slice(key)
+            infos[key] = TensorInfo(key, path.name, s.get_dtype(), tuple(s.get_shape()))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(
+            f"{path}: not a readable safetensors file ({e}); it is truncated or damaged. Re-copy it."
+        ) from None
+    return handle, infos
+
+
+__all__ = ["CheckpointFiles", "TensorInfo", "INDEX_NAME", "SINGLE_NAME", "CONFIG_NAME"]

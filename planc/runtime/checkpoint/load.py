@@ -1,0 +1,362 @@
+"""`planc.load(source, plan)`: build the model on `meta`, shard it there, and read only each rank's bytes.
+
+Read top to bottom, `load` is the whole story:
+
+1. Open the checkpoint directory: config.json and every safetensors header (no tensor bytes). A
+   missing or truncated shard, or an index naming a missing file, fails here, naming the file.
+2. Build the model from the config on the `meta` device (no memory), compile the plan against it
+   with every check `planc.apply` runs, check the plan's model type against the config, and check
+   the checkpoint's keys, shapes and dtypes against the model through transformers' own key
+   conversion (renames, per-expert merges): a key the model lacks or a model key the checkpoint lacks
+   is reported here, before a byte is read. Every rank agrees on the outcome in one all-reduce (the
+   same as `apply`): a bad plan or checkpoint raises the same error on every rank.
+3. Install exactly as `apply` does (`planc.runtime.install`), with one difference: the parameters are
+   sharded while still on `meta` (DTensors with the plan's placements and no storage), and the fill
+   step between sharding and forwards hands the model to transformers' loader
+   (`convert_and_load_state_dict_in_model`), which derives each rank's byte ranges from those
+   placements (`DtensorShardOperation`: a column slice, a `_StridedShard` gate|up half, or only the
+   experts this rank owns in a per-expert hub checkpoint) and reads just them. Then transformers'
+   own finalisation recomputes non-persistent buffers (rotary `inv_freq`) and ties tied weights.
+   A planc DCP checkpoint (written by `planc.save`) is filled by `torch.distributed.checkpoint`
+   instead, which reshards to this plan's sizes.
+
+Why transformers' loader and not a planc copy: it already knows every family's checkpoint layout
+(the conversion mapping) and already reads by DTensor placement; planc only has to hand it a model
+whose parameters carry planc's placements.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from planc.errors import ApplyError, CheckpointError, PlancError
+from planc.runtime.checkpoint.files import CheckpointFiles
+from planc.runtime.checkpoint.keys import checkpoint_problems, loading_problems
+
+
+def load(
+    source: str | os.PathLike,
+    plan: Any,
+    *,
+    dtype: Optional[torch.dtype | str] = None,
+    device: Optional[torch.device | str] = None,
+    mesh=None,
+) -> nn.Module:
+    """Load the checkpoint directory `source` sharded by `plan`; every rank reads only its own shards.
+
+    `plan`: a path, YAML text, mapping, `LoadedPlan` or `Plan` (as for `planc.apply`). `dtype`: the
+    parameters' dtype (default: the checkpoint's `dtype` in config.json, else float32). `device`:
+    where this rank's shards live (default: `cuda:LOCAL_RANK` under NCCL, the CPU under gloo).
+    `mesh`: an optional ("dp", "tp") DeviceMesh, as for `apply`. Returns the applied model; its
+    CompiledPlan is `model._planc_plan`, as after `planc.apply`.
+    """
+    from planc.runtime import install
+    from planc.runtime.mesh import build_groups
+
+    install.require_distributed("planc.load")
+    device = _target_device(device)
+    model = compiled = files = dcp_dir = None
+    problems: list[str] = []
+    try:
+        dcp_dir = _dcp_checkpoint(source)
+        if dcp_dir is None:
+            files = CheckpointFiles.open(source)
+            config = _config(files.config_path.parent, dtype)
+        else:
+            config = _config(dcp_dir, dtype)
+        config_path = files.config_path if files else Path(dcp_dir) / "config.json"
+        _check_quantization(config, config_path)
+        loaded = _plan_for(plan, config, config_path)
+        model = _meta_model(config, dtype)
+        compiled, problems = install.compile_and_check(model, loaded, mesh, device=device)
+        if compiled is not None and files is not None:
+            problems += checkpoint_problems(model, files)
+        if compiled is not None and device.type == "cuda":
+            problems += _memory_problems(compiled, device, source)
+    except PlancError as e:
+        problems.append(str(e))
+    except Exception as e:  # noqa: BLE001 - reported on every rank by the agreement instead of hanging them
+        problems.append(f"{type(e).__name__}: {e}")
+    try:
+        install.agree_across_ranks(compiled, problems, what="planc.load")
+    except ApplyError:
+        if files is not None:
+            files.close()
+        raise
+
+    groups = build_groups(compiled.parallel, mesh)
+    state = install.InstallState(model=model, compiled=compiled, groups=groups)
+    if dcp_dir is None:
+        fill = _SafetensorsFill(files, device)
+    else:
+        fill = _DcpFill(dcp_dir, device)
+    try:
+        install.install_atomically(state, after_sharding=fill, what="planc.load")
+    finally:
+        if files is not None:
+            files.close()
+    return model
+
+
+def _memory_problems(compiled, device, source) -> list[str]:
+    """PLC660 before any read when this rank's shard alone cannot fit its GPU."""
+    from planc.compiler.memory import budget_problems
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    return [f"{p.code} {p.message} ({device}). Hint: {p.hint}" for p in budget_problems(compiled, total, str(source))]
+
+
+# ---- 1-2. checkpoint, config, plan, meta model -------------------------------------------------------------
+
+
+def _target_device(device) -> torch.device:
+    """The device of this rank's shards: the caller's, else `cuda:LOCAL_RANK` under NCCL, else the CPU."""
+    if device is not None:
+        return torch.device(device)
+    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return torch.device("cpu")
+
+
+def _dcp_checkpoint(source) -> Optional[str]:
+    """`source` if it holds a planc DCP checkpoint (written by `planc.save`), else None."""
+    try:
+        from planc.runtime.checkpoint.dcp import is_planc_checkpoint
+    except ImportError:  # the DCP half is not installed in this build
+        return None
+    return str(source) if is_planc_checkpoint(source) else None
+
+
+def _resolve_dtype(dtype, config) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype if dtype is not None else getattr(config, "dtype", None)
+    if isinstance(name, torch.dtype):
+        return name
+    if name in (None, "auto"):
+        return torch.float32
+    resolved = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(resolved, torch.dtype):
+        raise CheckpointError(f"dtype {name!r} is not a torch dtype; pass e.g. torch.bfloat16 or 'bfloat16'.")
+    return resolved
+
+
+def _config(root, dtype):
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(root), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds for a bad config
+        raise CheckpointError(f"{Path(root) / 'config.json'}: transformers cannot build a config from it: {e}") from None
+    config.dtype = _resolve_dtype(dtype, config)
+    return config
+
+
+def _check_quantization(config, config_path) -> None:
+    """Pre-quantized checkpoints are refused before any read: planc's styles do not yet shard their scales."""
+    q = getattr(config, "quantization_config", None)
+    if q is None:
+        return
+    method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", type(q).__name__)
+    raise CheckpointError(
+        f"{config_path}: the checkpoint is pre-quantized (`quantization_config.quant_method: {method}`), which "
+        "planc.load does not support yet: the quantizer's scale tensors (e.g. FP8 `weight_scale_inv`) would have "
+        "to be sharded with their weights. Load a bf16/fp32 checkpoint; for FP4 Mega MoE experts use a plan with "
+        "`experts.megamoe.quantize: fp4`, which quantizes each rank's experts as they are read."
+    )
+
+
+def _plan_for(plan, config, config_path):
+    """The plan, loaded and validated, after checking that it is for this checkpoint's model type."""
+    from planc.spec.load import load_plan
+
+    loaded = load_plan(plan)
+    plan_type = loaded.plan.model.type if loaded.plan.model is not None else None
+    model_type = getattr(config, "model_type", None)
+    if plan_type is not None and model_type is not None and plan_type != model_type:
+        raise CheckpointError(
+            f"{config_path}: the checkpoint is a `{model_type}` model, but the plan is for `model.type: {plan_type}`. "
+            f"Load it with a {model_type} plan (`planc init --from-transformers {model_type}` writes one)."
+        )
+    return loaded
+
+
+def _model_class(config):
+    """The class named by the config's `architectures` (as `from_pretrained` picks it), else the CausalLM auto class."""
+    import transformers
+
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    return transformers.AutoModelForCausalLM
+
+
+def _meta_model(config, dtype) -> nn.Module:
+    cls = _model_class(config)
+    with torch.device("meta"):
+        if hasattr(cls, "_from_config"):
+            model = cls._from_config(config, dtype=config.dtype)
+        else:
+            model = cls.from_config(config, dtype=config.dtype)
+    return model.eval()
+
+
+# ---- 3. the fill step ------------------------------------------------------------------------------------
+
+
+class _SafetensorsFill:
+    """Between sharding and forwards: transformers' loader reads this rank's byte ranges into the meta-sharded model.
+
+    For a Mega MoE plan with `quantize: fp4` it runs once per decoder layer (the keys without a layer
+    index first) and quantizes each layer's local experts as soon as they arrive, so no rank ever holds
+    more than one layer of unquantized experts; otherwise one call reads everything.
+    """
+
+    def __init__(self, files: CheckpointFiles, device: torch.device):
+        self.files = files
+        self.device = device
+
+    def __call__(self, state) -> None:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+
+        model = state.model
+        mapping = get_model_conversion_mapping(model)
+        config = LoadStateDictConfig(
+            pretrained_model_name_or_path=str(self.files.root),
+            dtype=model.config.dtype,
+            device_map={"": self.device},
+            weight_mapping=mapping,
+        )
+        slices = self.files.slices()
+        infos, used = [], {}
+        quantize = _experts_to_quantize(state)
+        # One loader call keeps its read pool busy across layers (as from_pretrained does); per layer only when
+        # experts are quantized as they arrive, which must see each layer complete before the next one is read.
+        groups = _by_layer(slices) if quantize else [list(slices)]
+        for keys in groups:
+            with _no_progress_bars():  # one bar per layer per rank would bury the output
+                info, _ = convert_and_load_state_dict_in_model(model, {k: slices[k] for k in keys}, config)
+            infos.append(info)
+            used.update((id(c), c) for c in getattr(model, "_weight_conversions", None) or [])
+            for fqn in [f for f in quantize if _filled(state.module(f))]:
+                from planc.runtime.megamoe.experts import quantize_to_fp4
+
+                experts = state.module(fqn)
+                quantize_to_fp4(experts)
+                for p in experts.parameters(recurse=False):
+                    p._is_hf_initialized = True  # loaded, not to be re-initialised by transformers' finalisation
+                quantize.remove(fqn)
+        # What save/export reverse later: every conversion any layer used (transformers keeps the last call's).
+        model._weight_conversions = [c for c in mapping if id(c) in used]
+        info = _merged(infos)
+        model._adjust_missing_and_unexpected_keys(info)
+        problems = loading_problems(model, info, self.files)
+        if problems:
+            raise CheckpointError("\n".join(problems))
+        # transformers' own finalisation: non-persistent buffers off meta and recomputed (rotary inv_freq), ties.
+        type(model)._finalize_model_loading(model, config, info)
+        _move_buffers(model, self.device)
+        left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+        if left:
+            raise CheckpointError(
+                f"{self.files.root}: after loading, {len(left)} tensor(s) were never read (first: `{left[0]}`): the "
+                "checkpoint lacks them. Use a checkpoint saved from this model type and config."
+            )
+
+
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    from transformers.utils import logging
+
+    was = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            logging.enable_progress_bar()
+
+
+def _by_layer(keys) -> list[list[str]]:
+    """Checkpoint keys grouped by decoder layer index (keys of no layer first): one loader call per group.
+
+    A converter's inputs (e.g. one layer's per-expert w1/w3) always share a layer index, so every
+    group is complete for the conversions it feeds.
+    """
+    groups: dict[int, list[str]] = {}
+    for key in keys:
+        m = _LAYER.search(key)
+        groups.setdefault(int(m.group(1)) if m else -1, []).append(key)
+    return [groups[i] for i in sorted(groups)]
+
+
+def _merged(infos):
+    """One LoadStateDictInfo for all the per-layer loader calls (a key is missing only if no call filled it)."""
+    from transformers.utils.loading_report import LoadStateDictInfo
+
+    missing = set.intersection(*(set(i.missing_keys) for i in infos)) if infos else set()
+    return LoadStateDictInfo(
+        missing_keys=missing,
+        unexpected_keys=set().union(*(i.unexpected_keys for i in infos)),
+        mismatched_keys=set().union(*(i.mismatched_keys for i in infos)),
+        error_msgs=[m for i in infos for m in i.error_msgs],
+        conversion_errors={k: v for i in infos for k, v in i.conversion_errors.items()},
+        skipped_pp_keys=set(),
+    )
+
+
+def _experts_to_quantize(state) -> list[str]:
+    """The experts modules a Mega MoE plan quantizes to FP4 (`megamoe.quantize: fp4`) that hold floats."""
+    settings = state.compiled.experts_settings
+    if settings.implementation != "deepgemm_megamoe" or settings.megamoe is None or settings.megamoe.quantize != "fp4":
+        return []
+    out = []
+    for e in state.compiled.experts:
+        p = state.module(e.fqn)._parameters.get("gate_up_proj")
+        if p is not None and p.is_floating_point():
+            out.append(e.fqn)
+    return out
+
+
+def _filled(experts: nn.Module) -> bool:
+    return all(
+        (p := experts._parameters.get(n)) is not None and not p.is_meta for n in ("gate_up_proj", "down_proj")
+    )
+
+
+class _DcpFill:
+    """Between sharding and forwards: `torch.distributed.checkpoint` reshards a planc checkpoint into this plan."""
+
+    def __init__(self, path: str, device: torch.device):
+        self.path = path
+        self.device = device
+
+    def __call__(self, state) -> None:
+        from planc.runtime.checkpoint.dcp import fill_from_dcp
+
+        fill_from_dcp(state.model, self.path, device=self.device, compiled=state.compiled, groups=state.groups)
+
+
+def _move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Buffers built on the CPU by the model's constructor (none are sharded) follow the shards' device."""
+    for module in model.modules():
+        for name, b in module._buffers.items():
+            if b is not None and not b.is_meta and b.device != device:
+                module._buffers[name] = b.to(device)
+
+
+__all__ = ["load"]
