@@ -19,7 +19,14 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-__all__ = ["load_plan", "lint_paths", "compile", "apply", "load", "destroy_megamoe_buffers", "__version__"]
+__all__ = [
+    "load_plan", "lint_paths", "compile", "apply", "load", "save", "export", "destroy_megamoe_buffers", "__version__",
+]
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from torch import nn
 
 
 def load_plan(source: "PlanSource") -> "LoadedPlan":
@@ -61,6 +68,23 @@ def load(source, plan, *, dtype=None, device=None, mesh=None):
     from planc.runtime.checkpoint.load import load as _load
 
     return _load(source, plan, dtype=dtype, device=device, mesh=mesh)
+
+
+def save(model: nn.Module, directory) -> Path:
+    """Write an applied model as a sharded checkpoint (torch.distributed.checkpoint, every rank its own shards)
+    with its plan beside it; `planc.load` reads it back under any plan or sizes. Call on every rank.
+    The directory is replaced only once the new checkpoint is complete."""
+    from planc.runtime.checkpoint.save import save as _save
+
+    return _save(model, directory)
+
+
+def export(model: nn.Module, directory, *, max_shard_size: int | str = "5GB") -> Path:
+    """Write an applied model as consolidated hub-layout safetensors (transformers' reverse weight conversion),
+    one tensor group at a time, that plain `from_pretrained(directory)` loads. Call on every rank."""
+    from planc.runtime.checkpoint.export import export as _export
+
+    return _export(model, directory, max_shard_size=max_shard_size)
 
 
 def destroy_megamoe_buffers() -> None:

@@ -33,4 +33,5 @@ class ApplyError(PlancError):
 
 
 class CheckpointError(PlancError):
-    """A checkpoint that cannot be loaded as asked: names the file and the tensor, and what to do."""
+    """A checkpoint that cannot be loaded as asked, or a planc.save / planc.export that could not complete:
+    names the file and the tensor and what to do; an existing checkpoint is left intact."""

@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from planc.errors import ApplyError
+from planc.runtime.checkpoint.guards import guard_applied_model
 from planc.runtime.ep import EP_RUNTIMES
 from planc.runtime.ep.base import install_ep_forward, shard_expert_tensor
 from planc.runtime.mesh import Groups, build_groups
@@ -376,6 +377,7 @@ def step_mark_applied(state: InstallState) -> None:
             state.module(a.fqn)._is_hooked = True
     state.model._planc_plan = state.compiled
     state.model._planc_groups = state.groups
+    guard_applied_model(state.model)  # save_pretrained / deepcopy refuse with what to call instead
 
 
 INSTALL_STEPS: list[Callable[[InstallState], None]] = [

@@ -1,0 +1,152 @@
+"""`fill_from_dcp(model, directory)`: read a planc.save checkpoint into a model sharded on `meta` under any plan.
+
+The model's parameters are meta DTensors already carrying the new plan's placements (from
+`step_shard_parameters` on the meta model; any sizes: saved at 2 ranks, read at 4 or 1), replicated
+ones plain meta tensors. This allocates only the local shards on the target device, checks every key
+and global shape against the checkpoint's metadata (the same error on every rank, before a byte is
+read), and lets `torch.distributed.checkpoint.load` fill them: DCP reads, from every saved rank's
+file, exactly the slices that overlap this rank's shards. Tied parameters are allocated once (the tie
+survives); non-persistent buffers come from the checkpoint, where planc.save stored them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from planc.errors import CheckpointError
+from planc.runtime.checkpoint.atomic import agree
+from planc.runtime.checkpoint.marker import is_planc_checkpoint, read_marker
+from planc.runtime.checkpoint.state import (
+    dcp_layout,
+    ep_buffer_dtensor,
+    expert_sharded_buffers,
+    has_strided,
+    named_non_persistent_buffers,
+)
+
+
+def default_device() -> torch.device:
+    """This rank's device: its current CUDA device under NCCL, else the CPU (gloo)."""
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _empty_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Uninitialised storage for this rank's part of `t` (a DTensor keeps its mesh, placements, global shape)."""
+    if isinstance(t, DTensor):
+        local = torch.empty(t.to_local().shape, dtype=t.dtype, device=device)
+        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+    return torch.empty(t.shape, dtype=t.dtype, device=device)
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """Replace every meta parameter and buffer by empty storage on `device`; a tensor shared by several
+    modules (tied weights) gets one new tensor, assigned to all of them."""
+    new: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in list(table.items()):
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in new:
+                    fresh = _empty_like(t, device)
+                    if isinstance(t, nn.Parameter):
+                        fresh = nn.Parameter(fresh, requires_grad=t.requires_grad)
+                        fresh.__dict__.update(t.__dict__)
+                    new[id(t)] = fresh
+                table[name] = new[id(t)]
+
+
+def _targets(model: nn.Module, compiled, groups, saved_non_persistent) -> dict[str, torch.Tensor]:
+    """key -> the tensor DCP loads into, in the layout DCP can describe (see state.py)."""
+    state = model.state_dict()
+    for fqn, (module, name) in expert_sharded_buffers(model, compiled, groups).items():
+        state[fqn] = ep_buffer_dtensor(module._buffers[name], groups)
+    for fqn, _, _, t in named_non_persistent_buffers(model):
+        if fqn in saved_non_persistent:
+            state[fqn] = t
+    return state
+
+
+def _check(targets: dict, metadata, directory: Path, model: nn.Module, saved_non_persistent) -> list[str]:
+    """Every mismatch between the model and the checkpoint, named by key."""
+    problems = []
+    saved = metadata.state_dict_metadata
+    for key, t in targets.items():
+        meta = saved.get(key)
+        if meta is None:
+            problems.append(f"{key}: the model has it, the checkpoint does not")
+            continue
+        if not isinstance(meta, TensorStorageMetadata):
+            problems.append(f"{key}: the checkpoint stores a {type(meta).__name__}, the model a tensor")
+            continue
+        if tuple(meta.size) != tuple(t.shape):
+            problems.append(f"{key}: checkpoint shape {tuple(meta.size)}, model shape {tuple(t.shape)} (global)")
+    model_keys = set(targets)
+    for key in sorted(set(saved) - model_keys - set(saved_non_persistent)):
+        problems.append(f"{key}: the checkpoint has it, the model does not")
+    missing_np = [fqn for fqn, *_ in named_non_persistent_buffers(model) if fqn not in saved_non_persistent]
+    for fqn in missing_np:
+        problems.append(f"{fqn}: a non-persistent buffer of the model the checkpoint did not store")
+    return problems
+
+
+def fill_from_dcp(
+    model: nn.Module,
+    directory,
+    *,
+    device=None,
+    compiled=None,
+    groups=None,
+) -> None:
+    """Fill `model` (sharded on meta under any plan) from the planc.save checkpoint in `directory`.
+
+    Every rank calls it. `device`: where the local shards live (default: the current CUDA device under
+    NCCL, else the CPU). `compiled`/`groups`: the new plan's CompiledPlan and Groups, needed only when
+    `grouped_gemm` shards buffers (they are plain local slices; default: `model._planc_plan`/`_planc_groups`).
+    A dtype other than the saved one is cast as it is read. Raises `CheckpointError` on every rank, naming
+    each key, when the model and the checkpoint disagree; nothing is read then.
+    """
+    directory = Path(directory)
+    what = f"planc: reading the checkpoint {directory}"
+    compiled = compiled if compiled is not None else getattr(model, "_planc_plan", None)
+    groups = groups if groups is not None else getattr(model, "_planc_groups", None)
+    device = torch.device(device) if device is not None else default_device()
+    error = None
+    try:
+        marker = read_marker(directory)
+        saved_np = set(marker.get("non_persistent_buffers", ()))
+        metadata = dcp.FileSystemReader(str(directory)).read_metadata()
+        problems = _check(_targets(model, compiled, groups, saved_np), metadata, directory, model, saved_np)
+        if problems:
+            raise CheckpointError(
+                f"{directory} (saved under plan {marker.get('plan_name')!r}, fingerprint {marker.get('fingerprint')}) "
+                f"does not fit this {type(model).__name__}: {len(problems)} problem(s):\n    "
+                + "\n    ".join(problems[:50])
+                + ("\n    ..." if len(problems) > 50 else "")
+                + "\nBuild the model from the checkpoint's own config.json."
+            )
+    except Exception as e:  # noqa: BLE001 - reported on every rank before any rank enters dcp.load
+        error = e
+    agree(error, what)
+
+    _materialize(model, device)
+    targets = _targets(model, compiled, groups, saved_np)
+    strided = {k: t for k, t in targets.items() if has_strided(t)}
+    load_state = {k: (dcp_layout(t.detach()) if k in strided else t) for k, t in targets.items()}
+    dcp.load(load_state, checkpoint_id=str(directory))
+    with torch.no_grad():
+        for key, t in strided.items():
+            t.to_local().copy_(load_state[key].redistribute(placements=t.placements).to_local())
+
+
+__all__ = ["fill_from_dcp", "default_device", "is_planc_checkpoint", "read_marker"]

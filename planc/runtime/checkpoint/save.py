@@ -1,0 +1,83 @@
+"""`planc.save(model, directory)`: a sharded checkpoint of an applied model, every rank writing its own shards.
+
+The state goes through `torch.distributed.checkpoint.save` (DCP: each rank writes `__<rank>_0.distcp`
+with its local shards, replicated tensors once, the coordinator writes `.metadata` describing global
+shapes and offsets), so a later `fill_from_dcp` can read it into a model sharded under any plan or
+sizes: DCP reshards on load. Beside it go `config.json` (and `generation_config.json`), `plan.yaml`
+and `planc.json` (`planc.runtime.checkpoint.marker`). The directory is written under a temporary
+sibling name and renamed into place only after every rank finished (`atomic.py`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from planc.errors import CheckpointError
+from planc.runtime.checkpoint.atomic import agree, atomic_directory
+from planc.runtime.checkpoint.marker import MARKER, is_planc_checkpoint, marker_data, write_marker
+from planc.runtime.checkpoint.state import refuse_unsavable, save_state
+
+
+def applied_plan(model: nn.Module, what: str):
+    """(CompiledPlan, Groups) of a model planc.apply installed a plan on; a clear error otherwise."""
+    compiled = getattr(model, "_planc_plan", None)
+    groups = getattr(model, "_planc_groups", None)
+    if not (dist.is_available() and dist.is_initialized()):
+        raise CheckpointError(
+            f"{what}: torch.distributed is not initialized; call it on every rank of the world the model was "
+            "applied in (torchrun, or init_process_group)."
+        )
+    if compiled is None or groups is None:
+        raise CheckpointError(
+            f"{what}: {type(model).__name__} has no plan installed (no `_planc_plan`). planc.save and planc.export "
+            "write models that planc.apply or planc.load sharded; save an unsharded model with save_pretrained."
+        )
+    return compiled, groups
+
+
+def _write_shards(state: dict, directory: Path) -> None:
+    """DCP writes every rank's shards and the coordinator's `.metadata` (a collective)."""
+    dcp.save(state, checkpoint_id=str(directory))
+
+
+def _write_metadata(model: nn.Module, compiled, directory: Path, non_persistent: list[str]) -> None:
+    """Rank 0: config.json, generation_config.json, plan.yaml, then planc.json."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "save_pretrained"):
+        config.save_pretrained(directory)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and hasattr(generation, "save_pretrained"):
+        generation.save_pretrained(directory)
+    write_marker(directory, marker_data(model, compiled, non_persistent))
+
+
+def save(model: nn.Module, directory) -> Path:
+    """Write `model` (applied by planc.apply or planc.load) as a sharded DCP checkpoint to `directory`.
+
+    Every rank of the model's world must call it. `directory` is replaced only once the new checkpoint
+    is complete on every rank; an existing directory that is not a planc checkpoint is never replaced.
+    Returns the absolute path.
+    """
+    what = f"planc.save({str(directory)!r})"
+    compiled, groups = applied_plan(model, what)  # the same answer on every rank of an applied world
+    error = None
+    try:
+        refuse_unsavable(model, compiled, what)
+    except CheckpointError as e:
+        error = e
+    agree(error, what)  # every rank refuses together rather than some entering a collective alone
+    state, non_persistent = save_state(model, compiled, groups)
+    with atomic_directory(directory, what, replaceable=is_planc_checkpoint) as partial:
+        _write_shards(state, partial)
+        if dist.get_rank() == 0:
+            _write_metadata(model, compiled, partial, non_persistent)
+            if not (partial / MARKER).is_file():
+                raise CheckpointError(f"{what}: {MARKER} was not written to {partial}")
+    return Path(directory).absolute()
+
+
+__all__ = ["save", "applied_plan"]

@@ -1,0 +1,109 @@
+"""The tensors a checkpoint holds, as torch.distributed.checkpoint must see them.
+
+Three things make an applied model's `state_dict()` unfit for DCP as is:
+
+- `_StridedShard` (planc's `packed_colwise`: rank r holds gate_r | up_r): DCP's DTensor hooks describe
+  every local shard as one contiguous chunk, which is wrong for a strided one (see transformers'
+  `distributed/checkpoint.py::_redistribute_state_dict`). Such tensors are redistributed to the plain
+  `Shard` of the same dim before a save, and loaded through one (then redistributed back).
+- Buffers `grouped_gemm` sharded by expert stay plain local slices (`planc.runtime.ep.base`): wrapped as
+  DTensors `Shard(0)` over the EP mesh so DCP sees their global shape.
+- Non-persistent buffers (rotary `inv_freq`) are not in a state dict; planc.save stores them too, so a
+  model built on `meta` gets exactly the values the saved one ran with, for any family.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from planc.errors import CheckpointError
+
+
+def has_strided(t) -> bool:
+    return isinstance(t, DTensor) and any(isinstance(p, _StridedShard) for p in t.placements)
+
+
+def dcp_layout(t: DTensor) -> DTensor:
+    """`t` with every `_StridedShard` redistributed to the `Shard` of the same dim (a collective over its mesh)."""
+    placements = tuple(Shard(p.dim) if isinstance(p, _StridedShard) else p for p in t.placements)
+    return t.redistribute(placements=placements)
+
+
+def expert_sharded_buffers(model: nn.Module, compiled, groups) -> dict[str, tuple[nn.Module, str]]:
+    """fqn -> (module, name) of the buffers `grouped_gemm` sharded by expert (plain local slices)."""
+    if compiled is None or groups is None or groups.ep_size == 1:
+        return {}
+    modules = dict(model.named_modules())
+    out = {}
+    for a in compiled.assignments:
+        if a.target == "parameter" and a.style == "grouped_gemm":
+            owner, _, name = a.fqn.rpartition(".")
+            module = modules.get(owner)
+            if module is not None and name in module._buffers:
+                out[a.fqn] = (module, name)
+    return out
+
+
+def ep_buffer_dtensor(local: torch.Tensor, groups) -> DTensor:
+    """A plain local expert slice as the DTensor `Shard(0)` over the EP mesh it was cut from."""
+    shape = (local.shape[0] * groups.ep_size, *local.shape[1:])
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, groups.ep_mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+
+
+def named_non_persistent_buffers(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
+    """(fqn, owner, name, tensor) of every non-persistent buffer (torch keeps them out of state_dict)."""
+    for prefix, module in model.named_modules():
+        for name in module._non_persistent_buffers_set:
+            t = module._buffers.get(name)
+            if t is not None:
+                yield (f"{prefix}.{name}" if prefix else name), module, name, t
+
+
+def refuse_unsavable(model: nn.Module, compiled, what: str) -> None:
+    """Layouts planc cannot write yet, refused before anything is written."""
+    megamoe = compiled.experts_settings.megamoe
+    if compiled.experts_settings.implementation == "deepgemm_megamoe" and megamoe and megamoe.quantize == "fp4":
+        raise CheckpointError(
+            f"{what}: the plan quantizes the experts to FP4 at apply time (`experts.megamoe.quantize: fp4`), so "
+            "the model holds per-rank FP4 tensors planc cannot describe to a checkpoint yet. Save the model "
+            "before applying that plan (apply it to a model from planc.load), or use a plan without "
+            "`quantize: fp4`."
+        )
+    for name, t in model.state_dict().items():
+        if isinstance(t, DTensor) and any(p.is_partial() for p in t.placements):
+            raise CheckpointError(
+                f"{what}: {name} is a DTensor with a Partial placement (not reduced); reduce it first."
+            )
+
+
+def save_state(model: nn.Module, compiled, groups) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The tensors planc.save writes (a collective: strided shards are redistributed) and the keys of the
+    non-persistent buffers among them."""
+    state = model.state_dict()
+    for fqn, (module, name) in expert_sharded_buffers(model, compiled, groups).items():
+        state[fqn] = ep_buffer_dtensor(module._buffers[name], groups)
+    for key, t in state.items():
+        if has_strided(t):
+            state[key] = dcp_layout(t)
+    extra = []
+    for fqn, _, _, t in named_non_persistent_buffers(model):
+        state[fqn] = t
+        extra.append(fqn)
+    return state, extra
+
+
+__all__ = [
+    "dcp_layout",
+    "ep_buffer_dtensor",
+    "expert_sharded_buffers",
+    "has_strided",
+    "named_non_persistent_buffers",
+    "refuse_unsavable",
+    "save_state",
+]

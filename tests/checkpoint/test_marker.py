@@ -1,0 +1,35 @@
+"""planc.json and plan.yaml: the plan a checkpoint was saved under, rebuilt from the CompiledPlan."""
+
+import json
+
+import pytest
+import yaml
+
+from planc import compile as planc_compile
+from planc.errors import CheckpointError
+from planc.runtime.checkpoint.marker import is_planc_checkpoint, plan_mapping, read_marker
+from planc.runtime.models import build_tiny_model
+from tests.checkpoint.workers import plan_for
+
+
+@pytest.mark.parametrize(("model_type", "kind"), [("mixtral", "ep"), ("mixtral", "packed"), ("deepseek_v3", "ep")])
+def test_rebuilt_plan_compiles_to_the_same_fingerprint(model_type, kind):
+    model = build_tiny_model(model_type)
+    compiled = planc_compile(plan_for(kind, model_type, 2), model)
+    text = yaml.safe_dump(plan_mapping(compiled), sort_keys=False)
+    again = planc_compile(text, model)  # YAML text goes through the linter like a plan file
+    assert again.fingerprint == compiled.fingerprint
+
+
+def test_marker_detection_and_errors(tmp_path):
+    assert not is_planc_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="has no planc.json"):
+        read_marker(tmp_path)
+    (tmp_path / "planc.json").write_text("{not json")
+    assert not is_planc_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        read_marker(tmp_path)
+    (tmp_path / "planc.json").write_text(json.dumps({"format": "planc-dcp", "format_version": 99}))
+    assert is_planc_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="format_version 99"):
+        read_marker(tmp_path)

@@ -1,0 +1,239 @@
+"""Code that runs on every rank of a spawned gloo world for the checkpoint tests (module level: spawn pickles
+functions by name). Worlds return logits and messages; the tests compare them across worlds."""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tests.runtime.workers import batch, shipped_plan
+
+MODELS = ("mixtral", "qwen3_moe", "deepseek_v3")
+
+
+def plan_for(kind: str, model_type: str, world_size: int) -> dict:
+    """`ep`: the shipped plan at tp = ep = world; `packed`: mixtral with experts tensor-parallel
+    (`packed_colwise` gate_up: a `_StridedShard`, the DCP caveat), ep 1."""
+    if kind == "ep":
+        return shipped_plan(model_type, tp=world_size)
+    plan = shipped_plan(model_type, tp=world_size, ep=1)
+    plan["ep_plan"] = {}
+    plan["tp_plan"].update(
+        {
+            "model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+            "model.layers.*.mlp.experts.down_proj": "rowwise",
+            "model.layers.*.mlp.experts": "moe_tp_experts",
+        }
+    )
+    return plan
+
+
+CASES = [("mixtral", "ep"), ("mixtral", "packed"), ("qwen3_moe", "ep"), ("deepseek_v3", "ep")]
+
+
+def logits(model, seed: int = 11) -> torch.Tensor:
+    with torch.no_grad():
+        return model(batch(seed)).logits.detach().clone()
+
+
+def load_on_meta(directory, plan, *, dtype=torch.float32, **config_overrides):
+    """What planc.load does with a planc.save directory: the model on meta from the checkpoint's config,
+    compiled and sharded on meta (install's own step), filled by fill_from_dcp, then the other install steps."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from planc import compile as planc_compile
+    from planc.runtime import install
+    from planc.runtime.checkpoint.dcp import fill_from_dcp
+    from planc.runtime.mesh import build_groups
+
+    config = AutoConfig.from_pretrained(directory)
+    config._attn_implementation = "eager"
+    for name, value in config_overrides.items():
+        setattr(config, name, value)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    compiled = planc_compile(plan, model)
+    groups = build_groups(compiled.parallel)
+    state = install.InstallState(model=model, compiled=compiled, groups=groups)
+    shard = install.INSTALL_STEPS.index(install.step_shard_parameters)
+    for step in install.INSTALL_STEPS[: shard + 1]:
+        step(state)
+    fill_from_dcp(model, directory, compiled=compiled, groups=groups)
+    for step in install.INSTALL_STEPS[shard + 1 :]:
+        step(state)
+    return model.eval()
+
+
+def save_world(rank, world_size, root):
+    """Apply each case at `world_size`, record its logits (and the unsharded model's), save it; then reload it
+    in this same world under the same plan (bit-identical)."""
+    import planc
+    from planc.runtime.models import build_tiny_model
+
+    out = {}
+    for model_type, kind in CASES:
+        key = f"{model_type}-{kind}"
+        try:
+            model = build_tiny_model(model_type, seed=3)
+            unsharded = logits(model)
+            plan = plan_for(kind, model_type, world_size)
+            planc.apply(model, plan)
+            applied = logits(model)
+            path = planc.save(model, Path(root) / key)
+            reloaded = logits(load_on_meta(path, plan))
+            out[key] = {"unsharded": unsharded, "applied": applied, "reloaded_same_plan": reloaded, "path": str(path)}
+        except Exception:  # noqa: BLE001 - report every case
+            out[key] = traceback.format_exc()
+    return out
+
+
+def load_world(rank, world_size, root):
+    """Load every saved case at this world size (other sizes than it was saved at) and return the logits."""
+    out = {}
+    for model_type, kind in CASES:
+        key = f"{model_type}-{kind}"
+        try:
+            model = load_on_meta(Path(root) / key, plan_for(kind, model_type, world_size))
+            out[key] = logits(model)
+        except Exception:  # noqa: BLE001
+            out[key] = traceback.format_exc()
+    # A model that does not fit the checkpoint: the same CheckpointError on every rank, naming the keys.
+    from planc.errors import CheckpointError
+
+    for name, overrides in (("extra_layer", {"num_hidden_layers": 3}), ("wider", {"intermediate_size": 64})):
+        try:
+            load_on_meta(Path(root) / "mixtral-ep", plan_for("ep", "mixtral", world_size), **overrides)
+            out[f"bad/{name}"] = "loaded"
+        except CheckpointError as e:
+            out[f"bad/{name}"] = str(e)
+    return out
+
+
+# ---- export, guards, interrupted saves ------------------------------------------------------------------------
+
+
+def export_world(rank, world_size, root):
+    """Export every case (mixtral-ep in 100 KB files, so with an index; exported twice: the second replaces
+    the first) and return the applied logits; the tests load the exports with plain from_pretrained."""
+    import planc
+    from planc.runtime.models import build_tiny_model
+
+    out = {}
+    for model_type, kind in CASES:
+        key = f"{model_type}-{kind}"
+        try:
+            model = build_tiny_model(model_type, seed=5)
+            planc.apply(model, plan_for(kind, model_type, world_size))
+            out[key] = logits(model)
+            target = Path(root) / "export" / key
+            if key == "mixtral-ep":
+                planc.export(model, target)  # one file, then replaced by the sharded export
+                planc.export(model, target, max_shard_size="100KB")
+            else:
+                planc.export(model, target)
+        except Exception:  # noqa: BLE001
+            out[key] = traceback.format_exc()
+    return out
+
+
+class Injected(RuntimeError):
+    pass
+
+
+def _attempt(fn) -> str:
+    try:
+        fn()
+        return "no error"
+    except Exception as e:  # noqa: BLE001 - the tests read the type and message
+        return f"{type(e).__name__}: {e}"
+
+
+def _fingerprint_files(directory: Path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def guards_world(rank, world_size, root):
+    """save_pretrained and deepcopy refused; interrupted saves keep the old checkpoint; planc never replaces a
+    directory it did not write."""
+    import planc
+    from planc.runtime.checkpoint import save as save_module
+    from planc.runtime.models import build_tiny_model
+
+    root = Path(root)
+    out = {}
+    plan = plan_for("ep", "mixtral", world_size)
+    unapplied = build_tiny_model("mixtral", seed=1)
+    out["save_unapplied"] = _attempt(lambda: planc.save(unapplied, root / "never"))
+    model_a = build_tiny_model("mixtral", seed=1)
+    model_a_copy = copy.deepcopy(model_a)  # before apply: still fine
+    planc.apply(model_a, plan)
+    out["save_pretrained"] = _attempt(lambda: model_a.save_pretrained(root / "sp"))
+    out["save_pretrained_wrote"] = (root / "sp").exists()
+    out["deepcopy_model"] = _attempt(lambda: copy.deepcopy(model_a))
+    out["deepcopy_layer"] = _attempt(lambda: copy.deepcopy(model_a.model.layers[0].self_attn))
+    out["copy_before_apply_is_plain"] = type(model_a_copy.model.layers[0].self_attn.q_proj.weight).__name__
+    logits_a = logits(model_a)
+    target = root / "ckpt"
+    planc.save(model_a, target)
+    before = _fingerprint_files(target)
+
+    model_b = build_tiny_model("mixtral", seed=2)
+    planc.apply(model_b, plan)
+    logits_b = logits(model_b)
+    original_write_metadata, original_write_shards = save_module._write_metadata, save_module._write_shards
+
+    def metadata_then_fail(model, compiled, directory, non_persistent):
+        original_write_metadata(model, compiled, directory, non_persistent)
+        raise Injected("injected after writing planc.json")
+
+    def shards_then_fail_on_rank1(state, directory):
+        original_write_shards(state, directory)
+        if rank == 1:
+            raise Injected("injected on rank 1 after writing the shards")
+
+    for name, patch in (("after_metadata", ("_write_metadata", metadata_then_fail)),
+                        ("after_shards_rank1", ("_write_shards", shards_then_fail_on_rank1))):
+        setattr(save_module, *patch)
+        try:
+            out[f"interrupted/{name}"] = _attempt(lambda: planc.save(model_b, target))
+        finally:
+            save_module._write_metadata, save_module._write_shards = original_write_metadata, original_write_shards
+        dist.barrier()
+        out[f"interrupted/{name}/unchanged"] = _fingerprint_files(target) == before
+        out[f"interrupted/{name}/leftovers"] = sorted(p.name for p in root.iterdir() if p.name.startswith("."))
+    out["interrupted/reload"] = (logits(load_on_meta(target, plan)) - logits_a).abs().max().item()
+
+    # A crash between the two renames of a swap left only `.ckpt.planc-old`: the next save puts it back
+    # first, so a save that then fails still leaves the previous checkpoint in place.
+    dist.barrier()
+    if rank == 0:
+        target.rename(root / ".ckpt.planc-old")
+        (root / ".ckpt.planc-partial").mkdir()  # and a partial one from the crashed save
+        (root / ".ckpt.planc-partial" / "junk").write_text("x")
+    dist.barrier()
+    setattr(save_module, "_write_metadata", metadata_then_fail)
+    try:
+        out["recover/failed_save"] = _attempt(lambda: planc.save(model_b, target))
+    finally:
+        save_module._write_metadata = original_write_metadata
+    out["recover/restored"] = _fingerprint_files(target) == before
+    # then a complete save replaces it
+    planc.save(model_b, target)
+    out["replaced/reload"] = (logits(load_on_meta(target, plan)) - logits_b).abs().max().item()
+    out["replaced/leftovers"] = sorted(p.name for p in root.iterdir() if p.name.startswith("."))
+
+    # never replace what planc did not write
+    other = root / "notes"
+    if rank == 0:
+        other.mkdir()
+        (other / "notes.txt").write_text("mine")
+    dist.barrier()
+    out["foreign/save"] = _attempt(lambda: planc.save(model_b, other))
+    out["foreign/export"] = _attempt(lambda: planc.export(model_b, other))
+    out["foreign/export_over_checkpoint"] = _attempt(lambda: planc.export(model_b, target))
+    out["foreign/kept"] = sorted(p.name for p in other.iterdir())
+    return out
