@@ -1,18 +1,23 @@
-"""Mega MoE on one GPU: MegaMoeEP + the reference backend, eager vs CUDA-graph replay, wrapper overhead,
-and a BF16 grouped_mm experts baseline on the same shapes.
+"""Mega MoE on one GPU: the Triton and reference backends behind MegaMoeEP, bf16 grouped_mm, and the bound.
 
-One rank over NCCL (a world of 1 on a free port). Per batch size (decode 1/16/64/256, prefill 4096):
-- `eager_us`: one MoE layer through `MegaMoeEPRuntime` -> installed Mega MoE forward (reference backend).
-- `graph_us`: the same layer captured once in a CUDA graph and replayed. A capture fails on any host sync,
-  so a successful capture proves the wrapper and the reference path have none.
-- `wrapper_us`: everything but the experts computation: MegaMoeEP's slice/pad/gather plus the staging the
-  kernel path does (FP8 cast of x, copies of x, x_sf, topk_idx, topk_weights into the buffer); `wrapper_share`
-  is its share of the eager layer.
-- `grouped_mm_us`: transformers' `grouped_mm` experts forward on the same (dequantized, BF16) weights.
-Times are CUDA-event medians over `--iters` after `--warmup` runs.
+One rank over NCCL (a world of 1 on a free port), one layer, FP4 experts (the same FP4 parameters for both
+backends; the Triton module reads them as stored, the reference dequantizes them once to BF16). Per batch
+size (decode 1/16/64/256, prefill 4096), CUDA-event medians over `--iters` after `--warmup`, in µs:
+- `triton_us` / `reference_us`: one MoE layer through `MegaMoeEPRuntime` -> installed forward, CUDA-graph
+  replay (a capture fails on any host sync; one eager forward also runs under
+  `torch.cuda.set_sync_debug_mode("error")`); `triton_eager_us`: the same without the graph.
+- `grouped_mm_us`: transformers' `grouped_mm` experts forward on the reference's dequantized BF16 weights
+  (graph replay).
+- `bound_us`: the FP4 HBM-read bound, expected distinct experts of uniform top-k routing
+  ``E * (1 - (1 - k/E)**T)`` times the FP4 bytes per expert (e2m1 + UE8M0 scales) at `--hbm-tbps`; or the
+  dense BF16 math at `--bf16-tflops` when that is larger (prefill). `ratio` = triton / bound.
+- `calc_diff`: Triton against the reference backend (DeepGEMM's metric; the contract is < 1e-4).
+`--sweep` times each candidate tile config of the Triton kernels per batch size instead (graph replay of the
+experts computation alone) and prints the best: the table in `triton_backend._CONFIGS` comes from it.
 
-GPU (DeepSeek-V4 shapes):  python bench/megamoe_gpu.py --json megamoe.json
-CPU smoke test (tiny):      python bench/megamoe_gpu.py --device cpu --tiny
+GPU, DeepSeek-V4 layer:  python bench/megamoe_gpu.py --json megamoe.json
+GPU, mid-size layer:     python bench/megamoe_gpu.py --hidden 2048 --intermediate 1408 --experts 64
+CPU smoke test (tiny):   python bench/megamoe_gpu.py --device cpu --tiny
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from planc.runtime.ep.megamoe import MegaMoeEPRuntime  # noqa: E402
 from planc.runtime.megamoe import buffer_stats, destroy_megamoe_buffers, install_megamoe_forward  # noqa: E402
 from planc.runtime.megamoe import megamoe_state  # noqa: E402
-from planc.runtime.megamoe.quant import pack_ue8m0, quantize_fp8  # noqa: E402
+from planc.runtime.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_fp8  # noqa: E402
+from planc.runtime.megamoe.triton_backend import KernelConfig, pick_config, triton_local_experts_forward  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -49,10 +55,15 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-graph", action="store_true")
+    p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for the bound (H200: 4.8 TB/s)")
+    p.add_argument("--bf16-tflops", type=float, default=989.0, help="dense BF16 rate for the bound (H200: 989)")
+    p.add_argument("--no-reference", action="store_true", help="skip the reference and grouped_mm columns")
+    p.add_argument("--sweep", action="store_true", help="time the Triton tile configs instead (see above)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     if args.tiny:
         args.hidden, args.intermediate, args.experts, args.topk = 256, 128, 8, 2
+        args.no_graph = True
         if args.tokens == p.get_default("tokens"):
             args.tokens = "1,16,64"
     args.tokens = [int(t) for t in args.tokens.split(",")]
@@ -122,6 +133,107 @@ def grouped_mm_baseline(cfg, weights):
     return lambda x, idx, w: grouped_mm_experts_forward(m, x, idx, w)
 
 
+def sharing_fp4(experts, cfg):
+    """A second experts module holding the same FP4 parameters (no copy), for another backend."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    with torch.device("meta"):
+        m = MixtralExperts(cfg)
+    for name in ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv"):
+        if name in m._parameters:
+            del m._parameters[name]
+        m.register_parameter(name, getattr(experts, name))
+    return m
+
+
+def fp4_bytes(m) -> int:
+    return sum(getattr(m, n).nbytes for n in ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj",
+                                               "down_proj_scale_inv"))
+
+
+def bound_us(args, n, bytes_per_expert) -> tuple[float, str]:
+    """max(FP4 HBM read of the expected distinct experts, dense BF16 math) in µs, and which one binds."""
+    touched = args.experts * (1 - (1 - args.topk / args.experts) ** n)
+    memory = touched * bytes_per_expert / (args.hbm_tbps * 1e12) * 1e6
+    flops = 2 * n * args.topk * (2 * args.intermediate * args.hidden + args.hidden * args.intermediate) * 1.0
+    compute = flops / (args.bf16_tflops * 1e12) * 1e6
+    return (memory, "fp4 read") if memory >= compute else (compute, "bf16 math")
+
+
+def graph_or_eager(device, measure, fn, use_graph):
+    """Median µs of `fn` by CUDA-graph replay (after one warm call outside the capture), else eager."""
+    if not use_graph:
+        return measure(fn), None
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return measure(graph.replay), out
+
+
+SWEEP = (
+    KernelConfig(16, 32, 256, 32, 256, 4, 3),
+    KernelConfig(16, 32, 512, 64, 512, 4, 2),
+    KernelConfig(16, 64, 256, 64, 256, 4, 3),
+    KernelConfig(16, 64, 256, 128, 256, 4, 3),
+    KernelConfig(16, 64, 512, 128, 512, 4, 2),
+    KernelConfig(16, 64, 128, 64, 128, 4, 4),
+    KernelConfig(16, 128, 256, 128, 256, 4, 3),
+    KernelConfig(16, 128, 128, 128, 128, 8, 4),
+    KernelConfig(32, 64, 256, 128, 256, 4, 3),
+    KernelConfig(32, 128, 128, 128, 128, 8, 3),
+    KernelConfig(64, 128, 64, 128, 64, 8, 3),
+    KernelConfig(64, 128, 128, 128, 128, 8, 3),
+    KernelConfig(64, 64, 128, 128, 128, 4, 3),
+    KernelConfig(128, 128, 64, 128, 64, 8, 3),
+    KernelConfig(128, 128, 128, 256, 64, 8, 3),
+    KernelConfig(16, 128, 128, 256, 128, 8, 5),
+    KernelConfig(16, 256, 128, 256, 128, 8, 4),
+    KernelConfig(16, 128, 256, 128, 256, 8, 3),
+    KernelConfig(64, 256, 64, 256, 64, 8, 3),
+)
+
+
+def sweep(args, device, measure, packed):
+    """Per batch size: graph-replay µs of the experts computation for each candidate config."""
+    results = []
+    for n in args.tokens:
+        g = torch.Generator(device=device).manual_seed(n)
+        x = torch.randn(n, args.hidden, generator=g, device=device, dtype=torch.bfloat16)
+        scores = torch.randn(n, args.experts, generator=g, device=device)
+        w, idx = torch.topk(torch.softmax(scores, -1), args.topk, dim=-1)
+        q, sf = quantize_fp8(x)
+        sf = float_to_ue8m0_bytes(sf)
+        picked = pick_config(n * args.topk, args.experts, args.hidden, args.intermediate)
+        row = {"tokens": n, "picked": picked.__dict__, "configs": []}
+        for cfg in dict.fromkeys([picked, *SWEEP]):
+            if n < 64 and cfg.block_t > 16:
+                continue  # big token tiles for a decode batch: never competitive
+            try:
+                fit = cfg.fit(args.hidden, args.intermediate)
+                def run(fit=fit):
+                    return triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0,
+                                                        activation_clamp=args.clamp, config=fit)
+
+                us, _ = graph_or_eager(device, measure, run, device.type == "cuda")
+            except Exception as e:  # a config that does not compile (shared memory, registers) is skipped
+                print(f"  T={n} {cfg}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
+                continue
+            row["configs"].append({"config": fit.__dict__, "us": us})
+            print(f"  T={n} {fit}: {us:.1f} us", file=sys.stderr)
+        best = min(row["configs"], key=lambda c: c["us"])
+        row["best"] = best
+        print(f"T={n}: best {best['us']:.1f} us {best['config']}; picked {picked}", file=sys.stderr)
+        results.append(row)
+    return results
+
+
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -135,15 +247,39 @@ def main(argv=None):
     undo = install_megamoe_forward(experts, backend="reference", quantize="fp4", activation_clamp=args.clamp,
                                    num_global_experts=args.experts, ep_rank=0, ep_size=1)
     del undo  # commit: frees the BF16 originals
+    tri = sharing_fp4(experts, cfg)
+    install_megamoe_forward(tri, backend="triton", activation_clamp=args.clamp, num_global_experts=args.experts,
+                            ep_rank=0, ep_size=1)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     from planc.spec.ep import MegaMoeEP
 
     groups = types.SimpleNamespace(ep_group=group, ep_rank=0, ep_size=1, tp_group=group, tp_size=1, shares_batch=True)
     strategy = MegaMoeEP(reason="bench")
-    layer = MegaMoeEPRuntime(experts, strategy, groups)
-    runner = megamoe_state(experts).runner
-    baseline = grouped_mm_baseline(cfg, runner.weights(device))  # the reference's dequantized BF16 weights
+    ref_layer = MegaMoeEPRuntime(experts, strategy, groups)
+    tri_layer = MegaMoeEPRuntime(tri, strategy, groups)
+    tri_state = megamoe_state(tri)
+    resident_fp4 = fp4_bytes(tri)
+    bytes_per_expert = resident_fp4 / args.experts
+
+    if args.sweep:
+        rows = sweep(args, device, measure, tri_state.runner.weights(device))
+        result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                      torch=torch.__version__, shapes=dict(hidden=args.hidden, intermediate=args.intermediate,
+                                                           experts=args.experts, topk=args.topk), sweep=rows)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        destroy_megamoe_buffers()
+        dist.destroy_process_group()
+        return result
+
+    reference_bytes = None
+    baseline = None
+    if not args.no_reference:
+        weights = megamoe_state(experts).runner.weights(device)  # the reference's dequantized BF16 cache
+        reference_bytes = resident_fp4 + weights.gate_up.nbytes + weights.down.nbytes
+        baseline = grouped_mm_baseline(cfg, weights)
 
     rows = []
     for n in args.tokens:
@@ -151,53 +287,34 @@ def main(argv=None):
         x = torch.randn(n, args.hidden, generator=g, device=device, dtype=torch.bfloat16)
         scores = torch.randn(n, args.experts, generator=g, device=device)
         w, idx = torch.topk(torch.softmax(scores, -1), args.topk, dim=-1)
-
+        row = dict(tokens=n, distinct_experts=int(torch.unique(idx).numel()))
         with torch.no_grad():
-            eager = measure(lambda: layer(x, idx, w))
+            row["triton_eager_us"] = measure(lambda: tri_layer(x, idx, w))
             if device.type == "cuda":
                 torch.cuda.set_sync_debug_mode("error")  # any host sync in one forward raises
-                layer(x, idx, w)
-                torch.cuda.set_sync_debug_mode("default")
-
-            graph_us = None
-            if use_graph:
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    layer(x, idx, w)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    y_graph = layer(x, idx, w)
-                graph.replay()
-                torch.cuda.synchronize()
-                assert torch.equal(y_graph, layer(x, idx, w)), "graph replay differs from eager"
-                graph_us = measure(graph.replay)
-                del graph, y_graph
-
-            # wrapper = MegaMoeEP without the experts computation + the kernel path's staging
-            y_static = torch.empty_like(x)
-            hollow = MegaMoeEPRuntime(experts, strategy, groups)
-            hollow.experts_forward = lambda xs, i, ws, process_group: y_static[: xs.shape[0]]
-            stage = {"x": torch.empty(n, args.hidden, dtype=torch.float8_e4m3fn, device=device),
-                     "x_sf": torch.empty(n, args.hidden // 128, dtype=torch.int32, device=device),
-                     "idx": torch.empty_like(idx), "w": torch.empty_like(w)}
-
-            def wrapper_only():
-                hollow(x, idx, w)
-                q, sf = quantize_fp8(x)
-                stage["x"].copy_(q)
-                stage["x_sf"].copy_(pack_ue8m0(sf))
-                stage["idx"].copy_(idx)
-                stage["w"].copy_(w)
-
-            wrapper_us = measure(wrapper_only)
-            grouped = measure(lambda: baseline(x, idx, w))
-        rows.append(dict(
-            tokens=n, eager_us=eager, graph_us=graph_us, wrapper_us=wrapper_us, wrapper_share=wrapper_us / eager,
-            grouped_mm_us=grouped, reference_over_grouped_mm=eager / grouped,
-        ))
-        print(f"tokens {n}: eager {eager:.0f} us, graph {graph_us or float('nan'):.0f} us", file=sys.stderr)
+                try:
+                    tri_layer(x, idx, w)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            row["triton_us"], y_tri = graph_or_eager(device, measure, lambda: tri_layer(x, idx, w), use_graph)
+            if y_tri is None:
+                y_tri = tri_layer(x, idx, w)
+            if baseline is not None:
+                row["reference_us"], y_ref = graph_or_eager(device, measure, lambda: ref_layer(x, idx, w), use_graph)
+                if y_ref is None:
+                    y_ref = ref_layer(x, idx, w)
+                row["calc_diff"] = calc_diff(y_tri.float(), y_ref.float())
+                try:
+                    row["grouped_mm_us"], _ = graph_or_eager(device, measure, lambda: baseline(x, idx, w), use_graph)
+                    row["grouped_mm_mode"] = "graph" if use_graph else "eager"
+                except Exception as e:  # noqa: BLE001 - report the eager time if the baseline cannot be captured
+                    print(f"grouped_mm capture failed ({type(e).__name__}: {e}); timing it eagerly", file=sys.stderr)
+                    row["grouped_mm_us"], row["grouped_mm_mode"] = measure(lambda: baseline(x, idx, w)), "eager"
+        row["bound_us"], row["bound"] = bound_us(args, n, bytes_per_expert)
+        row["ratio"] = row["triton_us"] / row["bound_us"]
+        rows.append(row)
+        print(f"tokens {n}: triton {row['triton_us']:.0f} us, bound {row['bound_us']:.0f} us "
+              f"({row['ratio']:.2f}x), calc_diff {row.get('calc_diff', float('nan')):.2e}", file=sys.stderr)
 
     stats = buffer_stats()
     result = dict(
@@ -205,19 +322,28 @@ def main(argv=None):
         device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         torch=torch.__version__,
         shapes=dict(hidden=args.hidden, intermediate=args.intermediate, experts=args.experts, topk=args.topk),
+        backend_reason=tri_state.reason,
+        resident_bytes=dict(triton=resident_fp4, reference=reference_bytes),
         buffer_allocations=stats.allocations, buffer_bytes=stats.live_bytes,
         rows=rows,
     )
     print(f"\nMega MoE, one layer, one rank ({result['device']}; H={args.hidden}, I={args.intermediate}, "
-          f"E={args.experts}, top-{args.topk}; reference backend)\n")
-    print("| tokens | MegaMoeEP eager (us) | graph replay (us) | wrapper (us) | wrapper share | "
-          "bf16 grouped_mm (us) | reference / grouped_mm |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+          f"E={args.experts}, top-{args.topk}; {'graph replay' if use_graph else 'eager'}, µs)\n")
+    print("| tokens | triton | triton eager | reference | bf16 grouped_mm | bound | bound is | triton / bound | "
+          "grouped_mm / triton | calc_diff |")
+    print("|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+
+    def f(v, spec=".1f"):
+        return "n/a" if v is None else format(v, spec)
+
     for r in rows:
-        graph = f"{r['graph_us']:.1f}" if r["graph_us"] is not None else "n/a"
-        print(f"| {r['tokens']} | {r['eager_us']:.1f} | {graph} | {r['wrapper_us']:.1f} | "
-              f"{100 * r['wrapper_share']:.1f}% | {r['grouped_mm_us']:.1f} | {r['reference_over_grouped_mm']:.2f}x |")
-    print(f"\nbuffer allocations: {stats.allocations} ({stats.live_bytes / 2**20:.1f} MiB live)")
+        gm = r.get("grouped_mm_us")
+        print(f"| {r['tokens']} | {f(r['triton_us'])} | {f(r['triton_eager_us'])} | {f(r.get('reference_us'))} | "
+              f"{f(gm)} | {f(r['bound_us'])} | {r['bound']} | {r['ratio']:.2f}x | "
+              f"{f(gm / r['triton_us'] if gm else None, '.2f')} | {f(r.get('calc_diff'), '.1e')} |")
+    print(f"\nresident expert bytes per layer: triton {resident_fp4 / 1e9:.2f} GB (FP4 + UE8M0 as stored)"
+          + (f", reference {reference_bytes / 1e9:.2f} GB (FP4 + its BF16 cache)" if reference_bytes else ""))
+    print(f"buffer allocations: {stats.allocations} ({stats.live_bytes / 2**20:.1f} MiB live)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

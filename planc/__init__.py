@@ -7,7 +7,7 @@ Every function that takes a model and a plan takes them in that order: `compile(
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Union
 
 if TYPE_CHECKING:
     import os
@@ -29,11 +29,12 @@ if TYPE_CHECKING:
     from torch import nn
 
 
-def load_plan(source: "PlanSource") -> "LoadedPlan":
-    """Load, lint and validate a plan (path, YAML string, mapping, Plan or LoadedPlan); PlanError if it is invalid."""
+def load_plan(source: "PlanSource", *, parallel: "Optional[Mapping[str, int]]" = None) -> "LoadedPlan":
+    """Load, lint and validate a plan (path, YAML string, mapping, Plan or LoadedPlan); PlanError if it is invalid.
+    `parallel` runs it at other sizes, e.g. `{"tp_size": 2, "ep_size": 2}`, linted again at those sizes."""
     from planc.lint.load import load_plan as _load
 
-    return _load(source)
+    return _load(source, parallel=parallel)
 
 
 def lint_paths(paths: "Union[str, os.PathLike[str], Iterable[Union[str, os.PathLike[str]]]]", *,
@@ -53,21 +54,26 @@ def compile(model: Any, plan: "PlanSource") -> "CompiledPlan":  # noqa: A001 - t
     return compile_plan(model, plan)
 
 
-def apply(model: Any, plan: "PlanSource", *, mesh: Optional[Any] = None) -> "CompiledPlan":
-    """Compile `plan` against `model`, then shard and install it on every rank (all or nothing)."""
+def apply(model: Any, plan: "PlanSource", *, mesh: Optional[Any] = None,
+          parallel: "Optional[Mapping[str, int]]" = None) -> "CompiledPlan":
+    """Compile `plan` against `model`, then shard and install it on every rank (all or nothing);
+    `parallel` runs the plan at other sizes (see load_plan)."""
     from planc.runtime.install import apply as _apply
 
-    return _apply(model, plan, mesh=mesh)
+    return _apply(model, plan, mesh=mesh, parallel=parallel)
 
 
-def load(source, plan, *, dtype=None, device=None, mesh=None):
+def load(source: "Union[str, os.PathLike[str]]", plan: "PlanSource", *, dtype: Optional[Any] = None,
+         device: Optional[Any] = None, mesh: Optional[Any] = None,
+         parallel: "Optional[Mapping[str, int]]" = None) -> "nn.Module":
     """Load the checkpoint directory `source` sharded by `plan`: every rank reads only its own shards.
 
     Returns the applied model (as `from_pretrained` returns one); its CompiledPlan is `model._planc_plan`.
+    `parallel` runs the plan at other sizes, as for `apply`.
     """
     from planc.runtime.checkpoint.load import load as _load
 
-    return _load(source, plan, dtype=dtype, device=device, mesh=mesh)
+    return _load(source, plan, dtype=dtype, device=device, mesh=mesh, parallel=parallel)
 
 
 def save(model: nn.Module, directory) -> Path:

@@ -22,7 +22,10 @@ COMMANDS = {
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """All commands are listed; only `only`'s module is imported, so one command cannot break another."""
+    from planc import __version__
+
     parser = argparse.ArgumentParser(prog="planc", description="Declarative TP/EP plans for MoE models.")
+    parser.add_argument("--version", action="version", version=f"planc {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -32,13 +35,23 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _subparsers(parser: argparse.ArgumentParser) -> dict:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in COMMANDS else None)
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # argparse exits 2 on usage errors, 0 on --help
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # reported by the sub-command's parser, so the usage shown is that command's
+            command_parser = _subparsers(parser).get(getattr(args, "command", None) or "", parser)
+            command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as e:  # argparse exits 2 on usage errors, 0 on --help / --version
         return int(e.code or 0)
     if not getattr(args, "command", None):
         parser.print_help()

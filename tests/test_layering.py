@@ -14,7 +14,14 @@ LAYERS = {"errors": 0, "spec": 0, "lint": 1, "compiler": 2, "runtime": 3, "check
           "__main__": 4, "__init__": 4}
 
 
+# Modules that sit in a lower package but drive the whole stack, as the CLI does: the family sweep runs
+# `planc init` -> lint -> explain -> `planc.apply` for every family (it is a tool over the public API).
+DRIVERS = {"planc.runtime.family_sweep": 4}
+
+
 def _layer(module: str) -> int:
+    if module in DRIVERS:
+        return DRIVERS[module]
     parts = module.split(".")
     return LAYERS.get(parts[1] if len(parts) > 1 else "__init__", LAYERS["__init__"])  # `from planc import apply`
 

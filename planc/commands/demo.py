@@ -1,6 +1,8 @@
 """`planc demo [PLAN]`: apply a shipped plan on two CPU processes and compare with the unsharded model.
 
-Two gloo ranks build the same tiny random model of the plan's family, one copy stays unsharded,
+Two gloo ranks build the same tiny random model of the plan's family (a hand-tuned tiny config for
+the shipped families, else one derived from the family's own config class: any MoE family
+transformers can build works), one copy stays unsharded,
 `planc.apply` shards the other with the plan (sizes overridden to 2 ranks), and rank 0 prints the
 explain table and the max abs logits difference. Needs torch and transformers, no GPU, no network.
 """
@@ -24,9 +26,8 @@ def add_arguments(parser) -> None:
 def _plan_for_two_ranks(path: str) -> dict:
     from planc.lint.load import load_plan
 
-    data = load_plan(path).plan.model_dump()
+    data = load_plan(path, parallel={"tp_size": WORLD, "ep_size": WORLD, "dp_size": 1}).plan.model_dump()
     data["extends"] = None  # merged already
-    data["parallel"] = {"tp_size": WORLD, "ep_size": WORLD, "dp_size": 1}
     megamoe = data["experts"].get("megamoe")
     if data["experts"]["implementation"] == "deepgemm_megamoe" and megamoe and megamoe["backend"] == "auto":
         megamoe["backend"] = "reference"  # the demo runs on CPU: the explicit pure-PyTorch backend
@@ -53,6 +54,27 @@ def _rank(rank: int, world: int, plan: dict, seed: int) -> str:
     return f"{compiled}\n\nmax |logits - unsharded logits| on {world} ranks: {diff:.3e}{diff_note}\n"
 
 
+def _check_before_spawning(path: str, plan: dict, seed: int) -> int:
+    """Build the tiny model and compile the plan against it here, so that a family transformers cannot
+    build or a plan that does not resolve fails in a second with one message, not after spawning ranks."""
+    from planc.compiler.resolve import compile_plan
+    from planc.errors import CompileError
+    from planc.runtime.models import ModelBuildError, build_tiny_model
+
+    try:
+        model = build_tiny_model(plan["model"]["type"], seed=seed)
+    except ModelBuildError as e:
+        print(f"planc demo: {e}", file=sys.stderr)
+        return 2
+    try:
+        compile_plan(model, plan)
+    except CompileError as e:
+        print(f"planc demo: {path} does not resolve against a tiny {type(model).__name__} on {WORLD} ranks:\n{e}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
 def run(args) -> int:
     try:
         import torch.multiprocessing as mp
@@ -66,6 +88,9 @@ def run(args) -> int:
     except Exception as e:  # noqa: BLE001 - a plan error is the user's to fix: print it, exit 1
         print(f"planc demo: {args.plan}: {e}", file=sys.stderr)
         return 1
+    status = _check_before_spawning(args.plan, plan, args.seed)
+    if status:
+        return status
     try:
         report = run_local_world(_rank, WORLD, plan, args.seed)[0]
     except mp.ProcessRaisedException as e:

@@ -43,15 +43,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_overrides(items: list[str]) -> dict:
-    """`key=value` pairs; values are YAML scalars (`4` -> 4, `true` -> True, `[1,2]` -> list)."""
-    import yaml
+    """`key=value` pairs; values are read like plan values, YAML 1.2 (`4` -> 4, `true` -> True, `[1,2]` ->
+    list), and a value YAML 1.1 tools would read differently (`010`, `on`) is refused like in a plan."""
+    from planc.spec.source import SourceError, parse_yaml
 
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"--set {item!r}: write KEY=VALUE, e.g. --set num_hidden_layers=4")
-        out[key.strip()] = yaml.safe_load(value) if value.strip() else None
+        try:
+            doc = parse_yaml(value)
+        except SourceError as e:
+            raise ValueError(f"--set {item!r}: {e.message}") from None
+        if doc.problems:
+            raise ValueError(f"--set {item!r}: {doc.problems[0].message}; {doc.problems[0].hint}")
+        out[key.strip()] = doc.data
     return out
 
 
@@ -148,9 +155,15 @@ def explain_one(path: str, config: dict, overrides: dict, dtype: str):
     from planc.errors import CompileError, PlanError
     from planc.lint.load import load_plan
 
+    from planc.lint.rules_source import UNREADABLE_CODES
+    from planc.runtime.models import ModelBuildError
+
     try:
         loaded = load_plan(path)
     except PlanError as e:
+        if any(d.code in UNREADABLE_CODES for d in e.diagnostics):  # like `planc lint`: unreadable input is 2
+            sys.stderr.write(f"planc explain: cannot read {path}:\n{e}\n")
+            return 2, None
         sys.stderr.write(f"planc explain: {path} does not lint clean:\n{e}\n")
         return 1, None
     except (OSError, TypeError) as e:
@@ -159,7 +172,10 @@ def explain_one(path: str, config: dict, overrides: dict, dtype: str):
     model_type = config.get("model_type") or loaded.plan.model.type
     try:
         model = build_model(model_type, {**config, **overrides}, dtype)
-    except (ValueError, TypeError) as e:
+    except ModelBuildError as e:  # one line that names the model type (planc.runtime.models)
+        sys.stderr.write(f"planc explain: {e}\n")
+        return 2, None
+    except (ValueError, TypeError, AttributeError) as e:  # a --dtype the config names that torch does not have
         sys.stderr.write(f"planc explain: cannot build a `{model_type}` model: {e}\n")
         return 2, None
     try:

@@ -1,122 +1,289 @@
-"""`planc init --from-transformers MODEL_TYPE [-o FILE]`: a starting plan from transformers' own plans.
+"""`planc init --from-transformers MODEL_TYPE [--config config.json] [--set k=v ...] [-o FILE]`.
 
 transformers keeps its plans on the config class (`base_model_tp_plan`, `base_model_ep_plan`, keys
 relative to the base model) and on the model class (`_tp_plan`, e.g. `lm_head`). This writes them as a
-planc plan with the prefix the `*ForCausalLM` class needs (`model.`), applies the two things
-transformers does implicitly (the vocab-parallel embedding it adds to every TP plan, and dropping TP
-rules on experts that the EP plan shards), and comments out what would not compile against the
-default config: rules that match nothing there and styles planc's runtime does not install. The
-sizes are the largest of 8, 4, 2 under which the plan compiles against the full-size default model
-on the meta device, so the output lints clean and compiles as written.
+planc plan for the model users load (`planc.runtime.families`): the `*ForCausalLM`, or the multimodal
+model whose language model the config describes, with the base model's real path as prefix
+(`model.`, `model.language_model.`). It does what transformers does implicitly (the vocab-parallel
+embedding added to every TP plan, TP rules on experts that EP shards dropped) and then resolves the
+plan against the model built from the config, on the meta device.
+
+It always writes the closest plan that compiles: every rule it had to drop or change is a comment
+with the reason and the compiler's code, and the header says which sizes it chose and why. Sizes
+tried: 8, 4, 2 with expert parallelism (ep_size = tp_size), then the same without (experts
+tensor-parallel, for expert counts no size divides); the first that compiles without dropping a
+rule wins, else the one that drops the fewest.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import re
 import sys
+from dataclasses import dataclass, field
+from typing import Optional
 
 SIZES = (8, 4, 2)
+_MAX_REPAIRS = 12
+_WHERE_RULE = re.compile(r"^(tp_plan|ep_plan)\[(.+)\]$")
+# Module styles whose forward planc wraps so that a bare parameter of the module may be sharded.
+_EXPERTS_MODULE_STYLES = ("ep_dispatch_experts", "moe_tp_experts")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--from-transformers", dest="model_type", metavar="MODEL_TYPE", required=True,
-        help="transformers `config.model_type`, e.g. mixtral",
+        help="transformers `config.model_type`, e.g. mixtral, qwen3_vl_moe",
+    )
+    parser.add_argument("--config", metavar="CONFIG_JSON", help="a model config.json instead of the default config")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config value (YAML scalar; `text_config.x` for a sub-config); repeatable",
     )
     parser.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
     parser.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
 
 
-def _transformers_plans(model_type: str):
-    """(tp rules, ep rules, lm-head rules, prefix, model class, config) exactly as transformers declares them."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+@dataclass
+class _Draft:
+    tp: dict
+    ep: dict
+    notes: list = field(default_factory=list)  # (table, pattern, style, code, reason)
 
-    config = AutoConfig.for_model(model_type)
-    model_cls = AutoModelForCausalLM._model_mapping[type(config)]
-    prefix = getattr(model_cls, "base_model_prefix", "model") or "model"
-    tp = dict(type(config).base_model_tp_plan or {})
-    ep = dict(type(config).base_model_ep_plan or {})
-    head = dict(getattr(model_cls, "_tp_plan", None) or {})
-    return tp, ep, head, prefix, model_cls, config
-
-
-def _under(pattern: str, ep_keys) -> bool:
-    return any(pattern == k or pattern.startswith(k + ".") for k in ep_keys)
+    def drop(self, table: str, pattern: str, code: str, reason: str) -> None:
+        rules = self.tp if table == "tp_plan" else self.ep
+        style = rules.pop(pattern)
+        self.notes.append((table, pattern, style, code, reason))
 
 
-def init_plan(model_type: str) -> str:
-    """The plan text for `model_type` (raises ValueError for unknown types)."""
-    import transformers
+def _transformers_rules(fam, model):
+    """tp rules, ep rules and the base-model prefix exactly as transformers declares them for `model`."""
+    from planc.runtime.families import base_model_path
 
-    from planc.compiler.resolve import compile_plan
-    from planc.compiler.walk import walk_model
-    from planc.errors import CompileError
-    from planc.runtime.models import build_meta_model
-    from planc.spec.patterns import Pattern
-    from planc.spec.styles import RUNTIME_STYLES
-
-    tp_base, ep_base, head, prefix, model_cls, config = _transformers_plans(model_type)
-    config_cls = type(config).__name__
-    model = build_meta_model(model_type)
-    generic = list(walk_model(model).by_generic)
-    notes: list[str] = []
+    config_cls = fam.config_class()
+    prefix = base_model_path(model, config_cls)
+    if prefix is None:
+        raise ValueError(
+            f"no module of {type(model).__name__} carries a {config_cls.__name__}; planc cannot place "
+            "transformers' plans in this model"
+        )
+    tp_base = dict(getattr(config_cls, "base_model_tp_plan", None) or {})
+    ep_base = dict(getattr(config_cls, "base_model_ep_plan", None) or {})
     tp: dict[str, str] = {}
-    ep: dict[str, str] = {}
     if tp_base:  # transformers adds the vocab-parallel embedding to every TP plan
         tp[f"{prefix}.embed_tokens"] = "embedding_rowwise"
     tp.update({f"{prefix}.{k}": v for k, v in tp_base.items()})
-    tp.update(head)
-    ep.update({f"{prefix}.{k}": v for k, v in ep_base.items()})
-    ep_experts = [k for k, s in ep.items() if s == "ep_dispatch_experts"]
+    tp.update(dict(getattr(type(model), "_tp_plan", None) or {}))
+    ep = {f"{prefix}.{k}": v for k, v in ep_base.items()}
+    return tp, ep, prefix
 
-    def keep(table: str, pattern: str, style: str) -> bool:
-        if not any(Pattern(pattern).matches(g) for g in generic):
-            notes.append(f"{table} `{pattern}: {style}`: matches nothing in the default {model_type} config")
-            return False
-        if style not in RUNTIME_STYLES:
-            notes.append(f"{table} `{pattern}: {style}`: planc's runtime does not install `{style}`")
-            return False
-        if table == "tp_plan" and _under(pattern, ep_experts):
-            notes.append(f"tp_plan `{pattern}: {style}`: the experts are expert-parallel (ep_plan), EP wins")
-            return False
-        return True
 
-    tp = {k: v for k, v in tp.items() if keep("tp_plan", k, v)}
-    ep = {k: v for k, v in ep.items() if keep("ep_plan", k, v)}
-    for size in SIZES:
-        text = _render(model_type, config_cls, model_cls.__name__, transformers.__version__, size, tp, ep, notes)
+def _under(pattern: str, keys) -> bool:
+    return any(pattern == k or pattern.startswith(k + ".") for k in keys)
+
+
+def _prefilter(draft: _Draft, walk, model_type: str) -> None:
+    """What transformers' own resolution would drop or planc cannot install, before any compile."""
+    from planc.spec.patterns import Pattern
+    from planc.spec.styles import RUNTIME_STYLES
+
+    generic = list(walk.by_generic)
+    for table in ("tp_plan", "ep_plan"):
+        rules = draft.tp if table == "tp_plan" else draft.ep
+        for pattern, style in list(rules.items()):
+            if not any(Pattern(pattern).matches(g) for g in generic):
+                draft.drop(table, pattern, "PLC601", f"matches nothing in this {model_type} config")
+            elif style not in RUNTIME_STYLES:
+                draft.drop(table, pattern, "PLC605", f"planc's runtime does not install `{style}`")
+    _drop_tied(draft, walk)
+
+
+def _drop_tied(draft: _Draft, walk) -> None:
+    """Rules on tied parameters (`lm_head` tied to `embed_tokens`): a tied tensor stays whole."""
+    from planc.spec.patterns import Pattern
+
+    by_tensor: dict[int, list[str]] = {}
+    for p in walk.params.values():
+        by_tensor.setdefault(p.tensor_id, []).append(p.fqn)
+    tied = [f for fqns in by_tensor.values() if len(fqns) > 1 for f in fqns]
+    if not tied:
+        return
+    for pattern in list(draft.tp):
+        pat = Pattern(pattern)
+        hits = [f for f in tied if pat.matches(f) or pat.matches(f.rpartition(".")[0])]
+        if hits:
+            draft.drop(
+                "tp_plan", pattern, "PLC603",
+                f"{hits[0]} is tied to another parameter (tie_word_embeddings); a tied tensor stays whole",
+            )
+
+
+def _rule_of(where: str) -> Optional[tuple[str, str]]:
+    m = _WHERE_RULE.match(where)
+    if not m:
+        return None
+    try:
+        return m.group(1), ast.literal_eval(m.group(2))
+    except (ValueError, SyntaxError):
+        return None
+
+
+def _plan_data(model_type: str, size: int, ep_on: bool, draft: _Draft, impl: str) -> dict:
+    data = {
+        "version": 1,
+        "model": {"type": model_type},
+        "parallel": {"tp_size": size, "ep_size": size if ep_on else 1},
+        "experts": {"implementation": impl, "ep_implementation": "auto"},
+        "tp_plan": dict(draft.tp),
+        "ep_plan": dict(draft.ep) if ep_on else {},
+    }
+    return data
+
+
+def _attempt(model_type, model, size: int, ep_on: bool, base: _Draft, impl: str):
+    """Compile at these sizes, dropping each rule a problem points at, until it compiles or cannot be repaired.
+
+    Returns (draft, compiled or None, the unrepairable problems).
+    """
+    from planc.compiler.resolve import compile_plan
+    from planc.errors import CompileError, PlanError
+    from planc.lint.load import load_plan
+    from planc.spec.model import Plan
+
+    draft = _Draft(dict(base.tp), dict(base.ep), list(base.notes))
+    if not ep_on:
+        # Without EP, transformers' TP rules on the experts (moe_tp_experts) are the experts' rules.
+        for pattern in list(draft.ep):
+            draft.notes.append(("ep_plan", pattern, draft.ep[pattern], "", "expert parallelism is off at these sizes"))
+        draft.ep = {}
+    elif not any(s == "ep_dispatch_experts" for s in draft.ep.values()):
+        return draft, None, ["no ep_plan rule shards experts (PLC404)"]
+    else:
+        ep_experts = [k for k, s in draft.ep.items() if s == "ep_dispatch_experts"]
+        for pattern in [k for k in draft.tp if _under(k, ep_experts)]:
+            draft.drop("tp_plan", pattern, "PLC406", "the experts are expert-parallel (ep_plan); EP wins")
+    for _ in range(_MAX_REPAIRS):
+        data = _plan_data(model_type, size, ep_on, draft, impl)
         try:
-            compile_plan(model, text)
-        except CompileError:
-            continue
-        return text
-    raise ValueError(
-        f"transformers' plans for `{model_type}` do not compile at tp_size 8, 4 or 2 against the default config; "
-        "run `planc explain` on the output of a smaller edit to see why"
+            loaded = load_plan(Plan.model_validate(data))
+            return draft, compile_plan(model, loaded), []
+        except PlanError as e:
+            return draft, None, [str(e).splitlines()[0]]
+        except CompileError as e:
+            fixable = []
+            for p in e.problems:
+                rule = _rule_of(p.where)
+                if rule is not None and rule[1] in (draft.tp if rule[0] == "tp_plan" else draft.ep):
+                    fixable.append((rule, p))
+            if not fixable:
+                return draft, None, [f"{p.code} {_one_line(p.message)}" for p in e.problems]
+            for (table, pattern), p in fixable:
+                rules = draft.tp if table == "tp_plan" else draft.ep
+                if pattern in rules:
+                    draft.drop(table, pattern, p.code, _one_line(p.message))
+    return draft, None, ["too many problems to repair"]
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _experts_implementation(model) -> str:
+    """`grouped_mm` where the model can switch its experts kernel, else its own forward (`eager`)."""
+    can = getattr(type(model), "_can_set_experts_implementation", None)
+    if callable(can):
+        try:
+            if not can():
+                return "eager"
+        except Exception:  # noqa: BLE001 - a heuristic of transformers; default to its own forward
+            return "eager"
+    return "grouped_mm"
+
+
+def init_plan(model_type: str, config: Optional[dict] = None, overrides: Optional[dict] = None,
+              sizes: tuple = SIZES) -> str:
+    """The plan text for `model_type`; ValueError/KeyError with one line for what cannot be planned."""
+    import transformers
+
+    from planc.compiler.walk import walk_model
+    from planc.runtime.families import family
+    from planc.runtime.models import build_meta_model
+
+    try:
+        fam = family(model_type)
+    except KeyError:
+        from planc.runtime.models import config_class
+
+        config_class(model_type)  # a type transformers does not know: ModelBuildError naming the closest ones
+        raise ValueError(
+            f"transformers {transformers.__version__} declares no expert-parallel plan for `{model_type}` "
+            "(no base_model_ep_plan, no experts in base_model_tp_plan); `planc init` starts from those plans"
+        ) from None
+    top_type = fam.model_type
+    model = build_meta_model(top_type, {**(config or {}), **(overrides or {})})
+    tp, ep, prefix = _transformers_rules(fam, model)
+    walk = walk_model(model)
+    base = _Draft(tp, ep)
+    _prefilter(base, walk, top_type)
+    impl = _experts_implementation(model)
+    tried = []
+    best = None
+    for ep_on in (True, False):
+        for size in sizes:
+            draft, compiled, blockers = _attempt(top_type, model, size, ep_on, base, impl)
+            dropped = sum(1 for n in draft.notes[len(base.notes):] if n[3] not in ("", "PLC406"))
+            label = f"tp_size {size}" + (f", ep_size {size}" if ep_on else ", ep_size 1")
+            if compiled is None:
+                tried.append(f"{label}: {blockers[0] if blockers else 'does not compile'}")
+                continue
+            score = (dropped, 0 if ep_on else 1, -size)
+            if best is None or score < best[0]:
+                best = (score, size, ep_on, draft, label)
+            if dropped == 0:
+                break
+            tried.append(f"{label}: compiles only without {dropped} rule(s)")
+        if best is not None and best[0][0] == 0:
+            break
+    if best is None:
+        raise ValueError(
+            f"no plan for `{top_type}` compiles at tp_size {', '.join(map(str, sizes))}, with or without expert parallelism: "
+            + "; ".join(tried)
+        )
+    _, size, ep_on, draft, label = best
+    why = f"{label}: the largest size that compiles" + (
+        "" if best[0][0] == 0 else f" with the fewest rules dropped ({best[0][0]})"
     )
+    return _render(fam, type(model).__name__, prefix, transformers.__version__, size, ep_on, draft, impl, why, tried)
 
 
-def _render(model_type, config_cls, model_cls, version, size, tp, ep, notes) -> str:
+def _render(fam, model_cls, prefix, version, size, ep_on, draft: _Draft, impl, why, tried) -> str:
     lines = [
-        f"# Starting plan for {model_type}, written by `planc init --from-transformers {model_type}`",
-        f"# from transformers {version}: {config_cls}.base_model_tp_plan / base_model_ep_plan (prefixed",
-        f"# `model.` for {model_cls}) and {model_cls}._tp_plan. Edit sizes and rules, then run",
+        f"# Starting plan for {fam.model_type}, written by `planc init --from-transformers {fam.model_type}`",
+        f"# from transformers {version}: {fam.config_class().__name__}.base_model_tp_plan / base_model_ep_plan",
+        f"# (prefixed `{prefix}.` for {model_cls}) and {model_cls}._tp_plan. Edit sizes and rules, then run",
         "# `planc lint` and `planc explain` on it.",
+        f"# Sizes: {why}.",
     ]
-    if notes:
-        lines.append("# Left out of transformers' plans:")
-        lines.extend(f"#   {n}" for n in notes)
+    lines.extend(f"#   not chosen: {t}" for t in tried)
+    if impl != "grouped_mm":
+        lines.append(f"# experts.implementation: {impl}: {model_cls} cannot switch its experts kernel (its own forward runs)")
+    if draft.notes:
+        lines.append("# Rules dropped or changed (table, rule, code: reason):")
+        for table, pattern, style, code, reason in draft.notes:
+            lines.append(f"#   {table} `{pattern}: {style}`: {code + ': ' if code else ''}{reason}")
     lines += [
         "version: 1",
-        f"name: {model_type.replace('_', '-')}-tp{size}" + (f"-ep{size}" if ep else ""),
+        f"name: {fam.model_type.replace('_', '-')}-tp{size}" + (f"-ep{size}" if ep_on else ""),
         "model:",
-        f"  type: {model_type}",
+        f"  type: {fam.model_type}",
         "parallel:",
         f"  tp_size: {size}",
     ]
-    if ep:
-        lines += [f"  ep_size: {size}", "experts:", "  implementation: grouped_mm", "  ep_implementation: auto"]
-    for table, rules in (("tp_plan", tp), ("ep_plan", ep)):
+    if ep_on:
+        lines += [f"  ep_size: {size}"]
+    lines += ["experts:", f"  implementation: {impl}", "  ep_implementation: auto"]
+    for table, rules in (("tp_plan", draft.tp), ("ep_plan", draft.ep if ep_on else {})):
         if rules:
             lines.append(f"{table}:")
             lines.extend(f"  {k}: {v}" for k, v in rules.items())
@@ -124,6 +291,7 @@ def _render(model_type, config_cls, model_cls, version, size, tp, ep, notes) -> 
 
 
 def run(args: argparse.Namespace) -> int:
+    from planc.commands.explain import parse_overrides, read_config
     from planc.commands.files import OutputError, check_target, write_file
 
     if args.output:
@@ -133,9 +301,18 @@ def run(args: argparse.Namespace) -> int:
             sys.stderr.write(f"planc init: {e}\n")
             return 2
     try:
-        text = init_plan(args.model_type)
-    except (ValueError, KeyError) as e:
+        overrides = parse_overrides(args.overrides)
+        config = read_config(args.config) if args.config else {}
+        text = init_plan(args.model_type, config, overrides)
+    except (OSError, ValueError, KeyError) as e:
         sys.stderr.write(f"planc init: {e}\n")
+        return 2
+    except Exception as e:  # noqa: BLE001 - a config transformers cannot build: one line, not a traceback
+        sys.stderr.write(
+            f"planc init: cannot build a `{args.model_type}` model from "
+            f"{'--config/--set' if args.config or args.overrides else 'transformers default config'}: "
+            f"{type(e).__name__}: {_one_line(str(e))}. Pass a real config with --config, or fix values with --set\n"
+        )
         return 2
     if args.output:
         try:

@@ -25,8 +25,14 @@ def run(args: argparse.Namespace) -> int:
     from planc.lint.rules_source import UNREADABLE_CODES
     from planc.lint.runner import check_paths
 
-    files, diags = check_paths(args.paths or DEFAULT_PATHS, strict=args.strict)
-    sys.stdout.write(render(diags, args.format, len(files)))
+    from planc.lint.rules_source import NO_PLANS
+    from planc.spec.source import UNREADABLE
+
+    paths = args.paths or DEFAULT_PATHS
+    files, diags = check_paths(paths, strict=args.strict)
+    # missing paths and directories without plans are diagnostics, not files: counted apart in the summary
+    no_plans = len({d.path for d in diags if d.code == NO_PLANS or (d.code == UNREADABLE and d.path not in files)})
+    sys.stdout.write(render(diags, args.format, len(files), no_plans))
     errors, _warnings = counts(diags)
     if any(d.code in UNREADABLE_CODES for d in diags):
         return 2

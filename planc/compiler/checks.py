@@ -19,6 +19,11 @@ from planc.spec.styles import ALL_STYLES, EXPERTS_MODULE_STYLES, PARAMETER_STYLE
 
 MEGAMOE_MAX_TOP_K = 32
 MEGAMOE_MAX_RANKS = 72
+# The real kernel's block alignment beyond its host checks (% 128): H/128 must be even, and at decode-sized
+# batches (about <= 8.5 tokens per expert) its heuristics take BLOCK_K = 256 over the intermediate size.
+MEGAMOE_KERNEL_BLOCK = 256
+# Config fields of gated activations other than the kernel's SiLU SwiGLU (the clamp is `swiglu_limit`).
+MEGAMOE_OTHER_ACTIVATION_FIELDS = ("swiglu_alpha", "mlp_gate_softcap", "mlp_up_softcap", "gate_softcap", "up_softcap")
 ATTENTION_PROJ = {"q_proj": "out", "k_proj": "out", "v_proj": "out", "o_proj": "in"}
 
 
@@ -133,7 +138,7 @@ def check_shards(c, assignments: list[Assignment], final: dict[str, PlanRule]) -
     walk, tp = c.walk, c.tp
     if tp <= 1:
         return
-    head_dim = _head_dim(walk.config)
+    config_head_dim = _head_dim(walk.config)
     for a in assignments:
         spec = STYLE.get(a.style)
         if a.target != "parameter" or spec is None or spec.mesh != "tp":
@@ -157,9 +162,11 @@ def check_shards(c, assignments: list[Assignment], final: dict[str, PlanRule]) -
                 a.fqn,
             )
             continue
-        side = ATTENTION_PROJ.get(p.owner.rsplit(".", 1)[-1])
+        proj = p.owner.rsplit(".", 1)[-1]
+        side = ATTENTION_PROJ.get(proj)
         splits_heads = (side == "out" and dim in (-2, 0)) or (side == "in" and dim == -1)
         local = size // tp
+        head_dim = _proj_head_dim(walk, p.owner, proj, config_head_dim)
         if head_dim and splits_heads and local % head_dim:
             c.problems.add(
                 HEAD_SPLIT,
@@ -295,29 +302,42 @@ def check_megamoe(c, m) -> None:
             key_where(c.loaded, ("parallel", "ep_size")),
             f"set ep_size <= {MEGAMOE_MAX_RANKS}",
         )
+    check_megamoe_activation(c, m, impl_where)
     backend = settings.backend if settings else "auto"
     h, i = info.hidden_size, info.intermediate_size
+    backend_where = key_where(c.loaded, ("experts", "megamoe", "backend"))
     if h is not None and i is not None and backend in ("deep_gemm", "auto"):
         bad = [f"{n} {v}" for n, v in (("hidden", h), ("intermediate", i)) if v % 128]
+        blocks = [f"{n} {v}" for n, v in (("hidden", h), ("intermediate", i)) if v % MEGAMOE_KERNEL_BLOCK]
         if bad and backend == "deep_gemm":
             c.problems.add(
                 MEGAMOE_SIZES,
                 f"the deep_gemm Mega MoE kernel needs hidden and intermediate sizes divisible by 128, "
                 f"got {', '.join(bad)}",
-                key_where(c.loaded, ("experts", "megamoe", "backend")),
-                "write `megamoe: {backend: reference}` (PyTorch reference), or use `implementation: grouped_mm`",
+                backend_where,
+                "write `megamoe: {backend: triton}` (FP4 kept packed) or `{backend: reference}` (PyTorch), "
+                "or use `implementation: grouped_mm`",
                 m.fqn,
             )
-        elif bad or h % (512 if h > 4096 else 256) or i % 256:
+        elif blocks and backend == "deep_gemm":
+            c.problems.add(
+                MEGAMOE_KERNEL_BLOCKS,
+                f"the deep_gemm Mega MoE kernel passes its host checks (% 128) but not its block alignment: "
+                f"hidden / 128 must be even and, at decode-sized batches (BLOCK_K {MEGAMOE_KERNEL_BLOCK}), "
+                f"intermediate % {MEGAMOE_KERNEL_BLOCK} == 0; got {', '.join(blocks)}",
+                backend_where,
+                "write `megamoe: {backend: triton}` (FP4 kept packed) or `{backend: reference}`",
+                m.fqn,
+            )
+        elif blocks:
             c.warnings.append(
                 CompileWarning(
                     MEGAMOE_ALIGNMENT,
-                    f"{generic_path(m.fqn)}: hidden {h} / intermediate {i} "
-                    + ("are not multiples of 128: backend `auto` falls back to the reference"
-                       if bad else "pass the kernel's host checks (128) but not its block alignment "
-                       "(hidden % 256, % 512 above 4096; intermediate % 256)"),
-                    "verify on the target GPU, or write `megamoe: {backend: reference}`",
-                    key_where(c.loaded, ("experts", "megamoe", "backend")),
+                    f"{generic_path(m.fqn)}: hidden {h} / intermediate {i} are not multiples of "
+                    f"{MEGAMOE_KERNEL_BLOCK}, which the deep_gemm kernel needs: backend `auto` runs the Triton "
+                    "backend (or the reference) even on SM100",
+                    "write `megamoe: {backend: triton}` to say so",
+                    backend_where,
                 )
             )
     quantize = settings.quantize if settings else "none"
@@ -333,11 +353,53 @@ def check_megamoe(c, m) -> None:
         )
 
 
+def check_megamoe_activation(c, m, where) -> None:
+    """Every Mega MoE backend computes the kernel's SiLU SwiGLU (with the `swiglu_limit` clamp) and nothing else."""
+    config = c.walk.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    act = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None)
+    reasons = []
+    if act is not None and str(act).lower() not in ("silu", "swish"):
+        reasons.append(f"hidden_act is {act!r}")
+    for name in MEGAMOE_OTHER_ACTIVATION_FIELDS:
+        if getattr(text, name, None) is not None:
+            reasons.append(f"{name} is {getattr(text, name)!r}")
+    if reasons:
+        c.problems.add(
+            MEGAMOE_ACTIVATION,
+            f"Mega MoE computes SiLU SwiGLU (clamped by swiglu_limit) and nothing else, but this model's config "
+            f"sets {', '.join(reasons)}: the experts would compute a different function",
+            where,
+            "use `implementation: grouped_mm` for this model",
+            m.fqn,
+        )
+def _proj_head_dim(walk, owner: str, proj: str, config_head_dim: Optional[int]) -> Optional[int]:
+    """The head width a q/k/v/o projection's features come in: v_proj/o_proj use v_head_dim where the
+    attention has one (dots3_note, mimo_v2_flash); the attention module's own attributes win over the
+    config (per-layer configs such as gemma4's have no global head_dim)."""
+    parent = walk.modules.get(owner.rpartition(".")[0])
+    hd, vd = (parent.head_dims if parent is not None and parent.head_dims else (None, None))
+    if proj in ("v_proj", "o_proj"):
+        cfg_v = _config_attr(walk.config, "v_head_dim")
+        for v in (vd, cfg_v if isinstance(cfg_v, int) and not isinstance(cfg_v, bool) and cfg_v > 0 else None):
+            if v:
+                return v
+    return hd or config_head_dim
+
+
+def _config_attr(config, name: str):
+    """getattr that tolerates per-layer configs, which raise for a global attribute (gemma4)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - such configs raise their own error type
+        return None
+
+
 def _head_dim(config) -> Optional[int]:
-    hd = getattr(config, "head_dim", None)
+    hd = _config_attr(config, "head_dim")
     if isinstance(hd, int) and hd > 0:
         return hd
-    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    hidden, heads = _config_attr(config, "hidden_size"), _config_attr(config, "num_attention_heads")
     if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads == 0:
         return hidden // heads
     return None
@@ -346,3 +408,74 @@ def _head_dim(config) -> Optional[int]:
 def _splits_over_tp(style: str) -> bool:
     spec = STYLE.get(style)
     return spec is not None and spec.mesh == "tp" and spec.shards
+
+
+# ---- forwards that must take the sharded parameters (issue 13) ----------------------------------------
+#
+# A TP style on a parameter makes it a DTensor slice. Only the forwards planc wraps (styles with
+# `local_forward` in the styles table) compute on local shards; any other forward would mix the DTensor
+# with plain tensors at the first call. A model class that cannot switch its experts kernel
+# (transformers' `_can_set_experts_implementation()`) runs only its own forward, and experts that take
+# every token pre-scaled (`forward(hidden_states)`, Llama 4) have no routed ids to dispatch.
+
+
+def check_bare_parameters(c, assignments, final) -> None:
+    """PLC623: a sharded parameter whose module's forward planc does not wrap."""
+    if not c.active["tp"]:
+        return
+    walk = c.walk
+    module_style = {a.fqn: a.style for a in assignments if a.target == "module"}
+    for a in assignments:
+        spec = STYLE.get(a.style)
+        if a.target != "parameter" or spec is None or spec.mesh != "tp" or not spec.shards:
+            continue
+        owner = walk.params[a.fqn].owner
+        owner_spec = STYLE.get(module_style.get(owner, ""))
+        if owner_spec is not None and owner_spec.local_forward:
+            continue
+        info = walk.modules[owner]
+        gowner = generic_path(owner)
+        rule = final[a.fqn]
+        c.problems.add(
+            BARE_PARAM_UNWRAPPED,
+            f"`{a.style}` makes {generic_path(a.fqn)} a sharded DTensor, but its module {gowner} ({info.class_name}) "
+            "gets no style whose forward runs on local shards: its own forward would mix the DTensor with plain "
+            "tensors at the first call",
+            rule.source.where,
+            f"add `{gowner}: local_params` to tp_plan when its children already reduce the output (per-head "
+            f"parameters such as attention sinks, sharded with their heads), or `{gowner}: all_reduce` when the "
+            f"module's output is a partial sum; or delete `{rule.pattern_text}` to keep the parameter whole",
+            a.fqn,
+        )
+
+
+def check_experts_implementation(c, where_impl: str) -> None:
+    """PLC624: an experts kernel the model class cannot switch to."""
+    walk, impl = c.walk, c.plan.experts.implementation
+    if walk.can_switch_experts is not False or impl in ("eager", "deepgemm_megamoe") or not walk.experts:
+        return
+    c.problems.add(
+        EXPERTS_IMPL_FIXED,
+        f"{walk.model_class} cannot switch its experts implementation (transformers: "
+        f"`{walk.model_class} does not support setting experts implementation`), so `{impl}` cannot be installed",
+        where_impl,
+        "write `experts: {implementation: eager}`: the model's own experts forward runs, and the EP strategies "
+        "and TP styles wrap it",
+    )
+
+
+def check_dense_experts(c, final) -> None:
+    """PLC613: ep_dispatch_experts on experts that take every token pre-scaled (no routed ids to dispatch)."""
+    for m in c.walk.experts:
+        rule = final.get(m.fqn)
+        if m.experts.dispatch != "dense" or rule is None or rule.style != "ep_dispatch_experts":
+            continue
+        c.problems.add(
+            WRONG_TARGET,
+            f"{generic_path(m.fqn)} ({m.class_name}) runs forward(hidden_states) on every token pre-scaled by its "
+            "router score; `ep_dispatch_experts` dispatches routed (token, expert) pairs and has none here",
+            rule.source.where,
+            f"shard these experts tensor-parallel in tp_plan: `{generic_path(m.fqn)}.gate_up_proj: packed_rowwise`, "
+            f"`{generic_path(m.fqn)}.down_proj: colwise`, `{generic_path(m.fqn)}: moe_tp_experts`, with `ep_size: 1`",
+            m.fqn,
+        )

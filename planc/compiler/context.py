@@ -18,8 +18,10 @@ from planc.spec.patterns import Pattern
 
 # The codes the compiler emits: defined, documented and exampled in the one registry (planc.lint.rules_compile).
 from planc.lint.rules_compile import (  # noqa: E402
+    BARE_PARAM_UNWRAPPED,
     CONFLICTING_RULES,
     DEVICE_MEMORY,
+    EXPERTS_IMPL_FIXED,
     EXPERTS_NOT_DIVISIBLE,
     EXPERTS_PARTIAL,
     EXPERTS_UNCOVERED,
@@ -30,8 +32,10 @@ from planc.lint.rules_compile import (  # noqa: E402
     LAYOUT_PRODUCERS_DISAGREE,
     LAYOUT_ROWWISE_WITHOUT_SHARDED,
     LAYOUT_SHARDED_INTO_REPLICATED,
+    MEGAMOE_ACTIVATION,
     MEGAMOE_ALIGNMENT,
     MEGAMOE_EP_SIZE,
+    MEGAMOE_KERNEL_BLOCKS,
     MEGAMOE_NO_GATE,
     MEGAMOE_NOT_FP4,
     MEGAMOE_SIZES,

@@ -28,6 +28,7 @@ from planc.compiler.context import (
     LAYOUT_SHARDED_INTO_REPLICATED,
     PlanRule,
 )
+from planc.compiler.checks import _config_attr
 from planc.compiler.walk import generic_path
 from planc.spec.styles import REPLICATED, SHARDED, STYLE, Style
 
@@ -141,6 +142,8 @@ def check_layouts(c, assignments, final: dict[str, PlanRule]) -> None:
         if spec is None or fqn in explained:
             continue
         parent, _, leaf = fqn.rpartition(".")
+        if spec.output == SHARDED and _consumes_shards_inside(_style(module_rule.get(parent))):
+            continue  # a per-head gate inside a `local_params` attention: its forward takes the local heads
         if spec.output == SHARDED:
             if leaf in MODEL_OUTPUTS:
                 c.problems.add(
@@ -184,6 +187,12 @@ def check_layouts(c, assignments, final: dict[str, PlanRule]) -> None:
                 f"write `{rule.pattern_text}: rowwise_split_input` (it slices the replicated input itself)",
                 fqn,
             )
+
+
+def _consumes_shards_inside(spec: Optional[Style]) -> bool:
+    """A container style (`local_params`) whose forward runs on local shards and whose children do the
+    communication: a sharded child output consumed inside its forward is this rank's heads, as intended."""
+    return spec is not None and spec.local_forward and not spec.shards and spec.output is None
 
 
 def _check_chain(c, blocks: _Blocks, container: str, chain: Chain, module_rule) -> set[str]:
@@ -262,7 +271,7 @@ def _check_norms(c, blocks: _Blocks, container: str, producers: dict, module_rul
         if w is None or len(w.shape) != 1:
             continue
         over = [p for p, width in widths.items() if width == w.shape[0] and width % c.tp == 0]
-        head_dim = getattr(walk.config, "head_dim", None)
+        head_dim = _config_attr(walk.config, "head_dim")
         if over and w.shape[0] != head_dim:
             c.problems.add(
                 LAYOUT_NORM_OVER_SHARDED,
@@ -286,8 +295,8 @@ def _check_module_vs_parameters(c, assignments, final, module_rule) -> None:
         mrule = module_rule.get(owner)
         mspec = _style(mrule)
         pspec = STYLE.get(a.style)
-        if mspec is None or pspec is None or mspec.experts_mode:
-            continue
+        if mspec is None or pspec is None or mspec.experts_mode or (mspec.local_forward and not mspec.shards):
+            continue  # experts styles and local_params/all_reduce leave each parameter to its own rule
         ndim = len(walk.params[a.fqn].shape)
         if (mspec.placement(ndim), mspec.packed, mspec.mesh) == (pspec.placement(ndim), pspec.packed, pspec.mesh):
             continue

@@ -19,7 +19,7 @@ from planc.compiler import bytes as accounting
 from planc.compiler import checks, layout, match
 from planc.compiler.compiled import CompiledPlan
 from planc.compiler.context import *  # noqa: F401,F403 - the problem codes, re-exported for callers and tests
-from planc.compiler.context import PlanRule, Problems
+from planc.compiler.context import PlanRule, Problems, key_where
 from planc.compiler.walk import ModelWalk, walk_model
 from planc.errors import CompileError
 from planc.lint.diagnostic import Diagnostic
@@ -100,6 +100,9 @@ class Resolver:
         assignments, final = match.expand(self, maps, ep_experts)
         checks.check_tied(self, final)
         checks.check_shards(self, assignments, final)
+        checks.check_bare_parameters(self, assignments, final)
+        checks.check_dense_experts(self, final)
+        checks.check_experts_implementation(self, key_where(self.loaded, ("experts", "implementation")))
         layout.check_layouts(self, assignments, final)
         strategy = checks.resolve_strategy(self, ep_experts)
         experts = checks.experts_assignments(self, final, strategy)

@@ -47,6 +47,9 @@ class ExpertsInfo:
     intermediate_size: Optional[int]
     is_fp4: bool
     top_k: Optional[int]
+    # "routed": forward(hidden_states, top_k_index, top_k_weights), transformers' contract. "dense": forward(hidden_states)
+    # on every token pre-scaled by its router score, each expert on all tokens (Llama 4): TP only, no EP dispatch.
+    dispatch: str = "routed"
 
 
 class ModuleInfo(NamedTuple):
@@ -55,6 +58,9 @@ class ModuleInfo(NamedTuple):
     params: tuple[str, ...]  # fqns of its direct parameters, in registration order
     experts: Optional[ExpertsInfo] = None
     generic: str = ""  # `model.layers.*.mlp`
+    # (head_dim, v_head_dim) read from the module itself (attention modules): per-layer configs (gemma4)
+    # have no single global head_dim, and MLA attention has a v_head_dim of its own.
+    head_dims: Optional[tuple] = None
 
 
 @dataclass
@@ -64,6 +70,8 @@ class ModelWalk:
     model_class: str
     model_type: Optional[str]
     config: Any
+    # transformers' `_can_set_experts_implementation()` of the model class; None when the model has no such method
+    can_switch_experts: Optional[bool] = None
     modules: dict[str, ModuleInfo] = field(default_factory=dict)
     params: dict[str, ParamInfo] = field(default_factory=dict)
     # generic path -> concrete fqns (modules and parameters share one namespace)
@@ -96,10 +104,10 @@ def _nbytes(p) -> int:
 _CONTRACT_CACHE: dict[type, bool] = {}
 
 
-def _has_experts_forward(module) -> bool:
-    """`forward(hidden_states, top_k_index, top_k_weights)`: three positional inputs after self.
-
-    gpt_oss names them `router_indices`/`routing_weights`, so the names of the last two are not checked.
+def _has_experts_forward(module):
+    """"routed" for `forward(hidden_states, top_k_index, top_k_weights)` (three positional inputs after self;
+    gpt_oss names the last two `router_indices`/`routing_weights`, so their names are not checked), "dense" for
+    `forward(hidden_states)` alone, else False.
     """
     cls = type(module)
     hit = _CONTRACT_CACHE.get(cls)
@@ -117,14 +125,18 @@ def _has_experts_forward(module) -> bool:
                     for n, p in sig.parameters.items()
                     if n != "self" and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
                 ]
-                hit = len(names) >= 3 and names[0] == "hidden_states"
+                if names and names[0] == "hidden_states":
+                    hit = "routed" if len(names) >= 3 else ("dense" if len(names) == 1 else False)
         _CONTRACT_CACHE[cls] = hit
     return hit
 
 
 def _config_int(config, *names) -> Optional[int]:
     for n in names:
-        v = getattr(config, n, None)
+        try:
+            v = getattr(config, n, None)
+        except Exception:  # noqa: BLE001 - per-layer configs raise for global attributes (gemma4)
+            continue
         if isinstance(v, int) and not isinstance(v, bool):
             return v
     return None
@@ -134,14 +146,17 @@ def _experts_info(module, own: dict[str, ParamInfo], config) -> Optional[Experts
     local = {p.name: p for p in own.values()}
     if "down_proj" not in local or not ("gate_up_proj" in local or "up_proj" in local):
         return None
-    if not _has_experts_forward(module):
+    dispatch = _has_experts_forward(module)
+    if not dispatch:
         return None
     first = local.get("gate_up_proj") or local["up_proj"]
     down = local["down_proj"]
     if len(first.shape) != 3 or len(down.shape) != 3:
         return None  # per-expert tensors are [E, out, in]
     has_gate = bool(getattr(module, "has_gate", "gate_up_proj" in local))
-    is_transposed = bool(getattr(module, "is_transposed", False))
+    is_transposed = bool(getattr(module, "is_transposed", False)) or (
+        dispatch == "dense" and first.shape[1] == down.shape[2]  # [E, H, 2I] and [E, I, H]
+    )
     num_experts = getattr(module, "num_experts", None)
     if not isinstance(num_experts, int):
         num_experts = first.shape[0]
@@ -157,16 +172,46 @@ def _experts_info(module, own: dict[str, ParamInfo], config) -> Optional[Experts
         intermediate_size=inter,
         is_fp4=first.dtype == "int8",
         top_k=_config_int(config, "num_experts_per_tok", "top_k", "moe_topk"),
+        dispatch=dispatch,
     )
+
+
+def _head_dims(module) -> Optional[tuple]:
+    """(head_dim, v_head_dim) of an attention module (one with a q_proj or q_b_proj child), from the module."""
+    children = getattr(module, "_modules", None)
+    if not isinstance(children, dict) or not ({"q_proj", "q_b_proj", "o_proj"} & set(children)):
+        return None
+    hd = getattr(module, "head_dim", None)
+    vd = getattr(module, "v_head_dim", None)
+    hd = hd if isinstance(hd, int) and not isinstance(hd, bool) and hd > 0 else None
+    vd = vd if isinstance(vd, int) and not isinstance(vd, bool) and vd > 0 else None
+    return (hd, vd) if hd or vd else None
+
+
+def _can_switch_experts(model) -> Optional[bool]:
+    can = getattr(type(model), "_can_set_experts_implementation", None)
+    if not callable(can):
+        return None
+    try:
+        return bool(can())
+    except Exception:  # noqa: BLE001 - transformers' own heuristic failed: it cannot switch either
+        return False
 
 
 def walk_model(model) -> ModelWalk:
     """Snapshot `model` (an nn.Module or anything with the methods listed above); reads only."""
+    if not all(callable(getattr(model, m, None)) for m in ("named_modules", "named_parameters")):
+        raise TypeError(
+            f"planc.compile(model, plan): model must be a torch.nn.Module (anything with named_modules() and "
+            f"named_parameters()), got {type(model).__name__}; build it first, e.g. "
+            "AutoModelForCausalLM.from_config(config)"
+        )
     config = getattr(model, "config", None)
     walk = ModelWalk(
         model_class=type(model).__name__,
         model_type=getattr(config, "model_type", None),
         config=config,
+        can_switch_experts=_can_switch_experts(model),
     )
     modules, params, by_generic = walk.modules, walk.params, walk.by_generic
     generic_of: dict[str, str] = {"": ""}  # parents come before children in named_modules()
@@ -199,7 +244,7 @@ def walk_model(model) -> ModelWalk:
                 tensor_id=id(p),
             )
         experts = _experts_info(module, own, config) if own else None
-        modules[mname] = ModuleInfo(mname, type(module).__name__, tuple(own), experts, mgen)
+        modules[mname] = ModuleInfo(mname, type(module).__name__, tuple(own), experts, mgen, _head_dims(module))
         if mname:
             by_generic.setdefault(mgen, []).append(mname)
         for fqn, info in own.items():

@@ -17,6 +17,13 @@ ERROR = "error"
 WARNING = "warning"
 
 
+def one_line(text: str) -> str:
+    """`text` with every non-printable character (newline, CR, ESC, U+2028...) written as a Python escape."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 @dataclass(frozen=True)
 class Diagnostic:
     code: str  # stable rule code, e.g. PLC401 (see `planc rules`)
@@ -48,11 +55,13 @@ class Diagnostic:
         return f"{self.path or '<string>'}:{self.line}:{self.col}"
 
     def format(self) -> str:
-        """`path:line:col: CODE severity: message` and an indented hint line."""
-        text = f"{self.where}: {self.code} {self.severity}: {self.message}"
+        """`path:line:col: CODE severity: message`, the module line (compile diagnostics) and an indented hint
+        line, each exactly one line: control characters from the plan (a pattern with a newline, an escape
+        sequence) are escaped."""
+        text = f"{one_line(self.where)}: {self.code} {self.severity}: {one_line(self.message)}"
         if self.module:
-            text += f"\n    module: {self.module}"
-        return f"{text}\n    hint: {self.hint}" if self.hint else text
+            text += f"\n    module: {one_line(self.module)}"
+        return f"{text}\n    hint: {one_line(self.hint)}" if self.hint else text
 
     def to_json(self) -> dict:
         return {

@@ -15,25 +15,30 @@ def counts(diags: Sequence[Diagnostic]) -> tuple[int, int]:
     return errors, sum(d.severity == WARNING for d in diags)
 
 
-def render(diags: Sequence[Diagnostic], fmt: str, files: int) -> str:
-    return {"text": render_text, "json": render_json, "github": render_github}[fmt](diags, files)
+def render(diags: Sequence[Diagnostic], fmt: str, files: int, no_plans: int = 0) -> str:
+    """`files`: plan files linted; `no_plans`: path arguments that gave none (missing, empty directory)."""
+    return {"text": render_text, "json": render_json, "github": render_github}[fmt](diags, files, no_plans)
 
 
-def render_text(diags: Sequence[Diagnostic], files: int) -> str:
+def render_text(diags: Sequence[Diagnostic], files: int, no_plans: int = 0) -> str:
     lines = [d.format() for d in diags]
     errors, warnings = counts(diags)
     plural = "s" if files != 1 else ""
     if diags:
-        lines.append(f"{errors} error(s), {warnings} warning(s) in {files} file{plural}")
+        summary = f"{errors} error(s), {warnings} warning(s) in {files} file{plural}"
+        if no_plans:
+            summary += f"; {no_plans} path{'s' if no_plans != 1 else ''} had no plan to lint"
+        lines.append(summary)
     else:
         lines.append(f"{files} file{plural} checked: no problems")
     return "\n".join(lines) + "\n"
 
 
-def render_json(diags: Sequence[Diagnostic], files: int) -> str:
+def render_json(diags: Sequence[Diagnostic], files: int, no_plans: int = 0) -> str:
     errors, warnings = counts(diags)
     doc = {
         "files": files,
+        "paths_without_plans": no_plans,
         "errors": errors,
         "warnings": warnings,
         "diagnostics": [d.to_json() for d in diags],
@@ -49,7 +54,7 @@ def _escape_property(text: str) -> str:
     return _escape_data(text).replace(":", "%3A").replace(",", "%2C")
 
 
-def render_github(diags: Sequence[Diagnostic], files: int) -> str:
+def render_github(diags: Sequence[Diagnostic], files: int, no_plans: int = 0) -> str:
     """One workflow command per diagnostic: `::error file=F,line=L,col=C,title=CODE::message%0Ahint`."""
     out = []
     for d in diags:

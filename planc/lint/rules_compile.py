@@ -28,6 +28,10 @@ WRONG_TARGET = "PLC613"
 EXPERTS_PARTIAL = "PLC615"
 UNEVEN_SHARD = "PLC616"
 HEAD_SPLIT = "PLC617"
+MEGAMOE_ACTIVATION = "PLC621"
+MEGAMOE_KERNEL_BLOCKS = "PLC622"
+BARE_PARAM_UNWRAPPED = "PLC623"
+EXPERTS_IMPL_FIXED = "PLC624"
 LAYOUT_SHARDED_INTO_REPLICATED = "PLC630"
 LAYOUT_ROWWISE_WITHOUT_SHARDED = "PLC631"
 LAYOUT_OUTPUT_LEFT_SHARDED = "PLC632"
@@ -165,6 +169,53 @@ _compile_rule(
     HEAD_SPLIT, "head-split", "a colwise q/k/v or rowwise o_proj that gives a rank a fraction of a head",
     "Attention computes whole heads; a rank with part of a head computes garbage without an error.",
     _GOOD.replace("tp_size: 2, ep_size: 2", "tp_size: 8, ep_size: 8"), _GOOD,
+)
+_compile_rule(
+    MEGAMOE_ACTIVATION, "megamoe-activation", "Mega MoE on a model whose activation is not the kernel's SiLU SwiGLU",
+    "Every Mega MoE backend computes SiLU SwiGLU (clamped by `swiglu_limit`) and nothing else. A config with "
+    "another `hidden_act`, or with `swiglu_alpha`, `mlp_gate_softcap`/`mlp_up_softcap` (`gate_softcap`/"
+    "`up_softcap`) set, would get a different function without an error; such models run "
+    "`implementation: grouped_mm`.",
+    _V4 + _V4_EP, _V4 + _V4_EP.replace("deepgemm_megamoe", "grouped_mm").replace(
+        "  megamoe: {backend: reference, quantize: fp4}\n", ""),
+    config={"hidden_act": "gelu"},
+)
+_compile_rule(
+    MEGAMOE_KERNEL_BLOCKS, "megamoe-kernel-blocks",
+    "`backend: deep_gemm` with sizes that pass the kernel's host checks but not its block alignment",
+    "Sizes that are multiples of 128 pass deep_gemm's host checks, but the kernel also needs hidden / 128 "
+    "even and, at decode-sized batches (BLOCK_K 256), intermediate % 256 == 0. `backend: triton` (FP4 kept "
+    "packed) or `backend: reference` run any size; with `backend: auto` the same sizes give warning PLC653.",
+    _V4 + _V4_EP.replace("backend: reference", "backend: deep_gemm"), _V4 + _V4_EP,
+    config={"hidden_size": 384, "moe_intermediate_size": 128},
+)
+_GRANITE_SWA = (
+    "version: 1\nmodel: {type: granitemoe_swa}\nparallel: {tp_size: 2}\ntp_plan:\n"
+    "  model.layers.*.self_attn.{q,k,v}_proj: colwise\n  model.layers.*.self_attn.o_proj: rowwise\n"
+    "  model.layers.*.self_attn.sinks: colwise\n"
+    "  model.layers.*.block_sparse_moe.experts.gate_up_proj: packed_colwise\n"
+    "  model.layers.*.block_sparse_moe.experts.down_proj: rowwise\n"
+    "  model.layers.*.block_sparse_moe.experts: moe_tp_experts\n"
+)
+_compile_rule(
+    BARE_PARAM_UNWRAPPED, "sharded-parameter-of-unwrapped-module",
+    "a TP style shards a bare parameter of a module whose forward planc does not wrap",
+    "A TP style on a parameter makes it a DTensor slice; only the forwards planc wraps (styles with "
+    "`local_forward` in `planc.spec.styles`) compute on local shards. Any other forward (attention `sinks`, "
+    "a shared experts `[n, I, H]` tensor) would mix the DTensor with plain tensors at the first call. Write "
+    "`local_params` on the module when its children already reduce the output (per-head parameters sharded "
+    "with their heads), `all_reduce` when its output is a partial sum, or delete the rule.",
+    _GRANITE_SWA, _GRANITE_SWA + "  model.layers.*.self_attn: local_params\n",
+)
+_compile_rule(
+    EXPERTS_IMPL_FIXED, "experts-implementation-fixed",
+    "an experts kernel other than `eager` for a model class that cannot switch its experts implementation",
+    "Some model classes run only their own experts forward (transformers' "
+    "`_can_set_experts_implementation()` is false: longcat_flash, llama4): `grouped_mm` or Mega MoE cannot be "
+    "installed on them. `implementation: eager` keeps the model's forward, which the EP strategies and TP "
+    "styles wrap.",
+    "version: 1\nmodel: {type: longcat_flash}\nparallel: {tp_size: 1}\nexperts: {implementation: grouped_mm}\n",
+    "version: 1\nmodel: {type: longcat_flash}\nparallel: {tp_size: 1}\nexperts: {implementation: eager}\n",
 )
 _compile_rule(
     LAYOUT_SHARDED_INTO_REPLICATED, "sharded-output-consumed-whole",

@@ -19,6 +19,7 @@ register(Rule(
 ))
 register(Rule(
     load.EXTENDS_MISSING, "extends-missing", "The `extends` parent does not exist",
-    "The path is relative to the directory of the plan that contains `extends`.",
+    "The path is relative to the directory of the plan that contains `extends`. A value that cannot be\n"
+    "a path (a NUL or another control character) is reported here too, at the value.",
     family="extends",
 ))

@@ -214,8 +214,10 @@ def _type_hint(loc: tuple) -> str:
 )
 def check_strict_types(ctx):
     """Sizes are integers, names are strings, `experts`, `parallel`, `tp_plan` and `ep_plan` are
-    mappings. pydantic alone would quietly accept `tp_size: "8"` or `tp_size: true` (lax mode); planc
-    rejects them like the JSON Schema does, so editors, check-jsonschema and planc agree."""
+    mappings, `version` is the integer 1. pydantic alone would quietly accept `tp_size: "8"`,
+    `tp_size: true` or `version: true` (lax mode); planc rejects them like the JSON Schema does, so
+    editors, check-jsonschema and planc agree. (Values that YAML 1.1 and 1.2 read differently, such as
+    `010`, are PLC011.)"""
     from planc.spec.model import Plan
 
     yield from _strict(ctx, Plan, ctx.data, ())
@@ -232,9 +234,13 @@ def _strict(ctx, model, data, prefix):
         if hasattr(ann, "model_fields"):
             yield from _strict(ctx, ann, value, loc)
             continue
+        example = 8
+        if typing.get_origin(ann) is typing.Literal and all(type(c) is int for c in typing.get_args(ann)):
+            # `version: 1`: pydantic's Literal[1] takes `true` and `1.0` (== 1); the JSON Schema does not
+            ann, example = int, typing.get_args(ann)[0]
         want = {int: (int,), float: (int, float), str: (str,)}.get(ann)
         if want and (isinstance(value, bool) or not isinstance(value, want)):
             kind = _KINDS[ann]
             hint = (f"quote the value: `{name}: \"{value}\"`" if ann is str
-                    else f"write {kind}, e.g. `{name}: 8` (no quotes)")
+                    else f"write {kind}, e.g. `{name}: {example}` (no quotes)")
             yield ctx.diag(WRONG_TYPE, f"`{_where(loc)}` must be {kind}, got {_show(value)}", hint, loc, at_value=True)

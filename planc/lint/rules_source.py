@@ -95,6 +95,28 @@ register(Rule(
     good="version: 1\nmodel: {type: mixtral}\nparallel: {tp_size: 2}\n",
 ))
 register(Rule(
+    source.AMBIGUOUS_SCALAR, "ambiguous-scalar", "A value that YAML 1.1 and YAML 1.2 tools read differently",
+    "planc reads plans with the YAML 1.2 core schema, like editors (yaml-language-server) and\n"
+    "check-jsonschema. PyYAML and the tools built on it read YAML 1.1, where `010` is 8, `0b11` is 3,\n"
+    "`1_0` is 10, `1:00` is 60, `on`/`yes`/`off`/`no` are booleans and `2024-01-01` is a date; in\n"
+    "YAML 1.2 these are 10 and strings. A plan must mean the same to every tool, so any plain value\n"
+    "the two read differently is an error, and so is an integer in another base (`0x10`, `0o10`):\n"
+    "write integers in decimal, `true`/`false` for booleans, and quote text that looks like a number.\n"
+    "A `%YAML` directive changes nothing: the check is the same under either version.",
+    family="source",
+    bad="version: 1\nmodel: {type: mixtral}\nparallel: {tp_size: 010}\n",
+    good="version: 1\nmodel: {type: mixtral}\nparallel: {tp_size: 8}\n",
+))
+register(Rule(
+    source.KEY_NOT_STRING, "key-not-a-string", "A mapping key is a number or a boolean",
+    "Every key of a plan is a name or a path pattern, and JSON (what the JSON Schema checks) has only\n"
+    "string keys. A key that YAML reads as a number or a boolean (`1:`, `true:`, `1.5:`) is reported at\n"
+    "the key, with the quoted form to write; planc keeps its text so two such keys never collide.",
+    family="source",
+    bad="version: 1\nmodel: {type: mixtral}\nparallel: {tp_size: 2}\ntp_plan:\n  1: colwise\n",
+    good="version: 1\nmodel: {type: mixtral}\nparallel: {tp_size: 2}\ntp_plan:\n  model.layers.*.self_attn.q_proj: colwise\n",
+))
+register(Rule(
     NO_PLANS, "no-plans", "A directory argument holds no plan files",
     "`planc lint DIR` lints every `*.yaml` / `*.yml` below DIR. A directory without any is almost\n"
     "always a wrong path (a typo in CI would otherwise pass silently).",

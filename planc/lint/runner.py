@@ -59,6 +59,14 @@ def check_doc(doc: SourceDoc, root_dir: Optional[str] = None) -> CheckResult:
     return result
 
 
+def check_context(ctx: LintContext) -> CheckResult:
+    """All checks over already-merged data (`load_plan(..., parallel=...)` re-checks a plan at other sizes)."""
+    try:
+        return _check_context(ctx, [])
+    except Exception as exc:
+        return CheckResult([_internal(exc, ctx.path)])
+
+
 def _check_context(ctx: LintContext, diags: list) -> CheckResult:
     from pydantic import ValidationError
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,14 +43,17 @@ from planc.runtime.tp_styles import tp_style
 _GPU_KERNELS = {"deepgemm": (9, 0), "sonicmoe": (9, 0)}
 
 
-def apply(model: nn.Module, plan: Any, *, mesh: Optional[Any] = None) -> Any:
+def apply(model: nn.Module, plan: Any, *, mesh: Optional[Any] = None,
+          parallel: Optional[Mapping[str, int]] = None) -> Any:
     """Compile `plan` against `model`, then shard and install it on every rank (all or nothing).
 
     `plan`: a path, YAML text, mapping, `LoadedPlan` or `Plan`. `mesh`: an optional ("dp", "tp")
-    DeviceMesh; planc builds one from the plan's sizes otherwise. Returns the CompiledPlan.
+    DeviceMesh; planc builds one from the plan's sizes otherwise. `parallel`: run the plan at other
+    sizes, e.g. `{"tp_size": 2, "ep_size": 2}` (checked like the plan's own, `load_plan(parallel=)`).
+    Returns the CompiledPlan.
     """
     require_distributed("planc.apply")
-    compiled, problems = compile_and_check(model, plan, mesh)
+    compiled, problems = compile_and_check(model, plan, mesh, parallel=parallel)
     agree_across_ranks(compiled, problems)
     groups = build_groups(compiled.parallel, mesh)
     state = InstallState(model=model, compiled=compiled, groups=groups)
@@ -70,7 +73,7 @@ def require_distributed(what: str) -> None:
 # ---- 2. compile and local checks ---------------------------------------------------------------------------
 
 
-def compile_and_check(model, plan, mesh, *, device: Optional[torch.device] = None):
+def compile_and_check(model, plan, mesh, *, device: Optional[torch.device] = None, parallel=None):
     """The CompiledPlan (or None) and the list of problems found on this rank, without any communication.
 
     A world that does not fit the plan's sizes is reported first and alone: every other problem
@@ -78,7 +81,7 @@ def compile_and_check(model, plan, mesh, *, device: Optional[torch.device] = Non
     the model will run (planc.load builds it on `meta` first); default: where it lives.
     """
     try:
-        loaded = _load(plan)
+        loaded = _load(plan, parallel)
         if mesh is None:
             sizes = _world_problem(model, loaded)
             if sizes:
@@ -94,10 +97,10 @@ def compile_and_check(model, plan, mesh, *, device: Optional[torch.device] = Non
     return compiled, problems
 
 
-def _load(plan):
+def _load(plan, parallel: Optional[Mapping[str, int]] = None):
     from planc.lint.load import load_plan
 
-    return load_plan(plan)
+    return load_plan(plan, parallel=parallel)
 
 
 def _world_problem(model, loaded) -> Optional[str]:
@@ -111,6 +114,9 @@ def _world_problem(model, loaded) -> Optional[str]:
         return None
     found = sizes_for_world(loaded, model, world)
     hint = sizes_hint(found, world, "change `parallel` in the plan to match the world")
+    if found:  # the same sizes without editing the plan: planc.apply(..., parallel=...)
+        s = found[0]
+        hint += f" (or keep the plan and pass parallel={{'tp_size': {s.tp}, 'ep_size': {s.ep}, 'dp_size': {s.dp}}})"
     return (
         f"{problems[0].code}: {problems[0].message}. Launch {p.world_size} processes (torchrun --nproc-per-node "
         f"{p.world_size}), or {hint}."
@@ -290,6 +296,9 @@ def step_set_experts_implementation(state: InstallState) -> None:
     impl = state.compiled.experts_settings.implementation
     if impl == "deepgemm_megamoe" or not state.compiled.experts:
         return  # Mega MoE gets an instance forward (step_install_megamoe); transformers refuses a runtime switch to it
+    can = getattr(type(state.model), "_can_set_experts_implementation", None)
+    if impl == "eager" and callable(can) and not can():
+        return  # the class runs its own experts forward and refuses any switch (the compiler checked: PLC624)
     if not hasattr(state.model, "set_experts_implementation"):
         raise ApplyError(
             f"planc.runtime.install: {type(state.model).__name__} is not a transformers PreTrainedModel, so its "

@@ -9,12 +9,32 @@ from __future__ import annotations
 from torch import nn
 
 
+_CONTAINERS = (dict, list, set)
+
+
 def _copy_attrs(obj) -> dict:
-    """A copy of `obj.__dict__` one level deep (the containers modules mutate: params, buffers, hooks)."""
+    """`obj.__dict__` with a copy of the contents of each container (params, buffers, hooks), one level deep.
+
+    The containers themselves are kept too: a hook handle taken before `apply` holds a weak reference
+    to the very `_forward_hooks` dict, so restore must refill that object, not install a copy.
+    """
     out = {}
     for k, v in obj.__dict__.items():
-        out[k] = type(v)(v) if isinstance(v, (dict, list, set)) else v
+        out[k] = (v, type(v)(v)) if isinstance(v, _CONTAINERS) else (v, None)
     return out
+
+
+def _restore_attrs(obj, attrs: dict) -> None:
+    """Put back every attribute as the same object, with the contents each container had."""
+    obj.__dict__.clear()
+    for k, (v, contents) in attrs.items():
+        if contents is not None:
+            if isinstance(v, list):
+                v[:] = contents
+            else:
+                v.clear()
+                v.update(contents)
+        obj.__dict__[k] = v
 
 
 def _configs(model: nn.Module) -> list:
@@ -43,8 +63,7 @@ class Snapshot:
 
     def restore(self) -> None:
         for obj, attrs in (*self.modules, *self.configs):
-            obj.__dict__.clear()
-            obj.__dict__.update(attrs)
+            _restore_attrs(obj, attrs)
         for t, attrs, requires_grad in self.tensors:
             t.__dict__.clear()
             t.__dict__.update(attrs)

@@ -321,6 +321,93 @@ class ReplicatedWithGradAllReduce(TPStyle):
             module._parameters[name] = fresh
 
 
+class PackedRowwise(TPStyle):
+    """Parameter-only: fused gate|up weights packed on the last dim (Llama 4's transposed experts
+    `gate_up_proj [E, H, 2I]`): each half sharded, so rank r holds gate_r | up_r. The module that owns
+    the parameter (`moe_tp_experts`) runs its forward on the local shards."""
+
+    name = "packed_rowwise"
+
+    def shard_param(self, module, name, mesh):
+        p = module._parameters[name]
+        if p.ndim < 2:
+            return  # a bias stays whole, as the styles table says (dims (-1, None))
+        if p.shape[-1] % (2 * mesh.size()):
+            raise ApplyError(
+                f"planc.runtime.tp_styles: `packed_rowwise` on {module_path(module)}.{name}: the last dim of size "
+                f"{p.shape[-1]} does not split into gate and up halves over {mesh.size()} ranks. Pick a tp_size "
+                "that divides the intermediate size."
+            )
+        module._parameters[name] = _as_dtensor_param(p, mesh, _StridedShard(p.ndim - 1, split_factor=2))
+
+
+def _reduce_input_grads(args: tuple, kwargs: dict, group) -> tuple[tuple, dict]:
+    """Every floating-point tensor input as a local tensor whose gradient is summed over the group in backward.
+
+    A module that computes on its local shards gives each rank only part of the gradient of a replicated input.
+    """
+    def one(x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return all_reduce_grad(to_local(x), group)
+        return x
+
+    return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+
+
+class LocalParams(TPStyle):
+    """A module whose own bare parameters are sharded with its heads (attention sinks, per-head gate biases):
+    its forward runs on their local shards. Its children (colwise q/k/v, rowwise o_proj) do the communication,
+    so the module's output is already complete and is returned as is."""
+
+    name = "local_params"
+
+    def install(self, module, mesh):
+        def forward(original, *args, **kwargs):
+            with local_parameters(module):
+                return original(*args, **kwargs)
+
+        self._wrap(module, forward)
+
+
+class AllReduce(TPStyle):
+    """A module that computes a partial sum on sharded bare parameters (shared experts stored as
+    `[n, I, H]` tensors, sharded on I): its forward runs on the local shards and its output is all-reduced.
+    The replicated inputs' gradients are summed in backward."""
+
+    name = "all_reduce"
+
+    def install(self, module, mesh):
+        group = mesh.get_group()
+
+        def forward(original, *args, **kwargs):
+            args, kwargs = _reduce_input_grads(args, kwargs, group)
+            with local_parameters(module):
+                out = original(*args, **kwargs)
+            if not isinstance(out, torch.Tensor):
+                raise ApplyError(
+                    f"planc.runtime.tp_styles: `all_reduce` on {module_path(module)} ({type(module).__name__}) needs a "
+                    f"forward that returns one tensor, got {type(out).__name__}. Write `replicate` on this module."
+                )
+            return all_reduce_sum(out, group)
+
+        self._wrap(module, forward)
+
+
+class MoeIdentityExpert(TPStyle):
+    """An identity ("zero") expert inside `moe_tp_experts` experts (longcat_flash): every rank returns the whole
+    input, which the experts' all-reduce would count tp_size times, so the input is divided by tp_size first."""
+
+    name = "moe_identity_expert"
+
+    def install(self, module, mesh):
+        size = mesh.size()
+
+        def forward(original, x, *args, **kwargs):
+            return original(x / size, *args, **kwargs)
+
+        self._wrap(module, forward)
+
+
 class MoeTPExperts(TPStyle):
     """Tensor-parallel experts (ep_size == 1): every rank holds a slice of every expert.
 
@@ -349,11 +436,12 @@ class MoeTPExperts(TPStyle):
             )
         group = mesh.get_group()
 
-        def forward(original, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
-            hidden_states = all_reduce_grad(to_local(hidden_states), group)
-            top_k_weights = all_reduce_grad(to_local(top_k_weights), group)
+        def forward(original, *args, **kwargs):
+            # hidden states and routing weights (or, for experts that see every token pre-scaled, the
+            # hidden states alone): replicated inputs whose gradients are partial on each rank
+            args, kwargs = _reduce_input_grads(args, kwargs, group)
             with local_parameters(module):
-                out = original(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+                out = original(*args, **kwargs)
             return all_reduce_sum(out, group)
 
         self._wrap(module, forward)
@@ -373,6 +461,10 @@ TP_STYLES: dict[str, TPStyle] = {
         TPStyle(),
         ReplicatedWithGradAllReduce(),
         MoeTPExperts(),
+        PackedRowwise(),
+        LocalParams(),
+        AllReduce(),
+        MoeIdentityExpert(),
     )
 }
 

@@ -96,18 +96,29 @@ def _collect(doc: SourceDoc, root_dir: str, seen: tuple) -> MergedSource:
     return _merge(merged, doc)
 
 
+_NUL_SHOWN = "\\0"
+
+
 def _parent_doc(doc: SourceDoc, ext: str, root_dir: str, seen: tuple) -> SourceDoc:
     where = doc.value_position(("extends",)) or Position(doc.path, 1, 1)
-    base = os.path.dirname(doc.path) if doc.path else ""
-    shown = os.path.normpath(os.path.join(base, ext))
-    real = os.path.realpath(os.path.join(_real_dir(doc), ext))
-    if not ext.strip() or os.path.isabs(ext):
+    if not ext.isprintable():  # NUL makes every os.path call raise; other control characters are typos too
+        bad = sorted({repr(c)[1:-1] for c in ext if not c.isprintable()})
         raise SourceError(
-            EXTENDS_OUTSIDE,
-            f"`extends: {ext}` must be a path relative to this plan",
+            EXTENDS_MISSING,
+            f"`extends` is not a file path: it contains {', '.join(bad)}",
             "write the parent's path relative to this plan's directory, e.g. `extends: base.yaml`",
             where,
         )
+    base = os.path.dirname(doc.path) if doc.path else ""
+    if not ext.strip() or os.path.isabs(ext) or "\x00" in ext:  # a NUL byte is no path (os.path raises on it)
+        raise SourceError(
+            EXTENDS_OUTSIDE,
+            f"`extends: {ext.replace(chr(0), _NUL_SHOWN)}` must be a path relative to this plan",
+            "write the parent's path relative to this plan's directory, e.g. `extends: base.yaml`",
+            where,
+        )
+    shown = os.path.normpath(os.path.join(base, ext))
+    real = os.path.realpath(os.path.join(_real_dir(doc), ext))
     if os.path.commonpath([real, root_dir]) != root_dir:
         raise SourceError(
             EXTENDS_OUTSIDE,

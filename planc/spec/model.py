@@ -15,7 +15,7 @@ from planc.spec.styles import ALL_STYLES
 
 ExpertsImplementation = Literal["eager", "batched_mm", "grouped_mm", "deepgemm", "sonicmoe", "deepgemm_megamoe"]
 EPImplementation = Literal["auto", "all_to_all", "all_reduce", "deepgemm_megamoe"]
-MegaMoeBackend = Literal["auto", "deep_gemm", "reference"]
+MegaMoeBackend = Literal["auto", "deep_gemm", "triton", "reference"]
 
 StyleName = Annotated[
     str,
@@ -59,7 +59,9 @@ class MegaMoe(_Strict):
     """Settings of the DeepGEMM Mega MoE experts (only with `implementation: deepgemm_megamoe`)."""
 
     backend: MegaMoeBackend = Field(
-        default="auto", description="`deep_gemm` (SM100 kernel), `reference` (PyTorch) or `auto`."
+        default="auto",
+        description="`deep_gemm` (SM100 kernel), `triton` (FP4 kept packed; any CUDA GPU), `reference` (PyTorch) or "
+        "`auto` (deep_gemm on SM100, triton on SM90+, else the reference with a warning).",
     )
     max_tokens_per_rank: Optional[int] = Field(
         default=None, ge=1, description="Pre-sizes the shared symmetric buffer (tokens per rank)."

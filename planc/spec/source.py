@@ -11,6 +11,7 @@ The codes used here are documented by the `source` rule family in `planc.lint.ru
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import stat
@@ -36,11 +37,117 @@ UNSAFE_TAG = "PLC006"
 ALIAS_LIMIT = "PLC007"
 DUPLICATE_KEY = "PLC008"
 NOT_A_MAPPING = "PLC009"
+AMBIGUOUS_SCALAR = "PLC011"
+KEY_NOT_STRING = "PLC012"
 
-_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: 10x faster, caps nesting in C
+_BaseLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: 10x faster, caps nesting in C
 
 _TAG = "tag:yaml.org,2002:"
 _PLAIN_TAGS = {_TAG + t for t in ("str", "int", "float", "bool", "null", "timestamp")}
+_AMBIGUOUS = "tag:planc.invalid,2026:yaml-1.1-and-1.2-disagree"  # never written by a user: resolver output
+
+# YAML 1.2 core schema (what editors' yaml-language-server and JSON Schema tools assume), per the spec's
+# table 10.2.2. Anything else in plain style is a string.
+_CORE_NULL = re.compile(r"~|null|Null|NULL|")
+_CORE_BOOL = {"true": True, "True": True, "TRUE": True, "false": False, "False": False, "FALSE": False}
+_CORE_INT = re.compile(r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+")
+_CORE_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?|[-+]?\.(inf|Inf|INF)|\.(nan|NaN|NAN)")
+_DECIMAL_INT = re.compile(r"[-+]?(0|[1-9][0-9]*)")
+
+
+def core_scalar(text: str):
+    """The YAML 1.2 core-schema value of a plain scalar."""
+    if _CORE_NULL.fullmatch(text):
+        return None
+    if text in _CORE_BOOL:
+        return _CORE_BOOL[text]
+    if _CORE_INT.fullmatch(text):
+        if text.startswith(("0o", "0x")):
+            return int(text[2:], 8 if text[1] == "o" else 16)
+        return int(text, 10)
+    if _CORE_FLOAT.fullmatch(text):
+        return float(text.replace(".inf", "inf").replace(".Inf", "inf").replace(".INF", "inf").replace(".nan", "nan")
+                     .replace(".NaN", "nan").replace(".NAN", "nan"))
+    return text
+
+
+_RESOLVER_11 = yaml.resolver.Resolver()
+_CONSTRUCTOR_11 = yaml.constructor.SafeConstructor()
+_CONSTRUCT_11 = {
+    "null": _CONSTRUCTOR_11.construct_yaml_null, "bool": _CONSTRUCTOR_11.construct_yaml_bool,
+    "int": _CONSTRUCTOR_11.construct_yaml_int, "float": _CONSTRUCTOR_11.construct_yaml_float,
+    "timestamp": _CONSTRUCTOR_11.construct_yaml_timestamp,
+}
+
+
+def yaml11_scalar(text: str):
+    """What PyYAML (YAML 1.1, and most Python tools) makes of the same plain scalar."""
+    construct = _CONSTRUCT_11.get(_RESOLVER_11.resolve(yaml.ScalarNode, text, (True, False)).rsplit(":", 1)[-1])
+    if construct is None:
+        return text
+    try:
+        return construct(yaml.ScalarNode(_TAG, text))
+    except (ValueError, OverflowError, yaml.YAMLError):
+        return text
+
+
+def _same(a, b) -> bool:
+    if type(a) is not type(b):
+        return False
+    return a == b or (isinstance(a, float) and a != a and b != b)
+
+
+@functools.lru_cache(maxsize=4096)
+def ambiguity(text: str) -> Optional[tuple[str, str]]:
+    """(message, hint) when YAML 1.1 and 1.2 tools would read a plain scalar differently, or an integer is
+    not written in plain decimal; None when every tool reads it the same."""
+    v12, v11 = core_scalar(text), yaml11_scalar(text)
+    if _same(v12, v11):
+        if isinstance(v12, int) and not isinstance(v12, bool) and not _DECIMAL_INT.fullmatch(text):
+            return (f"`{text}` is the integer {v12} written in another base; plans write integers in decimal",
+                    f"write `{v12}`")
+        return None
+    message = (f"`{text}` is {_describe(v12)} in YAML 1.2 (editors, check-jsonschema, planc) but {_describe(v11)} "
+               "in YAML 1.1 (PyYAML and the tools built on it)")
+    options = []
+    for v in (v12, v11):
+        if isinstance(v, bool):
+            options.append(f"`{str(v).lower()}`")
+        elif isinstance(v, (int, float)) and v == v and abs(v) != float("inf"):
+            options.append(f"`{v}`")
+    options = list(dict.fromkeys(options))
+    hint = f"quote it (`'{text}'`) if you mean the text"
+    if options:
+        hint = f"write {' or '.join(options)} if you mean the {'boolean' if 'true' in options[0] or 'false' in options[0] else 'number'}, or " + hint
+    return message, hint
+
+
+def _describe(v) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return f"the boolean {str(v).lower()}"
+    if isinstance(v, int):
+        return f"the integer {v}"
+    if isinstance(v, float):
+        return f"the number {v}"
+    if isinstance(v, str):
+        return "a string"
+    return f"a {type(v).__name__}"  # date, datetime
+
+
+class _Loader(_BaseLoader):
+    """libyaml's parser with YAML 1.2 core resolution of plain scalars; a plain scalar that YAML 1.1
+    reads differently gets the private `_AMBIGUOUS` tag, which the converter reports (PLC011)."""
+
+    def resolve(self, kind, value, implicit):
+        if kind is yaml.ScalarNode and implicit[0] and value != "<<":  # `<<`: merge key in 1.1 tools, refused
+            if ambiguity(value) is not None:
+                return _AMBIGUOUS
+            v = core_scalar(value)
+            return _TAG + ("null" if v is None else "bool" if isinstance(v, bool) else "int" if isinstance(v, int)
+                           else "float" if isinstance(v, float) else "str")
+        return super().resolve(kind, value, implicit)
 
 
 @dataclass(frozen=True)
@@ -251,7 +358,6 @@ class _Converter:
         self.nodes = 0
         self.chars = 0
         self.active: set[int] = set()  # ids of collections being converted (a recursive alias loops)
-        self._scalars = yaml.constructor.SafeConstructor()
 
     def pos(self, node) -> Position:
         return Position(self.doc.path, node.start_mark.line + 1, node.start_mark.column + 1)
@@ -306,6 +412,14 @@ class _Converter:
                 raise SourceError(
                     YAML_SYNTAX, "a mapping key is empty or null", "write the key as a string", self.pos(key_node)
                 )
+            if not isinstance(key, str):  # every plan key is a name or a pattern; JSON has only string keys
+                self.doc.problems.append(SourceError(
+                    KEY_NOT_STRING,
+                    f"key `{key_node.value}` is {_describe(key)}, not a string: plan keys are names and patterns",
+                    f"quote it: `'{key_node.value}'`",
+                    self.pos(key_node),
+                ))
+                key = key_node.value  # its text: `1` and `true` stay two keys, each at its own position
             kp = keypath + (key,)
             if key in out:
                 first = self.doc.key_positions.get(kp)
@@ -339,6 +453,8 @@ class _Converter:
 
     def scalar(self, node):
         tag = node.tag
+        if tag == _AMBIGUOUS:
+            tag = _TAG + "int"  # any non-str tag: the ambiguity is reported below
         if tag not in _PLAIN_TAGS:
             raise self.tag_error(node)
         self.chars += len(node.value)
@@ -349,17 +465,19 @@ class _Converter:
                 "write the plan out without aliases",
                 self.pos(node),
             )
-        if tag == _TAG + "str" or tag == _TAG + "timestamp":  # a date stays text: no datetime objects
+        if tag == _TAG + "str" or tag == _TAG + "timestamp":  # quoted, or `!!str`; a date stays text
             return node.value
-        if tag == _TAG + "null":
-            return None
-        if tag == _TAG + "bool":
-            return self._scalars.construct_yaml_bool(node)
-        try:
-            if tag == _TAG + "int":
-                return self._scalars.construct_yaml_int(node)
-            return self._scalars.construct_yaml_float(node)
-        except (ValueError, yaml.constructor.ConstructorError):  # `!!int abc`
-            raise SourceError(
-                UNSAFE_TAG, f"{node.value!r} is not a valid {tag.rsplit(':', 1)[-1]}", "remove the tag", self.pos(node)
-            ) from None
+        # Plain scalars (resolved by _Loader) and explicit `!!int`/`!!float`/`!!bool`/`!!null`: the YAML 1.2
+        # core value, so `!!int 010` is 10 and not PyYAML's 8 (and is reported as ambiguous, like `010`).
+        problem = ambiguity(node.value)
+        value = core_scalar(node.value)
+        if problem is not None:
+            self.doc.problems.append(SourceError(AMBIGUOUS_SCALAR, *problem, self.pos(node)))
+            return value
+        kind = tag.rsplit(":", 1)[-1]
+        if kind == "float" and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if {"null": value is None, "bool": isinstance(value, bool), "float": isinstance(value, float),
+                "int": isinstance(value, int) and not isinstance(value, bool)}[kind]:
+            return value
+        raise SourceError(UNSAFE_TAG, f"{node.value!r} is not a valid {kind}", "remove the tag", self.pos(node))

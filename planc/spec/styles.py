@@ -42,6 +42,9 @@ class Style:
     output: Optional[Layout] = None
     runtime: bool = False
     experts_mode: Optional[Literal["ep", "tp"]] = None  # a style that hooks an experts module's forward
+    # the installed forward runs the module on the local shards of its own parameters, so a bare parameter of
+    # the module (attention sinks, [n, I, H] shared experts) may be sharded (compiler check PLC621)
+    local_forward: bool = False
 
     def placement(self, ndim: int) -> Optional[int]:
         """The dim split for a parameter of `ndim` dims, or None when it stays whole on every rank."""
@@ -59,35 +62,37 @@ R, S = REPLICATED, SHARDED
 
 STYLES: tuple[Style, ...] = (
     Style("colwise", "tp", "module", "shard the output features (weight dim -2); output stays sharded",
-          dims=(-2, 0), input=R, output=S, runtime=True),
+          dims=(-2, 0), input=R, output=S, runtime=True, local_forward=True),
     Style("colwise_gather_output", "tp", "module", "colwise, output all-gathered (lm_head)",
-          dims=(-2, 0), input=R, output=R, runtime=True),
+          dims=(-2, 0), input=R, output=R, runtime=True, local_forward=True),
     Style("rowwise", "tp", "module", "shard the input features (weight dim -1); output all-reduced",
-          dims=(-1, None), input=S, output=R, runtime=True),
+          dims=(-1, None), input=S, output=R, runtime=True, local_forward=True),
     Style("rowwise_split_input", "tp", "module", "rowwise that slices a replicated input itself",
-          dims=(-1, None), input=R, output=R, runtime=True),
+          dims=(-1, None), input=R, output=R, runtime=True, local_forward=True),
     Style("packed_colwise", "tp", "module", "colwise for fused gate|up weights (each half sharded separately)",
-          dims=(-2, -1), packed=True, input=R, output=S, runtime=True),
+          dims=(-2, -1), packed=True, input=R, output=S, runtime=True, local_forward=True),
     Style("packed_rowwise", "tp", "parameter", "rowwise for weights packed on the last dim",
-          dims=(-1, None), packed=True),
+          dims=(-1, None), packed=True, runtime=True),
     Style("embedding_rowwise", "tp", "module", "vocab-parallel embedding, partial lookups summed",
-          dims=(0, 0), input=R, output=R, runtime=True),
+          dims=(0, 0), input=R, output=R, runtime=True, local_forward=True),
     Style("embedding_colwise", "tp", "module", "hidden-dim sharded embedding, gathered",
           dims=(1, 0), input=R, output=R),
     Style("sequence_parallel", "tp", "module", "replicated params, activations sharded on the sequence dim"),
     Style("replicated_with_grad_allreduce", "tp", "module", "replicated params whose gradients are all-reduced",
           runtime=True),
     Style("mla_kv_a_proj", "tp", "module", "MLA kv_a_proj_with_mqa: rope slice all-reduced in backward"),
-    Style("all_reduce", "tp", "module", "all-reduce a module's partial output"),
+    Style("all_reduce", "tp", "module", "run the module on its sharded bare parameters, all-reduce its partial output",
+          input=R, output=R, runtime=True, local_forward=True),
     Style("moe_tp_experts", "tp", "module", "tensor-parallel experts (each rank a slice of every expert)",
-          input=R, output=R, runtime=True, experts_mode="tp"),
-    Style("moe_identity_expert", "tp", "module", "identity expert input divided by the TP size"),
-    Style("local_params", "tp", "module", "run the module on its local shards"),
+          input=R, output=R, runtime=True, experts_mode="tp", local_forward=True),
+    Style("moe_identity_expert", "tp", "module", "identity expert input divided by the TP size", runtime=True),
+    Style("local_params", "tp", "module", "run the module on the local shards of its bare parameters "
+          "(per-head attention sinks); its children reduce the output", runtime=True, local_forward=True),
     Style("replicate", "tp", "module", "every rank keeps the full parameter", runtime=True),
     Style("grouped_gemm", "ep", "parameter", "shard the expert dimension of an experts parameter over the EP group",
           dims=(0, 0), mesh="ep", runtime=True),
     Style("ep_dispatch_experts", "ep", "module", "replace the experts forward with the plan's EP implementation",
-          input=R, output=R, runtime=True, experts_mode="ep"),
+          input=R, output=R, runtime=True, experts_mode="ep", local_forward=True),
 )
 
 STYLE: dict[str, Style] = {s.name: s for s in STYLES}

@@ -35,6 +35,12 @@ def test_export_loads_with_plain_from_pretrained(tmp_path):
         diff = (logits(model.eval()) - results[0][key]).abs().max().item()
         if diff > TOL:
             failures.append(f"{key}: exported logits differ by {diff}")
+        if kind == "tied":  # written once, under the name transformers ties the other to
+            from safetensors import safe_open
+
+            with safe_open(str(directory / "model.safetensors"), "pt") as f:
+                assert "model.embed_tokens.weight" in f.keys() and "lm_head.weight" not in f.keys()
+            assert model.lm_head.weight is model.model.embed_tokens.weight
         assert not any(p.name.startswith(".") for p in (tmp_path / "export").iterdir())
     index = json.loads((tmp_path / "export" / "mixtral-ep" / "model.safetensors.index.json").read_text())
     files = set(index["weight_map"].values())

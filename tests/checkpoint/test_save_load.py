@@ -1,7 +1,8 @@
 """planc.save at 2 ranks -> fill_from_dcp into a model sharded on meta at 4 ranks, 1 rank and 2 ranks.
 
 Cases (workers.CASES): the shipped mixtral, qwen3_moe and deepseek_v3 plans (attention TP, experts EP),
-and mixtral with experts tensor-parallel, whose `packed_colwise` gate_up is a `_StridedShard` (the DCP
+mixtral with tied embeddings (the tie must survive: one tensor under both names after the load), and
+mixtral with experts tensor-parallel, whose `packed_colwise` gate_up is a `_StridedShard` (the DCP
 caveat: saved as one contiguous chunk it would reload scrambled at any other size).
 
 Tolerances: reloaded under the same plan and sizes, the model holds the same bytes and runs the same
@@ -35,6 +36,7 @@ def test_save_at_2_loads_at_4_1_and_2(tmp_path):
         for rank in range(2):
             if not torch.equal(saved[rank][key]["reloaded_same_plan"], s["applied"]):
                 failures.append(f"{key}: reloaded at the same plan on rank {rank} is not bit-identical")
+        assert s["tied"] is (kind == "tied"), f"{key}: tied after save/load: {s['tied']}"
         marker = (tmp_path / key / "planc.json").read_text()
         assert '"format": "planc-dcp"' in marker
     for world_size in (4, 1):
@@ -43,6 +45,11 @@ def test_save_at_2_loads_at_4_1_and_2(tmp_path):
             key = f"{model_type}-{kind}"
             _ok(loaded, key)
             for rank, res in enumerate(loaded):
+                if res[f"{key}/tied"] is not (kind == "tied"):
+                    failures.append(f"{key}: loaded at {world_size}, rank {rank}: tied is {res[key + '/tied']}")
+                via_load = (res[f"{key}/planc.load"] - saved[0][key]["applied"]).abs().max().item()
+                if via_load > TOL:
+                    failures.append(f"{key}: planc.load at {world_size}, rank {rank}: max |diff| {via_load}")
                 diff = (res[key] - saved[0][key]["applied"]).abs().max().item()
                 if diff > TOL:
                     failures.append(f"{key}: saved at 2 ranks, loaded at {world_size}, rank {rank}: max |diff| {diff}")

@@ -17,9 +17,13 @@ MODELS = ("mixtral", "qwen3_moe", "deepseek_v3")
 
 def plan_for(kind: str, model_type: str, world_size: int) -> dict:
     """`ep`: the shipped plan at tp = ep = world; `packed`: mixtral with experts tensor-parallel
-    (`packed_colwise` gate_up: a `_StridedShard`, the DCP caveat), ep 1."""
-    if kind == "ep":
-        return shipped_plan(model_type, tp=world_size)
+    (`packed_colwise` gate_up: a `_StridedShard`, the DCP caveat), ep 1; `tied`: the shipped plan without
+    its embedding / lm_head rules (a tied tensor stays whole), for a model with tied embeddings."""
+    if kind in ("ep", "tied"):
+        plan = shipped_plan(model_type, tp=world_size)
+        if kind == "tied":
+            plan["tp_plan"] = {k: v for k, v in plan["tp_plan"].items() if k not in ("model.embed_tokens", "lm_head")}
+        return plan
     plan = shipped_plan(model_type, tp=world_size, ep=1)
     plan["ep_plan"] = {}
     plan["tp_plan"].update(
@@ -32,7 +36,17 @@ def plan_for(kind: str, model_type: str, world_size: int) -> dict:
     return plan
 
 
-CASES = [("mixtral", "ep"), ("mixtral", "packed"), ("qwen3_moe", "ep"), ("deepseek_v3", "ep")]
+CASES = [("mixtral", "ep"), ("mixtral", "packed"), ("mixtral", "tied"), ("qwen3_moe", "ep"), ("deepseek_v3", "ep")]
+
+
+def model_for(model_type: str, kind: str, seed: int):
+    from planc.runtime.models import build_tiny_model
+
+    return build_tiny_model(model_type, seed=seed, **({"tie_word_embeddings": True} if kind == "tied" else {}))
+
+
+def is_tied(model) -> bool:
+    return model.lm_head.weight is model.model.embed_tokens.weight
 
 
 def logits(model, seed: int = 11) -> torch.Tensor:
@@ -72,20 +86,20 @@ def save_world(rank, world_size, root):
     """Apply each case at `world_size`, record its logits (and the unsharded model's), save it; then reload it
     in this same world under the same plan (bit-identical)."""
     import planc
-    from planc.runtime.models import build_tiny_model
 
     out = {}
     for model_type, kind in CASES:
         key = f"{model_type}-{kind}"
         try:
-            model = build_tiny_model(model_type, seed=3)
+            model = model_for(model_type, kind, seed=3)
             unsharded = logits(model)
             plan = plan_for(kind, model_type, world_size)
             planc.apply(model, plan)
             applied = logits(model)
             path = planc.save(model, Path(root) / key)
-            reloaded = logits(load_on_meta(path, plan))
-            out[key] = {"unsharded": unsharded, "applied": applied, "reloaded_same_plan": reloaded, "path": str(path)}
+            again = load_on_meta(path, plan)
+            out[key] = {"unsharded": unsharded, "applied": applied, "reloaded_same_plan": logits(again),
+                        "tied": is_tied(model) and is_tied(again)}
         except Exception:  # noqa: BLE001 - report every case
             out[key] = traceback.format_exc()
     return out
@@ -99,6 +113,10 @@ def load_world(rank, world_size, root):
         try:
             model = load_on_meta(Path(root) / key, plan_for(kind, model_type, world_size))
             out[key] = logits(model)
+            out[f"{key}/tied"] = is_tied(model)
+            import planc  # and through planc.load itself, which detects the planc.json and calls fill_from_dcp
+
+            out[f"{key}/planc.load"] = logits(planc.load(Path(root) / key, plan_for(kind, model_type, world_size)))
         except Exception:  # noqa: BLE001
             out[key] = traceback.format_exc()
     # A model that does not fit the checkpoint: the same CheckpointError on every rank, naming the keys.
@@ -120,13 +138,12 @@ def export_world(rank, world_size, root):
     """Export every case (mixtral-ep in 100 KB files, so with an index; exported twice: the second replaces
     the first) and return the applied logits; the tests load the exports with plain from_pretrained."""
     import planc
-    from planc.runtime.models import build_tiny_model
 
     out = {}
     for model_type, kind in CASES:
         key = f"{model_type}-{kind}"
         try:
-            model = build_tiny_model(model_type, seed=5)
+            model = model_for(model_type, kind, seed=5)
             planc.apply(model, plan_for(kind, model_type, world_size))
             out[key] = logits(model)
             target = Path(root) / "export" / key

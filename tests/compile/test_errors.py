@@ -178,6 +178,34 @@ def test_megamoe_deep_gemm_sizes():
     compile_plan(fake_moe(hidden=192, inter=96), megamoe_plan(backend="reference"))  # the reference takes any size
 
 
+def test_megamoe_deep_gemm_block_alignment():
+    """The contract test's own shape (hidden 256 passes, intermediate 128 at decode does not) and H/128 odd."""
+    (p,) = only(problems(megamoe_plan(backend="deep_gemm"), fake_moe(hidden=384, inter=128)), R.MEGAMOE_KERNEL_BLOCKS)
+    assert "hidden 384" in p.message and "intermediate 128" in p.message and "backend: triton" in p.hint
+    compile_plan(fake_moe(hidden=512, inter=256), megamoe_plan(backend="deep_gemm"))
+    for backend in ("triton", "reference"):
+        compile_plan(fake_moe(hidden=384, inter=128), megamoe_plan(backend=backend))
+
+
+def test_megamoe_auto_warns_when_the_kernel_rejects_the_sizes():
+    compiled = compile_plan(fake_moe(hidden=384, inter=128), megamoe_plan(backend="auto"))
+    warned = [w for w in compiled.warnings if w.code == R.MEGAMOE_ALIGNMENT]
+    assert warned and all("Triton" in w.message and "384" in w.message for w in warned)
+    assert not [w for w in compile_plan(fake_moe(), megamoe_plan()).warnings if w.code == R.MEGAMOE_ALIGNMENT]
+
+
+@pytest.mark.parametrize("field,value", [("hidden_act", "gelu"), ("swiglu_alpha", 1.702), ("mlp_gate_softcap", 4.0),
+                                         ("mlp_up_softcap", 25.0)])
+def test_megamoe_refuses_other_activations(field, value):
+    model = fake_moe()
+    setattr(model.config, field, value)
+    (p,) = only(problems(megamoe_plan(backend="reference"), model), R.MEGAMOE_ACTIVATION)
+    assert field in p.message and repr(value) in p.message and "grouped_mm" in p.hint
+    model.config.hidden_act = "silu"
+    if field == "hidden_act":
+        compile_plan(model, megamoe_plan(backend="reference"))
+
+
 def test_megamoe_bf16_experts_without_quantize():
     (p,) = only(problems(megamoe_plan(quantize="none"), fake_moe()), R.MEGAMOE_NOT_FP4)
     assert "bfloat16" in p.message and "quantize: fp4" in p.hint

@@ -35,7 +35,7 @@ def test_init_drops_what_transformers_drops_and_says_so(capsys):
     # transformers' TP rules on the experts lose to its EP rules; the dense-MLP rules match nothing here
     assert "model.layers.*.mlp.experts" not in data["tp_plan"]
     assert "model.layers.*.mlp.gate_proj" not in data["tp_plan"]
-    assert "#   tp_plan `model.layers.*.mlp.gate_proj: colwise`: matches nothing" in text
+    assert "#   tp_plan `model.layers.*.mlp.gate_proj: colwise`: PLC601: matches nothing" in text
     # 4 KV heads: the largest size that compiles is 4
     assert data["parallel"] == {"tp_size": 4, "ep_size": 4}
 

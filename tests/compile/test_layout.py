@@ -119,12 +119,23 @@ def test_qwen3_per_head_norms_are_fine():
 
 
 def test_coverage_is_never_full_without_experts(capsys):
-    # what `planc init --from-transformers llama4_text` wrote: only lm_head, and no experts module found
-    plan = {"version": 1, "model": {"type": "llama4_text"}, "parallel": {"tp_size": 8},
+    # a model with no experts module at all: a plan that shards only lm_head is not "full" coverage
+    plan = {"version": 1, "model": {"type": "llama"}, "parallel": {"tp_size": 8},
             "tp_plan": {"lm_head": "colwise_gather_output"}}
-    compiled = compile_plan(build_meta_model("llama4_text", {"num_hidden_layers": 2}), plan)
+    compiled = compile_plan(build_meta_model("llama", {"num_hidden_layers": 2}), plan)
     assert not compiled.experts and not compiled.full_coverage
     assert "coverage: INCOMPLETE" in str(compiled) and "no experts module found" in str(compiled)
+
+
+def test_llama4_experts_are_found_and_must_be_sharded():
+    # what `planc init --from-transformers llama4_text` used to write: only lm_head. Llama 4's experts take
+    # every token pre-scaled (forward(hidden_states)); planc finds them and refuses to leave them whole.
+    plan = {"version": 1, "model": {"type": "llama4_text"}, "parallel": {"tp_size": 8},
+            "experts": {"implementation": "eager"}, "tp_plan": {"lm_head": "colwise_gather_output"}}
+    with pytest.raises(CompileError) as info:
+        compile_plan(build_meta_model("llama4_text", {"num_hidden_layers": 2}), plan)
+    (problem,) = info.value.problems
+    assert problem.code == R.EXPERTS_UNCOVERED and "Llama4TextExperts" in problem.message
 
 
 def test_sizes_problem_is_reported_alone(tmp_path, mixtral):

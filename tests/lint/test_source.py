@@ -134,8 +134,10 @@ def test_merge_keys_are_refused():
     assert "extends" in d.hint and d.line == 3
 
 
-def test_dates_stay_text():
-    assert lint_text(GOOD + "name: 2024-01-01\n") == []
+def test_dates_stay_text_and_a_plain_date_is_ambiguous():
+    # YAML 1.2 reads a plain date as text, PyYAML (YAML 1.1) as a date: quote it (issue 12, item 7)
+    assert lint_text(GOOD + "name: '2024-01-01'\n") == []
+    assert [d.code for d in lint_text(GOOD + "name: 2024-01-01\n")] == ["PLC011"]
     assert parse_yaml("a: 2024-01-01\n").data == {"a": "2024-01-01"}
 
 

@@ -52,11 +52,11 @@ def check_reference(world_size, results):
     assert len({allocations for _, allocations in results}) == 1  # every rank took the same buffer path
 
 
-def _megamoe_ep_rank(rank, world_size, batch_sizes):
+def _megamoe_ep_rank(rank, world_size, batch_sizes, backend="reference"):
     e_loc = E // world_size
     w1, w2 = full_weights(0)
     experts = mixtral_experts(w1[rank * e_loc:(rank + 1) * e_loc], w2[rank * e_loc:(rank + 1) * e_loc])
-    install_megamoe_forward(experts, backend="reference", quantize="fp4", activation_clamp=CLAMP,
+    install_megamoe_forward(experts, backend=backend, quantize="fp4", activation_clamp=CLAMP,
                             num_global_experts=E, ep_rank=rank, ep_size=world_size)
     group = dist.group.WORLD
     experts._is_expert_parallel = True  # sliced by hand above, as `grouped_gemm` would
@@ -89,22 +89,47 @@ def check_megamoe_ep(world_size, results):
             assert torch.equal(y, expected), (t, rank)
 
 
+TRITON_BATCHES = [3, 5]  # the Triton backend under Triton's CPU interpreter: slow, so two batches on 2 ranks
+
+
 def _rank(rank, world_size):
     # one spawn per world size (process start-up dominates the cost of these tests)
+    from planc.runtime.megamoe.triton_backend import triton_unavailable_reason
+
+    triton = None
+    if world_size == 2 and triton_unavailable_reason(torch.device("cpu")) is None:
+        triton = _megamoe_ep_rank(rank, world_size, TRITON_BATCHES, backend="triton")
     return (
         _reference_rank(rank, world_size, COUNTS[world_size]),
         _megamoe_ep_rank(rank, world_size, BATCHES[world_size]),
+        triton,
     )
+
+
+def check_triton(results):
+    """The Triton backend's local experts inside the reference's real dispatch/combine, through MegaMoeEP."""
+    from planc.runtime.megamoe.quant import calc_diff
+
+    if results[0][2] is None:
+        return
+    single = dequantized()
+    for i, t in enumerate(TRITON_BATCHES):
+        x, idx, w = routing(t, seed=t, masked=0.15)
+        expected = reference_mega_moe(x.float(), idx, w, single, num_experts=E, activation_clamp=CLAMP).float()
+        for rank in range(2):
+            assert calc_diff(results[rank][2][i], expected) < 1e-4, (t, rank)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_multi_rank_equals_single_process(world_size):
     """The reference's real dispatch/combine over gloo, then MegaMoeEP's sliced forward (batches smaller than
-    the ranks and not dividing): both equal the single-process reference bit for bit."""
+    the ranks and not dividing): both equal the single-process reference bit for bit. On 2 ranks the Triton
+    backend runs through the same MegaMoeEP (calc_diff < 1e-4 against the reference)."""
     results = run_distributed(_rank, world_size)
     check_reference(world_size, [r[0] for r in results])
     check_megamoe_ep(world_size, [r[1] for r in results])
+    check_triton(results)
 
 
 def test_slices_are_equal_and_padded():

@@ -54,7 +54,6 @@ def test_refusals_raise_the_same_error_on_every_rank_and_change_nothing():
         "rowwise_without_colwise": "PLC631",
         "deepgemm_on_cpu": "`deepgemm` runs CUDA kernels",
         "sonicmoe_on_cpu": "`sonicmoe` runs CUDA kernels",
-        "megamoe_auto_backend_on_cpu": "backend: reference",
         "double_apply": "already called on this model",
         "caller_mesh_mismatch": "the plan wants dp=1 x tp=2",
     }
@@ -74,7 +73,7 @@ def test_refusals_raise_the_same_error_on_every_rank_and_change_nothing():
 def test_unknown_style_is_refused_by_name():
     from planc.runtime.tp_styles import tp_style
 
-    with pytest.raises(ApplyError, match="style `colwise_rep` at tp_plan.*implemented: colwise"):
+    with pytest.raises(ApplyError, match="style `colwise_rep` at tp_plan.*implemented: .*colwise"):
         tp_style("colwise_rep", "tp_plan['lm_head']")
 
 

@@ -49,13 +49,15 @@ def load(
     dtype: Optional[torch.dtype | str] = None,
     device: Optional[torch.device | str] = None,
     mesh=None,
+    parallel=None,
 ) -> nn.Module:
     """Load the checkpoint directory `source` sharded by `plan`; every rank reads only its own shards.
 
     `plan`: a path, YAML text, mapping, `LoadedPlan` or `Plan` (as for `planc.apply`). `dtype`: the
     parameters' dtype (default: the checkpoint's `dtype` in config.json, else float32). `device`:
     where this rank's shards live (default: `cuda:LOCAL_RANK` under NCCL, the CPU under gloo).
-    `mesh`: an optional ("dp", "tp") DeviceMesh, as for `apply`. Returns the applied model; its
+    `mesh`: an optional ("dp", "tp") DeviceMesh, as for `apply`. `parallel`: run the plan at other sizes,
+    as for `apply` (`{"tp_size": 2, "ep_size": 2}`, linted again). Returns the applied model; its
     CompiledPlan is `model._planc_plan`, as after `planc.apply`.
     """
     from planc.runtime import install
@@ -76,7 +78,7 @@ def load(
         _check_quantization(config, config_path)
         loaded = _plan_for(plan, config, config_path)
         model = _meta_model(config, dtype)
-        compiled, problems = install.compile_and_check(model, loaded, mesh, device=device)
+        compiled, problems = install.compile_and_check(model, loaded, mesh, device=device, parallel=parallel)
         if compiled is not None and files is not None:
             problems += checkpoint_problems(model, files)
         if compiled is not None and device.type == "cuda":

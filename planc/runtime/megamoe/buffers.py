@@ -47,6 +47,7 @@ class _Entry:
     capacity: int  # tokens per rank the buffer was asked for (the kernel may round it up)
     nbytes: int
     destroy: Callable[[], None]
+    group: Any = None  # the EP group: every rank passes a barrier on it before the buffer is freed
 
 
 _BUFFERS: dict[BufferKey, _Entry] = {}
@@ -96,7 +97,7 @@ def get_buffer(
         del entry
     capacity = capacity_for(num_tokens, max_tokens_per_rank)
     buffer, nbytes, destroy = allocate(capacity)
-    _BUFFERS[key] = _Entry(buffer, capacity, nbytes, destroy)
+    _BUFFERS[key] = _Entry(buffer, capacity, nbytes, destroy, group)
     _ALLOCATIONS += 1
     return buffer
 
@@ -109,6 +110,7 @@ def destroy_megamoe_buffers() -> None:
     entries = list(_BUFFERS.values())
     _BUFFERS.clear()
     for entry in entries:
+        _barrier(entry.group)  # no rank may still read a peer's symmetric buffer (DeepGEMM's test does the same)
         entry.destroy()
 
 

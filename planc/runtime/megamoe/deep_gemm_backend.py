@@ -84,8 +84,10 @@ def load_deep_gemm():
     """Import `deep_gemm` and check its Mega MoE API."""
     try:
         module = importlib.import_module("deep_gemm")
-    except ImportError as e:
-        raise ImportError(f"`deep_gemm` cannot be imported ({e}). Fix: {_BUILD_HINT}.") from e
+    except (ImportError, AssertionError, NameError) as e:
+        # deep_gemm asserts a CUDA toolkit at import (AssertionError) and hits a NameError when its
+        # symmetric-memory import failed: both mean "cannot run here", like a missing package.
+        raise ImportError(f"`deep_gemm` cannot be imported ({type(e).__name__}: {e}). Fix: {_BUILD_HINT}.") from e
     check_deep_gemm_api(module)
     return module
 
@@ -117,6 +119,18 @@ def deep_gemm_unavailable_reason(device: torch.device | None = None) -> str | No
     return None
 
 
+KERNEL_BLOCK = 256  # the same number as planc.compiler.checks.MEGAMOE_KERNEL_BLOCK (PLC611/PLC622)
+
+
+def kernel_size_problem(hidden: int, intermediate: int) -> str | None:
+    """Why the kernel cannot run these sizes (host checks % 128, block alignment % 256), or None."""
+    bad = [f"{n}={v}" for n, v in (("hidden", hidden), ("intermediate", intermediate)) if v % KERNEL_BLOCK]
+    if not bad:
+        return None
+    return (f"the deep_gemm Mega MoE kernel needs hidden and intermediate sizes divisible by {KERNEL_BLOCK} (host "
+            f"checks % 128; H/128 even; BLOCK_K {KERNEL_BLOCK} at decode), got {', '.join(bad)}")
+
+
 class DeepGemmMegaMoe:
     """Runs one experts module through `deep_gemm.fp8_fp4_mega_moe`."""
 
@@ -129,11 +143,9 @@ class DeepGemmMegaMoe:
         w1 = to_local(module.gate_up_proj)
         self.num_local_experts, two_i, half_h = w1.shape
         self.intermediate, self.hidden = two_i // 2, 2 * half_h
-        if self.hidden % 128 or self.intermediate % 128:
-            raise ValueError(
-                f"the deep_gemm Mega MoE kernel needs hidden and intermediate sizes divisible by 128, got "
-                f"hidden={self.hidden}, intermediate={self.intermediate}; use `experts.megamoe.backend: reference`"
-            )
+        problem = kernel_size_problem(self.hidden, self.intermediate)
+        if problem is not None:
+            raise ValueError(f"{problem}; use `experts.megamoe.backend: triton` (or `reference`)")
         self.l1 = self.l2 = None
 
     def transform_weights(self) -> None:
@@ -173,6 +185,12 @@ class DeepGemmMegaMoe:
             key, n, group=process_group, allocate=allocate,
             max_tokens_per_rank=self.max_tokens_per_rank, device=hidden_states.device,
         )
+        if n == 0:
+            # The kernel gets at least one row, as transformers does: a padding row with no valid slot, whose
+            # output is dropped. Every rank still enters the collective kernel.
+            out = self(hidden_states.new_zeros((1, hidden)), top_k_index.new_full((1, num_topk), -1),
+                       top_k_weights.new_zeros((1, num_topk)), process_group)
+            return out[:0]
         x_fp8, x_sf = quantize_fp8(hidden_states)
         buf.x[:n].copy_(x_fp8)
         buf.x_sf[:n].copy_(pack_ue8m0(x_sf))

@@ -13,19 +13,20 @@ rollback path `planc.apply` uses for the whole model) that puts back the origina
 from __future__ import annotations
 
 import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
-from planc.runtime.megamoe import deep_gemm_backend
+from planc.runtime.megamoe import deep_gemm_backend, triton_backend
 from planc.runtime.megamoe.quant import quantize_experts_fp4
 from planc.runtime.megamoe.reference import DequantizedExperts, compute_dtype_for, reference_mega_moe
 from planc.runtime.mesh import to_local
 from planc.runtime.snapshot import Snapshot
 
-BACKENDS = ("auto", "deep_gemm", "reference")
+BACKENDS = ("auto", "deep_gemm", "triton", "reference")
 _STATE = "_planc_megamoe"
 _FP4_PARAMS = ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv")
 
@@ -36,24 +37,65 @@ def _describe(experts: nn.Module) -> str:
     return f"{fqn} ({type(experts).__name__})" if fqn else type(experts).__name__
 
 
-def resolve_backend(backend: str, device: torch.device | None = None) -> str:
-    """`auto` -> `deep_gemm` where the kernel can run, else an error naming the explicit opt-in."""
+def choose_backend(backend: str, device: torch.device | None = None, sizes: tuple[int, int] | None = None
+                   ) -> tuple[str, str]:
+    """The backend that will run and why: `auto` takes deep_gemm where it can run (SM100, and `sizes` =
+    (hidden, intermediate) the kernel accepts), else Triton (a CUDA GPU of sm_90 or newer), else the
+    reference, with a warning naming the slowdown."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown Mega MoE backend {backend!r}: use one of {', '.join(BACKENDS)}")
     if backend == "reference":
-        return backend
+        return backend, "`experts.megamoe.backend: reference` in the plan"
     if backend == "deep_gemm":
         deep_gemm_backend.check_device(device)
         deep_gemm_backend.load_deep_gemm()
-        return backend
-    reason = deep_gemm_backend.deep_gemm_unavailable_reason(device)
-    if reason is not None:
-        raise RuntimeError(
-            f"`experts.megamoe.backend: auto` found no usable deep_gemm kernel here ({reason}). Set "
-            "`experts.megamoe.backend: reference` to run the pure-PyTorch implementation explicitly (about 100x "
-            "slower than the kernel; never chosen silently)."
-        )
-    return "deep_gemm"
+        return backend, "`experts.megamoe.backend: deep_gemm` in the plan"
+    if backend == "triton":
+        reason = triton_backend.triton_unavailable_reason(device)
+        if reason is not None:
+            raise RuntimeError(
+                f"the Triton Mega MoE backend cannot run here: {reason}. Use `experts.megamoe.backend: reference` "
+                "(pure PyTorch) on this machine."
+            )
+        return backend, "`experts.megamoe.backend: triton` in the plan"
+    no_deep_gemm = deep_gemm_backend.deep_gemm_unavailable_reason(device)
+    if no_deep_gemm is None and sizes is not None:
+        no_deep_gemm = deep_gemm_backend.kernel_size_problem(*sizes)
+    if no_deep_gemm is None:
+        return "deep_gemm", "auto: deep_gemm imports with the pinned API and the GPU is SM100"
+    no_triton = triton_backend.triton_unavailable_reason(device)
+    if no_triton is None and (device is None or device.type == "cuda") and _capability(device) >= (9, 0):
+        return "triton", f"auto: no deep_gemm ({no_deep_gemm}); Triton on sm_90+ keeps the FP4 weights packed"
+    if no_triton is None:
+        no_triton = ("no CUDA device" if not torch.cuda.is_available() or (device is not None and device.type != "cuda")
+                     else "sm_{}{} is older than sm_90".format(*_capability(device)))
+    why = no_triton
+    reason = (
+        f"auto: no deep_gemm ({no_deep_gemm}) and no Triton backend ({why}); the pure-PyTorch reference runs "
+        "instead, about 5-100x slower, holding a BF16 copy of the experts"
+    )
+    warnings.warn(f"Mega MoE backend {reason}. Set `experts.megamoe.backend: reference` to silence this.",
+                  RuntimeWarning, stacklevel=3)
+    return "reference", reason
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """`cuda` and `cuda:0` are one device when 0 is the current one."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    current = torch.cuda.current_device()
+    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+
+
+def _capability(device: torch.device | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device) if torch.cuda.is_available() else (0, 0)
+
+
+def resolve_backend(backend: str, device: torch.device | None = None) -> str:
+    """The backend name `choose_backend` picks (raises where an explicitly named backend cannot run)."""
+    return choose_backend(backend, device)[0]
 
 
 @dataclass
@@ -88,8 +130,44 @@ class ReferenceRunner:
 
 
 @dataclass
+class TritonRunner:
+    """The Triton backend for one module: reads the module's FP4 parameters as stored (no copy)."""
+
+    module: nn.Module
+    num_experts: int
+    activation_clamp: float | None
+    max_tokens_per_rank: int | None
+    _cache: tuple | None = field(default=None, repr=False)
+
+    def weights(self, device: torch.device) -> triton_backend.PackedExperts:
+        m = self.module
+        p = [to_local(getattr(m, name)).detach() for name in _FP4_PARAMS]
+        if not _same_device(p[0].device, torch.device(device)):
+            raise ValueError(
+                f"the FP4 experts of {_describe(m)} are on {p[0].device} but the tokens on {device}: the Triton "
+                "backend reads the weights where they are (no copy); move the model to the tokens' device"
+            )
+        key = tuple(t.data_ptr() for t in p)
+        if self._cache is None or self._cache[0] != key:  # views of the parameters, rebuilt if they are replaced
+            self._cache = (key, triton_backend.PackedExperts.from_params(*p))
+        return self._cache[1]
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights, process_group):
+        return reference_mega_moe(
+            hidden_states, top_k_index, top_k_weights, self.weights(hidden_states.device),
+            num_experts=self.num_experts,
+            group=process_group,
+            activation_clamp=self.activation_clamp,
+            max_tokens_per_rank=self.max_tokens_per_rank,
+            local_forward=triton_backend.triton_local_experts_forward,
+            backend="triton",
+        )
+
+
+@dataclass
 class MegaMoeState:
-    """What the installed forward needs; stored on the module as `_planc_megamoe`."""
+    """What the installed forward needs; stored on the module as `_planc_megamoe`. `reason` says why this
+    backend runs (the plan named it, or what `auto` found)."""
 
     backend: str
     num_experts: int
@@ -97,6 +175,7 @@ class MegaMoeState:
     ep_size: int
     activation_clamp: float | None
     runner: Callable[..., torch.Tensor]
+    reason: str = ""
 
 
 def megamoe_forward(self, hidden_states, top_k_index, top_k_weights, process_group=None):
@@ -141,7 +220,8 @@ def install_megamoe_forward(
       ``[ep_rank * E_loc, (ep_rank + 1) * E_loc)``), as FP4 (see `quant.py` for the layout) or as
       bf16/fp32 ``gate_up_proj [E_loc, 2I, H]``, ``down_proj [E_loc, H, I]`` with ``quantize="fp4"``,
       which quantizes them here, at install time.
-    - `backend`: ``"deep_gemm"``, ``"reference"`` or ``"auto"`` (deep_gemm where it can run, else an error).
+    - `backend`: ``"deep_gemm"``, ``"triton"``, ``"reference"`` or ``"auto"`` (deep_gemm on SM100, Triton on
+      sm_90+, else the reference with a warning); `megamoe_state(experts).reason` says which and why.
     - `activation_clamp`: the SwiGLU clamp c; None -> ``config.swiglu_limit`` if set, else unclamped.
       `config` defaults to ``experts.config``.
     - `max_tokens_per_rank`: fixed buffer size; None -> the next power of two of the tokens per rank.
@@ -179,7 +259,8 @@ def install_megamoe_forward(
     gate_up = to_local(experts.gate_up_proj)
     if device is None and gate_up.device.type == "cuda":
         device = gate_up.device
-    resolved = resolve_backend(backend, device)
+    two_i, h = gate_up.shape[1], gate_up.shape[2] * (2 if gate_up.dtype == torch.int8 else 1)
+    resolved, reason = choose_backend(backend, device, (h, two_i // 2))
 
     # Decide the FP4 parameters without touching the module yet.
     if gate_up.dtype == torch.int8:
@@ -229,10 +310,12 @@ def install_megamoe_forward(
                 experts, num_experts=num_global_experts, activation_clamp=activation_clamp,
                 max_tokens_per_rank=max_tokens_per_rank,
             )
+        elif resolved == "triton":
+            runner = TritonRunner(experts, num_global_experts, activation_clamp, max_tokens_per_rank)
         else:
             runner = ReferenceRunner(experts, num_global_experts, activation_clamp, max_tokens_per_rank)
         experts.__dict__[_STATE] = MegaMoeState(
-            resolved, num_global_experts, ep_rank, ep_size, activation_clamp, runner
+            resolved, num_global_experts, ep_rank, ep_size, activation_clamp, runner, reason
         )
         experts.__dict__["forward"] = types.MethodType(megamoe_forward, experts)
     except BaseException:

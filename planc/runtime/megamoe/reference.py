@@ -191,18 +191,22 @@ def reference_mega_moe(
     hidden_states: torch.Tensor,
     topk_idx: torch.Tensor,
     topk_weights: torch.Tensor,
-    experts: DequantizedExperts,
+    experts,
     *,
     num_experts: int,
     group=None,
     activation_clamp: float | None = None,
     max_tokens_per_rank: int | None = None,
+    local_forward=local_experts_forward,
+    backend: str = "reference",
 ) -> torch.Tensor:
     """One Mega MoE layer on this rank's tokens; BF16 ``[n, H]``.
 
     ``topk_idx`` holds global expert ids (``-1`` = unused slot); this rank owns experts
     ``[rank * E_loc, (rank + 1) * E_loc)``. ``group=None`` is a single process owning every expert.
-    The staging buffer comes from the shared cache (`buffers.get_buffer`).
+    The staging buffer comes from the shared cache (`buffers.get_buffer`). `local_forward` computes
+    steps 3-6 for the gathered rows (signature of `local_experts_forward`; the Triton backend passes its
+    kernels and its packed FP4 `experts`); staging, dispatch and combine are shared, keyed by `backend`.
     """
     rank, size = _group_rank_size(group)
     n, hidden = hidden_states.shape
@@ -217,7 +221,7 @@ def reference_mega_moe(
     device = hidden_states.device
 
     key = BufferKey(
-        "reference", group.group_name if group is not None else "single",
+        backend, group.group_name if group is not None else "single",
         hidden, num_topk, num_experts, experts.intermediate,
     )
 
@@ -251,7 +255,7 @@ def reference_mega_moe(
             gathered.append(out)
     gx, gsf, gidx, gw = gathered
 
-    slots = local_experts_forward(
+    slots = local_forward(
         gx.view(torch.float8_e4m3fn), gsf, gidx, gw, experts,
         first_expert=rank * experts.num_local_experts, activation_clamp=activation_clamp,
     )  # [size * rows, K, H]: my experts' outputs for everyone's tokens

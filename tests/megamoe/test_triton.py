@@ -1,0 +1,144 @@
+"""The Triton backend: its kernels (under Triton's CPU interpreter here, compiled on a GPU) against the reference.
+
+The reference's numerics are the contract (docs/megamoe.md): only the order of FP32 sums may differ, so
+calc_diff < 1e-4 everywhere. On CPU both sides sum exact products in FP32 and agree to the last bit on
+these shapes, which the element check below would notice if a rounding step were off.
+"""
+
+import types
+
+import pytest
+import torch
+
+from planc.runtime.ep.megamoe import MegaMoeEPRuntime
+from planc.runtime.megamoe import install_megamoe_forward, megamoe_state
+from planc.runtime.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_experts_fp4, quantize_fp8
+from planc.runtime.megamoe.reference import DequantizedExperts, local_experts_forward
+from planc.runtime.megamoe.triton_backend import (
+    KernelConfig,
+    PackedExperts,
+    max_blocks,
+    pick_config,
+    route,
+    _interpreting,
+    triton_local_experts_forward,
+)
+from tests.megamoe.common import full_weights, mixtral_experts, routing
+
+pytestmark = pytest.mark.skipif(
+    not _interpreting(), reason="CPU tensors need Triton's interpreter; on a GPU, test_triton_gpu.py runs the kernels"
+)
+
+TINY = KernelConfig(block_t=16, l1_n=32, l1_k=64, l2_n=32, l2_k=64)
+
+
+@pytest.fixture(scope="module")
+def experts():
+    w1, w2 = full_weights(0)
+    q = quantize_experts_fp4(w1, w2)
+    params = (q.gate_up_proj, q.gate_up_proj_scale_inv, q.down_proj, q.down_proj_scale_inv)
+    return PackedExperts.from_params(*params), DequantizedExperts.from_fp4(*params)
+
+
+def staged(num_tokens, seed, **kw):
+    x, idx, w = routing(num_tokens, seed, **kw)
+    q, sf = quantize_fp8(x)
+    return q, float_to_ue8m0_bytes(sf), idx, w
+
+
+def assert_matches(out, ref):
+    assert out.shape == ref.shape and out.dtype == ref.dtype == torch.bfloat16
+    assert calc_diff(out.float(), ref.float()) < 1e-4
+    assert (out != ref).sum() <= 0.01 * out.numel()  # FP32 sum order may flip a rare BF16 rounding, never more
+
+
+def test_route_cuts_sorted_slots_into_blocks_of_one_expert():
+    idx = torch.tensor([[3, -1, 5], [5, 3, 0], [9, 3, 3]])  # 9: another rank's expert
+    slots, expert, row, end = route(idx, first_expert=0, num_local_experts=8, block_t=2)
+    assert expert.numel() == max_blocks(9, 8, 2) == 5 + 8
+    e = idx.reshape(-1)
+    valid = expert < 8
+    assert valid.sum() == 4  # expert 0: 1 row (1 block), 3: 4 rows (2), 5: 2 rows (1)
+    for b in range(int(valid.sum())):
+        rows = slots[row[b]:min(row[b] + 2, end[b])].long()
+        assert len(rows) >= 1 and bool((e[rows] == expert[b]).all())
+    assert sorted(slots[:7].tolist()) == sorted(int(i) for i in torch.nonzero((e >= 0) & (e < 8)).flatten())
+
+
+@pytest.mark.parametrize("num_tokens,clamp,masked", [(1, None, 0.0), (3, 0.5, 0.3), (7, 0.5, 0.0), (29, None, 0.2)])
+def test_kernels_match_the_reference(experts, num_tokens, clamp, masked):
+    packed, deq = experts
+    q, sf, idx, w = staged(num_tokens, num_tokens, masked=masked)
+    ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=clamp)
+    assert_matches(triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=clamp,
+                                                config=TINY), ref)
+
+
+def test_all_routes_to_one_expert_span_several_blocks(experts):
+    packed, deq = experts
+    q, sf, idx, w = staged(20, 5)
+    idx = torch.full_like(idx, 6)
+    idx[:, 1] = -1  # padding slots are skipped
+    ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=0.5)
+    out = triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=0.5, config=TINY)
+    assert_matches(out, ref)
+    assert not out[:, 1].any()
+
+
+def test_local_expert_range_and_no_local_expert(experts):
+    """Global ids: this rank owns [4, 8) of 8 experts; slots of other ranks' experts give zeros."""
+    packed, deq = experts
+    half_packed = PackedExperts(*(t[4:] for t in (packed.w1, packed.s1, packed.w2, packed.s2)))
+    half_deq = DequantizedExperts(deq.gate_up[4:], deq.down[4:])
+    q, sf, idx, w = staged(9, 2)
+    ref = local_experts_forward(q, sf, idx, w, half_deq, first_expert=4, activation_clamp=None)
+    assert_matches(triton_local_experts_forward(q, sf, idx, w, half_packed, first_expert=4, activation_clamp=None,
+                                                config=TINY), ref)
+    none_local = idx % 4  # every id below 4: nothing for this rank
+    out = triton_local_experts_forward(q, sf, none_local, w, half_packed, first_expert=4, activation_clamp=None,
+                                       config=TINY)
+    assert out.shape == (9, idx.shape[1], packed.hidden) and not out.any()
+
+
+def test_picked_config_fits_the_shapes():
+    cfg = pick_config(6, 384, 7168, 3072)
+    assert 7168 % cfg.l1_k == 0 and 3072 % cfg.l1_n == 0 and 3072 % cfg.l2_k == 0 and 7168 % cfg.l2_n == 0
+    small = pick_config(24576, 8, 128, 64)
+    assert 64 % small.l1_n == 0 and 128 % small.l1_k == 0 and small.l1_n % 32 == 0
+    with pytest.raises(ValueError, match="divisible by 32.*backend: reference"):
+        KernelConfig().fit(128, 48)
+
+
+def test_installed_backend_equals_the_reference_backend_and_keeps_fp4_only(world1):
+    w1, w2 = full_weights(3)
+    ref_m, tri_m = mixtral_experts(w1, w2), mixtral_experts(w1, w2)
+    install_megamoe_forward(ref_m, backend="reference", quantize="fp4", activation_clamp=0.5)
+    install_megamoe_forward(tri_m, backend="triton", quantize="fp4", activation_clamp=0.5)
+    state = megamoe_state(tri_m)
+    assert state.backend == "triton" and "triton" in state.reason
+    groups = types.SimpleNamespace(ep_group=world1, ep_rank=0, ep_size=1, tp_group=world1)
+    strategy = types.SimpleNamespace(name="deepgemm_megamoe", settings=None)
+    ref_layer, tri_layer = MegaMoeEPRuntime(ref_m, strategy, groups), MegaMoeEPRuntime(tri_m, strategy, groups)
+    with torch.no_grad():
+        for t in (0, 3, 17):
+            x, idx, w = routing(t, t, masked=0.2)
+            y = tri_layer(x, idx, w)
+            assert y.shape == (t, x.shape[1]) and y.dtype == x.dtype
+            assert_matches(y, ref_layer(x, idx, w))
+    # The backend's weights are views of the module's FP4 parameters: no dequantized copy exists.
+    packed = state.runner.weights(torch.device("cpu"))
+    assert packed.w1.data_ptr() == tri_m.gate_up_proj.data_ptr()
+    assert packed.s2.data_ptr() == tri_m.down_proj_scale_inv.data_ptr()
+    assert packed.nbytes == sum(getattr(tri_m, n).nbytes for n in
+                                ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv"))
+
+
+def test_explicit_triton_where_it_cannot_run_names_the_reason(monkeypatch):
+    from planc.runtime.megamoe import experts as experts_mod
+
+    monkeypatch.setattr(experts_mod.triton_backend, "triton_unavailable_reason", lambda device: "no triton here")
+    m = mixtral_experts(*full_weights(0))
+    with pytest.raises(RuntimeError, match="no triton here.*backend: reference"):
+        install_megamoe_forward(m, backend="triton", quantize="fp4")
+    assert megamoe_state(m) is None and m.gate_up_proj.dtype == torch.bfloat16
+
