@@ -116,7 +116,7 @@ def test_installed_backend_equals_the_reference_backend_and_keeps_fp4_only(world
     install_megamoe_forward(tri_m, backend="triton", quantize="fp4", activation_clamp=0.5)
     state = megamoe_state(tri_m)
     assert state.backend == "triton" and "triton" in state.reason
-    groups = types.SimpleNamespace(ep_group=world1, ep_rank=0, ep_size=1, tp_group=world1)
+    groups = types.SimpleNamespace(ep_group=world1, ep_rank=0, ep_size=1, tp_group=world1, tp_size=1, shares_batch=True)
     strategy = types.SimpleNamespace(name="deepgemm_megamoe", settings=None)
     ref_layer, tri_layer = MegaMoeEPRuntime(ref_m, strategy, groups), MegaMoeEPRuntime(tri_m, strategy, groups)
     with torch.no_grad():

@@ -84,7 +84,7 @@ def test_installed_layer_graph_capture_without_host_sync(world1):
     install_megamoe_forward(tri_m, backend="auto" if torch.cuda.get_device_capability()[0] == 9 else "triton",
                             quantize="fp4", activation_clamp=10.0)
     assert megamoe_state(tri_m).backend == "triton"
-    groups = types.SimpleNamespace(ep_group=world1, ep_rank=0, ep_size=1, tp_group=world1)
+    groups = types.SimpleNamespace(ep_group=world1, ep_rank=0, ep_size=1, tp_group=world1, tp_size=1, shares_batch=True)
     strategy = types.SimpleNamespace(name="deepgemm_megamoe", settings=None)
     layer, ref_layer = MegaMoeEPRuntime(tri_m, strategy, groups), MegaMoeEPRuntime(ref_m, strategy, groups)
     with torch.no_grad():
