@@ -163,36 +163,6 @@ def family(model_type: str) -> Family:
     raise KeyError(model_type)
 
 
-def family_config(fam: Family, text_config):
-    """The top config holding `text_config` (itself for a text-only family); other sub-configs tiny too."""
-    if not fam.multimodal:
-        return text_config
-    from planc.runtime.models import shrink_other_config
-
-    top_cls = fam.top_config_class()
-    kwargs = {}
-    default_hidden = getattr(fam.config_class()(), "hidden_size", None)
-    widths = {default_hidden: text_config.hidden_size} if isinstance(default_hidden, int) else {}
-    # Only the first level is passed to the constructor; deeper levels are set on the built sub-config.
-    first = fam.config_path[0]
-    for attr, sub in (getattr(top_cls, "sub_configs", None) or {}).items():
-        if not isinstance(sub, type) or attr == first:
-            continue
-        try:
-            kwargs[attr] = shrink_other_config(sub, widths).to_dict()
-        except Exception:  # noqa: BLE001 - a sub-config we cannot shrink keeps its default
-            continue
-    if len(fam.config_path) == 1:
-        kwargs[first] = text_config.to_dict()
-        return top_cls(**kwargs)
-    config = top_cls(**kwargs)
-    holder = config
-    for attr in fam.config_path[:-1]:
-        holder = getattr(holder, attr)
-    setattr(holder, fam.config_path[-1], text_config)
-    return config
-
-
 def text_config_of(fam: Family, config):
     for attr in fam.config_path:
         config = getattr(config, attr)

@@ -1,7 +1,7 @@
 """The family sweep: every MoE family of the installed transformers through init, lint, explain and apply.
 
 For each family (`planc.runtime.families.moe_families`, found at run time) a tiny config is derived
-from the family's own config class (`planc.runtime.models.shrink_config`), then:
+from the family's own config class (`planc.runtime.models.tiny_config`, see planc.runtime.tiny), then:
 
 1. `planc init` writes a plan against that config at tp_size 2 (what two ranks can run);
 2. the plan lints clean and compiles against the meta model (what `planc explain` does);
@@ -49,26 +49,18 @@ def outcome_of_error(e: BaseException) -> str:
 
 
 def tiny_family_config(fam):
-    """The family's top config (multimodal models keep their other towers, tiny too), fp32 eager attention."""
-    from planc.runtime.families import family_config
-    from planc.runtime.models import shrink_config
+    """The family's top config (multimodal models keep their other towers, tiny too), fp32 eager attention:
+    the one tiny-config derivation (`planc.runtime.models.tiny_config`) that the tests and `planc demo` use."""
+    from planc.runtime.models import tiny_config
 
-    config = family_config(fam, shrink_config(fam.config_class()))
-    config._attn_implementation = "eager"
-    return config
+    return tiny_config(fam)
 
 
 def build_family_model(fam, seed: int = 0):
     """A tiny random model of the family, identical on every rank for the same seed, eval mode."""
-    import torch
+    from planc.runtime.models import build_tiny_model
 
-    from planc.runtime.models import _randomize_zero_inits
-
-    config = tiny_family_config(fam)
-    torch.manual_seed(seed)
-    model = fam.model_class(config)._from_config(config, dtype=torch.float32)
-    _randomize_zero_inits(model, seed)
-    return model.eval()
+    return build_tiny_model(fam, seed=seed)
 
 
 def prepare(fam) -> dict:
