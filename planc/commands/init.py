@@ -58,12 +58,13 @@ class _Draft:
 
 
 def _transformers_rules(fam, model):
-    """tp rules, ep rules and the base-model prefix exactly as transformers declares them for `model`."""
-    from planc.runtime.families import base_model_path
+    """tp rules, ep rules and the base-model prefix(es) exactly as transformers declares them for `model`
+    (one copy of the family's rules under every base model that carries its config)."""
+    from planc.runtime.families import base_model_paths
 
     config_cls = fam.config_class()
-    prefix = base_model_path(model, config_cls)
-    if prefix is None:
+    prefixes = base_model_paths(model, config_cls)
+    if not prefixes:
         raise ValueError(
             f"no module of {type(model).__name__} carries a {config_cls.__name__}; planc cannot place "
             "transformers' plans in this model"
@@ -71,12 +72,14 @@ def _transformers_rules(fam, model):
     tp_base = dict(getattr(config_cls, "base_model_tp_plan", None) or {})
     ep_base = dict(getattr(config_cls, "base_model_ep_plan", None) or {})
     tp: dict[str, str] = {}
-    if tp_base:  # transformers adds the vocab-parallel embedding to every TP plan
-        tp[f"{prefix}.embed_tokens"] = "embedding_rowwise"
-    tp.update({f"{prefix}.{k}": v for k, v in tp_base.items()})
+    ep: dict[str, str] = {}
+    for prefix in prefixes:
+        if tp_base:  # transformers adds the vocab-parallel embedding to every TP plan
+            tp[f"{prefix}.embed_tokens"] = "embedding_rowwise"
+        tp.update({f"{prefix}.{k}": v for k, v in tp_base.items()})
+        ep.update({f"{prefix}.{k}": v for k, v in ep_base.items()})
     tp.update(dict(getattr(type(model), "_tp_plan", None) or {}))
-    ep = {f"{prefix}.{k}": v for k, v in ep_base.items()}
-    return tp, ep, prefix
+    return tp, ep, "`, `".join(prefixes)
 
 
 def _under(pattern: str, keys) -> bool:

@@ -169,18 +169,27 @@ def text_config_of(fam: Family, config):
     return config
 
 
-def base_model_path(model, text_config_cls) -> Optional[str]:
-    """Path of the module that carries the family's plans: the base model whose config is `text_config_cls`.
+def base_model_paths(model, text_config_cls) -> list[str]:
+    """Paths of the modules that carry the family's plans: every base model whose config is `text_config_cls`.
 
-    transformers prefixes a child's plans with the child's path; the child is the outermost module
-    whose `config` is an instance of the family's config class and that holds the decoder layers.
+    transformers prefixes a child's plans with the child's path; the children are the outermost modules
+    whose `config` is an instance of the family's config class and that hold the decoder layers (a
+    diffusion model holds two: its encoder's language model and its decoder), else the outermost such module.
     """
-    for name, module in model.named_modules():
-        cfg = getattr(module, "config", None)
-        if name and isinstance(cfg, text_config_cls) and hasattr(module, "layers"):
-            return name
-    for name, module in model.named_modules():
-        cfg = getattr(module, "config", None)
-        if name and isinstance(cfg, text_config_cls):
-            return name
-    return None
+    found: list[str] = []
+    for with_layers in (True, False):
+        for name, module in model.named_modules():
+            cfg = getattr(module, "config", None)
+            if not name or not isinstance(cfg, text_config_cls) or (with_layers and not hasattr(module, "layers")):
+                continue
+            if not any(name.startswith(f + ".") for f in found):
+                found.append(name)
+        if found:
+            return found
+    return found
+
+
+def base_model_path(model, text_config_cls) -> Optional[str]:
+    """The first of `base_model_paths` (None when no module carries the family's config)."""
+    paths = base_model_paths(model, text_config_cls)
+    return paths[0] if paths else None

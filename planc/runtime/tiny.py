@@ -57,6 +57,7 @@ _INTERMEDIATE_MARKERS = ("intermediate_size", "ffn_hidden_size", "moe_hidden_siz
 _LAYER_COUNTS = ("num_hidden_layers", "num_layers")
 _TOWER_DEPTHS = ("depth", "encoder_layers", "decoder_layers")
 _LAYER_ID_LISTS = ("mlp_only_layers", "moe_layers", "no_rope_layers", "kv_source_layers", "ple_layer_ids")
+_RECURRENT_KINDS = ("linear", "mamba", "conv", "recurrent")  # layer kinds without softmax attention
 _WIDTH_WORDS = ("hidden", "width", "dim", "size")
 # `None` means "off" for these (no q LoRA, no sliding window): never filled in
 _NONE_MEANS_OFF = ("q_lora_rank", "sliding_window", "head_dim", "moe_latent_size")
@@ -129,7 +130,9 @@ def _layer_kinds(cls, key: str) -> list[str]:
     if m:
         kinds += re.findall(r'"([A-Za-z_]+)"', m.group(2))
     src = _modeling_source(cls.__module__)
-    kinds += re.findall(rf'{re.escape(key)}\[[^\]]+\]\s*(?:==|!=)\s*"([A-Za-z_]+)"', src)
+    aliases = [a for a, t in (getattr(cls, "attribute_map", None) or {}).items() if t == key]
+    for name in (key, *aliases):
+        kinds += re.findall(rf'\b{re.escape(name)}\[[^\]]+\]\s*(?:==|!=)\s*"([A-Za-z_]+)"', src)
     if key.endswith("layer_types") and not key.startswith(("mlp", "moe", "ffn")) and "full_attention" not in kinds:
         kinds.append("full_attention")
     return list(dict.fromkeys(kinds))
@@ -141,8 +144,8 @@ def shrink_dict(cls, d: dict, *, family: bool, widths: Optional[dict] = None) ->
     by the same rules. `widths` maps another tower's default hidden size to its tiny one."""
     kw: dict = {}
     for k, v in _TINY_SIZES.items():
-        if k in d and (d[k] is None and family and k not in _NONE_MEANS_OFF or _is_int(d[k])):
-            kw[k] = v
+        if k in d and (d[k] is None and family and k not in _NONE_MEANS_OFF or _is_int(d[k]) and d[k] != 0):
+            kw[k] = v  # a size of 0 is a switch (no RoPE dims: NoPE attention) and stays 0
     heads, kv = d.get("num_attention_heads"), d.get("num_key_value_heads")
     if "num_key_value_heads" in d:
         kw["num_key_value_heads"] = 2 if _is_int(kv) and _is_int(heads) and kv < heads else TINY_HEADS
@@ -265,6 +268,14 @@ def _shrink_layers(cls, d: dict, kw: dict, family: bool) -> None:
             if kinds:
                 n = max(n, len(kinds))
                 kw[k] = [kinds[min(i, len(kinds) - 1)] for i in range(n)]
+    for k, v in list({**d, **kw}.items()):
+        # an attention-kind list whose layers are all linear/recurrent (the class computed it from a default that
+        # real checkpoints override): the last layer becomes the full attention layer the model also has
+        if k.endswith("layer_types") and not k.startswith(("mlp", "moe", "ffn", "mtp")) and isinstance(v, list) \
+                and len(v) > 1 and all(isinstance(x, str) and any(w in x for w in _RECURRENT_KINDS) for x in v) \
+                and "full_attention" in _layer_kinds(cls, k) and _fields(cls).get(k) is not None \
+                and _fields(cls)[k].default is None:
+            kw[k] = [*v[:-1], "full_attention"]
     if _is_int(n) and n != kw.get("num_hidden_layers", d.get("num_hidden_layers")):
         kw["num_hidden_layers"] = n
         for k, v in list(kw.items()):
@@ -298,7 +309,7 @@ def _keep_divisibility(d: dict, kw: dict) -> None:
             continue
         prefix = a.split("_")[0] + "_"
         for b, vb in d.items():
-            if b == a or not b.startswith(prefix) or not _is_int(vb) or vb <= 1 or d[a] % vb:
+            if b == a or b in kw or not b.startswith(prefix) or not _is_int(vb) or vb <= 1 or d[a] % vb:
                 continue
             tiny_b = kw.get(b, vb)
             if _is_int(tiny_b) and tiny_b > 0 and tiny_a % tiny_b:
