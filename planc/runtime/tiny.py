@@ -228,14 +228,22 @@ def _fill_undeclared(cls, d: dict, kw: dict) -> None:
 
 
 def _shrink_layers(cls, d: dict, kw: dict, family: bool) -> None:
+    # per-layer overrides keyed by layer index ("02": {num_attention_heads: 64}, heterogeneous configs)
+    by_layer = {k: v for k, v in d.items() if isinstance(v, dict) and v and all(isinstance(x, str) and x.isdigit() for x in v)}
     for key in _LAYER_COUNTS:
         n = d.get(key)
         if not _is_int(n) or n <= 2:
             continue
-        keep = _kept_layers(d, n)
+        as_lists = {f"{k} (by layer)": [repr(_by_index(v, i)) for i in range(n)] for k, v in by_layer.items()}
+        keep = _kept_layers({**d, **as_lists}, n)
         kw[key] = len(keep)
         for lk, lv in _per_layer_lists(d, n).items():
             kw[lk] = [lv[i] for i in keep]
+        base = {k: v for k, v in d.items() if k not in by_layer}
+        for lk, lv in by_layer.items():
+            width = len(next(iter(lv)))
+            kw[lk] = {f"{j:0{width}d}": _shrink_entry(cls, base, _by_index(lv, i), family)
+                      for j, i in enumerate(keep) if _by_index(lv, i) is not None}
         for lk in _LAYER_ID_LISTS:
             if isinstance(d.get(lk), list) and lk not in kw:
                 kw[lk] = [x for x in d[lk] if _is_int(x) and x < len(keep)] if lk != "no_rope_layers" else d[lk]
@@ -285,6 +293,29 @@ def _shrink_layers(cls, d: dict, kw: dict, family: bool) -> None:
                   for x in v)
     if sliding and "sliding_window" in d and d["sliding_window"] is None:
         kw["sliding_window"] = 8
+
+
+def _by_index(by_layer: dict, i: int):
+    return next((v for k, v in by_layer.items() if int(k) == i), None)
+
+
+def _shrink_entry(cls, base: dict, entry: dict, family: bool) -> dict:
+    """One layer's overrides, shrunk by the same rules as the config they override."""
+    merged = {**base, **entry}
+    tiny = shrink_dict(cls, merged, family=family)
+    out = {k: tiny.get(k, v) for k, v in entry.items()}
+    base_tiny = None
+    for total, part, other in _SUMS:  # a layer whose head width is the config's: nope + rope == head_dim
+        if part in entry and total not in entry and all(_is_int(merged.get(k)) for k in (total, part, other)) \
+                and merged[total] == merged[part] + merged[other]:
+            base_tiny = base_tiny if base_tiny is not None else shrink_dict(cls, base, family=family)
+            t, o = base_tiny.get(total, merged[total]), tiny.get(other, merged[other])
+            if t > o:
+                out[part] = t - o
+    return out
+
+
+_SUMS = (("head_dim", "qk_nope_head_dim", "qk_rope_head_dim"), ("qk_head_dim", "qk_nope_head_dim", "qk_rope_head_dim"))
 
 
 def _keep_equalities(d: dict, kw: dict) -> None:
