@@ -58,28 +58,38 @@ class _Draft:
 
 
 def _transformers_rules(fam, model):
-    """tp rules, ep rules and the base-model prefix(es) exactly as transformers declares them for `model`
-    (one copy of the family's rules under every base model that carries its config)."""
-    from planc.runtime.families import base_model_paths
+    """tp rules, ep rules and the base-model prefix(es) exactly as transformers declares them for `model`:
+    each base model applies its own config's plans under its own path, so the family's rules are written
+    under every base model that carries its config, and so are those of any other MoE tower of the model
+    (a vision encoder with experts next to the language model)."""
+    from planc.runtime.families import base_model_paths, declares_experts_plan
 
     config_cls = fam.config_class()
-    prefixes = base_model_paths(model, config_cls)
-    if not prefixes:
-        raise ValueError(
-            f"no module of {type(model).__name__} carries a {config_cls.__name__}; planc cannot place "
-            "transformers' plans in this model"
-        )
-    tp_base = dict(getattr(config_cls, "base_model_tp_plan", None) or {})
-    ep_base = dict(getattr(config_cls, "base_model_ep_plan", None) or {})
+    classes = [config_cls]
+    for _, module in model.named_modules():
+        cls = type(getattr(module, "config", None))
+        if cls not in classes and declares_experts_plan(cls):
+            classes.append(cls)
     tp: dict[str, str] = {}
     ep: dict[str, str] = {}
-    for prefix in prefixes:
-        if tp_base:  # transformers adds the vocab-parallel embedding to every TP plan
-            tp[f"{prefix}.embed_tokens"] = "embedding_rowwise"
-        tp.update({f"{prefix}.{k}": v for k, v in tp_base.items()})
-        ep.update({f"{prefix}.{k}": v for k, v in ep_base.items()})
+    all_prefixes: list[str] = []
+    for cls in classes:
+        prefixes = base_model_paths(model, cls)
+        if not prefixes and cls is config_cls:
+            raise ValueError(
+                f"no module of {type(model).__name__} carries a {config_cls.__name__}; planc cannot place "
+                "transformers' plans in this model"
+            )
+        tp_base = dict(getattr(cls, "base_model_tp_plan", None) or {})
+        ep_base = dict(getattr(cls, "base_model_ep_plan", None) or {})
+        for prefix in prefixes:
+            if tp_base:
+                tp[f"{prefix}.embed_tokens"] = "embedding_rowwise"  # transformers adds it to every TP plan
+            tp.update({f"{prefix}.{k}": v for k, v in tp_base.items()})
+            ep.update({f"{prefix}.{k}": v for k, v in ep_base.items()})
+        all_prefixes += prefixes
     tp.update(dict(getattr(type(model), "_tp_plan", None) or {}))
-    return tp, ep, "`, `".join(prefixes)
+    return tp, ep, "`, `".join(all_prefixes)
 
 
 def _under(pattern: str, keys) -> bool:

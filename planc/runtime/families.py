@@ -87,6 +87,28 @@ def _head_for(model_type: str) -> Optional[str]:
     return None
 
 
+def _top_head_for(model_type: str) -> Optional[str]:
+    """The first task head whose model class is built from `model_type`'s own config class: `dots3_note` is
+    in the causal-LM mapping with a class that takes only its text config; the model holding every tower
+    is the image-text-to-text one."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto import modeling_auto
+
+    first = None
+    for head in _HEADS:
+        name = getattr(modeling_auto, head).get(model_type)
+        if name is None or head == "MODEL_MAPPING_NAMES" and first is not None:
+            continue
+        first = first or head
+        try:
+            cls = getattr(__import__("transformers", fromlist=[name]), name)
+        except Exception:  # noqa: BLE001 - a class that does not import: not this head
+            continue
+        if getattr(cls, "config_class", None) is CONFIG_MAPPING[model_type]:
+            return head
+    return first
+
+
 @lru_cache(maxsize=None)
 def moe_families() -> tuple[Family, ...]:
     """Every family of the installed transformers, sorted by `text_type`."""
@@ -115,7 +137,7 @@ def moe_families() -> tuple[Family, ...]:
             out.append(Family(mt, mt, (), head))  # a model of its own with a task head
         elif cls in parents:
             top, path = parents[cls]
-            out.append(Family(mt, top, path, _head_for(top)))  # the language model of a multimodal model
+            out.append(Family(mt, top, path, _top_head_for(top)))  # the language model of a multimodal model
         else:
             out.append(Family(mt, mt, (), head or "MODEL_MAPPING_NAMES"))  # only a base model
     return tuple(sorted(out, key=lambda f: f.text_type))
@@ -141,7 +163,7 @@ def _direct_family(model_type: str) -> Optional[Family]:
     subs = [(path, sub) for path, sub in _sub_config_paths(cls) if declares_experts_plan(sub)]
     if subs:
         path, sub = min(subs, key=lambda ps: len(ps[0]))
-        return Family(getattr(sub, "model_type", "") or path[-1], model_type, path, head)
+        return Family(getattr(sub, "model_type", "") or path[-1], model_type, path, _top_head_for(model_type))
     return None
 
 
@@ -177,6 +199,18 @@ def base_model_paths(model, text_config_cls) -> list[str]:
     diffusion model holds two: its encoder's language model and its decoder), else the outermost such module.
     """
     found: list[str] = []
+    for name, module in model.named_modules():
+        if not name or not hasattr(module, "layers") or any(name.startswith(f + ".") or name == f for f in found):
+            continue
+        cfg = getattr(module, "config", None)
+        # a stack of the family's layers under a module whose config is another one (a diffusion decoder
+        # built from the top config): the family's plans apply to it as they apply to the base model
+        if isinstance(cfg, text_config_cls) or any(
+            isinstance(getattr(m, "config", None), text_config_cls) for m in module.layers.modules()
+        ):
+            found.append(name)
+    if found:
+        return found
     for with_layers in (True, False):
         for name, module in model.named_modules():
             cfg = getattr(module, "config", None)
