@@ -173,6 +173,15 @@ def _attempt(model_type, model, size: int, ep_on: bool, base: _Draft, impl: str)
     elif not any(s == "ep_dispatch_experts" for s in draft.ep.values()):
         return draft, None, ["no ep_plan rule shards experts (PLC404)"]
     else:
+        from planc.spec.styles import TP_STYLES
+
+        # transformers' EP plan is the whole plan used with EP: its TP styles (the dense MLP's colwise/rowwise)
+        # belong in a planc plan's tp_plan
+        for pattern, style in list(draft.ep.items()):
+            if style in TP_STYLES and draft.tp.get(pattern, style) == style:
+                how = "already in tp_plan" if pattern in draft.tp else "moved to tp_plan"
+                draft.tp[pattern] = draft.ep.pop(pattern)
+                draft.notes.append(("ep_plan", pattern, style, "", f"a tensor-parallel style: {how}"))
         ep_experts = [k for k, s in draft.ep.items() if s == "ep_dispatch_experts"]
         for pattern in [k for k in draft.tp if _under(k, ep_experts)]:
             draft.drop("tp_plan", pattern, "PLC604", "the experts are expert-parallel (ep_plan); EP wins")
