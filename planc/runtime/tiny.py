@@ -188,7 +188,7 @@ def shrink_dict(cls, d: dict, *, family: bool, widths: Optional[dict] = None) ->
             kw[k] = [min(x, vocab - 1) if _is_int(x) and _is_int(vocab) else x for x in v]
     _keep_equalities(d, kw)
     _keep_divisibility(d, kw)
-    _scale_rope_sections(d, kw)
+    _scale_rope_sections(cls, d, kw)
     if widths:
         for k, v in d.items():
             if k not in kw and _is_int(v) and v in widths and any(w in k for w in _WIDTH_WORDS):
@@ -347,20 +347,39 @@ def _keep_divisibility(d: dict, kw: dict) -> None:
                 kw[b] = math.gcd(tiny_a, tiny_b)
 
 
-def _scale_rope_sections(d: dict, kw: dict) -> None:
-    """Multimodal RoPE sections sum to half the rotary dim: rescale them to the tiny rotary dim."""
+def _scale_rope_sections(cls, d: dict, kw: dict) -> None:
+    """Multimodal RoPE sections sum to half the rotary dim: rescale them to the tiny rotary dim. Sections the
+    config leaves out take the modeling code's own default (`rope_parameters.get("mrope_section", [8, 12, 12])`)."""
     rope = d.get("rope_parameters")
-    if not isinstance(rope, dict) or not isinstance(rope.get("mrope_section"), list):
+    if not isinstance(rope, dict):
         return
-    sections = rope["mrope_section"]
-    for key in ("qk_rope_head_dim", "head_dim"):
-        if _is_int(d.get(key)) and key in kw and sum(sections) * 2 in (d[key], int(d[key] * rope.get("partial_rotary_factor", 1.0))):
-            factor = sum(sections) * 2 / d[key]
-            target = int(kw[key] * factor) // 2
-            scaled = [max(1, s * target // sum(sections)) for s in sections]
-            scaled[0] += target - sum(scaled)
-            kw["rope_parameters"] = {**rope, "mrope_section": scaled}
-            return
+    sections = rope.get("mrope_section")
+    if sections is None:
+        m = re.search(r'"mrope_section",\s*(\[[\d,\s]+\])', _modeling_source(cls.__module__))
+        sections = [int(x) for x in m.group(1).strip("[]").split(",") if x.strip()] if m else None
+    if not isinstance(sections, list) or not sections or not all(_is_int(x) for x in sections):
+        return
+    prf = rope.get("partial_rotary_factor", 1.0) or 1.0
+    if "qk_rope_head_dim" in kw and _is_int(d.get("qk_rope_head_dim")) and sum(sections) * 2 == d["qk_rope_head_dim"]:
+        rotary = kw["qk_rope_head_dim"]
+    else:
+        head_dim = kw.get("head_dim", d.get("head_dim"))
+        if not _is_int(head_dim):
+            hidden = kw.get("hidden_size", d.get("hidden_size"))
+            heads = kw.get("num_attention_heads", d.get("num_attention_heads"))
+            if not (_is_int(hidden) and _is_int(heads) and heads):
+                return
+            head_dim = hidden // heads
+        rotary = int(head_dim * prf)
+    target = rotary // 2
+    if target < len(sections):
+        return
+    scaled = [max(1, s * target // sum(sections)) for s in sections]
+    # the rest goes to a section no other equals, so that equal sections (height, width) stay equal
+    lone = [i for i, s in enumerate(sections) if sections.count(s) == 1]
+    scaled[lone[0] if lone else 0] += target - sum(scaled)
+    if min(scaled) > 0:
+        kw["rope_parameters"] = {**rope, "mrope_section": scaled}
 
 
 # ---- whole configs ------------------------------------------------------------------------------------------
