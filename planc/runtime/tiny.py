@@ -291,6 +291,8 @@ def _shrink_layers(cls, d: dict, kw: dict, family: bool) -> None:
                 kw[k] = v + [v[-1]] * (n - len(v))
     sliding = any("sliding" in str(x) for k, v in {**d, **kw}.items() if k.endswith("layer_types") and isinstance(v, list)
                   for x in v)
+    # a model whose layer kinds include a sliding one builds the sliding mask even when no layer slides
+    sliding = sliding or ("layer_types" in d and any("sliding" in k for k in _layer_kinds(cls, "layer_types")))
     if sliding and "sliding_window" in d and d["sliding_window"] is None:
         kw["sliding_window"] = 8
 
