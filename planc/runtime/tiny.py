@@ -336,7 +336,15 @@ def _keep_equalities(d: dict, kw: dict) -> None:
 
 def _keep_divisibility(d: dict, kw: dict) -> None:
     """A shrunk size that a sibling field (same prefix: `index_topk`, `index_kpool`) divided in the defaults
-    still does: the sibling shrinks to a common divisor."""
+    still does: the sibling shrinks to a common divisor. So do groups of heads (`n_groups` of `mamba_num_heads`)."""
+    for g, vg in d.items():
+        if not g.endswith("groups") or not _is_int(vg) or vg <= 1:
+            continue
+        for h, vh in d.items():
+            if h.endswith("heads") and _is_int(vh) and vh % vg == 0 and _is_int(kw.get(h)):
+                tiny_g = kw.get(g, vg)
+                if kw[h] % tiny_g:
+                    kw[g] = math.gcd(kw[h], tiny_g)
     for a, tiny_a in list(kw.items()):
         if not _is_int(tiny_a) or not _is_int(d.get(a)) or "_" not in a:
             continue
