@@ -193,6 +193,18 @@ def shrink_dict(cls, d: dict, *, family: bool, widths: Optional[dict] = None) ->
         for k, v in d.items():
             if k not in kw and _is_int(v) and v in widths and any(w in k for w in _WIDTH_WORDS):
                 kw[k] = widths[v]
+    if not family:  # every tower is TINY_HIDDEN wide, so any other hidden width (a projector's) is too
+        for k, v in d.items():
+            if not any(w in k for w in ("hidden_size", "hidden_dim")):
+                continue
+            v = kw.get(k, v)
+            if _is_int(v) and v > TINY_HIDDEN and k not in kw:
+                kw[k] = TINY_HIDDEN
+            elif isinstance(v, list) and v and all(_is_int(x) for x in v):
+                kw[k] = [TINY_HIDDEN] * len(v)
+        depths = kw.get("depths", d.get("depths"))
+        if isinstance(depths, list) and all(_is_int(x) for x in depths):
+            kw["depths"] = [1] * len(depths)
     for k in list(kw):
         if _computed_from_others(cls, k):
             del kw[k]  # `"auto"`: the class computes it from the tiny sizes
