@@ -376,7 +376,7 @@ def _scale_rope_sections(cls, d: dict, kw: dict) -> None:
     if not isinstance(rope, dict):
         return
     sections = rope.get("mrope_section")
-    if sections is None:
+    if sections is None and "mrope_section" in (getattr(cls, "ignore_keys_at_rope_validation", None) or ()):
         m = re.search(r'"mrope_section",\s*(\[[\d,\s]+\])', _modeling_source(cls.__module__))
         sections = [int(x) for x in m.group(1).strip("[]").split(",") if x.strip()] if m else None
     if not isinstance(sections, list) or not sections or not all(_is_int(x) for x in sections):
@@ -506,5 +506,42 @@ def tiny_family_config(fam, **overrides):
     else:
         widths = _hidden_sizes(top_default, {})
         config = _shrink_tower(top_default, fam.config_path, text, widths)
+        _borrow_missing_attributes(fam, config, top_default)
     config._attn_implementation = "eager"
     return config
+
+
+_MISSING_ATTRIBUTE = re.compile(r"'(\w+)' object has no attribute '(\w+)'")
+
+
+def _borrow_missing_attributes(fam, config, top_default, limit: int = 8) -> None:
+    """An attribute the model reads from one tower's config that its class does not declare (the talker of
+    an omni model reads `spatial_merge_size`, which only the vision config declares; real checkpoints
+    carry it as an extra key): the value another config of the same model declares, found by building the
+    model on the meta device."""
+    import torch
+
+    for _ in range(limit):
+        try:
+            with torch.device("meta"):
+                fam.model_class(config)._from_config(config)
+            return
+        except AttributeError as e:
+            m = _MISSING_ATTRIBUTE.search(str(e))
+            if m is None:
+                return
+            cls_name, attr = m.groups()
+            owner = next((c for c in _all_configs(config) if type(c).__name__ == cls_name), None)
+            value = next((getattr(c, attr) for c in _all_configs(config) if attr in c.__dict__), None)
+            if owner is None or value is None:
+                return
+            setattr(owner, attr, value)
+        except Exception:  # noqa: BLE001 - any other failure is reported by whoever builds the model
+            return
+
+
+def _all_configs(config) -> list:
+    out = [config]
+    for sub in _sub_configs(config).values():
+        out += _all_configs(sub)
+    return out
