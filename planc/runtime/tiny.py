@@ -195,6 +195,9 @@ def shrink_dict(cls, d: dict, *, family: bool, widths: Optional[dict] = None) ->
                 kw[k] = widths[v]
     if not family:  # every tower is TINY_HIDDEN wide, so any other hidden width (a projector's) is too
         for k, v in d.items():
+            if _is_int(v) and k not in kw and (k == "dim" or k.endswith("_dim")) and v >= 256:
+                kw[k] = TINY_HIDDEN  # a decoder's / projector's channel width
+                continue
             if not any(w in k for w in ("hidden_size", "hidden_dim")):
                 continue
             v = kw.get(k, v)
