@@ -34,12 +34,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from planc.errors import ApplyError, CheckpointError, PlancError
 from planc.runtime.checkpoint.files import CheckpointFiles
 from planc.runtime.checkpoint.keys import checkpoint_problems, loading_problems
+from planc.runtime.mesh import rank_device
 
 
 def load(
@@ -64,7 +64,7 @@ def load(
     from planc.runtime.mesh import build_groups
 
     install.require_distributed("planc.load")
-    device = _target_device(device)
+    device = rank_device(device)
     model = compiled = files = dcp_dir = None
     problems: list[str] = []
     try:
@@ -119,15 +119,6 @@ def _memory_problems(compiled, device, source) -> list[str]:
 # ---- 1-2. checkpoint, config, plan, meta model -------------------------------------------------------------
 
 
-def _target_device(device) -> torch.device:
-    """The device of this rank's shards: the caller's, else `cuda:LOCAL_RANK` under NCCL, else the CPU."""
-    if device is not None:
-        return torch.device(device)
-    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
-    return torch.device("cpu")
-
-
 def _dcp_checkpoint(source) -> Optional[str]:
     """`source` if it holds a planc DCP checkpoint (written by `planc.save`), else None."""
     try:
@@ -178,7 +169,7 @@ def _check_quantization(config, config_path) -> None:
 
 def _plan_for(plan, config, config_path):
     """The plan, loaded and validated, after checking that it is for this checkpoint's model type."""
-    from planc.spec.load import load_plan
+    from planc.lint.load import load_plan
 
     loaded = load_plan(plan)
     plan_type = loaded.plan.model.type if loaded.plan.model is not None else None
