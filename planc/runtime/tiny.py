@@ -236,8 +236,8 @@ def _fill_undeclared(cls, d: dict, kw: dict) -> None:
     class does not declare: real checkpoints carry them as extra keys, the defaults cannot."""
     src = _modeling_source(cls.__module__)
     for k in sorted(set(re.findall(r"\bconfig\.([a-z_][a-z0-9_]*)", src))):
-        if k in d or k in kw or hasattr(cls, k):
-            continue
+        if k in d or k in kw or hasattr(cls, k) or k in (getattr(cls, "attribute_map", None) or {}):
+            continue  # declared, or an alias of a declared field
         if any(m in k for m in _INTERMEDIATE_MARKERS) and re.search(rf"intermediate_size\s*=\s*config\.{k}\b", src):
             kw[k] = 32
 
