@@ -60,7 +60,7 @@ _LAYER_ID_LISTS = ("mlp_only_layers", "moe_layers", "no_rope_layers", "kv_source
 _RECURRENT_KINDS = ("linear", "mamba", "conv", "recurrent")  # layer kinds without softmax attention
 _WIDTH_WORDS = ("hidden", "width", "dim", "size")
 # `None` means "off" for these (no q LoRA, no sliding window): never filled in
-_NONE_MEANS_OFF = ("q_lora_rank", "sliding_window", "head_dim", "moe_latent_size")
+_NONE_MEANS_OFF = ("q_lora_rank", "sliding_window", "moe_latent_size")
 # tiny values for a size the defaults leave None, by the end of its name
 _NONE_SIZE_SUFFIXES = (("kv_heads", 1), ("n_heads", 2), ("num_heads", 2), ("head_dim", 16), ("budget", 8),
                        ("compress_ratio", 4), ("topk", 4))
