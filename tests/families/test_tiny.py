@@ -65,9 +65,9 @@ def test_computed_values_and_relations_hold():
 
 def test_per_layer_overrides_follow_the_kept_layers():
     dots3 = _text("dots3_note_text")
-    layers = {int(k) for k in dots3.per_layer_config}
-    assert layers and max(layers) < dots3.num_hidden_layers
-    for entry in dots3.per_layer_config.values():
+    per_layer = dots3.to_dict()["per_layer_config"]  # {"2": {...}}: what differs from the config, by layer
+    assert per_layer and max(int(k) for k in per_layer) < dots3.num_hidden_layers
+    for entry in per_layer.values():
         if "qk_nope_head_dim" in entry:  # SWA layers: nope + rope == head_dim, as in the defaults
             assert entry["qk_nope_head_dim"] + dots3.qk_rope_head_dim == dots3.head_dim
 
@@ -112,7 +112,7 @@ def test_omni_top_model_has_no_forward_of_its_own():
     model = build_tiny_model(family("qwen3_omni_moe_talker_text"))
     assert type(model).forward is torch.nn.Module.forward
     with pytest.raises(NotImplementedError):
-        model(input_ids=torch.zeros(1, 3, dtype=torch.long))
+        model(torch.zeros(1, 3, dtype=torch.long))
 
 
 def test_init_plans_every_stack_of_experts_in_the_model():
