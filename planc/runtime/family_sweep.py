@@ -137,8 +137,8 @@ def apply_world(rank, world_size, jobs):
             fam = family(text_type)
             base = build_family_model(fam)
             if type(base).forward is torch.nn.Module.forward:
-                res["build"] = (f"transformers: {type(base).__name__} has no forward of its own (it only generates), "
-                                "so there are no unsharded logits to compare with")
+                res["build"] = (f"transformers: {type(base).__name__} has no forward of its own (it only generates): "
+                                "no unsharded logits")
                 continue
             vocab = _vocab(base)
             ids = torch.randint(0, vocab, (2, 7), generator=torch.Generator().manual_seed(1))
@@ -252,7 +252,7 @@ def render_models_md(records: dict, transformers_version: str) -> str:
         apply_res = rec.get("apply") or {}
         first_bad = next((rec[k] for k in ("build", "init", "lint", "explain") if rec.get(k, "pass") != "pass"), None)
         if first_bad is None and apply_res.get("build", "pass") != "pass":
-            first_bad = "tiny model: " + apply_res["build"]
+            first_bad = apply_res["build"] if apply_res["build"].startswith("transformers:") else "tiny model: " + apply_res["build"]
 
         def cell(key):
             v = apply_res.get(key)
