@@ -49,15 +49,16 @@ def apply(model, plan, *, mesh=None, parallel=None):
     return _apply(model, plan, mesh=mesh, parallel=parallel)
 
 
-def load(source, plan, *, dtype=None, device=None, mesh=None, parallel=None):
+def load(source, plan, *, dtype=None, device=None, mesh=None, parallel=None, dequantize=None):
     """Load the checkpoint directory `source` sharded by `plan`: every rank reads only its own shards.
 
     Returns the applied model (as `from_pretrained` returns one); its CompiledPlan is `model._planc_plan`.
-    `parallel` runs the plan at other sizes, as for `apply`.
+    `parallel` runs the plan at other sizes, as for `apply`. `dequantize` (FP8 block-scaled checkpoints): keep
+    FP8 (False) or dequantize each shard as it is read (True); default: as transformers decides (docs/load.md).
     """
     from planc.runtime.checkpoint.load import load as _load
 
-    return _load(source, plan, dtype=dtype, device=device, mesh=mesh, parallel=parallel)
+    return _load(source, plan, dtype=dtype, device=device, mesh=mesh, parallel=parallel, dequantize=dequantize)
 
 
 def save(model: nn.Module, directory) -> Path:
