@@ -281,10 +281,11 @@ def check_block_grid(c, assignments: list[Assignment], final: dict[str, PlanRule
             "its weight shard",
             final[a.fqn].source.where,
             c.sizes_hint(
-                (f"use a tp_size that splits {size} on the {b} grid ({', '.join(map(str, fits[:4]))})" if fits
-                 else f"no tp_size splits {size} on the {b} grid")
-                + ", or write `replicate` for this target (or load with `dequantize=True`: no scales are kept)"
-            ),
+                f"use a tp_size that splits {size} on the {b} grid ({', '.join(map(str, fits[:4]))})" if fits
+                else f"no tp_size splits {size} on the {b} grid"
+            )
+            + "; or write `replicate` for this target, or load with `planc.load(..., dequantize=True)` (the "
+            "weights are dequantized as each rank reads them, which works off the grid)",
             a.fqn,
         )
 

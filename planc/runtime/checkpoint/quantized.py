@@ -16,10 +16,12 @@ weight is multiplied by to dequantize). planc builds the quantizer transformers 
   are transformers' FP8 kernels (CUDA only).
 - **dequantized at load** (no such GPU, or `dequantize=True`): transformers' own choice without a GPU. The model
   stays unquantized and transformers' `Fp8Dequantize` runs on each rank's shard as it arrives. transformers'
-  shard-on-read slices every source of a parameter with that parameter's placements, which would slice a weight's
-  scale grid as if it were the weight; `BlockScaleSlice` presents the scale in weight coordinates, so a rank
-  reads only the scale blocks of its own rows and columns (expanded per element where a shard starts or ends
-  inside a block).
+  shard-on-read splits every source of a parameter by that source's own shape, so the scale grid is split into
+  as many chunks as the weight: right only when every shard edge falls on the block grid. Off the grid (a 384-row
+  weight at tp 2: 192 rows but 2 of the 3 scale rows) it dequantizes with the wrong factors, silently (measured:
+  logits off by 0.13 on a tiny Mixtral). `BlockScaleSlice` presents the scale in its weight's coordinates, so a
+  rank reads exactly the scale blocks its own rows and columns touch (expanded per element where a shard starts
+  or ends inside a block) and the dequantized load is exact for any plan.
 
 Anything else (other methods, per-tensor FP8, UE8M0 scales, static activation scales, FP4 experts) is refused before
 a byte is read, naming what was found.
@@ -131,8 +133,9 @@ def wrap_scales(slices: dict[str, Any], tensors: dict, block: tuple[int, int]) -
 class BlockScaleSlice:
     """A block-scale tensor seen in its weight's coordinates, for transformers' shard-on-read.
 
-    `DtensorShardOperation` computes one set of row/column intervals from the target parameter (the weight) and
-    indexes every source of that parameter with them. Indexed with the weight's `[r0:r1, c0:c1]`, this reads only
+    `DtensorShardOperation` computes a source's row/column intervals from the target parameter's placements and
+    the source's shape (`get_shape`, here the weight's), then indexes the source with them. Indexed with the
+    weight's `[r0:r1, c0:c1]`, this reads only
     scale blocks `[r0//bn : ceil(r1/bn), c0//bk : ceil(c1/bk)]`. When every shard edge falls on the block grid the
     result stays one factor per block (what `Fp8Dequantize` expects: it derives the block from the two shapes); when
     an edge falls inside a block, both dims are expanded to one factor per element of the slice, which
