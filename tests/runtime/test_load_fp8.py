@@ -90,6 +90,13 @@ def test_block_scale_slice_reads_weight_coordinates(fp8_checkpoints):
                            full[256:512])
     finally:
         files.close()
+    # A weight ending in a partial block (DeepSeek-V3's kv_a_proj_with_mqa: 576 rows, 4.5 blocks): per element.
+    w = torch.randn(192, 256).to(torch.float8_e4m3fn)
+    s = torch.rand(2, 2) + 0.5
+    partial = BlockScaleSlice(s, (192, 256), (2, 2), "F32", (128, 128))
+    expected = w.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:192]
+    assert torch.equal(deq._dequantize_one(w, partial[...], output_dtype=torch.float32), expected)
+    assert torch.equal(deq._dequantize_one(w[96:192], partial[96:192, 0:256], output_dtype=torch.float32), expected[96:])
 
 
 def test_off_grid_plan_is_refused_at_compile_time(fp8_checkpoints):

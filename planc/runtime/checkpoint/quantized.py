@@ -138,9 +138,10 @@ class BlockScaleSlice:
     weight's `[r0:r1, c0:c1]`, this reads only
     scale blocks `[r0//bn : ceil(r1/bn), c0//bk : ceil(c1/bk)]`. When every shard edge falls on the block grid the
     result stays one factor per block (what `Fp8Dequantize` expects: it derives the block from the two shapes); when
-    an edge falls inside a block, both dims are expanded to one factor per element of the slice, which
-    `Fp8Dequantize` applies as a 1 x 1 block: the same products, element by element, as the unsharded load.
-    `[...]` (a replicated parameter) reads the whole scale, as transformers does.
+    an edge falls inside a block, or the slice ends in a partial block (DeepSeek-V3's 576-row `kv_a_proj_with_mqa`:
+    4.5 blocks, which transformers' own dequantization refuses), both dims are expanded to one factor per element
+    of the slice, which `Fp8Dequantize` applies as a 1 x 1 block: the same products, element by element.
+    `[...]` (a replicated parameter) reads the whole scale, expanded only if the weight ends in a partial block.
     """
 
     def __init__(self, source, weight_shape, scale_shape, dtype: str, block: tuple[int, int]):
@@ -158,7 +159,7 @@ class BlockScaleSlice:
 
     def __getitem__(self, index) -> torch.Tensor:
         if index is Ellipsis or index == (Ellipsis,):
-            return self.source[...]
+            index = ()  # the whole weight (a replicated parameter)
         index = index if isinstance(index, tuple) else (index,)
         ndim = len(self.weight_shape)
         spans = []
@@ -173,7 +174,7 @@ class BlockScaleSlice:
         aligned = True
         for (start, stop), b, size in zip((rows, cols), self.block, self.weight_shape[-2:]):
             grid.append((start // b, -(-stop // b)))
-            aligned &= start % b == 0 and ((stop - start) % b == 0 or stop == size)
+            aligned &= start % b == 0 and (stop - start) % b == 0
         scale = self.source[tuple(slice(a, z) for a, z in lead) + tuple(slice(a, z) for a, z in grid)]
         if aligned:
             return scale
