@@ -73,11 +73,11 @@ def test_block_scale_slice_reads_weight_coordinates(fp8_checkpoints):
 
     files = CheckpointFiles.open(fp8_checkpoints / "deepseek_v3")
     try:
-        key = "model.layers.0.self_attn.q_b_proj.weight"  # [512, 256], scale [4, 2]
+        key = "model.layers.0.self_attn.q_b_proj.weight"  # [768, 256], scale [6, 2]
         slices = files.slices()
         w, s = slices[key][...], slices[key + "_scale_inv"][...]
-        scale = BlockScaleSlice(slices[key + "_scale_inv"], (512, 256), (4, 2), "F32", (128, 128))
-        assert scale.get_shape() == [512, 256]
+        scale = BlockScaleSlice(slices[key + "_scale_inv"], (768, 256), (6, 2), "F32", (128, 128))
+        assert scale.get_shape() == [768, 256]
         assert torch.equal(scale[256:512, 0:256], s[2:4, 0:2])  # on the grid: blocks only
         assert torch.equal(scale[...], s)
         off = scale[64:320, 100:256]  # off the grid: per element
