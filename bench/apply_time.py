@@ -94,7 +94,7 @@ def time_apply(rank: int, world: int, models, reps: int) -> list:
                 del m
             m = copy.deepcopy(base)
             t0 = time.perf_counter()
-            planc.compile(plan, m)
+            planc.compile(m, plan)
             if r:
                 times["planc.compile"].append(time.perf_counter() - t0)
         agg = {}

@@ -3,7 +3,7 @@
 For each shipped plan, the family's default (full-size) config is built on the meta device once.
 Then, on that same model object:
 
-- planc: `compile_plan(loaded_plan, model)`: pattern expansion, parameters-before-module order,
+- planc: `compile_plan(model, loaded_plan)`: pattern expansion, parameters-before-module order,
   every model-aware check (coverage of every experts module, conflicts, shard divisibility, heads,
   EP strategy, Mega MoE limits), per-rank bytes, fingerprint. Also timed from the YAML file
   (load + lint + compile), which is what `planc explain` does.
@@ -58,7 +58,7 @@ def run(repeats: int) -> list[dict]:
 
     from planc.compiler.resolve import compile_plan
     from planc.runtime.models import build_meta_model
-    from planc.spec.load import load_plan
+    from planc.lint.load import load_plan
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     rows = []
@@ -70,8 +70,8 @@ def run(repeats: int) -> list[dict]:
         n_modules = sum(1 for _ in model.named_modules())
         n_params = sum(1 for _ in model.named_parameters())
 
-        planc_s, compiled = _timed(lambda: compile_plan(loaded, model), repeats)
-        e2e_s, _ = _timed(lambda: compile_plan(path, model), repeats)
+        planc_s, compiled = _timed(lambda: compile_plan(model, loaded), repeats)
+        e2e_s, _ = _timed(lambda: compile_plan(model, path), repeats)
 
         tp_plan, ep_plan = _flat(plan.tp_plan), _flat(plan.ep_plan)
 

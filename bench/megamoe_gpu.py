@@ -252,8 +252,10 @@ def main(argv=None):
                             ep_rank=0, ep_size=1)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    groups = types.SimpleNamespace(ep_group=group, ep_rank=0, ep_size=1, tp_group=group)
-    strategy = types.SimpleNamespace(name="deepgemm_megamoe", settings=None)
+    from planc.spec.ep import MegaMoeEP
+
+    groups = types.SimpleNamespace(ep_group=group, ep_rank=0, ep_size=1, tp_group=group, tp_size=1, shares_batch=True)
+    strategy = MegaMoeEP(reason="bench")
     ref_layer = MegaMoeEPRuntime(experts, strategy, groups)
     tri_layer = MegaMoeEPRuntime(tri, strategy, groups)
     tri_state = megamoe_state(tri)

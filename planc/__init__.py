@@ -1,11 +1,21 @@
 """planc: compile declarative tensor- and expert-parallel plans for Mixture-of-Experts models.
 
 The public API is imported lazily so that `import planc` (and `planc lint`) never pulls in torch.
+Every function that takes a model and a plan takes them in that order: `compile(model, plan)`,
+`apply(model, plan)`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Union
+
+if TYPE_CHECKING:
+    import os
+
+    from planc.compiler.compiled import CompiledPlan
+    from planc.lint.diagnostic import Diagnostic
+    from planc.lint.load import PlanSource
+    from planc.spec.load import LoadedPlan
 
 __version__ = "0.1.0"
 
@@ -19,29 +29,33 @@ if TYPE_CHECKING:
     from torch import nn
 
 
-def load_plan(source, *, parallel=None):
-    """Load and validate a plan (path, YAML string, mapping or LoadedPlan); `parallel` runs it at other
-    sizes, e.g. `{"tp_size": 2, "ep_size": 2}`, linted again at those sizes."""
-    from planc.spec.load import load_plan as _load
+def load_plan(source: "PlanSource", *, parallel: "Optional[Mapping[str, int]]" = None) -> "LoadedPlan":
+    """Load, lint and validate a plan (path, YAML string, mapping, Plan or LoadedPlan); PlanError if it is invalid.
+    `parallel` runs it at other sizes, e.g. `{"tp_size": 2, "ep_size": 2}`, linted again at those sizes."""
+    from planc.lint.load import load_plan as _load
 
     return _load(source, parallel=parallel)
 
 
-def lint_paths(paths, **kwargs):
-    """Lint plan files or directories; returns the list of Diagnostics."""
+def lint_paths(paths: "Union[str, os.PathLike[str], Iterable[Union[str, os.PathLike[str]]]]", *,
+               strict: bool = False) -> "list[Diagnostic]":
+    """Lint plan files or directories; returns the sorted Diagnostics (never raises on bad input)."""
     from planc.lint.runner import lint_paths as _lint
 
-    return _lint(paths, **kwargs)
+    return _lint(paths, strict=strict)
 
 
-def compile(plan, model):  # noqa: A001 - the verb is the API
-    """Resolve `plan` against `model` (never changes it) and return the CompiledPlan."""
-    from planc.compiler.resolve import compile_plan
+def compile(model: Any, plan: "PlanSource") -> "CompiledPlan":  # noqa: A001 - the verb is the API
+    """Resolve `plan` against `model` (never changes it) and return the CompiledPlan; CompileError lists
+    every problem. `compile(plan, model)`, the old order, still works with a DeprecationWarning."""
+    from planc.compiler.resolve import compile_plan, model_and_plan
 
-    return compile_plan(plan, model)
+    model, plan = model_and_plan(model, plan, "planc.compile")
+    return compile_plan(model, plan)
 
 
-def apply(model, plan, *, mesh=None, parallel=None):
+def apply(model: Any, plan: "PlanSource", *, mesh: Optional[Any] = None,
+          parallel: "Optional[Mapping[str, int]]" = None) -> "CompiledPlan":
     """Compile `plan` against `model`, then shard and install it on every rank (all or nothing);
     `parallel` runs the plan at other sizes (see load_plan)."""
     from planc.runtime.install import apply as _apply
@@ -49,7 +63,9 @@ def apply(model, plan, *, mesh=None, parallel=None):
     return _apply(model, plan, mesh=mesh, parallel=parallel)
 
 
-def load(source, plan, *, dtype=None, device=None, mesh=None, parallel=None, dequantize=None):
+def load(source: "Union[str, os.PathLike[str]]", plan: "PlanSource", *, dtype: Optional[Any] = None,
+         device: Optional[Any] = None, mesh: Optional[Any] = None,
+         parallel: "Optional[Mapping[str, int]]" = None, dequantize: Optional[bool] = None) -> "nn.Module":
     """Load the checkpoint directory `source` sharded by `plan`: every rank reads only its own shards.
 
     Returns the applied model (as `from_pretrained` returns one); its CompiledPlan is `model._planc_plan`.

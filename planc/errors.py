@@ -16,10 +16,12 @@ class PlanError(PlancError):
 
 
 class CompileError(PlancError):
-    """A plan that cannot be resolved against this model. `problems` lists every conflict found."""
+    """A plan that cannot be resolved against this model. `problems` lists every conflict found, as
+    Diagnostics (the shape lint reports in, plus the module path); `diagnostics` is the same list."""
 
     def __init__(self, problems):
         self.problems = list(problems)
+        self.diagnostics = self.problems
         lines = [f"{len(self.problems)} problem(s) resolving the plan against the model:"]
         for p in self.problems:
             lines.append(f"  {p}")

@@ -24,7 +24,7 @@ def add_arguments(parser) -> None:
 
 
 def _plan_for_two_ranks(path: str) -> dict:
-    from planc.spec.load import load_plan
+    from planc.lint.load import load_plan
 
     data = load_plan(path, parallel={"tp_size": WORLD, "ep_size": WORLD, "dp_size": 1}).plan.model_dump()
     data["extends"] = None  # merged already
@@ -67,7 +67,7 @@ def _check_before_spawning(path: str, plan: dict, seed: int) -> int:
         print(f"planc demo: {e}", file=sys.stderr)
         return 2
     try:
-        compile_plan(plan, model)
+        compile_plan(model, plan)
     except CompileError as e:
         print(f"planc demo: {path} does not resolve against a tiny {type(model).__name__} on {WORLD} ranks:\n{e}",
               file=sys.stderr)

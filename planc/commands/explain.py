@@ -153,7 +153,7 @@ def explain_one(path: str, config: dict, overrides: dict, dtype: str):
     """(exit status, CompiledPlan or None) for one plan file; the problems go to stderr."""
     from planc.compiler.resolve import compile_plan
     from planc.errors import CompileError, PlanError
-    from planc.spec.load import load_plan
+    from planc.lint.load import load_plan
 
     from planc.lint.rules_source import UNREADABLE_CODES
     from planc.runtime.models import ModelBuildError
@@ -179,7 +179,7 @@ def explain_one(path: str, config: dict, overrides: dict, dtype: str):
         sys.stderr.write(f"planc explain: cannot build a `{model_type}` model: {e}\n")
         return 2, None
     try:
-        compiled = compile_plan(loaded, model)
+        compiled = compile_plan(model, loaded)
     except CompileError as e:
         sys.stderr.write(f"planc explain: {path} does not resolve against {type(model).__name__}:\n{e}\n")
         return 1, None

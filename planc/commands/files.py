@@ -13,8 +13,10 @@ import os
 import stat
 import tempfile
 
+from planc.errors import PlancError
 
-class OutputError(Exception):
+
+class OutputError(PlancError):
     """A file the CLI cannot or must not write; the message names the path and what to do."""
 
 

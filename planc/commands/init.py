@@ -148,7 +148,7 @@ def _attempt(model_type, model, size: int, ep_on: bool, base: _Draft, impl: str)
     """
     from planc.compiler.resolve import compile_plan
     from planc.errors import CompileError, PlanError
-    from planc.spec.load import load_plan
+    from planc.lint.load import load_plan
     from planc.spec.model import Plan
 
     draft = _Draft(dict(base.tp), dict(base.ep), list(base.notes))
@@ -162,12 +162,12 @@ def _attempt(model_type, model, size: int, ep_on: bool, base: _Draft, impl: str)
     else:
         ep_experts = [k for k, s in draft.ep.items() if s == "ep_dispatch_experts"]
         for pattern in [k for k in draft.tp if _under(k, ep_experts)]:
-            draft.drop("tp_plan", pattern, "PLC604", "the experts are expert-parallel (ep_plan); EP wins")
+            draft.drop("tp_plan", pattern, "PLC406", "the experts are expert-parallel (ep_plan); EP wins")
     for _ in range(_MAX_REPAIRS):
         data = _plan_data(model_type, size, ep_on, draft, impl)
         try:
             loaded = load_plan(Plan.model_validate(data))
-            return draft, compile_plan(loaded, model), []
+            return draft, compile_plan(model, loaded), []
         except PlanError as e:
             return draft, None, [str(e).splitlines()[0]]
         except CompileError as e:
@@ -232,7 +232,7 @@ def init_plan(model_type: str, config: Optional[dict] = None, overrides: Optiona
     for ep_on in (True, False):
         for size in sizes:
             draft, compiled, blockers = _attempt(top_type, model, size, ep_on, base, impl)
-            dropped = sum(1 for n in draft.notes[len(base.notes):] if n[3] not in ("", "PLC604"))
+            dropped = sum(1 for n in draft.notes[len(base.notes):] if n[3] not in ("", "PLC406"))
             label = f"tp_size {size}" + (f", ep_size {size}" if ep_on else ", ep_size 1")
             if compiled is None:
                 tried.append(f"{label}: {blockers[0] if blockers else 'does not compile'}")

@@ -1,6 +1,6 @@
 """Resolution of a plan against a model: pure, inspectable, changes nothing. No torch import here."""
 
-from planc.compiler.ep import AllReduceEP, AllToAllEP, AutoEP, EPStrategy, MegaMoeEP, resolve_ep
+from planc.spec.ep import AllReduceEP, AllToAllEP, AutoEP, EPStrategy, MegaMoeEP, resolve_ep
 
 __all__ = ["AllReduceEP", "AllToAllEP", "AutoEP", "EPStrategy", "MegaMoeEP", "resolve_ep", "compile_plan"]
 

@@ -6,27 +6,16 @@ position and what to write instead.
 
 from __future__ import annotations
 
-import difflib
 from typing import Optional
 
 from planc.compiler.compiled import Assignment, CompileWarning, ExpertsAssignment
 from planc.compiler.context import *  # noqa: F403 - the problem codes
 from planc.compiler.context import PlanRule, key_where
-from planc.compiler.ep import EPResolutionError, EPStrategy, resolve_ep
+from planc.spec.ep import EPStrategy, resolve_ep
 from planc.compiler.render import human_bytes
 from planc.compiler.walk import generic_path
 from planc.spec.sizes import check_sizes as _check_sizes
-from planc.spec.styles import (
-    ALL_STYLES,
-    EP_STYLES,
-    EP_TABLE_STYLES,
-    EXPERTS_MODULE_STYLES,
-    PARAMETER_STYLES,
-    REMOVED_STYLES,
-    RUNTIME_STYLES,
-    STYLE,
-    TP_STYLES,
-)
+from planc.spec.styles import ALL_STYLES, EXPERTS_MODULE_STYLES, PARAMETER_STYLES, RUNTIME_STYLES, STYLE
 
 MEGAMOE_MAX_TOP_K = 32
 MEGAMOE_MAX_RANKS = 72
@@ -53,52 +42,22 @@ def check_model_type(c) -> None:
 
 
 def check_sizes(c) -> None:
-    """`planc.spec.sizes.check_sizes`, the function lint and the runtime call, placed at `parallel`."""
+    """`planc.spec.sizes.check_sizes`, the function lint and the runtime call. Plans reach the compiler
+    linted, so this only fires for a `LoadedPlan` built in code; the codes are lint's (PLC500-502)."""
     p = c.parallel
     for problem in _check_sizes(p.tp_size, p.ep_size, p.dp_size):
-        c.problems.add(BAD_SIZES, f"{problem.code}: {problem.message}", key_where(c.loaded, problem.key), problem.hint)
+        c.problems.add(problem.code, problem.message, key_where(c.loaded, problem.key), problem.hint)
 
 
 def check_style(c, rule: PlanRule) -> None:
-    style, where, table = rule.style, rule.source.where, rule.table
-    if style in REMOVED_STYLES:
-        c.problems.add(
-            STYLE_NOT_INSTALLABLE,
-            f"style `{style}` was removed from transformers (>= 5.23) and planc does not install it",
-            where,
-            f"{REMOVED_STYLES[style]}; `planc migrate` rewrites it",
-        )
-        return
-    if style not in ALL_STYLES:
-        guess = difflib.get_close_matches(style, sorted(ALL_STYLES), n=1, cutoff=0.6)
-        c.problems.add(
-            STYLE_NOT_INSTALLABLE,
-            f"unknown style `{style}`",
-            where,
-            f"did you mean `{guess[0]}`?" if guess else f"use one of: {', '.join(sorted(RUNTIME_STYLES))}",
-        )
-        return
-    if table == "tp_plan" and style in EP_STYLES:
-        c.problems.add(
-            WRONG_TABLE,
-            f"`{style}` is an expert-parallel style, but this rule is in tp_plan",
-            where,
-            f"move `{rule.pattern_text}: {style}` to ep_plan",
-        )
-    elif table == "ep_plan" and style not in EP_TABLE_STYLES:
-        hint = (
-            f"move `{rule.pattern_text}: {style}` to tp_plan (with packed_colwise/rowwise on its parameters), or "
-            "shard the experts by expert: `grouped_gemm` on their parameters and `ep_dispatch_experts` on the module"
-            if style == "moe_tp_experts"
-            else f"move `{rule.pattern_text}: {style}` to tp_plan; ep_plan takes {', '.join(sorted(EP_TABLE_STYLES))}"
-        )
-        c.problems.add(WRONG_TABLE, f"`{style}` is a tensor-parallel style, but this rule is in ep_plan", where, hint)
+    """A style lint accepts (current, in the right table) that planc's runtime does not install."""
+    style = rule.style
     if style not in RUNTIME_STYLES:
         c.problems.add(
             STYLE_NOT_INSTALLABLE,
-            f"planc's runtime does not install style `{style}` ({TP_STYLES.get(style, '')}); transformers would, "
-            "planc refuses instead of skipping it",
-            where,
+            f"planc's runtime does not install style `{style}` ({ALL_STYLES.get(style, 'unknown')}); transformers "
+            "would, planc refuses instead of skipping it",
+            rule.source.where,
             f"use one of the installable styles ({', '.join(sorted(RUNTIME_STYLES))}), or `replicate` to keep "
             "the module whole on every rank",
         )
@@ -294,11 +253,7 @@ def resolve_strategy(c, ep_experts: set[str]) -> Optional[EPStrategy]:
     # Mega MoE experts always run behind MegaMoeEP (it hands the kernel its process group), even at ep_size 1.
     if not ep_experts and not c.megamoe:
         return None
-    try:
-        return resolve_ep(c.plan.experts, c.parallel)
-    except EPResolutionError as e:
-        c.problems.add(EP_RESOLUTION, str(e), key_where(c.loaded, tuple(e.field.split("."))), e.hint)
-        return None
+    return resolve_ep(c.plan.experts, c.parallel)  # lint (PLC400-402) has refused the plans it raises for
 
 
 def experts_assignments(c, final: dict[str, PlanRule], strategy) -> list[ExpertsAssignment]:

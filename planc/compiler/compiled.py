@@ -12,8 +12,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from planc.compiler.ep import EPStrategy
+from planc.lint.diagnostic import ERROR, WARNING, Diagnostic
+from planc.spec.ep import EPStrategy
 from planc.spec.model import Experts, Parallel
+from planc.spec.source import Position
 
 
 @dataclass(frozen=True)
@@ -28,10 +30,10 @@ class SourceRule:
     col: Optional[int] = None
 
     @property
-    def where(self) -> str:
+    def where(self) -> "Where":
         if self.file and self.line:
-            return f"{self.file}:{self.line}:{self.col or 1}"
-        return f"{self.table}[{self.pattern!r}]"
+            return Where(f"{self.file}:{self.line}:{self.col or 1}", Position(self.file, self.line, self.col or 1))
+        return Where(f"{self.table}[{self.pattern!r}]")
 
 
 @dataclass(frozen=True)
@@ -73,30 +75,31 @@ class ExpertsAssignment:
     is_transposed: bool = False
 
 
-@dataclass(frozen=True)
-class CompileWarning:
-    code: str
-    message: str
-    hint: str
-    where: str
+class Where(str):
+    """A plan location as text (`file:line:col`, or `tp_plan['pattern']` for a plan built in code) that
+    also carries its Position, so compile diagnostics get the same shape as lint's."""
 
-    def __str__(self) -> str:
-        return f"{self.where}: warning {self.code} {self.message}\n      hint: {self.hint}"
+    position: Optional[Position] = None
+
+    def __new__(cls, text: str, position: Optional[Position] = None) -> "Where":
+        obj = super().__new__(cls, text)
+        obj.position = position
+        return obj
 
 
-@dataclass(frozen=True)
-class CompileProblem:
-    """One reason the plan does not resolve: what, which module, which plan line, what to write instead."""
+def _at(where: str) -> dict:
+    position = getattr(where, "position", None)
+    return {"position": position} if position is not None else {"key": str(where)}
 
-    code: str
-    message: str
-    module: Optional[str]  # module/parameter path (concrete, or generic with `*` when many share it)
-    where: str  # `file:line:col` of the rule or key, else `tp_plan['pattern']`
-    hint: str
 
-    def __str__(self) -> str:
-        module = f"\n      module: {self.module}" if self.module else ""
-        return f"{self.where}: {self.code} {self.message}{module}\n      hint: {self.hint}"
+def CompileProblem(code: str, message: str, module: Optional[str], where: str, hint: str) -> Diagnostic:  # noqa: N802
+    """One reason the plan does not resolve, as a Diagnostic: what, which module, which plan line, what instead."""
+    return Diagnostic(code, ERROR, message, hint, module=module, **_at(where))
+
+
+def CompileWarning(code: str, message: str, hint: str, where: str) -> Diagnostic:  # noqa: N802
+    """A compile warning, as a Diagnostic (severity `warning`)."""
+    return Diagnostic(code, WARNING, message, hint, **_at(where))
 
 
 @dataclass(frozen=True)
@@ -133,7 +136,7 @@ class CompiledPlan:
     coverage: tuple[RuleCoverage, ...]
     bytes_sharded_per_rank: int
     bytes_replicated_per_rank: int
-    warnings: tuple[CompileWarning, ...] = ()
+    warnings: tuple[Diagnostic, ...] = ()
     fingerprint: str = field(default="")
     plan_name: Optional[str] = None
     plan_path: Optional[str] = None

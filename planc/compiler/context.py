@@ -11,49 +11,45 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
-from planc.compiler.compiled import CompileProblem, SourceRule
+from planc.compiler.compiled import CompileProblem, SourceRule, Where
+from planc.lint.diagnostic import Diagnostic
 from planc.compiler.walk import generic_path
 from planc.spec.patterns import Pattern
 
-# Problem codes (documented in docs/compile.md).
-UNMATCHED_RULE = "PLC601"
-EXPERTS_UNCOVERED = "PLC602"
-CONFLICTING_RULES = "PLC603"
-TP_ON_EP_EXPERTS = "PLC604"
-STYLE_NOT_INSTALLABLE = "PLC605"
-EXPERTS_NOT_DIVISIBLE = "PLC606"
-MODEL_TYPE_MISMATCH = "PLC607"
-MEGAMOE_NO_GATE = "PLC608"
-MEGAMOE_TOP_K = "PLC609"
-MEGAMOE_EP_SIZE = "PLC610"
-MEGAMOE_SIZES = "PLC611"
-MEGAMOE_NOT_FP4 = "PLC612"
-WRONG_TARGET = "PLC613"
-EP_RESOLUTION = "PLC614"
-EXPERTS_PARTIAL = "PLC615"
-UNEVEN_SHARD = "PLC616"
-HEAD_SPLIT = "PLC617"
-WRONG_TABLE = "PLC618"
-BAD_PATTERN = "PLC619"
-BAD_SIZES = "PLC620"
-MEGAMOE_ACTIVATION = "PLC621"
-MEGAMOE_KERNEL_BLOCKS = "PLC622"
-BARE_PARAM_UNWRAPPED = "PLC623"
-EXPERTS_IMPL_FIXED = "PLC624"
-BLOCK_GRID = "PLC625"
-# Layout pass (planc.compiler.layout).
-LAYOUT_SHARDED_INTO_REPLICATED = "PLC630"
-LAYOUT_ROWWISE_WITHOUT_SHARDED = "PLC631"
-LAYOUT_OUTPUT_LEFT_SHARDED = "PLC632"
-LAYOUT_NORM_OVER_SHARDED = "PLC633"
-LAYOUT_PRODUCERS_DISAGREE = "PLC634"
-LAYOUT_MODULE_PARAM_CONFLICT = "PLC635"
-# Memory budget (planc.compiler.memory).
-DEVICE_MEMORY = "PLC660"
-# Warning codes.
-REPLICATED_DENSE = "PLC651"
-TABLE_INACTIVE = "PLC652"
-MEGAMOE_ALIGNMENT = "PLC653"
+# The codes the compiler emits: defined, documented and exampled in the one registry (planc.lint.rules_compile).
+from planc.lint.rules_compile import (  # noqa: E402
+    BARE_PARAM_UNWRAPPED,
+    BLOCK_GRID,
+    CONFLICTING_RULES,
+    DEVICE_MEMORY,
+    EXPERTS_IMPL_FIXED,
+    EXPERTS_NOT_DIVISIBLE,
+    EXPERTS_PARTIAL,
+    EXPERTS_UNCOVERED,
+    HEAD_SPLIT,
+    LAYOUT_MODULE_PARAM_CONFLICT,
+    LAYOUT_NORM_OVER_SHARDED,
+    LAYOUT_OUTPUT_LEFT_SHARDED,
+    LAYOUT_PRODUCERS_DISAGREE,
+    LAYOUT_ROWWISE_WITHOUT_SHARDED,
+    LAYOUT_SHARDED_INTO_REPLICATED,
+    MEGAMOE_ACTIVATION,
+    MEGAMOE_ALIGNMENT,
+    MEGAMOE_EP_SIZE,
+    MEGAMOE_KERNEL_BLOCKS,
+    MEGAMOE_NO_GATE,
+    MEGAMOE_NOT_FP4,
+    MEGAMOE_SIZES,
+    MEGAMOE_TOP_K,
+    MODEL_TYPE_MISMATCH,
+    REPLICATED_DENSE,
+    STYLE_NOT_INSTALLABLE,
+    TABLE_INACTIVE,
+    UNEVEN_SHARD,
+    UNMATCHED_RULE,
+    WRONG_TARGET,
+)
+
 
 @dataclass
 class PlanRule:
@@ -86,7 +82,7 @@ class Problems:
     def __bool__(self) -> bool:
         return bool(self._groups)
 
-    def build(self) -> list[CompileProblem]:
+    def build(self) -> list[Diagnostic]:
         out = []
         for (code, message, where, hint, generic), fqns in self._groups.items():
             concrete = list(dict.fromkeys(f for f in fqns if f))
@@ -100,9 +96,9 @@ class Problems:
         return out
 
 
-def key_where(loaded, keypath: tuple) -> str:
+def key_where(loaded, keypath: tuple) -> Where:
     pos = loaded.position(keypath)
-    return str(pos) if pos is not None else ".".join(str(k) for k in keypath)
+    return Where(str(pos), pos) if pos is not None else Where(".".join(str(k) for k in keypath))
 
 
 def source_rule(loaded, table: str, pattern: str, style: str) -> SourceRule:

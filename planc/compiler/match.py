@@ -14,13 +14,11 @@ from planc.compiler import checks
 from planc.compiler.compiled import Assignment
 from planc.compiler.context import (
     CONFLICTING_RULES,
-    BAD_PATTERN,
-    TP_ON_EP_EXPERTS,
     UNMATCHED_RULE,
     PlanRule,
     source_rule,
 )
-from planc.spec.patterns import Pattern, PatternError
+from planc.spec.patterns import Pattern
 from planc.spec.styles import ALL_STYLES, EXPERTS_MODULE_STYLES, PARAMETER_STYLES
 
 
@@ -31,11 +29,7 @@ def collect_rules(c) -> None:
                 len(c.rules), table, pattern_text, style, source_rule(c.loaded, table, pattern_text, style)
             )
             c.rules.append(rule)
-            where = rule.source.where
-            try:
-                rule.pattern = Pattern(pattern_text)
-            except PatternError as e:
-                c.problems.add(BAD_PATTERN, f"{table} pattern `{pattern_text}`: {e.problem}", where, e.hint)
+            rule.pattern = Pattern(pattern_text)  # lint (PLC300) has refused invalid patterns
             checks.check_style(c, rule)
 
 
@@ -140,25 +134,11 @@ def expand(c, maps, ep_experts: set[str]) -> tuple[list[Assignment], dict[str, P
             return r, True
         return None, False
 
-    owner_of: dict[str, Optional[str]] = {}  # module -> the EP experts module it is (in), parents first
     for mname, minfo in walk.modules.items():
-        experts_owner = mname if mname in ep_experts else owner_of.get(mname.rpartition(".")[0])
-        owner_of[mname] = experts_owner
         targets = [(p, "parameter", mname) for p in minfo.params] + ([(mname, "module", None)] if mname else [])
         for fqn, target, owner in targets:
             tr, t_inh = style_in(tp_map, fqn, owner)
             er, e_inh = style_in(ep_map, fqn, owner)
-            if tr is not None and experts_owner is not None and not t_inh:
-                c.problems.add(
-                    TP_ON_EP_EXPERTS,
-                    f"tp_plan rule `{tr.pattern_text}` ({tr.style}) targets experts that ep_plan shards by expert "
-                    f"(ep_size={c.ep}); transformers silently drops such TP rules, planc refuses",
-                    tr.source.where,
-                    f"delete `{tr.pattern_text}` from tp_plan (with EP the experts are never tensor-sharded), "
-                    "or set `ep_size: 1` to keep them tensor-parallel",
-                    fqn,
-                )
-                tr = None
             rule, inherited = (er, e_inh) if er is not None else (tr, t_inh)
             if er is not None and tr is not None and er.style != tr.style:
                 c.problems.add(

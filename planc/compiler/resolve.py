@@ -17,11 +17,12 @@ from typing import Any, Optional
 
 from planc.compiler import bytes as accounting
 from planc.compiler import checks, layout, match
-from planc.compiler.compiled import CompiledPlan, CompileWarning
+from planc.compiler.compiled import CompiledPlan
 from planc.compiler.context import *  # noqa: F401,F403 - the problem codes, re-exported for callers and tests
 from planc.compiler.context import PlanRule, Problems, key_where
 from planc.compiler.walk import ModelWalk, walk_model
 from planc.errors import CompileError
+from planc.lint.diagnostic import Diagnostic
 from planc.spec.sizes import Sizes, sizes_hint, solve_sizes
 
 
@@ -37,7 +38,7 @@ class Resolver:
         self.active = {"tp": self.tp > 1, "ep": self.ep > 1}
         self.megamoe = self.plan.experts.implementation == "deepgemm_megamoe"
         self.problems = Problems()
-        self.warnings: list[CompileWarning] = []
+        self.warnings: list[Diagnostic] = []
         self.rules: list[PlanRule] = []
         self._suggest = suggest_sizes
         self._hint: Optional[str] = None
@@ -166,15 +167,38 @@ def sizes_for_world(plan: Any, model: Any, world: int, limit: int = 3) -> list[S
 
 
 def _load(plan):
-    from planc.spec.load import LoadedPlan, load_plan
+    from planc.lint.load import load_plan
+    from planc.spec.load import LoadedPlan
 
     return plan if isinstance(plan, LoadedPlan) else load_plan(plan)
 
 
-def compile_plan(plan: Any, model: Any) -> CompiledPlan:
+def is_model(obj: Any) -> bool:
+    """Whether `obj` is a model (an nn.Module or anything with `named_modules`) rather than a plan source."""
+    return callable(getattr(obj, "named_modules", None))
+
+
+def model_and_plan(first: Any, second: Any, caller: str) -> tuple[Any, Any]:
+    """`(model, plan)` from a call in the one argument order, or in the old `(plan, model)` order of
+    `planc.compile` with a DeprecationWarning (a model is never a plan source, so the order is unambiguous)."""
+    if is_model(first) or not is_model(second):
+        return first, second
+    import warnings
+
+    warnings.warn(
+        f"{caller}(plan, model) is deprecated: write {caller}(model, plan), the order planc.apply takes",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return second, first
+
+
+def compile_plan(model: Any, plan: Any) -> CompiledPlan:
     """Resolve `plan` (path, YAML text, mapping, Plan or LoadedPlan) against `model`; never changes the model.
 
     Raises CompileError listing every problem found (each with module path, plan position and hint).
+    `compile_plan(plan, model)`, the old order, still works with a DeprecationWarning.
     """
+    model, plan = model_and_plan(model, plan, "compile_plan")
     loaded = _load(plan)
     return Resolver(loaded, walk_model(model)).run()

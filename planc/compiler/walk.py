@@ -202,7 +202,7 @@ def walk_model(model) -> ModelWalk:
     """Snapshot `model` (an nn.Module or anything with the methods listed above); reads only."""
     if not all(callable(getattr(model, m, None)) for m in ("named_modules", "named_parameters")):
         raise TypeError(
-            f"planc.compile(plan, model): model must be a torch.nn.Module (anything with named_modules() and "
+            f"planc.compile(model, plan): model must be a torch.nn.Module (anything with named_modules() and "
             f"named_parameters()), got {type(model).__name__}; build it first, e.g. "
             "AutoModelForCausalLM.from_config(config)"
         )

@@ -1,7 +1,9 @@
 """Diagnostic: one problem in a plan, with where it is and what to write instead.
 
-Every layer that reports a plan problem (loader, schema, semantic rules) produces these, so the CLI,
-pre-commit, `load_plan` errors and the JSON/GitHub reports all print the same thing.
+The one shape every layer reports in: the loader, the schema, the lint rules and the compiler
+(`CompileError.problems` and `CompiledPlan.warnings` are Diagnostics too, with the module path they
+concern), so the CLI, pre-commit, `load_plan` errors, `planc explain` and the JSON/GitHub reports all
+print the same thing.
 """
 
 from __future__ import annotations
@@ -29,6 +31,13 @@ class Diagnostic:
     message: str  # what is wrong
     hint: str  # what to write instead
     position: Optional[Position] = None  # where; None only for problems with no file (a mapping plan)
+    module: Optional[str] = None  # compile diagnostics: the module/parameter path (generic with a count when many)
+    key: Optional[str] = None  # where, when there is no position: `tp_plan['lm_head']` for a plan built in code
+
+    @property
+    def where(self) -> str:
+        """`file:line:col`, or the plan key for a plan with no file."""
+        return self.location() if self.position is not None or self.key is None else self.key
 
     @property
     def path(self) -> Optional[str]:
@@ -46,9 +55,12 @@ class Diagnostic:
         return f"{self.path or '<string>'}:{self.line}:{self.col}"
 
     def format(self) -> str:
-        """`path:line:col: CODE severity: message` and an indented hint line, each exactly one line:
-        control characters from the plan (a pattern with a newline, an escape sequence) are escaped."""
-        text = f"{one_line(self.location())}: {self.code} {self.severity}: {one_line(self.message)}"
+        """`path:line:col: CODE severity: message`, the module line (compile diagnostics) and an indented hint
+        line, each exactly one line: control characters from the plan (a pattern with a newline, an escape
+        sequence) are escaped."""
+        text = f"{one_line(self.where)}: {self.code} {self.severity}: {one_line(self.message)}"
+        if self.module:
+            text += f"\n    module: {one_line(self.module)}"
         return f"{text}\n    hint: {one_line(self.hint)}" if self.hint else text
 
     def to_json(self) -> dict:
@@ -60,6 +72,7 @@ class Diagnostic:
             "severity": self.severity,
             "message": self.message,
             "hint": self.hint,
+            **({"module": self.module} if self.module else {}),
         }
 
     def sort_key(self) -> tuple:

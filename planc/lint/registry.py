@@ -1,4 +1,4 @@
-"""The lint rules: one `Rule` per stable code, registered by the `rules_*` family modules.
+"""The rules: one `Rule` per stable code, for the loader, lint and the compiler, registered by the `rules_*` modules.
 
 Like ruff, a code never changes meaning once published; `planc rules` lists them, `planc rules CODE`
 prints the doc, and docs/lint.md is generated from (and tested against) this registry. Each rule
@@ -16,8 +16,12 @@ from typing import Callable, Iterable, Optional
 
 from planc.lint.diagnostic import ERROR
 
-# Family modules, in the order `planc rules` lists them.
-FAMILIES = ("source", "schema", "extends", "patterns", "styles", "removed", "ep", "sizes")
+# Families, in the order `planc rules` lists them: loader and lint rules, then the rules the compiler
+# emits (`compile`, `layout`; documented and exampled here, checked in planc.compiler).
+FAMILIES = ("source", "schema", "extends", "patterns", "styles", "removed", "ep", "sizes", "compile", "layout")
+COMPILE_FAMILIES = ("compile", "layout")
+# The modules that register them (`layout` rules live in rules_compile).
+_MODULES = ("source", "schema", "extends", "patterns", "styles", "removed", "ep", "sizes", "compile")
 
 _RULES: dict[str, "Rule"] = {}
 _loaded = False
@@ -35,6 +39,8 @@ class Rule:
     needs_plan: bool = True  # skip when the document does not validate (the check reads ctx.plan)
     bad: Optional[str] = None  # example plan that triggers the rule
     good: Optional[str] = None  # the same plan, fixed
+    # compile rules: config overrides of the tiny model of the example's `model.type` (tests compile against it)
+    config: Optional[dict] = None
 
 
 def rule(code: str, name: str, title: str, *, severity: str = ERROR, needs_plan: bool = True,
@@ -67,8 +73,8 @@ def _load() -> None:
     global _loaded
     if not _loaded:
         _loaded = True
-        for family in FAMILIES:
-            importlib.import_module(f"planc.lint.rules_{family}")
+        for module in _MODULES:
+            importlib.import_module(f"planc.lint.rules_{module}")
 
 
 def all_rules() -> list[Rule]:

@@ -27,7 +27,7 @@ _EP = (
 
 def _resolution(ctx):
     """(code, EPResolutionError) when resolve_ep refuses the plan's experts settings, else None."""
-    from planc.compiler.ep import EPResolutionError, resolve_ep
+    from planc.spec.ep import EPResolutionError, resolve_ep
 
     codes = {
         EPResolutionError.MEGAMOE_OTHER_EP: MEGAMOE_OTHER_EP,

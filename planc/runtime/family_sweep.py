@@ -103,7 +103,7 @@ def prepare(fam) -> dict:
     errors = [d.format() for d in lint_text(text) if d.severity == "error"]
     rec["lint"] = "pass" if not errors else f"fail: {_one_line(errors[0])}"
     try:
-        compiled = compile_plan(text, meta)
+        compiled = compile_plan(meta, text)
         rec["explain"] = "pass"
         rec["ep"] = compiled.parallel.ep_size > 1
         rec["tp"] = compiled.parallel.tp_size > 1

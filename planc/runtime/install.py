@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,15 +33,18 @@ from torch.distributed.tensor import DTensor
 
 from planc.errors import ApplyError
 from planc.runtime.checkpoint.guards import guard_applied_model
+from planc.runtime.ep import EP_RUNTIMES
 from planc.runtime.ep.base import install_ep_forward, shard_expert_tensor
 from planc.runtime.mesh import Groups, build_groups
+from planc.runtime.snapshot import Snapshot
 from planc.runtime.tp_styles import tp_style
 
 # Experts kernels that need a CUDA GPU of at least this compute capability.
 _GPU_KERNELS = {"deepgemm": (9, 0), "sonicmoe": (9, 0)}
 
 
-def apply(model: nn.Module, plan, *, mesh=None, parallel=None):
+def apply(model: nn.Module, plan: Any, *, mesh: Optional[Any] = None,
+          parallel: Optional[Mapping[str, int]] = None) -> Any:
     """Compile `plan` against `model`, then shard and install it on every rank (all or nothing).
 
     `plan`: a path, YAML text, mapping, `LoadedPlan` or `Plan`. `mesh`: an optional ("dp", "tp")
@@ -94,8 +97,8 @@ def compile_and_check(model, plan, mesh, *, device: Optional[torch.device] = Non
     return compiled, problems
 
 
-def _load(plan, parallel=None):
-    from planc.spec.load import load_plan
+def _load(plan, parallel: Optional[Mapping[str, int]] = None):
+    from planc.lint.load import load_plan
 
     return load_plan(plan, parallel=parallel)
 
@@ -130,7 +133,7 @@ def _local_checks(model, compiled, mesh, device=None) -> list[str]:
 def _compile(model, loaded):
     from planc.compiler.resolve import compile_plan
 
-    return compile_plan(loaded, model)
+    return compile_plan(model, loaded)
 
 
 def _already_sharded(model: nn.Module) -> list[str]:
@@ -295,7 +298,7 @@ def step_set_experts_implementation(state: InstallState) -> None:
         return  # Mega MoE gets an instance forward (step_install_megamoe); transformers refuses a runtime switch to it
     can = getattr(type(state.model), "_can_set_experts_implementation", None)
     if impl == "eager" and callable(can) and not can():
-        return  # the class runs its own experts forward and refuses any switch (the compiler checked: PLC622)
+        return  # the class runs its own experts forward and refuses any switch (the compiler checked: PLC624)
     if not hasattr(state.model, "set_experts_implementation"):
         raise ApplyError(
             f"planc.runtime.install: {type(state.model).__name__} is not a transformers PreTrainedModel, so its "
@@ -365,10 +368,9 @@ def step_install_ep_forwards(state: InstallState) -> None:
             continue
         module = state.module(e.fqn)
         module._planc_fqn = e.fqn
-        runtime_cls = e.strategy.runtime()
-        runtime = runtime_cls(module, e.strategy, state.groups)
-        local = getattr(runtime, "num_local_experts", None)
-        if local is not None and local * state.groups.ep_size != e.num_experts:
+        runtime = EP_RUNTIMES[e.strategy.name](module, e.strategy, state.groups)
+        local = runtime.num_local_experts
+        if local * state.groups.ep_size != e.num_experts:
             raise ApplyError(
                 f"planc.runtime.install: {e.fqn} holds {local} experts per rank, but {e.num_experts} experts over "
                 f"{state.groups.ep_size} EP ranks is {e.num_experts // state.groups.ep_size}: shard every expert "
@@ -429,68 +431,3 @@ def install_atomically(
             "no model was returned" if what == "planc.load" else "the model was restored exactly as it was"
         )
         raise ApplyError(f"{what} failed while installing; {outcome}:\n{_by_message(failed)}") from error
-
-
-# ---- snapshot / restore ------------------------------------------------------------------------------------
-
-
-_CONTAINERS = (dict, list, set)
-
-
-def _copy_attrs(obj) -> dict:
-    """`obj.__dict__` with a copy of the contents of each container (params, buffers, hooks), one level deep.
-
-    The containers themselves are kept too: a hook handle taken before `apply` holds a weak reference
-    to the very `_forward_hooks` dict, so restore must refill that object, not install a copy.
-    """
-    out = {}
-    for k, v in obj.__dict__.items():
-        out[k] = (v, type(v)(v)) if isinstance(v, _CONTAINERS) else (v, None)
-    return out
-
-
-def _restore_attrs(obj, attrs: dict) -> None:
-    """Put back every attribute as the same object, with the contents each container had."""
-    obj.__dict__.clear()
-    for k, (v, contents) in attrs.items():
-        if contents is not None:
-            if isinstance(v, list):
-                v[:] = contents
-            else:
-                v.clear()
-                v.update(contents)
-        obj.__dict__[k] = v
-
-
-def _configs(model: nn.Module) -> list:
-    seen, out = set(), []
-    stack = [getattr(m, "config", None) for m in model.modules()]
-    while stack:
-        c = stack.pop()
-        if c is None or id(c) in seen or not hasattr(c, "to_dict"):
-            continue
-        seen.add(id(c))
-        out.append(c)
-        stack.extend(v for v in vars(c).values() if hasattr(v, "to_dict") and hasattr(v, "model_type"))
-    return out
-
-
-class Snapshot:
-    """Everything an install may change, restorable exactly: every module's attributes (parameters,
-    buffers, submodules, hooks, forwards), every config's attributes, and each tensor's own Python
-    attributes and `requires_grad` (the steps never write tensor data in place)."""
-
-    def __init__(self, model: nn.Module):
-        self.modules = [(m, _copy_attrs(m)) for m in model.modules()]
-        self.configs = [(c, _copy_attrs(c)) for c in _configs(model)]
-        tensors = {id(t): t for m in model.modules() for t in (*m._parameters.values(), *m._buffers.values())}
-        self.tensors = [(t, dict(t.__dict__), t.requires_grad) for t in tensors.values() if t is not None]
-
-    def restore(self) -> None:
-        for obj, attrs in (*self.modules, *self.configs):
-            _restore_attrs(obj, attrs)
-        for t, attrs, requires_grad in self.tensors:
-            t.__dict__.clear()
-            t.__dict__.update(attrs)
-            if t.requires_grad != requires_grad:
-                t.requires_grad_(requires_grad)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 from typing import Any, Optional
 
+from planc.errors import PlancError
+
 # Small enough for CPU tests (forward < 50 ms), big enough that every sharded dim splits over 4 ranks.
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "mixtral": dict(
@@ -47,7 +49,7 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 MODEL_TYPES = tuple(TINY_CONFIGS)
 
 
-class ModelBuildError(ValueError):
+class ModelBuildError(PlancError, ValueError):
     """transformers could not build a config or a model: one line that names the model type and the cause.
 
     `planc init`, `planc explain` and `planc demo` print it as is (exit 2) instead of transformers'

@@ -1,10 +1,11 @@
-"""load_plan(): a plan source -> LoadedPlan (the merged, validated Plan plus positions).
+"""Plan sources -> LoadedPlan (the merged, validated Plan plus positions): extends, merge, validation.
 
 `extends` merges the parent first (mappings key by key, the child wins; rule tables by pattern);
 positions point at whichever file the winning key came from. A parent must live inside the directory
 tree of the plan that was loaded first, so a plan in a repository cannot make the linter read
-`/etc/passwd` or a file outside the checkout. Loading goes through the linter, so `load_plan` and
-`planc lint` reject exactly the same plans with exactly the same diagnostics.
+`/etc/passwd` or a file outside the checkout. `load_plan` itself lives one layer up, in
+`planc.lint.load`: loading goes through the linter, so `load_plan` and `planc lint` reject exactly
+the same plans with exactly the same diagnostics.
 """
 
 from __future__ import annotations
@@ -185,108 +186,3 @@ def validate(data: Mapping[str, Any]):
     from planc.spec.model import Plan
 
     return Plan.model_validate(dict(data))
-
-
-def _looks_like_path(text: str) -> bool:
-    """One line that names a file: a .yaml/.yml suffix, an existing path, or no YAML mapping syntax at all
-    (`plans/mixtral`); YAML plan text always has a `key: value`."""
-    if "\n" in text:
-        return False
-    return text.strip().endswith((".yaml", ".yml")) or os.path.exists(text) or (":" not in text and "{" not in text)
-
-
-def _not_a_plan_file(path: str):
-    """A PLC002 Diagnostic when `path` is a directory or does not exist (with the .yaml it may mean), else None."""
-    from planc.lint.diagnostic import ERROR, Diagnostic
-    from planc.spec.source import UNREADABLE
-
-    where = Position(path, 1, 1)
-    try:
-        if os.path.isdir(path):
-            plans = sorted(n for n in os.listdir(path) if n.endswith((".yaml", ".yml")))[:3]
-            example = ", ".join(f"`{os.path.join(path, n)}`" for n in plans) or "`plans/mixtral.yaml`"
-            return Diagnostic(UNREADABLE, ERROR, f"`{path}` is a directory; a plan is one YAML file",
-                              f"pass one plan file, e.g. {example}", where)
-        if not os.path.exists(path):
-            near = [path + s for s in (".yaml", ".yml") if os.path.isfile(path + s)]
-            hint = f"did you mean `{near[0]}`?" if near else "pass the path of a .yaml plan file, YAML text, a mapping or a Plan"
-            return Diagnostic(UNREADABLE, ERROR, f"no such plan file: `{path}`", hint, where)
-    except (ValueError, OSError):  # a NUL byte, a path too long: read_text reports it
-        return None
-    return None
-
-
-PARALLEL_KEYS = ("tp_size", "ep_size", "dp_size")
-
-
-def load_plan(source, *, parallel: Optional[Mapping[str, int]] = None) -> LoadedPlan:
-    """Load a plan from a path, a YAML string, a mapping, a Plan or a LoadedPlan; raises PlanError when invalid.
-
-    Every source except a Plan (already validated) or a LoadedPlan (returned as is) goes through the
-    linter: a plan that `planc lint` rejects does not load, and the PlanError carries the same
-    diagnostics. Warnings are kept on `LoadedPlan.diagnostics`.
-
-    `parallel` runs the plan at other sizes (`{"tp_size": 2, "ep_size": 2}`; keys left out keep the
-    plan's values): the plan is loaded as written, then linted again with the sizes replaced, so
-    the size rules (PLC500-PLC503) and the EP rules hold at the sizes that will run.
-    """
-    loaded = _load(source)
-    return with_parallel(loaded, parallel) if parallel else loaded
-
-
-def with_parallel(loaded: LoadedPlan, parallel: Mapping[str, int]) -> LoadedPlan:
-    """`loaded` with its `parallel` sizes replaced, linted again; PlanError (naming the override) if that fails."""
-    from planc.errors import PlanError
-    from planc.lint import runner
-    from planc.lint.context import LintContext
-
-    if not isinstance(parallel, Mapping) or not set(parallel) <= set(PARALLEL_KEYS):
-        unknown = sorted(set(parallel) - set(PARALLEL_KEYS)) if isinstance(parallel, Mapping) else parallel
-        raise TypeError(f"parallel= takes a mapping with the keys {', '.join(PARALLEL_KEYS)}; got {unknown!r}")
-    data = loaded.plan.model_dump(exclude_none=True)
-    data.pop("extends", None)  # merged already
-    data["parallel"] = {**data["parallel"], **dict(parallel)}
-    # the sizes no longer come from the file: diagnostics about them point at its `parallel` key
-    keys = {kp: p for kp, p in loaded.key_positions.items() if kp[:1] != ("parallel",) or len(kp) == 1}
-    values = {kp: p for kp, p in loaded.value_positions.items() if kp[:1] != ("parallel",) or len(kp) == 1}
-    result = runner.check_context(LintContext(data, None, loaded.path, keys, values))
-    shown = ", ".join(f"{k}={v}" for k, v in parallel.items())
-    errors = [d for d in result.diagnostics if d.severity == "error"]
-    if errors or result.loaded is None:
-        import dataclasses
-
-        raise PlanError([dataclasses.replace(d, message=f"{d.message} (with parallel sizes {shown})")
-                         for d in errors or result.diagnostics])
-    result.loaded.docs = loaded.docs
-    result.loaded.diagnostics = list(result.diagnostics)
-    return result.loaded
-
-
-def _load(source) -> LoadedPlan:
-    from planc.errors import PlanError
-    from planc.lint import runner
-    from planc.spec.model import Plan
-
-    if isinstance(source, LoadedPlan):
-        return source
-    if isinstance(source, Plan):
-        return LoadedPlan(plan=source, path=None)
-    if isinstance(source, Mapping):
-        result = runner.check_data(dict(source))
-    elif isinstance(source, os.PathLike) or (isinstance(source, str) and _looks_like_path(source)):
-        path = os.fspath(source)
-        not_a_file = _not_a_plan_file(path)
-        if not_a_file is not None:
-            raise PlanError([not_a_file])
-        result = runner.check_file(path)
-    elif isinstance(source, str):
-        result = runner.check_text(source)
-    else:
-        raise TypeError(
-            f"load_plan() takes a path, YAML text, a mapping, a Plan or a LoadedPlan, not {type(source).__name__}"
-        )
-    errors = [d for d in result.diagnostics if d.severity == "error"]
-    if errors or result.loaded is None:
-        raise PlanError(errors or result.diagnostics)
-    result.loaded.diagnostics = list(result.diagnostics)
-    return result.loaded

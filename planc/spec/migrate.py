@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
+from planc.errors import PlancError
 from planc.spec.source import SourceDoc, parse_yaml
 
 ROUTER_STYLES = ("megamoe_router", "ep_router")
@@ -29,7 +30,7 @@ MEGAMOE_STYLES = ("megamoe_router", "megamoe_experts")
 _EXPERTS_OK_EP = ("auto", "deepgemm_megamoe")
 
 
-class MigrateError(ValueError):
+class MigrateError(PlancError, ValueError):
     """A plan the line editor cannot rewrite safely (e.g. a rule table in flow style `{a: b}`)."""
 
 

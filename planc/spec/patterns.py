@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 
+from planc.errors import PlancError
+
 _SEGMENT_CHAR = r"[A-Za-z0-9_*{},\-]"  # module-name characters plus the pattern syntax
 _SEGMENT_OK = re.compile(f"{_SEGMENT_CHAR}+")
 
@@ -22,7 +24,7 @@ _SEGMENT_OK = re.compile(f"{_SEGMENT_CHAR}+")
 MAX_ALTERNATIVES = 256
 
 
-class PatternError(ValueError):
+class PatternError(PlancError, ValueError):
     """A pattern that can never match anything (empty segment, bad braces, stray characters)."""
 
     def __init__(self, pattern: str, problem: str, hint: str):

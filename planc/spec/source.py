@@ -20,6 +20,8 @@ from typing import Any, Optional
 
 import yaml
 
+from planc.errors import PlancError
+
 MAX_PLAN_BYTES = 1 << 20  # plans are a few hundred bytes; 1 MiB is generous and bounds parse time
 MAX_NODES = 50_000  # values after alias expansion: bounds the work on a billion-laughs document
 MAX_SCALAR_CHARS = 4 << 20  # characters of scalars after alias expansion (aliases of one long string)
@@ -161,7 +163,7 @@ class Position:
 KeyPath = tuple  # e.g. ("experts", "ep_implementation") or ("tp_plan", "model.layers.*.q_proj")
 
 
-class SourceError(Exception):
+class SourceError(PlancError):
     """YAML that cannot become a plan document: carries a code, a message, a hint and a position."""
 
     def __init__(self, code: str, message: str, hint: str, position: Position):

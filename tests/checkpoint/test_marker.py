@@ -15,9 +15,9 @@ from tests.checkpoint.workers import plan_for
 @pytest.mark.parametrize(("model_type", "kind"), [("mixtral", "ep"), ("mixtral", "packed"), ("deepseek_v3", "ep")])
 def test_rebuilt_plan_compiles_to_the_same_fingerprint(model_type, kind):
     model = build_tiny_model(model_type)
-    compiled = planc_compile(plan_for(kind, model_type, 2), model)
+    compiled = planc_compile(model, plan_for(kind, model_type, 2))
     text = yaml.safe_dump(plan_mapping(compiled), sort_keys=False)
-    again = planc_compile(text, model)  # YAML text goes through the linter like a plan file
+    again = planc_compile(model, text)  # YAML text goes through the linter like a plan file
     assert again.fingerprint == compiled.fingerprint
 
 

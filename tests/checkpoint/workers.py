@@ -70,7 +70,7 @@ def load_on_meta(directory, plan, *, dtype=torch.float32, **config_overrides):
         setattr(config, name, value)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    compiled = planc_compile(plan, model)
+    compiled = planc_compile(model, plan)
     groups = build_groups(compiled.parallel)
     state = install.InstallState(model=model, compiled=compiled, groups=groups)
     shard = install.INSTALL_STEPS.index(install.step_shard_parameters)

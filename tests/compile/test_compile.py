@@ -33,7 +33,7 @@ def test_parameters_come_before_their_module_whatever_the_file_order(tmp_path, m
         "ep_plan:\n  model.layers.*.mlp.experts: ep_dispatch_experts\n"
         "  model.layers.*.mlp.experts.{gate_up_proj,down_proj}: grouped_gemm\n"
     )
-    compiled = compile_plan(str(path), mixtral)
+    compiled = compile_plan(mixtral, str(path))
     order = [a.fqn for a in compiled.assignments]
     for layer in (0, 1):
         e = f"model.layers.{layer}.mlp.experts"
@@ -43,7 +43,7 @@ def test_parameters_come_before_their_module_whatever_the_file_order(tmp_path, m
 
 
 def test_module_rule_covers_its_parameters_like_transformers(mixtral):
-    compiled = compile_plan(Plan.model_validate(fake_plan(model_type="mixtral")), mixtral)
+    compiled = compile_plan(mixtral, Plan.model_validate(fake_plan(model_type="mixtral")))
     a = compiled.assignment_for("model.layers.0.self_attn.q_proj.weight")
     assert a.style == "colwise" and a.inherited and a.table == "tp"
     m = compiled.assignment_for("model.layers.0.self_attn.q_proj")
@@ -67,21 +67,23 @@ def test_ep_strategy_object_and_its_reason(parallel, experts, cls, shares):
     plan["parallel"] = parallel
     if parallel["tp_size"] == 1:
         plan["tp_plan"] = {}
-    compiled = compile_plan(Plan.model_validate(plan), fake_moe())
+    compiled = compile_plan(fake_moe(), Plan.model_validate(plan))
     strategies = {e.strategy for e in compiled.experts}
     (strategy,) = strategies
     assert type(strategy) is cls and strategy.reason
     if shares is not None:
         assert strategy.shares_batch is shares
     assert all(e.num_local_experts == 4 and e.mode == "ep" for e in compiled.experts)
-    assert strategy.runtime_path.startswith("planc.runtime.ep.")
+    from planc.runtime.ep import EP_RUNTIMES
+
+    assert EP_RUNTIMES[strategy.name].__module__.startswith("planc.runtime.ep.")
 
 
 def test_megamoe_experts_carry_megamoe_ep_at_ep_size_1():
     # the kernel takes its process group from MegaMoeEP, so the strategy is there without EP too
     plan = fake_plan(ep_size=1, tp_size=1, implementation="deepgemm_megamoe", megamoe={"quantize": "fp4"})
     plan["tp_plan"] = {}
-    compiled = compile_plan(Plan.model_validate(plan), fake_moe())
+    compiled = compile_plan(fake_moe(), Plan.model_validate(plan))
     assert all(type(e.strategy) is MegaMoeEP and e.mode is None for e in compiled.experts)
 
 
@@ -94,14 +96,14 @@ def test_moe_tp_experts_have_no_strategy(mixtral):
             "model.layers.*.mlp.experts": "moe_tp_experts",
         },
     }
-    compiled = compile_plan(plan, mixtral)
+    compiled = compile_plan(mixtral, plan)
     assert all(e.mode == "tp" and e.strategy is None and e.num_local_experts == 8 for e in compiled.experts)
     assert compiled.full_coverage
 
 
 def test_bytes_sharded_and_replicated():
     # fake_moe, 2 layers, bf16: q/o 256x256 (TP 2), experts 8x512x256 + 8x256x256 (EP 2), rest replicated
-    compiled = compile_plan(Plan.model_validate(fake_plan()), fake_moe())
+    compiled = compile_plan(fake_moe(), Plan.model_validate(fake_plan()))
     attn = 2 * 2 * 256 * 256 * 2
     experts = 2 * (8 * 512 * 256 + 8 * 256 * 256) * 2
     replicated = (512 * 256 * 2) * 2 + 2 * (8 * 256 * 2 + 256 * 2)  # embed + lm_head, router + norm per layer
@@ -120,7 +122,7 @@ def test_inactive_table_is_checked_but_not_applied():
         {"model.layers.*.mlp.experts.gate_up_proj": "packed_colwise", "model.layers.*.mlp.experts.down_proj": "rowwise",
          "model.layers.*.mlp.experts": "moe_tp_experts"}
     )
-    compiled = compile_plan(Plan.model_validate(plan), fake_moe())
+    compiled = compile_plan(fake_moe(), Plan.model_validate(plan))
     assert not any(a.table == "ep" for a in compiled.assignments)
     assert any(w.code == "PLC652" and "ep_plan" in w.message for w in compiled.warnings)
     assert [c.active for c in compiled.coverage if c.rule.table == "ep_plan"] == [False, False]
@@ -136,7 +138,7 @@ def _state(model):
 
 def test_compile_never_changes_the_model(mixtral):
     before = _state(mixtral)
-    compile_plan(Plan.model_validate(fake_plan(model_type="mixtral")), mixtral)
+    compile_plan(mixtral, Plan.model_validate(fake_plan(model_type="mixtral")))
     after = _state(mixtral)
     assert before[1] == after[1] and before[2] == after[2]
     assert before[0].keys() == after[0].keys()
@@ -151,7 +153,7 @@ FINGERPRINT = textwrap.dedent(
     sys.path.insert(0, {root!r})
     from planc.compiler.resolve import compile_plan
     from planc.runtime.models import build_meta_model
-    c = compile_plan({plan!r}, build_meta_model("mixtral", {{"num_hidden_layers": 2}}))
+    c = compile_plan(build_meta_model("mixtral", {{"num_hidden_layers": 2}}), {plan!r})
     print(c.fingerprint)
     """
 )
@@ -169,10 +171,10 @@ def test_fingerprint_is_stable_across_processes():
 
 
 def test_fingerprint_changes_with_the_plan():
-    a = compile_plan(Plan.model_validate(fake_plan()), fake_moe())
-    b = compile_plan(Plan.model_validate(fake_plan(ep_implementation="all_to_all")), fake_moe())
+    a = compile_plan(fake_moe(), Plan.model_validate(fake_plan()))
+    b = compile_plan(fake_moe(), Plan.model_validate(fake_plan(ep_implementation="all_to_all")))
     assert a.fingerprint != b.fingerprint
-    assert a.fingerprint == compile_plan(Plan.model_validate(fake_plan()), fake_moe()).fingerprint
+    assert a.fingerprint == compile_plan(fake_moe(), Plan.model_validate(fake_plan())).fingerprint
 
 
 NO_TORCH = textwrap.dedent(
@@ -182,7 +184,7 @@ NO_TORCH = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     import planc.compiler.resolve as resolve
     from compile.fakes import fake_moe, fake_plan
-    c = resolve.compile_plan(fake_plan(), fake_moe())
+    c = resolve.compile_plan(fake_moe(), fake_plan())
     print(json.dumps({{"torch": "torch" in sys.modules, "transformers": "transformers" in sys.modules,
                       "covered": c.experts_covered}}))
     """
@@ -197,7 +199,7 @@ def test_compile_path_imports_no_torch():
 
 
 def test_compiled_plan_is_immutable_and_printable():
-    compiled = compile_plan(Plan.model_validate(fake_plan()), fake_moe())
+    compiled = compile_plan(fake_moe(), Plan.model_validate(fake_plan()))
     with pytest.raises(dataclasses.FrozenInstanceError):
         compiled.fingerprint = "x"
     text = str(compiled)

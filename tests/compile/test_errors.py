@@ -8,7 +8,7 @@ import pytest
 
 from planc.compiler import resolve as R
 from planc.compiler.resolve import compile_plan
-from planc.errors import CompileError
+from planc.errors import CompileError, PlanError
 from tests.compile.fakes import fake_moe, fake_plan
 
 HEAD = """\
@@ -41,14 +41,15 @@ def write(tmp_path, text, name="plan.yaml"):
 
 
 def problems(plan, model):
-    """Mappings are passed as Plan objects: those skip lint, so the compiler's own check is what fails."""
+    """Every diagnostic that stops `plan` from compiling against `model`. Mappings are passed as Plan
+    objects: those are linted too, so a problem lint finds is reported with lint's code, not again."""
     if isinstance(plan, dict):
         from planc.spec.model import Plan
 
         plan = Plan.model_validate(plan)
-    with pytest.raises(CompileError) as info:
-        compile_plan(plan, model)
-    return info.value.problems
+    with pytest.raises((CompileError, PlanError)) as info:
+        compile_plan(model, plan)
+    return getattr(info.value, "problems", None) or info.value.diagnostics
 
 
 def only(probs, code):
@@ -113,11 +114,11 @@ def test_tied_weights_with_one_rule():
 
 
 def test_tp_rule_on_experts_that_ep_shards(mixtral):
-    # lint (PLC406) catches this on the patterns; a mapping reaches the compiler unlinted.
+    # A Plan object is linted like a file: lint's PLC406 refuses it (the compiler's PLC604 copy is retired).
     plan = fake_plan(model_type="mixtral")
     plan["tp_plan"] = {"model.layers.*.mlp.experts.gate_up_proj": "packed_colwise"}
-    (p,) = only(problems(plan, mixtral), R.TP_ON_EP_EXPERTS)
-    assert p.module.startswith("model.layers.*.mlp.experts.gate_up_proj")
+    (p,) = only(problems(plan, mixtral), "PLC406")
+    assert "model.layers.*.mlp.experts.gate_up_proj" in p.message
     assert "ep_size: 1" in p.hint
 
 
@@ -130,8 +131,8 @@ def test_style_the_runtime_does_not_install(tmp_path, mixtral):
 def test_removed_style_points_to_migrate(mixtral):
     plan = fake_plan(model_type="mixtral")
     plan["ep_plan"]["model.layers.*.mlp.gate"] = "ep_router"
-    (p,) = only(problems(plan, mixtral), R.STYLE_NOT_INSTALLABLE)
-    assert "removed" in p.message and "planc migrate" in p.hint
+    (p,) = only(problems(plan, mixtral), "PLC320")  # lint's removed-style rule; `planc migrate` rewrites it
+    assert "removed" in p.message and "router" in p.hint
 
 
 def test_num_experts_not_divisible_by_ep_size(tmp_path, mixtral):
@@ -174,23 +175,23 @@ def test_megamoe_deep_gemm_sizes():
     probs = problems(megamoe_plan(backend="deep_gemm"), fake_moe(hidden=192, inter=96))
     (p,) = only(probs, R.MEGAMOE_SIZES)
     assert "hidden 192" in p.message and "intermediate 96" in p.message and "reference" in p.hint
-    compile_plan(megamoe_plan(backend="reference"), fake_moe(hidden=192, inter=96))  # the reference takes any size
+    compile_plan(fake_moe(hidden=192, inter=96), megamoe_plan(backend="reference"))  # the reference takes any size
 
 
 def test_megamoe_deep_gemm_block_alignment():
     """The contract test's own shape (hidden 256 passes, intermediate 128 at decode does not) and H/128 odd."""
     (p,) = only(problems(megamoe_plan(backend="deep_gemm"), fake_moe(hidden=384, inter=128)), R.MEGAMOE_KERNEL_BLOCKS)
     assert "hidden 384" in p.message and "intermediate 128" in p.message and "backend: triton" in p.hint
-    compile_plan(megamoe_plan(backend="deep_gemm"), fake_moe(hidden=512, inter=256))
+    compile_plan(fake_moe(hidden=512, inter=256), megamoe_plan(backend="deep_gemm"))
     for backend in ("triton", "reference"):
-        compile_plan(megamoe_plan(backend=backend), fake_moe(hidden=384, inter=128))
+        compile_plan(fake_moe(hidden=384, inter=128), megamoe_plan(backend=backend))
 
 
 def test_megamoe_auto_warns_when_the_kernel_rejects_the_sizes():
-    compiled = compile_plan(megamoe_plan(backend="auto"), fake_moe(hidden=384, inter=128))
+    compiled = compile_plan(fake_moe(hidden=384, inter=128), megamoe_plan(backend="auto"))
     warned = [w for w in compiled.warnings if w.code == R.MEGAMOE_ALIGNMENT]
     assert warned and all("Triton" in w.message and "384" in w.message for w in warned)
-    assert not [w for w in compile_plan(megamoe_plan(), fake_moe()).warnings if w.code == R.MEGAMOE_ALIGNMENT]
+    assert not [w for w in compile_plan(fake_moe(), megamoe_plan()).warnings if w.code == R.MEGAMOE_ALIGNMENT]
 
 
 @pytest.mark.parametrize("field,value", [("hidden_act", "gelu"), ("swiglu_alpha", 1.702), ("mlp_gate_softcap", 4.0),
@@ -202,17 +203,18 @@ def test_megamoe_refuses_other_activations(field, value):
     assert field in p.message and repr(value) in p.message and "grouped_mm" in p.hint
     model.config.hidden_act = "silu"
     if field == "hidden_act":
-        compile_plan(megamoe_plan(backend="reference"), model)
+        compile_plan(model, megamoe_plan(backend="reference"))
 
 
 def test_megamoe_bf16_experts_without_quantize():
     (p,) = only(problems(megamoe_plan(quantize="none"), fake_moe()), R.MEGAMOE_NOT_FP4)
     assert "bfloat16" in p.message and "quantize: fp4" in p.hint
-    compile_plan(megamoe_plan(quantize="none"), fake_moe(dtype="int8"))  # an FP4 checkpoint needs no quantize
+    compile_plan(fake_moe(dtype="int8"), megamoe_plan(quantize="none"))  # an FP4 checkpoint needs no quantize
 
 
 def test_parameter_style_on_a_module(mixtral):
     plan = fake_plan(model_type="mixtral")
+    plan["parallel"] = {"tp_size": 1, "ep_size": 1}  # the tables are checked against the model at size 1 too
     plan["tp_plan"] = {}
     plan["ep_plan"] = {"model.layers.*.mlp.experts": "grouped_gemm"}
     probs = problems(plan, mixtral)
@@ -231,7 +233,7 @@ def test_ep_strategy_that_cannot_run(tmp_path, mixtral):
     plan = fake_plan(model_type="mixtral", ep_implementation="all_reduce")
     plan["parallel"] = {"tp_size": 1, "ep_size": 2, "dp_size": 2}
     plan["tp_plan"] = {}
-    (p,) = only(problems(plan, mixtral), R.EP_RESOLUTION)
+    (p,) = only(problems(plan, mixtral), "PLC402")  # lint and compile share resolve_ep; lint reports it
     assert "same batch" in p.message and "all_to_all" in p.hint
 
 
@@ -264,13 +266,13 @@ def test_style_in_the_wrong_table(mixtral):
     plan = fake_plan(model_type="mixtral")
     plan["tp_plan"] = {"model.layers.*.self_attn.q_proj": "grouped_gemm"}
     probs = problems(plan, mixtral)
-    assert any(p.code == R.WRONG_TABLE and "move" in p.hint for p in probs)
+    assert any(p.code == "PLC311" and "move" in p.hint for p in probs)
 
 
 def test_sizes_checked_for_unlinted_mappings(mixtral):
     plan = fake_plan(model_type="mixtral")
     plan["parallel"] = {"tp_size": 2, "ep_size": 3, "dp_size": 3}
-    (p,) = only(problems(plan, mixtral), R.BAD_SIZES)
+    (p,) = only(problems(plan, mixtral), "PLC500")  # planc.spec.sizes.check_sizes, through lint
     assert "multiple of tp_size 2" in p.message
 
 
@@ -281,7 +283,7 @@ def test_every_problem_is_reported_at_once(tmp_path, mixtral):
     codes = {p.code for p in problems(write(tmp_path, text), mixtral)}
     assert {R.MODEL_TYPE_MISMATCH, R.UNMATCHED_RULE, R.STYLE_NOT_INSTALLABLE} <= codes
     with pytest.raises(CompileError) as info:
-        compile_plan(write(tmp_path, text), mixtral)
+        compile_plan(mixtral, write(tmp_path, text))
     assert "3 problem(s)" in str(info.value) and "hint:" in str(info.value)
 
 

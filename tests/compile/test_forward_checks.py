@@ -11,7 +11,7 @@ from planc.runtime.models import build_meta_model
 
 def _codes(plan, model):
     with pytest.raises(CompileError) as info:
-        compile_plan(plan, model)
+        compile_plan(model, plan)
     return info.value.problems
 
 
@@ -31,7 +31,7 @@ def test_sharded_sinks_without_a_wrapped_attention_forward_is_refused():
     assert p.code == "PLC623" and "model.layers.*.self_attn" in p.message
     assert "`model.layers.*.self_attn: local_params`" in p.hint and p.where == "tp_plan['model.layers.*.self_attn.sinks']"
     plan["tp_plan"]["model.layers.*.self_attn"] = "local_params"
-    compiled = compile_plan(plan, model)
+    compiled = compile_plan(model, plan)
     assert ("model.layers.0.self_attn", "local_params") in {(a.fqn, a.style) for a in compiled.assignments}
 
 
@@ -42,7 +42,7 @@ def test_experts_kernel_the_class_cannot_switch_is_refused():
     (p,) = _codes(plan, model)
     assert p.code == "PLC624" and "LongcatFlashForCausalLM" in p.message and "implementation: eager" in p.hint
     plan["experts"]["implementation"] = "eager"
-    compile_plan(plan, model)
+    compile_plan(model, plan)
 
 
 def test_head_check_uses_v_head_dim_for_v_and_o_proj():
@@ -56,7 +56,7 @@ def test_head_check_uses_v_head_dim_for_v_and_o_proj():
                         "model.layers.*.mlp.experts": "moe_tp_experts",
                         "model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
                         "model.layers.*.mlp.down_proj": "rowwise"}}
-    compiled = compile_plan(plan, model)
+    compiled = compile_plan(model, plan)
     assert compiled.parallel.tp_size == 4
 
 
@@ -68,7 +68,7 @@ def test_per_layer_config_does_not_crash_the_head_check():
                         "model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
                         "model.layers.*.mlp.down_proj": "rowwise"}}
     try:
-        compile_plan(plan, model)
+        compile_plan(model, plan)
     except CompileError as e:  # a real problem is fine; the per-layer attribute error is not
         assert all(p.code.startswith("PLC") for p in e.problems)
 

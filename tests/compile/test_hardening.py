@@ -158,12 +158,12 @@ def test_compile_names_the_missing_suffix_the_directory_and_a_missing_model():
 
     model = build_meta_model("mixtral")
     with pytest.raises(PlanError, match=r"PLC002.*no such plan file: `.*plans/mixtral`") as e:
-        planc.compile(str(REPO / "plans" / "mixtral"), model)
+        planc.compile(model, str(REPO / "plans" / "mixtral"))
     assert "did you mean" in str(e.value) and "mixtral.yaml" in str(e.value)
     with pytest.raises(PlanError, match="is a directory; a plan is one YAML file"):
-        planc.compile(str(REPO / "plans"), model)
+        planc.compile(model, str(REPO / "plans"))
     with pytest.raises(TypeError, match="model must be a torch.nn.Module .* got NoneType"):
-        planc.compile(str(REPO / "plans" / "mixtral.yaml"), None)
+        planc.compile(None, str(REPO / "plans" / "mixtral.yaml"))
 
 
 # ---- 15. exit codes and CLI conventions ------------------------------------------------------------------

@@ -19,7 +19,7 @@ def test_init_plan_lints_clean_and_compiles(model_type, tmp_path, capsys):
     assert main(["init", "--from-transformers", model_type, "-o", str(out)]) == 0
     text = out.read_text()
     assert [d.format() for d in lint_text(text) if d.severity == "error"] == []
-    compiled = compile_plan(str(out), build_meta_model(model_type))
+    compiled = compile_plan(build_meta_model(model_type), str(out))
     assert compiled.full_coverage and compiled.experts_covered == len(compiled.experts) > 0
     data = parse_yaml(text).data
     # class-correct prefix: every base-model rule starts with `model.`; lm_head comes from the model class

@@ -30,7 +30,7 @@ def refused(tmp_path, text, model, code):
     path = tmp_path / "plan.yaml"
     path.write_text(textwrap.dedent(text))
     with pytest.raises(CompileError) as info:
-        compile_plan(str(path), model)
+        compile_plan(model, str(path))
     found = [p for p in info.value.problems if p.code == code]
     assert found, [str(p) for p in info.value.problems]
     return str(path), found
@@ -96,7 +96,7 @@ def test_norm_over_the_sharded_heads(tmp_path):
     ok = text.replace(ATTN, "  model.layers.*.self_attn.{q,k,v}_proj: colwise_gather_output\n"
                             "  model.layers.*.self_attn.o_proj: rowwise_split_input\n")
     (tmp_path / "ok.yaml").write_text(ok)
-    compile_plan(str(tmp_path / "ok.yaml"), olmoe)
+    compile_plan(olmoe, str(tmp_path / "ok.yaml"))
 
 
 def test_mla_low_rank_projection_feeds_a_norm(tmp_path):
@@ -113,16 +113,16 @@ def test_mla_low_rank_projection_feeds_a_norm(tmp_path):
 
 def test_qwen3_per_head_norms_are_fine():
     # q_norm/k_norm of Qwen3 normalize each head_dim slice, so colwise q/k/v may feed them
-    from planc.spec.load import load_plan
+    from planc.lint.load import load_plan
 
-    compile_plan(load_plan("plans/qwen3_moe.yaml"), build_meta_model("qwen3_moe", {"num_hidden_layers": 2}))
+    compile_plan(build_meta_model("qwen3_moe", {"num_hidden_layers": 2}), load_plan("plans/qwen3_moe.yaml"))
 
 
 def test_coverage_is_never_full_without_experts(capsys):
     # a model with no experts module at all: a plan that shards only lm_head is not "full" coverage
     plan = {"version": 1, "model": {"type": "llama"}, "parallel": {"tp_size": 8},
             "tp_plan": {"lm_head": "colwise_gather_output"}}
-    compiled = compile_plan(plan, build_meta_model("llama", {"num_hidden_layers": 2}))
+    compiled = compile_plan(build_meta_model("llama", {"num_hidden_layers": 2}), plan)
     assert not compiled.experts and not compiled.full_coverage
     assert "coverage: INCOMPLETE" in str(compiled) and "no experts module found" in str(compiled)
 
@@ -133,21 +133,27 @@ def test_llama4_experts_are_found_and_must_be_sharded():
     plan = {"version": 1, "model": {"type": "llama4_text"}, "parallel": {"tp_size": 8},
             "experts": {"implementation": "eager"}, "tp_plan": {"lm_head": "colwise_gather_output"}}
     with pytest.raises(CompileError) as info:
-        compile_plan(plan, build_meta_model("llama4_text", {"num_hidden_layers": 2}))
+        compile_plan(build_meta_model("llama4_text", {"num_hidden_layers": 2}), plan)
     (problem,) = info.value.problems
     assert problem.code == R.EXPERTS_UNCOVERED and "Llama4TextExperts" in problem.message
 
 
 def test_sizes_problem_is_reported_alone(tmp_path, mixtral):
+    from planc.errors import PlanError
+    from planc.spec.load import LoadedPlan
     from planc.spec.model import Plan
 
-    plan = Plan.model_validate({
+    data = {
         "version": 1, "model": {"type": "qwen3_moe"}, "parallel": {"tp_size": 4, "ep_size": 6, "dp_size": 3},
         "tp_plan": {"model.layers.*.self_attn.q_proj": "colwise", "nothing.here": "colwise"},
-    })
+    }
+    with pytest.raises(PlanError) as info:  # a Plan object is linted: the sizes rule stops it
+        compile_plan(mixtral, Plan.model_validate(data))
+    assert "PLC500" in {d.code for d in info.value.diagnostics}
+    # a LoadedPlan built in code skips lint: the compiler reports the sizes alone, not PLC601/607
     with pytest.raises(CompileError) as info:
-        compile_plan(plan, mixtral)
-    assert {p.code for p in info.value.problems} == {R.BAD_SIZES}  # not PLC601/607, which are moot
+        compile_plan(mixtral, LoadedPlan(Plan.model_validate(data), None))
+    assert {p.code for p in info.value.problems} == {"PLC500"}
 
 
 def _apply_hint(plan: dict, hint: str) -> list[dict]:
@@ -170,13 +176,13 @@ def test_every_suggested_size_compiles_60_experts_at_tp8():
                     "model.layers.*.mlp.experts": "ep_dispatch_experts"},
     }
     with pytest.raises(CompileError) as info:
-        compile_plan(plan, model)
+        compile_plan(model, plan)
     (p,) = [p for p in info.value.problems if p.code == R.EXPERTS_NOT_DIVISIBLE]
     suggested = _apply_hint(plan, p.hint)
     assert suggested, p.hint
     for s in suggested:
         assert s["parallel"]["tp_size"] * s["parallel"]["dp_size"] == 8
-        compile_plan(s, model)  # each suggestion passes every other check
+        compile_plan(model, s)  # each suggestion passes every other check
 
 
 def test_three_experts_on_two_ranks_suggests_what_fits(tmp_path):
@@ -188,11 +194,11 @@ def test_three_experts_on_two_ranks_suggests_what_fits(tmp_path):
                     "model.layers.*.mlp.experts": "ep_dispatch_experts"},
     }
     with pytest.raises(CompileError) as info:
-        compile_plan(plan, model)
+        compile_plan(model, plan)
     (p,) = [p for p in info.value.problems if p.code == R.EXPERTS_NOT_DIVISIBLE]
     assert "divides 3 (3)" not in p.hint and "launch 3 ranks" in p.hint
     for s in _apply_hint(plan, p.hint):
-        compile_plan(s, model)
+        compile_plan(model, s)
 
 
 def test_solver_respects_every_size_rule():

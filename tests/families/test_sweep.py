@@ -109,7 +109,7 @@ def test_shipped_plan_explains_on_the_full_size_model(name):
 
     path = ROOT / "plans" / f"{name}.yaml"
     model_type = yaml.safe_load(path.read_text())["model"]["type"]
-    compiled = compile_plan(str(path), build_meta_model(model_type))
+    compiled = compile_plan(build_meta_model(model_type), str(path))
     assert compiled.full_coverage and compiled.experts_covered == len(compiled.experts) > 0
     assert compiled.parallel.world_size == 8  # one 8-GPU node
     assert family(model_type).model_type == model_type

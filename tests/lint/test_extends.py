@@ -8,7 +8,8 @@ import pytest
 
 from planc.errors import PlanError
 from planc.lint.runner import lint_file, lint_paths
-from planc.spec.load import LoadedPlan, load_plan
+from planc.lint.load import load_plan
+from planc.spec.load import LoadedPlan
 
 from .helpers import GOOD, codes
 

@@ -7,14 +7,22 @@ import re
 import pytest
 
 from planc.lint.diagnostic import WARNING
-from planc.lint.registry import all_rules, get
+from planc.lint.registry import COMPILE_FAMILIES, all_rules, get
 from planc.lint.runner import lint_text
 from planc.spec.styles import REMOVED_STYLES
 
 from .helpers import GOOD, codes
 
 RULES = all_rules()
-EXAMPLES = [r for r in RULES if r.bad is not None]
+# Compile rules' examples are compiled in tests/compile/test_rule_examples.py; here they must lint clean.
+EXAMPLES = [r for r in RULES if r.bad is not None and r.family not in COMPILE_FAMILIES]
+COMPILE_EXAMPLES = [r for r in RULES if r.family in COMPILE_FAMILIES and r.bad]
+
+
+@pytest.mark.parametrize("r", COMPILE_EXAMPLES, ids=lambda r: r.code)
+def test_compile_rule_examples_pass_lint(r):
+    for text in (r.bad, r.good):
+        assert [d.format() for d in lint_text(text, "example.yaml") if d.severity == "error"] == []
 
 
 def test_codes_and_names_are_unique_and_well_formed():
@@ -70,7 +78,7 @@ def test_megamoe_with_other_ep_points_at_ep_implementation():
 
 
 def test_lint_and_compile_agree_on_ep_strategy_messages():
-    from planc.compiler.ep import EPResolutionError, resolve_ep
+    from planc.spec.ep import EPResolutionError, resolve_ep
     from planc.spec.model import Experts, Parallel
 
     text = (

@@ -59,9 +59,13 @@ def _megamoe_ep_rank(rank, world_size, batch_sizes, backend="reference"):
     install_megamoe_forward(experts, backend=backend, quantize="fp4", activation_clamp=CLAMP,
                             num_global_experts=E, ep_rank=rank, ep_size=world_size)
     group = dist.group.WORLD
+    experts._is_expert_parallel = True  # sliced by hand above, as `grouped_gemm` would
+    from planc.spec.ep import MegaMoeEP
+
     runtime = MegaMoeEPRuntime(
-        experts, types.SimpleNamespace(name="deepgemm_megamoe", settings=None),
-        types.SimpleNamespace(ep_group=group, ep_rank=rank, ep_size=world_size, tp_group=group),
+        experts, MegaMoeEP(reason="test"),
+        types.SimpleNamespace(ep_group=group, ep_rank=rank, ep_size=world_size, tp_group=group, tp_size=world_size,
+                              shares_batch=True),
     )
     outs = []
     with torch.no_grad():
@@ -143,9 +147,11 @@ def test_slices_are_equal_and_padded():
 def test_megamoe_ep_refuses_grad(world1):
     experts = mixtral_experts(*full_weights(0))
     install_megamoe_forward(experts, backend="reference", quantize="fp4")
+    from planc.spec.ep import MegaMoeEP
+
     runtime = MegaMoeEPRuntime(
-        experts, types.SimpleNamespace(name="deepgemm_megamoe", settings=None),
-        types.SimpleNamespace(ep_group=world1, ep_rank=0, ep_size=1, tp_group=world1),
+        experts, MegaMoeEP(reason="test"),
+        types.SimpleNamespace(ep_group=world1, ep_rank=0, ep_size=1, tp_group=world1, tp_size=1, shares_batch=True),
     )
     x, idx, w = routing(2, seed=0)
     with pytest.raises(RuntimeError, match="deepgemm_megamoe EP implementation on MixtralExperts is inference only"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from planc.runtime.install import Snapshot
+from planc.runtime.snapshot import Snapshot
 from planc.runtime.models import build_tiny_model
 from tests.distributed import run_distributed
 from tests.runtime.workers import _failing_after, batch, shipped_plan
@@ -13,7 +13,7 @@ from tests.runtime.workers import _failing_after, batch, shipped_plan
 
 def _containers(model):
     """(owner, attribute, container) for every dict/list/set attribute Snapshot saves."""
-    from planc.runtime.install import _configs
+    from planc.runtime.snapshot import _configs
 
     owners = [*model.modules(), *_configs(model)]
     return [(o, k, v) for o in owners for k, v in vars(o).items() if isinstance(v, (dict, list, set))]

@@ -29,7 +29,7 @@ PLAN_FILES = {
 
 def shipped_plan(model_type: str, *, tp: int, ep: int | None = None, dp: int = 1, file: str | None = None, **experts):
     """A shipped plan as a mapping, sizes overridden (and `experts` settings, e.g. ep_implementation)."""
-    from planc.spec.load import load_plan
+    from planc.lint.load import load_plan
 
     data = load_plan(str(PLANS / (file or PLAN_FILES[model_type]))).plan.model_dump()
     data["extends"] = None  # already merged

@@ -191,7 +191,7 @@ def _quantizer(config, config_path, device, dequantize, *, dcp: bool):
 
 def _plan_for(plan, config, config_path):
     """The plan, loaded and validated, after checking that it is for this checkpoint's model type."""
-    from planc.spec.load import load_plan
+    from planc.lint.load import load_plan
 
     loaded = load_plan(plan)
     plan_type = loaded.plan.model.type if loaded.plan.model is not None else None

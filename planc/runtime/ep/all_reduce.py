@@ -25,7 +25,7 @@ class AllReduceEPRuntime(EPRuntime):
         # GPT-OSS eager cannot take the sentinel: park off-rank slots on local expert 0 with weight 0 instead.
         self.sentinel = self.num_local_experts if sentinel_safe(experts_module) else 0
 
-    def __call__(self, hidden_states, top_k_index, top_k_weights):
+    def forward(self, hidden_states, top_k_index, top_k_weights):
         g = self.groups
         hidden_states = all_reduce_grad(hidden_states, g.ep_group)
         top_k_weights = all_reduce_grad(top_k_weights, g.ep_group)

@@ -21,7 +21,7 @@ from planc.runtime.mesh import all_gather_dim, all_to_all, shard_sizes, split_di
 
 
 class AllToAllEPRuntime(EPRuntime):
-    def __call__(self, hidden_states, top_k_index, top_k_weights):
+    def forward(self, hidden_states, top_k_index, top_k_weights):
         g = self.groups
         num_tokens, hidden = hidden_states.shape
         if g.tp_size > 1:

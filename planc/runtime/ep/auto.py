@@ -22,7 +22,7 @@ class AutoEPRuntime(EPRuntime):
         self.all_reduce = AllReduceEPRuntime(experts_module, strategy, groups) if shares else None
         self.last_choice = None  # "all_reduce" or "all_to_all": what the latest call ran (tests, debugging)
 
-    def __call__(self, hidden_states, top_k_index, top_k_weights):
+    def forward(self, hidden_states, top_k_index, top_k_weights):
         if self.all_reduce is not None and not (torch.is_grad_enabled() and hidden_states.requires_grad):
             self.last_choice = "all_reduce"
             return self.all_reduce(hidden_states, top_k_index, top_k_weights)

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from planc.errors import ApplyError
-from planc.runtime.mesh import to_local
+from planc.runtime.mesh import needs_grad, to_local
 from planc.runtime.tp_styles import local_parameters, module_path
 
 
@@ -55,10 +55,13 @@ def shard_expert_tensor(module: nn.Module, name: str, groups) -> None:
 
 
 class EPRuntime:
-    """Base of the EP runtimes: `RuntimeCls(experts_module, strategy, groups)`, then
+    """Base of every EP runtime: `RuntimeCls(experts_module, strategy, groups)`, then
     `runtime(hidden_states [T, H], top_k_index [T, K] global ids, top_k_weights [T, K]) -> [T, H]`.
 
-    Built after `grouped_gemm` has sharded the experts, so `experts.num_experts` is the local count.
+    Bound after `grouped_gemm` has sharded the experts, so `experts.num_experts` is the local count.
+    The checks every strategy shares run here once: the batch sharing it needs, experts sharded by
+    expert, and `strategy.inference_only` (a kernel without backward refuses a forward that needs
+    gradients). Subclasses implement `forward`.
     """
 
     needs_shared_batch = False
@@ -67,8 +70,10 @@ class EPRuntime:
         self.experts = experts_module
         self.strategy = strategy
         self.groups = groups
+        self.ep_group, self.ep_rank, self.ep_size = groups.ep_group, groups.ep_rank, groups.ep_size
         self.experts_forward = experts_module.forward  # the experts' own forward, on local expert ids
-        self.num_local_experts = int(experts_module.num_experts)
+        local = getattr(experts_module, "num_experts", None)
+        self.num_local_experts = int(local) if local is not None else int(experts_module.gate_up_proj.shape[0])
         if self.needs_shared_batch and not groups.shares_batch:
             raise ApplyError(
                 f"planc.runtime.ep: {type(self).__name__} on {module_path(experts_module)} needs every rank of the EP "
@@ -83,6 +88,15 @@ class EPRuntime:
             )
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
+        if getattr(self.strategy, "inference_only", False) and needs_grad(hidden_states):
+            raise RuntimeError(
+                f"planc.runtime.ep: the {self.strategy.name} EP implementation on {module_path(self.experts)} is "
+                "inference only (the kernel has no backward): run under `torch.no_grad()` / "
+                "`torch.inference_mode()`, or train with `experts.ep_implementation: all_to_all`"
+            )
+        return self.forward(hidden_states, top_k_index, top_k_weights)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
         raise NotImplementedError
 
 

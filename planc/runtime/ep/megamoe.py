@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from planc.runtime.mesh import needs_grad
-from planc.runtime.tp_styles import module_path
+from planc.runtime.ep.base import EPRuntime
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -36,29 +35,17 @@ def slice_for_rank(hidden_states, top_k_index, top_k_weights, ep_rank: int, ep_s
     return x, idx, w
 
 
-class MegaMoeEPRuntime:
+class MegaMoeEPRuntime(EPRuntime):
     """Bound per experts module by the apply layer as ``MegaMoeEPRuntime(experts_module, strategy, groups)``.
 
-    `groups` provides `ep_group`, `ep_rank`, `ep_size` (and `tp_group`, unused: the batch is shared).
-    Bind it after `install_megamoe_forward`: it captures ``experts_module.forward`` (the Mega MoE forward)
-    here, so the apply layer can then route the module's forward through this runtime.
+    Bind it after `install_megamoe_forward`: the base captures ``experts_module.forward`` (the Mega MoE
+    forward), so the apply layer can then route the module's forward through this runtime. The
+    strategy is inference only (`MegaMoeEP.inference_only`), which the base enforces.
     """
 
-    def __init__(self, experts_module, strategy, groups):
-        self.experts = experts_module
-        self.strategy = strategy
-        self.ep_group = groups.ep_group
-        self.ep_rank = groups.ep_rank
-        self.ep_size = groups.ep_size
-        self.experts_forward = experts_module.forward
+    needs_shared_batch = True
 
-    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        if needs_grad(hidden_states):
-            raise RuntimeError(
-                f"planc.runtime.ep.megamoe: the deepgemm_megamoe EP implementation on {module_path(self.experts)} is "
-                "inference only (the kernel has no backward): run under `torch.no_grad()` / `torch.inference_mode()`, "
-                "or train with `experts.ep_implementation: all_to_all`"
-            )
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         num_tokens, hidden = hidden_states.shape
         x, idx, w = slice_for_rank(hidden_states, top_k_index, top_k_weights, self.ep_rank, self.ep_size)
         y = self.experts_forward(x, idx, w, process_group=self.ep_group)

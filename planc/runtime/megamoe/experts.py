@@ -6,8 +6,8 @@ process_group=EP group) -> [n, H]``: the whole MoE for this rank's tokens, dispa
 included (the caller must not all-reduce). The `MegaMoeEP` runtime is the caller that `planc.apply`
 installs; it passes the EP group.
 
-The install is all or nothing and returns an `uninstall()` that puts back the module's original
-parameters and forward, so the apply layer can roll back.
+The install is all or nothing and returns an `uninstall()` (`Snapshot.restore` of the module, the same
+rollback path `planc.apply` uses for the whole model) that puts back the original parameters and forward.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from planc.runtime.megamoe import deep_gemm_backend, triton_backend
 from planc.runtime.megamoe.quant import quantize_experts_fp4
 from planc.runtime.megamoe.reference import DequantizedExperts, compute_dtype_for, reference_mega_moe
 from planc.runtime.mesh import to_local
+from planc.runtime.snapshot import Snapshot
 
 BACKENDS = ("auto", "deep_gemm", "triton", "reference")
 _STATE = "_planc_megamoe"
@@ -300,25 +301,8 @@ def install_megamoe_forward(
         if not activation_clamp >= 0:
             raise ValueError(f"`activation_clamp` must be >= 0 (the kernel clamps to [-c, c]), got {activation_clamp}")
 
-    # Mutate, remembering everything to put back.
-    saved_params = {name: experts._parameters.get(name, None) for name in _FP4_PARAMS}
-    had_params = {name: name in experts._parameters for name in _FP4_PARAMS}
-    had_forward = "forward" in experts.__dict__
-    saved_forward = experts.__dict__.get("forward")
-
-    def uninstall() -> None:
-        for name in _FP4_PARAMS:
-            if had_params[name]:
-                experts._parameters[name] = saved_params[name]
-            else:
-                experts._parameters.pop(name, None)
-        if had_forward:
-            experts.__dict__["forward"] = saved_forward
-        else:
-            experts.__dict__.pop("forward", None)
-        for attr in (_STATE, "_planc_megamoe_weight_layout"):
-            experts.__dict__.pop(attr, None)
-
+    # Mutate; the one rollback path (planc.runtime.snapshot) puts back everything on failure.
+    snapshot = Snapshot(experts)
     try:
         set_fp4_parameters(experts, new_params)
         if resolved == "deep_gemm":
@@ -335,9 +319,9 @@ def install_megamoe_forward(
         )
         experts.__dict__["forward"] = types.MethodType(megamoe_forward, experts)
     except BaseException:
-        uninstall()
+        snapshot.restore()
         raise
-    return uninstall
+    return snapshot.restore
 
 
 def set_fp4_parameters(experts: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
