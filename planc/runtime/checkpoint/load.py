@@ -91,6 +91,7 @@ def load(
         loaded = _plan_for(plan, config, config_path)
         model = _meta_model(config, dtype)
         if quantizer is not None:
+            _check_fp8_kept_plan(quantizer, loaded, config_path)
             prepare_meta_model(model, quantizer)
         compiled, problems = install.compile_and_check(model, loaded, mesh, device=device, parallel=parallel)
         if compiled is not None and files is not None:
@@ -187,6 +188,17 @@ def _quantizer(config, config_path, device, dequantize, *, dcp: bool):
             "read): save the model loaded with `dequantize=True`, or load the original safetensors checkpoint."
         )
     return quantizer_for(config, config_path, device, dequantize)
+
+
+def _check_fp8_kept_plan(quantizer, loaded, config_path) -> None:
+    """Mega MoE takes bf16 experts (quantized to FP4 at load) or FP4 ones, not transformers' FP8Experts."""
+    if quantizer.quantization_config.dequantize or loaded.plan.experts.implementation != "deepgemm_megamoe":
+        return
+    raise CheckpointError(
+        f"{config_path}: an FP8 checkpoint kept in FP8 cannot feed a `deepgemm_megamoe` plan (its kernel takes FP4 "
+        "experts, or bf16 ones it quantizes with `megamoe.quantize: fp4`). Load with `dequantize=True`: each rank's "
+        "experts are dequantized as they arrive, then quantized to FP4 layer by layer."
+    )
 
 
 def _plan_for(plan, config, config_path):
