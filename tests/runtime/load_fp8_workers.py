@@ -164,4 +164,39 @@ def fp8_world(rank, world, root, cases):
                                               if n.endswith("_scale_inv"))}
         except Exception as e:  # noqa: BLE001
             out[key] = f"{type(e).__name__}: {e}" if case in OFF_GRID else traceback.format_exc()
+    if "deepseek_v3" in cases:
+        out.update(_megamoe(os.path.join(root, "deepseek_v3"), world))
+    return out
+
+
+def megamoe_plan(world: int) -> dict:
+    """The shipped DeepSeek-V3 plan with Mega MoE experts (reference backend) quantized to FP4 at load."""
+    plan = shipped_plan("deepseek_v3", tp=world)
+    plan["experts"] = {"implementation": "deepgemm_megamoe", "ep_implementation": "auto",
+                       "megamoe": {"backend": "reference", "quantize": "fp4"}}
+    return plan
+
+
+def _megamoe(path, world):
+    """FP8 checkpoint -> Mega MoE FP4 experts: dequantized per shard, quantized per layer, equal to full + apply;
+    with FP8 kept, refused before reading (the kernel takes FP4 or bf16 experts, not FP8Experts)."""
+    from planc import load
+
+    out = {}
+    plan = megamoe_plan(world)
+    try:
+        model = load(path, plan, dtype=torch.float32)
+        ref = _full_load_then_apply(path, plan)
+        with torch.no_grad():
+            a, b = model(batch(3)).logits, ref(batch(3)).logits
+        experts = model.model.layers[1].mlp.experts
+        out["megamoe"] = True if torch.equal(a, b) else (a - b).abs().max().item()
+        out["megamoe/fp4"] = str(_local(experts.gate_up_proj).dtype)
+    except Exception:  # noqa: BLE001
+        out["megamoe"] = traceback.format_exc()
+    try:
+        load(path, plan, dtype=torch.float32, dequantize=False)
+        out["megamoe/kept"] = "loaded"
+    except Exception as e:  # noqa: BLE001
+        out["megamoe/kept"] = f"{type(e).__name__}: {e}"
     return out

@@ -64,6 +64,16 @@ def test_fp8_kept_off_grid_is_refused_on_every_rank_before_reading(two_ranks):
     assert messages[0] == messages[1]
 
 
+def test_fp8_checkpoint_into_megamoe_fp4_experts(two_ranks):
+    """A Mega MoE plan on an FP8 checkpoint: dequantized per shard, then FP4 per layer, as full load + apply."""
+    for rank, res in enumerate(two_ranks):
+        assert res["megamoe"] is True, (rank, res["megamoe"])
+        assert res["megamoe/fp4"] == "torch.int8", res["megamoe/fp4"]  # e2m1 packed
+        kept = res["megamoe/kept"]
+        assert kept.startswith("ApplyError: planc.load: nothing was installed") and "dequantize=True" in kept, kept
+        assert "deepgemm_megamoe" in kept, kept
+
+
 def test_block_scale_slice_reads_weight_coordinates(fp8_checkpoints):
     """A scale indexed with its weight's shard reads only that shard's blocks; off the grid, one factor per element."""
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
@@ -113,9 +123,9 @@ def test_off_grid_plan_is_refused_at_compile_time(fp8_checkpoints):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     prepare_meta_model(model, quantizer_for(config, path / "config.json", torch.device("cpu"), dequantize=False))
-    planc.compile(shipped_plan("deepseek_v3", tp=2), model)  # on the grid at 2
+    planc.compile(model, shipped_plan("deepseek_v3", tp=2))  # on the grid at 2
     with pytest.raises(CompileError) as e:
-        planc.compile(shipped_plan("deepseek_v3", tp=4), model)
+        planc.compile(model, shipped_plan("deepseek_v3", tp=4))
     text = str(e.value)
     assert "PLC625" in text and "shared_experts.gate_proj.weight" in text and "64 rows" in text, text
     assert "128x128 scale blocks" in text and "weight_scale_inv" in text, text
