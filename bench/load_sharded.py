@@ -159,6 +159,17 @@ def _plan(world: int, name: str = "mixtral") -> dict:
     return plan
 
 
+def _warm_imports(model_type: str) -> None:
+    """Every route's lazy imports (the family's modeling module, DTensor, planc's runtime, the FP8 integration)
+    happen before the clock starts and before the RSS baseline, so no route pays for them inside the load."""
+    import importlib
+
+    for module in (f"transformers.models.{model_type}.modeling_{model_type}", "torch.distributed.tensor",
+                   "transformers.integrations.finegrained_fp8", "transformers.quantizers.auto",
+                   "transformers.generation.utils", "planc.runtime.install", "planc.runtime.checkpoint.load"):
+        importlib.import_module(module)
+
+
 def route_world(rank, world, route, path, name="mixtral"):
     """One route on one rank: baseline, load, peak; the logits of a fixed batch for the equality check."""
     import torch
@@ -169,6 +180,7 @@ def route_world(rank, world, route, path, name="mixtral"):
 
     plan = _plan(world, name)
     dtype = getattr(torch, CHECKPOINTS[name][2])
+    _warm_imports(CHECKPOINTS[name][0])
     import gc
 
     gc.collect()
