@@ -35,7 +35,7 @@ from planc.errors import ApplyError
 from planc.runtime.checkpoint.guards import guard_applied_model
 from planc.runtime.ep import EP_RUNTIMES
 from planc.runtime.ep.base import install_ep_forward, shard_expert_tensor
-from planc.runtime.mesh import Groups, build_groups
+from planc.runtime.mesh import Groups, build_groups, rank_device
 from planc.runtime.snapshot import Snapshot
 from planc.runtime.tp_styles import tp_style
 
@@ -206,13 +206,6 @@ def _megamoe_settings(compiled):
 # ---- 3. rank agreement -------------------------------------------------------------------------------------
 
 
-def _flags_device() -> torch.device:
-    """Where a collective's tensor must live: the current GPU under NCCL, else the CPU (gloo)."""
-    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _digest(fingerprint: Optional[str]) -> int:
     """A fingerprint as a non-negative int64 (0: no fingerprint, the rank failed to compile)."""
     if fingerprint is None:
@@ -222,7 +215,7 @@ def _digest(fingerprint: Optional[str]) -> int:
 
 def _all_agree(ok: bool, digest: int = 0) -> bool:
     """One all-reduce (MAX over [failed, digest, -digest]): True when every rank is ok with the same digest."""
-    t = torch.tensor([0 if ok else 1, digest, -digest], dtype=torch.int64, device=_flags_device())
+    t = torch.tensor([0 if ok else 1, digest, -digest], dtype=torch.int64, device=rank_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     any_failed, max_digest, neg_min_digest = t.tolist()
     return not any_failed and max_digest == -neg_min_digest

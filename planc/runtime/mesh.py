@@ -12,8 +12,9 @@ gradient to the shared input), and `all_to_all_single` has no public autograd fo
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -46,8 +47,28 @@ class Groups:
 
 def device_type() -> str:
     """`cuda` when the default backend is NCCL, else `cpu` (gloo)."""
-    backend = dist.get_backend()
-    return "cuda" if "nccl" in str(backend) else "cpu"
+    return "cuda" if _nccl() else "cpu"
+
+
+def _nccl() -> bool:
+    return dist.is_initialized() and "nccl" in str(dist.get_backend())
+
+
+def rank_device(device: Union[None, str, torch.device] = None) -> torch.device:
+    """This rank's device, the one answer for every runtime step that needs one: the collectives' flag
+    tensors (apply's agreement, checkpoint agreement), the shards `planc.load` fills, the DCP fill.
+
+    `device` when the caller gives one; else under NCCL `cuda:LOCAL_RANK` (torchrun's GPU for this
+    process; the current CUDA device when LOCAL_RANK is unset or names a GPU this process cannot see);
+    else the CPU (gloo).
+    """
+    if device is not None:
+        return torch.device(device)
+    if _nccl() and torch.cuda.is_available():
+        local = os.environ.get("LOCAL_RANK", "")
+        index = int(local) if local.isdigit() and int(local) < torch.cuda.device_count() else None
+        return torch.device("cuda", torch.cuda.current_device() if index is None else index)
+    return torch.device("cpu")
 
 
 def build_groups(parallel, mesh: Optional[DeviceMesh] = None) -> Groups:

@@ -10,17 +10,24 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PLANS = sorted((REPO / "plans").glob("*.y*ml"))
 
-GOOD = """\
+
+
+def plan_text(model_type: str = "mixtral", tp_size: int = 2, ep_size: int = 2) -> str:
+    """A minimal clean plan for a `model.layers.*.self_attn` / `mlp.experts` family (mixtral, qwen2_moe, ...)."""
+    return f"""\
 version: 1
-model: {type: mixtral}
-parallel: {tp_size: 2, ep_size: 2}
+model: {{type: {model_type}}}
+parallel: {{tp_size: {tp_size}, ep_size: {ep_size}}}
 tp_plan:
-  model.layers.*.self_attn.{q,k,v}_proj: colwise
+  model.layers.*.self_attn.{{q,k,v}}_proj: colwise
   model.layers.*.self_attn.o_proj: rowwise
 ep_plan:
-  model.layers.*.mlp.experts.{gate_up_proj,down_proj}: grouped_gemm
+  model.layers.*.mlp.experts.{{gate_up_proj,down_proj}}: grouped_gemm
   model.layers.*.mlp.experts: ep_dispatch_experts
 """
+
+
+GOOD = plan_text()
 
 
 def env() -> dict:

@@ -8,6 +8,7 @@ import torch
 from planc.runtime.snapshot import Snapshot
 from planc.runtime.models import build_tiny_model
 from tests.distributed import run_distributed
+from tests.lint.helpers import plan_text
 from tests.runtime.workers import _failing_after, batch, shipped_plan
 
 
@@ -104,17 +105,7 @@ def test_apply_runs_a_shipped_plan_at_other_sizes():
 
 # ---- 11. planc demo for a family without a hand-tuned tiny config ------------------------------------------
 
-QWEN2_MOE_PLAN = """\
-version: 1
-model: {type: qwen2_moe}
-parallel: {tp_size: 8, ep_size: 8}
-tp_plan:
-  model.layers.*.self_attn.{q,k,v}_proj: colwise
-  model.layers.*.self_attn.o_proj: rowwise
-ep_plan:
-  model.layers.*.mlp.experts.{gate_up_proj,down_proj}: grouped_gemm
-  model.layers.*.mlp.experts: ep_dispatch_experts
-"""
+QWEN2_MOE_PLAN = plan_text("qwen2_moe", 8, 8)
 
 
 def test_tiny_config_is_derived_from_the_familys_own_config_class():
@@ -155,3 +146,14 @@ def test_demo_checks_the_family_and_the_plan_before_spawning(tmp_path, capsys):
     assert main(["demo", str(plan)]) == 1
     err = capsys.readouterr().err
     assert "does not resolve against a tiny Qwen2MoeForCausalLM" in err and "out_proj" in err and "a rank failed" not in err
+
+
+# ---- one answer for "this rank's device" (planc.runtime.mesh.rank_device) ----------------------------------
+
+
+def test_rank_device_is_the_callers_else_the_cpu_without_nccl():
+    from planc.runtime.mesh import rank_device
+
+    assert rank_device() == torch.device("cpu")  # no process group (and gloo alike): the CPU
+    assert rank_device("meta") == torch.device("meta")
+    assert rank_device(torch.device("cpu")) == torch.device("cpu")

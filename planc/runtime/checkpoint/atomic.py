@@ -30,22 +30,16 @@ import torch
 import torch.distributed as dist
 
 from planc.errors import CheckpointError
+from planc.runtime.mesh import rank_device
 
 PARTIAL_SUFFIX = ".planc-partial"
 OLD_SUFFIX = ".planc-old"
 
 
-def _flags_device() -> torch.device:
-    """Where a collective's tensor must live: the current GPU under NCCL, else the CPU (gloo)."""
-    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def agree(error: Optional[BaseException], what: str) -> None:
     """Raise the same CheckpointError on every rank if `error` is set on any rank (one all-reduce when all
     succeeded; the messages are gathered only on failure)."""
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=_flags_device())
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=rank_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if not flag.item():
         return

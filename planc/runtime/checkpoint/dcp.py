@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -24,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from planc.errors import CheckpointError
 from planc.runtime.checkpoint.atomic import agree
 from planc.runtime.checkpoint.marker import is_planc_checkpoint, read_marker
+from planc.runtime.mesh import rank_device
 from planc.runtime.checkpoint.state import (
     dcp_layout,
     ep_buffer_dtensor,
@@ -31,13 +31,6 @@ from planc.runtime.checkpoint.state import (
     has_strided,
     named_non_persistent_buffers,
 )
-
-
-def default_device() -> torch.device:
-    """This rank's device: its current CUDA device under NCCL, else the CPU (gloo)."""
-    if dist.is_initialized() and "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _empty_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -120,7 +113,7 @@ def fill_from_dcp(
     what = f"planc: reading the checkpoint {directory}"
     compiled = compiled if compiled is not None else getattr(model, "_planc_plan", None)
     groups = groups if groups is not None else getattr(model, "_planc_groups", None)
-    device = torch.device(device) if device is not None else default_device()
+    device = rank_device(device)
     error = None
     try:
         marker = read_marker(directory)
@@ -149,4 +142,4 @@ def fill_from_dcp(
             t.to_local().copy_(load_state[key].redistribute(placements=t.placements).to_local())
 
 
-__all__ = ["fill_from_dcp", "default_device", "is_planc_checkpoint", "read_marker"]
+__all__ = ["fill_from_dcp", "is_planc_checkpoint", "read_marker"]

@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from planc.errors import ApplyError, CheckpointError, PlancError
@@ -48,6 +47,7 @@ from planc.runtime.checkpoint.quantized import (
     quantizer_for,
     wrap_scales,
 )
+from planc.runtime.mesh import rank_device
 
 
 def load(
@@ -76,7 +76,7 @@ def load(
     from planc.runtime.mesh import build_groups
 
     install.require_distributed("planc.load")
-    device = _target_device(device)
+    device = rank_device(device)
     model = compiled = files = dcp_dir = None
     problems: list[str] = []
     try:
@@ -132,15 +132,6 @@ def _memory_problems(compiled, device, source) -> list[str]:
 
 
 # ---- 1-2. checkpoint, config, plan, meta model -------------------------------------------------------------
-
-
-def _target_device(device) -> torch.device:
-    """The device of this rank's shards: the caller's, else `cuda:LOCAL_RANK` under NCCL, else the CPU."""
-    if device is not None:
-        return torch.device(device)
-    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
-    return torch.device("cpu")
 
 
 def _dcp_checkpoint(source) -> Optional[str]:
