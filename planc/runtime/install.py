@@ -329,7 +329,21 @@ def step_install_tp_forwards(state: InstallState) -> None:
             continue
         module = state.module(a.fqn)
         module._planc_fqn = a.fqn
+        if a.style == "mla_kv_a_proj":
+            module._planc_rope_dim = _rope_dim(state, a.fqn)
         tp_style(a.style, a.rule.where).install(module, state.groups.tp_mesh)
+
+
+def _rope_dim(state: InstallState, fqn: str):
+    """`qk_rope_head_dim` of the attention module holding `fqn`, else of the config it or the model carries."""
+    parent = state.module(fqn.rpartition(".")[0]) if "." in fqn else None
+    for source in (parent, getattr(parent, "config", None)):
+        value = getattr(source, "qk_rope_head_dim", None)
+        if isinstance(value, int):
+            return value
+    config = getattr(state.model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "qk_rope_head_dim", None)
 
 
 def step_install_megamoe(state: InstallState) -> None:
