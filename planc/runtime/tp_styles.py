@@ -332,7 +332,7 @@ class MlaKvAProj(TPStyle):
 
     def install(self, module, mesh):
         rope = getattr(module, "_planc_rope_dim", None)
-        if not isinstance(rope, int) or rope <= 0:
+        if not isinstance(rope, int) or rope < 0:
             raise ApplyError(
                 f"planc.runtime.tp_styles: `mla_kv_a_proj` on {module_path(module)} needs the rope width "
                 "(`qk_rope_head_dim` of its attention module or the model config); put `replicate` on it instead."
@@ -341,7 +341,7 @@ class MlaKvAProj(TPStyle):
 
         def forward(original, *args, **kwargs):
             out = original(*args, **kwargs)
-            if not needs_grad(out):
+            if not needs_grad(out) or rope == 0:  # NoPE attention (glm5_next): no rope slice
                 return out
             kv, rot = out.split([out.shape[-1] - rope, rope], dim=-1)
             return torch.cat([kv, all_reduce_grad(rot, group)], dim=-1)
