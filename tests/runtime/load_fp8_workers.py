@@ -31,7 +31,7 @@ FP8_CASES = {
     "deepseek_v3": ("deepseek_v3", dict(
         hidden_size=256, intermediate_size=256, moe_intermediate_size=256, num_attention_heads=4,
         num_key_value_heads=4, kv_lora_rank=128, q_lora_rank=256, qk_rope_head_dim=128, qk_nope_head_dim=64,
-        v_head_dim=64,
+        v_head_dim=64, head_dim=128, qk_head_dim=192,  # DeepseekV3Config's own: head_dim = rope, qk = nope + rope
     )),
     "mixtral": ("mixtral", dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4,
                                 head_dim=64)),
