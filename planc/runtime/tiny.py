@@ -335,16 +335,17 @@ def _shrink_entry(cls, base: dict, entry: dict, family: bool) -> dict:
 _SUMS = (("head_dim", "qk_nope_head_dim", "qk_rope_head_dim"), ("qk_head_dim", "qk_nope_head_dim", "qk_rope_head_dim"))
 
 
-def _keep_equalities(d: dict, kw: dict) -> None:
-    """Sizes that were equal (head_dim == qk_rope_head_dim) or a sum (qk_head_dim = nope + rope) stay so."""
+def _keep_equalities(d: dict, kw: dict, fixed=()) -> None:
+    """Sizes that were equal (head_dim == qk_rope_head_dim) or a sum (qk_head_dim = nope + rope) stay so;
+    `fixed` (the caller's overrides) are never changed, the sizes derived from them follow them."""
     if all(k in kw for k in ("qk_head_dim", "qk_nope_head_dim", "qk_rope_head_dim")) and all(
         _is_int(d.get(k)) for k in ("qk_head_dim", "qk_nope_head_dim", "qk_rope_head_dim")
-    ) and d["qk_head_dim"] == d["qk_nope_head_dim"] + d["qk_rope_head_dim"]:
+    ) and d["qk_head_dim"] == d["qk_nope_head_dim"] + d["qk_rope_head_dim"] and "qk_head_dim" not in fixed:
         kw["qk_head_dim"] = kw["qk_nope_head_dim"] + kw["qk_rope_head_dim"]
     ints = {k: v for k, v in d.items() if _is_int(v) and k in kw}
     for a in ("head_dim", "v_head_dim", "index_head_dim"):
         for b in ("qk_head_dim", "qk_rope_head_dim", "qk_nope_head_dim"):
-            if a in ints and b in ints and ints[a] == ints[b] and kw[a] != kw[b]:
+            if a in ints and b in ints and ints[a] == ints[b] and kw[a] != kw[b] and a not in fixed:
                 kw[a] = kw[b]
                 break
 
@@ -424,6 +425,8 @@ def shrink_config(config_cls, defaults: Optional[dict] = None, **overrides):
     d = _defaults(config_cls) if defaults is None else defaults
     kw = shrink_dict(config_cls, d, family=True)
     kw.update(overrides)
+    if overrides:
+        _keep_equalities(d, kw, fixed=overrides)  # sizes derived from an overridden one follow it
     config = config_cls(**kw)
     config._attn_implementation = "eager"
     return config
