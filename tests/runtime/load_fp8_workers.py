@@ -31,7 +31,7 @@ FP8_CASES = {
     "deepseek_v3": ("deepseek_v3", dict(
         hidden_size=256, intermediate_size=256, moe_intermediate_size=256, num_attention_heads=4,
         num_key_value_heads=4, kv_lora_rank=128, q_lora_rank=256, qk_rope_head_dim=128, qk_nope_head_dim=64,
-        v_head_dim=64,
+        v_head_dim=64, head_dim=128, qk_head_dim=192,  # DeepseekV3Config's own: head_dim = rope, qk = nope + rope
     )),
     "mixtral": ("mixtral", dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4,
                                 head_dim=64)),
@@ -199,4 +199,90 @@ def _megamoe(path, world):
         out["megamoe/kept"] = "loaded"
     except Exception as e:  # noqa: BLE001
         out["megamoe/kept"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+# ---- DeepSeek-V4's format: FP4 experts straight into Mega MoE -------------------------------------------------------
+
+V4_QUANTIZATION_CONFIG = {**QUANTIZATION_CONFIG, "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
+
+
+def write_fp4_experts_checkpoint(path: Path, *, seed: int = 0) -> None:
+    """A tiny random DeepSeek-V4 whose routed experts are stored as DeepSeek-V4 ships them: per expert
+    `ffn.experts.N.w{1,2,3}.weight` e2m1 packed two per int8 byte (low nibble = even element) and `.scale` UE8M0
+    (float8_e8m0fnu) per 32 along the input dim, with `quantization_config: {quant_method: fp8, scale_fmt: ue8m0,
+    expert_dtype: fp4, ...}`. The FP4 values are planc's (= DeepGEMM's) cast of the random bf16 experts. The other
+    weights stay fp32 (the tiny dims are not on the 128 grid). `experts_fp4.pt` beside it holds every layer's
+    stacked FP4 tensors, for the byte comparison."""
+    from safetensors.torch import load_file, save_file
+
+    from planc.runtime.megamoe.experts import quantize_to_fp4
+    from planc.runtime.models import build_tiny_model
+
+    model = build_tiny_model("deepseek_v4", seed=seed)
+    stacked = {}
+    for name, module in model.named_modules():
+        if name.endswith("mlp.experts"):
+            quantize_to_fp4(module)
+            stacked.update({f"{name}.{n}": p.detach().clone() for n, p in module.named_parameters()})
+    model.save_pretrained(path, max_shard_size="40KB")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    weight_map = index["weight_map"]
+    for file in sorted(set(weight_map.values())):
+        tensors = load_file(path / file)
+        out = {}
+        for key, t in tensors.items():
+            if key.endswith("experts.gate_up_proj_scale_inv"):
+                half = t.shape[1] // 2
+                for e in range(t.shape[0]):
+                    out[key.replace("gate_up_proj_scale_inv", f"{e}.w1.scale")] = t[e, :half].contiguous()
+                    out[key.replace("gate_up_proj_scale_inv", f"{e}.w3.scale")] = t[e, half:].contiguous()
+            elif key.endswith("experts.down_proj_scale_inv"):
+                for e in range(t.shape[0]):
+                    out[key.replace("down_proj_scale_inv", f"{e}.w2.scale")] = t[e].contiguous()
+            else:
+                out[key] = t
+        save_file(out, path / file, metadata={"format": "pt"})
+        weight_map = {k: v for k, v in weight_map.items() if v != file or k in out}
+        weight_map.update({k: file for k in out})
+    index["weight_map"] = weight_map
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = V4_QUANTIZATION_CONFIG
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    torch.save(stacked, path / "experts_fp4.pt")
+
+
+def fp4_world(rank, world, path):
+    """FP4 experts read straight into the Mega MoE layout (bytes = the checkpoint's, this rank's experts only), and
+    logits against transformers' unsharded from_pretrained (which dequantizes the FP4 experts) + planc.apply of the
+    same plan (which quantizes them back to FP4)."""
+    from planc import load
+
+    out = {}
+    plan = shipped_plan("deepseek_v4", tp=world, file="deepseek_v4_megamoe.yaml", backend="reference")
+    try:
+        model = load(path, plan, dtype=torch.float32)
+        stacked = torch.load(os.path.join(path, "experts_fp4.pt"))
+        bad = []
+        for key, full in stacked.items():
+            module, _, name = key.rpartition(".")
+            local = _local(getattr(model.get_submodule(module), name)).detach()
+            n = full.shape[0] // world
+            expected = full[rank * n:(rank + 1) * n]
+            if local.dtype != expected.dtype or not torch.equal(local.view(torch.uint8), expected.view(torch.uint8)):
+                bad.append(f"{key}: {local.dtype} {tuple(local.shape)}")
+        out["fp4/bytes"] = bad
+        out["fp4/checked"] = len(stacked)
+        ref = _full_load_then_apply(path, plan)
+        with torch.no_grad():
+            a, b = model(batch(3)).logits, ref(batch(3)).logits
+        out["fp4/logits"] = True if torch.equal(a, b) else (a - b).abs().max().item()
+    except Exception:  # noqa: BLE001
+        out["fp4/error"] = traceback.format_exc()
+    try:
+        load(path, shipped_plan("deepseek_v4", tp=world), dtype=torch.float32)
+        out["fp4/not_megamoe"] = "loaded"
+    except Exception as e:  # noqa: BLE001
+        out["fp4/not_megamoe"] = f"{type(e).__name__}: {e}"
     return out

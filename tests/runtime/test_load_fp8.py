@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.runtime.load_fp8_workers import FP8_CASES, OFF_GRID, fp8_world, write_fp8_checkpoint
+from tests.runtime.load_fp8_workers import (
+    FP8_CASES,
+    OFF_GRID,
+    fp4_world,
+    fp8_world,
+    write_fp4_experts_checkpoint,
+    write_fp8_checkpoint,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("planc_load")]
 CASES = sorted(FP8_CASES)
@@ -74,6 +81,23 @@ def test_fp8_checkpoint_into_megamoe_fp4_experts(two_ranks):
         assert "deepgemm_megamoe" in kept, kept
 
 
+def test_fp4_experts_load_straight_into_megamoe(tmp_path_factory):
+    """DeepSeek-V4's FP4 experts (e2m1 + UE8M0 per 32) under the Mega MoE plan: each rank's experts hold exactly the
+    checkpoint's FP4 bytes and scales of its own experts (int8 on `meta` before reading: never a bf16 copy), and
+    the logits equal transformers' unsharded from_pretrained (FP4 dequantized) + planc.apply (quantized back to
+    FP4: the same values, as planc's cast of a dequantized FP4 block gives it back)."""
+    path = tmp_path_factory.mktemp("fp4") / "deepseek_v4"
+    write_fp4_experts_checkpoint(path)
+    per_rank = run_distributed(fp4_world, 2, str(path))
+    for rank, res in enumerate(per_rank):
+        assert "fp4/error" not in res, res["fp4/error"]
+        assert res["fp4/bytes"] == [] and res["fp4/checked"] == 8, (rank, res)
+        assert res["fp4/logits"] is True, (rank, res["fp4/logits"])
+        msg = res["fp4/not_megamoe"]  # the shipped all-reduce plan has no Mega MoE experts: refused before reading
+        assert msg.startswith("ApplyError: planc.load: nothing was installed") and "`expert_dtype: fp4`" in msg, msg
+        assert "deepgemm_megamoe" in msg, msg
+
+
 def test_block_scale_slice_reads_weight_coordinates(fp8_checkpoints):
     """A scale indexed with its weight's shard reads only that shard's blocks; off the grid, one factor per element."""
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
@@ -107,6 +131,12 @@ def test_block_scale_slice_reads_weight_coordinates(fp8_checkpoints):
     expected = w.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:192]
     assert torch.equal(deq._dequantize_one(w, partial[...], output_dtype=torch.float32), expected)
     assert torch.equal(deq._dequantize_one(w[96:192], partial[96:192, 0:256], output_dtype=torch.float32), expected[96:])
+    # UE8M0 scales (DeepSeek-V4's FP8 linears: powers of two as float8_e8m0fnu), off the grid.
+    e8 = torch.tensor([[0.25, 2.0], [4.0, 0.5]]).to(torch.float8_e8m0fnu)
+    ue = BlockScaleSlice(e8, (256, 256), (2, 2), "F8_E8M0", (128, 128))
+    w = torch.randn(256, 256).to(torch.float8_e4m3fn)
+    full = w.float() * e8.float().repeat_interleave(128, 0).repeat_interleave(128, 1)
+    assert torch.equal(deq._dequantize_one(w[64:192], ue[64:192, 0:256], output_dtype=torch.float32), full[64:192])
 
 
 def test_off_grid_plan_is_refused_at_compile_time(fp8_checkpoints):

@@ -87,8 +87,9 @@ def load(
         else:
             config = _config(dcp_dir, dtype)
         config_path = files.config_path if files else Path(dcp_dir) / "config.json"
-        quantizer = _quantizer(config, config_path, device, dequantize, dcp=dcp_dir is not None)
         loaded = _plan_for(plan, config, config_path)
+        megamoe = loaded.plan.experts.implementation == "deepgemm_megamoe"
+        quantizer = _quantizer(config, config_path, device, dequantize, dcp=dcp_dir is not None, megamoe=megamoe)
         model = _meta_model(config, dtype)
         if quantizer is not None:
             _check_fp8_kept_plan(quantizer, loaded, config_path)
@@ -168,7 +169,7 @@ def _config(root, dtype):
     return config
 
 
-def _quantizer(config, config_path, device, dequantize, *, dcp: bool):
+def _quantizer(config, config_path, device, dequantize, *, dcp: bool, megamoe: bool):
     """transformers' quantizer for a pre-quantized checkpoint (quantized.py), refused before any read if planc
     cannot load it; None for an unquantized one."""
     if getattr(config, "quantization_config", None) is None:
@@ -178,12 +179,13 @@ def _quantizer(config, config_path, device, dequantize, *, dcp: bool):
             f"{config_path}: a planc.save checkpoint with a `quantization_config` cannot be loaded yet (nothing was "
             "read): save the model loaded with `dequantize=True`, or load the original safetensors checkpoint."
         )
-    return quantizer_for(config, config_path, device, dequantize)
+    return quantizer_for(config, config_path, device, dequantize, megamoe=megamoe)
 
 
 def _check_fp8_kept_plan(quantizer, loaded, config_path) -> None:
     """Mega MoE takes bf16 experts (quantized to FP4 at load) or FP4 ones, not transformers' FP8Experts."""
-    if quantizer.quantization_config.dequantize or loaded.plan.experts.implementation != "deepgemm_megamoe":
+    qc = quantizer.quantization_config
+    if qc.dequantize or qc.expert_dtype == "fp4" or loaded.plan.experts.implementation != "deepgemm_megamoe":
         return
     raise CheckpointError(
         f"{config_path}: an FP8 checkpoint kept in FP8 cannot feed a `deepgemm_megamoe` plan (its kernel takes FP4 "

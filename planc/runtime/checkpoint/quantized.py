@@ -23,8 +23,14 @@ weight is multiplied by to dequantize). planc builds the quantizer transformers 
   rank reads exactly the scale blocks its own rows and columns touch (expanded per element where a shard starts
   or ends inside a block) and the dequantized load is exact for any plan.
 
-Anything else (other methods, per-tensor FP8, UE8M0 scales, static activation scales, FP4 experts) is refused before
-a byte is read, naming what was found.
+DeepSeek-V4's format (`expert_dtype: fp4`, `scale_fmt: ue8m0`) under a `deepgemm_megamoe` plan: the experts modules
+get the Mega MoE FP4 storage on `meta` (int8 e2m1 pairs + UE8M0 scales per 32, the names and shapes of transformers'
+`FP8Experts(expert_dtype="fp4")`), so the quantizer's scale converters read each rank's experts' FP4 bytes and scales
+straight into it: no bf16 copy of an expert ever exists. The other FP8 weights are dequantized as they are read.
+
+Anything else (other methods, per-tensor FP8, UE8M0 scales without FP4 experts, static activation scales, FP4
+experts without Mega MoE, FP4 experts with the other weights kept FP8) is refused before a byte is read, naming
+what was found.
 """
 
 from __future__ import annotations
@@ -37,15 +43,21 @@ import torch
 from planc.errors import CheckpointError
 
 SCALE_SUFFIX = "_scale_inv"
-SUPPORTED = "`quant_method: fp8` with `weight_block_size: [n, k]`, fp32 scales (`scale_fmt: float`), dynamic activations"
+SUPPORTED = ("`quant_method: fp8` with `weight_block_size: [n, k]`, fp32 scales (`scale_fmt: float`) and dynamic "
+             "activations (DeepSeek-V3), and DeepSeek-V4's FP4 experts (`expert_dtype: fp4`, `scale_fmt: ue8m0`) under "
+             "a `deepgemm_megamoe` plan")
 
 
 def _get(q: Any, name: str, default=None):
     return q.get(name, default) if isinstance(q, dict) else getattr(q, name, default)
 
 
-def quantizer_for(config, config_path: Path, device: torch.device, dequantize: Optional[bool]):
-    """transformers' quantizer for this checkpoint (None when it is not quantized); refuses what planc cannot load."""
+def quantizer_for(config, config_path: Path, device: torch.device, dequantize: Optional[bool], *,
+                  megamoe: bool = False):
+    """transformers' quantizer for this checkpoint (None when it is not quantized); refuses what planc cannot load.
+
+    `megamoe`: the plan runs Mega MoE experts, which take DeepSeek-V4's FP4 experts (`expert_dtype: fp4`, UE8M0
+    scales) as they are stored."""
     q = getattr(config, "quantization_config", None)
     if q is None:
         return None
@@ -57,18 +69,22 @@ def quantizer_for(config, config_path: Path, device: torch.device, dequantize: O
         problem = f"`quant_method: {method}`"
     elif not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         problem = f"`weight_block_size: {block}` (per-tensor FP8)"
-    elif _get(q, "scale_fmt", "float") not in (None, "float"):
-        problem = f"`scale_fmt: {_get(q, 'scale_fmt')}`"
     elif _get(q, "activation_scheme", "dynamic") != "dynamic":
         problem = f"`activation_scheme: {_get(q, 'activation_scheme')}`"
-    elif _get(q, "expert_dtype", "fp8") not in (None, "fp8"):
-        problem = f"`expert_dtype: {_get(q, 'expert_dtype')}` (FP4 experts)"
+    elif fp4_experts(q) and not megamoe:
+        problem = f"`expert_dtype: {_get(q, 'expert_dtype')}` (FP4 experts) for a plan without Mega MoE experts"
+    elif fp4_experts(q) and _get(q, "scale_fmt") != "ue8m0":
+        problem = f"`expert_dtype: fp4` with `scale_fmt: {_get(q, 'scale_fmt', 'float')}`"
+    elif _get(q, "expert_dtype", "fp8") not in (None, "fp8", "fp4"):
+        problem = f"`expert_dtype: {_get(q, 'expert_dtype')}`"
+    elif not fp4_experts(q) and _get(q, "scale_fmt", "float") not in (None, "float"):
+        problem = f"`scale_fmt: {_get(q, 'scale_fmt')}`"
     elif _get(q, "fmt", "e4m3") not in (None, "e4m3"):
         problem = f"`fmt: {_get(q, 'fmt')}`"
     if problem is not None:
         raise CheckpointError(
             f"{config_path}: the checkpoint is pre-quantized with {problem} in `quantization_config`, which planc.load "
-            f"does not support: it loads {SUPPORTED} (DeepSeek-V3-style). Nothing was read. Load a bf16/fp32 "
+            f"does not support: it loads {SUPPORTED}. Nothing was read. Load a bf16/fp32 "
             "checkpoint instead; for FP4 Mega MoE experts use a plan with `experts.megamoe.quantize: fp4`, which "
             "quantizes each rank's experts as they are read."
         )
@@ -76,7 +92,45 @@ def quantizer_for(config, config_path: Path, device: torch.device, dequantize: O
 
     quantizer = AutoHfQuantizer.from_config(q, pre_quantized=True)
     quantizer.quantization_config.dequantize = _dequantize(quantizer.quantization_config, device, dequantize)
+    if fp4_experts(q) and not quantizer.quantization_config.dequantize:
+        raise CheckpointError(
+            f"{config_path}: FP4 experts (`expert_dtype: fp4`) load into Mega MoE with the other FP8 weights "
+            "dequantized as they are read; keeping those in FP8 at the same time is not supported yet. Nothing was "
+            "read. Pass `planc.load(..., dequantize=True)` (the experts stay FP4 either way)."
+        )
     return quantizer
+
+
+def fp4_experts(q) -> bool:
+    """DeepSeek-V4's format: FP4 experts (e2m1 packed, UE8M0 scale per 32) beside FP8 block-scaled linears."""
+    return _get(q, "expert_dtype", "fp8") == "fp4"
+
+
+def _fp4_experts_on_meta(model) -> list[str]:
+    """Give every experts module planc's (and transformers' `FP8Experts(expert_dtype="fp4")`) FP4 storage on `meta`:
+    int8 `gate_up_proj [E, 2I, H/2]`, `down_proj [E, H, I/2]`, UE8M0 `*_scale_inv` per 32. The loader then reads the
+    checkpoint's FP4 bytes and scales into them as they are (the quantizer's scale converters), never in bf16."""
+    from planc.runtime.megamoe.experts import set_fp4_parameters
+    from planc.runtime.megamoe.quant import GRAN, SCALE_DTYPE
+
+    names = []
+    for name, module in model.named_modules():
+        gate_up, down = module._parameters.get("gate_up_proj"), module._parameters.get("down_proj")
+        if gate_up is None or down is None or gate_up.ndim != 3 or not gate_up.is_floating_point():
+            continue
+        (e, two_i, h), i = gate_up.shape, down.shape[2]
+
+        def meta(*shape, dtype):
+            return torch.empty(*shape, dtype=dtype, device="meta")
+
+        set_fp4_parameters(module, {
+            "gate_up_proj": meta(e, two_i, h // 2, dtype=torch.int8),
+            "gate_up_proj_scale_inv": meta(e, two_i, h // GRAN, dtype=SCALE_DTYPE),
+            "down_proj": meta(e, h, i // 2, dtype=torch.int8),
+            "down_proj_scale_inv": meta(e, h, i // GRAN, dtype=SCALE_DTYPE),
+        })
+        names.append(name)
+    return names
 
 
 def _dequantize(qconfig, device: torch.device, requested: Optional[bool]) -> bool:
@@ -94,6 +148,10 @@ def _dequantize(qconfig, device: torch.device, requested: Optional[bool]) -> boo
 def prepare_meta_model(model, quantizer) -> None:
     """What `from_pretrained` does before reading: the quantizer swaps in its FP8 modules (kept mode; a no-op when
     dequantizing). The quantizer rides on the model so the key checks and the loader see its conversions."""
+    if fp4_experts(quantizer.quantization_config):
+        experts = _fp4_experts_on_meta(model)
+        qc = quantizer.quantization_config
+        qc.modules_to_not_convert = list(qc.modules_to_not_convert or []) + experts
     quantizer.preprocess_model(model=model, dtype=model.config.dtype, device_map=None, checkpoint_files=None,
                                use_kernels=False)
     model.hf_quantizer = quantizer
