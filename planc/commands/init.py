@@ -81,7 +81,7 @@ def _transformers_rules(fam, model):
                 "transformers' plans in this model"
             )
         tp_base = dict(getattr(cls, "base_model_tp_plan", None) or {})
-        ep_base = dict(getattr(cls, "base_model_ep_plan", None) or {})
+        ep_base = dict(getattr(cls, "base_model_ep_plan", None) or {}) or _ep_from_tp(tp_base)
         for prefix in prefixes:
             if tp_base:
                 tp[f"{prefix}.embed_tokens"] = "embedding_rowwise"  # transformers adds it to every TP plan
@@ -90,6 +90,20 @@ def _transformers_rules(fam, model):
         all_prefixes += prefixes
     tp.update(dict(getattr(type(model), "_tp_plan", None) or {}))
     return tp, ep, "`, `".join(all_prefixes)
+
+
+def _ep_from_tp(tp_base: dict) -> dict:
+    """An EP plan for a config that declares only TP rules on its experts (Llama 4: "no base_model_ep_plan, the
+    experts take every token pre-scaled"): the same experts tensors sharded by expert, the module dispatched.
+    planc runs such experts expert-parallel (planc.runtime.ep.dense); the compiler refuses what cannot run."""
+    ep: dict[str, str] = {}
+    modules = [k for k, v in tp_base.items() if v == "moe_tp_experts"]
+    for module in modules:
+        for key in tp_base:
+            if key.startswith(module + "."):
+                ep[key] = "grouped_gemm"
+        ep[module] = "ep_dispatch_experts"
+    return ep
 
 
 def _under(pattern: str, keys) -> bool:

@@ -535,17 +535,21 @@ def check_experts_implementation(c, where_impl: str) -> None:
 
 
 def check_dense_experts(c, final) -> None:
-    """PLC613: ep_dispatch_experts on experts that take every token pre-scaled (no routed ids to dispatch)."""
+    """PLC613: ep_dispatch_experts on experts that take every token pre-scaled (Llama 4) when the EP group does not
+    hold one batch. Such experts have no routed (token, expert) pairs to dispatch: each rank runs its own experts
+    on every token of the batch its EP group shares and the outputs are gathered, so ep_size must equal tp_size."""
     for m in c.walk.experts:
         rule = final.get(m.fqn)
-        if m.experts.dispatch != "dense" or rule is None or rule.style != "ep_dispatch_experts":
+        if m.experts.dispatch != "dense" or rule is None or rule.style != "ep_dispatch_experts" or c.ep == c.tp:
             continue
         c.problems.add(
             WRONG_TARGET,
             f"{generic_path(m.fqn)} ({m.class_name}) runs forward(hidden_states) on every token pre-scaled by its "
-            "router score; `ep_dispatch_experts` dispatches routed (token, expert) pairs and has none here",
+            f"router score; with no routed pairs to dispatch, expert parallelism runs each rank's experts on the "
+            f"batch its EP group shares, which needs ep_size == tp_size (got ep_size {c.ep}, tp_size {c.tp})",
             rule.source.where,
-            f"shard these experts tensor-parallel in tp_plan: `{generic_path(m.fqn)}.gate_up_proj: packed_rowwise`, "
-            f"`{generic_path(m.fqn)}.down_proj: colwise`, `{generic_path(m.fqn)}: moe_tp_experts`, with `ep_size: 1`",
+            f"set `ep_size: {c.tp}`, or shard these experts tensor-parallel in tp_plan: "
+            f"`{generic_path(m.fqn)}.gate_up_proj: packed_rowwise`, `{generic_path(m.fqn)}.down_proj: colwise`, "
+            f"`{generic_path(m.fqn)}: moe_tp_experts`, with `ep_size: 1`",
             m.fqn,
         )

@@ -56,3 +56,32 @@ def _kv_a_grads(model, ref):
         if "kv_a_proj_with_mqa" in name:
             worst = max(worst, (full(p.grad) - ref_params[name].grad).abs().max().item())
     return None, worst
+
+
+def dense_ep_world(rank, world_size):
+    """Llama 4 (experts take every token pre-scaled) under the plan `planc init` writes, EP over the TP group:
+    {strategy: (max |logits diff|, |loss diff|, max |grad diff|), "experts per rank": int}."""
+    import torch
+    import yaml
+
+    from planc import apply
+    from planc.commands.init import init_plan
+    from planc.runtime.families import family
+    from planc.runtime.models import build_tiny_model, tiny_config
+    from tests.runtime.workers import logits_diff
+
+    fam = family("llama4_text")
+    plan = yaml.safe_load(init_plan(fam.model_type, tiny_config(fam).to_dict(), sizes=(world_size,)))
+    base = build_tiny_model("llama4_text", seed=5)
+    out = {"ep_size": plan["parallel"].get("ep_size", 1)}
+    for strategy in ("all_to_all", "all_reduce"):
+        plan["experts"]["ep_implementation"] = strategy
+        model, ref = copy.deepcopy(base), copy.deepcopy(base)
+        apply(model, plan)
+        experts = model.model.layers[0].feed_forward.experts
+        out["experts per rank"] = int(experts.gate_up_proj.to_local().shape[0])
+        logits = logits_diff(model, ref, batch(3))
+        loss, grads = train_step_diff(model, ref, batch(4))
+        out[strategy] = (logits, loss, grads)
+        torch.distributed.barrier()
+    return out
