@@ -302,6 +302,9 @@ def _render(fam, model_cls, prefix, version, size, ep_on, draft: _Draft, impl, w
         f"# Sizes: {why}.",
     ]
     lines.extend(f"#   not chosen: {t}" for t in tried)
+    if ep_on and not getattr(fam.config_class(), "base_model_ep_plan", None):
+        lines.append(f"# ep_plan: derived from the TP rules on the experts ({fam.config_class().__name__} declares no "
+                     "base_model_ep_plan)")
     if impl != "grouped_mm":
         lines.append(f"# experts.implementation: {impl}: {model_cls} cannot switch its experts kernel (its own forward runs)")
     if draft.notes:
