@@ -8,7 +8,7 @@ loss and every gradient of a training step must match the unsharded model.
 import pytest
 
 from tests.distributed import run_distributed
-from tests.runtime.mla_workers import dense_ep_world
+from tests.runtime.mla_llama4_workers import dense_ep_world
 from tests.runtime.workers import TOL
 
 pytestmark = pytest.mark.distributed

@@ -8,7 +8,7 @@ of the sharded model must match the unsharded one with the style, and must not w
 import pytest
 
 from tests.distributed import run_distributed
-from tests.runtime.mla_workers import mla_world
+from tests.runtime.mla_llama4_workers import mla_world
 from tests.runtime.workers import TOL
 
 pytestmark = pytest.mark.distributed

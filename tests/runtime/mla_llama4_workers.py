@@ -1,4 +1,5 @@
-"""Worker for test_mla.py: MLA attention tensor-parallel with and without `mla_kv_a_proj` (module-level: spawned)."""
+"""Workers for test_mla.py and test_dense_ep.py (module-level: spawned): MLA attention tensor-parallel with and
+without `mla_kv_a_proj`; Llama 4's pre-scaled experts expert-parallel."""
 
 from __future__ import annotations
 
