@@ -301,6 +301,7 @@ def experts_assignments(c, final: dict[str, PlanRule], strategy) -> list[Experts
                 is_fp4=info.is_fp4,
                 mode=mode,
                 is_transposed=info.is_transposed,
+                dispatch=info.dispatch,
             )
         )
     return out
