@@ -1,11 +1,17 @@
 """Benchmark of issue 10: sharded loading. planc.load against transformers' own sharded from_pretrained
 and against today's route (full from_pretrained on every rank, then planc.apply), in one run.
 
-The checkpoint is a random mid-size Mixtral in the hub's per-expert layout (what `save_pretrained`
-writes: experts.N.w1/w2/w3, sharded files with an index), fp32, >= 1.4 GiB. Each route runs in its own
-fresh gloo world (peak RSS is a per-process high-water mark), one route after the other:
+Two checkpoints (`--checkpoint`), both in the hub's per-expert layout (what `save_pretrained` writes:
+sharded files with an index):
 
-- `planc.load(dir, plan)` (the shipped mixtral plan, sizes = world);
+- `mixtral`: a random mid-size Mixtral (experts.N.w1/w2/w3), fp32, >= 1.4 GiB, loaded in fp32;
+- `deepseek_v3_fp8`: a random DeepSeek-V3 in the DeepSeek FP8 format (every decoder linear float8_e4m3fn +
+  `weight_scale_inv` per 128 x 128 block, `quantization_config: {quant_method: fp8, weight_block_size: [128, 128]}`),
+  loaded in bf16. Without a GPU every route dequantizes it as it loads (transformers' rule), planc per shard.
+
+Each route runs in its own fresh gloo world (peak RSS is a per-process high-water mark), one route after the other:
+
+- `planc.load(dir, plan)` (the shipped plan of the family, sizes = world);
 - transformers: `from_pretrained(dir, distributed_config=DistributedConfig(tp_size=N, ep_size=N))`
   (its built-in TP + EP plans);
 - full + apply: `from_pretrained(dir)` of the whole model on every rank, then `planc.apply(plan)`.
@@ -17,6 +23,7 @@ are compared with full + apply bit for bit. The issue's bars: peak <= 1.1 x tran
 shard bytes + largest tensor + 400 MiB; time ratio planc / transformers <= 1.0.
 
     python bench/load_sharded.py --workdir /tmp/planc-load-bench --world-sizes 2 4 --json load.json
+    python bench/load_sharded.py --checkpoint deepseek_v3_fp8 --world-sizes 2 4 --json load-fp8.json
 """
 
 from __future__ import annotations
@@ -40,19 +47,72 @@ MIXTRAL = dict(
     num_key_value_heads=8, head_dim=64, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=512,
     tie_word_embeddings=False,
 )
+# DeepSeek-V3 in FP8, 0.45 GiB on disk (0.85 GiB in bf16): 4 layers (1 dense + 3 of 16 experts, 2048 -> 1024), MLA
+# attention; every dim a TP style splits is a multiple of 4 x 128 (on the scale grid at 2 and 4 ranks).
+DEEPSEEK_V3 = dict(
+    vocab_size=16000, hidden_size=2048, intermediate_size=2048, moe_intermediate_size=1024, num_hidden_layers=4,
+    num_attention_heads=16, num_key_value_heads=16, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4,
+    n_group=4, topk_group=2, first_k_dense_replace=1, kv_lora_rank=384, q_lora_rank=768, qk_rope_head_dim=128,
+    qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=512, tie_word_embeddings=False,
+)
+CHECKPOINTS = {  # name: (model type, plan file, load dtype, vocabulary)
+    "mixtral": ("mixtral", "mixtral.yaml", "float32", MIXTRAL["vocab_size"]),
+    "deepseek_v3_fp8": ("deepseek_v3", "deepseek_v3.yaml", "bfloat16", DEEPSEEK_V3["vocab_size"]),
+}
 ROUTES = ("planc.load", "transformers", "full+apply")
 
 
-def write_checkpoint(path: Path) -> None:
-    """A random Mixtral of the size above in the hub layout (once; reused when the directory exists)."""
+def write_checkpoint(path: Path, name: str = "mixtral") -> None:
+    """A random model of the sizes above in the hub layout (once; reused when the directory exists)."""
     if (path / "model.safetensors.index.json").is_file():
         return
     import torch
-    from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
-    model = MixtralForCausalLM(MixtralConfig(**MIXTRAL)).to(torch.float32)
-    model.save_pretrained(path, max_shard_size="300MB")
+    if name == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        model = MixtralForCausalLM(MixtralConfig(**MIXTRAL)).to(torch.float32)
+        model.save_pretrained(path, max_shard_size="300MB")
+        return
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    unquantized = Path(str(path) + ".bf16")
+    if not (unquantized / "model.safetensors.index.json").is_file():
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**DEEPSEEK_V3)).to(torch.bfloat16)
+        model.save_pretrained(unquantized, max_shard_size="200MB")
+        del model
+    write_fp8(unquantized, path)
+
+
+def write_fp8(src: Path, dst: Path) -> None:
+    """The DeepSeek FP8 format of `src`: every 2-D decoder weight but the routers as float8_e4m3fn + fp32
+    `weight_scale_inv` per 128 x 128 block (the tests' writer), one output file per input file."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.runtime.load_fp8_workers import QUANTIZATION_CONFIG, quantize_blocks
+
+    tmp = Path(str(dst) + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    weight_map = {}
+    for file in sorted(set(index["weight_map"].values())):
+        out = {}
+        for key, t in load_file(src / file).items():
+            if key.startswith("model.layers.") and key.endswith(".weight") and t.ndim == 2 and not key.endswith("gate.weight"):
+                out[key], out[key[: -len("weight")] + "weight_scale_inv"] = quantize_blocks(t)
+            else:
+                out[key] = t
+        save_file(out, tmp / file, metadata={"format": "pt"})
+        weight_map.update({k: file for k in out})
+    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = QUANTIZATION_CONFIG
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    tmp.rename(dst)
 
 
 def _rss_mib() -> float:
@@ -89,16 +149,28 @@ def _held_bytes(model) -> int:
     return total
 
 
-def _plan(world: int) -> dict:
+def _plan(world: int, name: str = "mixtral") -> dict:
     import planc
 
-    plan = planc.load_plan(str(REPO / "plans" / "mixtral.yaml")).plan.model_dump(mode="json", exclude_none=True)
+    plan_file = CHECKPOINTS[name][1]
+    plan = planc.load_plan(str(REPO / "plans" / plan_file)).plan.model_dump(mode="json", exclude_none=True)
     plan.pop("extends", None)
     plan["parallel"] = {"tp_size": world, "ep_size": world}
     return plan
 
 
-def route_world(rank, world, route, path):
+def _warm_imports(model_type: str) -> None:
+    """Every route's lazy imports (the family's modeling module, DTensor, planc's runtime, the FP8 integration)
+    happen before the clock starts and before the RSS baseline, so no route pays for them inside the load."""
+    import importlib
+
+    for module in (f"transformers.models.{model_type}.modeling_{model_type}", "torch.distributed.tensor",
+                   "transformers.integrations.finegrained_fp8", "transformers.quantizers.auto",
+                   "transformers.generation.utils", "planc.runtime.install", "planc.runtime.checkpoint.load"):
+        importlib.import_module(module)
+
+
+def route_world(rank, world, route, path, name="mixtral"):
     """One route on one rank: baseline, load, peak; the logits of a fixed batch for the equality check."""
     import torch
     import torch.distributed as dist
@@ -106,7 +178,9 @@ def route_world(rank, world, route, path):
 
     import planc
 
-    plan = _plan(world)
+    plan = _plan(world, name)
+    dtype = getattr(torch, CHECKPOINTS[name][2])
+    _warm_imports(CHECKPOINTS[name][0])
     import gc
 
     gc.collect()
@@ -115,19 +189,19 @@ def route_world(rank, world, route, path):
     _reset_peak()
     start = time.perf_counter()
     if route == "planc.load":
-        model = planc.load(path, plan, dtype=torch.float32)
+        model = planc.load(path, plan, dtype=dtype)
     elif route == "transformers":
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, distributed_config=DistributedConfig(tp_size=world, ep_size=world)
+            path, dtype=dtype, distributed_config=DistributedConfig(tp_size=world, ep_size=world)
         )
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         planc.apply(model, plan)
     dist.barrier()
     seconds = time.perf_counter() - start
     peak = _peak_mib()
     held = _held_bytes(model) / MIB
-    ids = torch.randint(0, MIXTRAL["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, CHECKPOINTS[name][3], (1, 16), generator=torch.Generator().manual_seed(0))
     logits = None
     if route != "transformers":
         model.eval()
@@ -147,7 +221,7 @@ def largest_tensor_mib(path: Path) -> float:
         files.close()
 
 
-def run(path: Path, worlds, routes) -> list[dict]:
+def run(path: Path, worlds, routes, name: str = "mixtral") -> list[dict]:
     from planc.runtime.local_world import run_local_world
 
     import torch
@@ -158,10 +232,11 @@ def run(path: Path, worlds, routes) -> list[dict]:
     for world in worlds:
         logits = {}
         for route in routes:
-            per_rank = run_local_world(route_world, world, route, str(path))
+            per_rank = run_local_world(route_world, world, route, str(path), name)
             logits[route] = [r.pop("logits") for r in per_rank]
             rows.append({
-                "world": world, "route": route, "checkpoint_mib": total, "largest_tensor_mib": largest,
+                "checkpoint": name, "world": world, "route": route, "checkpoint_mib": total,
+                "largest_tensor_mib": largest,
                 "peak_over_base_mib": max(r["peak_over_base_mib"] for r in per_rank),
                 "held_mib": max(r["held_mib"] for r in per_rank),
                 "seconds": max(r["seconds"] for r in per_rank),
@@ -183,7 +258,8 @@ def markdown(rows: list[dict]) -> str:
         peer = mine.get("transformers")
         pl = mine.get("planc.load")
         out += [
-            f"**{world} gloo ranks** (checkpoint {rows[0]['checkpoint_mib']:.0f} MiB, largest tensor "
+            f"**{rows[0].get('checkpoint', 'mixtral')}, {world} gloo ranks** (checkpoint "
+            f"{rows[0]['checkpoint_mib']:.0f} MiB, largest tensor "
             f"{rows[0]['largest_tensor_mib']:.0f} MiB; per rank, the worst rank):",
             "",
             "| route | peak RSS over baseline MiB | held after MiB | load s | peak / transformers | time / transformers |",
@@ -213,11 +289,12 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default="/tmp/planc-load-bench", help="where the checkpoint is written (kept)")
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     p.add_argument("--routes", nargs="+", choices=ROUTES, default=list(ROUTES))
+    p.add_argument("--checkpoint", choices=sorted(CHECKPOINTS), default="mixtral")
     p.add_argument("--json", metavar="OUT")
     args = p.parse_args(argv)
-    path = Path(args.workdir) / "mixtral-hub"
-    write_checkpoint(path)
-    rows = run(path, args.world_sizes, args.routes)
+    path = Path(args.workdir) / ("mixtral-hub" if args.checkpoint == "mixtral" else f"{args.checkpoint}-hub")
+    write_checkpoint(path, args.checkpoint)
+    rows = run(path, args.world_sizes, args.routes, args.checkpoint)
     print(markdown(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1, default=str))

@@ -65,15 +65,16 @@ def apply(model: Any, plan: "PlanSource", *, mesh: Optional[Any] = None,
 
 def load(source: "Union[str, os.PathLike[str]]", plan: "PlanSource", *, dtype: Optional[Any] = None,
          device: Optional[Any] = None, mesh: Optional[Any] = None,
-         parallel: "Optional[Mapping[str, int]]" = None) -> "nn.Module":
+         parallel: "Optional[Mapping[str, int]]" = None, dequantize: Optional[bool] = None) -> "nn.Module":
     """Load the checkpoint directory `source` sharded by `plan`: every rank reads only its own shards.
 
     Returns the applied model (as `from_pretrained` returns one); its CompiledPlan is `model._planc_plan`.
-    `parallel` runs the plan at other sizes, as for `apply`.
+    `parallel` runs the plan at other sizes, as for `apply`. `dequantize` (FP8 block-scaled checkpoints): keep
+    FP8 (False) or dequantize each shard as it is read (True); default: as transformers decides (docs/load.md).
     """
     from planc.runtime.checkpoint.load import load as _load
 
-    return _load(source, plan, dtype=dtype, device=device, mesh=mesh, parallel=parallel)
+    return _load(source, plan, dtype=dtype, device=device, mesh=mesh, parallel=parallel, dequantize=dequantize)
 
 
 def save(model: nn.Module, directory) -> Path:

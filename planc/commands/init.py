@@ -58,25 +58,52 @@ class _Draft:
 
 
 def _transformers_rules(fam, model):
-    """tp rules, ep rules and the base-model prefix exactly as transformers declares them for `model`."""
-    from planc.runtime.families import base_model_path
+    """tp rules, ep rules and the base-model prefix(es) exactly as transformers declares them for `model`:
+    each base model applies its own config's plans under its own path, so the family's rules are written
+    under every base model that carries its config, and so are those of any other MoE tower of the model
+    (a vision encoder with experts next to the language model)."""
+    from planc.runtime.families import base_model_paths, declares_experts_plan
 
     config_cls = fam.config_class()
-    prefix = base_model_path(model, config_cls)
-    if prefix is None:
-        raise ValueError(
-            f"no module of {type(model).__name__} carries a {config_cls.__name__}; planc cannot place "
-            "transformers' plans in this model"
-        )
-    tp_base = dict(getattr(config_cls, "base_model_tp_plan", None) or {})
-    ep_base = dict(getattr(config_cls, "base_model_ep_plan", None) or {})
+    classes = [config_cls]
+    for _, module in model.named_modules():
+        cls = type(getattr(module, "config", None))
+        if cls not in classes and declares_experts_plan(cls):
+            classes.append(cls)
     tp: dict[str, str] = {}
-    if tp_base:  # transformers adds the vocab-parallel embedding to every TP plan
-        tp[f"{prefix}.embed_tokens"] = "embedding_rowwise"
-    tp.update({f"{prefix}.{k}": v for k, v in tp_base.items()})
+    ep: dict[str, str] = {}
+    all_prefixes: list[str] = []
+    for cls in classes:
+        prefixes = base_model_paths(model, cls)
+        if not prefixes and cls is config_cls:
+            raise ValueError(
+                f"no module of {type(model).__name__} carries a {config_cls.__name__}; planc cannot place "
+                "transformers' plans in this model"
+            )
+        tp_base = dict(getattr(cls, "base_model_tp_plan", None) or {})
+        ep_base = dict(getattr(cls, "base_model_ep_plan", None) or {}) or _ep_from_tp(tp_base)
+        for prefix in prefixes:
+            if tp_base:
+                tp[f"{prefix}.embed_tokens"] = "embedding_rowwise"  # transformers adds it to every TP plan
+            tp.update({f"{prefix}.{k}": v for k, v in tp_base.items()})
+            ep.update({f"{prefix}.{k}": v for k, v in ep_base.items()})
+        all_prefixes += prefixes
     tp.update(dict(getattr(type(model), "_tp_plan", None) or {}))
-    ep = {f"{prefix}.{k}": v for k, v in ep_base.items()}
-    return tp, ep, prefix
+    return tp, ep, "`, `".join(all_prefixes)
+
+
+def _ep_from_tp(tp_base: dict) -> dict:
+    """An EP plan for a config that declares only TP rules on its experts (Llama 4: "no base_model_ep_plan, the
+    experts take every token pre-scaled"): the same experts tensors sharded by expert, the module dispatched.
+    planc runs such experts expert-parallel (planc.runtime.ep.dense); the compiler refuses what cannot run."""
+    ep: dict[str, str] = {}
+    modules = [k for k, v in tp_base.items() if v == "moe_tp_experts"]
+    for module in modules:
+        for key in tp_base:
+            if key.startswith(module + "."):
+                ep[key] = "grouped_gemm"
+        ep[module] = "ep_dispatch_experts"
+    return ep
 
 
 def _under(pattern: str, keys) -> bool:
@@ -160,6 +187,15 @@ def _attempt(model_type, model, size: int, ep_on: bool, base: _Draft, impl: str)
     elif not any(s == "ep_dispatch_experts" for s in draft.ep.values()):
         return draft, None, ["no ep_plan rule shards experts (PLC404)"]
     else:
+        from planc.spec.styles import TP_STYLES
+
+        # transformers' EP plan is the whole plan used with EP: its TP styles (the dense MLP's colwise/rowwise)
+        # belong in a planc plan's tp_plan
+        for pattern, style in list(draft.ep.items()):
+            if style in TP_STYLES and draft.tp.get(pattern, style) == style:
+                how = "already in tp_plan" if pattern in draft.tp else "moved to tp_plan"
+                draft.tp[pattern] = draft.ep.pop(pattern)
+                draft.notes.append(("ep_plan", pattern, style, "", f"a tensor-parallel style: {how}"))
         ep_experts = [k for k, s in draft.ep.items() if s == "ep_dispatch_experts"]
         for pattern in [k for k in draft.tp if _under(k, ep_experts)]:
             draft.drop("tp_plan", pattern, "PLC406", "the experts are expert-parallel (ep_plan); EP wins")
@@ -266,6 +302,9 @@ def _render(fam, model_cls, prefix, version, size, ep_on, draft: _Draft, impl, w
         f"# Sizes: {why}.",
     ]
     lines.extend(f"#   not chosen: {t}" for t in tried)
+    if ep_on and not getattr(fam.config_class(), "base_model_ep_plan", None):
+        lines.append(f"# ep_plan: derived from the TP rules on the experts ({fam.config_class().__name__} declares no "
+                     "base_model_ep_plan)")
     if impl != "grouped_mm":
         lines.append(f"# experts.implementation: {impl}: {model_cls} cannot switch its experts kernel (its own forward runs)")
     if draft.notes:

@@ -143,6 +143,8 @@ def check_shards(c, assignments: list[Assignment], final: dict[str, PlanRule]) -
         spec = STYLE.get(a.style)
         if a.target != "parameter" or spec is None or spec.mesh != "tp":
             continue
+        if block_scale_weight(walk, a.fqn) is not None:
+            continue  # a block scale follows its weight: the weight's split is checked here, the grid by PLC625
         p = walk.params[a.fqn]
         dim = spec.placement(len(p.shape))
         if dim is None or not p.shape:
@@ -177,6 +179,74 @@ def check_shards(c, assignments: list[Assignment], final: dict[str, PlanRule]) -
                              "`replicate` attention"),
                 a.fqn,
             )
+
+
+BLOCK_SCALE_SUFFIX = "_scale_inv"
+
+
+def block_scale_weight(walk, fqn: str) -> Optional[str]:
+    """The weight a block-scale parameter belongs to (`q_proj.weight_scale_inv` -> `q_proj.weight`), else None."""
+    if not fqn.endswith(BLOCK_SCALE_SUFFIX):
+        return None
+    weight = fqn[: -len(BLOCK_SCALE_SUFFIX)]
+    return weight if weight in walk.params else None
+
+
+def _block_size(config) -> Optional[tuple[int, int]]:
+    q = getattr(config, "quantization_config", None)
+    block = q.get("weight_block_size") if isinstance(q, dict) else getattr(q, "weight_block_size", None)
+    if isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block):
+        return int(block[0]), int(block[1])
+    return None
+
+
+def check_block_grid(c, assignments: list[Assignment], final: dict[str, PlanRule]) -> None:
+    """PLC625: a block-scaled (FP8) weight whose TP shards do not start and end on its scale blocks.
+
+    A weight `W` with a companion `W_scale_inv` holds one scale per `weight_block_size` block (128 x 128 in
+    DeepSeek-V3). The scale is sharded with the weight on the same dim, so each rank's rows (or columns) of the
+    weight must be whole blocks: a colwise shard of rows [r0, r1) uses scale rows [r0/128, r1/128).
+    """
+    walk, tp = c.walk, c.tp
+    block = _block_size(walk.config)
+    if tp <= 1 or block is None:
+        return
+    for a in assignments:
+        spec = STYLE.get(a.style)
+        if a.target != "parameter" or spec is None or spec.mesh != "tp" or a.fqn + BLOCK_SCALE_SUFFIX not in walk.params:
+            continue
+        p = walk.params[a.fqn]
+        ndim = len(p.shape)
+        dim = spec.placement(ndim) if ndim >= 2 else None
+        if dim is None:
+            continue
+        axis = dim % ndim - (ndim - 2)  # 0: rows (output features), 1: columns (input features)
+        if axis not in (0, 1):
+            continue
+        parts = tp * (2 if spec.packed else 1)
+        size = p.shape[dim]
+        if size % parts:
+            continue  # PLC616 already says the split is uneven
+        local, b = size // parts, block[axis]
+        if local % b == 0:
+            continue
+        what = "rows (output features)" if axis == 0 else "columns (input features)"
+        fits = [n for n in range(2, 65) if size % (n * (2 if spec.packed else 1) * b) == 0]
+        c.problems.add(
+            BLOCK_GRID,
+            f"`{a.style}` gives each of the {tp} ranks {local} {what} of the FP8 block-scaled {generic_path(p.fqn)} "
+            f"(size {size}{', each half' if spec.packed else ''}), which is not a whole number of its "
+            f"{block[0]}x{block[1]} scale blocks: each rank's `{p.name}{BLOCK_SCALE_SUFFIX}` blocks would not line up with "
+            "its weight shard",
+            final[a.fqn].source.where,
+            c.sizes_hint(
+                f"use a tp_size that splits {size} on the {b} grid ({', '.join(map(str, fits[:4]))})" if fits
+                else f"no tp_size splits {size} on the {b} grid"
+            )
+            + "; or write `replicate` for this target, or load with `planc.load(..., dequantize=True)` (the "
+            "weights are dequantized as each rank reads them, which works off the grid)",
+            a.fqn,
+        )
 
 
 def resolve_strategy(c, ep_experts: set[str]) -> Optional[EPStrategy]:
@@ -231,6 +301,7 @@ def experts_assignments(c, final: dict[str, PlanRule], strategy) -> list[Experts
                 is_fp4=info.is_fp4,
                 mode=mode,
                 is_transposed=info.is_transposed,
+                dispatch=info.dispatch,
             )
         )
     return out
@@ -465,17 +536,21 @@ def check_experts_implementation(c, where_impl: str) -> None:
 
 
 def check_dense_experts(c, final) -> None:
-    """PLC613: ep_dispatch_experts on experts that take every token pre-scaled (no routed ids to dispatch)."""
+    """PLC613: ep_dispatch_experts on experts that take every token pre-scaled (Llama 4) when the EP group does not
+    hold one batch. Such experts have no routed (token, expert) pairs to dispatch: each rank runs its own experts
+    on every token of the batch its EP group shares and the outputs are gathered, so ep_size must equal tp_size."""
     for m in c.walk.experts:
         rule = final.get(m.fqn)
-        if m.experts.dispatch != "dense" or rule is None or rule.style != "ep_dispatch_experts":
+        if m.experts.dispatch != "dense" or rule is None or rule.style != "ep_dispatch_experts" or c.ep == c.tp:
             continue
         c.problems.add(
             WRONG_TARGET,
             f"{generic_path(m.fqn)} ({m.class_name}) runs forward(hidden_states) on every token pre-scaled by its "
-            "router score; `ep_dispatch_experts` dispatches routed (token, expert) pairs and has none here",
+            f"router score; with no routed pairs to dispatch, expert parallelism runs each rank's experts on the "
+            f"batch its EP group shares, which needs ep_size == tp_size (got ep_size {c.ep}, tp_size {c.tp})",
             rule.source.where,
-            f"shard these experts tensor-parallel in tp_plan: `{generic_path(m.fqn)}.gate_up_proj: packed_rowwise`, "
-            f"`{generic_path(m.fqn)}.down_proj: colwise`, `{generic_path(m.fqn)}: moe_tp_experts`, with `ep_size: 1`",
+            f"set `ep_size: {c.tp}`, or shard these experts tensor-parallel in tp_plan: "
+            f"`{generic_path(m.fqn)}.gate_up_proj: packed_rowwise`, `{generic_path(m.fqn)}.down_proj: colwise`, "
+            f"`{generic_path(m.fqn)}: moe_tp_experts`, with `ep_size: 1`",
             m.fqn,
         )

@@ -73,6 +73,9 @@ class ExpertsAssignment:
     # "ep" (ep_dispatch_experts), "tp" (moe_tp_experts) or None (replicated: only when tp and ep sizes are 1)
     mode: Optional[Literal["ep", "tp"]] = None
     is_transposed: bool = False
+    # "routed": forward(hidden_states, top_k_index, top_k_weights); "dense": every token pre-scaled (Llama 4), run
+    # expert-parallel by planc.runtime.ep.dense whatever the strategy says
+    dispatch: str = "routed"
 
 
 class Where(str):
@@ -203,6 +206,7 @@ class CompiledPlan:
                     "has_gate": e.has_gate,
                     "is_fp4": e.is_fp4,
                     "mode": e.mode,
+                    "dispatch": e.dispatch,
                     "is_transposed": e.is_transposed,
                 }
                 for e in self.experts

@@ -19,6 +19,7 @@ from planc.spec.patterns import Pattern
 # The codes the compiler emits: defined, documented and exampled in the one registry (planc.lint.rules_compile).
 from planc.lint.rules_compile import (  # noqa: E402
     BARE_PARAM_UNWRAPPED,
+    BLOCK_GRID,
     CONFLICTING_RULES,
     DEVICE_MEMORY,
     EXPERTS_IMPL_FIXED,

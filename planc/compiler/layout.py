@@ -72,11 +72,28 @@ def _described(spec: Optional[Style]) -> str:
 
 def declared_chains(walk) -> list[Chain]:
     """The producer -> consumer pairs transformers declares for this model (`base_model_tp_plan`)."""
-    config = walk.config
-    plan = getattr(type(config), "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None)
-    if not isinstance(plan, dict):
+    plans = []
+    for config in _configs(walk.config):  # a multimodal model: its language model's config declares the plan
+        plan = getattr(type(config), "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None)
+        if isinstance(plan, dict) and plan:
+            plans.append((f"transformers' {type(config).__name__}.base_model_tp_plan", plan))
+    out: list[Chain] = []
+    for name, plan in plans:
+        out += [c for c in _declared_chains(walk, name, plan) if all(o.container != c.container for o in out)]
+    return out
+
+
+def _configs(config, depth: int = 0) -> list:
+    """`config` and every sub-config under it (text_config, vision_config, thinker_config.text_config...)."""
+    if config is None or depth > 3:
         return []
-    name = f"transformers' {type(config).__name__}.base_model_tp_plan"
+    out = [config]
+    for attr in getattr(type(config), "sub_configs", None) or {}:
+        out += _configs(getattr(config, attr, None), depth + 1)
+    return out
+
+
+def _declared_chains(walk, name: str, plan: dict) -> list[Chain]:
     by_container: dict[str, tuple[set, set]] = {}
     for key, style_name in plan.items():
         spec = STYLE.get(style_name)

@@ -125,6 +125,10 @@ def expand(c, maps, ep_experts: set[str]) -> tuple[list[Assignment], dict[str, P
         r = table_map.get(fqn)
         if r is not None:
             return r, False
+        weight = checks.block_scale_weight(walk, fqn)
+        r = table_map.get(weight) if weight is not None else None
+        if r is not None:  # a block scale (`weight_scale_inv`) is sharded with its weight, like it
+            return r, True
         r = table_map.get(owner) if owner is not None else None
         if r is not None and r.style not in EXPERTS_MODULE_STYLES and r.style not in PARAMETER_STYLES:
             return r, True

@@ -62,7 +62,10 @@ def render_text(compiled: CompiledPlan) -> str:
         else:
             how = f"replicated, {e.num_experts} experts"
         lines.append(f"  {path} x{n}: {how}")
-        if e.strategy is not None:
+        if e.strategy is not None and e.mode == "ep" and e.dispatch == "dense":
+            lines.append("    strategy: experts that take every token pre-scaled (no routed pairs): each rank runs its "
+                         "experts on their rows of the shared batch, outputs gathered; ep_implementation does not apply")
+        elif e.strategy is not None:
             lines.append(f"    strategy {e.strategy.describe()}")
     lines.append("")
     if compiled.replicated:

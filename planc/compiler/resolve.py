@@ -100,6 +100,7 @@ class Resolver:
         assignments, final = match.expand(self, maps, ep_experts)
         checks.check_tied(self, final)
         checks.check_shards(self, assignments, final)
+        checks.check_block_grid(self, assignments, final)
         checks.check_bare_parameters(self, assignments, final)
         checks.check_dense_experts(self, final)
         checks.check_experts_implementation(self, key_where(self.loaded, ("experts", "implementation")))

@@ -32,6 +32,7 @@ MEGAMOE_ACTIVATION = "PLC621"
 MEGAMOE_KERNEL_BLOCKS = "PLC622"
 BARE_PARAM_UNWRAPPED = "PLC623"
 EXPERTS_IMPL_FIXED = "PLC624"
+BLOCK_GRID = "PLC625"
 LAYOUT_SHARDED_INTO_REPLICATED = "PLC630"
 LAYOUT_ROWWISE_WITHOUT_SHARDED = "PLC631"
 LAYOUT_OUTPUT_LEFT_SHARDED = "PLC632"
@@ -283,6 +284,19 @@ _compile_rule(
     "the block alignment (hidden % 256, % 512 above 4096; intermediate % 256) are worth verifying on the GPU.",
     _V4 + _V4_EP.replace("backend: reference", "backend: auto"), _V4 + _V4_EP, severity=WARNING,
 )
+register(Rule(
+    BLOCK_GRID, "shard-off-fp8-block-grid", "a TP shard of an FP8 block-scaled weight that is not whole scale blocks",
+    "An FP8 checkpoint in the DeepSeek-V3 format (`quantization_config: {quant_method: fp8, weight_block_size: "
+    "[128, 128]}`) stores each weight with a `weight_scale_inv` of one factor per 128 x 128 block. Loaded with "
+    "FP8 kept (`planc.load` on an FP8-capable GPU, or `dequantize=False`), a scale is sharded with its weight on "
+    "the same dim (a colwise shard of rows [r0, r1) holds scale rows [r0/128, r1/128)), so every rank's rows or "
+    "columns must be whole blocks: at tp 2 a 384-row weight (192 rows each, 1.5 blocks) is refused. The hint "
+    "names sizes that split on the grid; `replicate` the weight, or load with `dequantize=True`, which reads "
+    "each rank's scale blocks and dequantizes exactly off the grid too. A block scale with no rule of its own "
+    "takes its weight's style. It needs the quantized model `planc.load` builds, so its examples are the loads "
+    "of tests/runtime/test_load_fp8.py.",
+    family="compile",
+))
 register(Rule(
     DEVICE_MEMORY, "shard-exceeds-device-memory", "each rank's parameters alone exceed the device memory",
     "With a device memory budget (`planc explain --device-memory 141GiB`, or `planc.load`, which knows its "

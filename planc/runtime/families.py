@@ -87,6 +87,28 @@ def _head_for(model_type: str) -> Optional[str]:
     return None
 
 
+def _top_head_for(model_type: str) -> Optional[str]:
+    """The first task head whose model class is built from `model_type`'s own config class: `dots3_note` is
+    in the causal-LM mapping with a class that takes only its text config; the model holding every tower
+    is the image-text-to-text one."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto import modeling_auto
+
+    first = None
+    for head in _HEADS:
+        name = getattr(modeling_auto, head).get(model_type)
+        if name is None or head == "MODEL_MAPPING_NAMES" and first is not None:
+            continue
+        first = first or head
+        try:
+            cls = getattr(__import__("transformers", fromlist=[name]), name)
+        except Exception:  # noqa: BLE001 - a class that does not import: not this head
+            continue
+        if getattr(cls, "config_class", None) is CONFIG_MAPPING[model_type]:
+            return head
+    return first
+
+
 @lru_cache(maxsize=None)
 def moe_families() -> tuple[Family, ...]:
     """Every family of the installed transformers, sorted by `text_type`."""
@@ -115,7 +137,7 @@ def moe_families() -> tuple[Family, ...]:
             out.append(Family(mt, mt, (), head))  # a model of its own with a task head
         elif cls in parents:
             top, path = parents[cls]
-            out.append(Family(mt, top, path, _head_for(top)))  # the language model of a multimodal model
+            out.append(Family(mt, top, path, _top_head_for(top)))  # the language model of a multimodal model
         else:
             out.append(Family(mt, mt, (), head or "MODEL_MAPPING_NAMES"))  # only a base model
     return tuple(sorted(out, key=lambda f: f.text_type))
@@ -141,7 +163,7 @@ def _direct_family(model_type: str) -> Optional[Family]:
     subs = [(path, sub) for path, sub in _sub_config_paths(cls) if declares_experts_plan(sub)]
     if subs:
         path, sub = min(subs, key=lambda ps: len(ps[0]))
-        return Family(getattr(sub, "model_type", "") or path[-1], model_type, path, head)
+        return Family(getattr(sub, "model_type", "") or path[-1], model_type, path, _top_head_for(model_type))
     return None
 
 
@@ -163,54 +185,45 @@ def family(model_type: str) -> Family:
     raise KeyError(model_type)
 
 
-def family_config(fam: Family, text_config):
-    """The top config holding `text_config` (itself for a text-only family); other sub-configs tiny too."""
-    if not fam.multimodal:
-        return text_config
-    from planc.runtime.models import shrink_other_config
-
-    top_cls = fam.top_config_class()
-    kwargs = {}
-    default_hidden = getattr(fam.config_class()(), "hidden_size", None)
-    widths = {default_hidden: text_config.hidden_size} if isinstance(default_hidden, int) else {}
-    # Only the first level is passed to the constructor; deeper levels are set on the built sub-config.
-    first = fam.config_path[0]
-    for attr, sub in (getattr(top_cls, "sub_configs", None) or {}).items():
-        if not isinstance(sub, type) or attr == first:
-            continue
-        try:
-            kwargs[attr] = shrink_other_config(sub, widths).to_dict()
-        except Exception:  # noqa: BLE001 - a sub-config we cannot shrink keeps its default
-            continue
-    if len(fam.config_path) == 1:
-        kwargs[first] = text_config.to_dict()
-        return top_cls(**kwargs)
-    config = top_cls(**kwargs)
-    holder = config
-    for attr in fam.config_path[:-1]:
-        holder = getattr(holder, attr)
-    setattr(holder, fam.config_path[-1], text_config)
-    return config
-
-
 def text_config_of(fam: Family, config):
     for attr in fam.config_path:
         config = getattr(config, attr)
     return config
 
 
-def base_model_path(model, text_config_cls) -> Optional[str]:
-    """Path of the module that carries the family's plans: the base model whose config is `text_config_cls`.
+def base_model_paths(model, text_config_cls) -> list[str]:
+    """Paths of the modules that carry the family's plans: every base model whose config is `text_config_cls`.
 
-    transformers prefixes a child's plans with the child's path; the child is the outermost module
-    whose `config` is an instance of the family's config class and that holds the decoder layers.
+    transformers prefixes a child's plans with the child's path; the children are the outermost modules
+    whose `config` is an instance of the family's config class and that hold the decoder layers (a
+    diffusion model holds two: its encoder's language model and its decoder), else the outermost such module.
     """
+    found: list[str] = []
     for name, module in model.named_modules():
+        if not name or not hasattr(module, "layers") or any(name.startswith(f + ".") or name == f for f in found):
+            continue
         cfg = getattr(module, "config", None)
-        if name and isinstance(cfg, text_config_cls) and hasattr(module, "layers"):
-            return name
-    for name, module in model.named_modules():
-        cfg = getattr(module, "config", None)
-        if name and isinstance(cfg, text_config_cls):
-            return name
-    return None
+        # a stack of the family's layers under a module whose config is another one (a diffusion decoder
+        # built from the top config): the family's plans apply to it as they apply to the base model
+        if isinstance(cfg, text_config_cls) or any(
+            isinstance(getattr(m, "config", None), text_config_cls) for m in module.layers.modules()
+        ):
+            found.append(name)
+    if found:
+        return found
+    for with_layers in (True, False):
+        for name, module in model.named_modules():
+            cfg = getattr(module, "config", None)
+            if not name or not isinstance(cfg, text_config_cls) or (with_layers and not hasattr(module, "layers")):
+                continue
+            if not any(name.startswith(f + ".") for f in found):
+                found.append(name)
+        if found:
+            return found
+    return found
+
+
+def base_model_path(model, text_config_cls) -> Optional[str]:
+    """The first of `base_model_paths` (None when no module carries the family's config)."""
+    paths = base_model_paths(model, text_config_cls)
+    return paths[0] if paths else None

@@ -31,10 +31,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from planc.compiler.walk import _has_experts_forward
 from planc.errors import ApplyError
 from planc.runtime.checkpoint.guards import guard_applied_model
 from planc.runtime.ep import EP_RUNTIMES
 from planc.runtime.ep.base import install_ep_forward, shard_expert_tensor
+from planc.runtime.ep.dense import install_dense_ep_forward
 from planc.runtime.mesh import Groups, build_groups, rank_device
 from planc.runtime.snapshot import Snapshot
 from planc.runtime.tp_styles import tp_style
@@ -329,7 +331,21 @@ def step_install_tp_forwards(state: InstallState) -> None:
             continue
         module = state.module(a.fqn)
         module._planc_fqn = a.fqn
+        if a.style == "mla_kv_a_proj":
+            module._planc_rope_dim = _rope_dim(state, a.fqn)
         tp_style(a.style, a.rule.where).install(module, state.groups.tp_mesh)
+
+
+def _rope_dim(state: InstallState, fqn: str):
+    """`qk_rope_head_dim` of the attention module holding `fqn`, else of the config it or the model carries."""
+    parent = state.module(fqn.rpartition(".")[0]) if "." in fqn else None
+    for source in (parent, getattr(parent, "config", None)):
+        value = getattr(source, "qk_rope_head_dim", None)
+        if isinstance(value, int):
+            return value
+    config = getattr(state.model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "qk_rope_head_dim", None)
 
 
 def step_install_megamoe(state: InstallState) -> None:
@@ -361,6 +377,9 @@ def step_install_ep_forwards(state: InstallState) -> None:
             continue
         module = state.module(e.fqn)
         module._planc_fqn = e.fqn
+        if _has_experts_forward(module) == "dense":  # every token pre-scaled (Llama 4): no routed pairs
+            install_dense_ep_forward(module, e.strategy, state.groups, e.num_experts)
+            continue
         runtime = EP_RUNTIMES[e.strategy.name](module, e.strategy, state.groups)
         local = runtime.num_local_experts
         if local * state.groups.ep_size != e.num_experts:

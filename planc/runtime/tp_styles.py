@@ -321,6 +321,34 @@ class ReplicatedWithGradAllReduce(TPStyle):
             module._parameters[name] = fresh
 
 
+class MlaKvAProj(TPStyle):
+    """MLA's `kv_a_proj_with_mqa` (DeepSeek-V2/V3 style attention), replicated: its output is
+    [compressed kv | rope key]. The compressed part feeds `kv_b_proj` (colwise: its input gradient is summed
+    over TP there); the rope key goes straight to this rank's heads, so its gradient is partial on each rank
+    and is summed here in backward. Forward unchanged. The rope width is `qk_rope_head_dim` of the attention
+    module holding it (set by the install step as `_planc_rope_dim`)."""
+
+    name = "mla_kv_a_proj"
+
+    def install(self, module, mesh):
+        rope = getattr(module, "_planc_rope_dim", None)
+        if not isinstance(rope, int) or rope < 0:
+            raise ApplyError(
+                f"planc.runtime.tp_styles: `mla_kv_a_proj` on {module_path(module)} needs the rope width "
+                "(`qk_rope_head_dim` of its attention module or the model config); put `replicate` on it instead."
+            )
+        group = mesh.get_group()
+
+        def forward(original, *args, **kwargs):
+            out = original(*args, **kwargs)
+            if not needs_grad(out) or rope == 0:  # NoPE attention (glm5_next): no rope slice
+                return out
+            kv, rot = out.split([out.shape[-1] - rope, rope], dim=-1)
+            return torch.cat([kv, all_reduce_grad(rot, group)], dim=-1)
+
+        self._wrap(module, forward)
+
+
 class PackedRowwise(TPStyle):
     """Parameter-only: fused gate|up weights packed on the last dim (Llama 4's transposed experts
     `gate_up_proj [E, H, 2I]`): each half sharded, so rank r holds gate_r | up_r. The module that owns
@@ -460,6 +488,7 @@ TP_STYLES: dict[str, TPStyle] = {
         EmbeddingRowwise(),
         TPStyle(),
         ReplicatedWithGradAllReduce(),
+        MlaKvAProj(),
         MoeTPExperts(),
         PackedRowwise(),
         LocalParams(),

@@ -73,12 +73,18 @@ def test_per_layer_config_does_not_crash_the_head_check():
         assert all(p.code.startswith("PLC") for p in e.problems)
 
 
-def test_llama4_experts_cannot_take_ep_dispatch():
+def test_llama4_experts_take_ep_dispatch_only_over_one_batch():
+    """Llama 4's experts take every token pre-scaled: expert-parallel over an EP group that holds one batch
+    (ep_size == tp_size, planc.runtime.ep.dense), refused (PLC613) when the EP group spans data-parallel replicas."""
     model = build_meta_model("llama4_text", {"num_hidden_layers": 2})
     plan = {"version": 1, "model": {"type": "llama4_text"}, "parallel": {"tp_size": 2, "ep_size": 2},
             "experts": {"implementation": "eager"},
             "ep_plan": {"model.layers.*.feed_forward.experts.gate_up_proj": "grouped_gemm",
                         "model.layers.*.feed_forward.experts.down_proj": "grouped_gemm",
                         "model.layers.*.feed_forward.experts": "ep_dispatch_experts"}}
+    compiled = compile_plan(model, plan)  # compiles: every experts module expert-parallel
+    assert compiled.experts_covered == len(compiled.experts) > 0
+    plan["parallel"] = {"tp_size": 1, "ep_size": 2, "dp_size": 2}
     problems = _codes(plan, model)
-    assert any(p.code == "PLC613" and "pre-scaled" in p.message and "packed_rowwise" in p.hint for p in problems)
+    assert any(p.code == "PLC613" and "pre-scaled" in p.message and "ep_size == tp_size" in p.message
+               and "packed_rowwise" in p.hint for p in problems), problems

@@ -128,6 +128,17 @@ def _broken(checkpoints, tmp_path):
     rewrite(d, lambda t: {k: (v.to(torch.int8) if k == "model.norm.weight" else v) for k, v in t.items()}
             if "model.norm.weight" in t else t)
 
+    # Pre-quantized formats planc.load does not support: refused from config.json, before any tensor is read.
+    for name, qconfig in (
+        ("quantized_mxfp4", {"quant_method": "mxfp4"}),
+        ("quantized_fp8_per_tensor", {"quant_method": "fp8", "weight_block_size": None}),
+        ("quantized_fp8_ue8m0", {"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}),
+    ):
+        d = copy(name)
+        config = json.loads((d / "config.json").read_text())
+        config["quantization_config"] = qconfig
+        (d / "config.json").write_text(json.dumps(config))
+
     d = copy("config_of_another_model_type")
     cases[-1] = ("config_of_another_model_type", str(d), "qwen3_moe")  # a qwen3_moe plan on a mixtral checkpoint
     return cases, victim
@@ -144,6 +155,9 @@ def test_bad_checkpoints_are_refused_on_every_rank(two_ranks):
         "shape_mismatch": ["model.norm.weight", "shape [63]", "[64]"],
         "dtype_mismatch": ["model.norm.weight", "I8"],
         "config_of_another_model_type": ["config.json", "`mixtral`", "qwen3_moe"],
+        "quantized_mxfp4": ["config.json", "`quant_method: mxfp4`", "does not support", "Nothing was read"],
+        "quantized_fp8_per_tensor": ["config.json", "`weight_block_size: None` (per-tensor FP8)", "Nothing was read"],
+        "quantized_fp8_ue8m0": ["config.json", "`scale_fmt: ue8m0`", "Nothing was read"],
     }
     for rank, res in enumerate(per_rank):
         for name, needles in expected.items():

@@ -24,10 +24,11 @@ _NON_FLOAT = {"I8", "U8", "I16", "U16", "I32", "U32", "I64", "U64", "BOOL", "F8_
 
 
 def _mapping(model: nn.Module):
-    from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming
 
-    mapping = get_model_conversion_mapping(model)
+    from planc.runtime.checkpoint.quantized import conversion_mapping
+
+    mapping = conversion_mapping(model)  # with a quantizer's scale keys for a pre-quantized checkpoint
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
     return renamings, converters

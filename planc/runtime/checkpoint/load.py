@@ -39,6 +39,14 @@ from torch import nn
 from planc.errors import ApplyError, CheckpointError, PlancError
 from planc.runtime.checkpoint.files import CheckpointFiles
 from planc.runtime.checkpoint.keys import checkpoint_problems, loading_problems
+from planc.runtime.checkpoint.quantized import (
+    block_size,
+    conversion_mapping,
+    dequantizing,
+    prepare_meta_model,
+    quantizer_for,
+    wrap_scales,
+)
 from planc.runtime.mesh import rank_device
 
 
@@ -50,6 +58,7 @@ def load(
     device: Optional[torch.device | str] = None,
     mesh=None,
     parallel=None,
+    dequantize: Optional[bool] = None,
 ) -> nn.Module:
     """Load the checkpoint directory `source` sharded by `plan`; every rank reads only its own shards.
 
@@ -57,8 +66,11 @@ def load(
     parameters' dtype (default: the checkpoint's `dtype` in config.json, else float32). `device`:
     where this rank's shards live (default: `cuda:LOCAL_RANK` under NCCL, the CPU under gloo).
     `mesh`: an optional ("dp", "tp") DeviceMesh, as for `apply`. `parallel`: run the plan at other sizes,
-    as for `apply` (`{"tp_size": 2, "ep_size": 2}`, linted again). Returns the applied model; its
-    CompiledPlan is `model._planc_plan`, as after `planc.apply`.
+    as for `apply` (`{"tp_size": 2, "ep_size": 2}`, linted again). `dequantize`: for an FP8 block-scaled
+    checkpoint, keep the weights FP8 (False; transformers' FP8 modules, CUDA kernels) or dequantize each shard to
+    `dtype` as it is read (True); default: as transformers decides (FP8 on a CUDA GPU of compute capability
+    >= 8.9, else dequantized). Returns the applied model; its CompiledPlan is `model._planc_plan`, as after
+    `planc.apply`.
     """
     from planc.runtime import install
     from planc.runtime.mesh import build_groups
@@ -75,9 +87,13 @@ def load(
         else:
             config = _config(dcp_dir, dtype)
         config_path = files.config_path if files else Path(dcp_dir) / "config.json"
-        _check_quantization(config, config_path)
         loaded = _plan_for(plan, config, config_path)
+        megamoe = loaded.plan.experts.implementation == "deepgemm_megamoe"
+        quantizer = _quantizer(config, config_path, device, dequantize, dcp=dcp_dir is not None, megamoe=megamoe)
         model = _meta_model(config, dtype)
+        if quantizer is not None:
+            _check_fp8_kept_plan(quantizer, loaded, config_path)
+            prepare_meta_model(model, quantizer)
         compiled, problems = install.compile_and_check(model, loaded, mesh, device=device, parallel=parallel)
         if compiled is not None and files is not None:
             problems += checkpoint_problems(model, files)
@@ -153,17 +169,28 @@ def _config(root, dtype):
     return config
 
 
-def _check_quantization(config, config_path) -> None:
-    """Pre-quantized checkpoints are refused before any read: planc's styles do not yet shard their scales."""
-    q = getattr(config, "quantization_config", None)
-    if q is None:
+def _quantizer(config, config_path, device, dequantize, *, dcp: bool, megamoe: bool):
+    """transformers' quantizer for a pre-quantized checkpoint (quantized.py), refused before any read if planc
+    cannot load it; None for an unquantized one."""
+    if getattr(config, "quantization_config", None) is None:
+        return None
+    if dcp:
+        raise CheckpointError(
+            f"{config_path}: a planc.save checkpoint with a `quantization_config` cannot be loaded yet (nothing was "
+            "read): save the model loaded with `dequantize=True`, or load the original safetensors checkpoint."
+        )
+    return quantizer_for(config, config_path, device, dequantize, megamoe=megamoe)
+
+
+def _check_fp8_kept_plan(quantizer, loaded, config_path) -> None:
+    """Mega MoE takes bf16 experts (quantized to FP4 at load) or FP4 ones, not transformers' FP8Experts."""
+    qc = quantizer.quantization_config
+    if qc.dequantize or qc.expert_dtype == "fp4" or loaded.plan.experts.implementation != "deepgemm_megamoe":
         return
-    method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", type(q).__name__)
     raise CheckpointError(
-        f"{config_path}: the checkpoint is pre-quantized (`quantization_config.quant_method: {method}`), which "
-        "planc.load does not support yet: the quantizer's scale tensors (e.g. FP8 `weight_scale_inv`) would have "
-        "to be sharded with their weights. Load a bf16/fp32 checkpoint; for FP4 Mega MoE experts use a plan with "
-        "`experts.megamoe.quantize: fp4`, which quantizes each rank's experts as they are read."
+        f"{config_path}: an FP8 checkpoint kept in FP8 cannot feed a `deepgemm_megamoe` plan (its kernel takes FP4 "
+        "experts, or bf16 ones it quantizes with `megamoe.quantize: fp4`). Load with `dequantize=True`: each rank's "
+        "experts are dequantized as they arrive, then quantized to FP4 layer by layer."
     )
 
 
@@ -219,19 +246,22 @@ class _SafetensorsFill:
         self.device = device
 
     def __call__(self, state) -> None:
-        from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
 
         model = state.model
-        mapping = get_model_conversion_mapping(model)
+        mapping = conversion_mapping(model)
+        quantizer = getattr(model, "hf_quantizer", None)
         config = LoadStateDictConfig(
             pretrained_model_name_or_path=str(self.files.root),
             dtype=model.config.dtype,
             device_map={"": self.device},
             weight_mapping=mapping,
+            hf_quantizer=quantizer,
         )
         slices = self.files.slices()
+        if dequantizing(model):  # each rank reads only the scale blocks of its own rows/columns (quantized.py)
+            slices = wrap_scales(slices, self.files.tensors, block_size(model))
         infos, used = [], {}
         quantize = _experts_to_quantize(state)
         # One loader call keeps its read pool busy across layers (as from_pretrained does); per layer only when
@@ -259,6 +289,8 @@ class _SafetensorsFill:
             raise CheckpointError("\n".join(problems))
         # transformers' own finalisation: non-persistent buffers off meta and recomputed (rotary inv_freq), ties.
         type(model)._finalize_model_loading(model, config, info)
+        if quantizer is not None:  # as from_pretrained ends: FP8 scale views, or the quantization config dropped
+            quantizer.postprocess_model(model)
         _move_buffers(model, self.device)
         left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
         if left:

@@ -1,0 +1,88 @@
+"""Workers for test_mla.py and test_dense_ep.py (module-level: spawned): MLA attention tensor-parallel with and
+without `mla_kv_a_proj`; Llama 4's pre-scaled experts expert-parallel."""
+
+from __future__ import annotations
+
+import copy
+
+from tests.runtime.workers import batch, train_step_diff
+
+PLAN = """\
+version: 1
+model: {type: deepseek_v2}
+parallel: {tp_size: 2, ep_size: 2}
+experts: {implementation: grouped_mm, ep_implementation: all_to_all}
+tp_plan:
+  model.embed_tokens: embedding_rowwise
+  model.layers.*.self_attn.q_b_proj: colwise
+  model.layers.*.self_attn.kv_a_proj_with_mqa: KV_A_STYLE
+  model.layers.*.self_attn.kv_b_proj: colwise
+  model.layers.*.self_attn.o_proj: rowwise
+  model.layers.*.mlp.shared_experts.{gate,up}_proj: colwise
+  model.layers.*.mlp.shared_experts.down_proj: rowwise
+  lm_head: colwise_gather_output
+ep_plan:
+  model.layers.*.mlp.experts.{gate_up_proj,down_proj}: grouped_gemm
+  model.layers.*.mlp.experts: ep_dispatch_experts
+"""
+
+
+def mla_world(rank, world_size):
+    """{style: (|loss diff|, max |grad diff| of kv_a_proj_with_mqa, max |grad diff| of every parameter)}."""
+    from planc import apply
+    from planc.runtime.models import build_tiny_model
+
+    out = {}
+    base = build_tiny_model("deepseek_v2", seed=3)
+    for style in ("mla_kv_a_proj", "replicate"):
+        model, ref = copy.deepcopy(base), copy.deepcopy(base)
+        apply(model, PLAN.replace("KV_A_STYLE", style))
+        if style == "mla_kv_a_proj":
+            wrapped = model.model.layers[0].self_attn.kv_a_proj_with_mqa.forward
+            out["installed"] = getattr(wrapped, "planc_style", None)
+        loss, _ = train_step_diff(model, ref, batch(4))
+        _, kv_a = _kv_a_grads(model, ref)
+        model.zero_grad(), ref.zero_grad()
+        _, every = train_step_diff(model, ref, batch(4))
+        out[style] = (loss, kv_a, every)
+    return out
+
+
+def _kv_a_grads(model, ref):
+    from tests.runtime.workers import full
+
+    ref_params = dict(ref.named_parameters())
+    worst = 0.0
+    for name, p in model.named_parameters():
+        if "kv_a_proj_with_mqa" in name:
+            worst = max(worst, (full(p.grad) - ref_params[name].grad).abs().max().item())
+    return None, worst
+
+
+def dense_ep_world(rank, world_size):
+    """Llama 4 (experts take every token pre-scaled) under the plan `planc init` writes, EP over the TP group:
+    {strategy: (max |logits diff|, |loss diff|, max |grad diff|), "experts per rank": int}."""
+    import torch
+    import yaml
+
+    from planc import apply
+    from planc.commands.init import init_plan
+    from planc.runtime.families import family
+    from planc.runtime.models import build_tiny_model, tiny_config
+    from tests.runtime.workers import logits_diff
+
+    fam = family("llama4_text")
+    plan = yaml.safe_load(init_plan(fam.model_type, tiny_config(fam).to_dict(), sizes=(world_size,)))
+    base = build_tiny_model("llama4_text", seed=5)
+    out = {"ep_size": plan["parallel"].get("ep_size", 1)}
+    for strategy in ("all_to_all", "all_reduce"):
+        plan["experts"]["ep_implementation"] = strategy
+        model, ref = copy.deepcopy(base), copy.deepcopy(base)
+        apply(model, plan)
+        experts = model.model.layers[0].feed_forward.experts
+        out["experts per rank"] = int(experts.gate_up_proj.to_local().shape[0])
+        logits = logits_diff(model, ref, batch(3))
+        loss, grads = train_step_diff(model, ref, batch(4))
+        out[strategy] = (logits, loss, grads)
+        torch.distributed.barrier()
+    return out
