@@ -99,13 +99,36 @@ def resolve_backend(backend: str, device: torch.device | None = None) -> str:
 
 
 @dataclass
-class ReferenceRunner:
-    """The reference backend for one module: dequantizes its FP4 weights once (per device) and runs."""
+class _StagedRunner:
+    """One module's Mega MoE call through the reference staging, dispatch and combine; the backends differ
+    only in the weights they hand it (`weights`) and the local experts computation (`_local_forward`)."""
 
     module: nn.Module
     num_experts: int
     activation_clamp: float | None
     max_tokens_per_rank: int | None
+
+    def weights(self, device: torch.device):
+        raise NotImplementedError
+
+    def _local_forward(self) -> dict:
+        return {}
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights, process_group):
+        return reference_mega_moe(
+            hidden_states, top_k_index, top_k_weights, self.weights(hidden_states.device),
+            num_experts=self.num_experts,
+            group=process_group,
+            activation_clamp=self.activation_clamp,
+            max_tokens_per_rank=self.max_tokens_per_rank,
+            **self._local_forward(),
+        )
+
+
+@dataclass
+class ReferenceRunner(_StagedRunner):
+    """The reference backend for one module: dequantizes its FP4 weights once (per device) and runs."""
+
     _cache: DequantizedExperts | None = field(default=None, repr=False)
 
     def weights(self, device: torch.device) -> DequantizedExperts:
@@ -119,25 +142,15 @@ class ReferenceRunner:
             )
         return self._cache
 
-    def __call__(self, hidden_states, top_k_index, top_k_weights, process_group):
-        return reference_mega_moe(
-            hidden_states, top_k_index, top_k_weights, self.weights(hidden_states.device),
-            num_experts=self.num_experts,
-            group=process_group,
-            activation_clamp=self.activation_clamp,
-            max_tokens_per_rank=self.max_tokens_per_rank,
-        )
-
 
 @dataclass
-class TritonRunner:
+class TritonRunner(_StagedRunner):
     """The Triton backend for one module: reads the module's FP4 parameters as stored (no copy)."""
 
-    module: nn.Module
-    num_experts: int
-    activation_clamp: float | None
-    max_tokens_per_rank: int | None
     _cache: tuple | None = field(default=None, repr=False)
+
+    def _local_forward(self) -> dict:
+        return dict(local_forward=triton_backend.triton_local_experts_forward, backend="triton")
 
     def weights(self, device: torch.device) -> triton_backend.PackedExperts:
         m = self.module
@@ -151,17 +164,6 @@ class TritonRunner:
         if self._cache is None or self._cache[0] != key:  # views of the parameters, rebuilt if they are replaced
             self._cache = (key, triton_backend.PackedExperts.from_params(*p))
         return self._cache[1]
-
-    def __call__(self, hidden_states, top_k_index, top_k_weights, process_group):
-        return reference_mega_moe(
-            hidden_states, top_k_index, top_k_weights, self.weights(hidden_states.device),
-            num_experts=self.num_experts,
-            group=process_group,
-            activation_clamp=self.activation_clamp,
-            max_tokens_per_rank=self.max_tokens_per_rank,
-            local_forward=triton_backend.triton_local_experts_forward,
-            backend="triton",
-        )
 
 
 @dataclass
