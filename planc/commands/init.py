@@ -96,11 +96,16 @@ def _ep_from_tp(tp_base: dict) -> dict:
     """An EP plan for a config that declares only TP rules on its experts (Llama 4: "no base_model_ep_plan, the
     experts take every token pre-scaled"): the same experts tensors sharded by expert, the module dispatched.
     planc runs such experts expert-parallel (planc.runtime.ep.dense); the compiler refuses what cannot run."""
+    from planc.spec.styles import STYLE
+
     ep: dict[str, str] = {}
     modules = [k for k, v in tp_base.items() if v == "moe_tp_experts"]
     for module in modules:
-        for key in tp_base:
-            if key.startswith(module + "."):
+        for key, style in tp_base.items():
+            spec = STYLE.get(style)
+            # a style that shards no tensor (longcat_flash's `identity_expert: moe_identity_expert`) has no EP
+            # counterpart: under EP the experts' own forward runs that child on the tokens it gets
+            if key.startswith(module + ".") and (spec is None or spec.shards):
                 ep[key] = "grouped_gemm"
         ep[module] = "ep_dispatch_experts"
     return ep

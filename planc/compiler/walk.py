@@ -159,7 +159,10 @@ def _experts_info(module, own: dict[str, ParamInfo], config) -> Optional[Experts
     )
     num_experts = getattr(module, "num_experts", None)
     if not isinstance(num_experts, int):
-        num_experts = first.shape[0]
+        # the experts with weights: each needs a row of every projection. A tensor allocated with more rows
+        # (longcat_flash's gate_up_proj also counts its parameter-free "zero" experts, which its forward runs as
+        # identities without reading a weight) holds rows the forward never reads.
+        num_experts = min(first.shape[0], down.shape[0])
     # down_proj is [E, H, I], or [E, I, H] when transposed (gpt_oss)
     hidden, inter = (down.shape[2], down.shape[1]) if is_transposed else (down.shape[1], down.shape[2])
     if first.dtype in ("int8", "uint8"):

@@ -304,6 +304,7 @@ def step_set_experts_implementation(state: InstallState) -> None:
 
 def step_shard_parameters(state: InstallState) -> None:
     """Every parameter assignment: TP styles slice by feature, `grouped_gemm` by expert."""
+    num_experts = {e.fqn: e.num_experts for e in state.compiled.experts}
     for a in state.compiled.assignments:
         if a.target != "parameter":
             continue
@@ -311,7 +312,7 @@ def step_shard_parameters(state: InstallState) -> None:
         owner = state.module(owner_name)
         owner._planc_fqn = owner_name
         if a.style == "grouped_gemm":
-            shard_expert_tensor(owner, pname, state.groups)
+            shard_expert_tensor(owner, pname, state.groups, num_experts.get(owner_name))
         elif a.style == "ep_dispatch_experts":
             continue  # a module style inherited by its parameters: grouped_gemm rules shard them
         else:

@@ -16,7 +16,9 @@ family, so a tiny config is derived from the family's own config class, starting
 - the other towers of a multimodal model (vision, audio, the talker of an omni model) shrink by the
   same rules, and a width that equals another tower's hidden size (a projector's output) follows it.
 
-Structural switches stay as the family ships them. `TINY_CONFIGS` (planc.runtime.models) holds
+Structural switches stay as the family ships them, except one that turns the experts on (gemma4's
+`enable_moe_block`, off by default; its MoE checkpoints set it): the sweep is about the experts. An expert
+count of 1 in the defaults (hunyuan_v1_moe) becomes 8 too, so that expert parallelism is exercised. `TINY_CONFIGS` (planc.runtime.models) holds
 hand-tuned values for the shipped plans' families; they are overrides on top of this derivation.
 """
 
@@ -53,6 +55,10 @@ _TINY_SIZES: dict[str, int] = {
 _NUM_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 _TOP_K = ("num_experts_per_tok", "moe_topk", "moe_k", "num_experts_per_token", "top_k", "top_k_experts")
 _SHARED = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
+# parameter-free experts the router also picks (longcat_flash's identity "zero" experts): a few of them
+_EXTRA_EXPERTS = ("zero_expert_num",)
+# a structural switch that turns the experts on (gemma4's `enable_moe_block`): the family's MoE checkpoints set it
+_EXPERTS_SWITCH = re.compile(r"^(enable|use|with|has)_(moe|experts?|sparse_moe)(_block|_layers?|_mlp)?$")
 _INTERMEDIATE_MARKERS = ("intermediate_size", "ffn_hidden_size", "moe_hidden_size", "intermediate_dim", "ffn_dim")
 _LAYER_COUNTS = ("num_hidden_layers", "num_layers")
 _TOWER_DEPTHS = ("depth", "encoder_layers", "decoder_layers")
@@ -162,9 +168,18 @@ def shrink_dict(cls, d: dict, *, family: bool, widths: Optional[dict] = None) ->
                 kw[k] = small
             elif isinstance(v, list) and v and all(_is_int(x) for x in v):
                 kw[k] = [32] * len(v)
+    if family:
+        for k, v in d.items():
+            if v is False and _EXPERTS_SWITCH.match(k):
+                kw[k] = True
     for k in _NUM_EXPERTS:
-        if k in d and (d[k] is None or (_is_int(d[k]) and d[k] > 1)):
+        # a default of 1 expert (hunyuan_v1_moe; its checkpoints have 64) exercises no expert parallelism:
+        # every count of 1 or more becomes TINY_EXPERTS (0 stays: no experts is a switch)
+        if k in d and (d[k] is None or (_is_int(d[k]) and d[k] >= 1)):
             kw[k] = TINY_EXPERTS
+    for k in _EXTRA_EXPERTS:
+        if _is_int(d.get(k)) and d[k] > 0:
+            kw[k] = TINY_EXPERTS // 2
     for k in _TOP_K:
         if k in d and (d[k] is None or _is_int(d[k])):
             kw[k] = min(d[k] or 2, 2)
@@ -250,6 +265,10 @@ def _shrink_layers(cls, d: dict, kw: dict, family: bool) -> None:
         if not _is_int(n) or n <= 2:
             continue
         as_lists = {f"{k} (by layer)": [repr(_by_index(v, i)) for i in range(n)] for k, v in by_layer.items()}
+        # lists of layer indices (`mlp_only_layers`: the dense ones) are kinds too: keep a dense and a MoE layer
+        ids = {lk: set(d[lk]) for lk in _LAYER_ID_LISTS
+               if lk != "no_rope_layers" and isinstance(d.get(lk), list) and len(d[lk]) != n}
+        as_lists.update({f"{lk} (member)": [i in members for i in range(n)] for lk, members in ids.items()})
         keep = _kept_layers({**d, **as_lists}, n)
         kw[key] = len(keep)
         for lk, lv in _per_layer_lists(d, n).items():
@@ -260,7 +279,9 @@ def _shrink_layers(cls, d: dict, kw: dict, family: bool) -> None:
             kw[lk] = {f"{j:0{width}d}": _shrink_entry(cls, base, _by_index(lv, i), family)
                       for j, i in enumerate(keep) if _by_index(lv, i) is not None}
         for lk in _LAYER_ID_LISTS:
-            if isinstance(d.get(lk), list) and lk not in kw:
+            if lk in ids and lk not in kw:
+                kw[lk] = [j for j, i in enumerate(keep) if i in ids[lk]]  # the kept layers, renumbered
+            elif isinstance(d.get(lk), list) and lk not in kw:
                 kw[lk] = [x for x in d[lk] if _is_int(x) and x < len(keep)] if lk != "no_rope_layers" else d[lk]
         if _is_int(d.get("first_k_dense_replace")):
             kw["first_k_dense_replace"] = min(d["first_k_dense_replace"], 1)

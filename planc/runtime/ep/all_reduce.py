@@ -29,7 +29,11 @@ class AllReduceEPRuntime(EPRuntime):
         g = self.groups
         hidden_states = all_reduce_grad(hidden_states, g.ep_group)
         top_k_weights = all_reduce_grad(top_k_weights, g.ep_group)
-        off_rank = torch.div(top_k_index, self.num_local_experts, rounding_mode="floor") != g.ep_rank
-        local_index = torch.where(off_rank, self.sentinel, top_k_index % self.num_local_experts)
-        output = self.experts_forward(hidden_states, local_index, top_k_weights.masked_fill(off_rank, 0.0))
+        # parameter-free experts (ids past the experts with weights) keep their id; EP rank 0 alone counts them
+        extra = top_k_index >= self.num_local_experts * g.ep_size
+        off_rank = (torch.div(top_k_index, self.num_local_experts, rounding_mode="floor") != g.ep_rank) & ~extra
+        local_index = torch.where(extra, top_k_index,
+                                  torch.where(off_rank, self.sentinel, top_k_index % self.num_local_experts))
+        masked = off_rank | extra if g.ep_rank else off_rank
+        output = self.experts_forward(hidden_states, local_index, top_k_weights.masked_fill(masked, 0.0))
         return all_reduce_sum(output, g.ep_group)

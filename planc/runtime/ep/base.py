@@ -9,6 +9,7 @@ biases, FP8/FP4 scales. The experts module then holds `num_experts = E/ep` and t
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -17,8 +18,12 @@ from planc.runtime.mesh import needs_grad, to_local
 from planc.runtime.tp_styles import local_parameters, module_path
 
 
-def shard_expert_tensor(module: nn.Module, name: str, groups) -> None:
-    """`grouped_gemm`: keep this rank's slice of the leading (expert) dim of parameter or buffer `name`."""
+def shard_expert_tensor(module: nn.Module, name: str, groups, num_experts=None) -> None:
+    """`grouped_gemm`: keep this rank's slice of the leading (expert) dim of parameter or buffer `name`.
+
+    `num_experts` (the compiler's count of experts with weights): a tensor allocated with more leading rows
+    (longcat_flash's gate_up_proj also counts the parameter-free experts its forward runs as identities)
+    keeps only the rows of the experts with weights, split like the others; its forward never reads the rest."""
     ep = groups.ep_size
     tensor = module._parameters.get(name)
     is_param = tensor is not None
@@ -36,6 +41,8 @@ def shard_expert_tensor(module: nn.Module, name: str, groups) -> None:
             "style. Keep either the tp_plan or the ep_plan rule for it."
         )
     num = tensor.shape[0] if tensor.ndim else 0
+    if num_experts is not None and 0 < num_experts < num:
+        tensor, num = tensor[:num_experts], num_experts
     if num == 0 or num % ep:
         raise ApplyError(
             f"planc.runtime.ep.base: cannot shard {module_path(module)}.{name} (shape {tuple(tensor.shape)}) by expert over "
@@ -44,7 +51,7 @@ def shard_expert_tensor(module: nn.Module, name: str, groups) -> None:
         )
     if is_param:
         module._parameters[name] = nn.Parameter(
-            distribute_tensor(tensor.detach(), groups.ep_mesh, [Shard(0)], src_data_rank=None),
+            distribute_tensor(tensor.detach().contiguous(), groups.ep_mesh, [Shard(0)], src_data_rank=None),
             requires_grad=tensor.requires_grad,
         )
     else:
@@ -57,6 +64,11 @@ def shard_expert_tensor(module: nn.Module, name: str, groups) -> None:
 class EPRuntime:
     """Base of every EP runtime: `RuntimeCls(experts_module, strategy, groups)`, then
     `runtime(hidden_states [T, H], top_k_index [T, K] global ids, top_k_weights [T, K]) -> [T, H]`.
+
+    Ids at or above the number of experts with weights (`num_local_experts * ep_size`) are parameter-free
+    experts that the experts' own forward computes without a weight (longcat_flash's zero experts: the
+    identity). They never travel: the rank that holds the token runs the own forward on them with their
+    original id (all_reduce: rank 0 of the EP group does, the others mask them).
 
     Bound after `grouped_gemm` has sharded the experts, so `experts.num_experts` is the local count.
     The checks every strategy shares run here once: the batch sharing it needs, experts sharded by
@@ -72,6 +84,10 @@ class EPRuntime:
         self.groups = groups
         self.ep_group, self.ep_rank, self.ep_size = groups.ep_group, groups.ep_rank, groups.ep_size
         self.experts_forward = experts_module.forward  # the experts' own forward, on local expert ids
+        # a forward of the model's own is written for the model's top-k width: longcat_flash's squeezes the k dim
+        # away, so one slot per row breaks it. Rows run top-1 (all_to_all) get a second, weight-0 copy of their
+        # slot there (twice the experts' work on the receiving rank, for such models only).
+        self.pad_top1 = not dispatches_experts_implementation(experts_module)
         local = getattr(experts_module, "num_experts", None)
         self.num_local_experts = int(local) if local is not None else int(experts_module.gate_up_proj.shape[0])
         if self.needs_shared_batch and not groups.shares_batch:
@@ -99,6 +115,13 @@ class EPRuntime:
     def forward(self, hidden_states, top_k_index, top_k_weights):
         raise NotImplementedError
 
+    def top1_forward(self, tokens, expert_ids, weights):
+        """The experts' forward on rows of one (token, expert) slot each: ids and weights [N, 1]."""
+        if self.pad_top1:
+            expert_ids = torch.cat([expert_ids, expert_ids], dim=-1)
+            weights = torch.cat([weights, torch.zeros_like(weights)], dim=-1)
+        return empty_safe_forward(self.experts_forward, tokens, expert_ids, weights)
+
 
 def install_ep_forward(module: nn.Module, runtime) -> None:
     """Replace the experts forward with `runtime` (an instance attribute, undone by restoring `__dict__`)."""
@@ -114,13 +137,23 @@ def install_ep_forward(module: nn.Module, runtime) -> None:
     module.forward = ep_forward
 
 
+def dispatches_experts_implementation(module: nn.Module) -> bool:
+    """Whether the experts class is wrapped by transformers' `@use_experts_implementation` (its forward picks
+    the kernel named by `config._experts_implementation`; the decorator gives the class `_apply_gate`).
+    A class without it (longcat_flash: the model "does not support setting experts implementation") runs
+    only its own forward, which promises nothing about ids beyond its local experts."""
+    return callable(getattr(type(module), "_apply_gate", None))
+
+
 def sentinel_safe(module: nn.Module) -> bool:
     """Whether the experts forward skips the off-rank sentinel id `num_experts`.
 
-    transformers' GPT-OSS eager forward one-hots ids with `num_classes=num_experts`, so the sentinel
-    crashes it ("Class values must be smaller than num_classes"); other kernels and eager forwards
-    skip it.
+    transformers' experts kernels and the eager forwards of the classes they wrap skip it, except GPT-OSS
+    eager, which one-hots ids with `num_classes=num_experts` ("Class values must be smaller than
+    num_classes"). A forward of the model's own (a class transformers does not wrap) is not trusted with it.
     """
+    if not dispatches_experts_implementation(module):
+        return False
     impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
     return not (impl in (None, "eager") and type(module).__name__ == "GptOssExperts")
 
@@ -129,8 +162,10 @@ def empty_safe_forward(experts_forward, tokens, expert_ids, weights):
     """Run the experts on rows that may be empty, keeping the empty result connected to autograd."""
     if tokens.shape[0]:
         return experts_forward(tokens, expert_ids, weights)
-    out = experts_forward(tokens.sum(0, keepdim=True), expert_ids.new_zeros((1, 1)), weights.new_ones((1, 1)))
+    k = expert_ids.shape[-1]
+    out = experts_forward(tokens.sum(0, keepdim=True), expert_ids.new_zeros((1, k)), weights.new_ones((1, k)))
     return out[:0]
 
 
-__all__ = ["EPRuntime", "install_ep_forward", "shard_expert_tensor", "sentinel_safe", "empty_safe_forward"]
+__all__ = ["EPRuntime", "install_ep_forward", "shard_expert_tensor", "sentinel_safe", "empty_safe_forward",
+           "dispatches_experts_implementation"]
