@@ -292,6 +292,7 @@ def init_plan(model_type: str, config: Optional[dict] = None, overrides: Optiona
             + "; ".join(tried)
         )
     _, size, ep_on, draft, label = best
+    tried = [t for t in tried if not t.startswith(label + ":")]  # the chosen sizes are not "not chosen"
     why = f"{label}: the largest size that compiles" + (
         "" if best[0][0] == 0 else f" with the fewest rules dropped ({best[0][0]})"
     )

@@ -132,7 +132,9 @@ class _Blocks:
         generic = generic_path(container)
         out = []
         declared = self.declared.get(generic)
-        if declared is not None and declared.consumer in kids:
+        # a declared chain holds in the containers that have its consumer and a producer: a generic path can hold
+        # blocks of different classes (glm5_next: linear attention in some layers, MLA in others, both `self_attn`)
+        if declared is not None and declared.consumer in kids and declared.producers & set(kids):
             out.append(declared)
         for producers, consumer in NAMED_CHAINS:
             present = producers & set(kids)
@@ -249,13 +251,14 @@ def _check_chain(c, blocks: _Blocks, container: str, chain: Chain, module_rule) 
             consumer_fqn,
         )
     elif not sharded and _takes(consumer) == SHARDED:
+        where, narrow = _mixed_blocks(c, container, consumer_rule.pattern_text)
         c.problems.add(
             LAYOUT_ROWWISE_WITHOUT_SHARDED,
-            f"`{consumer.name}` on {chain.consumer} expects its input sharded, but {names} leave their outputs "
+            f"`{consumer.name}` on {chain.consumer}{where} expects its input sharded, but {names} leave their outputs "
             f"whole (no colwise rule): the first forward fails with mismatched shapes ({assumed})",
             consumer_rule.source.where,
             f"add `{generic_path(container)}.{{{','.join(producers)}}}: colwise` to tp_plan, or write "
-            f"`{consumer_rule.pattern_text}: rowwise_split_input`",
+            f"`{consumer_rule.pattern_text}: rowwise_split_input`{narrow}",
             consumer_fqn,
         )
     elif sharded:
@@ -270,6 +273,31 @@ def _check_chain(c, blocks: _Blocks, container: str, chain: Chain, module_rule) 
             consumer_fqn,
         )
     return explained
+
+
+def _mixed_blocks(c, container: str, pattern: str) -> tuple[str, str]:
+    """(" (in Cls, ...)", "; or ...narrowed pattern") when the generic path of `container` holds blocks of more
+    than one class (glm5_next's `layers.*.self_attn`: linear attention in some layers, MLA in others): one rule on
+    all of them is right for one class only, and the hint names the layers of the others."""
+    walk = c.walk
+    generic = generic_path(container)
+    cls = walk.modules[container].class_name
+    others: dict[str, list[str]] = {}
+    for fqn in walk.by_generic.get(generic, ()):
+        info = walk.modules.get(fqn)
+        if info is not None and info.class_name != cls:
+            index = next((seg for seg in fqn.split(".") if seg.isdigit()), None)
+            others.setdefault(info.class_name, []).append(index)
+    if not others:
+        return "", ""
+    where = (f" (in the {cls} blocks of {generic}; its other layers are "
+             f"{', '.join(sorted(others))}, which this rule may suit)")
+    indices = sorted({i for ids in others.values() for i in ids if i is not None}, key=int)
+    narrow = ""
+    if indices and "*" in pattern:
+        narrow = (f"; or keep the rule for the other blocks only: "
+                  f"`{pattern.replace('*', indices[0] if len(indices) == 1 else '{' + ','.join(indices) + '}', 1)}`")
+    return where, narrow
 
 
 def _check_norms(c, blocks: _Blocks, container: str, producers: dict, module_rule, assumed: str) -> None:
