@@ -43,3 +43,31 @@ def test_init_drops_what_transformers_drops_and_says_so(capsys):
 def test_unknown_model_type_is_a_usage_error(capsys):
     assert main(["init", "--from-transformers", "no_such_model"]) == 2
     assert "no_such_model" in capsys.readouterr().err
+
+
+def test_experts_on_their_own_forward_get_an_ep_plan():
+    """longcat_flash cannot switch its experts implementation and has parameter-free "zero" experts: init still
+    writes expert parallelism (its own forward runs under it), without a grouped_gemm rule on the identity child,
+    and the compiler counts the experts with weights (gate_up_proj is allocated for the zero experts too)."""
+    import torch
+    import yaml
+
+    from planc.commands.init import init_plan
+    from planc.runtime.families import family
+    from planc.runtime.models import tiny_config
+
+    fam = family("longcat_flash")
+    config = tiny_config(fam)
+    text = init_plan(fam.model_type, config.to_dict(), sizes=(2,))
+    plan = yaml.safe_load(text)
+    assert plan["parallel"] == {"tp_size": 2, "ep_size": 2}
+    assert plan["experts"]["implementation"] == "eager"
+    assert plan["ep_plan"] == {
+        "model.layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+        "model.layers.*.mlp.experts.down_proj": "grouped_gemm",
+        "model.layers.*.mlp.experts": "ep_dispatch_experts",
+    }
+    with torch.device("meta"):
+        meta = fam.model_class(config)._from_config(config, dtype=torch.float32)
+    compiled = compile_plan(meta, text)
+    assert {(e.num_experts, e.num_local_experts) for e in compiled.experts} == {(config.n_routed_experts, 4)}

@@ -218,3 +218,47 @@ def test_lint_size_hints_pass_lint():
         p = s["parallel"]
         fixed = text.replace("tp_size: 8, ep_size: 4", f"tp_size: {p['tp_size']}, ep_size: {p['ep_size']}, dp_size: {p['dp_size']}")
         assert [x for x in lint_text(fixed) if x.severity == "error"] == []
+
+
+def _glm5_next():
+    import torch
+
+    from planc.runtime.families import family
+    from planc.runtime.models import tiny_config
+
+    fam = family("glm5_next_text")
+    config = tiny_config(fam)
+    with torch.device("meta"):
+        return fam.model_class(config)._from_config(config, dtype=torch.float32)
+
+
+GLM5 = """\
+version: 1
+model: {type: glm5_next}
+parallel: {tp_size: 2, ep_size: 2}
+tp_plan:
+  model.language_model.layers.%s.self_attn.{q_b_proj,kv_b_proj}: colwise
+  model.language_model.layers.%s.self_attn.o_proj: rowwise
+ep_plan:
+  model.language_model.layers.*.mlp.experts.{gate_up_proj,down_proj}: grouped_gemm
+  model.language_model.layers.*.mlp.experts: ep_dispatch_experts
+"""
+
+
+def test_one_rule_over_blocks_of_two_classes_names_the_class_it_breaks(tmp_path):
+    """glm5_next's `layers.*.self_attn` is linear attention in some layers, MLA in others: transformers' chain
+    q_b_proj/kv_b_proj -> o_proj holds in the MLA blocks only, and `o_proj: rowwise` breaks the linear ones."""
+    model = _glm5_next()
+    kinds = {n: type(m).__name__ for n, m in model.named_modules() if n.endswith("self_attn")}
+    assert len(set(kinds.values())) == 2, kinds
+    _, problems = refused(tmp_path, GLM5 % ("*", "*"), model, R.LAYOUT_ROWWISE_WITHOUT_SHARDED)
+    (p,) = problems
+    assert "in the Glm5NextTextLinearAttention blocks" in p.message and "q_proj/k_proj/v_proj" in p.message
+    mla = sorted(n.split(".")[3] for n, k in kinds.items() if k == "Glm5NextTextAttention")
+    assert f"layers.{mla[0] if len(mla) == 1 else '{' + ','.join(mla) + '}'}.self_attn.o_proj" in p.hint
+    # the MLA producers are not blamed for the linear blocks (no empty producer list)
+    assert "but  leave" not in p.message and "{}" not in p.hint
+    assert not [q for q in problems if q.code in (R.LAYOUT_PRODUCERS_DISAGREE,)]
+    # narrowed to the MLA layers as the hint says, the plan compiles
+    layers = mla[0] if len(mla) == 1 else "{" + ",".join(mla) + "}"
+    compile_plan(model, GLM5 % (layers, layers))

@@ -128,3 +128,47 @@ def test_init_plans_every_stack_of_experts_in_the_model():
         for prefix in prefixes:
             assert f"  {prefix}.*.mlp.experts: ep_dispatch_experts\n" in text or \
                 f"  {prefix}.*.experts: ep_dispatch_experts\n" in text, (name, prefix, text)
+
+
+def test_a_switch_that_turns_the_experts_on_is_on():
+    gemma4 = _text("gemma4_text")  # enable_moe_block is False by default; Gemma 4's MoE checkpoints set it
+    assert gemma4.enable_moe_block is True and (gemma4.num_experts, gemma4.top_k_experts) == (8, 2)
+    model = build_tiny_model(family("gemma4_text"))
+    assert any(n.endswith(".experts") for n, _ in model.named_modules())
+
+
+def test_dense_layer_lists_keep_a_dense_and_a_moe_layer():
+    flint = _text("flint")  # mlp_only_layers [0, 1]: cutting to the first layers of each attention kind kept only dense ones
+    assert flint.mlp_only_layers and len(flint.mlp_only_layers) < flint.num_hidden_layers
+    assert all(0 <= i < flint.num_hidden_layers for i in flint.mlp_only_layers)
+    model = build_tiny_model(family("flint"))
+    assert any(n.endswith(".experts") for n, _ in model.named_modules())
+
+
+def test_expert_counts_exercise_expert_parallelism():
+    assert _text("hunyuan_v1_moe").num_experts == 8  # the default has 1 expert (Hunyuan-A13B has 64)
+    longcat = _text("longcat_flash")  # parameter-free "zero" experts shrink with the routed ones
+    assert (longcat.n_routed_experts, longcat.zero_expert_num) == (8, 4)
+
+
+def test_one_expert_is_refused_for_expert_parallelism_with_its_reason():
+    from planc.commands.init import init_plan
+    from planc.compiler.resolve import compile_plan
+    from planc.errors import CompileError
+
+    fam = family("hunyuan_v1_moe")
+    config = tiny_config(fam, num_experts=1)  # transformers' default expert count
+    text = init_plan(fam.model_type, config.to_dict(), sizes=(2,))
+    assert "ep_size" not in text.split("version: 1")[1].split("experts:")[0]  # written without EP
+    assert "PLC606 1 experts cannot be split evenly over ep_size=2" in text  # and says why
+    with torch.device("meta"):
+        meta = fam.model_class(config)._from_config(config, dtype=torch.float32)
+    plan = text.replace("  tp_size: 2\n", "  tp_size: 2\n  ep_size: 2\n") + (
+        "ep_plan:\n  model.layers.*.mlp.experts.gate_up_proj: grouped_gemm\n"
+        "  model.layers.*.mlp.experts.down_proj: grouped_gemm\n  model.layers.*.mlp.experts: ep_dispatch_experts\n")
+    plan = "\n".join(ln for ln in plan.splitlines() if "mlp.experts" not in ln or "grouped_gemm" in ln
+                     or "ep_dispatch" in ln) + "\n"
+    with pytest.raises(CompileError) as e:
+        compile_plan(meta, plan)
+    assert [p.code for p in e.value.problems] == ["PLC606"]
+    assert "1 experts cannot be split evenly over ep_size=2" in e.value.problems[0].message

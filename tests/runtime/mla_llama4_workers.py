@@ -86,3 +86,39 @@ def dense_ep_world(rank, world_size):
         out[strategy] = (logits, loss, grads)
         torch.distributed.barrier()
     return out
+
+
+def own_forward_ep_world(rank, world_size):
+    """longcat_flash (its own experts forward: the model cannot switch its experts implementation; parameter-free
+    "zero" experts past the routed ones) under the plan `planc init` writes: {strategy: (logits, loss, grads)
+    diffs}, "experts per rank", "zero experts hit" (routes to the parameter-free experts in the batch)."""
+    import torch
+    import yaml
+
+    from planc import apply
+    from planc.commands.init import init_plan
+    from planc.runtime.families import family
+    from planc.runtime.models import build_tiny_model, tiny_config
+    from tests.runtime.workers import logits_diff
+
+    fam = family("longcat_flash")
+    plan = yaml.safe_load(init_plan(fam.model_type, tiny_config(fam).to_dict(), sizes=(world_size,)))
+    base = build_tiny_model("longcat_flash", seed=5)
+    routed = base.config.n_routed_experts
+    hits = []
+    hook = base.model.layers[0].mlp.router.register_forward_hook(lambda m, a, o: hits.append(int((o[2] >= routed).sum())))
+    with torch.no_grad():
+        base(input_ids=batch(3))
+    hook.remove()
+    out = {"ep_size": plan["parallel"].get("ep_size", 1), "zero experts hit": sum(hits)}
+    for strategy in ("all_to_all", "all_reduce", "auto"):
+        plan["experts"]["ep_implementation"] = strategy
+        model, ref = copy.deepcopy(base), copy.deepcopy(base)
+        apply(model, plan)
+        experts = model.model.layers[0].mlp.experts
+        out["experts per rank"] = int(experts.down_proj.to_local().shape[0])
+        logits = logits_diff(model, ref, batch(3))
+        loss, grads = train_step_diff(model, ref, batch(4))
+        out[strategy] = (logits, loss, grads)
+        torch.distributed.barrier()
+    return out
