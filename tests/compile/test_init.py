@@ -71,3 +71,29 @@ def test_experts_on_their_own_forward_get_an_ep_plan():
         meta = fam.model_class(config)._from_config(config, dtype=torch.float32)
     compiled = compile_plan(meta, text)
     assert {(e.num_experts, e.num_local_experts) for e in compiled.experts} == {(config.n_routed_experts, 4)}
+
+
+def test_a_rule_that_suits_one_class_of_blocks_is_kept_for_their_layers():
+    """glm5_next: `layers.*.self_attn.o_proj: rowwise` suits the MLA layers and breaks the linear-attention ones
+    (PLC631); init keeps it for the MLA layers (so their q_b_proj/kv_b_proj stay colwise) and says so."""
+    import torch
+    import yaml
+
+    from planc.commands.init import init_plan
+    from planc.runtime.families import family
+    from planc.runtime.models import tiny_config
+
+    fam = family("glm5_next_text")
+    config = tiny_config(fam)
+    with torch.device("meta"):
+        meta = fam.model_class(config)._from_config(config, dtype=torch.float32)
+    mla = [n.split(".")[3] for n, m in meta.named_modules()
+           if n.endswith("self_attn") and type(m).__name__ == "Glm5NextTextAttention"]
+    text = init_plan(fam.model_type, config.to_dict(), sizes=(2,))
+    tp = yaml.safe_load(text)["tp_plan"]
+    layers = mla[0] if len(mla) == 1 else "{" + ",".join(mla) + "}"
+    assert tp[f"model.language_model.layers.{layers}.self_attn.o_proj"] == "rowwise"
+    assert tp["model.language_model.layers.*.self_attn.q_b_proj"] == "colwise"
+    assert "model.language_model.layers.*.self_attn.o_proj" not in tp
+    assert "PLC631" in text and "(the layers it suits)" in text
+    compile_plan(meta, text)
