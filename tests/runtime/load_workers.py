@@ -13,27 +13,10 @@ from pathlib import Path
 
 import torch
 
-from tests.runtime.workers import PLANS, batch, shipped_plan
+from tests.runtime.workers import FOUR_RANK_HEADS, SHIPPED, batch, shipped_case_plan, shipped_plan
 
-
-def _shipped_cases() -> list[tuple[str, str, str, dict]]:
-    """(case name, model type, plan file, extra experts settings) for every plan in plans/: the test covers what
-    ships, found on disk (a new plan is loaded by the tests without editing them). Mega MoE plans run the
-    reference backend (no SM100 GPU here)."""
-    from planc.lint.load import load_plan
-
-    cases = []
-    for path in sorted(PLANS.glob("*.yaml")):
-        plan = load_plan(str(path)).plan
-        extra = {"backend": "reference"} if plan.experts.implementation == "deepgemm_megamoe" else {}
-        cases.append((path.stem, plan.model.type, path.name, extra))
-    return cases
-
-
-CASES = _shipped_cases()
+CASES = [(name, *case) for name, case in SHIPPED.items()]  # (name, model type, plan file, extra)
 LAYOUTS = ("hub", "model")
-# Tiny configs whose 2 KV heads a 4-rank tensor-parallel plan could not split (PLC617): 4 heads of their own.
-FOUR_RANK_HEADS = {t: {"num_key_value_heads": 4} for t in ("glm4_moe", "llama4_text", "minimax_m2", "qwen3_next")}
 
 
 def write_checkpoints(root: Path, model_types, *, seed: int = 0) -> None:
@@ -52,8 +35,7 @@ def write_checkpoints(root: Path, model_types, *, seed: int = 0) -> None:
 
 
 def _plan(case, world):
-    name, model_type, file, extra = case
-    return shipped_plan(model_type, tp=world, file=file, **dict(extra))
+    return shipped_case_plan(case[0], tp=world)
 
 
 def _full_load_then_apply(path, plan, cls):
@@ -132,7 +114,7 @@ def transposed_world(rank, world, path):
     """A checkpoint whose experts are stored transposed: planc.load's shards equal full-load-then-apply's."""
     from planc import load
 
-    plan = shipped_plan("qwen3_vl_moe", tp=world, file="qwen3_vl_moe.yaml")
+    plan = shipped_case_plan("qwen3_vl_moe", tp=world)
     model = load(path, plan, dtype=torch.float32)
     ref = _full_load_then_apply(path, plan, type(model))
     with torch.no_grad():
