@@ -26,6 +26,7 @@ __all__ = [
     "load_plan", "lint_paths", "compile", "apply", "load", "save", "export", "destroy_megamoe_buffers", "__version__",
 ]
 
+
 def load_plan(source: "PlanSource", *, parallel: "Optional[Mapping[str, int]]" = None) -> "LoadedPlan":
     """Load, lint and validate a plan (path, YAML string, mapping, Plan or LoadedPlan); PlanError if it is invalid.
     `parallel` runs it at other sizes, e.g. `{"tp_size": 2, "ep_size": 2}`, linted again at those sizes."""
