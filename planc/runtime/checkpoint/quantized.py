@@ -158,10 +158,13 @@ def prepare_meta_model(model, quantizer) -> None:
 
 
 def conversion_mapping(model):
-    """The family's conversion mapping, extended by the model's quantizer (scale keys) when it has one."""
+    """The family's conversion mapping, extended by the model's quantizer (scale keys) when it has one, with its
+    shape-checking ops comparing against this rank's shard (`conversion.shard_aware`)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
 
-    return get_model_conversion_mapping(model, None, getattr(model, "hf_quantizer", None))
+    from planc.runtime.checkpoint.conversion import shard_aware
+
+    return shard_aware(get_model_conversion_mapping(model, None, getattr(model, "hf_quantizer", None)))
 
 
 def dequantizing(model) -> bool:
