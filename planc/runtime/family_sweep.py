@@ -244,7 +244,8 @@ def render_models_md(records: dict, transformers_version: str) -> str:
         "init, lint and explain pass, but transformers' own unsharded model cannot run the comparison (the",
         "cause, outside planc, is in the init column).",
         "",
-        "| family | model type | status | init | TP | EP | all_to_all | all_reduce | auto | rules dropped or changed (codes) |",
+        "| family | model type | status | init | TP | EP | all_to_all | all_reduce | auto "
+        "| rules dropped or changed (codes) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for t in sorted(records):

@@ -138,7 +138,8 @@ def test_a_switch_that_turns_the_experts_on_is_on():
 
 
 def test_dense_layer_lists_keep_a_dense_and_a_moe_layer():
-    flint = _text("flint")  # mlp_only_layers [0, 1]: cutting to the first layers of each attention kind kept only dense ones
+    # mlp_only_layers [0, 1]: cutting to the first layer of each attention kind kept only dense ones
+    flint = _text("flint")
     assert flint.mlp_only_layers and len(flint.mlp_only_layers) < flint.num_hidden_layers
     assert all(0 <= i < flint.num_hidden_layers for i in flint.mlp_only_layers)
     model = build_tiny_model(family("flint"))

@@ -106,7 +106,8 @@ def own_forward_ep_world(rank, world_size):
     base = build_tiny_model("longcat_flash", seed=5)
     routed = base.config.n_routed_experts
     hits = []
-    hook = base.model.layers[0].mlp.router.register_forward_hook(lambda m, a, o: hits.append(int((o[2] >= routed).sum())))
+    router = base.model.layers[0].mlp.router
+    hook = router.register_forward_hook(lambda m, a, o: hits.append(int((o[2] >= routed).sum())))
     with torch.no_grad():
         base(input_ids=batch(3))
     hook.remove()
