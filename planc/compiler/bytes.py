@@ -26,6 +26,17 @@ def shard_divisor(style, shape: tuple, tp: int, ep: int) -> int:
     return ep if spec.mesh == "ep" else tp
 
 
+def _held_rows_bytes(p, rule, walk) -> int:
+    """A parameter's bytes before the split. An expert-sharded tensor allocated with more leading rows than the
+    module has experts with weights (longcat_flash's gate_up_proj also counts its parameter-free "zero" experts)
+    keeps only those experts' rows at install (`planc.runtime.ep.base.shard_expert_tensor`); the rest is never held."""
+    spec = STYLE.get(rule.style) if rule is not None else None
+    experts = walk.modules[p.owner].experts
+    if spec is not None and spec.mesh == "ep" and experts is not None and p.shape and 0 < experts.num_experts < p.shape[0]:
+        return p.nbytes * experts.num_experts // p.shape[0]
+    return p.nbytes
+
+
 def account(c, final: dict[str, PlanRule]):
     walk, tp, ep = c.walk, c.tp, c.ep
     seen: set[int] = set()
@@ -40,7 +51,7 @@ def account(c, final: dict[str, PlanRule]):
         total += p.nbytes
         r = final.get(p.fqn)
         div = shard_divisor(r.style if r is not None else None, p.shape, tp, ep)
-        per_rank = -(-p.nbytes // div)
+        per_rank = -(-_held_rows_bytes(p, r, walk) // div)
         c.by_dtype[p.dtype] = c.by_dtype.get(p.dtype, 0) + per_rank
         if div > 1:
             sharded += per_rank

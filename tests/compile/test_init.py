@@ -71,6 +71,11 @@ def test_experts_on_their_own_forward_get_an_ep_plan():
         meta = fam.model_class(config)._from_config(config, dtype=torch.float32)
     compiled = compile_plan(meta, text)
     assert {(e.num_experts, e.num_local_experts) for e in compiled.experts} == {(config.n_routed_experts, 4)}
+    # bytes per rank count only the rows install keeps: the experts with weights, split over ep
+    gate_up = meta.model.layers[0].mlp.experts.gate_up_proj
+    assert gate_up.shape[0] > config.n_routed_experts  # allocated for the zero experts too
+    (cov,) = [c for c in compiled.coverage if c.rule.pattern.endswith("experts.gate_up_proj")]
+    assert cov.bytes_per_rank * 2 == cov.bytes_total * config.n_routed_experts // gate_up.shape[0]
 
 
 def test_a_rule_that_suits_one_class_of_blocks_is_kept_for_their_layers():
