@@ -40,6 +40,7 @@ from planc.errors import ApplyError, CheckpointError, PlancError
 from planc.runtime.checkpoint.files import CheckpointFiles
 from planc.runtime.checkpoint.keys import checkpoint_problems, converted_keys, loading_problems
 from planc.runtime.checkpoint.quantized import (
+    SCALE_SUFFIX,
     block_size,
     conversion_mapping,
     dequantizing,
@@ -259,13 +260,7 @@ class _SafetensorsFill:
             weight_mapping=mapping,
             hf_quantizer=quantizer,
         )
-        # Dequantizing FP8: the keys a converter consumes (its output is a new tensor, twice their bytes) are read
-        # through mmap, so the dequantization reads the page cache directly instead of a pread copy of it first
-        # (files.py). Measured on 2 ranks: FP8 DeepSeek-V3 1.35 -> 1.1 s at the same peak RSS; on an fp32 Mixtral it
-        # also saves time (1.9 -> 1.25 s) but the mapped pages raise the peak by ~100 MiB (1.02 -> 1.10 x
-        # transformers'), so unquantized checkpoints keep pread for everything.
-        mapped = converted_keys(model, self.files) if dequantizing(model) else ()
-        slices = self.files.slices(mapped=mapped)
+        slices = self.files.slices(mapped=_mapped_keys(model, self.files))
         if dequantizing(model):  # each rank reads only the scale blocks of its own rows/columns (quantized.py)
             slices = wrap_scales(slices, self.files.tensors, block_size(model))
         infos, used = [], {}
@@ -305,6 +300,22 @@ class _SafetensorsFill:
                 f"{self.files.root}: after loading, {len(left)} tensor(s) were never read (first: `{left[0]}`): the "
                 "checkpoint lacks them. Use a checkpoint saved from this model type and config."
             )
+
+
+def _mapped_keys(model: nn.Module, files: CheckpointFiles) -> set[str]:
+    """The keys read through mmap rather than pread (files.py): when dequantizing FP8, the FP8 weights and their
+    scales that a converter consumes. Its output is a new tensor of twice their bytes, so the dequantization reads
+    the page cache directly instead of a pread copy of it first. Measured on 2 ranks: the FP8 DeepSeek-V3 load
+    1.35 -> 1.1 s at the same peak RSS. On an fp32 Mixtral mapping the merged experts also saves time (1.9 -> 1.25 s),
+    but the mapped pages raise the peak by ~100 MiB (1.02 -> 1.10 x transformers'), so everything else keeps pread
+    (and unquantized weights the FP8 converter passes through unchanged would only be copied again by
+    `_own_copies`)."""
+    if not dequantizing(model):
+        return set()
+    return {
+        key for key in converted_keys(model, files)
+        if files.tensors[key].dtype == "F8_E4M3" or key.endswith(SCALE_SUFFIX)
+    }
 
 
 def _own_copies(model: nn.Module, mapped: set[int]) -> None:
