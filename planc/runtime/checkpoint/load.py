@@ -176,10 +176,15 @@ def _quantizer(config, config_path, device, dequantize, *, dcp: bool, megamoe: b
     if getattr(config, "quantization_config", None) is None:
         return None
     if dcp:
-        raise CheckpointError(
-            f"{config_path}: a planc.save checkpoint with a `quantization_config` cannot be loaded yet (nothing was "
-            "read): save the model loaded with `dequantize=True`, or load the original safetensors checkpoint."
-        )
+        # A planc.save checkpoint keeps its config's `quantization_config` only when its model kept FP8 (a dequantized
+        # load drops it): it holds FP8 weights and their scales, read back as they are, with FP8 kept.
+        if dequantize:
+            raise CheckpointError(
+                f"{config_path}: this planc.save checkpoint holds FP8 weights (its model was loaded with FP8 kept); "
+                "it loads with FP8 kept only (nothing was read). Drop `dequantize=True`, or load the original "
+                "safetensors checkpoint with `dequantize=True`."
+            )
+        dequantize = False
     return quantizer_for(config, config_path, device, dequantize, megamoe=megamoe)
 
 
@@ -321,9 +326,10 @@ def _mapped_keys(model: nn.Module, files: CheckpointFiles) -> set[str]:
 def _own_copies(model: nn.Module, mapped: set[int]) -> None:
     """Copy any parameter or buffer still holding a view of the mmap'd checkpoint into memory of its own.
 
-    Only keys a converter consumes are read through mmap, and transformers' merging converters copy; but a
-    converter may pass a tensor through or return a view (e.g. a split of a fused tensor), which would keep the
-    whole mapped tensor (and the file) alive in the model. Checked by storage identity, for every family."""
+    Only FP8 tensors a converter consumes are read through mmap (`_mapped_keys`), and dequantizing makes new
+    tensors of them; but a converter may pass a tensor through or return a view (e.g. a split of a fused tensor),
+    which would keep the whole mapped tensor (and the file) alive in the model. Checked by storage identity, for
+    every family."""
     if not mapped:
         return
     from torch.distributed.tensor import DTensor
@@ -452,6 +458,9 @@ class _DcpFill:
         from planc.runtime.checkpoint.dcp import fill_from_dcp
 
         fill_from_dcp(state.model, self.path, device=self.device, compiled=state.compiled, groups=state.groups)
+        quantizer = getattr(state.model, "hf_quantizer", None)
+        if quantizer is not None:  # FP8 kept: as after a safetensors load (the config keeps its quantization_config)
+            quantizer.postprocess_model(state.model)
 
 
 def _move_buffers(model: nn.Module, device: torch.device) -> None:
