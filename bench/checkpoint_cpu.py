@@ -61,13 +61,12 @@ class _Peak:
 
 
 def _world(rank, world_size, root, hidden, layers):
-    import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     import planc
     from planc.runtime.models import build_tiny_model
-    from tests.checkpoint.workers import load_on_meta, plan_for
+    from tests.checkpoint.workers import plan_for
 
     model = build_tiny_model(
         "mixtral", hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, head_dim=hidden // 4,

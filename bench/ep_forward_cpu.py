@@ -23,16 +23,17 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _p in (str(REPO), str(REPO / "bench")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from machine import describe  # noqa: E402  (same directory)
 
 WORLD_SIZES = (2, 4)
 TOKENS = (1, 16, 256, 2048)
@@ -254,13 +255,7 @@ def markdown_table(rows: list, world: int) -> str:
 
 
 def machine() -> str:
-    import torch
-    import transformers
-
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (load {load:.1f} at the end), "
-            f"torch {torch.__version__}, "
-            f"transformers {transformers.__version__}, 1 torch thread per rank")
+    return describe("cpu", load=True) + ", 1 torch thread per rank"
 
 
 def main(argv=None) -> int:

@@ -21,18 +21,19 @@ import argparse
 import copy
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _p in (str(REPO), str(REPO / "bench")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from machine import describe  # noqa: E402  (same directory)
 
 FULL = dict(hidden_size=7168, n_routed_experts=384, num_experts_per_tok=6, moe_intermediate_size=3072)
 TINY = dict(hidden_size=256, n_routed_experts=16, num_experts_per_tok=6, moe_intermediate_size=128)
@@ -259,7 +260,7 @@ def run(args) -> dict:
     timer = Timer(device)
     result = {
         "benchmark": "gpu_ep_layer", "device": device, "dtype": str(dtype_for(device)).removeprefix("torch."),
-        "machine": machine(device), "shapes": shapes, "setup_s": setup_s, "planc_error": planc_error,
+        "machine": describe(device, threads=device != "cuda"), "shapes": shapes, "setup_s": setup_s, "planc_error": planc_error,
         "planc_installs_wrapper": planc_wraps, "rows": [],
     }
     if args.profile:
@@ -380,16 +381,6 @@ def markdown(result: dict) -> str:
                              if "planc_apply_us" in r)
         lines.append(f"`planc.apply` itself installs no EP wrapper at ep_size 1 (the experts run bare): {apply_us}.")
     return "\n".join(lines)
-
-
-def machine(device: str) -> str:
-    import transformers
-
-    if device == "cuda":
-        what = torch.cuda.get_device_name()
-    else:
-        what = f"{platform.machine()} CPU, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
-    return f"{what}, torch {torch.__version__}, transformers {transformers.__version__}"
 
 
 def main(argv=None) -> int:

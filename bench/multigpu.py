@@ -27,7 +27,6 @@ import argparse
 import copy
 import json
 import os
-import platform
 import sys
 import time
 import traceback
@@ -40,6 +39,7 @@ for p in (str(REPO), str(REPO / "bench")):
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from machine import describe  # noqa: E402  (same directory)
 
 import gpu_ep_layer as layer_bench  # noqa: E402  (same directory: the one-layer model, routes, timers)
 
@@ -386,16 +386,6 @@ def markdown(result: dict) -> str:
     return "\n".join(out)
 
 
-def machine(device_type: str) -> str:
-    import transformers
-
-    if device_type == "cuda":
-        what = f"{dist.get_world_size()} x {torch.cuda.get_device_name()}"
-    else:
-        what = f"{platform.machine()} CPU, {os.cpu_count()} cores"
-    return f"{what}, torch {torch.__version__}, transformers {transformers.__version__}"
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -426,7 +416,7 @@ def main(argv=None) -> int:
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", device_id=device if args.device == "cuda" else None)
     world = dist.get_world_size()
     started = time.perf_counter()
-    result = {"benchmark": "multigpu", "world": world, "device": args.device, "machine": machine(args.device)}
+    result = {"benchmark": "multigpu", "world": world, "device": args.device, "machine": describe(args.device, world=world)}
     log(f"[multigpu] {result['machine']}, world {world}")
     def dump():  # after every section, so a run cut short still leaves what it measured
         if args.json and dist.get_rank() == 0:

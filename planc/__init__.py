@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Union
 
 if TYPE_CHECKING:
     import os
+    from pathlib import Path
+
+    from torch import nn
 
     from planc.compiler.compiled import CompiledPlan
     from planc.lint.diagnostic import Diagnostic
@@ -22,11 +25,6 @@ __version__ = "0.1.0"
 __all__ = [
     "load_plan", "lint_paths", "compile", "apply", "load", "save", "export", "destroy_megamoe_buffers", "__version__",
 ]
-
-if TYPE_CHECKING:
-    from pathlib import Path
-
-    from torch import nn
 
 
 def load_plan(source: "PlanSource", *, parallel: "Optional[Mapping[str, int]]" = None) -> "LoadedPlan":
@@ -77,7 +75,7 @@ def load(source: "Union[str, os.PathLike[str]]", plan: "PlanSource", *, dtype: O
     return _load(source, plan, dtype=dtype, device=device, mesh=mesh, parallel=parallel, dequantize=dequantize)
 
 
-def save(model: nn.Module, directory) -> Path:
+def save(model: nn.Module, directory: Union[str, os.PathLike[str]]) -> Path:
     """Write an applied model as a sharded checkpoint (torch.distributed.checkpoint, every rank its own shards)
     with its plan beside it; `planc.load` reads it back under any plan or sizes. Call on every rank.
     The directory is replaced only once the new checkpoint is complete."""
@@ -86,7 +84,7 @@ def save(model: nn.Module, directory) -> Path:
     return _save(model, directory)
 
 
-def export(model: nn.Module, directory, *, max_shard_size: int | str = "5GB") -> Path:
+def export(model: nn.Module, directory: Union[str, os.PathLike[str]], *, max_shard_size: Union[int, str] = "5GB") -> Path:
     """Write an applied model as consolidated hub-layout safetensors (transformers' reverse weight conversion),
     one tensor group at a time, that plain `from_pretrained(directory)` loads. Call on every rank."""
     from planc.runtime.checkpoint.export import export as _export

@@ -8,7 +8,6 @@ rule of its own inherits its module's TP style, as in transformers.
 from __future__ import annotations
 
 import difflib
-from typing import Optional
 
 from planc.compiler import checks
 from planc.compiler.compiled import Assignment

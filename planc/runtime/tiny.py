@@ -27,7 +27,7 @@ import importlib
 import math
 import re
 from functools import lru_cache
-from typing import Any, Optional
+from typing import Optional
 
 TINY_HIDDEN = 64
 TINY_HEADS = 4

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.checkpoint.workers import CASES, export_world, guards_world, logits
+from tests.checkpoint.workers import CASES, REFUSAL, REFUSED, export_world, guards_world, logits
 from tests.distributed import run_distributed
 
 TOL = 1e-5
@@ -17,16 +17,22 @@ TOL = 1e-5
 
 @pytest.mark.distributed
 def test_export_loads_with_plain_from_pretrained(tmp_path):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from planc.runtime.models import model_class_for
 
     results = run_distributed(export_world, 2, str(tmp_path))
     failures = []
-    for model_type, kind in CASES:
-        key = f"{model_type}-{kind}"
+    for rank, res in enumerate(results):  # a plan that quantizes at apply: refused, on every rank, with the reason
+        assert set(res["refused"]) == REFUSED and all(REFUSAL in m for m in res["refused"].values()), (rank, res["refused"])
+    for name, kind in CASES:
+        key = f"{name}-{kind}"
         for rank, res in enumerate(results):
             assert not isinstance(res[key], str), f"{key} rank {rank} raised:\n{res[key]}"
         directory = tmp_path / "export" / key
-        model, info = AutoModelForCausalLM.from_pretrained(
+        # plain transformers: AutoModelForCausalLM's class, or the multimodal top model (Qwen3-VL-MoE), which
+        # AutoModelForCausalLM does not build
+        model, info = model_class_for(AutoConfig.from_pretrained(directory)).from_pretrained(
             directory, attn_implementation="eager", output_loading_info=True
         )
         problems = {k: v for k, v in info.items() if v and k != "error_msgs"}

@@ -13,17 +13,9 @@ from pathlib import Path
 
 import torch
 
-from tests.runtime.workers import batch, shipped_plan
+from tests.runtime.workers import FOUR_RANK_HEADS, SHIPPED, batch, shipped_case_plan, shipped_plan
 
-# (case name, model type, plan file or None for the family's shipped plan, extra experts settings)
-CASES = [
-    ("mixtral", "mixtral", None, {}),
-    ("qwen3_moe", "qwen3_moe", None, {}),
-    ("gpt_oss", "gpt_oss", None, {}),
-    ("deepseek_v3", "deepseek_v3", None, {}),
-    ("deepseek_v4", "deepseek_v4", None, {}),
-    ("deepseek_v4_megamoe", "deepseek_v4", "deepseek_v4_megamoe.yaml", {"backend": "reference"}),
-]
+CASES = [(name, *case) for name, case in SHIPPED.items()]  # (name, model type, plan file, extra)
 LAYOUTS = ("hub", "model")
 
 
@@ -37,22 +29,26 @@ def write_checkpoints(root: Path, model_types, *, seed: int = 0) -> None:
     from planc.runtime.models import build_tiny_model
 
     for model_type in model_types:
-        model = build_tiny_model(model_type, seed=seed)
+        model = build_tiny_model(model_type, seed=seed, **FOUR_RANK_HEADS.get(model_type, {}))
         model.save_pretrained(root / model_type / "hub", max_shard_size="40KB")
         model.save_pretrained(root / model_type / "model", save_original_format=False)
 
 
 def _plan(case, world):
-    name, model_type, file, extra = case
-    return shipped_plan(model_type, tp=world, file=file, **dict(extra))
+    return shipped_case_plan(case[0], tp=world)
 
 
-def _full_load_then_apply(path, plan):
-    from transformers import AutoModelForCausalLM
-
+def _full_load_then_apply(path, plan, cls):
+    """Today's route: `cls.from_pretrained` of the whole model on every rank (`cls`: the class planc.load built,
+    e.g. Qwen3-VL-MoE's ForConditionalGeneration, which AutoModelForCausalLM does not build), then apply."""
     from planc import apply
 
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ref = cls.from_pretrained(path, dtype=torch.float32)
+    # from_pretrained's tensors are views of the mapped file at whatever offset the file gives them; CPU kernels
+    # round differently on unaligned memory (measured: 1e-7 in qwen3_next's logits from its linear-attention
+    # parameters at offsets 8-56 mod 64). planc.load reads into fresh allocations; give the reference the same.
+    for p in ref.parameters():
+        p.data = p.data.clone()
     apply(ref, plan)
     return ref
 
@@ -71,7 +67,7 @@ def load_world(rank, world, root, case_names, layouts):
                 path = os.path.join(root, case[1], layout)
                 plan = _plan(case, world)
                 model = load(path, plan, dtype=torch.float32)
-                ref = _full_load_then_apply(path, plan)
+                ref = _full_load_then_apply(path, plan, type(model))
                 ids = batch(3)
                 with torch.no_grad():
                     a, b = model(ids).logits, ref(ids).logits
@@ -91,10 +87,40 @@ def tied_world(rank, world, path):
     plan = shipped_plan("mixtral", tp=world)
     del plan["tp_plan"]["model.embed_tokens"], plan["tp_plan"]["lm_head"]  # tied weights stay replicated
     model = load(path, plan, dtype=torch.float32)
-    ref = _full_load_then_apply(path, plan)
+    ref = _full_load_then_apply(path, plan, type(model))
     with torch.no_grad():
         same = torch.equal(model(batch(1)).logits, ref(batch(1)).logits)
     return {"tied": model.lm_head.weight is model.model.embed_tokens.weight, "logits": same}
+
+
+def write_transposed_experts_checkpoint(path: Path, *, seed: int = 0) -> None:
+    """A tiny Qwen3-VL-MoE checkpoint as the hub stores the real ones: experts `gate_up_proj [E, H, 2I]` and
+    `down_proj [E, I, H]`, the transpose of the model's (transformers' `Transpose(1, 2, check_dims=True)` converts
+    them at load). H 64, I 16: no dim pair is square, so the transpose is visible in every shape."""
+    from safetensors.torch import load_file, save_file
+
+    from planc.runtime.models import build_tiny_model
+
+    model = build_tiny_model("qwen3_vl_moe", seed=seed, moe_intermediate_size=16)
+    model.save_pretrained(path, save_original_format=False)
+    tensors = load_file(path / "model.safetensors")
+    experts = [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert experts and all(tensors[k].shape[1] != tensors[k].shape[2] for k in experts)
+    tensors.update({k: tensors[k].transpose(1, 2).contiguous() for k in experts})
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def transposed_world(rank, world, path):
+    """A checkpoint whose experts are stored transposed: planc.load's shards equal full-load-then-apply's."""
+    from planc import load
+
+    plan = shipped_case_plan("qwen3_vl_moe", tp=world)
+    model = load(path, plan, dtype=torch.float32)
+    ref = _full_load_then_apply(path, plan, type(model))
+    with torch.no_grad():
+        same = torch.equal(model(batch(2)).logits, ref(batch(2)).logits)
+    experts = model.model.language_model.layers[0].mlp.experts
+    return {"logits": same, "down_proj": list(experts.down_proj.to_local().shape)}
 
 
 def error_world(rank, world, cases):
@@ -111,11 +137,16 @@ def error_world(rank, world, cases):
     return out
 
 
-def everything_world(rank, world, root, case_names, layouts, tied_path, error_cases):
+def everything_world(rank, world, root, case_names, layouts, tied_path, error_cases, transposed_path=None):
     """One world for all of a world size's checks (starting ranks costs more than the checks)."""
     out = {"load": load_world(rank, world, root, case_names, layouts)}
     if tied_path is not None:
         out["tied"] = tied_world(rank, world, tied_path)
+    if transposed_path is not None:
+        try:
+            out["transposed"] = transposed_world(rank, world, transposed_path)
+        except Exception:  # noqa: BLE001
+            out["transposed"] = traceback.format_exc()
     if error_cases:
         out["errors"] = error_world(rank, world, error_cases)
     return out

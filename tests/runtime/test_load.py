@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.runtime.load_workers import CASES, LAYOUTS, everything_world, write_checkpoints
+from tests.runtime.load_workers import (
+    CASES,
+    LAYOUTS,
+    everything_world,
+    write_checkpoints,
+    write_transposed_experts_checkpoint,
+)
 
 # One xdist worker runs this module: its 2-rank world is a module fixture shared by the tests below.
 pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("planc_load")]
@@ -23,6 +29,7 @@ def checkpoints(tmp_path_factory):
     from planc.runtime.models import build_tiny_model
 
     build_tiny_model("mixtral", tie_word_embeddings=True).save_pretrained(root / "tied")
+    write_transposed_experts_checkpoint(root / "transposed")
     return root
 
 
@@ -36,7 +43,10 @@ def two_ranks(checkpoints, tmp_path_factory):
     cases, victim = _broken(checkpoints, tmp_path_factory.mktemp("broken"))
     before = _snapshot(checkpoints)
     names = [c[0] for c in CASES]
-    per_rank = run_distributed(everything_world, 2, str(checkpoints), names, LAYOUTS, str(checkpoints / "tied"), cases)
+    per_rank = run_distributed(
+        everything_world, 2, str(checkpoints), names, LAYOUTS, str(checkpoints / "tied"), cases,
+        str(checkpoints / "transposed"),
+    )
     return per_rank, victim, before, _snapshot(checkpoints)
 
 
@@ -53,12 +63,18 @@ def test_load_two_ranks_every_family_both_layouts(two_ranks):
     _assert_all_identical(two_ranks[0], [f"{n}/{layout}" for n in names for layout in LAYOUTS])
 
 
-def test_load_four_ranks(checkpoints):
-    # Four ranks share this box's two cores: the families whose layouts differ most (fused experts under EP
-    # from a per-expert hub checkpoint, MLA attention + FP4 Mega MoE quantized at load).
-    names = ["mixtral", "deepseek_v4_megamoe"]
-    per_rank = run_distributed(everything_world, 4, str(checkpoints), names, ("hub",), None, [])
-    _assert_all_identical(per_rank, [f"{n}/hub" for n in names])
+def test_load_four_ranks_every_family_both_layouts(checkpoints):
+    names = [c[0] for c in CASES]
+    per_rank = run_distributed(everything_world, 4, str(checkpoints), names, LAYOUTS, None, [])
+    _assert_all_identical(per_rank, [f"{n}/{layout}" for n in names for layout in LAYOUTS])
+
+
+def test_experts_stored_transposed_as_on_the_hub(two_ranks):
+    # Qwen3-VL-MoE's hub experts are [E, H, 2I] / [E, I, H]; transformers transposes them when their shape is not
+    # the parameter's. Each rank reads its 4 of 8 experts, whose shape is never the global one: planc's converter
+    # compares with the rank's local shape (planc/runtime/checkpoint/conversion.py).
+    for rank, res in enumerate(two_ranks[0]):
+        assert res["transposed"] == {"logits": True, "down_proj": [4, 64, 16]}, (rank, res["transposed"])
 
 
 def test_load_never_writes_to_the_checkpoint(two_ranks):

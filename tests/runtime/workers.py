@@ -24,6 +24,40 @@ PLAN_FILES = {
 }
 
 
+
+def _shipped_cases() -> dict[str, tuple[str, str, dict]]:
+    """{plan name: (model type, plan file, extra experts settings)} for every plan in plans/, found on disk (a new
+    plan is covered by the load/save/export tests without editing them). Mega MoE plans run the reference backend
+    (no SM100 GPU here)."""
+    from planc.lint.load import load_plan
+
+    cases = {}
+    for path in sorted(PLANS.glob("*.yaml")):
+        plan = load_plan(str(path)).plan
+        extra = {"backend": "reference"} if plan.experts.implementation == "deepgemm_megamoe" else {}
+        cases[path.stem] = (plan.model.type, path.name, extra)
+    return cases
+
+
+SHIPPED = _shipped_cases()
+# Tiny configs whose 2 KV heads a 4-rank tensor-parallel plan could not split (PLC617): 4 heads of their own.
+FOUR_RANK_HEADS = {t: {"num_key_value_heads": 4} for t in ("glm4_moe", "llama4_text", "minimax_m2", "qwen3_next")}
+
+
+def shipped_case_plan(name: str, *, tp: int, ep: int | None = None) -> dict:
+    """The shipped plan `plans/<name>.yaml` at tp = ep = `tp` (with its case's experts settings)."""
+    model_type, file, extra = SHIPPED[name]
+    return shipped_plan(model_type, tp=tp, ep=ep, file=file, **dict(extra))
+
+
+def tiny_for_case(name: str, seed: int = 0, **overrides):
+    """The tiny random model a shipped plan's tests use (4 KV heads where 4-rank TP needs them)."""
+    from planc.runtime.models import build_tiny_model
+
+    model_type = SHIPPED[name][0]
+    return build_tiny_model(model_type, seed=seed, **{**FOUR_RANK_HEADS.get(model_type, {}), **overrides})
+
+
 # ---- helpers -------------------------------------------------------------------------------------------------
 
 

@@ -12,7 +12,6 @@ survives); non-persistent buffers come from the checkpoint, where planc.save sto
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp

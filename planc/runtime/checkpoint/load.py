@@ -216,14 +216,17 @@ def _plan_for(plan, config, config_path):
 
 
 def _model_class(config):
-    """The class named by the config's `architectures` (as `from_pretrained` picks it), else the CausalLM auto class."""
+    """The class named by the config's `architectures` (as `from_pretrained` picks it), else the one users load for
+    the config (`model_class_for`: the family's top model, e.g. a multimodal MoE, else its *ForCausalLM)."""
     import transformers
+
+    from planc.runtime.models import model_class_for
 
     for name in getattr(config, "architectures", None) or []:
         cls = getattr(transformers, name, None)
         if cls is not None:
             return cls
-    return transformers.AutoModelForCausalLM
+    return model_class_for(config)
 
 
 def _meta_model(config, dtype) -> nn.Module:

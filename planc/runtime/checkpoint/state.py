@@ -14,7 +14,7 @@ Three things make an applied model's `state_dict()` unfit for DCP as is:
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 from torch import nn
