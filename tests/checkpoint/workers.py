@@ -292,6 +292,7 @@ def fp8_kept_world(rank, world_size, root):
     from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
 
     import planc
+    from tests.runtime.workers import shipped_plan
 
     out = {}
     path = Path(root) / "fp8"
