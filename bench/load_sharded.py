@@ -170,8 +170,12 @@ def _warm_imports(model_type: str) -> None:
         importlib.import_module(module)
 
 
-def route_world(rank, world, route, path, name="mixtral"):
-    """One route on one rank: baseline, load, peak; the logits of a fixed batch for the equality check."""
+def route_world(rank, world, route, path, name="mixtral", profile=None):
+    """One route on one rank: baseline, load, peak; the logits of a fixed batch for the equality check.
+
+    `profile`: a directory; the load runs under cProfile and each rank writes
+    `<checkpoint>-w<world>-<route>-rank<r>.prof` there (`python -m pstats FILE`; the times then include the
+    profiler's overhead)."""
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, DistributedConfig
@@ -187,6 +191,12 @@ def route_world(rank, world, route, path, name="mixtral"):
     dist.barrier()
     base = _rss_mib()
     _reset_peak()
+    profiler = None
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     start = time.perf_counter()
     if route == "planc.load":
         model = planc.load(path, plan, dtype=dtype)
@@ -199,6 +209,10 @@ def route_world(rank, world, route, path, name="mixtral"):
         planc.apply(model, plan)
     dist.barrier()
     seconds = time.perf_counter() - start
+    if profiler is not None:
+        profiler.disable()
+        Path(profile).mkdir(parents=True, exist_ok=True)
+        profiler.dump_stats(str(Path(profile) / f"{name}-w{world}-{route}-rank{rank}.prof"))
     peak = _peak_mib()
     held = _held_bytes(model) / MIB
     ids = torch.randint(0, CHECKPOINTS[name][3], (1, 16), generator=torch.Generator().manual_seed(0))
@@ -221,7 +235,7 @@ def largest_tensor_mib(path: Path) -> float:
         files.close()
 
 
-def run(path: Path, worlds, routes, name: str = "mixtral") -> list[dict]:
+def run(path: Path, worlds, routes, name: str = "mixtral", profile=None) -> list[dict]:
     from planc.runtime.local_world import run_local_world
 
     import torch
@@ -232,7 +246,7 @@ def run(path: Path, worlds, routes, name: str = "mixtral") -> list[dict]:
     for world in worlds:
         logits = {}
         for route in routes:
-            per_rank = run_local_world(route_world, world, route, str(path), name)
+            per_rank = run_local_world(route_world, world, route, str(path), name, profile)
             logits[route] = [r.pop("logits") for r in per_rank]
             rows.append({
                 "checkpoint": name, "world": world, "route": route, "checkpoint_mib": total,
@@ -291,10 +305,12 @@ def main(argv=None) -> int:
     p.add_argument("--routes", nargs="+", choices=ROUTES, default=list(ROUTES))
     p.add_argument("--checkpoint", choices=sorted(CHECKPOINTS), default="mixtral")
     p.add_argument("--json", metavar="OUT")
+    p.add_argument("--profile", metavar="DIR", help="run every load under cProfile; each rank writes "
+                   "DIR/<checkpoint>-w<world>-<route>-rank<r>.prof (times then include the profiler's overhead)")
     args = p.parse_args(argv)
     path = Path(args.workdir) / ("mixtral-hub" if args.checkpoint == "mixtral" else f"{args.checkpoint}-hub")
     write_checkpoint(path, args.checkpoint)
-    rows = run(path, args.world_sizes, args.routes, args.checkpoint)
+    rows = run(path, args.world_sizes, args.routes, args.checkpoint, args.profile)
     print(markdown(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1, default=str))

@@ -276,3 +276,43 @@ def guards_world(rank, world_size, root):
     out["foreign/export_over_checkpoint"] = _attempt(lambda: planc.export(model_b, target))
     out["foreign/kept"] = sorted(p.name for p in other.iterdir())
     return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.detach().contiguous().view(torch.uint8)
+
+
+def fp8_kept_world(rank, world_size, root):
+    """An FP8 checkpoint loaded with FP8 kept (`dequantize=False`), then planc.save -> planc.load (FP8 kept) and
+    planc.export. Returns what differs between the reloaded and the kept model (every local shard, bit for bit),
+    the reloaded modules' classes, and the refusal of a dequantized reload; the test reads the export back."""
+    from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
+
+    import planc
+    from tests.runtime.workers import shipped_plan
+
+    out = {}
+    path = Path(root) / "fp8"
+    plan = shipped_plan("deepseek_v3", tp=world_size)
+    try:
+        kept = planc.load(path, plan, dtype=torch.float32, dequantize=False)
+        planc.save(kept, Path(root) / "saved")
+        reloaded = planc.load(Path(root) / "saved", plan, dtype=torch.float32)  # FP8 kept: the checkpoint's mode
+        mine, theirs = dict(kept.named_parameters()), dict(reloaded.named_parameters())
+        out["keys"] = sorted(set(mine) ^ set(theirs))
+        out["dtypes"] = sorted({str(p.dtype) for p in theirs.values()})
+        out["differ"] = [n for n in mine if n in theirs and (mine[n].dtype != theirs[n].dtype or not torch.equal(
+            _bits(mine[n]), _bits(theirs[n])))]
+        out["fp8_modules"] = [sum(isinstance(m, cls) for m in model.modules()) for model in (kept, reloaded)
+                              for cls in (FP8Linear, FP8Experts)]
+        out["quantization_config"] = getattr(reloaded.config, "quantization_config", None) is not None
+        out["fingerprint"] = kept._planc_plan.fingerprint == reloaded._planc_plan.fingerprint
+        out["dequantized_reload"] = _attempt(
+            lambda: planc.load(Path(root) / "saved", plan, dtype=torch.float32, dequantize=True))
+        planc.export(kept, Path(root) / "exported", max_shard_size="300KB")
+    except Exception:  # noqa: BLE001
+        out["error"] = traceback.format_exc()
+    return out

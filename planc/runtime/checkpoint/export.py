@@ -222,8 +222,15 @@ class _ShardWriter:
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    """The global tensor (a collective for a DTensor: every rank of its mesh must call it)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    """The global tensor (a collective for a DTensor: every rank of its mesh must call it). One-byte float dtypes
+    (FP8 weights kept by `planc.load(..., dequantize=False)`) travel as their uint8 bits: gloo has no float8 type."""
+    if not isinstance(t, DTensor):
+        return t
+    if t.dtype.is_floating_point and t.element_size() == 1:
+        local = t.to_local().view(torch.uint8)
+        bits = DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+        return bits.full_tensor().view(t.dtype)
+    return t.full_tensor()
 
 
 def _write_configs(model: nn.Module, directory: Path) -> None:

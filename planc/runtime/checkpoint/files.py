@@ -6,10 +6,14 @@ that every file's header parses and covers the file (a truncated shard fails her
 and keeps one `safe_open` handle per file. `slices()` gives every key as a lazy safetensors slice:
 transformers' loader reads only the byte ranges a rank's DTensor placements ask for.
 
-The handles use safetensors' `pread` backend rather than `mmap`: a slice read through `mmap` is a view
-of the whole tensor's mapped storage (a 40 KB row slice keeps the full 4 MB tensor, and the file,
-mapped for the model's lifetime), so every rank's RSS would grow with the file instead of its shard.
-`pread` copies just the requested bytes into a fresh tensor.
+The handles use safetensors' `pread` backend by default rather than `mmap`: a slice read through `mmap`
+is a view of the whole tensor's mapped storage (a 40 KB row slice keeps the full 4 MB tensor, and the
+file, mapped for the model's lifetime), so every rank's RSS would grow with the file instead of its
+shard. `pread` copies just the requested bytes into a fresh tensor. Keys whose tensors a converter turns
+into new ones anyway (FP8 blocks dequantized, then stacked or concatenated) can be read through `mmap`
+instead (`slices(mapped=...)`): the converter then reads the page cache directly rather than a pread copy of
+it. Every storage such a slice hands out is recorded (`mapped_storages`), so the loader can check that no
+parameter kept one (load.py, which also says when it maps).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 from planc.errors import CheckpointError
 
@@ -57,6 +61,8 @@ class CheckpointFiles:
     root: Path
     tensors: dict[str, TensorInfo]
     _handles: dict[str, Any] = field(default_factory=dict, repr=False)
+    _mapped_handles: dict[str, Any] = field(default_factory=dict, repr=False)
+    mapped_storages: set[int] = field(default_factory=set, repr=False)  # data_ptr of every mmap storage handed out
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> "CheckpointFiles":
@@ -102,9 +108,24 @@ class CheckpointFiles:
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{self.config_path}: cannot be read as JSON ({e}).") from None
 
-    def slices(self) -> dict[str, Any]:
-        """Every key as a lazy safetensors slice (nothing is read until it is indexed)."""
-        return {key: self._handles[info.file].get_slice(key) for key, info in self.tensors.items()}
+    def slices(self, mapped: Collection[str] = ()) -> dict[str, Any]:
+        """Every key as a lazy safetensors slice (nothing is read until it is indexed): `pread` slices, but
+        `mmap` ones (recording their storages in `mapped_storages`) for the keys in `mapped`, which the caller
+        guarantees are copied before they reach the model (checked afterwards by the caller)."""
+        out = {}
+        for key, info in self.tensors.items():
+            if key in mapped:
+                out[key] = MappedSlice(self._mapped(info.file).get_slice(key), self.mapped_storages)
+            else:
+                out[key] = self._handles[info.file].get_slice(key)
+        return out
+
+    def _mapped(self, name: str):
+        handle = self._mapped_handles.get(name)
+        if handle is None:
+            handle, _ = _open_file(self.root / name, backend="mmap")
+            self._mapped_handles[name] = handle
+        return handle
 
     def where(self, key: str) -> str:
         """`file:tensor` for messages."""
@@ -112,9 +133,30 @@ class CheckpointFiles:
         return f"{self.root / info.file}: `{key}`" if info else f"{self.root}: `{key}`"
 
     def close(self) -> None:
-        for handle in self._handles.values():
+        for handle in (*self._handles.values(), *self._mapped_handles.values()):
             handle.__exit__(None, None, None)
         self._handles.clear()
+        self._mapped_handles.clear()
+        self.mapped_storages.clear()
+
+
+class MappedSlice:
+    """A safetensors `mmap` slice that records the storage of every tensor it returns (a view of the mapped file)."""
+
+    def __init__(self, source, storages: set[int]):
+        self.source = source
+        self.storages = storages
+
+    def get_shape(self):
+        return self.source.get_shape()
+
+    def get_dtype(self):
+        return self.source.get_dtype()
+
+    def __getitem__(self, index):
+        tensor = self.source[index]
+        self.storages.add(tensor.untyped_storage().data_ptr())
+        return tensor
 
 
 def _weight_files(root: Path) -> dict[str, set[str] | None]:
@@ -147,11 +189,11 @@ def _weight_files(root: Path) -> dict[str, set[str] | None]:
     )
 
 
-def _open_file(path: Path):
+def _open_file(path: Path, backend: str = "pread"):
     from safetensors import SafetensorError, safe_open
 
     try:
-        handle = safe_open(str(path), framework="pt", device="cpu", backend="pread")
+        handle = safe_open(str(path), framework="pt", device="cpu", backend=backend)
         handle.__enter__()
         infos = {}
         for key in handle.keys():
@@ -164,4 +206,4 @@ def _open_file(path: Path):
     return handle, infos
 
 
-__all__ = ["CheckpointFiles", "TensorInfo", "INDEX_NAME", "SINGLE_NAME", "CONFIG_NAME"]
+__all__ = ["CheckpointFiles", "MappedSlice", "TensorInfo", "INDEX_NAME", "SINGLE_NAME", "CONFIG_NAME"]

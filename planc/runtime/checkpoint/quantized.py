@@ -159,12 +159,18 @@ def prepare_meta_model(model, quantizer) -> None:
 
 def conversion_mapping(model):
     """The family's conversion mapping, extended by the model's quantizer (scale keys) when it has one, with its
-    shape-checking ops comparing against this rank's shard (`conversion.shard_aware`)."""
+    shape-checking ops comparing against this rank's shard (`conversion.shard_aware`) and, when it dequantizes, its
+    `Fp8Dequantize` ops computing on the CPU through planc's table (fp8.py: the same bits, faster)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
 
     from planc.runtime.checkpoint.conversion import shard_aware
 
-    return shard_aware(get_model_conversion_mapping(model, None, getattr(model, "hf_quantizer", None)))
+    mapping = shard_aware(get_model_conversion_mapping(model, None, getattr(model, "hf_quantizer", None)))
+    if dequantizing(model):
+        from planc.runtime.checkpoint.fp8 import with_fast_dequantize
+
+        mapping = with_fast_dequantize(mapping)
+    return mapping
 
 
 def dequantizing(model) -> bool:

@@ -1,0 +1,60 @@
+"""planc.load's mmap slices (files.py `slices(mapped=...)`) and the check that no parameter keeps one (load.py).
+
+Keys a converter consumes are read through mmap; anything a converter nonetheless passes through as a view of the
+mapped file must be copied before the model is returned, or the whole mapped tensor (and the file) would stay alive.
+"""
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from planc.runtime.checkpoint.files import CheckpointFiles, MappedSlice
+from planc.runtime.checkpoint.load import _own_copies
+
+
+def _checkpoint(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    tensors = {"a.weight": torch.arange(32.0).reshape(8, 4), "b.weight": torch.ones(4, 4)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    return CheckpointFiles.open(tmp_path), tensors
+
+
+def test_mapped_keys_get_mmap_slices_that_record_their_storage(tmp_path):
+    files, tensors = _checkpoint(tmp_path)
+    try:
+        slices = files.slices(mapped={"a.weight"})
+        assert isinstance(slices["a.weight"], MappedSlice) and not isinstance(slices["b.weight"], MappedSlice)
+        assert slices["a.weight"].get_shape() == [8, 4] and slices["a.weight"].get_dtype() == "F32"
+        rows = slices["a.weight"][2:4]
+        assert torch.equal(rows, tensors["a.weight"][2:4])
+        assert rows.untyped_storage().data_ptr() in files.mapped_storages
+        assert rows.untyped_storage().nbytes() == tensors["a.weight"].nbytes  # a view of the whole mapped tensor
+        plain = slices["b.weight"][...]
+        assert plain.untyped_storage().data_ptr() not in files.mapped_storages
+    finally:
+        files.close()
+    assert not files.mapped_storages
+
+
+def test_parameters_holding_a_mapped_view_get_their_own_copy(tmp_path):
+    files, tensors = _checkpoint(tmp_path)
+    try:
+        slices = files.slices(mapped={"a.weight"})
+        model = nn.Module()
+        model.a = nn.Linear(4, 2, bias=False)
+        model.b = nn.Linear(4, 4, bias=False)
+        view = slices["a.weight"][2:4]  # what a pass-through converter would hand the model
+        model.a.weight = nn.Parameter(view, requires_grad=False)
+        model.a.weight._is_hf_initialized = True
+        model.a.register_buffer("mapped_buffer", slices["a.weight"][0:1])
+        kept = model.b.weight
+        _own_copies(model, files.mapped_storages)
+        for t in (model.a.weight, model.a.mapped_buffer):
+            assert t.untyped_storage().data_ptr() not in files.mapped_storages
+            assert t.untyped_storage().nbytes() == t.nbytes  # its own memory, of its own size
+        assert torch.equal(model.a.weight, tensors["a.weight"][2:4]) and torch.equal(model.a.mapped_buffer, tensors["a.weight"][0:1])
+        assert isinstance(model.a.weight, nn.Parameter) and not model.a.weight.requires_grad
+        assert model.a.weight._is_hf_initialized
+        assert model.b.weight is kept  # anything else untouched
+    finally:
+        files.close()
