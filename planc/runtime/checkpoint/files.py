@@ -108,12 +108,13 @@ class CheckpointFiles:
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{self.config_path}: cannot be read as JSON ({e}).") from None
 
-    def slices(self, mapped: Collection[str] = ()) -> dict[str, Any]:
-        """Every key as a lazy safetensors slice (nothing is read until it is indexed): `pread` slices, but
-        `mmap` ones (recording their storages in `mapped_storages`) for the keys in `mapped`, which the caller
-        guarantees are copied before they reach the model (checked afterwards by the caller)."""
+    def slices(self, mapped: Collection[str] = (), keys: Collection[str] | None = None) -> dict[str, Any]:
+        """Every key (or those in `keys`) as a lazy safetensors slice (nothing is read until it is indexed): `pread`
+        slices, but `mmap` ones (recording their storages in `mapped_storages`) for the keys in `mapped`, which the
+        caller guarantees are copied before they reach the model (checked afterwards by the caller)."""
         out = {}
-        for key, info in self.tensors.items():
+        for key in self.tensors if keys is None else keys:
+            info = self.tensors[key]
             if key in mapped:
                 out[key] = MappedSlice(self._mapped(info.file).get_slice(key), self.mapped_storages)
             else:
@@ -126,6 +127,14 @@ class CheckpointFiles:
             handle, _ = _open_file(self.root / name, backend="mmap")
             self._mapped_handles[name] = handle
         return handle
+
+    def unmap(self) -> None:
+        """Close the `mmap` handles: once no tensor views them, the mapped pages leave this process's RSS. The
+        loader calls it after each decoder layer, so at most one layer's mapped bytes are resident at a time."""
+        for handle in self._mapped_handles.values():
+            handle.__exit__(None, None, None)
+        self._mapped_handles.clear()
+        self.mapped_storages.clear()
 
     def where(self, key: str) -> str:
         """`file:tensor` for messages."""

@@ -245,9 +245,9 @@ def _meta_model(config, dtype) -> nn.Module:
 class _SafetensorsFill:
     """Between sharding and forwards: transformers' loader reads this rank's byte ranges into the meta-sharded model.
 
-    For a Mega MoE plan with `quantize: fp4` it runs once per decoder layer (the keys without a layer
-    index first) and quantizes each layer's local experts as soon as they arrive, so no rank ever holds
-    more than one layer of unquantized experts; otherwise one call reads everything.
+    It runs once per decoder layer (the keys without a layer index first): after each layer the keys read through
+    mmap are unmapped (`_mapped_keys`), and for a Mega MoE plan with `quantize: fp4` the layer's local experts are
+    quantized as soon as they arrive, so no rank ever holds more than one layer of unquantized experts.
     """
 
     def __init__(self, files: CheckpointFiles, device: torch.device):
@@ -268,17 +268,19 @@ class _SafetensorsFill:
             weight_mapping=mapping,
             hf_quantizer=quantizer,
         )
-        slices = self.files.slices(mapped=_mapped_keys(model, self.files))
-        if dequantizing(model):  # each rank reads only the scale blocks of its own rows/columns (quantized.py)
-            slices = wrap_scales(slices, self.files.tensors, block_size(model))
+        mapped = _mapped_keys(model, self.files)
         infos, used = [], {}
         quantize = _experts_to_quantize(state)
-        # One loader call keeps its read pool busy across layers (as from_pretrained does); per layer only when
-        # experts are quantized as they arrive, which must see each layer complete before the next one is read.
-        groups = _by_layer(slices) if quantize else [list(slices)]
-        for keys in groups:
-            with _no_progress_bars(), _shard_offsets_once():  # one bar per layer per rank would bury the output
-                info, _ = convert_and_load_state_dict_in_model(model, {k: slices[k] for k in keys}, config)
+        # One loader call per decoder layer: the mapped pages of a layer leave the RSS (`unmap`) before the next
+        # layer is read, and Mega MoE experts are quantized as soon as their layer is complete.
+        for keys in _by_layer(self.files.tensors):
+            slices = self.files.slices(mapped=mapped, keys=keys)
+            if dequantizing(model):  # each rank reads only the scale blocks of its own rows/columns (quantized.py)
+                slices = wrap_scales(slices, self.files.tensors, block_size(model))
+            with _no_progress_bars(), _shard_offsets_once(), _sync_reads():
+                info, _ = convert_and_load_state_dict_in_model(model, slices, config)
+            _own_copies(model, self.files.mapped_storages)
+            self.files.unmap()
             infos.append(info)
             used.update((id(c), c) for c in getattr(model, "_weight_conversions", None) or [])
             for fqn in [f for f in quantize if _filled(state.module(f))]:
@@ -289,7 +291,6 @@ class _SafetensorsFill:
                 for p in experts.parameters(recurse=False):
                     p._is_hf_initialized = True  # loaded, not to be re-initialised by transformers' finalisation
                 quantize.remove(fqn)
-        _own_copies(model, self.files.mapped_storages)
         # What save/export reverse later: every conversion any layer used (transformers keeps the last call's).
         model._weight_conversions = [c for c in mapping if id(c) in used]
         info = _merged(infos)
@@ -311,19 +312,18 @@ class _SafetensorsFill:
 
 
 def _mapped_keys(model: nn.Module, files: CheckpointFiles) -> set[str]:
-    """The keys read through mmap rather than pread (files.py): when dequantizing FP8, the FP8 weights and their
-    scales that a converter consumes. Its output is a new tensor of twice their bytes, so the dequantization reads
-    the page cache directly instead of a pread copy of it first. Measured on 2 ranks: the FP8 DeepSeek-V3 load
-    1.35 -> 1.1 s at the same peak RSS. On an fp32 Mixtral mapping the merged experts also saves time (1.9 -> 1.25 s),
-    but the mapped pages raise the peak by ~100 MiB (1.02 -> 1.10 x transformers'), so everything else keeps pread
-    (and unquantized weights the FP8 converter passes through unchanged would only be copied again by
-    `_own_copies`)."""
+    """The keys read through mmap rather than pread (files.py): those a converter consumes (per-expert merges,
+    gate|up concatenations; when dequantizing FP8, only the FP8 weights and their scales). The converter's output
+    is a new tensor, so it reads the page cache directly instead of a pread copy of it first; the loader unmaps
+    after each decoder layer, so the mapped pages of one layer at most count in the RSS. Measured on 2 ranks
+    (bench/load_sharded.py, this 2-core box): fp32 Mixtral 1.9 s -> 1.25 s against pread in one loader call, peak
+    RSS 1.02 -> 0.73 x transformers' with the per-layer unmap; FP8 DeepSeek-V3 1.35 -> 1.1 s. When dequantizing,
+    unquantized weights the FP8 converter passes through unchanged keep pread (mapped, `_own_copies` would only
+    copy them again)."""
+    keys = converted_keys(model, files)
     if not dequantizing(model):
-        return set()
-    return {
-        key for key in converted_keys(model, files)
-        if files.tensors[key].dtype == "F8_E4M3" or key.endswith(SCALE_SUFFIX)
-    }
+        return keys
+    return {key for key in keys if files.tensors[key].dtype == "F8_E4M3" or key.endswith(SCALE_SUFFIX)}
 
 
 def _own_copies(model: nn.Module, mapped: set[int]) -> None:
@@ -371,6 +371,28 @@ def _no_progress_bars():
     finally:
         if was:
             logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def _sync_reads():
+    """transformers' loader without its read thread pool (its own switch, `HF_DEACTIVATE_ASYNC_LOAD`), for one call.
+
+    The pool overlaps pread copies with conversion; here the bulk (what converters consume) is mmap'd, so a "read"
+    is a view and the copy happens in the converter anyway, while each loader call would start its pool's threads
+    anew (one call per layer: 0.56 s of thread starts in a 2-rank Mixtral load on a busy 2-core host)."""
+    name = "HF_DEACTIVATE_ASYNC_LOAD"
+    if os.environ.get("PLANC_LOAD_ASYNC"):  # A/B on the device (temporary)
+        yield
+        return
+    was = os.environ.get(name)
+    os.environ[name] = "1"
+    try:
+        yield
+    finally:
+        if was is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = was
 
 
 @contextlib.contextmanager

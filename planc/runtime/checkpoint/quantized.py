@@ -187,7 +187,8 @@ def block_size(model) -> Optional[tuple[int, int]]:
 def wrap_scales(slices: dict[str, Any], tensors: dict, block: tuple[int, int]) -> dict[str, Any]:
     """Dequantize mode: every `X_scale_inv` beside an FP8 `X` becomes a `BlockScaleSlice` in X's coordinates."""
     out = dict(slices)
-    for key, info in tensors.items():
+    for key in slices:
+        info = tensors[key]
         if not key.endswith(SCALE_SUFFIX):
             continue
         weight = tensors.get(key[: -len(SCALE_SUFFIX)])
