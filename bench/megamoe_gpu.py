@@ -1,8 +1,8 @@
 """Mega MoE on one GPU: the Triton and reference backends behind MegaMoeEP, bf16 grouped_mm, and the bound.
 
 One rank over NCCL (a world of 1 on a free port), one layer, FP4 experts (the same FP4 parameters for both
-backends; the Triton module reads them as stored, the reference dequantizes them once to BF16). Per batch
-size (decode 1/16/64/256, prefill 4096), CUDA-event medians over `--iters` after `--warmup`, in µs:
+backends; the Triton module reorders them once into its layout on its first call, the reference dequantizes
+them once to BF16). Per batch size (decode 1/16/64/256, prefill 4096), CUDA-event medians over `--iters` after `--warmup`, in µs:
 - `triton_us` / `reference_us`: one MoE layer through `MegaMoeEPRuntime` -> installed forward, CUDA-graph
   replay (a capture fails on any host sync; one eager forward also runs under
   `torch.cuda.set_sync_debug_mode("error")`); `triton_eager_us`: the same without the graph.
@@ -180,16 +180,18 @@ def graph_or_eager(device, measure, fn, use_graph):
 
 
 SWEEP = (
-    KernelConfig(16, 64, 128, 64, 128, 4, 2),
     KernelConfig(16, 64, 128, 64, 128, 4, 3),
-    KernelConfig(16, 128, 128, 128, 128, 8, 2),
-    KernelConfig(32, 64, 128, 64, 128, 4, 2),
-    KernelConfig(32, 128, 128, 128, 128, 8, 2),
-    KernelConfig(64, 64, 128, 64, 128, 4, 2),
+    KernelConfig(16, 64, 128, 64, 128, 4, 4),
+    KernelConfig(16, 64, 256, 64, 256, 4, 2),
+    KernelConfig(16, 64, 256, 64, 256, 4, 3),
+    KernelConfig(16, 128, 128, 128, 128, 8, 3),
+    KernelConfig(16, 128, 256, 128, 256, 8, 3),
+    KernelConfig(32, 128, 128, 128, 128, 8, 3),
+    KernelConfig(32, 64, 256, 64, 256, 4, 2),
     KernelConfig(64, 128, 128, 128, 128, 8, 2),
     KernelConfig(64, 128, 64, 128, 64, 8, 3),
-    KernelConfig(128, 64, 128, 64, 128, 8, 2),
     KernelConfig(128, 128, 64, 128, 64, 8, 2),
+    KernelConfig(128, 64, 128, 64, 128, 8, 2),
 )
 
 
@@ -362,7 +364,7 @@ def main(argv=None):
         print(f"| {r['tokens']} | {f(r['triton_us'])} | {f(r['triton_eager_us'])} | {f(r.get('reference_us'))} | "
               f"{f(gm)} | {f(r['bound_us'])} | {r['bound']} | {r['ratio']:.2f}x | "
               f"{f(gm / r['triton_us'] if gm else None, '.2f')} | {f(r.get('calc_diff'), '.1e')} |")
-    print(f"\nresident expert bytes per layer: triton {resident_fp4 / 1e9:.2f} GB (FP4 + UE8M0 as stored)"
+    print(f"\nresident expert bytes per layer: triton {resident_fp4 / 1e9:.2f} GB (FP4 + UE8M0, no other copy)"
           + (f", reference {reference_bytes / 1e9:.2f} GB (FP4 + its BF16 cache)" if reference_bytes else ""))
     print(f"buffer allocations: {stats.allocations} ({stats.live_bytes / 2**20:.1f} MiB live)")
     if args.json:

@@ -14,6 +14,7 @@ from planc.runtime.ep.megamoe import MegaMoeEPRuntime
 from planc.runtime.megamoe import install_megamoe_forward, megamoe_state
 from planc.runtime.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_experts_fp4, quantize_fp8
 from planc.runtime.megamoe.reference import DequantizedExperts, local_experts_forward
+from planc.runtime.megamoe.reference import combine as reference_combine
 from planc.runtime.megamoe.triton_backend import (
     KernelConfig,
     PackedExperts,
@@ -21,6 +22,10 @@ from planc.runtime.megamoe.triton_backend import (
     pick_config,
     route,
     _interpreting,
+    _route_fused,
+    _route_torch,
+    combine,
+    shuffle_fp4,
     triton_local_experts_forward,
 )
 from tests.megamoe.common import full_weights, mixtral_experts, routing
@@ -65,6 +70,38 @@ def test_route_cuts_sorted_slots_into_blocks_of_one_expert():
     assert sorted(slots[:7].tolist()) == sorted(int(i) for i in torch.nonzero((e >= 0) & (e < 8)).flatten())
 
 
+def test_fused_route_equals_the_torch_route():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(12):
+        e_loc, t, k = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((1, 300), (1, 120), (1, 8)))
+        first = int(torch.randint(0, 3, (1,), generator=g)) * e_loc
+        idx = torch.randint(-1, 3 * e_loc, (t, k), generator=g)
+        kw = dict(first_expert=first, num_local_experts=e_loc, block_t=(16, 32, 64)[trial % 3])
+        fused, ref = _route_fused(idx, **kw), _route_torch(idx, **kw)
+        valid = ref[1] < e_loc  # rows of the unused blocks are not read
+        assert torch.equal(fused[0], ref[0]) and torch.equal(fused[1], ref[1])
+        assert torch.equal(fused[2][valid], ref[2][valid]) and torch.equal(fused[3][valid], ref[3][valid])
+
+
+def test_combine_kernel_is_the_reference_combine():
+    g = torch.Generator().manual_seed(1)
+    slots = (torch.randn(5, 6, 96, generator=g) * torch.logspace(-3, 3, 96)).bfloat16()
+    assert torch.equal(combine(slots), reference_combine(slots))
+    assert torch.equal(combine(slots[:2]), reference_combine(slots[:2])) and combine(slots[:0]).shape == (0, 96)
+
+
+def test_weight_layout_holds_every_code_and_scale_once():
+    """shuffle_fp4 only reorders bits and bytes: the same multiset of scale bytes, the same count of set bits."""
+    g = torch.Generator().manual_seed(2)
+    packed = torch.randint(0, 256, (2, 32, 64), generator=g, dtype=torch.uint8)
+    scales = torch.randint(100, 140, (2, 32, 4), generator=g, dtype=torch.uint8)
+    words, sbytes = shuffle_fp4(packed, scales)
+    assert words.shape == (2, 32, 16) and words.dtype == torch.int32 and sbytes.shape == scales.shape
+    assert torch.equal(sbytes.flatten(1).sort(1).values, scales.flatten(1).sort(1).values)
+    bits = lambda t: sum(int(((t.view(torch.uint8).to(torch.int32) >> b) & 1).sum()) for b in range(8))  # noqa: E731
+    assert bits(words) == bits(packed)
+
+
 @pytest.mark.parametrize("num_tokens,clamp,masked", [(1, None, 0.0), (3, 0.5, 0.3), (7, 0.5, 0.0), (29, None, 0.2)])
 def test_kernels_match_the_reference(experts, num_tokens, clamp, masked):
     packed, deq = experts
@@ -105,7 +142,7 @@ def test_picked_config_fits_the_shapes():
     assert 7168 % cfg.l1_k == 0 and 3072 % cfg.l1_n == 0 and 3072 % cfg.l2_k == 0 and 7168 % cfg.l2_n == 0
     small = pick_config(24576, 8, 128, 64)
     assert 64 % small.l1_n == 0 and 128 % small.l1_k == 0 and small.l1_n % 32 == 0
-    with pytest.raises(ValueError, match="divisible by 32.*backend: reference"):
+    with pytest.raises(ValueError, match="divisible by 64.*backend: reference"):
         KernelConfig().fit(128, 48)
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from planc.runtime.megamoe import deep_gemm_backend, triton_backend
-from planc.runtime.megamoe.quant import quantize_experts_fp4
+from planc.runtime.megamoe.quant import SCALE_DTYPE, quantize_experts_fp4
 from planc.runtime.megamoe.reference import DequantizedExperts, compute_dtype_for, reference_mega_moe
 from planc.runtime.mesh import to_local
 from planc.runtime.snapshot import Snapshot
@@ -52,6 +52,8 @@ def choose_backend(backend: str, device: torch.device | None = None, sizes: tupl
         return backend, "`experts.megamoe.backend: deep_gemm` in the plan"
     if backend == "triton":
         reason = triton_backend.triton_unavailable_reason(device)
+        if reason is None and sizes is not None:
+            reason = triton_backend.size_problem(*sizes)
         if reason is not None:
             raise RuntimeError(
                 f"the Triton Mega MoE backend cannot run here: {reason}. Use `experts.megamoe.backend: reference` "
@@ -64,6 +66,8 @@ def choose_backend(backend: str, device: torch.device | None = None, sizes: tupl
     if no_deep_gemm is None:
         return "deep_gemm", "auto: deep_gemm imports with the pinned API and the GPU is SM100"
     no_triton = triton_backend.triton_unavailable_reason(device)
+    if no_triton is None and sizes is not None:
+        no_triton = triton_backend.size_problem(*sizes)
     if no_triton is None and (device is None or device.type == "cuda") and _capability(device) >= (9, 0):
         return "triton", f"auto: no deep_gemm ({no_deep_gemm}); Triton on sm_90+ keeps the FP4 weights packed"
     if no_triton is None:
@@ -143,27 +147,62 @@ class ReferenceRunner(_StagedRunner):
         return self._cache
 
 
+TRITON_LAYOUT = "triton"  # `module._planc_megamoe_weight_layout` once its FP4 parameters hold the Triton layout
+
+
 @dataclass
 class TritonRunner(_StagedRunner):
-    """The Triton backend for one module: reads the module's FP4 parameters as stored (no copy)."""
+    """The Triton backend for one module: on its first forward, the module's FP4 parameters are put into the kernels'
+    layout (`triton_backend.shuffle_fp4`: the same e2m1 and UE8M0 bytes in MMA-fragment order, same dtypes and
+    shapes, so no copy stays); the kernels then read them where they are."""
 
     _cache: tuple | None = field(default=None, repr=False)
 
     def _local_forward(self) -> dict:
-        return dict(local_forward=triton_backend.triton_local_experts_forward, backend="triton")
+        return dict(local_forward=triton_backend.triton_local_experts_forward, backend="triton",
+                    combine_fn=triton_backend.combine)
+
+    def _shuffle_module(self) -> bool:
+        """Replace the module's FP4 parameters by the same bytes in the kernels' layout; returns `large_scales`.
+        One host read (any scale byte above 128?): the first forward is not capturable, like Triton's compile."""
+        m = self.module
+        p = {name: to_local(getattr(m, name)).detach() for name in _FP4_PARAMS}
+        w1, s1 = triton_backend.shuffle_fp4(p["gate_up_proj"].contiguous().view(torch.uint8),
+                                            triton_backend._exponent_bytes(p["gate_up_proj_scale_inv"]))
+        w2, s2 = triton_backend.shuffle_fp4(p["down_proj"].contiguous().view(torch.uint8),
+                                            triton_backend._exponent_bytes(p["down_proj_scale_inv"]))
+        large = triton_backend.has_large_scales(s1, s2)
+        scale_dtype = SCALE_DTYPE if SCALE_DTYPE != torch.float32 else torch.uint8
+        for name, tensor in (("gate_up_proj", w1.view(torch.int8)), ("gate_up_proj_scale_inv", s1.view(scale_dtype)),
+                             ("down_proj", w2.view(torch.int8)), ("down_proj_scale_inv", s2.view(scale_dtype))):
+            setattr(m, name, nn.Parameter(tensor, requires_grad=False))
+        m._planc_megamoe_weight_layout = TRITON_LAYOUT
+        m._planc_megamoe_large_scales = large
+        return large
 
     def weights(self, device: torch.device) -> triton_backend.PackedExperts:
         m = self.module
+        if getattr(m, "_planc_megamoe_weight_layout", None) != TRITON_LAYOUT:
+            self._check_device(device)
+            self._shuffle_module()
         p = [to_local(getattr(m, name)).detach() for name in _FP4_PARAMS]
-        if not _same_device(p[0].device, torch.device(device)):
+        self._check_device(device)
+        key = tuple(t.data_ptr() for t in p)
+        if self._cache is None or self._cache[0] != key:  # views of the parameters, rebuilt if they move
+            w1, s1, w2, s2 = p
+            self._cache = (key, triton_backend.PackedExperts(
+                w1.view(torch.int32), s1.view(torch.uint8), w2.view(torch.int32), s2.view(torch.uint8),
+                bool(getattr(m, "_planc_megamoe_large_scales", True)),
+            ))
+        return self._cache[1]
+
+    def _check_device(self, device: torch.device) -> None:
+        w = to_local(self.module.gate_up_proj)
+        if not _same_device(w.device, torch.device(device)):
             raise ValueError(
-                f"the FP4 experts of {_describe(m)} are on {p[0].device} but the tokens on {device}: the Triton "
+                f"the FP4 experts of {_describe(self.module)} are on {w.device} but the tokens on {device}: the Triton "
                 "backend reads the weights where they are (no copy); move the model to the tokens' device"
             )
-        key = tuple(t.data_ptr() for t in p)
-        if self._cache is None or self._cache[0] != key:  # views of the parameters, rebuilt if they are replaced
-            self._cache = (key, triton_backend.PackedExperts.from_params(*p))
-        return self._cache[1]
 
 
 @dataclass

@@ -199,6 +199,7 @@ def reference_mega_moe(
     max_tokens_per_rank: int | None = None,
     local_forward=local_experts_forward,
     backend: str = "reference",
+    combine_fn=None,
 ) -> torch.Tensor:
     """One Mega MoE layer on this rank's tokens; BF16 ``[n, H]``.
 
@@ -207,6 +208,7 @@ def reference_mega_moe(
     The staging buffer comes from the shared cache (`buffers.get_buffer`). `local_forward` computes
     steps 3-6 for the gathered rows (signature of `local_experts_forward`; the Triton backend passes its
     kernels and its packed FP4 `experts`); staging, dispatch and combine are shared, keyed by `backend`.
+    `combine_fn` replaces `combine` with the same arithmetic (the Triton backend's one-kernel combine).
     """
     rank, size = _group_rank_size(group)
     n, hidden = hidden_states.shape
@@ -265,4 +267,4 @@ def reference_mega_moe(
         dist.all_to_all_single(received, slots, group=group)
         # Each slot has exactly one owner, the others sent zeros: this sum is exact.
         slots = received.view(size, rows, num_topk, hidden).float().sum(0)
-    return combine(slots[:n])
+    return (combine_fn or combine)(slots[:n])

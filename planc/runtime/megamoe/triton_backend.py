@@ -1,29 +1,32 @@
 """Triton Mega MoE experts for Hopper (and any GPU Triton runs on): FP4 weights stay packed in memory.
 
 Why: the real kernel needs SM100 and the reference caches a dequantized BF16 copy (4x the FP4 bytes).
-Here the e2m1 codes (two per byte) and the UE8M0 exponent bytes are read as stored on the experts module
-and expanded to BF16 in registers, inside the GEMM; nothing else of the weights exists on the GPU.
+Here the e2m1 codes and the UE8M0 exponent bytes stay 4 bits and 1 byte per weight group in GPU memory and are
+expanded to BF16 in registers, inside the GEMM; nothing else of the weights exists on the GPU. On its first forward
+the backend reorders those bytes once (`shuffle_fp4`, in place of the module's parameters: same dtypes, shapes and
+sizes) into the register fragments of the Hopper MMA, so each thread loads exactly its operand words (16 contiguous
+bytes) and expands 8 weights in 13 instructions (`_EXPAND_PTX`), with no shuffle through shared memory.
 
 Numerics are the reference backend's (docs/megamoe.md, steps 3-6): an FP8 value times its UE8M0 scale and
 an e2m1 value times its UE8M0 scale are exact in BF16 and their product is exact in FP32, so a BF16 MMA
 with FP32 accumulation over the exactly converted operands computes the reference's products; only the
 order of the FP32 sums differs. L1 rounds to BF16 once; the epilogue clamps in BF16, computes
 ``silu(gate) * up * topk_weight`` in FP32 and requantizes per 32 intermediate channels with the kernel's
-cast (no 1e-4 floor, RNE to e4m3 with saturation, emulated bit for bit); L2 rounds to BF16.
+cast (no 1e-4 floor, RNE to e4m3 with saturation, emulated bit for bit); L2 rounds to BF16; the combine sums
+the slots in FP32 in slot order (`combine`, one kernel, the same arithmetic as `reference.combine`).
 
-How it is organized (the ideas of vLLM's fused_moe and triton_kernels' matmul_ogs):
+How it is organized (the ideas of vLLM's fused_moe, triton_kernels' matmul_ogs and its Hopper MX layouts, Marlin):
 - (token, slot) pairs are sorted by local expert on the device and cut into blocks of `block_t` rows of
-  one expert (`route`); the grid covers an upper bound of blocks, so nothing reads a device value on the
-  host (CUDA-graph capturable) and programs past the last block return at once.
+  one expert (`route`: one Triton program up to `FUSED_ROUTE_MAX_SLOTS` pairs, torch ops above); the grid covers an
+  upper bound of blocks, so nothing reads a device value on the host (CUDA-graph capturable) and programs past
+  the last block return at once.
 - swap-AB: the weight rows are the MMA's M dimension and the few tokens its N dimension, so decode
-  batches of 1-16 rows per expert do not waste a 64-row MMA tile. Each packed weight tile is expanded in
-  registers to BF16 (`_fp4_dot`: inline PTX on the GPU, Triton ops under the interpreter), as two tiles
-  (even and odd K) that meet the matching halves of the activations in two MMAs.
+  batches of 1-16 rows per expert do not waste a 64-row MMA tile. Each weight tile is expanded in registers to
+  BF16 (`_fp4_tile`: inline PTX on the GPU, Triton ops under the interpreter) and meets the activations in one MMA.
 - one program per (block, N tile) reads its weight slice once; at decode every SM streams weights.
 - L1 fuses SwiGLU, the clamp, the routing weight and the FP8 requantization into its epilogue; L2 writes
-  each slot's output straight to its slot (the combine is the shared `reference.combine`).
-Measured on an H200 (docs/benchmarks.md): the expansion, not HBM, bounds it (the same tiles stream at
-4.8 TB/s; with the expansion 1.9 TB/s at decode): 3.1-3.3x the FP4 bound at 16-256 tokens.
+  each slot's output straight to its slot.
+Measured on an H200 (docs/benchmarks.md): 1.7-2.0x the FP4 bound at 16-256 tokens on the DeepSeek-V4 layer.
 """
 
 from __future__ import annotations
@@ -58,21 +61,75 @@ def triton_unavailable_reason(device: torch.device | None) -> str | None:
     return None
 
 
+# The weight layout the kernels read (`shuffle_fp4`, once per module: the FP4 parameters are replaced by the same bytes
+# in this order, still e2m1 codes with UE8M0 exponent bytes, 4 bits per weight). It is the register fragment of the
+# Hopper MMA (A operand, BF16, 16x16): one int32 word holds the 8 weights one thread of a warp owns in one 16x16 tile,
+# and one thread's 4 words (4 consecutive K tiles) are 16 contiguous bytes, so a warp reads 512 contiguous bytes and
+# each thread gets exactly its operand registers (no shuffle through shared memory).
+# Matrix [N, K] (N rows: output channels; K: the reduced dimension), N % 16 == 0, K % 64 == 0:
+#   row n = 16 g + 8 m8 + r,  K index k = 64 kc + 16 j + 8 k8 + 2 q + k1   (r < 8, q < 4, j < 4, m8/k8/k1 < 2)
+#   word (kc, g, r, q, j), at int32 offset (((kc * N/16 + g) * 8 + r) * 4 + q) * 4 + j, holds the 8 weights
+#   (m8, k8, k1); output t = 2 m8 + k8 of the expansion is the BF16 pair (k1 = 0 low half, 1 high half).
+#   Each code's sign goes to bit 15 and its three magnitude bits to bits 8..6 of its half (e2m1 value x 2**-126 as a
+#   BF16) after a rotation of the word: output 0 by 0, 1 by 4, 2 by 10; output 3 takes its m0 bits from a rotation by
+#   6 and the others from a rotation by 14 (`_ROTATIONS`), so 13 instructions expand 8 weights (`_EXPAND_PTX`).
+#   Scales: one int32 per (kc, g, r) at offset (kc * N/16 + g) * 8 + r: byte 2 m8 + jh is the UE8M0 exponent of row
+#   16 g + 8 m8 + r for K [64 kc + 32 jh, +32).
+_ROTATIONS = (0, 4, 10)
+
+
+def _placed_bits(codes: torch.Tensor, t: int, k1: int) -> torch.Tensor:
+    """int64 e2m1 codes -> their bits where the word stores them for output t, half k1."""
+    out = torch.zeros_like(codes)
+    for shift, target in ((3, 15), (2, 8), (1, 7), (0, 6)):
+        pos = target + 16 * k1
+        rot = _ROTATIONS[t] if t < 3 else (6 if target == 6 else 14)
+        out |= ((codes >> shift) & 1) << ((pos - rot) % 32)
+    return out
+
+
+def shuffle_fp4(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed e2m1 uint8 ``[E, N, K/2]`` (low nibble = even K) and UE8M0 bytes ``[E, N, K/32]`` -> the kernels' layout:
+    words int32 ``[E, N, K/8]`` and scale bytes uint8 ``[E, N, K/32]`` (the same bytes per expert, in the order above;
+    the shapes only keep the sizes). One expert at a time, on the tensors' device."""
+    e, n, kh = packed.shape
+    k = 2 * kh
+    if n % 16 or k % 64:
+        raise ValueError(f"the Triton layout needs N % 16 == 0 and K % 64 == 0, got N={n}, K={k}")
+    g, kcs = n // 16, k // 64
+    words = torch.empty((e, n, k // 8), dtype=torch.int32, device=packed.device)
+    sbytes = torch.empty((e, n, k // 32), dtype=torch.uint8, device=packed.device)
+    for i in range(e):
+        b = packed[i].to(torch.int64)
+        codes = torch.stack([b & 0xF, b >> 4], dim=-1).view(g, 2, 8, kcs, 4, 2, 4, 2)  # g m8 r kc j k8 q k1
+        codes = codes.permute(3, 0, 2, 6, 4, 1, 5, 7)  # kc g r q j m8 k8 k1
+        w = torch.zeros(codes.shape[:5], dtype=torch.int64, device=packed.device)
+        for m8 in range(2):
+            for k8 in range(2):
+                for k1 in range(2):
+                    w |= _placed_bits(codes[..., m8, k8, k1], 2 * m8 + k8, k1)
+        words[i] = (w - ((w >> 31) << 32)).to(torch.int32).view(n, k // 8)
+        sbytes[i] = scales[i].view(g, 2, 8, kcs, 2).permute(3, 0, 2, 1, 4).reshape(n, k // 32)
+    return words, sbytes
+
+
 @dataclass(frozen=True)
 class PackedExperts:
-    """Views of the module's FP4 parameters, as stored (no copy for float8_e8m0fnu scales)."""
+    """FP4 experts in the kernels' layout (`shuffle_fp4`): views of the module's parameters once they hold it."""
 
-    w1: torch.Tensor  # uint8 view of int8 [E, 2I, H/2]: e2m1 codes, low nibble = even index; rows [gate | up]
-    s1: torch.Tensor  # uint8 [E, 2I, H/32]: UE8M0 exponent bytes
-    w2: torch.Tensor  # uint8 view of int8 [E, H, I/2]
+    w1: torch.Tensor  # int32 [E, 2I, H/8]: gate|up words (rows [gate | up], as in the module)
+    s1: torch.Tensor  # uint8 [E, 2I, H/32]: their UE8M0 exponent bytes, in the layout's order
+    w2: torch.Tensor  # int32 [E, H, I/8]
     s2: torch.Tensor  # uint8 [E, H, I/32]
+    # A scale byte above 128 (a weight above 12) would overflow the merged factor 2**(s-1): two multiplies then.
+    large_scales: bool = False
 
     @classmethod
     def from_params(cls, gate_up, gate_up_scale, down, down_scale) -> "PackedExperts":
-        return cls(
-            gate_up.contiguous().view(torch.uint8), _exponent_bytes(gate_up_scale),
-            down.contiguous().view(torch.uint8), _exponent_bytes(down_scale),
-        )
+        """Shuffled copies of FP4 parameters in the module layout (tests; the runner shuffles the module once)."""
+        w1, s1 = shuffle_fp4(gate_up.contiguous().view(torch.uint8), _exponent_bytes(gate_up_scale))
+        w2, s2 = shuffle_fp4(down.contiguous().view(torch.uint8), _exponent_bytes(down_scale))
+        return cls(w1, s1, w2, s2, has_large_scales(s1, s2))
 
     @property
     def num_local_experts(self) -> int:
@@ -91,6 +148,11 @@ class PackedExperts:
         return sum(t.nbytes for t in (self.w1, self.s1, self.w2, self.s2))
 
 
+def has_large_scales(*scales: torch.Tensor) -> bool:
+    """Whether any UE8M0 byte is above 128 (one host read: at install, never in a forward)."""
+    return any(bool((s > 128).any()) for s in scales if s.numel())
+
+
 def _exponent_bytes(scale: torch.Tensor) -> torch.Tensor:
     """UE8M0 scales as uint8 exponent bytes: a view for float8_e8m0fnu/uint8, a 4x smaller copy for float32."""
     if scale.dtype == torch.uint8:
@@ -98,6 +160,13 @@ def _exponent_bytes(scale: torch.Tensor) -> torch.Tensor:
     if scale.dtype == getattr(torch, "float8_e8m0fnu", None):
         return scale.contiguous().view(torch.uint8)
     return float_to_ue8m0_bytes(scale).contiguous()
+
+
+def size_problem(hidden: int, inter: int) -> str | None:
+    """None when the kernels take these sizes (multiples of 64: the weight layout's K block), else why not."""
+    if hidden % 64 or inter % 64:
+        return f"hidden ({hidden}) and intermediate ({inter}) sizes must be multiples of 64 (its weight layout)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -113,21 +182,23 @@ class KernelConfig:
     num_stages: int = 3
 
     def fit(self, hidden: int, inter: int) -> "KernelConfig":
-        """The same config with each tile shrunk to a power of two that divides its dimension."""
+        """The same config with each tile shrunk to a power of two that divides its dimension (K tiles: 64 or
+        more, the weight layout's K block; N tiles: 32 or more, the requantization groups)."""
+        if hidden % 64 or inter % 64:
+            raise ValueError(
+                f"the Triton Mega MoE backend needs hidden and intermediate sizes divisible by 64 (its weight "
+                f"layout), got hidden={hidden}, intermediate={inter}: use `experts.megamoe.backend: reference`"
+            )
 
         def div(tile, dim, floor):
+            tile = max(tile, floor)
             while tile > floor and dim % tile:
                 tile //= 2
-            if dim % tile:
-                raise ValueError(
-                    f"the Triton Mega MoE backend needs hidden and intermediate sizes divisible by {floor}, "
-                    f"got hidden={hidden}, intermediate={inter}: use `experts.megamoe.backend: reference`"
-                )
             return tile
 
         return KernelConfig(
-            self.block_t, div(self.l1_n, inter, 32), div(self.l1_k, hidden, 32), div(self.l2_n, hidden, 32),
-            div(self.l2_k, inter, 32), self.num_warps, self.num_stages,
+            self.block_t, div(self.l1_n, inter, 32), div(self.l1_k, hidden, 64), div(self.l2_n, hidden, 32),
+            div(self.l2_k, inter, 64), self.num_warps, self.num_stages,
         )
 
 
@@ -136,9 +207,8 @@ class KernelConfig:
 _CONFIGS = (
     # (up to this many rows per local expert on average, config)
     (16, KernelConfig(block_t=16, l1_n=64, l1_k=128, l2_n=64, l2_k=128, num_warps=4, num_stages=3)),
-    (48, KernelConfig(block_t=32, l1_n=128, l1_k=128, l2_n=128, l2_k=128, num_warps=8, num_stages=2)),
-    (128, KernelConfig(block_t=64, l1_n=128, l1_k=128, l2_n=128, l2_k=128, num_warps=8, num_stages=2)),
-    (None, KernelConfig(block_t=128, l1_n=128, l1_k=64, l2_n=128, l2_k=64, num_warps=8, num_stages=2)),
+    (48, KernelConfig(block_t=32, l1_n=128, l1_k=128, l2_n=128, l2_k=128, num_warps=8, num_stages=3)),
+    (None, KernelConfig(block_t=64, l1_n=128, l1_k=64, l2_n=128, l2_k=64, num_warps=8, num_stages=3)),
 )
 
 
@@ -156,13 +226,43 @@ def max_blocks(num_slots: int, num_local_experts: int, block_t: int) -> int:
     return -(-num_slots // block_t) + min(num_local_experts, num_slots)
 
 
+# One program does the whole routing (`_route_kernel`) up to this many (token, slot) pairs: at decode the ~30 small
+# torch ops of `_route_torch` cost more than the GEMMs.
+FUSED_ROUTE_MAX_SLOTS = 2048
+
+
 def route(topk_idx: torch.Tensor, *, first_expert: int, num_local_experts: int, block_t: int):
     """Sort (token, slot) pairs by local expert and cut them into blocks of `block_t` rows of one expert.
 
     All on the device with static shapes. Returns ``(sorted_slots int32 [S], block_expert, block_row,
     block_end)``, the block arrays int32 of length `max_blocks(S, E_loc, block_t)`: block b covers sorted
     rows ``[block_row[b], block_end[b])`` of local expert ``block_expert[b]`` (``== E_loc``: no block).
+    Small batches on a GPU (or under the interpreter) take one Triton program, others torch ops; same result.
     """
+    num_slots = topk_idx.numel()
+    if triton is not None and 0 < num_slots <= FUSED_ROUTE_MAX_SLOTS and (topk_idx.is_cuda or _interpreting()):
+        return _route_fused(topk_idx, first_expert=first_expert, num_local_experts=num_local_experts, block_t=block_t)
+    return _route_torch(topk_idx, first_expert=first_expert, num_local_experts=num_local_experts, block_t=block_t)
+
+
+def _route_fused(topk_idx: torch.Tensor, *, first_expert: int, num_local_experts: int, block_t: int):
+    device = topk_idx.device
+    num_slots = topk_idx.numel()
+    nb = max_blocks(num_slots, num_local_experts, block_t)
+    sorted_slots = torch.empty(num_slots, dtype=torch.int32, device=device)
+    blocks = torch.empty((3, nb), dtype=torch.int32, device=device)
+    be = triton.next_power_of_2(num_local_experts + 1)
+    scratch = torch.empty((3, be), dtype=torch.int32, device=device)
+    _route_kernel[(1,)](
+        topk_idx.reshape(-1), sorted_slots, blocks, scratch, num_slots, first_expert, num_local_experts, nb,
+        BS=triton.next_power_of_2(num_slots), BE=be, BB=triton.next_power_of_2(nb), BT=block_t,
+        LOG_BE=be.bit_length() - 1, num_warps=4,
+    )
+    return sorted_slots, blocks[0], blocks[1], blocks[2]
+
+
+def _route_torch(topk_idx: torch.Tensor, *, first_expert: int, num_local_experts: int, block_t: int):
+    """`route` in torch ops (any size, any device)."""
     device = topk_idx.device
     e = topk_idx.reshape(-1)
     num_slots = e.numel()
@@ -191,65 +291,182 @@ def route(topk_idx: torch.Tensor, *, first_expert: int, num_local_experts: int, 
 
 if triton is not None:
 
-    @triton.jit
-    def _e2m1_bf16(codes, scale):
-        """e2m1 codes (low 4 bits of int32 `codes`) times their FP32 scale, as BF16; exact.
-
-        The sign and magnitude bits placed into an FP16 give the e2m1 value times 2**-14 (zero, and 0.5 as an
-        FP16 subnormal), which `scale` (2**(e - 127 + 14)) turns into the weight; the product has two significant
-        bits, so the upper half of its FP32 bits is its BF16, with no rounding and no float-to-BF16 cast (which
-        Triton's interpreter gets wrong)."""
-        h = ((codes & 7) << 9) | ((codes & 8) << 12)
-        v = h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * scale
-        return (v.to(tl.int32, bitcast=True) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-    # 4 packed bytes -> their 4 low-nibble (even K) and 4 high-nibble (odd K) values as BF16 pairs, times their
-    # UE8M0 scales (BF16 pairs in $5/$6): each nibble's sign goes to bit 15 and its magnitude bits to 8..6, which is
-    # the e2m1 value times 2**-126 (0.5 a BF16 subnormal: BF16 arithmetic keeps subnormals), then times 2**126 and
-    # the scale, both exact. Seven integer/BF16x2 instructions per two weights where Triton ops take ~22 (the
-    # FP16->FP32->BF16 route of `_e2m1_bf16`): measured 1.84 vs 1.30 TB/s on an H200. (The UE8M0 byte 0, 2**-127,
-    # is not a normal BF16: such weights, all below 2**-124, read as zero.)
-    _E2M1_X4_PTX: tl.constexpr = tl.constexpr("""{
-    .reg .b32 t0, t1, a, b, z, c;
-    mov.b32 z, 0;
+    # One word (8 weights, `shuffle_fp4`) -> its 4 BF16 pairs times their UE8M0 scales: rotate, mask (the sign to bit
+    # 15 and the magnitude bits to 8..6 of each half: the e2m1 value times 2**-126, 0.5 a BF16 subnormal, which BF16
+    # arithmetic keeps), then one exact BF16x2 multiply by 2**126 * scale = 2**(s-1) ($5: row half m8 = 0, $6: m8 = 1).
+    # 13 instructions per 8 weights.
+    _EXPAND_PTX: tl.constexpr = tl.constexpr("""{
+    .reg .b32 r1, r2, r3, r4;
+    and.b32 $0, $4, 0x81C081C0;
+    shf.l.wrap.b32 r1, $4, $4, 4;
+    and.b32 $1, r1, 0x81C081C0;
+    shf.l.wrap.b32 r2, $4, $4, 10;
+    and.b32 $2, r2, 0x81C081C0;
+    shf.l.wrap.b32 r3, $4, $4, 6;
+    shf.l.wrap.b32 r4, $4, $4, 14;
+    and.b32 r3, r3, 0x00400040;
+    and.b32 r4, r4, 0x81808180;
+    or.b32 $3, r3, r4;
+    mul.rn.bf16x2 $0, $0, $5;
+    mul.rn.bf16x2 $1, $1, $5;
+    mul.rn.bf16x2 $2, $2, $6;
+    mul.rn.bf16x2 $3, $3, $6;
+    }""")
+    # The same with the 2**126 as its own multiply, for scale bytes above 128 (2**(s-1) would overflow BF16).
+    _EXPAND_PTX_LARGE: tl.constexpr = tl.constexpr("""{
+    .reg .b32 r1, r2, r3, r4, c;
     mov.b32 c, 0x7E807E80;
-    prmt.b32 t0, $4, z, 0x4140;
-    prmt.b32 t1, $4, z, 0x4342;
-    shl.b32 a, t0, 6; and.b32 a, a, 0x01C001C0; shl.b32 b, t0, 12; and.b32 b, b, 0x80008000; or.b32 a, a, b;
-    mul.rn.bf16x2 a, a, c; mul.rn.bf16x2 $0, a, $5;
-    shl.b32 a, t1, 6; and.b32 a, a, 0x01C001C0; shl.b32 b, t1, 12; and.b32 b, b, 0x80008000; or.b32 a, a, b;
-    mul.rn.bf16x2 a, a, c; mul.rn.bf16x2 $1, a, $6;
-    shl.b32 a, t0, 2; and.b32 a, a, 0x01C001C0; shl.b32 b, t0, 8; and.b32 b, b, 0x80008000; or.b32 a, a, b;
-    mul.rn.bf16x2 a, a, c; mul.rn.bf16x2 $2, a, $5;
-    shl.b32 a, t1, 2; and.b32 a, a, 0x01C001C0; shl.b32 b, t1, 8; and.b32 b, b, 0x80008000; or.b32 a, a, b;
-    mul.rn.bf16x2 a, a, c; mul.rn.bf16x2 $3, a, $6;
+    and.b32 $0, $4, 0x81C081C0;
+    shf.l.wrap.b32 r1, $4, $4, 4;
+    and.b32 $1, r1, 0x81C081C0;
+    shf.l.wrap.b32 r2, $4, $4, 10;
+    and.b32 $2, r2, 0x81C081C0;
+    shf.l.wrap.b32 r3, $4, $4, 6;
+    shf.l.wrap.b32 r4, $4, $4, 14;
+    and.b32 r3, r3, 0x00400040;
+    and.b32 r4, r4, 0x81808180;
+    or.b32 $3, r3, r4;
+    mul.rn.bf16x2 $0, $0, c;
+    mul.rn.bf16x2 $1, $1, c;
+    mul.rn.bf16x2 $2, $2, c;
+    mul.rn.bf16x2 $3, $3, c;
+    mul.rn.bf16x2 $0, $0, $5;
+    mul.rn.bf16x2 $1, $1, $5;
+    mul.rn.bf16x2 $2, $2, $6;
+    mul.rn.bf16x2 $3, $3, $6;
     }""")
 
     @triton.jit
-    def _fp4_dot(w, s, x_even, x_odd, acc, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr):
-        """acc + W @ x for one [BN, BK] weight tile: `w` [BN, BK/2] packed bytes (low nibble = even K), `s`
-        [BN, BK/32] UE8M0 bytes; `x_even`/`x_odd` [BK/2, BT] the activations at even/odd K.
+    def _rotl(w, k: tl.constexpr):
+        return (w << k) | ((w >> (32 - k)) & ((1 << k) - 1))
 
-        The bytes are expanded in registers to two BF16 tiles (even and odd K), each multiplied with the matching
-        half of x: two MMAs instead of one over an interleaved tile, so no register shuffle. Measured on an H200
-        against `tl.dot_scaled` (e2m1 x bf16) on the same tiles: 1.3 vs 0.86 TB/s of weights at decode."""
-        if INTERPRET:  # no inline PTX on the CPU; and the interpreter multiplies BF16 dot operands as their
-            # uint16 bits, so FP32 operands there (exact too)
-            p = w.to(tl.int32)
-            sf = ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)  # 2**(e-127) * 2**14, per 32 of K
-            sf = tl.reshape(tl.broadcast_to(sf[:, :, None], (BN, BK // 32, 16)), (BN, BK // 2))
-            w_even = _e2m1_bf16(p, sf).to(tl.float32)
-            w_odd = _e2m1_bf16(p >> 4, sf).to(tl.float32)
-            x_even = x_even.to(tl.float32)
-            x_odd = x_odd.to(tl.float32)
+    @triton.jit
+    def _bf16_halves(o):
+        """int32 BF16 pairs -> [..., 2] BF16 (low half first)."""
+        lo = (o & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        hi = ((o >> 16) & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return tl.join(lo, hi)
+
+    @triton.jit
+    def _f32_halves(o, sf):
+        """Interpreter: int32 pairs of e2m1 x 2**-126 BF16 bits -> [..., 2] FP32 values times 2**126 * sf (exact)."""
+        lo = ((o & 0xFFFF) << 16).to(tl.float32, bitcast=True) * 8.507059173023462e37 * sf
+        hi = (o & -65536).to(tl.float32, bitcast=True) * 8.507059173023462e37 * sf
+        return tl.join(lo, hi)
+
+    @triton.jit
+    def _per_j(lo, hi):
+        """[KC, G, 32] values for K halves jh = 0, 1 -> [KC, G, 32, 4] by j = 2 jh + jl."""
+        p = tl.join(lo, hi)
+        p = tl.broadcast_to(p[:, :, :, :, None], (p.shape[0], p.shape[1], p.shape[2], 2, 2))
+        return tl.reshape(p, (p.shape[0], p.shape[1], p.shape[2], 4))
+
+    @triton.jit
+    def _fp4_tile(w_base, s_base, g0, kc0, num_g, BN: tl.constexpr, BK: tl.constexpr, LARGE: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+        """The [BN, BK] weight tile of rows 16*g0.. and K 64*kc0.. (`shuffle_fp4` layout, `num_g` = N / 16 row
+        groups) as BF16 (FP32 under the interpreter, whose dot multiplies BF16 operands as integers), each weight
+        times its UE8M0 scale, exact. Every thread loads 16 contiguous bytes per 64 K of one 16-row group: its own
+        MMA operand registers, expanded in place."""
+        G: tl.constexpr = BN // 16
+        KC: tl.constexpr = BK // 64
+        blk = (kc0 + tl.arange(0, KC)[:, None]).to(tl.int64) * num_g + g0 + tl.arange(0, G)[None, :]  # [KC, G]
+        lane = tl.arange(0, 32)  # 4 r + q
+        w = tl.load(w_base + blk[:, :, None, None] * 128 + lane[None, None, :, None] * 4
+                    + tl.arange(0, 4)[None, None, None, :])  # [KC, G, 32, 4] words
+        sw = tl.load(s_base + blk[:, :, None] * 8 + (lane // 4)[None, None, :])  # [KC, G, 32] scale words
+        if INTERPRET:
+            m: tl.constexpr = -2118090304  # 0x81C081C0
+            o0 = w & m
+            o1 = _rotl(w, 4) & m
+            o2 = _rotl(w, 10) & m
+            o3 = (_rotl(w, 6) & 0x00400040) | (_rotl(w, 14) & -2122284672)  # 0x81808180
+            f0 = _per_j(((sw & 0xFF) << 23).to(tl.float32, bitcast=True),
+                        (((sw >> 8) & 0xFF) << 23).to(tl.float32, bitcast=True))  # 2**(s-127), m8 = 0
+            f1 = _per_j((((sw >> 16) & 0xFF) << 23).to(tl.float32, bitcast=True),
+                        (((sw >> 24) & 0xFF) << 23).to(tl.float32, bitcast=True))
+            a0 = _f32_halves(o0, f0)
+            a1 = _f32_halves(o1, f0)
+            a2 = _f32_halves(o2, f1)
+            a3 = _f32_halves(o3, f1)
         else:
-            sb = (s.to(tl.int32) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)  # 2**(e - 127)
-            sb = tl.reshape(tl.broadcast_to(sb[:, :, None], (BN, BK // 32, 16)), (BN, BK // 2))
-            w_even, w_odd = tl.inline_asm_elementwise(
-                _E2M1_X4_PTX, "=r,=r,=r,=r,r,r,r", [w, sb], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
-            )
-        acc = tl.dot(w_even, x_even, acc)
-        return tl.dot(w_odd, x_odd, acc)
+            if LARGE:  # BF16x2 2**(s-127), after a separate 2**126
+                p0 = _per_j((sw & 0xFF) * 0x00800080, ((sw >> 8) & 0xFF) * 0x00800080)
+                p1 = _per_j(((sw >> 16) & 0xFF) * 0x00800080, ((sw >> 24) & 0xFF) * 0x00800080)
+                o0, o1, o2, o3 = tl.inline_asm_elementwise(
+                    _EXPAND_PTX_LARGE, "=r,=r,=r,=r,r,r,r", [w, p0, p1], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                    is_pure=True, pack=1)
+            else:  # BF16x2 2**(s-1) = 2**126 * 2**(s-127), exact for s <= 128
+                p0 = _per_j((sw & 0xFF) * 0x00800080 + 0x3F003F00, ((sw >> 8) & 0xFF) * 0x00800080 + 0x3F003F00)
+                p1 = _per_j(((sw >> 16) & 0xFF) * 0x00800080 + 0x3F003F00,
+                            ((sw >> 24) & 0xFF) * 0x00800080 + 0x3F003F00)
+                o0, o1, o2, o3 = tl.inline_asm_elementwise(
+                    _EXPAND_PTX, "=r,=r,=r,=r,r,r,r", [w, p0, p1], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                    is_pure=True, pack=1)
+            a0 = _bf16_halves(o0)
+            a1 = _bf16_halves(o1)
+            a2 = _bf16_halves(o2)
+            a3 = _bf16_halves(o3)
+        c = tl.join(tl.join(a0, a1), tl.join(a2, a3))  # [KC, G, 32, j, k1, k8, m8]
+        c = tl.reshape(c, (KC, G, 8, 4, 4, 2, 2, 2))  # [KC, G, r, q, j, k1, k8, m8]
+        c = tl.permute(c, (1, 7, 2, 0, 4, 6, 3, 5))  # [g, m8, r, kc, j, k8, q, k1]: rows, then K in order
+        return tl.reshape(c, (BN, BK))
+
+    @triton.jit
+    def _route_kernel(idx_ptr, sorted_ptr, blocks_ptr, scratch_ptr, num_slots, first, num_local, num_blocks,
+                      BS: tl.constexpr, BE: tl.constexpr, BB: tl.constexpr, BT: tl.constexpr, LOG_BE: tl.constexpr):
+        """`route` in one program: a stable sort by (local expert, slot) of unique keys, the per-expert counts
+        (a histogram; other ranks' experts, -1 and padding fall in bin `num_local`), their prefix sums, and per block
+        a binary search of the block-count prefix sums (kept in `scratch`) for its expert."""
+        i = tl.arange(0, BS)
+        e = tl.load(idx_ptr + i, mask=i < num_slots, other=-1).to(tl.int32)
+        local = (e >= first) & (e < first + num_local) & (i < num_slots)
+        lid = tl.where(local, e - first, num_local)
+        key = tl.sort(lid * BS + i)
+        tl.store(sorted_ptr + i, key % BS, mask=i < num_slots)
+
+        counts = tl.histogram(lid, BE)
+        ex = tl.arange(0, BE)
+        counts = tl.where(ex < num_local, counts, 0)
+        starts = tl.cumsum(counts, 0) - counts
+        nblk = (counts + BT - 1) // BT
+        bend_cum = tl.cumsum(nblk, 0)
+        tl.store(scratch_ptr + ex, bend_cum)
+        tl.store(scratch_ptr + BE + ex, starts)
+        tl.store(scratch_ptr + 2 * BE + ex, counts)
+        tl.debug_barrier()
+
+        b = tl.arange(0, BB)
+        lo = tl.zeros((BB,), dtype=tl.int32)
+        hi = tl.zeros((BB,), dtype=tl.int32) + num_local
+        for _ in tl.static_range(LOG_BE + 1):  # first expert whose cumulative block count exceeds b
+            mid = (lo + hi) // 2
+            v = tl.load(scratch_ptr + tl.minimum(mid, BE - 1))
+            go_right = (v <= b) & (lo < hi)
+            lo = tl.where(go_right, mid + 1, lo)
+            hi = tl.where(go_right | (lo >= hi), hi, mid)
+        expert = lo
+        ec = tl.minimum(expert, num_local - 1)
+        cum = tl.load(scratch_ptr + ec)
+        st = tl.load(scratch_ptr + BE + ec)
+        cnt = tl.load(scratch_ptr + 2 * BE + ec)
+        first_block = cum - (cnt + BT - 1) // BT
+        ok = b < num_blocks
+        tl.store(blocks_ptr + b, tl.where(expert < num_local, expert, num_local), mask=ok)
+        tl.store(blocks_ptr + num_blocks + b, st + (b - first_block) * BT, mask=ok)
+        tl.store(blocks_ptr + 2 * num_blocks + b, st + cnt, mask=ok)
+
+    @triton.jit
+    def _combine_kernel(slots_ptr, out_ptr, hidden, stride_t, stride_k,
+                        NUM_TOPK: tl.constexpr, BH: tl.constexpr):
+        """`reference.combine` in one kernel: ``bf16(0 + fp32(o_0) + fp32(o_1) + ...)`` in slot order."""
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BH + tl.arange(0, BH)
+        ok = offs < hidden
+        acc = tl.zeros((BH,), dtype=tl.float32)
+        for j in tl.static_range(NUM_TOPK):
+            acc = acc + tl.load(slots_ptr + t * stride_t + j * stride_k + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * hidden + offs, _bf16_rne(acc), mask=ok)
 
     @triton.jit
     def _bf16_rne(x):
@@ -272,9 +489,10 @@ if triton is not None:
     def _l1_swiglu_kernel(
         x_ptr, w_ptr, s_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr, block_end_ptr, out_ptr,
         hidden, inter, num_topk, num_local,
-        stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_out,
+        stride_x, stride_we, stride_se, stride_out,
         clamp,
-        HAS_CLAMP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr,
+        HAS_CLAMP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, LARGE: tl.constexpr,
+        INTERPRET: tl.constexpr, NUM_STAGES: tl.constexpr,
     ):
         pid_b = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -289,24 +507,21 @@ if triton is not None:
         token = slot // num_topk
 
         offs_n = pid_n * BN + tl.arange(0, BN)
-        offs_h = tl.arange(0, BK // 2)
-        offs_g = tl.arange(0, BK // 32)
         w_base = w_ptr + expert.to(tl.int64) * stride_we
         s_base = s_ptr + expert.to(tl.int64) * stride_se
-        wg_ptrs = w_base + offs_n[:, None].to(tl.int64) * stride_wn + offs_h[None, :]
-        wu_ptrs = wg_ptrs + inter.to(tl.int64) * stride_wn
-        sg_ptrs = s_base + offs_n[:, None].to(tl.int64) * stride_sn + offs_g[None, :]
-        su_ptrs = sg_ptrs + inter.to(tl.int64) * stride_sn
-        # x at even and odd K (the low and high nibbles of each weight byte), [BK/2, BT] each
-        xe_ptrs = x_ptr + token[None, :].to(tl.int64) * stride_x + 2 * tl.arange(0, BK // 2)[:, None]
+        num_g = inter // 8  # 2I rows in groups of 16
+        g_gate = pid_n * (BN // 16)
+        g_up = g_gate + inter // 16
+        x_ptrs = x_ptr + token[None, :].to(tl.int64) * stride_x + tl.arange(0, BK)[:, None]  # [BK, BT]
 
         acc_g = tl.zeros((BN, BT), dtype=tl.float32)
         acc_u = tl.zeros((BN, BT), dtype=tl.float32)
-        for k0 in range(0, hidden, BK):
-            x_even = tl.load(xe_ptrs + k0, mask=row_ok[None, :], other=0.0)
-            x_odd = tl.load(xe_ptrs + (k0 + 1), mask=row_ok[None, :], other=0.0)
-            acc_g = _fp4_dot(tl.load(wg_ptrs + k0 // 2), tl.load(sg_ptrs + k0 // 32), x_even, x_odd, acc_g, BN, BK, INTERPRET)
-            acc_u = _fp4_dot(tl.load(wu_ptrs + k0 // 2), tl.load(su_ptrs + k0 // 32), x_even, x_odd, acc_u, BN, BK, INTERPRET)
+        for k0 in tl.range(0, hidden, BK, num_stages=NUM_STAGES):
+            x = tl.load(x_ptrs + k0, mask=row_ok[None, :], other=0.0)
+            if INTERPRET:
+                x = x.to(tl.float32)
+            acc_g = tl.dot(_fp4_tile(w_base, s_base, g_gate, k0 // 64, num_g, BN, BK, LARGE, INTERPRET), x, acc_g)
+            acc_u = tl.dot(_fp4_tile(w_base, s_base, g_up, k0 // 64, num_g, BN, BK, LARGE, INTERPRET), x, acc_u)
 
         gate = _bf16_rne(acc_g).to(tl.float32)  # L1 rounded to BF16 once
         up = _bf16_rne(acc_u).to(tl.float32)
@@ -338,9 +553,10 @@ if triton is not None:
     @triton.jit
     def _l2_kernel(
         a_ptr, w_ptr, s_ptr, sorted_ptr, block_expert_ptr, block_row_ptr, block_end_ptr, out_ptr,
-        inter, num_local,
-        stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_out,
-        BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr,
+        hidden, inter, num_local,
+        stride_a, stride_we, stride_se, stride_out,
+        BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, LARGE: tl.constexpr, INTERPRET: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
     ):
         pid_b = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -354,21 +570,21 @@ if triton is not None:
         slot = tl.load(sorted_ptr + rows, mask=row_ok, other=0)
 
         offs_n = pid_n * BN + tl.arange(0, BN)
-        offs_h = tl.arange(0, BK // 2)
-        offs_g = tl.arange(0, BK // 32)
-        w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_h[None, :]
-        s_ptrs = s_ptr + expert.to(tl.int64) * stride_se + offs_n[:, None].to(tl.int64) * stride_sn + offs_g[None, :]
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
+        s_base = s_ptr + expert.to(tl.int64) * stride_se
         a_rows = pid_b * BT + tl.arange(0, BT)
-        ae_ptrs = a_ptr + a_rows[None, :].to(tl.int64) * stride_a + 2 * tl.arange(0, BK // 2)[:, None]  # even K
+        a_ptrs = a_ptr + a_rows[None, :].to(tl.int64) * stride_a + tl.arange(0, BK)[:, None]  # [BK, BT]
 
         acc = tl.zeros((BN, BT), dtype=tl.float32)
-        for k0 in range(0, inter, BK):
-            acc = _fp4_dot(tl.load(w_ptrs + k0 // 2), tl.load(s_ptrs + k0 // 32), tl.load(ae_ptrs + k0),
-                           tl.load(ae_ptrs + (k0 + 1)), acc, BN, BK, INTERPRET)
+        for k0 in tl.range(0, inter, BK, num_stages=NUM_STAGES):
+            x = tl.load(a_ptrs + k0)
+            if INTERPRET:
+                x = x.to(tl.float32)
+            acc = tl.dot(_fp4_tile(w_base, s_base, pid_n * (BN // 16), k0 // 64, hidden // 16, BN, BK, LARGE,
+                                   INTERPRET), x, acc)
 
         out_ptrs = out_ptr + slot[None, :].to(tl.int64) * stride_out + offs_n[:, None]
         tl.store(out_ptrs, _bf16_rne(acc), mask=row_ok[None, :])  # L2 rounded to BF16
-
 
 def _interpreting() -> bool:
     """Whether the kernels were defined under Triton's CPU interpreter (TRITON_INTERPRET=1 at import time:
@@ -381,6 +597,21 @@ def bf16_clamp(activation_clamp: float | None) -> float | None:
     if activation_clamp is None:
         return None
     return float(torch.tensor(activation_clamp, dtype=torch.bfloat16))
+
+
+def combine(slot_outputs: torch.Tensor) -> torch.Tensor:
+    """`reference.combine` (``[n, K, H]`` BF16 slot outputs -> ``bf16(sum_j fp32(o_j))`` in slot order), one kernel."""
+    n, k, hidden = slot_outputs.shape
+    out = torch.empty((n, hidden), dtype=torch.bfloat16, device=slot_outputs.device)
+    if n == 0:
+        return out
+    if slot_outputs.stride(2) != 1:
+        slot_outputs = slot_outputs.contiguous()
+    bh = min(1024, triton.next_power_of_2(hidden))
+    _combine_kernel[(n, triton.cdiv(hidden, bh))](
+        slot_outputs, out, hidden, slot_outputs.stride(0), slot_outputs.stride(1), NUM_TOPK=k, BH=bh, num_warps=4,
+    )
+    return out
 
 
 def triton_local_experts_forward(
@@ -415,20 +646,23 @@ def triton_local_experts_forward(
     nblocks = block_expert.numel()
     act = torch.empty((nblocks * cfg.block_t, inter), dtype=torch.bfloat16, device=device)
     clamp = bf16_clamp(activation_clamp)
-    w1, s1, w2, s2 = experts.w1, experts.s1, experts.w2, experts.s2
+    w1, w2 = experts.w1, experts.w2
+    s1 = experts.s1.reshape(num_local, -1).view(torch.int32)  # one int32 per (K block, row group, r): `shuffle_fp4`
+    s2 = experts.s2.reshape(num_local, -1).view(torch.int32)
+    interpret = _interpreting()
     _l1_swiglu_kernel[(nblocks, inter // cfg.l1_n)](
         x, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act,
         hidden, inter, k, num_local,
-        x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), act.stride(0),
+        x.stride(0), w1.stride(0), s1.stride(0), act.stride(0),
         0.0 if clamp is None else clamp,
-        HAS_CLAMP=clamp is not None, BT=cfg.block_t, BN=cfg.l1_n, BK=cfg.l1_k, INTERPRET=_interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_CLAMP=clamp is not None, BT=cfg.block_t, BN=cfg.l1_n, BK=cfg.l1_k, LARGE=experts.large_scales,
+        INTERPRET=interpret, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _l2_kernel[(nblocks, hidden // cfg.l2_n)](
         act, w2, s2, sorted_slots, block_expert, block_row, block_end, out,
-        inter, num_local,
-        act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0),
-        BT=cfg.block_t, BN=cfg.l2_n, BK=cfg.l2_k, INTERPRET=_interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        hidden, inter, num_local,
+        act.stride(0), w2.stride(0), s2.stride(0), out.stride(0),
+        BT=cfg.block_t, BN=cfg.l2_n, BK=cfg.l2_k, LARGE=experts.large_scales, INTERPRET=interpret,
+        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out.view(m, k, hidden)
