@@ -1,7 +1,8 @@
-"""planc.load's mmap slices (files.py `slices(mapped=...)`) and the check that no parameter keeps one (load.py).
+"""planc.load's mmap slices (files.py `slices`), the per-layer `unmap`, and the check that no parameter keeps a
+view of the mapped file (load.py `_own_copies`).
 
-Keys a converter consumes are read through mmap; anything a converter nonetheless passes through as a view of the
-mapped file must be copied before the model is returned, or the whole mapped tensor (and the file) would stay alive.
+Every key is read through mmap; anything a converter passes through as a view of the mapped file must be copied
+before its layer is unmapped, or the whole mapped tensor (and the file) would stay alive in the model.
 """
 
 import torch
@@ -19,18 +20,21 @@ def _checkpoint(tmp_path):
     return CheckpointFiles.open(tmp_path), tensors
 
 
-def test_mapped_keys_get_mmap_slices_that_record_their_storage(tmp_path):
+def test_slices_are_mmap_views_that_record_their_storage_until_unmapped(tmp_path):
     files, tensors = _checkpoint(tmp_path)
     try:
-        slices = files.slices(mapped={"a.weight"})
-        assert isinstance(slices["a.weight"], MappedSlice) and not isinstance(slices["b.weight"], MappedSlice)
+        slices = files.slices(["a.weight"])
+        assert set(slices) == {"a.weight"} and isinstance(slices["a.weight"], MappedSlice)
         assert slices["a.weight"].get_shape() == [8, 4] and slices["a.weight"].get_dtype() == "F32"
         rows = slices["a.weight"][2:4]
         assert torch.equal(rows, tensors["a.weight"][2:4])
         assert rows.untyped_storage().data_ptr() in files.mapped_storages
         assert rows.untyped_storage().nbytes() == tensors["a.weight"].nbytes  # a view of the whole mapped tensor
-        plain = slices["b.weight"][...]
-        assert plain.untyped_storage().data_ptr() not in files.mapped_storages
+        assert files._mapped_handles  # the file is mapped ...
+        files.unmap()
+        assert not files.mapped_storages and not files._mapped_handles  # ... until its layer is done
+        again = files.slices()["b.weight"][...]  # a later layer maps it again
+        assert torch.equal(again, tensors["b.weight"])
     finally:
         files.close()
     assert not files.mapped_storages
@@ -39,7 +43,7 @@ def test_mapped_keys_get_mmap_slices_that_record_their_storage(tmp_path):
 def test_parameters_holding_a_mapped_view_get_their_own_copy(tmp_path):
     files, tensors = _checkpoint(tmp_path)
     try:
-        slices = files.slices(mapped={"a.weight"})
+        slices = files.slices()
         model = nn.Module()
         model.a = nn.Linear(4, 2, bias=False)
         model.b = nn.Linear(4, 4, bias=False)
@@ -47,6 +51,7 @@ def test_parameters_holding_a_mapped_view_get_their_own_copy(tmp_path):
         model.a.weight = nn.Parameter(view, requires_grad=False)
         model.a.weight._is_hf_initialized = True
         model.a.register_buffer("mapped_buffer", slices["a.weight"][0:1])
+        model.a.mapped_buffer._is_hf_initialized = True  # loaded: transformers' finalisation must leave it alone
         kept = model.b.weight
         _own_copies(model, files.mapped_storages)
         for t in (model.a.weight, model.a.mapped_buffer):
@@ -54,7 +59,7 @@ def test_parameters_holding_a_mapped_view_get_their_own_copy(tmp_path):
             assert t.untyped_storage().nbytes() == t.nbytes  # its own memory, of its own size
         assert torch.equal(model.a.weight, tensors["a.weight"][2:4]) and torch.equal(model.a.mapped_buffer, tensors["a.weight"][0:1])
         assert isinstance(model.a.weight, nn.Parameter) and not model.a.weight.requires_grad
-        assert model.a.weight._is_hf_initialized
+        assert model.a.weight._is_hf_initialized and model.a.mapped_buffer._is_hf_initialized
         assert model.b.weight is kept  # anything else untouched
     finally:
         files.close()

@@ -109,21 +109,6 @@ def checkpoint_problems(model: nn.Module, files: CheckpointFiles) -> list[str]:
     return problems
 
 
-def converted_keys(model: nn.Module, files: CheckpointFiles) -> set[str]:
-    """The checkpoint keys a `WeightConverter` of the family's mapping consumes (per-expert merges, gate|up
-    concatenations, FP8 dequantization): what reaches the model is the converter's output, never the read tensor."""
-    from transformers.core_model_loading import rename_source_key
-
-    renamings, converters = _mapping(model)
-    model_keys = model.state_dict()
-    out = set()
-    for key in files.tensors:
-        renamed, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, model_keys)
-        if pattern is not None and renamed in model_keys:
-            out.add(key)
-    return out
-
-
 def target_reads(model: nn.Module, files: CheckpointFiles) -> list[tuple[str, str, tuple, int]]:
     """`(model parameter, checkpoint dtype, parameter shape, bytes)` for every checkpoint tensor the model takes."""
     from transformers.core_model_loading import rename_source_key
@@ -168,4 +153,4 @@ def loading_problems(model: nn.Module, info, files: CheckpointFiles) -> list[str
     return problems
 
 
-__all__ = ["checkpoint_problems", "converted_keys", "loading_problems", "target_reads"]
+__all__ = ["checkpoint_problems", "loading_problems", "target_reads"]

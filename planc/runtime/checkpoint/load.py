@@ -38,9 +38,8 @@ from torch import nn
 
 from planc.errors import ApplyError, CheckpointError, PlancError
 from planc.runtime.checkpoint.files import CheckpointFiles
-from planc.runtime.checkpoint.keys import checkpoint_problems, converted_keys, loading_problems
+from planc.runtime.checkpoint.keys import checkpoint_problems, loading_problems
 from planc.runtime.checkpoint.quantized import (
-    SCALE_SUFFIX,
     block_size,
     conversion_mapping,
     dequantizing,
@@ -245,8 +244,8 @@ def _meta_model(config, dtype) -> nn.Module:
 class _SafetensorsFill:
     """Between sharding and forwards: transformers' loader reads this rank's byte ranges into the meta-sharded model.
 
-    It runs once per decoder layer (the keys without a layer index first): after each layer the keys read through
-    mmap are unmapped (`_mapped_keys`), and for a Mega MoE plan with `quantize: fp4` the layer's local experts are
+    It runs once per decoder layer (the keys without a layer index first): after each layer, what the model holds
+    as a view of the mapped files is copied and the files are unmapped (files.py says why mmap), and for a Mega MoE plan with `quantize: fp4` the layer's local experts are
     quantized as soon as they arrive, so no rank ever holds more than one layer of unquantized experts.
     """
 
@@ -255,7 +254,6 @@ class _SafetensorsFill:
         self.device = device
 
     def __call__(self, state) -> None:
-        from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
 
         model = state.model
@@ -268,29 +266,17 @@ class _SafetensorsFill:
             weight_mapping=mapping,
             hf_quantizer=quantizer,
         )
-        mapped = _mapped_keys(model, self.files)
-        infos, used = [], {}
         quantize = _experts_to_quantize(state)
+        infos, used = [], {}
         # One loader call per decoder layer: the mapped pages of a layer leave the RSS (`unmap`) before the next
         # layer is read, and Mega MoE experts are quantized as soon as their layer is complete.
-        for keys in _by_layer(self.files.tensors):
-            slices = self.files.slices(mapped=mapped, keys=keys)
-            if dequantizing(model):  # each rank reads only the scale blocks of its own rows/columns (quantized.py)
-                slices = wrap_scales(slices, self.files.tensors, block_size(model))
-            with _no_progress_bars(), _shard_offsets_once(), _sync_reads():
-                info, _ = convert_and_load_state_dict_in_model(model, slices, config)
-            _own_copies(model, self.files.mapped_storages)
-            self.files.unmap()
-            infos.append(info)
-            used.update((id(c), c) for c in getattr(model, "_weight_conversions", None) or [])
-            for fqn in [f for f in quantize if _filled(state.module(f))]:
-                from planc.runtime.megamoe.experts import quantize_to_fp4
-
-                experts = state.module(fqn)
-                quantize_to_fp4(experts)
-                for p in experts.parameters(recurse=False):
-                    p._is_hf_initialized = True  # loaded, not to be re-initialised by transformers' finalisation
-                quantize.remove(fqn)
+        with _no_progress_bars(), _shard_offsets_once():  # no progress bar per layer per rank
+            for keys in _by_layer(self.files.tensors):
+                infos.append(self._fill_layer(model, keys, config))
+                used.update((id(c), c) for c in getattr(model, "_weight_conversions", None) or [])
+                for fqn in [f for f in quantize if _filled(state.module(f))]:
+                    _quantize_experts(state.module(fqn))
+                    quantize.remove(fqn)
         # What save/export reverse later: every conversion any layer used (transformers keeps the last call's).
         model._weight_conversions = [c for c in mapping if id(c) in used]
         info = _merged(infos)
@@ -310,29 +296,33 @@ class _SafetensorsFill:
                 "checkpoint lacks them. Use a checkpoint saved from this model type and config."
             )
 
+    def _fill_layer(self, model: nn.Module, keys: list[str], config):
+        """One loader call over `keys` (one decoder layer's), then the mapped views copied or dropped and unmapped."""
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
 
-def _mapped_keys(model: nn.Module, files: CheckpointFiles) -> set[str]:
-    """The keys read through mmap rather than pread (files.py): those a converter consumes (per-expert merges,
-    gate|up concatenations; when dequantizing FP8, only the FP8 weights and their scales). The converter's output
-    is a new tensor, so it reads the page cache directly instead of a pread copy of it first; the loader unmaps
-    after each decoder layer, so the mapped pages of one layer at most count in the RSS. Measured on 2 ranks
-    (bench/load_sharded.py, this 2-core box): fp32 Mixtral 1.9 s -> 1.25 s against pread in one loader call, peak
-    RSS 1.02 -> 0.73 x transformers' with the per-layer unmap; FP8 DeepSeek-V3 1.35 -> 1.1 s. When dequantizing,
-    unquantized weights the FP8 converter passes through unchanged keep pread (mapped, `_own_copies` would only
-    copy them again)."""
-    keys = converted_keys(model, files)
-    if not dequantizing(model):
-        return keys
-    return {key for key in keys if files.tensors[key].dtype == "F8_E4M3" or key.endswith(SCALE_SUFFIX)}
+        slices = self.files.slices(keys)
+        if dequantizing(model):  # each rank reads only the scale blocks of its own rows/columns (quantized.py)
+            slices = wrap_scales(slices, self.files.tensors, block_size(model))
+        info, _ = convert_and_load_state_dict_in_model(model, slices, config)
+        _own_copies(model, self.files.mapped_storages)
+        self.files.unmap()
+        return info
+
+
+def _quantize_experts(experts: nn.Module) -> None:
+    from planc.runtime.megamoe.experts import quantize_to_fp4
+
+    quantize_to_fp4(experts)
+    for p in experts.parameters(recurse=False):
+        p._is_hf_initialized = True  # loaded, not to be re-initialised by transformers' finalisation
 
 
 def _own_copies(model: nn.Module, mapped: set[int]) -> None:
     """Copy any parameter or buffer still holding a view of the mmap'd checkpoint into memory of its own.
 
-    Only FP8 tensors a converter consumes are read through mmap (`_mapped_keys`), and dequantizing makes new
-    tensors of them; but a converter may pass a tensor through or return a view (e.g. a split of a fused tensor),
-    which would keep the whole mapped tensor (and the file) alive in the model. Checked by storage identity, for
-    every family."""
+    A converter that stacks, concatenates or dequantizes makes new tensors, but a tensor passed through (an
+    attention shard) or a view a converter returns (a split of a fused tensor) would keep the whole mapped tensor,
+    and the file, alive in the model. Checked by storage identity after each layer, for every family."""
     if not mapped:
         return
     from torch.distributed.tensor import DTensor
@@ -350,11 +340,11 @@ def _own_copies(model: nn.Module, mapped: set[int]) -> None:
                     copy = DTensor.from_local(copy, t.device_mesh, t.placements, run_check=False, shape=t.shape,
                                               stride=tuple(t.stride()))
                 if table is module._parameters:
-                    new = nn.Parameter(copy, requires_grad=t.requires_grad)
-                    new.__dict__.update(t.__dict__)  # `_is_hf_initialized` and the like
-                    table[name] = new
-                else:
-                    table[name] = copy
+                    copy = nn.Parameter(copy, requires_grad=t.requires_grad)
+                # `_is_hf_initialized` and the like: without it transformers' finalisation would re-initialise the
+                # tensor (a loaded buffer such as DeepSeek's e_score_correction_bias came back as zeros)
+                copy.__dict__.update(t.__dict__)
+                table[name] = copy
 
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
@@ -371,28 +361,6 @@ def _no_progress_bars():
     finally:
         if was:
             logging.enable_progress_bar()
-
-
-@contextlib.contextmanager
-def _sync_reads():
-    """transformers' loader without its read thread pool (its own switch, `HF_DEACTIVATE_ASYNC_LOAD`), for one call.
-
-    The pool overlaps pread copies with conversion; here the bulk (what converters consume) is mmap'd, so a "read"
-    is a view and the copy happens in the converter anyway, while each loader call would start its pool's threads
-    anew (one call per layer: 0.56 s of thread starts in a 2-rank Mixtral load on a busy 2-core host)."""
-    name = "HF_DEACTIVATE_ASYNC_LOAD"
-    if os.environ.get("PLANC_LOAD_ASYNC"):  # A/B on the device (temporary)
-        yield
-        return
-    was = os.environ.get(name)
-    os.environ[name] = "1"
-    try:
-        yield
-    finally:
-        if was is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = was
 
 
 @contextlib.contextmanager
