@@ -86,32 +86,14 @@ def write_checkpoint(path: Path, name: str = "mixtral") -> None:
 
 
 def write_fp8(src: Path, dst: Path) -> None:
-    """The DeepSeek FP8 format of `src`: every 2-D decoder weight but the routers as float8_e4m3fn + fp32
-    `weight_scale_inv` per 128 x 128 block (the tests' writer), one output file per input file."""
+    """The DeepSeek FP8 format of `src` (the tests' writer), written beside `dst` and renamed when complete."""
     import shutil
 
-    from safetensors.torch import load_file, save_file
-
-    from tests.runtime.load_fp8_workers import QUANTIZATION_CONFIG, quantize_blocks
+    from tests.runtime.load_fp8_workers import quantize_checkpoint
 
     tmp = Path(str(dst) + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    index = json.loads((src / "model.safetensors.index.json").read_text())
-    weight_map = {}
-    for file in sorted(set(index["weight_map"].values())):
-        out = {}
-        for key, t in load_file(src / file).items():
-            if key.startswith("model.layers.") and key.endswith(".weight") and t.ndim == 2 and not key.endswith("gate.weight"):
-                out[key], out[key[: -len("weight")] + "weight_scale_inv"] = quantize_blocks(t)
-            else:
-                out[key] = t
-        save_file(out, tmp / file, metadata={"format": "pt"})
-        weight_map.update({k: file for k in out})
-    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = QUANTIZATION_CONFIG
-    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    quantize_checkpoint(src, tmp)
     tmp.rename(dst)
 
 

@@ -11,7 +11,6 @@ refusal is checked against the reason its code stands for.
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 

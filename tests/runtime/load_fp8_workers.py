@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from tests.runtime.workers import batch, shipped_plan
+from tests.runtime.load_workers import full_load_then_apply, load_and_compare, logits_match
+from tests.runtime.workers import shipped_plan
 
 BLOCK = 128
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -60,41 +61,37 @@ def _quantized(key: str, t: torch.Tensor) -> bool:
 
 
 def write_fp8_checkpoint(case: str, path: Path, *, seed: int = 0) -> None:
-    from safetensors.torch import load_file, save_file
-
     from planc.runtime.models import build_tiny_model
 
     model_type, overrides = FP8_CASES[case]
     bf = Path(str(path) + ".unquantized")
     build_tiny_model(model_type, seed=seed, **overrides).save_pretrained(bf, max_shard_size="300KB")
-    path.mkdir(parents=True)
-    index = json.loads((bf / "model.safetensors.index.json").read_text())
+    quantize_checkpoint(bf, path)
+    shutil.rmtree(bf)
+
+
+def quantize_checkpoint(src: Path, dst: Path) -> None:
+    """Write the unquantized sharded checkpoint `src` (config + index + shards) to `dst` in the DeepSeek FP8 format:
+    every 2-D decoder weight but the routers as float8_e4m3fn + fp32 `weight_scale_inv` per 128 x 128 block, one
+    output file per input file (the tests' writer; bench/load_sharded.py uses it too)."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
     weight_map = {}
     for name in sorted(set(index["weight_map"].values())):
         out = {}
-        for key, t in load_file(bf / name).items():
+        for key, t in load_file(src / name).items():
             if _quantized(key, t):
                 out[key], out[key[: -len("weight")] + "weight_scale_inv"] = quantize_blocks(t)
             else:
                 out[key] = t
-        save_file(out, path / name, metadata={"format": "pt"})
+        save_file(out, dst / name, metadata={"format": "pt"})
         weight_map.update({k: name for k in out})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    config = json.loads((bf / "config.json").read_text())
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = QUANTIZATION_CONFIG
-    (path / "config.json").write_text(json.dumps(config, indent=1))
-    shutil.rmtree(bf)
-
-
-def _full_load_then_apply(path, plan):
-    """The reference: transformers' unsharded from_pretrained of the FP8 checkpoint (on CPU it dequantizes), then apply."""
-    from transformers import AutoModelForCausalLM
-
-    from planc import apply
-
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    apply(ref, plan)
-    return ref
+    (dst / "config.json").write_text(json.dumps(config, indent=1))
 
 
 def _local(t):
@@ -118,13 +115,8 @@ def fp8_world(rank, world, root, cases):
         plan = shipped_plan(model_type, tp=world)
         key = case
         try:
-            model = load(path, plan, dtype=torch.float32)
-            ref = _full_load_then_apply(path, plan)
-            ids = batch(3)
-            with torch.no_grad():
-                a, b = model(ids).logits, ref(ids).logits
-            out[key] = True if torch.equal(a, b) else (a - b).abs().max().item()
-            out[key + "/compiled"] = model._planc_plan.fingerprint == ref._planc_plan.fingerprint
+            model, ref, compared = load_and_compare(path, plan)
+            out.update({key + k: v for k, v in compared.items()})
             ref_params = dict(ref.named_parameters())
             out[key + "/shards"] = [n for n, p in model.named_parameters() if not torch.equal(_local(p), _local(ref_params[n]))]
             out[key + "/no_quantization_left"] = getattr(model.config, "quantization_config", None) is None
@@ -185,12 +177,9 @@ def _megamoe(path, world):
     out = {}
     plan = megamoe_plan(world)
     try:
-        model = load(path, plan, dtype=torch.float32)
-        ref = _full_load_then_apply(path, plan)
-        with torch.no_grad():
-            a, b = model(batch(3)).logits, ref(batch(3)).logits
+        model, _, compared = load_and_compare(path, plan)
         experts = model.model.layers[1].mlp.experts
-        out["megamoe"] = True if torch.equal(a, b) else (a - b).abs().max().item()
+        out["megamoe"] = compared[""]
         out["megamoe/fp4"] = str(_local(experts.gate_up_proj).dtype)
     except Exception:  # noqa: BLE001
         out["megamoe"] = traceback.format_exc()
@@ -274,10 +263,7 @@ def fp4_world(rank, world, path):
                 bad.append(f"{key}: {local.dtype} {tuple(local.shape)}")
         out["fp4/bytes"] = bad
         out["fp4/checked"] = len(stacked)
-        ref = _full_load_then_apply(path, plan)
-        with torch.no_grad():
-            a, b = model(batch(3)).logits, ref(batch(3)).logits
-        out["fp4/logits"] = True if torch.equal(a, b) else (a - b).abs().max().item()
+        out["fp4/logits"] = logits_match(model, full_load_then_apply(path, plan, type(model)))
     except Exception:  # noqa: BLE001
         out["fp4/error"] = traceback.format_exc()
     try:

@@ -38,7 +38,7 @@ def _plan(case, world):
     return shipped_case_plan(case[0], tp=world)
 
 
-def _full_load_then_apply(path, plan, cls):
+def full_load_then_apply(path, plan, cls):
     """Today's route: `cls.from_pretrained` of the whole model on every rank (`cls`: the class planc.load built,
     e.g. Qwen3-VL-MoE's ForConditionalGeneration, which AutoModelForCausalLM does not build), then apply."""
     from planc import apply
@@ -53,10 +53,24 @@ def _full_load_then_apply(path, plan, cls):
     return ref
 
 
-def load_world(rank, world, root, case_names, layouts):
-    """{case/layout: True if bit-identical to full-load-then-apply, else the difference or a traceback}."""
+def logits_match(model, ref) -> bool | float:
+    """True if the two models' logits on the test batch are bit-identical, else their largest difference."""
+    with torch.no_grad():
+        a, b = model(batch(3)).logits, ref(batch(3)).logits
+    return True if torch.equal(a, b) else (a - b).abs().max().item()
+
+
+def load_and_compare(path, plan):
+    """(planc.load's model, full-load-then-apply's, {"": logits_match, "/compiled": same fingerprint})."""
     from planc import load
 
+    model = load(path, plan, dtype=torch.float32)
+    ref = full_load_then_apply(path, plan, type(model))
+    return model, ref, {"": logits_match(model, ref), "/compiled": model._planc_plan.fingerprint == ref._planc_plan.fingerprint}
+
+
+def load_world(rank, world, root, case_names, layouts):
+    """{case/layout: True if bit-identical to full-load-then-apply, else the difference or a traceback}."""
     out = {}
     for case in CASES:
         if case[0] not in case_names:
@@ -64,15 +78,8 @@ def load_world(rank, world, root, case_names, layouts):
         for layout in layouts:
             key = f"{case[0]}/{layout}"
             try:
-                path = os.path.join(root, case[1], layout)
-                plan = _plan(case, world)
-                model = load(path, plan, dtype=torch.float32)
-                ref = _full_load_then_apply(path, plan, type(model))
-                ids = batch(3)
-                with torch.no_grad():
-                    a, b = model(ids).logits, ref(ids).logits
-                out[key] = True if torch.equal(a, b) else (a - b).abs().max().item()
-                out[key + "/compiled"] = model._planc_plan.fingerprint == ref._planc_plan.fingerprint
+                model, ref, compared = load_and_compare(os.path.join(root, case[1], layout), _plan(case, world))
+                out.update({key + k: v for k, v in compared.items()})
                 buffers = dict(ref.named_buffers())
                 out[key + "/buffers"] = all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
             except Exception:  # noqa: BLE001 - report every case
@@ -87,7 +94,7 @@ def tied_world(rank, world, path):
     plan = shipped_plan("mixtral", tp=world)
     del plan["tp_plan"]["model.embed_tokens"], plan["tp_plan"]["lm_head"]  # tied weights stay replicated
     model = load(path, plan, dtype=torch.float32)
-    ref = _full_load_then_apply(path, plan, type(model))
+    ref = full_load_then_apply(path, plan, type(model))
     with torch.no_grad():
         same = torch.equal(model(batch(1)).logits, ref(batch(1)).logits)
     return {"tied": model.lm_head.weight is model.model.embed_tokens.weight, "logits": same}
@@ -112,15 +119,10 @@ def write_transposed_experts_checkpoint(path: Path, *, seed: int = 0) -> None:
 
 def transposed_world(rank, world, path):
     """A checkpoint whose experts are stored transposed: planc.load's shards equal full-load-then-apply's."""
-    from planc import load
-
     plan = shipped_case_plan("qwen3_vl_moe", tp=world)
-    model = load(path, plan, dtype=torch.float32)
-    ref = _full_load_then_apply(path, plan, type(model))
-    with torch.no_grad():
-        same = torch.equal(model(batch(2)).logits, ref(batch(2)).logits)
+    model, _, compared = load_and_compare(path, plan)
     experts = model.model.language_model.layers[0].mlp.experts
-    return {"logits": same, "down_proj": list(experts.down_proj.to_local().shape)}
+    return {"logits": compared[""] is True, "down_proj": list(experts.down_proj.to_local().shape)}
 
 
 def error_world(rank, world, cases):

@@ -8,9 +8,6 @@ run transformers' FP8 kernels here; its FP8 and scale shards are checked against
 transformers' own Fp8Dequantize, bit for bit.
 """
 
-import json
-import shutil
-
 import pytest
 import torch
 
