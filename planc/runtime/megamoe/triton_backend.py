@@ -295,8 +295,7 @@ if triton is not None:
     # 15 and the magnitude bits to 8..6 of each half: the e2m1 value times 2**-126, 0.5 a BF16 subnormal, which BF16
     # arithmetic keeps), then one exact BF16x2 multiply by 2**126 * scale = 2**(s-1) ($5: row half m8 = 0, $6: m8 = 1).
     # 13 instructions per 8 weights.
-    _EXPAND_PTX: tl.constexpr = tl.constexpr("""{
-    .reg .b32 r1, r2, r3, r4;
+    _EXPAND_BITS = """
     and.b32 $0, $4, 0x81C081C0;
     shf.l.wrap.b32 r1, $4, $4, 4;
     and.b32 $1, r1, 0x81C081C0;
@@ -306,35 +305,23 @@ if triton is not None:
     shf.l.wrap.b32 r4, $4, $4, 14;
     and.b32 r3, r3, 0x00400040;
     and.b32 r4, r4, 0x81808180;
-    or.b32 $3, r3, r4;
+    or.b32 $3, r3, r4;"""
+    _EXPAND_SCALE = """
     mul.rn.bf16x2 $0, $0, $5;
     mul.rn.bf16x2 $1, $1, $5;
     mul.rn.bf16x2 $2, $2, $6;
     mul.rn.bf16x2 $3, $3, $6;
-    }""")
+    }"""
+    _EXPAND_PTX: tl.constexpr = tl.constexpr("""{
+    .reg .b32 r1, r2, r3, r4;""" + _EXPAND_BITS + _EXPAND_SCALE)
     # The same with the 2**126 as its own multiply, for scale bytes above 128 (2**(s-1) would overflow BF16).
     _EXPAND_PTX_LARGE: tl.constexpr = tl.constexpr("""{
     .reg .b32 r1, r2, r3, r4, c;
-    mov.b32 c, 0x7E807E80;
-    and.b32 $0, $4, 0x81C081C0;
-    shf.l.wrap.b32 r1, $4, $4, 4;
-    and.b32 $1, r1, 0x81C081C0;
-    shf.l.wrap.b32 r2, $4, $4, 10;
-    and.b32 $2, r2, 0x81C081C0;
-    shf.l.wrap.b32 r3, $4, $4, 6;
-    shf.l.wrap.b32 r4, $4, $4, 14;
-    and.b32 r3, r3, 0x00400040;
-    and.b32 r4, r4, 0x81808180;
-    or.b32 $3, r3, r4;
+    mov.b32 c, 0x7E807E80;""" + _EXPAND_BITS + """
     mul.rn.bf16x2 $0, $0, c;
     mul.rn.bf16x2 $1, $1, c;
     mul.rn.bf16x2 $2, $2, c;
-    mul.rn.bf16x2 $3, $3, c;
-    mul.rn.bf16x2 $0, $0, $5;
-    mul.rn.bf16x2 $1, $1, $5;
-    mul.rn.bf16x2 $2, $2, $6;
-    mul.rn.bf16x2 $3, $3, $6;
-    }""")
+    mul.rn.bf16x2 $3, $3, c;""" + _EXPAND_SCALE)
 
     @triton.jit
     def _rotl(w, k: tl.constexpr):
