@@ -7,7 +7,9 @@ from the family's own config class (`planc.runtime.models.tiny_config`, see plan
 2. the plan lints clean and compiles against the meta model (what `planc explain` does);
 3. on 2 gloo ranks, `planc.apply` of the plan with `ep_implementation` all_to_all, all_reduce and auto
    gives the logits of the unsharded model (fp32, <= 1e-5); a plan without expert parallelism
-   (ep_size 1) is applied once.
+   (ep_size 1) is applied once. The plan is applied to the top model; the logits come from its forward, or,
+   when the top model only generates (Qwen3 Omni MoE), from the submodule built from the family's config
+   that has a forward of its own (`comparison_path`: the omni talker).
 
 Every step records an outcome: `pass`, `refused PLCxxx: ...` (planc said no, with its rule code) or
 `fail: ...` (anything else). One spawned 2-rank world runs the applies of every family (starting ranks
@@ -136,15 +138,16 @@ def apply_world(rank, world_size, jobs):
         try:
             fam = family(text_type)
             base = build_family_model(fam)
-            if type(base).forward is torch.nn.Module.forward:
-                res["build"] = (f"transformers: {type(base).__name__} has no forward of its own (it only generates): "
-                                "no unsharded logits")
+            path = comparison_path(base, fam)
+            if path is None:
+                res["build"] = (f"transformers: {type(base).__name__} has no forward of its own (it only generates) "
+                                "and no submodule built from the family's config has one: no unsharded logits")
                 continue
-            vocab = _vocab(base)
-            ids = torch.randint(0, vocab, (2, 7), generator=torch.Generator().manual_seed(1))
+            target = base.get_submodule(path)
+            inputs = comparison_inputs(target, top=not path)
             with torch.no_grad():
                 torch.manual_seed(FORWARD_SEED)  # a forward that samples (a diffusion model's canvas) samples alike
-                want = _logits(base(input_ids=ids))
+                want = _logits(target(**inputs))
         except Exception as e:  # noqa: BLE001
             res["build"] = f"fail: {type(e).__name__}: {_one_line(e)}"
             continue
@@ -154,7 +157,7 @@ def apply_world(rank, world_size, jobs):
                 apply(model, _with_strategy(plan, strategy) if ep else plan)
                 with torch.no_grad():
                     torch.manual_seed(FORWARD_SEED)
-                    got = _logits(model(input_ids=ids))
+                    got = _logits(model.get_submodule(path)(**inputs))
                 diff = (got - want).abs().max().item()
                 res[strategy] = "pass" if diff <= TOL else f"fail: max |logits diff| {diff:.3g} > {TOL}"
             except Exception as e:  # noqa: BLE001
@@ -162,6 +165,47 @@ def apply_world(rank, world_size, jobs):
                 if res[strategy].startswith("fail"):
                     res[strategy] += " | " + _one_line(traceback.format_exc().splitlines()[-3], 160)
     return out
+
+
+def _has_own_forward(module) -> bool:
+    import torch
+
+    return type(module).forward is not torch.nn.Module.forward
+
+
+def comparison_path(model, fam) -> Optional[str]:
+    """The path of the module whose forward the sweep compares: "" (the top model) when the top model has a
+    forward of its own; else, for a top model that only generates (Qwen3 Omni MoE: thinker + talker + code2wav),
+    the outermost submodule with a forward of its own whose `config` is one of the configs from the top config
+    down to the family's (`fam.config_path`), by identity (the omni talker, whose config holds the talker's
+    text config). None when there is no such module. The plan is still applied to the top model."""
+    if _has_own_forward(model):
+        return ""
+    configs, config = [], model.config
+    for attr in fam.config_path:
+        config = getattr(config, attr, None)
+        if config is None:
+            break
+        configs.append(config)
+    found = [(name.count("."), i, name) for i, (name, module) in enumerate(model.named_modules())
+             if name and _has_own_forward(module) and any(getattr(module, "config", None) is c for c in configs)]
+    return min(found)[2] if found else None
+
+
+def comparison_inputs(module, top: bool) -> dict:
+    """The forward's inputs: token ids for the top model; for a submodule (which its generating parent feeds
+    with embeddings: the omni talker ignores `input_ids`) the embeddings of those ids from the unsharded
+    module's own input embeddings when its forward takes `inputs_embeds`. Computed once, on the unsharded
+    model, so both sides get the same tensor."""
+    import inspect
+
+    import torch
+
+    ids = torch.randint(0, _vocab(module), (2, 7), generator=torch.Generator().manual_seed(1))
+    if top or "inputs_embeds" not in inspect.signature(type(module).forward).parameters:
+        return {"input_ids": ids}
+    with torch.no_grad():
+        return {"inputs_embeds": module.get_input_embeddings()(ids)}
 
 
 def _vocab(model) -> int:

@@ -8,6 +8,7 @@ config on the meta device, which costs no memory, for the compiler to walk.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any, Optional
 
@@ -165,13 +166,46 @@ def build_tiny_model(model_type, *, seed: int = 0, experts_implementation: Optio
     else:
         cls = model_class_for(config)
     try:
-        model = cls._from_config(config, dtype=torch.float32, **kwargs)
+        with _uninitialized_memory_is_nan():
+            model = cls._from_config(config, dtype=torch.float32, **kwargs)
     except Exception as e:  # noqa: BLE001 - transformers raises anything from a config it cannot build
         raise ModelBuildError(
             f"transformers cannot build a `{config.model_type}` model ({cls.__name__}) from this config: {_one_line(e)}"
         ) from e
+    _randomize_uninitialized(model, seed)
     _randomize_zero_inits(model, seed)
     return model.eval()
+
+
+@contextlib.contextmanager
+def _uninitialized_memory_is_nan():
+    """While building: `torch.empty` fills float memory with NaN (torch's deterministic mode), so that a parameter
+    transformers' `_init_weights` never reaches (the Qwen3 Omni talker's experts: the top model's init only knows
+    the thinker's MoE block) is all NaN, not whatever the allocator held, which differs between ranks."""
+    import torch
+    import torch.utils.deterministic as det
+
+    was_det, was_warn, was_fill = (torch.are_deterministic_algorithms_enabled(),
+                                   torch.is_deterministic_algorithms_warn_only_enabled(), det.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    det.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        det.fill_uninitialized_memory = was_fill
+        torch.use_deterministic_algorithms(was_det, warn_only=was_warn)
+
+
+def _randomize_uninitialized(model, seed: int) -> None:
+    """Give the parameters transformers left uninitialized (all NaN, see `_uninitialized_memory_is_nan`) seeded
+    normal values (std 0.02), the same on every rank."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.is_floating_point() and p.numel() and bool(torch.isnan(p).all()):
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
 
 
 def _randomize_zero_inits(model, seed: int) -> None:

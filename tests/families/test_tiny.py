@@ -106,13 +106,41 @@ def test_transformers_own_forward_runs_on_the_tiny_config(name):
     assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
 
 
-def test_omni_top_model_has_no_forward_of_its_own():
-    """Why qwen3_omni_moe_talker_text is reported `transformers` in docs/models.md: transformers' own top model
-    (thinker + talker + code2wav) only generates; calling it raises transformers' NotImplementedError."""
-    model = build_tiny_model(family("qwen3_omni_moe_talker_text"))
+def test_a_top_model_that_only_generates_is_compared_on_the_submodule_of_its_config():
+    """transformers' Qwen3 Omni MoE top model (thinker + talker + code2wav) only generates (calling it raises
+    NotImplementedError): the sweep compares the forward of the talker, the outermost module with a forward
+    of its own whose config holds the family's (talker) text config, fed embeddings (it ignores input_ids)."""
+    from planc.runtime.family_sweep import _logits, comparison_inputs, comparison_path
+
+    fam = family("qwen3_omni_moe_talker_text")
+    model = build_tiny_model(fam)
     assert type(model).forward is torch.nn.Module.forward
     with pytest.raises(NotImplementedError):
         model(torch.zeros(1, 3, dtype=torch.long))
+    path = comparison_path(model, fam)
+    assert path == "talker" and type(model.talker).__name__ == "Qwen3OmniMoeTalkerForConditionalGeneration"
+    assert model.talker.config.text_config is text_config_of(fam, model.config)
+    inputs = comparison_inputs(model.talker, top=False)
+    hidden = model.talker.config.text_config.hidden_size
+    assert set(inputs) == {"inputs_embeds"} and inputs["inputs_embeds"].shape[-1] == hidden
+    with torch.no_grad():
+        logits = _logits(model.talker(**inputs))
+    assert logits.shape[:2] == (2, 7) and torch.isfinite(logits).all()
+    assert comparison_path(build_tiny_model(family("qwen3_moe")), family("qwen3_moe")) == ""
+
+
+def test_parameters_transformers_leaves_uninitialized_are_seeded():
+    """The omni top model's `_init_weights` knows only the thinker's MoE block: the talker's experts come out of
+    `torch.empty`. The tiny model seeds them, so every rank (and every build) holds the same weights."""
+    fam = family("qwen3_omni_moe_talker_text")
+    a = build_tiny_model(fam)
+    torch.randn(1000, 1000)  # reuse the allocator's memory with other values
+    b = build_tiny_model(fam)
+    sb = b.state_dict()
+    assert all(torch.equal(v, sb[k]) for k, v in a.state_dict().items()), "two builds differ"
+    experts = a.talker.model.layers[0].mlp.experts
+    assert torch.isfinite(experts.gate_up_proj).all() and 0.01 < experts.gate_up_proj.std().item() < 0.04
+    assert not torch.are_deterministic_algorithms_enabled()
 
 
 def test_init_plans_every_stack_of_experts_in_the_model():
