@@ -32,7 +32,8 @@ def _held_rows_bytes(p, rule, walk) -> int:
     keeps only those experts' rows at install (`planc.runtime.ep.base.shard_expert_tensor`); the rest is never held."""
     spec = STYLE.get(rule.style) if rule is not None else None
     experts = walk.modules[p.owner].experts
-    if spec is not None and spec.mesh == "ep" and experts is not None and p.shape and 0 < experts.num_experts < p.shape[0]:
+    fewer = experts is not None and p.shape and 0 < experts.num_experts < p.shape[0]
+    if spec is not None and spec.mesh == "ep" and fewer:
         return p.nbytes * experts.num_experts // p.shape[0]
     return p.nbytes
 

@@ -53,7 +53,9 @@ def shard_aware(mapping: list) -> list:
         ops = getattr(transform, "operations", None) if isinstance(transform, WeightConverter) else None
         if ops and any(type(op) is Transpose and op.check_dims for op in ops):
             cls = cls or _shard_aware_transpose_cls()
-            ops = [cls(op.dim0, op.dim1, check_dims=True) if type(op) is Transpose and op.check_dims else op for op in ops]
+            ops = [
+                cls(op.dim0, op.dim1, check_dims=True) if type(op) is Transpose and op.check_dims else op for op in ops
+            ]
             transform = transform.copy(transform.source_patterns, transform.target_patterns, operations=ops)
         out.append(transform)
     return out

@@ -245,8 +245,9 @@ class _SafetensorsFill:
     """Between sharding and forwards: transformers' loader reads this rank's byte ranges into the meta-sharded model.
 
     It runs once per decoder layer (the keys without a layer index first): after each layer, what the model holds
-    as a view of the mapped files is copied and the files are unmapped (files.py says why mmap), and for a Mega MoE plan with `quantize: fp4` the layer's local experts are
-    quantized as soon as they arrive, so no rank ever holds more than one layer of unquantized experts.
+    as a view of the mapped files is copied and the files are unmapped (files.py says why mmap), and for a Mega MoE
+    plan with `quantize: fp4` the layer's local experts are quantized as soon as they arrive, so no rank ever holds
+    more than one layer of unquantized experts.
     """
 
     def __init__(self, files: CheckpointFiles, device: torch.device):
