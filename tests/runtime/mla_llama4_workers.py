@@ -59,32 +59,49 @@ def _kv_a_grads(model, ref):
     return None, worst
 
 
-def dense_ep_world(rank, world_size):
-    """Llama 4 (experts take every token pre-scaled) under the plan `planc init` writes, EP over the TP group:
-    {strategy: (max |logits diff|, |loss diff|, max |grad diff|), "experts per rank": int}."""
-    import torch
+def _init_plan(model_type: str, world_size: int) -> dict:
+    """The plan `planc init --from-transformers MODEL_TYPE` writes for the family's tiny config at this world size."""
     import yaml
 
-    from planc import apply
     from planc.commands.init import init_plan
     from planc.runtime.families import family
-    from planc.runtime.models import build_tiny_model, tiny_config
+    from planc.runtime.models import tiny_config
+
+    fam = family(model_type)
+    return yaml.safe_load(init_plan(fam.model_type, tiny_config(fam).to_dict(), sizes=(world_size,)))
+
+
+def _each_strategy(base, plan: dict, strategies, local_experts) -> dict:
+    """`plan` applied to a copy of `base` with each EP strategy, against an unsharded copy: {strategy: (logits, loss,
+    grads) diffs, "experts per rank": experts in `local_experts(model)`'s local shard}."""
+    import torch
+
+    from planc import apply
     from tests.runtime.workers import logits_diff
 
-    fam = family("llama4_text")
-    plan = yaml.safe_load(init_plan(fam.model_type, tiny_config(fam).to_dict(), sizes=(world_size,)))
-    base = build_tiny_model("llama4_text", seed=5)
-    out = {"ep_size": plan["parallel"].get("ep_size", 1)}
-    for strategy in ("all_to_all", "all_reduce"):
+    out = {}
+    for strategy in strategies:
         plan["experts"]["ep_implementation"] = strategy
         model, ref = copy.deepcopy(base), copy.deepcopy(base)
         apply(model, plan)
-        experts = model.model.layers[0].feed_forward.experts
-        out["experts per rank"] = int(experts.gate_up_proj.to_local().shape[0])
+        out["experts per rank"] = int(local_experts(model).to_local().shape[0])
         logits = logits_diff(model, ref, batch(3))
         loss, grads = train_step_diff(model, ref, batch(4))
         out[strategy] = (logits, loss, grads)
         torch.distributed.barrier()
+    return out
+
+
+def dense_ep_world(rank, world_size):
+    """Llama 4 (experts take every token pre-scaled) under the plan `planc init` writes, EP over the TP group:
+    {strategy: (max |logits diff|, |loss diff|, max |grad diff|), "experts per rank": int}."""
+    from planc.runtime.models import build_tiny_model
+
+    plan = _init_plan("llama4_text", world_size)
+    base = build_tiny_model("llama4_text", seed=5)
+    out = {"ep_size": plan["parallel"].get("ep_size", 1)}
+    out.update(_each_strategy(base, plan, ("all_to_all", "all_reduce"),
+                              lambda m: m.model.layers[0].feed_forward.experts.gate_up_proj))
     return out
 
 
@@ -93,16 +110,10 @@ def own_forward_ep_world(rank, world_size):
     "zero" experts past the routed ones) under the plan `planc init` writes: {strategy: (logits, loss, grads)
     diffs}, "experts per rank", "zero experts hit" (routes to the parameter-free experts in the batch)."""
     import torch
-    import yaml
 
-    from planc import apply
-    from planc.commands.init import init_plan
-    from planc.runtime.families import family
-    from planc.runtime.models import build_tiny_model, tiny_config
-    from tests.runtime.workers import logits_diff
+    from planc.runtime.models import build_tiny_model
 
-    fam = family("longcat_flash")
-    plan = yaml.safe_load(init_plan(fam.model_type, tiny_config(fam).to_dict(), sizes=(world_size,)))
+    plan = _init_plan("longcat_flash", world_size)
     base = build_tiny_model("longcat_flash", seed=5)
     routed = base.config.n_routed_experts
     hits = []
@@ -112,14 +123,6 @@ def own_forward_ep_world(rank, world_size):
         base(input_ids=batch(3))
     hook.remove()
     out = {"ep_size": plan["parallel"].get("ep_size", 1), "zero experts hit": sum(hits)}
-    for strategy in ("all_to_all", "all_reduce", "auto"):
-        plan["experts"]["ep_implementation"] = strategy
-        model, ref = copy.deepcopy(base), copy.deepcopy(base)
-        apply(model, plan)
-        experts = model.model.layers[0].mlp.experts
-        out["experts per rank"] = int(experts.down_proj.to_local().shape[0])
-        logits = logits_diff(model, ref, batch(3))
-        loss, grads = train_step_diff(model, ref, batch(4))
-        out[strategy] = (logits, loss, grads)
-        torch.distributed.barrier()
+    out.update(_each_strategy(base, plan, ("all_to_all", "all_reduce", "auto"),
+                              lambda m: m.model.layers[0].mlp.experts.down_proj))
     return out
