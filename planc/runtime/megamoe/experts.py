@@ -37,6 +37,14 @@ def _describe(experts: nn.Module) -> str:
     return f"{fqn} ({type(experts).__name__})" if fqn else type(experts).__name__
 
 
+def _triton_problem(device, sizes) -> str | None:
+    """Why the Triton backend cannot run these experts here (no Triton or GPU for it, or sizes it does not tile)."""
+    reason = triton_backend.triton_unavailable_reason(device)
+    if reason is None and sizes is not None:
+        reason = triton_backend.size_problem(*sizes)
+    return reason
+
+
 def choose_backend(backend: str, device: torch.device | None = None, sizes: tuple[int, int] | None = None
                    ) -> tuple[str, str]:
     """The backend that will run and why: `auto` takes deep_gemm where it can run (SM100, and `sizes` =
@@ -51,9 +59,7 @@ def choose_backend(backend: str, device: torch.device | None = None, sizes: tupl
         deep_gemm_backend.load_deep_gemm()
         return backend, "`experts.megamoe.backend: deep_gemm` in the plan"
     if backend == "triton":
-        reason = triton_backend.triton_unavailable_reason(device)
-        if reason is None and sizes is not None:
-            reason = triton_backend.size_problem(*sizes)
+        reason = _triton_problem(device, sizes)
         if reason is not None:
             raise RuntimeError(
                 f"the Triton Mega MoE backend cannot run here: {reason}. Use `experts.megamoe.backend: reference` "
@@ -65,9 +71,7 @@ def choose_backend(backend: str, device: torch.device | None = None, sizes: tupl
         no_deep_gemm = deep_gemm_backend.kernel_size_problem(*sizes)
     if no_deep_gemm is None:
         return "deep_gemm", "auto: deep_gemm imports with the pinned API and the GPU is SM100"
-    no_triton = triton_backend.triton_unavailable_reason(device)
-    if no_triton is None and sizes is not None:
-        no_triton = triton_backend.size_problem(*sizes)
+    no_triton = _triton_problem(device, sizes)
     if no_triton is None and (device is None or device.type == "cuda") and _capability(device) >= (9, 0):
         return "triton", f"auto: no deep_gemm ({no_deep_gemm}); Triton on sm_90+ keeps the FP4 weights packed"
     if no_triton is None:
@@ -182,11 +186,10 @@ class TritonRunner(_StagedRunner):
 
     def weights(self, device: torch.device) -> triton_backend.PackedExperts:
         m = self.module
+        self._check_device(device)
         if getattr(m, "_planc_megamoe_weight_layout", None) != TRITON_LAYOUT:
-            self._check_device(device)
             self._shuffle_module()
         p = [to_local(getattr(m, name)).detach() for name in _FP4_PARAMS]
-        self._check_device(device)
         key = tuple(t.data_ptr() for t in p)
         if self._cache is None or self._cache[0] != key:  # views of the parameters, rebuilt if they move
             w1, s1, w2, s2 = p
