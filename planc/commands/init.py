@@ -27,8 +27,6 @@ from typing import Optional
 SIZES = (8, 4, 2)
 _MAX_REPAIRS = 12
 _WHERE_RULE = re.compile(r"^(tp_plan|ep_plan)\[(.+)\]$")
-# the layout pass's hint for a rule that suits only some of the blocks it matches (planc.compiler.layout)
-_NARROWED = re.compile(r"keep the rule for the other blocks only: `([^`]+)`")
 # Module styles whose forward planc wraps so that a bare parameter of the module may be sharded.
 _EXPERTS_MODULE_STYLES = ("ep_dispatch_experts", "moe_tp_experts")
 
@@ -180,6 +178,7 @@ def _attempt(model_type, model, size: int, ep_on: bool, base: _Draft, impl: str)
 
     Returns (draft, compiled or None, the unrepairable problems).
     """
+    from planc.compiler.layout import narrowed_pattern
     from planc.compiler.resolve import compile_plan
     from planc.errors import CompileError, PlanError
     from planc.lint.load import load_plan
@@ -223,11 +222,10 @@ def _attempt(model_type, model, size: int, ep_on: bool, base: _Draft, impl: str)
                 return draft, None, [f"{p.code} {_one_line(p.message)}" for p in e.problems]
             for (table, pattern), p in fixable:
                 rules = draft.tp if table == "tp_plan" else draft.ep
-                narrowed = _NARROWED.search(p.hint or "")
-                if pattern in rules and narrowed and narrowed.group(1) not in rules:
+                new = narrowed_pattern(p.hint)
+                if pattern in rules and new and new not in rules:
                     # a rule right for blocks of one class and wrong for another under the same path (glm5_next's
                     # MLA and linear attention): kept for the layers the compiler names, in its place
-                    new = narrowed.group(1)
                     style = rules[pattern]
                     items = [(new if k == pattern else k, v) for k, v in rules.items()]
                     rules.clear()

@@ -16,6 +16,7 @@ shares (q/k/v_proj -> o_proj, gate/up_proj -> down_proj); each diagnostic says w
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -275,6 +276,17 @@ def _check_chain(c, blocks: _Blocks, container: str, chain: Chain, module_rule) 
     return explained
 
 
+_NARROW = "; or keep the rule for the other blocks only: `{}`"
+_NARROWED = re.compile(re.escape(_NARROW.split("`")[0]) + r"`([^`]+)`")
+
+
+def narrowed_pattern(hint: str) -> Optional[str]:
+    """The pattern a layout hint suggests in place of a rule that suits only some of the blocks it matches (what
+    `_mixed_blocks` writes), or None; `planc init` takes it to keep such a rule for the layers it suits."""
+    m = _NARROWED.search(hint or "")
+    return m.group(1) if m else None
+
+
 def _mixed_blocks(c, container: str, pattern: str) -> tuple[str, str]:
     """(" (in Cls, ...)", "; or ...narrowed pattern") when the generic path of `container` holds blocks of more
     than one class (glm5_next's `layers.*.self_attn`: linear attention in some layers, MLA in others): one rule on
@@ -295,8 +307,8 @@ def _mixed_blocks(c, container: str, pattern: str) -> tuple[str, str]:
     indices = sorted({i for ids in others.values() for i in ids if i is not None}, key=int)
     narrow = ""
     if indices and "*" in pattern:
-        narrow = (f"; or keep the rule for the other blocks only: "
-                  f"`{pattern.replace('*', indices[0] if len(indices) == 1 else '{' + ','.join(indices) + '}', 1)}`")
+        layers = indices[0] if len(indices) == 1 else "{" + ",".join(indices) + "}"
+        narrow = _NARROW.format(pattern.replace("*", layers, 1))
     return where, narrow
 
 
