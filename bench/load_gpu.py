@@ -8,7 +8,12 @@ as they arrive. Reported: peak GPU memory during the load (`torch.cuda.max_memor
 the local shard bytes the model holds afterwards, the largest single layer's bf16 experts (the
 transient the per-layer quantization bounds), the host's peak RSS, and the load time.
 
+`--experts fp4` writes the routed experts as DeepSeek-V4 ships them instead (per expert w1/w2/w3 e2m1 packed
+two per byte + UE8M0 scales per 32, `expert_dtype: fp4`; the rest bf16): they are read straight into the
+Mega MoE FP4 layout, with no bf16 copy of any expert at any time.
+
     torchrun --nproc-per-node 1 bench/load_gpu.py --workdir /tmp/v4 --layers 2
+    torchrun --nproc-per-node 1 bench/load_gpu.py --workdir /tmp/v4 --layers 4 --experts fp4
 """
 
 from __future__ import annotations
@@ -28,18 +33,41 @@ if str(REPO) not in sys.path:
 GIB = 1 << 30
 
 
+def _config(layers: int, overrides: dict):
+    import torch
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("deepseek_v4", num_hidden_layers=layers, **overrides)
+    config.layer_types = config.layer_types[:layers]
+    config.mlp_layer_types = ["moe"] * layers
+    config.dtype = torch.bfloat16
+    return config
+
+
+def write_fp4_checkpoint(path: Path, layers: int, overrides: dict, device: str) -> None:
+    """The full-width model with random weights built on the GPU, its experts cast to FP4 and saved in DeepSeek-V4's
+    hub format (the tests' writer, tests/runtime/load_fp8_workers.py)."""
+    if (path / "model.safetensors.index.json").is_file():
+        return
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.runtime.load_fp8_workers import save_fp4_experts
+
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(_config(layers, overrides), dtype=torch.bfloat16)
+    save_fp4_experts(model, path, max_shard_size="4GB")
+
+
 def write_checkpoint(path: Path, layers: int, overrides: dict, device: str) -> None:
     """Random bf16 weights of the full-width model, generated on the GPU tensor by tensor, one safetensors file per layer."""
     if (path / "model.safetensors.index.json").is_file():
         return
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.for_model("deepseek_v4", num_hidden_layers=layers, **overrides)
-    config.layer_types = config.layer_types[:layers]
-    config.mlp_layer_types = ["moe"] * layers
-    config.dtype = torch.bfloat16
+    config = _config(layers, overrides)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     path.mkdir(parents=True, exist_ok=True)
@@ -79,6 +107,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default="/tmp/planc-v4")
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--experts", choices=["bf16", "fp4"], default="bf16",
+                   help="the checkpoint's routed experts: bf16 (quantized at load) or FP4 as DeepSeek-V4 ships them")
     p.add_argument("--json", metavar="OUT")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=INT",
                    help="shrink the config for a CPU smoke run, e.g. --set hidden_size=256")
@@ -89,10 +119,10 @@ def main(argv=None) -> int:
     if gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     device = "cuda" if gpu else "cpu"
-    path = Path(args.workdir) / f"deepseek_v4-{args.layers}layers"
+    path = Path(args.workdir) / f"deepseek_v4-{args.layers}layers-{args.experts}"
     t0 = time.perf_counter()
     if dist.get_rank() == 0:
-        write_checkpoint(path, args.layers, overrides, device)
+        (write_fp4_checkpoint if args.experts == "fp4" else write_checkpoint)(path, args.layers, overrides, device)
     dist.barrier()
     write_s = time.perf_counter() - t0
     if gpu:
@@ -111,7 +141,7 @@ def main(argv=None) -> int:
     layer_experts_bf16 = cfg.n_routed_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
     ckpt = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     out = {
-        "layers": args.layers, "checkpoint_gib": ckpt / GIB, "write_s": write_s, "load_s": load_s,
+        "layers": args.layers, "experts": args.experts, "checkpoint_gib": ckpt / GIB, "write_s": write_s, "load_s": load_s,
         "gpu_peak_gib": peak / GIB, "held_gib": held / GIB, "one_layer_bf16_experts_gib": layer_experts_bf16 / GIB,
         "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20),
         "device": torch.cuda.get_device_name() if gpu else "cpu",
@@ -121,7 +151,7 @@ def main(argv=None) -> int:
         ids = torch.randint(0, cfg.vocab_size, (1, 8), device=device)
         out["logits_finite"] = bool(torch.isfinite(model(ids).logits).all())
     print(json.dumps(out, indent=1))
-    print(f"\nDeepSeek-V4 x{args.layers} layers (checkpoint {out['checkpoint_gib']:.1f} GiB bf16) -> GPU: peak "
+    print(f"\nDeepSeek-V4 x{args.layers} layers (checkpoint {out['checkpoint_gib']:.1f} GiB, {args.experts} experts) -> GPU: peak "
           f"{out['gpu_peak_gib']:.2f} GiB for {out['held_gib']:.2f} GiB of local shards (ratio "
           f"{out['gpu_peak_gib'] / out['held_gib']:.2f}); one layer's bf16 experts {out['one_layer_bf16_experts_gib']:.2f} GiB; "
           f"load {load_s:.1f} s")

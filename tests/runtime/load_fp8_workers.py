@@ -197,25 +197,37 @@ V4_QUANTIZATION_CONFIG = {**QUANTIZATION_CONFIG, "scale_fmt": "ue8m0", "expert_d
 
 
 def write_fp4_experts_checkpoint(path: Path, *, seed: int = 0) -> None:
-    """A tiny random DeepSeek-V4 whose routed experts are stored as DeepSeek-V4 ships them: per expert
-    `ffn.experts.N.w{1,2,3}.weight` e2m1 packed two per int8 byte (low nibble = even element) and `.scale` UE8M0
-    (float8_e8m0fnu) per 32 along the input dim, with `quantization_config: {quant_method: fp8, scale_fmt: ue8m0,
-    expert_dtype: fp4, ...}`. The FP4 values are planc's (= DeepGEMM's) cast of the random bf16 experts. The other
-    weights stay fp32 (the tiny dims are not on the 128 grid). `experts_fp4.pt` beside it holds every layer's
-    stacked FP4 tensors, for the byte comparison."""
-    from safetensors.torch import load_file, save_file
-
-    from planc.runtime.megamoe.experts import quantize_to_fp4
+    """A tiny random DeepSeek-V4 whose routed experts are stored as DeepSeek-V4 ships them (`save_fp4_experts`).
+    The FP4 values are planc's (= DeepGEMM's) cast of the random bf16 experts. The other weights stay fp32 (the tiny
+    dims are not on the 128 grid). `experts_fp4.pt` beside it holds every layer's stacked FP4 tensors, for the byte
+    comparison."""
     from planc.runtime.models import build_tiny_model
 
     model = build_tiny_model("deepseek_v4", seed=seed)
+    stacked = save_fp4_experts(model, path, max_shard_size="40KB")
+    torch.save(stacked, path / "experts_fp4.pt")
+
+
+def save_fp4_experts(model, path: Path, *, max_shard_size) -> dict:
+    """Quantize `model`'s routed experts to FP4 (planc's cast, in place) and save it in DeepSeek-V4's hub format:
+    per expert `ffn.experts.N.w{1,2,3}.weight` e2m1 packed two per int8 byte (low nibble = even element) and `.scale`
+    UE8M0 (float8_e8m0fnu) per 32 along the input dim, with `quantization_config: {quant_method: fp8, scale_fmt:
+    ue8m0, expert_dtype: fp4, ...}`. Returns every layer's stacked FP4 tensors (on the CPU). Also bench/load_gpu.py's
+    writer, at full width."""
+    from safetensors.torch import load_file, save_file
+
+    from planc.runtime.megamoe.experts import quantize_to_fp4
+
     stacked = {}
     for name, module in model.named_modules():
         if name.endswith("mlp.experts"):
             quantize_to_fp4(module)
-            stacked.update({f"{name}.{n}": p.detach().clone() for n, p in module.named_parameters()})
-    model.save_pretrained(path, max_shard_size="40KB")
-    index = json.loads((path / "model.safetensors.index.json").read_text())
+            stacked.update({f"{name}.{n}": p.detach().cpu() for n, p in module.named_parameters()})
+    model.save_pretrained(path, max_shard_size=max_shard_size)
+    if (path / "model.safetensors.index.json").is_file():
+        index = json.loads((path / "model.safetensors.index.json").read_text())
+    else:  # one file: indexed below like a sharded save
+        index = {"metadata": {}, "weight_map": dict.fromkeys(load_file(path / "model.safetensors"), "model.safetensors")}
     weight_map = index["weight_map"]
     for file in sorted(set(weight_map.values())):
         tensors = load_file(path / file)
@@ -239,7 +251,7 @@ def write_fp4_experts_checkpoint(path: Path, *, seed: int = 0) -> None:
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = V4_QUANTIZATION_CONFIG
     (path / "config.json").write_text(json.dumps(config, indent=1))
-    torch.save(stacked, path / "experts_fp4.pt")
+    return stacked
 
 
 def fp4_world(rank, world, path):

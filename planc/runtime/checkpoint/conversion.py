@@ -1,4 +1,5 @@
-"""transformers' checkpoint conversion ops, made to see this rank's shard instead of the whole parameter.
+"""transformers' checkpoint conversion ops, made to see this rank's shard instead of the whole parameter, and to
+copy each byte once.
 
 transformers' loader converts each tensor it reads (renames, merges, transposes) with ops that may look at the
 model parameter they fill. `Transpose(check_dims=True)` (Qwen3-VL-MoE's experts: hub checkpoints store them
@@ -8,6 +9,13 @@ read is this rank's shard, which never has the global shape: the op would always
 already in the model's layout would come out transposed. The op here compares with the rank's local shape, which
 is what the read tensor has when no transpose is needed. Written here because transformers' own sharded loading
 avoids such ops rather than handling them (its conversion_mapping says so for other families).
+
+The per-expert merge of hub checkpoints (`MergeModulelist(dim=0)` then `Concatenate(dim=1)`: Mixtral's w1 and w3
+into `gate_up_proj`) stacks each list into a new tensor and then concatenates the stacks into another: every
+expert byte is written twice, and the stacks are allocated (page-faulted) only to be freed. The pair here writes
+each expert's tensors once, straight into their place in the fused tensor (bit-identical: both are copies); it is
+what makes planc.load's fill faster than transformers' own (docs/benchmarks.md, "Sharded loading"). The reverse
+ops (save, export) are transformers' own, inherited.
 """
 
 from __future__ import annotations
@@ -42,21 +50,80 @@ def _shard_aware_transpose_cls():
     return ShardAwareTranspose
 
 
+def _single_copy_merge_classes():
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    class ListsThrough(MergeModulelist):
+        """`MergeModulelist(dim=0)` followed by `StackedConcatenate`: the lists go on unstacked (the next op writes
+        them once into the fused tensor); the reverse stays `SplitModulelist`."""
+
+        def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+            n = len(input_dict)
+            return {self.get_target_pattern(n, k, target_patterns): input_dict.pop(k) for k in list(input_dict)}
+
+    class StackedConcatenate(Concatenate):
+        """`torch.cat([torch.stack(list) for list in sources], dim)` with one allocation and one copy per tensor."""
+
+        @torch.no_grad()
+        def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+            target = self.get_target_pattern(target_patterns)
+            groups = [input_dict.pop(p) for p in source_patterns if p in input_dict]
+            stacks = [g if isinstance(g, torch.Tensor) else None for g in groups]
+            heads = [g[0] if s is None else s[0] for g, s in zip(groups, stacks)]
+            counts = [len(g) if s is None else s.shape[0] for g, s in zip(groups, stacks)]
+            d = self.dim - 1  # the concatenated dim of one expert's tensor
+            alike = all(
+                h.dtype == heads[0].dtype and h.device == heads[0].device and h.dim() == heads[0].dim()
+                and h.shape[:d] + h.shape[d + 1:] == heads[0].shape[:d] + heads[0].shape[d + 1:]
+                for h in heads
+            ) and len(set(counts)) == 1 and all(s is not None or all(t.shape == g[0].shape for t in g)
+                                                for g, s in zip(groups, stacks))
+            if self.dim < 1 or not alike:  # what transformers' pair does, with its own errors
+                return {target: torch.cat([g if s is not None else torch.stack(g) for g, s in zip(groups, stacks)],
+                                          dim=self.dim)}
+            shape = list(heads[0].shape)
+            shape[d] = sum(h.shape[d] for h in heads)
+            out = torch.empty((counts[0], *shape), dtype=heads[0].dtype, device=heads[0].device)
+            offset = 0
+            for group, stack, head in zip(groups, stacks, heads):
+                part = out.narrow(self.dim, offset, head.shape[d])
+                if stack is not None:
+                    part.copy_(stack)
+                else:
+                    for e, tensor in enumerate(group):
+                        part[e].copy_(tensor)
+                offset += head.shape[d]
+            return {target: out}
+
+    return ListsThrough, StackedConcatenate
+
+
 def shard_aware(mapping: list) -> list:
     """`mapping` (transformers' WeightRenaming/WeightConverter list) with shape-checking ops that compare against
-    this rank's shard; converters without such ops are returned as they are."""
-    from transformers.core_model_loading import Transpose, WeightConverter
+    this rank's shard, and each merge-then-concatenate pair writing once; other converters are returned as they
+    are."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist, Transpose, WeightConverter
 
-    cls = None
+    transpose_cls = merge_classes = None
     out = []
     for transform in mapping:
         ops = getattr(transform, "operations", None) if isinstance(transform, WeightConverter) else None
-        if ops and any(type(op) is Transpose and op.check_dims for op in ops):
-            cls = cls or _shard_aware_transpose_cls()
-            ops = [
-                cls(op.dim0, op.dim1, check_dims=True) if type(op) is Transpose and op.check_dims else op for op in ops
-            ]
-            transform = transform.copy(transform.source_patterns, transform.target_patterns, operations=ops)
+        if not ops:
+            out.append(transform)
+            continue
+        new = []
+        for op in ops:
+            if type(op) is Transpose and op.check_dims:
+                transpose_cls = transpose_cls or _shard_aware_transpose_cls()
+                op = transpose_cls(op.dim0, op.dim1, check_dims=True)
+            elif (type(op) is Concatenate and op.dim >= 1 and new and type(new[-1]) is MergeModulelist
+                  and new[-1].dim == 0):
+                merge_classes = merge_classes or _single_copy_merge_classes()
+                new[-1] = merge_classes[0](dim=0)
+                op = merge_classes[1](op.dim, op.num_shards_attribute)
+            new.append(op)
+        if any(a is not b for a, b in zip(new, ops)):
+            transform = transform.copy(transform.source_patterns, transform.target_patterns, operations=new)
         out.append(transform)
     return out
 
