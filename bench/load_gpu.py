@@ -130,7 +130,8 @@ def main(argv=None) -> int:
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() if gpu else 0
     t0 = time.perf_counter()
-    model = planc.load(path, plan(256))
+    # FP4 experts load with the checkpoint's other FP8-format weights dequantized (here there are none: bf16)
+    model = planc.load(path, plan(256), dequantize=args.experts == "fp4")
     if gpu:
         torch.cuda.synchronize()
     load_s = time.perf_counter() - t0

@@ -227,7 +227,8 @@ def save_fp4_experts(model, path: Path, *, max_shard_size) -> dict:
     if (path / "model.safetensors.index.json").is_file():
         index = json.loads((path / "model.safetensors.index.json").read_text())
     else:  # one file: indexed below like a sharded save
-        index = {"metadata": {}, "weight_map": dict.fromkeys(load_file(path / "model.safetensors"), "model.safetensors")}
+        keys = load_file(path / "model.safetensors")
+        index = {"metadata": {}, "weight_map": dict.fromkeys(keys, "model.safetensors")}
     weight_map = index["weight_map"]
     for file in sorted(set(weight_map.values())):
         tensors = load_file(path / file)
