@@ -13,7 +13,8 @@ import torch
 from planc.runtime.ep.megamoe import MegaMoeEPRuntime
 from planc.runtime.megamoe import install_megamoe_forward, megamoe_state
 from planc.runtime.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_experts_fp4, quantize_fp8
-from planc.runtime.megamoe.reference import DequantizedExperts, local_experts_forward
+from planc.runtime.megamoe.reference import DequantizedExperts, ReferenceBuffer, local_experts_forward
+from planc.runtime.megamoe.reference import stage as reference_stage
 from planc.runtime.megamoe.reference import combine as reference_combine
 from planc.runtime.megamoe.triton_backend import (
     KernelConfig,
@@ -25,7 +26,9 @@ from planc.runtime.megamoe.triton_backend import (
     _route_fused,
     _route_torch,
     combine,
+    dequantize_x,
     shuffle_fp4,
+    stage,
     triton_local_experts_forward,
 )
 from tests.megamoe.common import full_weights, mixtral_experts, routing
@@ -88,6 +91,27 @@ def test_combine_kernel_is_the_reference_combine():
     slots = (torch.randn(5, 6, 96, generator=g) * torch.logspace(-3, 3, 96)).bfloat16()
     assert torch.equal(combine(slots), reference_combine(slots))
     assert torch.equal(combine(slots[:2]), reference_combine(slots[:2])) and combine(slots[:0]).shape == (0, 96)
+
+
+@pytest.mark.parametrize("num_tokens,rows", [(3, 3), (5, 8), (0, 2)])
+def test_stage_kernel_writes_the_reference_bytes(num_tokens, rows):
+    """The one-kernel staging: the same FP8 bytes (zero groups, -0.0, subnormals), scales, routing and padding."""
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(num_tokens, 1536, generator=g) * torch.logspace(-6, 3, 1536)).bfloat16()
+    if num_tokens:
+        x[0, :32], x[-1, 32:64] = 0.0, -0.0
+    idx = torch.randint(-1, 8, (num_tokens, 3), generator=g)
+    w = torch.rand(num_tokens, 3, generator=g)
+    bufs = ReferenceBuffer(8, 1536, 3, torch.device("cpu")), ReferenceBuffer(8, 1536, 3, torch.device("cpu"))
+    for buf in bufs:
+        for t in (buf.x.view(torch.uint8), buf.x_sf, buf.topk_idx, buf.topk_weights):
+            t.fill_(77)  # poison: every row below `rows` must be written
+    reference_stage(bufs[0], x, idx, w, rows)
+    stage(bufs[1], x, idx, w, rows)
+    ref, out = ((b.x[:rows].view(torch.uint8), b.x_sf[:rows], b.topk_idx[:rows], b.topk_weights[:rows]) for b in bufs)
+    assert all(torch.equal(a, b) for a, b in zip(ref, out))
+    scales = (ref[1].to(torch.int32) << 23).view(torch.float32).bfloat16().repeat_interleave(32, 1)
+    assert torch.equal(dequantize_x(bufs[1].x[:rows], out[1]), bufs[0].x[:rows].bfloat16() * scales)
 
 
 def test_weight_layout_holds_every_code_and_scale_once():

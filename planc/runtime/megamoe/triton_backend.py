@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from planc.runtime.megamoe.quant import GRAN, float_to_ue8m0_bytes
+from planc.runtime.megamoe.quant import float_to_ue8m0_bytes
 
 try:  # Triton ships with torch's CUDA builds; CPU CI installs it for the interpreter (TRITON_INTERPRET=1).
     import triton
@@ -473,6 +473,61 @@ if triton is not None:
         return tl.where(v < 0, -r, r)
 
     @triton.jit
+    def _e4m3_bits(v):
+        """FP32 (|v| <= 448) -> its e4m3 byte, RNE as the hardware cast (the sign from v: -0.0 -> 0x80, as torch)."""
+        mag = tl.abs(_round_e4m3(v))
+        mbits = mag.to(tl.int32, bitcast=True)
+        normal = (((mbits >> 23) - 120) << 3) | ((mbits >> 20) & 7)
+        sub = (mag * 512.0).to(tl.int32)  # multiples of 2**-9 below 2**-6
+        return (tl.where(mag < 0.015625, sub, normal) | ((v.to(tl.int32, bitcast=True) >> 24) & 0x80)).to(tl.uint8)
+
+    @triton.jit
+    def _stage_kernel(x_ptr, idx_ptr, w_ptr, q_ptr, sf_ptr, idx_out_ptr, w_out_ptr, n, hidden, stride_x,
+                      NUM_TOPK: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr):
+        """`reference.stage` for one buffer row and BH channels: `quant.quantize_fp8` (amax floored at 1e-4, scale
+        rounded up to a power of two, RNE to e4m3) into the FP8 bytes and UE8M0 bytes, and (first program of the
+        row) its routing; rows past `n` are padding: zero bytes, slots -1, weights 0."""
+        row = tl.program_id(0)
+        valid = row < n
+        col = tl.program_id(1) * BH + tl.arange(0, BH)
+        ok = col < hidden
+        x = tl.load(x_ptr + row.to(tl.int64) * stride_x + col, mask=col < tl.where(valid, hidden, 0),
+                    other=0.0).to(tl.float32)
+        g = tl.reshape(x, (BH // 32, 32))
+        amax = tl.maximum(tl.max(tl.abs(g), axis=1), 1e-4)
+        bits = tl.div_rn(amax, 448.0).to(tl.int32, bitcast=True)
+        e = tl.minimum(tl.maximum(((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32), 1), 254)
+        sf_inv = tl.div_rn(1.0, (e << 23).to(tl.float32, bitcast=True))  # exact: a power of two
+        q = tl.reshape(_e4m3_bits(g * sf_inv[:, None]), (BH,))
+        tl.store(q_ptr + row.to(tl.int64) * hidden + col, tl.where(valid, q, 0), mask=ok)
+        grp = tl.program_id(1) * (BH // 32) + tl.arange(0, BH // 32)
+        tl.store(sf_ptr + row.to(tl.int64) * (hidden // 32) + grp, tl.where(valid, e, 0).to(tl.uint8),
+                 mask=grp < hidden // 32)
+        if tl.program_id(1) == 0:
+            j = tl.arange(0, BK)
+            jk = j < NUM_TOPK
+            mine = j < tl.where(valid, NUM_TOPK, 0)
+            idx = tl.load(idx_ptr + row * NUM_TOPK + j, mask=mine, other=-1)
+            w = tl.load(w_ptr + row * NUM_TOPK + j, mask=mine, other=0.0)
+            tl.store(idx_out_ptr + row * NUM_TOPK + j, idx, mask=jk)
+            tl.store(w_out_ptr + row * NUM_TOPK + j, w, mask=jk)
+
+    @triton.jit
+    def _dequant_x_kernel(q_ptr, sf_ptr, out_ptr, hidden, BH: tl.constexpr):
+        """FP8 bytes times their UE8M0 scales -> BF16 (exact: an e4m3 value times a power of two), one row per
+        program column: what L1 reads."""
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.program_id(1) * BH + tl.arange(0, BH)
+        ok = col < hidden
+        b = tl.load(q_ptr + row * hidden + col, mask=ok, other=0).to(tl.int32)
+        s = tl.load(sf_ptr + row * (hidden // 32) + col // 32, mask=ok, other=0).to(tl.int32)
+        e = (b >> 3) & 15
+        normal = (((b & 0x80) << 24) | ((e + 120) << 23) | ((b & 7) << 20)).to(tl.float32, bitcast=True)
+        sub = (b & 7).to(tl.float32) * 0.001953125
+        v = tl.where(e == 0, tl.where((b & 0x80) != 0, -sub, sub), normal)
+        tl.store(out_ptr + row * hidden + col, _bf16_rne(v * (s << 23).to(tl.float32, bitcast=True)), mask=ok)
+
+    @triton.jit
     def _l1_swiglu_kernel(
         x_ptr, w_ptr, s_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr, block_end_ptr, out_ptr,
         hidden, inter, num_topk, num_local,
@@ -601,6 +656,32 @@ def combine(slot_outputs: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def stage(buf, hidden_states: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, rows: int) -> None:
+    """`reference.stage` in one kernel (the same bytes): at decode its ~20 small torch ops cost more than L2."""
+    n, hidden = hidden_states.shape
+    if rows == 0:
+        return
+    if hidden_states.stride(1) != 1:
+        hidden_states = hidden_states.contiguous()
+    num_topk = buf.topk_idx.shape[1]
+    bh = min(1024, triton.next_power_of_2(hidden))
+    _stage_kernel[(rows, triton.cdiv(hidden, bh))](
+        hidden_states, topk_idx.contiguous(), topk_weights.contiguous(), buf.x.view(torch.uint8), buf.x_sf,
+        buf.topk_idx, buf.topk_weights, n, hidden, hidden_states.stride(0),
+        NUM_TOPK=num_topk, BK=triton.next_power_of_2(num_topk), BH=bh, num_warps=4,
+    )
+
+
+def dequantize_x(x_fp8: torch.Tensor, x_sf: torch.Tensor) -> torch.Tensor:
+    """FP8 rows ``[M, H]`` with UE8M0 bytes ``[M, H/32]`` -> the exact BF16 values L1 reads, one kernel."""
+    m, hidden = x_fp8.shape
+    out = torch.empty((m, hidden), dtype=torch.bfloat16, device=x_fp8.device)
+    bh = min(1024, triton.next_power_of_2(hidden))
+    _dequant_x_kernel[(m, triton.cdiv(hidden, bh))](
+        x_fp8.contiguous().view(torch.uint8), x_sf.contiguous(), out, hidden, BH=bh, num_warps=4)
+    return out
+
+
 def triton_local_experts_forward(
     x_fp8: torch.Tensor,
     x_sf: torch.Tensor,
@@ -623,9 +704,7 @@ def triton_local_experts_forward(
     cfg = config or pick_config(m * k, num_local, hidden, inter)
     cfg = cfg.fit(hidden, inter)
 
-    # x as exact BF16 (an e4m3 value times a power of two), read by the L1 kernel by token.
-    scales = (x_sf.to(torch.int32) << 23).view(torch.float32).to(torch.bfloat16)
-    x = (x_fp8.to(torch.bfloat16).view(m, hidden // GRAN, GRAN) * scales.unsqueeze(2)).view(m, hidden)
+    x = dequantize_x(x_fp8, x_sf)  # read by the L1 kernel by token
     weights = topk_weights.reshape(-1).float().contiguous()
     sorted_slots, block_expert, block_row, block_end = route(
         topk_idx, first_expert=first_expert, num_local_experts=num_local, block_t=cfg.block_t
