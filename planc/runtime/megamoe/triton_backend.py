@@ -180,6 +180,7 @@ class KernelConfig:
     l2_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    l1_split: int = 1  # L1 split-K: hidden slices per (block, N tile), a power of two
 
     def fit(self, hidden: int, inter: int) -> "KernelConfig":
         """The same config with each tile shrunk to a power of two that divides its dimension (K tiles: 64 or
@@ -196,9 +197,13 @@ class KernelConfig:
                 tile //= 2
             return tile
 
+        l1_k = div(self.l1_k, hidden, 64)
+        split = self.l1_split
+        while split > 1 and hidden % (l1_k * split):
+            split //= 2
         return KernelConfig(
-            self.block_t, div(self.l1_n, inter, 32), div(self.l1_k, hidden, 64), div(self.l2_n, hidden, 32),
-            div(self.l2_k, inter, 64), self.num_warps, self.num_stages,
+            self.block_t, div(self.l1_n, inter, 32), l1_k, div(self.l2_n, hidden, 32),
+            div(self.l2_k, inter, 64), self.num_warps, self.num_stages, split,
         )
 
 
@@ -528,14 +533,44 @@ if triton is not None:
         tl.store(out_ptr + row * hidden + col, _bf16_rne(v * (s << 23).to(tl.float32, bitcast=True)), mask=ok)
 
     @triton.jit
+    def _swiglu_requant(acc_g, acc_u, topw, row_ok, clamp, HAS_CLAMP: tl.constexpr, BN: tl.constexpr,
+                        BT: tl.constexpr):
+        """L1's epilogue on FP32 gate/up sums ``[BN, BT]``: round to BF16 once, clamp, ``silu(gate) * up * topw``
+        in FP32, then the kernel's FP8 requantization per 32 channels (`quant.requantize_fp8_like_kernel`), as the
+        exact BF16 values of the FP8 numbers."""
+        gate = _bf16_rne(acc_g).to(tl.float32)
+        up = _bf16_rne(acc_u).to(tl.float32)
+        if HAS_CLAMP:  # `clamp` is already a BF16 value: clamping the BF16 numbers in FP32 is exact
+            gate = tl.minimum(gate, clamp)
+            up = tl.minimum(tl.maximum(up, -clamp), clamp)
+        silu = tl.div_rn(gate, 1.0 + tl.exp(-gate))
+        a = silu * up * topw[None, :]
+        a = tl.where(row_ok[None, :], a, 0.0)
+
+        a3 = tl.reshape(a, (BN // 32, 32, BT))
+        amax = tl.max(tl.abs(a3), axis=1)  # [BN/32, BT]
+        scaled = amax * (1.0 / 448.0)
+        sbits = scaled.to(tl.int32, bitcast=True)
+        e = ((sbits >> 23) & 0xFF) - 127 + ((sbits & 0x7FFFFF) != 0).to(tl.int32)
+        sf = (tl.maximum(e + 127, 0) << 23).to(tl.float32, bitcast=True)
+        sf_inv = (tl.minimum(tl.maximum(127 - e, 0), 254) << 23).to(tl.float32, bitcast=True)
+        q = a3 * sf_inv[:, None, :]
+        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+        q = _round_e4m3(q) * sf[:, None, :]
+        return tl.reshape(q, (BN, BT)).to(tl.bfloat16)  # exact: an e4m3 value times a power of two
+
+    @triton.jit
     def _l1_swiglu_kernel(
-        x_ptr, w_ptr, s_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr, block_end_ptr, out_ptr,
+        x_ptr, w_ptr, s_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr, block_end_ptr, out_ptr, ws_ptr,
         hidden, inter, num_topk, num_local,
         stride_x, stride_we, stride_se, stride_out,
         clamp,
         HAS_CLAMP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, LARGE: tl.constexpr,
-        INTERPRET: tl.constexpr, NUM_STAGES: tl.constexpr,
+        INTERPRET: tl.constexpr, NUM_STAGES: tl.constexpr, SPLIT: tl.constexpr,
     ):
+        """L1 of one block of rows and BN gate (and as many up) columns, over the hidden slice `program_id(2)` of
+        SPLIT: with SPLIT 1 it ends with the SwiGLU epilogue, else it writes its FP32 sums to `ws` for
+        `_l1_reduce_kernel` (split-K: more programs streaming weights when a batch has few blocks)."""
         pid_b = tl.program_id(0)
         pid_n = tl.program_id(1)
         expert = tl.load(block_expert_ptr + pid_b)
@@ -558,39 +593,54 @@ if triton is not None:
 
         acc_g = tl.zeros((BN, BT), dtype=tl.float32)
         acc_u = tl.zeros((BN, BT), dtype=tl.float32)
-        for k0 in tl.range(0, hidden, BK, num_stages=NUM_STAGES):
+        k_len = hidden // SPLIT
+        k_first = tl.program_id(2) * k_len
+        for k0 in tl.range(k_first, k_first + k_len, BK, num_stages=NUM_STAGES):
             x = tl.load(x_ptrs + k0, mask=row_ok[None, :], other=0.0)
             if INTERPRET:
                 x = x.to(tl.float32)
             acc_g = tl.dot(_fp4_tile(w_base, s_base, g_gate, k0 // 64, num_g, BN, BK, LARGE, INTERPRET), x, acc_g)
             acc_u = tl.dot(_fp4_tile(w_base, s_base, g_up, k0 // 64, num_g, BN, BK, LARGE, INTERPRET), x, acc_u)
 
-        gate = _bf16_rne(acc_g).to(tl.float32)  # L1 rounded to BF16 once
-        up = _bf16_rne(acc_u).to(tl.float32)
-        if HAS_CLAMP:  # `clamp` is already a BF16 value: clamping the BF16 numbers in FP32 is exact
-            gate = tl.minimum(gate, clamp)
-            up = tl.minimum(tl.maximum(up, -clamp), clamp)
-        topw = tl.load(weight_ptr + slot, mask=row_ok, other=0.0)
-        silu = tl.div_rn(gate, 1.0 + tl.exp(-gate))
-        a = silu * up * topw[None, :]
-        a = tl.where(row_ok[None, :], a, 0.0)
-
-        # The kernel's requantization per 32 intermediate channels (quant.requantize_fp8_like_kernel).
-        a3 = tl.reshape(a, (BN // 32, 32, BT))
-        amax = tl.max(tl.abs(a3), axis=1)  # [BN/32, BT]
-        scaled = amax * (1.0 / 448.0)
-        sbits = scaled.to(tl.int32, bitcast=True)
-        e = ((sbits >> 23) & 0xFF) - 127 + ((sbits & 0x7FFFFF) != 0).to(tl.int32)
-        sf = (tl.maximum(e + 127, 0) << 23).to(tl.float32, bitcast=True)
-        sf_inv = (tl.minimum(tl.maximum(127 - e, 0), 254) << 23).to(tl.float32, bitcast=True)
-        q = a3 * sf_inv[:, None, :]
-        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-        q = _round_e4m3(q) * sf[:, None, :]
-        q = tl.reshape(q, (BN, BT)).to(tl.bfloat16)  # exact: an e4m3 value times a power of two
-
         out_rows = pid_b * BT + tl.arange(0, BT)
-        out_ptrs = out_ptr + out_rows[None, :].to(tl.int64) * stride_out + offs_n[:, None]
-        tl.store(out_ptrs, q)
+        if SPLIT == 1:
+            topw = tl.load(weight_ptr + slot, mask=row_ok, other=0.0)
+            q = _swiglu_requant(acc_g, acc_u, topw, row_ok, clamp, HAS_CLAMP, BN, BT)
+            tl.store(out_ptr + out_rows[None, :].to(tl.int64) * stride_out + offs_n[:, None], q)
+        else:
+            ws = (ws_ptr + tl.program_id(2).to(tl.int64) * tl.num_programs(0) * BT * 2 * inter
+                  + out_rows[None, :].to(tl.int64) * (2 * inter) + offs_n[:, None])
+            tl.store(ws, acc_g, mask=row_ok[None, :])
+            tl.store(ws + inter, acc_u, mask=row_ok[None, :])
+
+    @triton.jit
+    def _l1_reduce_kernel(
+        ws_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr, block_end_ptr, out_ptr,
+        inter, num_local, stride_out, clamp,
+        HAS_CLAMP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+    ):
+        """Split-K L1's second half: the SPLIT partial sums of one block and BN columns, added in split order, then
+        the SwiGLU epilogue (`_swiglu_requant`)."""
+        pid_b = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        expert = tl.load(block_expert_ptr + pid_b)
+        if expert >= num_local:
+            return
+        rows = tl.load(block_row_ptr + pid_b) + tl.arange(0, BT)
+        row_ok = rows < tl.load(block_end_ptr + pid_b)
+        slot = tl.load(sorted_ptr + rows, mask=row_ok, other=0)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        out_rows = pid_b * BT + tl.arange(0, BT)
+        ws = ws_ptr + out_rows[None, :].to(tl.int64) * (2 * inter) + offs_n[:, None]
+        split_stride = tl.num_programs(0).to(tl.int64) * BT * 2 * inter
+        acc_g = tl.zeros((BN, BT), dtype=tl.float32)
+        acc_u = tl.zeros((BN, BT), dtype=tl.float32)
+        for i in tl.static_range(SPLIT):
+            acc_g += tl.load(ws + i * split_stride, mask=row_ok[None, :], other=0.0)
+            acc_u += tl.load(ws + i * split_stride + inter, mask=row_ok[None, :], other=0.0)
+        topw = tl.load(weight_ptr + slot, mask=row_ok, other=0.0)
+        q = _swiglu_requant(acc_g, acc_u, topw, row_ok, clamp, HAS_CLAMP, BN, BT)
+        tl.store(out_ptr + out_rows[None, :].to(tl.int64) * stride_out + offs_n[:, None], q)
 
     @triton.jit
     def _l2_kernel(
@@ -716,14 +766,23 @@ def triton_local_experts_forward(
     s1 = experts.s1.reshape(num_local, -1).view(torch.int32)  # one int32 per (K block, row group, r): `shuffle_fp4`
     s2 = experts.s2.reshape(num_local, -1).view(torch.int32)
     interpret = _interpreting()
-    _l1_swiglu_kernel[(nblocks, inter // cfg.l1_n)](
-        x, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act,
+    split = cfg.l1_split
+    ws = torch.empty((split, nblocks * cfg.block_t, 2 * inter) if split > 1 else (1,), dtype=torch.float32,
+                     device=device)
+    common = dict(HAS_CLAMP=clamp is not None, BT=cfg.block_t, BN=cfg.l1_n)
+    _l1_swiglu_kernel[(nblocks, inter // cfg.l1_n, split)](
+        x, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act, ws,
         hidden, inter, k, num_local,
         x.stride(0), w1.stride(0), s1.stride(0), act.stride(0),
         0.0 if clamp is None else clamp,
-        HAS_CLAMP=clamp is not None, BT=cfg.block_t, BN=cfg.l1_n, BK=cfg.l1_k, LARGE=experts.large_scales,
-        INTERPRET=interpret, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BK=cfg.l1_k, LARGE=experts.large_scales, INTERPRET=interpret, NUM_STAGES=cfg.num_stages, SPLIT=split,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
     )
+    if split > 1:
+        _l1_reduce_kernel[(nblocks, inter // cfg.l1_n)](
+            ws, sorted_slots, weights, block_expert, block_row, block_end, act, inter, num_local, act.stride(0),
+            0.0 if clamp is None else clamp, SPLIT=split, num_warps=4, **common,
+        )
     _l2_kernel[(nblocks, hidden // cfg.l2_n)](
         act, w2, s2, sorted_slots, block_expert, block_row, block_end, out,
         hidden, inter, num_local,
