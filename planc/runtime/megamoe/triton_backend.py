@@ -182,7 +182,6 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 3
     l1_split: int = 1  # L1 split-K: hidden slices per (block, N tile), a power of two
-    swap: bool = False  # tokens as the MMA's M (`_mma`): prefill-sized blocks
 
     def fit(self, hidden: int, inter: int) -> "KernelConfig":
         """The same config with each tile shrunk to a power of two that divides its dimension (K tiles: 64 or
@@ -205,7 +204,7 @@ class KernelConfig:
             split //= 2
         return KernelConfig(
             self.block_t, div(self.l1_n, inter, 32), l1_k, div(self.l2_n, hidden, 32),
-            div(self.l2_k, inter, 64), self.num_warps, self.num_stages, split, self.swap,
+            div(self.l2_k, inter, 64), self.num_warps, self.num_stages, split,
         )
 
 
@@ -219,10 +218,10 @@ _CONFIGS = (
 )
 
 
-# L1 programs below which its hidden dimension is split (`l1_split`): about 6 per SM of an H200. One program streams
-# weights at only ~6 GB/s (it waits on each MMA and on its loads), so a 1-token batch (6 experts x I / l1_n programs)
-# needs several per SM to approach HBM speed.
-_L1_MIN_PROGRAMS = 6 * 132
+# L1 programs below which its hidden dimension is split (`l1_split`): about 4 per SM of an H200. One program streams
+# weights at only a few GB/s (it waits on each MMA and on its loads), so a 1-token batch (6 experts x I / l1_n
+# programs) needs several per SM (measured on V4 at 1 token: 140 / 132 / 132 / 152 µs for 1 / 2 / 4 / 8 slices).
+_L1_MIN_PROGRAMS = 4 * 132
 
 
 def pick_config(num_rows: int, num_local_experts: int, hidden: int, inter: int) -> KernelConfig:
@@ -545,32 +544,6 @@ if triton is not None:
         tl.store(out_ptr + row * hidden + col, _bf16_rne(v * (s << 23).to(tl.float32, bitcast=True)), mask=ok)
 
     @triton.jit
-    def _acc_zeros(BN: tl.constexpr, BT: tl.constexpr, SWAP: tl.constexpr):
-        """The FP32 accumulator of `_mma`: ``[BN, BT]``, or ``[BT, BN]`` when SWAP."""
-        if SWAP:
-            return tl.zeros((BT, BN), dtype=tl.float32)
-        else:
-            return tl.zeros((BN, BT), dtype=tl.float32)
-
-    @triton.jit
-    def _mma(w, x, acc, SWAP: tl.constexpr):
-        """``acc += w [BN, BK] @ x [BK, BT]``. Decode (swap-AB): the expanded weights are the MMA's register
-        operand, rows as M. Prefill (SWAP, acc ``[BT, BN]``): the tokens are M and the expanded tile is the
-        shared-memory operand, so 64-128 token rows share each expansion."""
-        if SWAP:
-            return tl.dot(tl.trans(x), tl.trans(w), acc)
-        else:
-            return tl.dot(w, x, acc)
-
-    @triton.jit
-    def _acc_rows_by_tokens(acc, SWAP: tl.constexpr):
-        """`_mma`'s accumulator as ``[BN, BT]`` for the epilogues."""
-        if SWAP:
-            return tl.trans(acc)
-        else:
-            return acc
-
-    @triton.jit
     def _swiglu_requant(acc_g, acc_u, topw, row_ok, clamp, HAS_CLAMP: tl.constexpr, BN: tl.constexpr,
                         BT: tl.constexpr):
         """L1's epilogue on FP32 gate/up sums ``[BN, BT]``: round to BF16 once, clamp, ``silu(gate) * up * topw``
@@ -604,7 +577,7 @@ if triton is not None:
         stride_x, stride_we, stride_se, stride_out,
         clamp,
         HAS_CLAMP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, LARGE: tl.constexpr,
-        INTERPRET: tl.constexpr, NUM_STAGES: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr,
+        INTERPRET: tl.constexpr, NUM_STAGES: tl.constexpr, SPLIT: tl.constexpr,
     ):
         """L1 of one block of rows and BN gate (and as many up) columns, over the hidden slice `program_id(2)` of
         SPLIT: with SPLIT 1 it ends with the SwiGLU epilogue, else it writes its FP32 sums to `ws` for
@@ -629,18 +602,16 @@ if triton is not None:
         g_up = g_gate + inter // 16
         x_ptrs = x_ptr + token[None, :].to(tl.int64) * stride_x + tl.arange(0, BK)[:, None]  # [BK, BT]
 
-        acc_g = _acc_zeros(BN, BT, SWAP)
-        acc_u = _acc_zeros(BN, BT, SWAP)
+        acc_g = tl.zeros((BN, BT), dtype=tl.float32)
+        acc_u = tl.zeros((BN, BT), dtype=tl.float32)
         k_len = hidden // SPLIT
         k_first = tl.program_id(2) * k_len
         for k0 in tl.range(k_first, k_first + k_len, BK, num_stages=NUM_STAGES):
             x = tl.load(x_ptrs + k0, mask=row_ok[None, :], other=0.0)
             if INTERPRET:
                 x = x.to(tl.float32)
-            acc_g = _mma(_fp4_tile(w_base, s_base, g_gate, k0 // 64, num_g, BN, BK, LARGE, INTERPRET), x, acc_g, SWAP)
-            acc_u = _mma(_fp4_tile(w_base, s_base, g_up, k0 // 64, num_g, BN, BK, LARGE, INTERPRET), x, acc_u, SWAP)
-        acc_g = _acc_rows_by_tokens(acc_g, SWAP)
-        acc_u = _acc_rows_by_tokens(acc_u, SWAP)
+            acc_g = tl.dot(_fp4_tile(w_base, s_base, g_gate, k0 // 64, num_g, BN, BK, LARGE, INTERPRET), x, acc_g)
+            acc_u = tl.dot(_fp4_tile(w_base, s_base, g_up, k0 // 64, num_g, BN, BK, LARGE, INTERPRET), x, acc_u)
 
         out_rows = pid_b * BT + tl.arange(0, BT)
         if SPLIT == 1:
@@ -688,7 +659,7 @@ if triton is not None:
         hidden, inter, num_local,
         stride_a, stride_we, stride_se, stride_out,
         BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, LARGE: tl.constexpr, INTERPRET: tl.constexpr,
-        NUM_STAGES: tl.constexpr, SWAP: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
     ):
         pid_b = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -707,14 +678,13 @@ if triton is not None:
         a_rows = pid_b * BT + tl.arange(0, BT)
         a_ptrs = a_ptr + a_rows[None, :].to(tl.int64) * stride_a + tl.arange(0, BK)[:, None]  # [BK, BT]
 
-        acc = _acc_zeros(BN, BT, SWAP)
+        acc = tl.zeros((BN, BT), dtype=tl.float32)
         for k0 in tl.range(0, inter, BK, num_stages=NUM_STAGES):
             x = tl.load(a_ptrs + k0)
             if INTERPRET:
                 x = x.to(tl.float32)
-            acc = _mma(_fp4_tile(w_base, s_base, pid_n * (BN // 16), k0 // 64, hidden // 16, BN, BK, LARGE,
-                                 INTERPRET), x, acc, SWAP)
-        acc = _acc_rows_by_tokens(acc, SWAP)
+            acc = tl.dot(_fp4_tile(w_base, s_base, pid_n * (BN // 16), k0 // 64, hidden // 16, BN, BK, LARGE,
+                                   INTERPRET), x, acc)
 
         out_ptrs = out_ptr + slot[None, :].to(tl.int64) * stride_out + offs_n[:, None]
         tl.store(out_ptrs, _bf16_rne(acc), mask=row_ok[None, :])  # L2 rounded to BF16
@@ -817,7 +787,7 @@ def triton_local_experts_forward(
         x.stride(0), w1.stride(0), s1.stride(0), act.stride(0),
         0.0 if clamp is None else clamp,
         BK=cfg.l1_k, LARGE=experts.large_scales, INTERPRET=interpret, NUM_STAGES=cfg.num_stages, SPLIT=split,
-        SWAP=cfg.swap, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
     )
     if split > 1:
         _l1_reduce_kernel[(nblocks, inter // cfg.l1_n)](
@@ -829,6 +799,6 @@ def triton_local_experts_forward(
         hidden, inter, num_local,
         act.stride(0), w2.stride(0), s2.stride(0), out.stride(0),
         BT=cfg.block_t, BN=cfg.l2_n, BK=cfg.l2_k, LARGE=experts.large_scales, INTERPRET=interpret,
-        NUM_STAGES=cfg.num_stages, SWAP=cfg.swap, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out.view(m, k, hidden)
