@@ -5,6 +5,7 @@ calc_diff < 1e-4 everywhere. On CPU both sides sum exact products in FP32 and ag
 these shapes, which the element check below would notice if a rounding step were off.
 """
 
+import dataclasses
 import types
 
 import pytest
@@ -135,6 +136,18 @@ def test_kernels_match_the_reference(experts, num_tokens, clamp, masked):
                                                 config=TINY), ref)
 
 
+@pytest.mark.parametrize("split", [2, 4])
+def test_split_k_l1_matches_the_reference(experts, split):
+    """L1 over hidden slices (`l1_split`, for 1-2 token batches), summed in `_l1_reduce_kernel` before the epilogue."""
+    packed, deq = experts
+    q, sf, idx, w = staged(3, 11, masked=0.3)
+    cfg = dataclasses.replace(TINY, l1_split=split)
+    assert cfg.fit(packed.hidden, packed.intermediate).l1_split == min(split, packed.hidden // TINY.l1_k)
+    ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=0.5)
+    assert_matches(triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=0.5,
+                                                config=cfg), ref)
+
+
 def test_all_routes_to_one_expert_span_several_blocks(experts):
     packed, deq = experts
     q, sf, idx, w = staged(20, 5)
@@ -164,6 +177,8 @@ def test_local_expert_range_and_no_local_expert(experts):
 def test_picked_config_fits_the_shapes():
     cfg = pick_config(6, 384, 7168, 3072)
     assert 7168 % cfg.l1_k == 0 and 3072 % cfg.l1_n == 0 and 3072 % cfg.l2_k == 0 and 7168 % cfg.l2_n == 0
+    assert cfg.l1_split == 2 and 7168 % (cfg.l1_k * cfg.l1_split) == 0  # 1 token: 6 x 48 L1 programs, split in 2
+    assert pick_config(96, 384, 7168, 3072).l1_split == 1  # 16 tokens fill the GPU unsplit
     small = pick_config(24576, 8, 128, 64)
     assert 64 % small.l1_n == 0 and 128 % small.l1_k == 0 and small.l1_n % 32 == 0
     with pytest.raises(ValueError, match="divisible by 64.*backend: reference"):
