@@ -16,6 +16,8 @@ cast (no 1e-4 floor, RNE to e4m3 with saturation, emulated bit for bit); L2 roun
 the slots in FP32 in slot order (`combine`, one kernel, the same arithmetic as `reference.combine`).
 
 How it is organized (the ideas of vLLM's fused_moe, triton_kernels' matmul_ogs and its Hopper MX layouts, Marlin):
+- staging (`stage`: the FP8 cast of the tokens, the routing copy, the exchange padding) and the L1 input
+  (`dequantize_x`) are one kernel each, the same bytes as the reference's torch ops (~20 launches at decode).
 - (token, slot) pairs are sorted by local expert on the device and cut into blocks of `block_t` rows of
   one expert (`route`: one Triton program up to `FUSED_ROUTE_MAX_SLOTS` pairs, torch ops above); the grid covers an
   upper bound of blocks, so nothing reads a device value on the host (CUDA-graph capturable) and programs past
@@ -23,10 +25,12 @@ How it is organized (the ideas of vLLM's fused_moe, triton_kernels' matmul_ogs a
 - swap-AB: the weight rows are the MMA's M dimension and the few tokens its N dimension, so decode
   batches of 1-16 rows per expert do not waste a 64-row MMA tile. Each weight tile is expanded in registers to
   BF16 (`_fp4_tile`: inline PTX on the GPU, Triton ops under the interpreter) and meets the activations in one MMA.
-- one program per (block, N tile) reads its weight slice once; at decode every SM streams weights.
+- one program per (block, N tile) reads its weight slice once; at decode every SM streams weights. A 1-2 token
+  batch has too few such programs, so L1 then splits the hidden dimension (`l1_split`, `_l1_reduce_kernel`).
 - L1 fuses SwiGLU, the clamp, the routing weight and the FP8 requantization into its epilogue; L2 writes
   each slot's output straight to its slot.
-Measured on an H200 (docs/benchmarks.md): 1.7-2.0x the FP4 bound at 16-256 tokens on the DeepSeek-V4 layer.
+Measured on an H200 (docs/benchmarks.md): 122 µs at 1 token, 1.6-1.8x the FP4 bound at 16-256 tokens on the
+DeepSeek-V4 layer; the kernels issue ~26 instructions per 8 weights (the expansion is 13 of them).
 """
 
 from __future__ import annotations
