@@ -234,7 +234,7 @@ def pick_config(num_rows: int, num_local_experts: int, hidden: int, inter: int) 
     for bound, config in _CONFIGS:
         if bound is None or per_expert <= bound:
             break
-    programs = min(num_rows, num_local_experts) * max(inter // config.l1_n, 1)  # at most one block per expert here
+    programs = min(num_rows, num_local_experts) * max(inter // config.l1_n, 1)  # L1 programs of one block per expert
     split = 1
     while split < 8 and programs * split < _L1_MIN_PROGRAMS:
         split *= 2
@@ -534,8 +534,8 @@ if triton is not None:
 
     @triton.jit
     def _dequant_x_kernel(q_ptr, sf_ptr, out_ptr, hidden, BH: tl.constexpr):
-        """FP8 bytes times their UE8M0 scales -> BF16 (exact: an e4m3 value times a power of two), one row per
-        program column: what L1 reads."""
+        """FP8 bytes times their UE8M0 scales -> BF16 (exact: an e4m3 value times a power of two), for one row and
+        BH channels: what L1 reads."""
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1) * BH + tl.arange(0, BH)
         ok = col < hidden
