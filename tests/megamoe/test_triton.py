@@ -5,6 +5,7 @@ calc_diff < 1e-4 everywhere. On CPU both sides sum exact products in FP32 and ag
 these shapes, which the element check below would notice if a rounding step were off.
 """
 
+import dataclasses
 import types
 
 import pytest
@@ -13,7 +14,8 @@ import torch
 from planc.runtime.ep.megamoe import MegaMoeEPRuntime
 from planc.runtime.megamoe import install_megamoe_forward, megamoe_state
 from planc.runtime.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_experts_fp4, quantize_fp8
-from planc.runtime.megamoe.reference import DequantizedExperts, local_experts_forward
+from planc.runtime.megamoe.reference import DequantizedExperts, ReferenceBuffer, local_experts_forward
+from planc.runtime.megamoe.reference import stage as reference_stage
 from planc.runtime.megamoe.reference import combine as reference_combine
 from planc.runtime.megamoe.triton_backend import (
     KernelConfig,
@@ -25,7 +27,9 @@ from planc.runtime.megamoe.triton_backend import (
     _route_fused,
     _route_torch,
     combine,
+    dequantize_x,
     shuffle_fp4,
+    stage,
     triton_local_experts_forward,
 )
 from tests.megamoe.common import full_weights, mixtral_experts, routing
@@ -90,6 +94,27 @@ def test_combine_kernel_is_the_reference_combine():
     assert torch.equal(combine(slots[:2]), reference_combine(slots[:2])) and combine(slots[:0]).shape == (0, 96)
 
 
+@pytest.mark.parametrize("num_tokens,rows", [(3, 3), (5, 8), (0, 2)])
+def test_stage_kernel_writes_the_reference_bytes(num_tokens, rows):
+    """The one-kernel staging: the same FP8 bytes (zero groups, -0.0, subnormals), scales, routing and padding."""
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(num_tokens, 1536, generator=g) * torch.logspace(-6, 3, 1536)).bfloat16()
+    if num_tokens:
+        x[0, :32], x[-1, 32:64] = 0.0, -0.0
+    idx = torch.randint(-1, 8, (num_tokens, 3), generator=g)
+    w = torch.rand(num_tokens, 3, generator=g)
+    bufs = ReferenceBuffer(8, 1536, 3, torch.device("cpu")), ReferenceBuffer(8, 1536, 3, torch.device("cpu"))
+    for buf in bufs:
+        for t in (buf.x.view(torch.uint8), buf.x_sf, buf.topk_idx, buf.topk_weights):
+            t.fill_(77)  # poison: every row below `rows` must be written
+    reference_stage(bufs[0], x, idx, w, rows)
+    stage(bufs[1], x, idx, w, rows)
+    ref, out = ((b.x[:rows].view(torch.uint8), b.x_sf[:rows], b.topk_idx[:rows], b.topk_weights[:rows]) for b in bufs)
+    assert all(torch.equal(a, b) for a, b in zip(ref, out))
+    scales = (ref[1].to(torch.int32) << 23).view(torch.float32).bfloat16().repeat_interleave(32, 1)
+    assert torch.equal(dequantize_x(bufs[1].x[:rows], out[1]), bufs[0].x[:rows].bfloat16() * scales)
+
+
 def test_weight_layout_holds_every_code_and_scale_once():
     """shuffle_fp4 only reorders bits and bytes: the same multiset of scale bytes, the same count of set bits."""
     g = torch.Generator().manual_seed(2)
@@ -109,6 +134,18 @@ def test_kernels_match_the_reference(experts, num_tokens, clamp, masked):
     ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=clamp)
     assert_matches(triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=clamp,
                                                 config=TINY), ref)
+
+
+@pytest.mark.parametrize("split", [2, 4])
+def test_split_k_l1_matches_the_reference(experts, split):
+    """L1 over hidden slices (`l1_split`, for 1-2 token batches), summed in `_l1_reduce_kernel` before the epilogue."""
+    packed, deq = experts
+    q, sf, idx, w = staged(3, 11, masked=0.3)
+    cfg = dataclasses.replace(TINY, l1_split=split)
+    assert cfg.fit(packed.hidden, packed.intermediate).l1_split == min(split, packed.hidden // TINY.l1_k)
+    ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=0.5)
+    assert_matches(triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=0.5,
+                                                config=cfg), ref)
 
 
 def test_all_routes_to_one_expert_span_several_blocks(experts):
@@ -140,6 +177,8 @@ def test_local_expert_range_and_no_local_expert(experts):
 def test_picked_config_fits_the_shapes():
     cfg = pick_config(6, 384, 7168, 3072)
     assert 7168 % cfg.l1_k == 0 and 3072 % cfg.l1_n == 0 and 3072 % cfg.l2_k == 0 and 7168 % cfg.l2_n == 0
+    assert cfg.l1_split == 2 and 7168 % (cfg.l1_k * cfg.l1_split) == 0  # 1 token: 6 x 48 L1 programs, split in 2
+    assert pick_config(96, 384, 7168, 3072).l1_split == 1  # 16 tokens fill the GPU unsplit
     small = pick_config(24576, 8, 128, 64)
     assert 64 % small.l1_n == 0 and 128 % small.l1_k == 0 and small.l1_n % 32 == 0
     with pytest.raises(ValueError, match="divisible by 64.*backend: reference"):

@@ -164,7 +164,7 @@ class TritonRunner(_StagedRunner):
 
     def _local_forward(self) -> dict:
         return dict(local_forward=triton_backend.triton_local_experts_forward, backend="triton",
-                    combine_fn=triton_backend.combine)
+                    combine_fn=triton_backend.combine, stage_fn=triton_backend.stage)
 
     def _shuffle_module(self) -> bool:
         """Replace the module's FP4 parameters by the same bytes in the kernels' layout; returns `large_scales`.

@@ -187,6 +187,23 @@ def combine(slot_outputs: torch.Tensor) -> torch.Tensor:
     return acc.to(torch.bfloat16)
 
 
+def stage(buf: ReferenceBuffer, hidden_states: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+          rows: int) -> None:
+    """Step 1, what the caller does for the kernel: the first ``n`` buffer rows get the FP8 tokens and their
+    routing, rows ``[n, rows)`` are padding (zero tokens, skipped slots) for the exchange."""
+    n = hidden_states.shape[0]
+    x_fp8, x_sf = quantize_fp8(hidden_states)
+    buf.x[:n].copy_(x_fp8)
+    buf.x_sf[:n].copy_(float_to_ue8m0_bytes(x_sf))
+    buf.topk_idx[:n].copy_(topk_idx)
+    buf.topk_weights[:n].copy_(topk_weights)
+    buf.topk_idx[n:rows].fill_(-1)
+    buf.topk_weights[n:rows].fill_(0.0)
+    if rows > n:
+        buf.x[n:rows].view(torch.uint8).zero_()
+        buf.x_sf[n:rows].zero_()
+
+
 def reference_mega_moe(
     hidden_states: torch.Tensor,
     topk_idx: torch.Tensor,
@@ -200,6 +217,7 @@ def reference_mega_moe(
     local_forward=local_experts_forward,
     backend: str = "reference",
     combine_fn=None,
+    stage_fn=None,
 ) -> torch.Tensor:
     """One Mega MoE layer on this rank's tokens; BF16 ``[n, H]``.
 
@@ -208,7 +226,8 @@ def reference_mega_moe(
     The staging buffer comes from the shared cache (`buffers.get_buffer`). `local_forward` computes
     steps 3-6 for the gathered rows (signature of `local_experts_forward`; the Triton backend passes its
     kernels and its packed FP4 `experts`); staging, dispatch and combine are shared, keyed by `backend`.
-    `combine_fn` replaces `combine` with the same arithmetic (the Triton backend's one-kernel combine).
+    `combine_fn` and `stage_fn` replace `combine` and `stage` with the same arithmetic (the Triton backend's
+    one-kernel versions).
     """
     rank, size = _group_rank_size(group)
     n, hidden = hidden_states.shape
@@ -234,18 +253,7 @@ def reference_mega_moe(
     buf = get_buffer(key, n, group=group, allocate=allocate, max_tokens_per_rank=max_tokens_per_rank, device=device)
     rows = n if size == 1 else min(next_power_of_two(n), buf.num_max_tokens_per_rank)
 
-    # Stage (what the caller does for the kernel), padding the exchange rows with skipped slots.
-    x_fp8, x_sf = quantize_fp8(hidden_states)
-    buf.x[:n].copy_(x_fp8)
-    buf.x_sf[:n].copy_(float_to_ue8m0_bytes(x_sf))
-    buf.topk_idx[:n].copy_(topk_idx)
-    buf.topk_weights[:n].copy_(topk_weights)
-    buf.topk_idx[n:rows].fill_(-1)
-    buf.topk_weights[n:rows].fill_(0.0)
-    if rows > n:
-        buf.x[n:rows].view(torch.uint8).zero_()
-        buf.x_sf[n:rows].zero_()
-
+    (stage_fn or stage)(buf, hidden_states, topk_idx, topk_weights, rows)
     staged = (buf.x[:rows].view(torch.uint8), buf.x_sf[:rows], buf.topk_idx[:rows], buf.topk_weights[:rows])
     if size == 1:
         gathered = staged

@@ -16,6 +16,8 @@ cast (no 1e-4 floor, RNE to e4m3 with saturation, emulated bit for bit); L2 roun
 the slots in FP32 in slot order (`combine`, one kernel, the same arithmetic as `reference.combine`).
 
 How it is organized (the ideas of vLLM's fused_moe, triton_kernels' matmul_ogs and its Hopper MX layouts, Marlin):
+- staging (`stage`: the FP8 cast of the tokens, the routing copy, the exchange padding) and the L1 input
+  (`dequantize_x`) are one kernel each, the same bytes as the reference's torch ops (~20 launches at decode).
 - (token, slot) pairs are sorted by local expert on the device and cut into blocks of `block_t` rows of
   one expert (`route`: one Triton program up to `FUSED_ROUTE_MAX_SLOTS` pairs, torch ops above); the grid covers an
   upper bound of blocks, so nothing reads a device value on the host (CUDA-graph capturable) and programs past
@@ -23,19 +25,22 @@ How it is organized (the ideas of vLLM's fused_moe, triton_kernels' matmul_ogs a
 - swap-AB: the weight rows are the MMA's M dimension and the few tokens its N dimension, so decode
   batches of 1-16 rows per expert do not waste a 64-row MMA tile. Each weight tile is expanded in registers to
   BF16 (`_fp4_tile`: inline PTX on the GPU, Triton ops under the interpreter) and meets the activations in one MMA.
-- one program per (block, N tile) reads its weight slice once; at decode every SM streams weights.
+- one program per (block, N tile) reads its weight slice once; at decode every SM streams weights. A 1-2 token
+  batch has too few such programs, so L1 then splits the hidden dimension (`l1_split`, `_l1_reduce_kernel`).
 - L1 fuses SwiGLU, the clamp, the routing weight and the FP8 requantization into its epilogue; L2 writes
   each slot's output straight to its slot.
-Measured on an H200 (docs/benchmarks.md): 1.7-2.0x the FP4 bound at 16-256 tokens on the DeepSeek-V4 layer.
+Measured on an H200 (docs/benchmarks.md): 122 µs at 1 token, 1.6-1.8x the FP4 bound at 16-256 tokens on the
+DeepSeek-V4 layer; the kernels issue ~26 instructions per 8 weights (the expansion is 13 of them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from planc.runtime.megamoe.quant import GRAN, float_to_ue8m0_bytes
+from planc.runtime.megamoe.quant import float_to_ue8m0_bytes
 
 try:  # Triton ships with torch's CUDA builds; CPU CI installs it for the interpreter (TRITON_INTERPRET=1).
     import triton
@@ -180,6 +185,7 @@ class KernelConfig:
     l2_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    l1_split: int = 1  # L1 split-K: hidden slices per (block, N tile), a power of two
 
     def fit(self, hidden: int, inter: int) -> "KernelConfig":
         """The same config with each tile shrunk to a power of two that divides its dimension (K tiles: 64 or
@@ -196,9 +202,13 @@ class KernelConfig:
                 tile //= 2
             return tile
 
+        l1_k = div(self.l1_k, hidden, 64)
+        split = self.l1_split
+        while split > 1 and hidden % (l1_k * split):
+            split //= 2
         return KernelConfig(
-            self.block_t, div(self.l1_n, inter, 32), div(self.l1_k, hidden, 64), div(self.l2_n, hidden, 32),
-            div(self.l2_k, inter, 64), self.num_warps, self.num_stages,
+            self.block_t, div(self.l1_n, inter, 32), l1_k, div(self.l2_n, hidden, 32),
+            div(self.l2_k, inter, 64), self.num_warps, self.num_stages, split,
         )
 
 
@@ -212,13 +222,23 @@ _CONFIGS = (
 )
 
 
+# L1 programs below which its hidden dimension is split (`l1_split`): about 4 per SM of an H200. One program streams
+# weights at only a few GB/s (it waits on each MMA and on its loads), so a 1-token batch (6 experts x I / l1_n
+# programs) needs several per SM (measured on V4 at 1 token: 140 / 132 / 132 / 152 µs for 1 / 2 / 4 / 8 slices).
+_L1_MIN_PROGRAMS = 4 * 132
+
+
 def pick_config(num_rows: int, num_local_experts: int, hidden: int, inter: int) -> KernelConfig:
     """The tuned config for a batch of `num_rows` (token, slot) pairs (shape only: no device read)."""
     per_expert = num_rows / max(num_local_experts, 1)
     for bound, config in _CONFIGS:
         if bound is None or per_expert <= bound:
-            return config.fit(hidden, inter)
-    raise AssertionError("unreachable: the last config has no bound")
+            break
+    programs = min(num_rows, num_local_experts) * max(inter // config.l1_n, 1)  # L1 programs of one block per expert
+    split = 1
+    while split < 8 and programs * split < _L1_MIN_PROGRAMS:
+        split *= 2
+    return dataclasses.replace(config, l1_split=split).fit(hidden, inter)
 
 
 def max_blocks(num_slots: int, num_local_experts: int, block_t: int) -> int:
@@ -473,14 +493,99 @@ if triton is not None:
         return tl.where(v < 0, -r, r)
 
     @triton.jit
+    def _e4m3_bits(v):
+        """FP32 (|v| <= 448) -> its e4m3 byte, RNE as the hardware cast (the sign from v: -0.0 -> 0x80, as torch)."""
+        mag = tl.abs(_round_e4m3(v))
+        mbits = mag.to(tl.int32, bitcast=True)
+        normal = (((mbits >> 23) - 120) << 3) | ((mbits >> 20) & 7)
+        sub = (mag * 512.0).to(tl.int32)  # multiples of 2**-9 below 2**-6
+        return (tl.where(mag < 0.015625, sub, normal) | ((v.to(tl.int32, bitcast=True) >> 24) & 0x80)).to(tl.uint8)
+
+    @triton.jit
+    def _stage_kernel(x_ptr, idx_ptr, w_ptr, q_ptr, sf_ptr, idx_out_ptr, w_out_ptr, n, hidden, stride_x,
+                      NUM_TOPK: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr):
+        """`reference.stage` for one buffer row and BH channels: `quant.quantize_fp8` (amax floored at 1e-4, scale
+        rounded up to a power of two, RNE to e4m3) into the FP8 bytes and UE8M0 bytes, and (first program of the
+        row) its routing; rows past `n` are padding: zero bytes, slots -1, weights 0."""
+        row = tl.program_id(0)
+        valid = row < n
+        col = tl.program_id(1) * BH + tl.arange(0, BH)
+        ok = col < hidden
+        x = tl.load(x_ptr + row.to(tl.int64) * stride_x + col, mask=col < tl.where(valid, hidden, 0),
+                    other=0.0).to(tl.float32)
+        g = tl.reshape(x, (BH // 32, 32))
+        amax = tl.maximum(tl.max(tl.abs(g), axis=1), 1e-4)
+        bits = tl.div_rn(amax, 448.0).to(tl.int32, bitcast=True)
+        e = tl.minimum(tl.maximum(((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32), 1), 254)
+        sf_inv = tl.div_rn(1.0, (e << 23).to(tl.float32, bitcast=True))  # exact: a power of two
+        q = tl.reshape(_e4m3_bits(g * sf_inv[:, None]), (BH,))
+        tl.store(q_ptr + row.to(tl.int64) * hidden + col, tl.where(valid, q, 0), mask=ok)
+        grp = tl.program_id(1) * (BH // 32) + tl.arange(0, BH // 32)
+        tl.store(sf_ptr + row.to(tl.int64) * (hidden // 32) + grp, tl.where(valid, e, 0).to(tl.uint8),
+                 mask=grp < hidden // 32)
+        if tl.program_id(1) == 0:
+            j = tl.arange(0, BK)
+            jk = j < NUM_TOPK
+            mine = j < tl.where(valid, NUM_TOPK, 0)
+            idx = tl.load(idx_ptr + row * NUM_TOPK + j, mask=mine, other=-1)
+            w = tl.load(w_ptr + row * NUM_TOPK + j, mask=mine, other=0.0)
+            tl.store(idx_out_ptr + row * NUM_TOPK + j, idx, mask=jk)
+            tl.store(w_out_ptr + row * NUM_TOPK + j, w, mask=jk)
+
+    @triton.jit
+    def _dequant_x_kernel(q_ptr, sf_ptr, out_ptr, hidden, BH: tl.constexpr):
+        """FP8 bytes times their UE8M0 scales -> BF16 (exact: an e4m3 value times a power of two), for one row and
+        BH channels: what L1 reads."""
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.program_id(1) * BH + tl.arange(0, BH)
+        ok = col < hidden
+        b = tl.load(q_ptr + row * hidden + col, mask=ok, other=0).to(tl.int32)
+        s = tl.load(sf_ptr + row * (hidden // 32) + col // 32, mask=ok, other=0).to(tl.int32)
+        e = (b >> 3) & 15
+        normal = (((b & 0x80) << 24) | ((e + 120) << 23) | ((b & 7) << 20)).to(tl.float32, bitcast=True)
+        sub = (b & 7).to(tl.float32) * 0.001953125
+        v = tl.where(e == 0, tl.where((b & 0x80) != 0, -sub, sub), normal)
+        tl.store(out_ptr + row * hidden + col, _bf16_rne(v * (s << 23).to(tl.float32, bitcast=True)), mask=ok)
+
+    @triton.jit
+    def _swiglu_requant(acc_g, acc_u, topw, row_ok, clamp, HAS_CLAMP: tl.constexpr, BN: tl.constexpr,
+                        BT: tl.constexpr):
+        """L1's epilogue on FP32 gate/up sums ``[BN, BT]``: round to BF16 once, clamp, ``silu(gate) * up * topw``
+        in FP32, then the kernel's FP8 requantization per 32 channels (`quant.requantize_fp8_like_kernel`), as the
+        exact BF16 values of the FP8 numbers."""
+        gate = _bf16_rne(acc_g).to(tl.float32)
+        up = _bf16_rne(acc_u).to(tl.float32)
+        if HAS_CLAMP:  # `clamp` is already a BF16 value: clamping the BF16 numbers in FP32 is exact
+            gate = tl.minimum(gate, clamp)
+            up = tl.minimum(tl.maximum(up, -clamp), clamp)
+        silu = tl.div_rn(gate, 1.0 + tl.exp(-gate))
+        a = silu * up * topw[None, :]
+        a = tl.where(row_ok[None, :], a, 0.0)
+
+        a3 = tl.reshape(a, (BN // 32, 32, BT))
+        amax = tl.max(tl.abs(a3), axis=1)  # [BN/32, BT]
+        scaled = amax * (1.0 / 448.0)
+        sbits = scaled.to(tl.int32, bitcast=True)
+        e = ((sbits >> 23) & 0xFF) - 127 + ((sbits & 0x7FFFFF) != 0).to(tl.int32)
+        sf = (tl.maximum(e + 127, 0) << 23).to(tl.float32, bitcast=True)
+        sf_inv = (tl.minimum(tl.maximum(127 - e, 0), 254) << 23).to(tl.float32, bitcast=True)
+        q = a3 * sf_inv[:, None, :]
+        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+        q = _round_e4m3(q) * sf[:, None, :]
+        return tl.reshape(q, (BN, BT)).to(tl.bfloat16)  # exact: an e4m3 value times a power of two
+
+    @triton.jit
     def _l1_swiglu_kernel(
-        x_ptr, w_ptr, s_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr, block_end_ptr, out_ptr,
+        x_ptr, w_ptr, s_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr, block_end_ptr, out_ptr, ws_ptr,
         hidden, inter, num_topk, num_local,
         stride_x, stride_we, stride_se, stride_out,
         clamp,
         HAS_CLAMP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, LARGE: tl.constexpr,
-        INTERPRET: tl.constexpr, NUM_STAGES: tl.constexpr,
+        INTERPRET: tl.constexpr, NUM_STAGES: tl.constexpr, SPLIT: tl.constexpr,
     ):
+        """L1 of one block of rows and BN gate (and as many up) columns, over the hidden slice `program_id(2)` of
+        SPLIT: with SPLIT 1 it ends with the SwiGLU epilogue, else it writes its FP32 sums to `ws` for
+        `_l1_reduce_kernel` (split-K: more programs streaming weights when a batch has few blocks)."""
         pid_b = tl.program_id(0)
         pid_n = tl.program_id(1)
         expert = tl.load(block_expert_ptr + pid_b)
@@ -503,39 +608,54 @@ if triton is not None:
 
         acc_g = tl.zeros((BN, BT), dtype=tl.float32)
         acc_u = tl.zeros((BN, BT), dtype=tl.float32)
-        for k0 in tl.range(0, hidden, BK, num_stages=NUM_STAGES):
+        k_len = hidden // SPLIT
+        k_first = tl.program_id(2) * k_len
+        for k0 in tl.range(k_first, k_first + k_len, BK, num_stages=NUM_STAGES):
             x = tl.load(x_ptrs + k0, mask=row_ok[None, :], other=0.0)
             if INTERPRET:
                 x = x.to(tl.float32)
             acc_g = tl.dot(_fp4_tile(w_base, s_base, g_gate, k0 // 64, num_g, BN, BK, LARGE, INTERPRET), x, acc_g)
             acc_u = tl.dot(_fp4_tile(w_base, s_base, g_up, k0 // 64, num_g, BN, BK, LARGE, INTERPRET), x, acc_u)
 
-        gate = _bf16_rne(acc_g).to(tl.float32)  # L1 rounded to BF16 once
-        up = _bf16_rne(acc_u).to(tl.float32)
-        if HAS_CLAMP:  # `clamp` is already a BF16 value: clamping the BF16 numbers in FP32 is exact
-            gate = tl.minimum(gate, clamp)
-            up = tl.minimum(tl.maximum(up, -clamp), clamp)
-        topw = tl.load(weight_ptr + slot, mask=row_ok, other=0.0)
-        silu = tl.div_rn(gate, 1.0 + tl.exp(-gate))
-        a = silu * up * topw[None, :]
-        a = tl.where(row_ok[None, :], a, 0.0)
-
-        # The kernel's requantization per 32 intermediate channels (quant.requantize_fp8_like_kernel).
-        a3 = tl.reshape(a, (BN // 32, 32, BT))
-        amax = tl.max(tl.abs(a3), axis=1)  # [BN/32, BT]
-        scaled = amax * (1.0 / 448.0)
-        sbits = scaled.to(tl.int32, bitcast=True)
-        e = ((sbits >> 23) & 0xFF) - 127 + ((sbits & 0x7FFFFF) != 0).to(tl.int32)
-        sf = (tl.maximum(e + 127, 0) << 23).to(tl.float32, bitcast=True)
-        sf_inv = (tl.minimum(tl.maximum(127 - e, 0), 254) << 23).to(tl.float32, bitcast=True)
-        q = a3 * sf_inv[:, None, :]
-        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-        q = _round_e4m3(q) * sf[:, None, :]
-        q = tl.reshape(q, (BN, BT)).to(tl.bfloat16)  # exact: an e4m3 value times a power of two
-
         out_rows = pid_b * BT + tl.arange(0, BT)
-        out_ptrs = out_ptr + out_rows[None, :].to(tl.int64) * stride_out + offs_n[:, None]
-        tl.store(out_ptrs, q)
+        if SPLIT == 1:
+            topw = tl.load(weight_ptr + slot, mask=row_ok, other=0.0)
+            q = _swiglu_requant(acc_g, acc_u, topw, row_ok, clamp, HAS_CLAMP, BN, BT)
+            tl.store(out_ptr + out_rows[None, :].to(tl.int64) * stride_out + offs_n[:, None], q)
+        else:
+            ws = (ws_ptr + tl.program_id(2).to(tl.int64) * tl.num_programs(0) * BT * 2 * inter
+                  + out_rows[None, :].to(tl.int64) * (2 * inter) + offs_n[:, None])
+            tl.store(ws, acc_g, mask=row_ok[None, :])
+            tl.store(ws + inter, acc_u, mask=row_ok[None, :])
+
+    @triton.jit
+    def _l1_reduce_kernel(
+        ws_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr, block_end_ptr, out_ptr,
+        inter, num_local, stride_out, clamp,
+        HAS_CLAMP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+    ):
+        """Split-K L1's second half: the SPLIT partial sums of one block and BN columns, added in split order, then
+        the SwiGLU epilogue (`_swiglu_requant`)."""
+        pid_b = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        expert = tl.load(block_expert_ptr + pid_b)
+        if expert >= num_local:
+            return
+        rows = tl.load(block_row_ptr + pid_b) + tl.arange(0, BT)
+        row_ok = rows < tl.load(block_end_ptr + pid_b)
+        slot = tl.load(sorted_ptr + rows, mask=row_ok, other=0)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        out_rows = pid_b * BT + tl.arange(0, BT)
+        ws = ws_ptr + out_rows[None, :].to(tl.int64) * (2 * inter) + offs_n[:, None]
+        split_stride = tl.num_programs(0).to(tl.int64) * BT * 2 * inter
+        acc_g = tl.zeros((BN, BT), dtype=tl.float32)
+        acc_u = tl.zeros((BN, BT), dtype=tl.float32)
+        for i in tl.static_range(SPLIT):
+            acc_g += tl.load(ws + i * split_stride, mask=row_ok[None, :], other=0.0)
+            acc_u += tl.load(ws + i * split_stride + inter, mask=row_ok[None, :], other=0.0)
+        topw = tl.load(weight_ptr + slot, mask=row_ok, other=0.0)
+        q = _swiglu_requant(acc_g, acc_u, topw, row_ok, clamp, HAS_CLAMP, BN, BT)
+        tl.store(out_ptr + out_rows[None, :].to(tl.int64) * stride_out + offs_n[:, None], q)
 
     @triton.jit
     def _l2_kernel(
@@ -601,6 +721,32 @@ def combine(slot_outputs: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def stage(buf, hidden_states: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, rows: int) -> None:
+    """`reference.stage` in one kernel (the same bytes): at decode its ~20 small torch ops cost more than L2."""
+    n, hidden = hidden_states.shape
+    if rows == 0:
+        return
+    if hidden_states.stride(1) != 1:
+        hidden_states = hidden_states.contiguous()
+    num_topk = buf.topk_idx.shape[1]
+    bh = min(1024, triton.next_power_of_2(hidden))
+    _stage_kernel[(rows, triton.cdiv(hidden, bh))](
+        hidden_states, topk_idx.contiguous(), topk_weights.contiguous(), buf.x.view(torch.uint8), buf.x_sf,
+        buf.topk_idx, buf.topk_weights, n, hidden, hidden_states.stride(0),
+        NUM_TOPK=num_topk, BK=triton.next_power_of_2(num_topk), BH=bh, num_warps=4,
+    )
+
+
+def dequantize_x(x_fp8: torch.Tensor, x_sf: torch.Tensor) -> torch.Tensor:
+    """FP8 rows ``[M, H]`` with UE8M0 bytes ``[M, H/32]`` -> the exact BF16 values L1 reads, one kernel."""
+    m, hidden = x_fp8.shape
+    out = torch.empty((m, hidden), dtype=torch.bfloat16, device=x_fp8.device)
+    bh = min(1024, triton.next_power_of_2(hidden))
+    _dequant_x_kernel[(m, triton.cdiv(hidden, bh))](
+        x_fp8.contiguous().view(torch.uint8), x_sf.contiguous(), out, hidden, BH=bh, num_warps=4)
+    return out
+
+
 def triton_local_experts_forward(
     x_fp8: torch.Tensor,
     x_sf: torch.Tensor,
@@ -623,9 +769,7 @@ def triton_local_experts_forward(
     cfg = config or pick_config(m * k, num_local, hidden, inter)
     cfg = cfg.fit(hidden, inter)
 
-    # x as exact BF16 (an e4m3 value times a power of two), read by the L1 kernel by token.
-    scales = (x_sf.to(torch.int32) << 23).view(torch.float32).to(torch.bfloat16)
-    x = (x_fp8.to(torch.bfloat16).view(m, hidden // GRAN, GRAN) * scales.unsqueeze(2)).view(m, hidden)
+    x = dequantize_x(x_fp8, x_sf)  # read by the L1 kernel by token
     weights = topk_weights.reshape(-1).float().contiguous()
     sorted_slots, block_expert, block_row, block_end = route(
         topk_idx, first_expert=first_expert, num_local_experts=num_local, block_t=cfg.block_t
@@ -637,14 +781,23 @@ def triton_local_experts_forward(
     s1 = experts.s1.reshape(num_local, -1).view(torch.int32)  # one int32 per (K block, row group, r): `shuffle_fp4`
     s2 = experts.s2.reshape(num_local, -1).view(torch.int32)
     interpret = _interpreting()
-    _l1_swiglu_kernel[(nblocks, inter // cfg.l1_n)](
-        x, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act,
+    split = cfg.l1_split
+    ws = torch.empty((split, nblocks * cfg.block_t, 2 * inter) if split > 1 else (1,), dtype=torch.float32,
+                     device=device)
+    common = dict(HAS_CLAMP=clamp is not None, BT=cfg.block_t, BN=cfg.l1_n)
+    _l1_swiglu_kernel[(nblocks, inter // cfg.l1_n, split)](
+        x, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act, ws,
         hidden, inter, k, num_local,
         x.stride(0), w1.stride(0), s1.stride(0), act.stride(0),
         0.0 if clamp is None else clamp,
-        HAS_CLAMP=clamp is not None, BT=cfg.block_t, BN=cfg.l1_n, BK=cfg.l1_k, LARGE=experts.large_scales,
-        INTERPRET=interpret, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BK=cfg.l1_k, LARGE=experts.large_scales, INTERPRET=interpret, NUM_STAGES=cfg.num_stages, SPLIT=split,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
     )
+    if split > 1:
+        _l1_reduce_kernel[(nblocks, inter // cfg.l1_n)](
+            ws, sorted_slots, weights, block_expert, block_row, block_end, act, inter, num_local, act.stride(0),
+            0.0 if clamp is None else clamp, SPLIT=split, num_warps=4, **common,
+        )
     _l2_kernel[(nblocks, hidden // cfg.l2_n)](
         act, w2, s2, sorted_slots, block_expert, block_row, block_end, out,
         hidden, inter, num_local,
