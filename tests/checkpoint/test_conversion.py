@@ -77,3 +77,12 @@ def test_mixtral_mapping_gets_the_single_copy_pair():
     names = [type(op).__name__ for op in ops]
     assert "StackedConcatenate" in names and "Concatenate" not in names
     assert all(isinstance(op, (MergeModulelist, Concatenate)) for op in ops)  # subclasses: reverse ops inherited
+
+
+def test_empty_list_fails_as_transformers_does():
+    inputs = _experts()
+    inputs[SOURCES[1]] = []
+    with pytest.raises(RuntimeError):
+        _run(_converter().operations, inputs)
+    with pytest.raises(RuntimeError):
+        _run(shard_aware([_converter()])[0].operations, inputs)

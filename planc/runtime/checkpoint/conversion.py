@@ -69,21 +69,14 @@ def _single_copy_merge_classes():
             target = self.get_target_pattern(target_patterns)
             groups = [input_dict.pop(p) for p in source_patterns if p in input_dict]
             stacks = [g if isinstance(g, torch.Tensor) else None for g in groups]
-            heads = [g[0] if s is None else s[0] for g, s in zip(groups, stacks)]
-            counts = [len(g) if s is None else s.shape[0] for g, s in zip(groups, stacks)]
-            d = self.dim - 1  # the concatenated dim of one expert's tensor
-            alike = all(
-                h.dtype == heads[0].dtype and h.device == heads[0].device and h.dim() == heads[0].dim()
-                and h.shape[:d] + h.shape[d + 1:] == heads[0].shape[:d] + heads[0].shape[d + 1:]
-                for h in heads
-            ) and len(set(counts)) == 1 and all(s is not None or all(t.shape == g[0].shape for t in g)
-                                                for g, s in zip(groups, stacks))
-            if self.dim < 1 or not alike:  # what transformers' pair does, with its own errors
+            if not self._fusable(groups, stacks):  # what transformers' pair does, with its own errors
                 return {target: torch.cat([g if s is not None else torch.stack(g) for g, s in zip(groups, stacks)],
                                           dim=self.dim)}
+            heads = [g[0] if s is None else s[0] for g, s in zip(groups, stacks)]
+            d = self.dim - 1  # the concatenated dim of one expert's tensor
             shape = list(heads[0].shape)
             shape[d] = sum(h.shape[d] for h in heads)
-            out = torch.empty((counts[0], *shape), dtype=heads[0].dtype, device=heads[0].device)
+            out = torch.empty((len(groups[0]), *shape), dtype=heads[0].dtype, device=heads[0].device)
             offset = 0
             for group, stack, head in zip(groups, stacks, heads):
                 part = out.narrow(self.dim, offset, head.shape[d])
@@ -94,6 +87,20 @@ def _single_copy_merge_classes():
                         part[e].copy_(tensor)
                 offset += head.shape[d]
             return {target: out}
+
+        def _fusable(self, groups, stacks) -> bool:
+            """Equal expert counts, one dtype and device, shapes equal but for the concatenated dim."""
+            if self.dim < 1 or not groups or any(len(g) == 0 for g in groups):
+                return False
+            d = self.dim - 1
+            heads = [g[0] if s is None else s[0] for g, s in zip(groups, stacks)]
+            others = [h.shape[:d] + h.shape[d + 1:] for h in heads]
+            return (
+                len({len(g) for g in groups}) == 1
+                and all(h.dtype == heads[0].dtype and h.device == heads[0].device for h in heads)
+                and all(h.dim() == heads[0].dim() and o == others[0] for h, o in zip(heads, others))
+                and all(s is not None or all(t.shape == g[0].shape for t in g) for g, s in zip(groups, stacks))
+            )
 
     return ListsThrough, StackedConcatenate
 
