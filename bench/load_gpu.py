@@ -142,7 +142,8 @@ def main(argv=None) -> int:
     layer_experts_bf16 = cfg.n_routed_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
     ckpt = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     out = {
-        "layers": args.layers, "experts": args.experts, "checkpoint_gib": ckpt / GIB, "write_s": write_s, "load_s": load_s,
+        "layers": args.layers, "experts": args.experts, "checkpoint_gib": ckpt / GIB, "write_s": write_s,
+        "load_s": load_s,
         "gpu_peak_gib": peak / GIB, "held_gib": held / GIB, "one_layer_bf16_experts_gib": layer_experts_bf16 / GIB,
         "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20),
         "device": torch.cuda.get_device_name() if gpu else "cpu",
@@ -152,7 +153,8 @@ def main(argv=None) -> int:
         ids = torch.randint(0, cfg.vocab_size, (1, 8), device=device)
         out["logits_finite"] = bool(torch.isfinite(model(ids).logits).all())
     print(json.dumps(out, indent=1))
-    print(f"\nDeepSeek-V4 x{args.layers} layers (checkpoint {out['checkpoint_gib']:.1f} GiB, {args.experts} experts) -> GPU: peak "
+    print(f"\nDeepSeek-V4 x{args.layers} layers (checkpoint {out['checkpoint_gib']:.1f} GiB, {args.experts} experts) "
+          f"-> GPU: peak "
           f"{out['gpu_peak_gib']:.2f} GiB for {out['held_gib']:.2f} GiB of local shards (ratio "
           f"{out['gpu_peak_gib'] / out['held_gib']:.2f}); one layer's bf16 experts {out['one_layer_bf16_experts_gib']:.2f} GiB; "
           f"load {load_s:.1f} s")
