@@ -575,6 +575,13 @@ if triton is not None:
         return tl.reshape(q, (BN, BT)).to(tl.bfloat16)  # exact: an e4m3 value times a power of two
 
     @triton.jit
+    def _block_slots(sorted_ptr, block_row_ptr, block_end_ptr, pid_b, BT: tl.constexpr):
+        """The BT sorted rows of block `pid_b` (`route`): which are real, and the (token, slot) index of each."""
+        rows = tl.load(block_row_ptr + pid_b) + tl.arange(0, BT)
+        row_ok = rows < tl.load(block_end_ptr + pid_b)
+        return row_ok, tl.load(sorted_ptr + rows, mask=row_ok, other=0)
+
+    @triton.jit
     def _l1_swiglu_kernel(
         x_ptr, w_ptr, s_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr, block_end_ptr, out_ptr, ws_ptr,
         hidden, inter, num_topk, num_local,
@@ -591,11 +598,7 @@ if triton is not None:
         expert = tl.load(block_expert_ptr + pid_b)
         if expert >= num_local:
             return
-        row0 = tl.load(block_row_ptr + pid_b)
-        row_end = tl.load(block_end_ptr + pid_b)
-        rows = row0 + tl.arange(0, BT)
-        row_ok = rows < row_end
-        slot = tl.load(sorted_ptr + rows, mask=row_ok, other=0)
+        row_ok, slot = _block_slots(sorted_ptr, block_row_ptr, block_end_ptr, pid_b, BT)
         token = slot // num_topk
 
         offs_n = pid_n * BN + tl.arange(0, BN)
@@ -641,9 +644,7 @@ if triton is not None:
         expert = tl.load(block_expert_ptr + pid_b)
         if expert >= num_local:
             return
-        rows = tl.load(block_row_ptr + pid_b) + tl.arange(0, BT)
-        row_ok = rows < tl.load(block_end_ptr + pid_b)
-        slot = tl.load(sorted_ptr + rows, mask=row_ok, other=0)
+        row_ok, slot = _block_slots(sorted_ptr, block_row_ptr, block_end_ptr, pid_b, BT)
         offs_n = pid_n * BN + tl.arange(0, BN)
         out_rows = pid_b * BT + tl.arange(0, BT)
         ws = ws_ptr + out_rows[None, :].to(tl.int64) * (2 * inter) + offs_n[:, None]
@@ -670,11 +671,7 @@ if triton is not None:
         expert = tl.load(block_expert_ptr + pid_b)
         if expert >= num_local:
             return
-        row0 = tl.load(block_row_ptr + pid_b)
-        row_end = tl.load(block_end_ptr + pid_b)
-        rows = row0 + tl.arange(0, BT)
-        row_ok = rows < row_end
-        slot = tl.load(sorted_ptr + rows, mask=row_ok, other=0)
+        row_ok, slot = _block_slots(sorted_ptr, block_row_ptr, block_end_ptr, pid_b, BT)
 
         offs_n = pid_n * BN + tl.arange(0, BN)
         w_base = w_ptr + expert.to(tl.int64) * stride_we
