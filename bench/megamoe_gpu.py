@@ -2,7 +2,8 @@
 
 One rank over NCCL (a world of 1 on a free port), one layer, FP4 experts (the same FP4 parameters for both
 backends; the Triton module reorders them once into its layout on its first call, the reference dequantizes
-them once to BF16). Per batch size (decode 1/16/64/256, prefill 4096), CUDA-event medians over `--iters` after `--warmup`, in µs:
+them once to BF16). Per batch size (decode 1/16/64/256, prefill 4096), CUDA-event medians over `--iters` after
+`--warmup`, in µs:
 - `triton_us` / `reference_us`: one MoE layer through `MegaMoeEPRuntime` -> installed forward, CUDA-graph
   replay (a capture fails on any host sync; one eager forward also runs under
   `torch.cuda.set_sync_debug_mode("error")`); `triton_eager_us`: the same without the graph.
@@ -59,6 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--bf16-tflops", type=float, default=989.0, help="dense BF16 rate for the bound (H200: 989)")
     p.add_argument("--no-reference", action="store_true", help="skip the reference and grouped_mm columns")
     p.add_argument("--sweep", action="store_true", help="time the Triton tile configs instead (see above)")
+    p.add_argument("--configs", default=None, metavar="BT,L1N,L1K,L2N,L2K,WARPS,STAGES[,SPLIT];...",
+                   help="with --sweep: these KernelConfig fields instead of the built-in candidates")
     p.add_argument("--profile", type=int, default=None, metavar="TOKENS",
                    help="print the GPU kernels of one Triton layer call at this batch size (torch.profiler) and stop")
     p.add_argument("--json", default=None, help="write the results here")
@@ -69,6 +72,8 @@ def parse_args(argv=None):
         if args.tokens == p.get_default("tokens"):
             args.tokens = "1,16,64"
     args.tokens = [int(t) for t in args.tokens.split(",")]
+    if args.configs:
+        args.configs = [KernelConfig(*(int(v) for v in c.split(","))) for c in args.configs.split(";") if c.strip()]
     return args
 
 
@@ -229,7 +234,7 @@ def sweep(args, device, measure, packed):
         sf = float_to_ue8m0_bytes(sf)
         picked = pick_config(n * args.topk, args.experts, args.hidden, args.intermediate)
         row = {"tokens": n, "picked": picked.__dict__, "configs": []}
-        for cfg in dict.fromkeys([picked, *SWEEP]):
+        for cfg in dict.fromkeys([picked, *(args.configs or SWEEP)]):
             if n < 64 and cfg.block_t > 16:
                 continue  # big token tiles for a decode batch: never competitive
             try:
@@ -248,7 +253,24 @@ def sweep(args, device, measure, packed):
         row["best"] = best
         print(f"T={n}: best {best['us']:.1f} us {best['config']}; picked {picked}", file=sys.stderr)
         results.append(row)
+    print_sweep(results)
     return results
+
+
+def print_sweep(results):
+    """The sweep as one Markdown table: a row per config, a column per batch size (µs; * the fastest, p the picked)."""
+    fields = ("block_t", "l1_n", "l1_k", "l2_n", "l2_k", "num_warps", "num_stages", "l1_split")
+    key = lambda c: tuple(c[f] for f in fields)  # noqa: E731
+    configs = list(dict.fromkeys(key(c["config"]) for r in results for c in r["configs"]))
+    print("\n| " + ",".join(fields) + " | " + " | ".join(f"T={r['tokens']}" for r in results) + " |")
+    print("|---|" + "---:|" * len(results))
+    for cfg in configs:
+        cells = []
+        for r in results:
+            us = {key(c["config"]): c["us"] for c in r["configs"]}.get(cfg)
+            mark = ("*" if cfg == key(r["best"]["config"]) else "") + ("p" if cfg == key(r["picked"]) else "")
+            cells.append("-" if us is None else f"{us:.1f}{mark}")
+        print("| " + ",".join(map(str, cfg)) + " | " + " | ".join(cells) + " |")
 
 
 def main(argv=None):

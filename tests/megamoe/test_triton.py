@@ -178,6 +178,8 @@ def test_picked_config_fits_the_shapes():
     cfg = pick_config(6, 384, 7168, 3072)
     assert 7168 % cfg.l1_k == 0 and 3072 % cfg.l1_n == 0 and 3072 % cfg.l2_k == 0 and 7168 % cfg.l2_n == 0
     assert cfg.l1_split == 2 and 7168 % (cfg.l1_k * cfg.l1_split) == 0  # 1 token: 6 x 48 L1 programs, split in 2
+    assert pick_config(4096 * 6, 384, 7168, 3072).block_t == 64  # V4 prefill: 64 rows per expert
+    assert pick_config(4096 * 6, 64, 2048, 1408).block_t == 128  # mid-size prefill: 384 rows per expert
     assert pick_config(96, 384, 7168, 3072).l1_split == 1  # 16 tokens fill the GPU unsplit
     small = pick_config(24576, 8, 128, 64)
     assert 64 % small.l1_n == 0 and 128 % small.l1_k == 0 and small.l1_n % 32 == 0

@@ -30,7 +30,9 @@ How it is organized (the ideas of vLLM's fused_moe, triton_kernels' matmul_ogs a
 - L1 fuses SwiGLU, the clamp, the routing weight and the FP8 requantization into its epilogue; L2 writes
   each slot's output straight to its slot.
 Measured on an H200 (docs/benchmarks.md): 122 µs at 1 token, 1.6-1.8x the FP4 bound at 16-256 tokens on the
-DeepSeek-V4 layer; the kernels issue ~26 instructions per 8 weights (the expansion is 13 of them).
+DeepSeek-V4 layer; the kernels issue ~26 instructions per 8 weights (the expansion is 13 of them), and under
+Triton 3.6 ptxas serializes every wgmma of the loop (C7515: Triton splits the register-operand MMA chain with waits
+that name the accumulators); Triton 3.9 compiles the same source without that.
 """
 
 from __future__ import annotations
@@ -218,7 +220,11 @@ _CONFIGS = (
     # (up to this many rows per local expert on average, config)
     (16, KernelConfig(block_t=16, l1_n=64, l1_k=128, l2_n=64, l2_k=128, num_warps=4, num_stages=3)),
     (48, KernelConfig(block_t=32, l1_n=128, l1_k=128, l2_n=128, l2_k=128, num_warps=8, num_stages=3)),
-    (None, KernelConfig(block_t=64, l1_n=128, l1_k=64, l2_n=128, l2_k=64, num_warps=8, num_stages=3)),
+    (96, KernelConfig(block_t=64, l1_n=128, l1_k=64, l2_n=128, l2_k=64, num_warps=8, num_stages=3)),
+    # Above ~96 rows per expert 128-row blocks pad no more than 64-row ones and expand each weight half as often
+    # (mid-size layer at 4096 tokens, 384 rows per expert: 1406 against 1754 µs; V4 at 4096 tokens, 64 rows per
+    # expert, where they would double the padding: 20.6 ms against 15.1).
+    (None, KernelConfig(block_t=128, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=3)),
 )
 
 
@@ -369,19 +375,30 @@ if triton is not None:
         return tl.reshape(p, (p.shape[0], p.shape[1], p.shape[2], 4))
 
     @triton.jit
-    def _fp4_tile(w_base, s_base, g0, kc0, num_g, BN: tl.constexpr, BK: tl.constexpr, LARGE: tl.constexpr,
-                  INTERPRET: tl.constexpr):
-        """The [BN, BK] weight tile of rows 16*g0.. and K 64*kc0.. (`shuffle_fp4` layout, `num_g` = N / 16 row
-        groups) as BF16 (FP32 under the interpreter, whose dot multiplies BF16 operands as integers), each weight
-        times its UE8M0 scale, exact. Every thread loads 16 contiguous bytes per 64 K of one 16-row group: its own
-        MMA operand registers, expanded in place."""
+    def _fp4_offsets(g0, num_g, BN: tl.constexpr, BK: tl.constexpr):
+        """int32 offsets (in words, and in scale words) of the [BN, BK] tile of rows 16*g0.. at K 0 in the
+        `shuffle_fp4` layout (`num_g` = N / 16 row groups); the tile at K 64*kc starts kc * num_g * 128 words (kc *
+        num_g * 8 scale words) further. Every thread reads 16 contiguous bytes per 64 K of one 16-row group: its own
+        MMA operand registers. Computed once per program: the K loop only moves a scalar base."""
         G: tl.constexpr = BN // 16
         KC: tl.constexpr = BK // 64
-        blk = (kc0 + tl.arange(0, KC)[:, None]).to(tl.int64) * num_g + g0 + tl.arange(0, G)[None, :]  # [KC, G]
+        blk = tl.arange(0, KC)[:, None] * num_g + g0 + tl.arange(0, G)[None, :]  # [KC, G]
         lane = tl.arange(0, 32)  # 4 r + q
-        w = tl.load(w_base + blk[:, :, None, None] * 128 + lane[None, None, :, None] * 4
-                    + tl.arange(0, 4)[None, None, None, :])  # [KC, G, 32, 4] words
-        sw = tl.load(s_base + blk[:, :, None] * 8 + (lane // 4)[None, None, :])  # [KC, G, 32] scale words
+        w_off = blk[:, :, None, None] * 128 + lane[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :]
+        s_off = blk[:, :, None] * 8 + (lane // 4)[None, None, :]
+        return w_off, s_off  # [KC, G, 32, 4] words, [KC, G, 32] scale words
+
+    @triton.jit
+    def _fp4_tile(w_base, s_base, w_off, s_off, kc, num_g, BN: tl.constexpr, BK: tl.constexpr, LARGE: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+        """The [BN, BK] weight tile at K 64*kc (`_fp4_offsets`) as BF16 (FP32 under the interpreter, whose dot
+        multiplies BF16 operands as integers), each weight times its UE8M0 scale, exact: expanded in the registers
+        its words were loaded into."""
+        G: tl.constexpr = BN // 16
+        KC: tl.constexpr = BK // 64
+        step = kc * num_g  # int32: offsets within one expert stay below 2**31 (`stride_we` words)
+        w = tl.load(w_base + step * 128 + w_off)  # [KC, G, 32, 4] words
+        sw = tl.load(s_base + step * 8 + s_off)  # [KC, G, 32] scale words
         if INTERPRET:
             m: tl.constexpr = -2118090304  # 0x81C081C0
             o0 = w & m
@@ -605,8 +622,8 @@ if triton is not None:
         w_base = w_ptr + expert.to(tl.int64) * stride_we
         s_base = s_ptr + expert.to(tl.int64) * stride_se
         num_g = inter // 8  # 2I rows in groups of 16
-        g_gate = pid_n * (BN // 16)
-        g_up = g_gate + inter // 16
+        wg_off, sg_off = _fp4_offsets(pid_n * (BN // 16), num_g, BN, BK)  # gate rows
+        wu_off, su_off = _fp4_offsets(pid_n * (BN // 16) + inter // 16, num_g, BN, BK)  # up rows
         x_ptrs = x_ptr + token[None, :].to(tl.int64) * stride_x + tl.arange(0, BK)[:, None]  # [BK, BT]
 
         acc_g = tl.zeros((BN, BT), dtype=tl.float32)
@@ -617,8 +634,9 @@ if triton is not None:
             x = tl.load(x_ptrs + k0, mask=row_ok[None, :], other=0.0)
             if INTERPRET:
                 x = x.to(tl.float32)
-            acc_g = tl.dot(_fp4_tile(w_base, s_base, g_gate, k0 // 64, num_g, BN, BK, LARGE, INTERPRET), x, acc_g)
-            acc_u = tl.dot(_fp4_tile(w_base, s_base, g_up, k0 // 64, num_g, BN, BK, LARGE, INTERPRET), x, acc_u)
+            kc = k0 // 64
+            acc_g = tl.dot(_fp4_tile(w_base, s_base, wg_off, sg_off, kc, num_g, BN, BK, LARGE, INTERPRET), x, acc_g)
+            acc_u = tl.dot(_fp4_tile(w_base, s_base, wu_off, su_off, kc, num_g, BN, BK, LARGE, INTERPRET), x, acc_u)
 
         out_rows = pid_b * BT + tl.arange(0, BT)
         if SPLIT == 1:
@@ -680,12 +698,13 @@ if triton is not None:
         a_ptrs = a_ptr + a_rows[None, :].to(tl.int64) * stride_a + tl.arange(0, BK)[:, None]  # [BK, BT]
 
         acc = tl.zeros((BN, BT), dtype=tl.float32)
+        num_g = hidden // 16
+        w_off, s_off = _fp4_offsets(pid_n * (BN // 16), num_g, BN, BK)
         for k0 in tl.range(0, inter, BK, num_stages=NUM_STAGES):
             x = tl.load(a_ptrs + k0)
             if INTERPRET:
                 x = x.to(tl.float32)
-            acc = tl.dot(_fp4_tile(w_base, s_base, pid_n * (BN // 16), k0 // 64, hidden // 16, BN, BK, LARGE,
-                                   INTERPRET), x, acc)
+            acc = tl.dot(_fp4_tile(w_base, s_base, w_off, s_off, k0 // 64, num_g, BN, BK, LARGE, INTERPRET), x, acc)
 
         out_ptrs = out_ptr + slot[None, :].to(tl.int64) * stride_out + offs_n[:, None]
         tl.store(out_ptrs, _bf16_rne(acc), mask=row_ok[None, :])  # L2 rounded to BF16
