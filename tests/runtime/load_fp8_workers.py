@@ -214,6 +214,7 @@ def save_fp4_experts(model, path: Path, *, max_shard_size) -> dict:
     UE8M0 (float8_e8m0fnu) per 32 along the input dim, with `quantization_config: {quant_method: fp8, scale_fmt:
     ue8m0, expert_dtype: fp4, ...}`. Returns every layer's stacked FP4 tensors (on the CPU). Also bench/load_gpu.py's
     writer, at full width."""
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     from planc.runtime.megamoe.experts import quantize_to_fp4
@@ -226,8 +227,9 @@ def save_fp4_experts(model, path: Path, *, max_shard_size) -> dict:
     model.save_pretrained(path, max_shard_size=max_shard_size)
     if (path / "model.safetensors.index.json").is_file():
         index = json.loads((path / "model.safetensors.index.json").read_text())
-    else:  # one file: indexed below like a sharded save
-        keys = load_file(path / "model.safetensors")
+    else:  # one file: indexed below like a sharded save (its keys from the header; the loop reads the tensors)
+        with safe_open(path / "model.safetensors", framework="pt") as f:
+            keys = list(f.keys())
         index = {"metadata": {}, "weight_map": dict.fromkeys(keys, "model.safetensors")}
     weight_map = index["weight_map"]
     for file in sorted(set(weight_map.values())):
