@@ -4,7 +4,8 @@
 `torch.multiprocessing.spawn`, initialises a gloo process group in each on a free port (retrying when
 another process grabbed the port first), calls `fn(rank, world_size, *args)` and returns the list of
 per-rank return values (they must be picklable; `fn` must be a module-level function). An exception on
-any rank raises `torch.multiprocessing.ProcessRaisedException` with that rank's traceback.
+any rank raises `torch.multiprocessing.ProcessRaisedException` with the traceback of the first rank to fail: that
+rank, or a peer whose collective broke when the failing rank went away.
 """
 
 from __future__ import annotations

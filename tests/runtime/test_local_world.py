@@ -11,6 +11,10 @@ def _report(rank, world_size, tag):
     return rank, world_size, dist.get_rank(), dist.get_world_size(), tag
 
 
+def _fail_on_every_rank(rank, world_size):
+    raise ValueError(f"rank {rank} refuses")
+
+
 def _fail_on_rank_one(rank, world_size):
     if rank == 1:
         raise ValueError("rank one refuses")
@@ -21,6 +25,13 @@ def test_results_come_back_by_rank():
     assert run_local_world(_report, 2, "x") == [(0, 2, 0, 2, "x"), (1, 2, 1, 2, "x")]
 
 
-def test_an_exception_on_one_rank_is_raised_with_its_traceback():
-    with pytest.raises(mp.ProcessRaisedException, match="rank one refuses"):
+def test_a_rank_exception_is_raised_with_its_traceback():
+    with pytest.raises(mp.ProcessRaisedException, match=r"ValueError: rank [01] refuses"):
+        run_local_world(_fail_on_every_rank, 2)
+
+
+def test_one_failing_rank_fails_the_world():
+    """The first rank to exit with an error is reported: the failing rank, or its peer whose closing barrier broke
+    when the failing rank's connection went away (a gloo transport error; both happen)."""
+    with pytest.raises(mp.ProcessRaisedException, match=r"rank one refuses|gloo/transport"):
         run_local_world(_fail_on_rank_one, 2)
