@@ -40,7 +40,12 @@ from planc.runtime.ep.megamoe import MegaMoeEPRuntime  # noqa: E402
 from planc.runtime.megamoe import buffer_stats, destroy_megamoe_buffers, install_megamoe_forward  # noqa: E402
 from planc.runtime.megamoe import megamoe_state  # noqa: E402
 from planc.runtime.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_fp8  # noqa: E402
-from planc.runtime.megamoe.triton_backend import KernelConfig, pick_config, triton_local_experts_forward  # noqa: E402
+from planc.runtime.megamoe.triton_backend import (  # noqa: E402
+    KernelConfig,
+    pick_config,
+    sm_count,
+    triton_local_experts_forward,
+)
 
 
 def parse_args(argv=None):
@@ -232,7 +237,7 @@ def sweep(args, device, measure, packed):
         w, idx = torch.topk(torch.softmax(scores, -1), args.topk, dim=-1)
         q, sf = quantize_fp8(x)
         sf = float_to_ue8m0_bytes(sf)
-        picked = pick_config(n * args.topk, args.experts, args.hidden, args.intermediate)
+        picked = pick_config(n * args.topk, args.experts, args.hidden, args.intermediate, sm_count(device))
         row = {"tokens": n, "picked": picked.__dict__, "configs": []}
         for cfg in dict.fromkeys([picked, *(args.configs or SWEEP)]):
             if n < 64 and cfg.block_t > 16:

@@ -177,9 +177,12 @@ def test_local_expert_range_and_no_local_expert(experts):
 def test_picked_config_fits_the_shapes():
     cfg = pick_config(6, 384, 7168, 3072)
     assert 7168 % cfg.l1_k == 0 and 3072 % cfg.l1_n == 0 and 3072 % cfg.l2_k == 0 and 7168 % cfg.l2_n == 0
-    assert cfg.l1_split == 2 and 7168 % (cfg.l1_k * cfg.l1_split) == 0  # 1 token: 6 x 48 L1 programs, split in 2
+    assert cfg.l1_split == 4 and 7168 % (cfg.l1_k * cfg.l1_split) == 0  # 1 token: 6 x 48 L1 programs, split in 4
+    assert pick_config(6, 384, 7168, 3072, num_sms=66).l1_split == 2  # half the SMs: half the programs needed
+    assert pick_config(6, 64, 2048, 1408).l1_split == 2  # mid-size: 32 K tiles, each slice keeps 4 pipeline depths
     assert pick_config(4096 * 6, 384, 7168, 3072).block_t == 64  # V4 prefill: 64 rows per expert
-    assert pick_config(4096 * 6, 64, 2048, 1408).block_t == 128  # mid-size prefill: 384 rows per expert
+    prefill = pick_config(4096 * 6, 64, 2048, 1408)  # mid-size prefill: 384 rows per expert, 192 row blocks
+    assert prefill.block_t == 128 and prefill.l1_split == 1  # blocks fill the GPU: no split-K
     assert pick_config(96, 384, 7168, 3072).l1_split == 1  # 16 tokens fill the GPU unsplit
     small = pick_config(24576, 8, 128, 64)
     assert 64 % small.l1_n == 0 and 128 % small.l1_k == 0 and small.l1_n % 32 == 0

@@ -29,10 +29,11 @@ How it is organized (the ideas of vLLM's fused_moe, triton_kernels' matmul_ogs a
   batch has too few such programs, so L1 then splits the hidden dimension (`l1_split`, `_l1_reduce_kernel`).
 - L1 fuses SwiGLU, the clamp, the routing weight and the FP8 requantization into its epilogue; L2 writes
   each slot's output straight to its slot.
-Measured on an H200 (docs/benchmarks.md): 122 µs at 1 token, 1.6-1.8x the FP4 bound at 16-256 tokens on the
-DeepSeek-V4 layer; the kernels issue ~26 instructions per 8 weights (the expansion is 13 of them), and under
-Triton 3.6 ptxas serializes every wgmma of the loop (C7515: Triton splits the register-operand MMA chain with waits
-that name the accumulators); Triton 3.9 compiles the same source without that.
+Measured on an H200 (docs/benchmarks.md), Triton 3.6 and 3.7.1 alike: ~108 µs at 1 token, 1.51-1.54x the FP4 bound
+at 16-64 tokens and 1.7x at 256 on the DeepSeek-V4 layer. A decode batch is bound by the weight bytes each SM has in
+flight (programs per SM: K tiles of 64 keep a program at ~55 registers) and by the ~24-30 instructions per 8 weights
+(the expansion is 13 of them); ptxas serializes the K loop's wgmma (C7515: Triton splits the register-operand MMA
+chain with waits that name the accumulators), which costs less than the registers that avoiding it takes.
 """
 
 from __future__ import annotations
@@ -214,35 +215,53 @@ class KernelConfig:
         )
 
 
-# Tuned on an H200 (bench/megamoe_gpu.py --sweep, DeepSeek-V4 layer; docs/benchmarks.md has the sweep),
-# keyed by the average (token, slot) rows per local expert, a function of the shapes only.
+# Tuned on an H200 (bench/megamoe_gpu.py --sweep on the DeepSeek-V4 and the mid-size layer, under Triton 3.6 (torch
+# 2.11) and 3.7.1 (torch 2.13); docs/benchmarks.md has the sweeps), keyed by the average (token, slot) rows per local
+# expert, a function of the shapes only. K tiles of 64 everywhere: a program then holds ~55 registers instead of
+# ~125 and twice as many run per SM, and the weight bytes in flight per SM (not the MMA issue) bound a decode batch:
+# under Triton 3.7.1 the K-128 tiles that were tuned on 3.6 ran V4 at 16 tokens in 1437 µs against 973.
 _CONFIGS = (
     # (up to this many rows per local expert on average, config)
-    (16, KernelConfig(block_t=16, l1_n=64, l1_k=128, l2_n=64, l2_k=128, num_warps=4, num_stages=3)),
-    (48, KernelConfig(block_t=32, l1_n=128, l1_k=128, l2_n=128, l2_k=128, num_warps=8, num_stages=3)),
-    (96, KernelConfig(block_t=64, l1_n=128, l1_k=64, l2_n=128, l2_k=64, num_warps=8, num_stages=3)),
+    (16, KernelConfig(block_t=16, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=4)),
+    (48, KernelConfig(block_t=32, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=5)),
+    (96, KernelConfig(block_t=64, l1_n=128, l1_k=64, l2_n=128, l2_k=64, num_warps=8, num_stages=4)),
     # Above ~96 rows per expert 128-row blocks pad no more than 64-row ones and expand each weight half as often
-    # (mid-size layer at 4096 tokens, 384 rows per expert: 1406 against 1754 µs; V4 at 4096 tokens, 64 rows per
-    # expert, where they would double the padding: 20.6 ms against 15.1).
-    (None, KernelConfig(block_t=128, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=3)),
+    # (mid-size layer at 4096 tokens, 384 rows per expert: 1418 / 1288 µs (Triton 3.6 / 3.7.1) against 1748 / 1491;
+    # V4 at 4096 tokens, 64 rows per expert, where they would double the padding: 14568 against 14507 under 3.6).
+    (None, KernelConfig(block_t=128, l1_n=128, l1_k=64, l2_n=128, l2_k=64, num_warps=8, num_stages=4)),
 )
 
 
-# L1 programs below which its hidden dimension is split (`l1_split`): about 4 per SM of an H200. One program streams
-# weights at only a few GB/s (it waits on each MMA and on its loads), so a 1-token batch (6 experts x I / l1_n
-# programs) needs several per SM (measured on V4 at 1 token: 140 / 132 / 132 / 152 µs for 1 / 2 / 4 / 8 slices).
-_L1_MIN_PROGRAMS = 4 * 132
+# L1 splits its hidden dimension (`l1_split`) until there are ~8 L1 programs per SM, keeping at least 4 pipeline
+# depths of K tiles per slice. One program streams weights at only a few GB/s (it waits on its loads and MMAs), so
+# a 1-token batch (6 experts x I / l1_n programs) needs several per SM: V4 at 1 token, 288 programs, 1 / 2 / 4 / 8
+# slices: 121 / 116 / 106 / 112 µs (Triton 3.7.1); the mid-size layer (132 programs, 32 K tiles): 39 / 33 / 34 / 36.
+_L1_PROGRAMS_PER_SM = 8
+_L1_MIN_SLICE_STAGES = 4
 
 
-def pick_config(num_rows: int, num_local_experts: int, hidden: int, inter: int) -> KernelConfig:
-    """The tuned config for a batch of `num_rows` (token, slot) pairs (shape only: no device read)."""
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of `device` (a cached host property: no sync); an H200's 132 off the GPU (the interpreter)."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def pick_config(num_rows: int, num_local_experts: int, hidden: int, inter: int, num_sms: int = 132) -> KernelConfig:
+    """The tuned config for a batch of `num_rows` (token, slot) pairs (shapes and SM count only: no device read)."""
     per_expert = num_rows / max(num_local_experts, 1)
     for bound, config in _CONFIGS:
         if bound is None or per_expert <= bound:
             break
-    programs = min(num_rows, num_local_experts) * max(inter // config.l1_n, 1)  # L1 programs of one block per expert
+    config = config.fit(hidden, inter)
+    # L1 programs: row blocks (at least one per expert that gets rows) times N tiles. A prefill batch fills the GPU
+    # with blocks and must not split (mid-size layer at 4096 tokens, 192 blocks of 128 rows: 2273 µs split in 2).
+    blocks = max(min(num_rows, num_local_experts), -(-num_rows // config.block_t))
+    programs = blocks * max(inter // config.l1_n, 1)
+    k_tiles = hidden // config.l1_k
     split = 1
-    while split < 8 and programs * split < _L1_MIN_PROGRAMS:
+    while (split < 8 and programs * split < _L1_PROGRAMS_PER_SM * num_sms
+           and k_tiles // (2 * split) >= _L1_MIN_SLICE_STAGES * config.num_stages):
         split *= 2
     return dataclasses.replace(config, l1_split=split).fit(hidden, inter)
 
@@ -782,7 +801,7 @@ def triton_local_experts_forward(
     out = torch.zeros((m * k, hidden), dtype=torch.bfloat16, device=device)
     if m == 0:
         return out.view(m, k, hidden)
-    cfg = config or pick_config(m * k, num_local, hidden, inter)
+    cfg = config or pick_config(m * k, num_local, hidden, inter, sm_count(device))
     cfg = cfg.fit(hidden, inter)
 
     x = dequantize_x(x_fp8, x_sf)  # read by the L1 kernel by token
