@@ -538,6 +538,13 @@ if triton is not None:
         return (tl.where(mag < 0.015625, sub, normal) | ((v.to(tl.int32, bitcast=True) >> 24) & 0x80)).to(tl.uint8)
 
     @triton.jit
+    def _pow2_ceil_exponent(x):
+        """The biased FP32 exponent of the smallest power of two >= x (x >= 0, FP32): the UE8M0 byte of a scale
+        rounded up, as `quant.quantize_fp8` and `quant.requantize_fp8_like_kernel` round it (callers clamp it)."""
+        bits = x.to(tl.int32, bitcast=True)
+        return ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+
+    @triton.jit
     def _stage_kernel(x_ptr, idx_ptr, w_ptr, q_ptr, sf_ptr, idx_out_ptr, w_out_ptr, n, hidden, stride_x,
                       NUM_TOPK: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr):
         """`reference.stage` for one buffer row and BH channels: `quant.quantize_fp8` (amax floored at 1e-4, scale
@@ -551,8 +558,7 @@ if triton is not None:
                     other=0.0).to(tl.float32)
         g = tl.reshape(x, (BH // 32, 32))
         amax = tl.maximum(tl.max(tl.abs(g), axis=1), 1e-4)
-        bits = tl.div_rn(amax, 448.0).to(tl.int32, bitcast=True)
-        e = tl.minimum(tl.maximum(((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32), 1), 254)
+        e = tl.minimum(tl.maximum(_pow2_ceil_exponent(tl.div_rn(amax, 448.0)), 1), 254)
         sf_inv = tl.div_rn(1.0, (e << 23).to(tl.float32, bitcast=True))  # exact: a power of two
         q = tl.reshape(_e4m3_bits(g * sf_inv[:, None]), (BH,))
         tl.store(q_ptr + row.to(tl.int64) * hidden + col, tl.where(valid, q, 0), mask=ok)
@@ -600,11 +606,9 @@ if triton is not None:
 
         a3 = tl.reshape(a, (BN // 32, 32, BT))
         amax = tl.max(tl.abs(a3), axis=1)  # [BN/32, BT]
-        scaled = amax * (1.0 / 448.0)
-        sbits = scaled.to(tl.int32, bitcast=True)
-        e = ((sbits >> 23) & 0xFF) - 127 + ((sbits & 0x7FFFFF) != 0).to(tl.int32)
-        sf = (tl.maximum(e + 127, 0) << 23).to(tl.float32, bitcast=True)
-        sf_inv = (tl.minimum(tl.maximum(127 - e, 0), 254) << 23).to(tl.float32, bitcast=True)
+        e = _pow2_ceil_exponent(amax * (1.0 / 448.0))  # biased: the scale is 2**(e - 127)
+        sf = (e << 23).to(tl.float32, bitcast=True)
+        sf_inv = (tl.minimum(tl.maximum(254 - e, 0), 254) << 23).to(tl.float32, bitcast=True)
         q = a3 * sf_inv[:, None, :]
         q = tl.minimum(tl.maximum(q, -448.0), 448.0)
         q = _round_e4m3(q) * sf[:, None, :]
