@@ -47,8 +47,6 @@ def _config(layers: int, overrides: dict):
 def write_fp4_checkpoint(path: Path, layers: int, overrides: dict, device: str) -> None:
     """The full-width model with random weights built on the GPU, its experts cast to FP4 and saved in DeepSeek-V4's
     hub format (the tests' writer, tests/runtime/load_fp8_workers.py)."""
-    if (path / "model.safetensors.index.json").is_file():
-        return
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -61,8 +59,6 @@ def write_fp4_checkpoint(path: Path, layers: int, overrides: dict, device: str) 
 
 def write_checkpoint(path: Path, layers: int, overrides: dict, device: str) -> None:
     """Random bf16 weights of the full-width model, generated on the GPU tensor by tensor, one safetensors file per layer."""
-    if (path / "model.safetensors.index.json").is_file():
-        return
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
@@ -121,7 +117,7 @@ def main(argv=None) -> int:
     device = "cuda" if gpu else "cpu"
     path = Path(args.workdir) / f"deepseek_v4-{args.layers}layers-{args.experts}"
     t0 = time.perf_counter()
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and not (path / "model.safetensors.index.json").is_file():  # written by an earlier run
         (write_fp4_checkpoint if args.experts == "fp4" else write_checkpoint)(path, args.layers, overrides, device)
     dist.barrier()
     write_s = time.perf_counter() - t0
