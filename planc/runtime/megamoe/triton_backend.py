@@ -238,16 +238,19 @@ _CONFIGS = (
 # slices: 121 / 116 / 106 / 112 µs (Triton 3.7.1); the mid-size layer (132 programs, 32 K tiles): 39 / 33 / 34 / 36.
 _L1_PROGRAMS_PER_SM = 8
 _L1_MIN_SLICE_STAGES = 4
+_TUNED_SMS = 132  # the H200 the table was tuned on: the SM count assumed off the GPU (the interpreter)
 
 
 def sm_count(device: torch.device) -> int:
-    """Multiprocessors of `device` (a cached host property: no sync); an H200's 132 off the GPU (the interpreter)."""
+    """Multiprocessors of `device` (a cached host property: no sync); `_TUNED_SMS` off the GPU (the interpreter)."""
     if device.type != "cuda":
-        return 132
+        return _TUNED_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def pick_config(num_rows: int, num_local_experts: int, hidden: int, inter: int, num_sms: int = 132) -> KernelConfig:
+def pick_config(
+    num_rows: int, num_local_experts: int, hidden: int, inter: int, num_sms: int = _TUNED_SMS
+) -> KernelConfig:
     """The tuned config for a batch of `num_rows` (token, slot) pairs (shapes and SM count only: no device read)."""
     per_expert = num_rows / max(num_local_experts, 1)
     for bound, config in _CONFIGS:
