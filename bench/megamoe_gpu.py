@@ -268,7 +268,7 @@ def sweep(args, device, measure, packed):
 
 def print_sweep(results):
     """The sweep as one Markdown table: a row per config, a column per batch size (µs; * the fastest, p the picked)."""
-    fields = ("block_t", "l1_n", "l1_k", "l2_n", "l2_k", "num_warps", "num_stages", "l1_split")
+    fields = tuple(KernelConfig.__dataclass_fields__)
     key = lambda c: tuple(c[f] for f in fields)  # noqa: E731
     configs = list(dict.fromkeys(key(c["config"]) for r in results for c in r["configs"]))
     print("\n| " + ",".join(fields) + " | " + " | ".join(f"T={r['tokens']}" for r in results) + " |")

@@ -186,6 +186,7 @@ def test_picked_config_fits_the_shapes():
     assert pick_config(96, 384, 7168, 3072).l1_split == 1  # 16 tokens fill the GPU unsplit
     small = pick_config(24576, 8, 128, 64)
     assert 64 % small.l1_n == 0 and 128 % small.l1_k == 0 and small.l1_n % 32 == 0
+    assert KernelConfig(l1_k=256, maxnreg=56).fit(128, 64) == KernelConfig(l1_k=128, l2_k=64, maxnreg=56)
     with pytest.raises(ValueError, match="divisible by 64.*backend: reference"):
         KernelConfig().fit(128, 48)
 

@@ -189,6 +189,9 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 3
     l1_split: int = 1  # L1 split-K: hidden slices per (block, N tile), a power of two
+    # Registers per thread for the L1 and L2 kernels (0: ptxas's choice). ptxas does not weigh how many programs
+    # fit on an SM; a cap that it can meet without spilling buys more of them (`bench/megamoe_gpu.py --sweep`).
+    maxnreg: int = 0
 
     def fit(self, hidden: int, inter: int) -> "KernelConfig":
         """The same config with each tile shrunk to a power of two that divides its dimension (K tiles: 64 or
@@ -211,7 +214,7 @@ class KernelConfig:
             split //= 2
         return KernelConfig(
             self.block_t, div(self.l1_n, inter, 32), l1_k, div(self.l2_n, hidden, 32),
-            div(self.l2_k, inter, 64), self.num_warps, self.num_stages, split,
+            div(self.l2_k, inter, 64), self.num_warps, self.num_stages, split, self.maxnreg,
         )
 
 
@@ -618,6 +621,14 @@ if triton is not None:
         return tl.reshape(q, (BN, BT)).to(tl.bfloat16)  # exact: an e4m3 value times a power of two
 
     @triton.jit
+    def _tile_ids(num_n):
+        """(block, N tile, number of blocks) of this program in a 1-D grid whose N tiles of one block are neighbours:
+        the programs running at once then read a few experts' weights in whole K slabs and share their rows (V4 at
+        4096 tokens: 11.8 against 12.8 ms with blocks as neighbours; decode batches within run-to-run spread)."""
+        pid = tl.program_id(0)
+        return pid // num_n, pid % num_n, tl.num_programs(0) // num_n
+
+    @triton.jit
     def _block_slots(sorted_ptr, block_row_ptr, block_end_ptr, pid_b, BT: tl.constexpr):
         """The BT sorted rows of block `pid_b` (`route`): which are real, and the (token, slot) index of each."""
         rows = tl.load(block_row_ptr + pid_b) + tl.arange(0, BT)
@@ -633,11 +644,10 @@ if triton is not None:
         HAS_CLAMP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, LARGE: tl.constexpr,
         INTERPRET: tl.constexpr, NUM_STAGES: tl.constexpr, SPLIT: tl.constexpr,
     ):
-        """L1 of one block of rows and BN gate (and as many up) columns, over the hidden slice `program_id(2)` of
+        """L1 of one block of rows and BN gate (and as many up) columns, over the hidden slice `program_id(1)` of
         SPLIT: with SPLIT 1 it ends with the SwiGLU epilogue, else it writes its FP32 sums to `ws` for
         `_l1_reduce_kernel` (split-K: more programs streaming weights when a batch has few blocks)."""
-        pid_b = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        pid_b, pid_n, num_blocks = _tile_ids(inter // BN)
         expert = tl.load(block_expert_ptr + pid_b)
         if expert >= num_local:
             return
@@ -655,7 +665,7 @@ if triton is not None:
         acc_g = tl.zeros((BN, BT), dtype=tl.float32)
         acc_u = tl.zeros((BN, BT), dtype=tl.float32)
         k_len = hidden // SPLIT
-        k_first = tl.program_id(2) * k_len
+        k_first = tl.program_id(1) * k_len
         for k0 in tl.range(k_first, k_first + k_len, BK, num_stages=NUM_STAGES):
             x = tl.load(x_ptrs + k0, mask=row_ok[None, :], other=0.0)
             if INTERPRET:
@@ -670,7 +680,7 @@ if triton is not None:
             q = _swiglu_requant(acc_g, acc_u, topw, row_ok, clamp, HAS_CLAMP, BN, BT)
             tl.store(out_ptr + out_rows[None, :].to(tl.int64) * stride_out + offs_n[:, None], q)
         else:
-            ws = (ws_ptr + tl.program_id(2).to(tl.int64) * tl.num_programs(0) * BT * 2 * inter
+            ws = (ws_ptr + tl.program_id(1).to(tl.int64) * num_blocks * BT * 2 * inter
                   + out_rows[None, :].to(tl.int64) * (2 * inter) + offs_n[:, None])
             tl.store(ws, acc_g, mask=row_ok[None, :])
             tl.store(ws + inter, acc_u, mask=row_ok[None, :])
@@ -683,8 +693,7 @@ if triton is not None:
     ):
         """Split-K L1's second half: the SPLIT partial sums of one block and BN columns, added in split order, then
         the SwiGLU epilogue (`_swiglu_requant`)."""
-        pid_b = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        pid_b, pid_n, num_blocks = _tile_ids(inter // BN)
         expert = tl.load(block_expert_ptr + pid_b)
         if expert >= num_local:
             return
@@ -692,7 +701,7 @@ if triton is not None:
         offs_n = pid_n * BN + tl.arange(0, BN)
         out_rows = pid_b * BT + tl.arange(0, BT)
         ws = ws_ptr + out_rows[None, :].to(tl.int64) * (2 * inter) + offs_n[:, None]
-        split_stride = tl.num_programs(0).to(tl.int64) * BT * 2 * inter
+        split_stride = num_blocks.to(tl.int64) * BT * 2 * inter
         acc_g = tl.zeros((BN, BT), dtype=tl.float32)
         acc_u = tl.zeros((BN, BT), dtype=tl.float32)
         for i in tl.static_range(SPLIT):
@@ -710,8 +719,7 @@ if triton is not None:
         BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, LARGE: tl.constexpr, INTERPRET: tl.constexpr,
         NUM_STAGES: tl.constexpr,
     ):
-        pid_b = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        pid_b, pid_n, _ = _tile_ids(hidden // BN)
         expert = tl.load(block_expert_ptr + pid_b)
         if expert >= num_local:
             return
@@ -827,24 +835,25 @@ def triton_local_experts_forward(
     ws = torch.empty((split, nblocks * cfg.block_t, 2 * inter) if split > 1 else (1,), dtype=torch.float32,
                      device=device)
     common = dict(HAS_CLAMP=clamp is not None, BT=cfg.block_t, BN=cfg.l1_n)
-    _l1_swiglu_kernel[(nblocks, inter // cfg.l1_n, split)](
+    regs = {"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interpret else {}
+    _l1_swiglu_kernel[(nblocks * (inter // cfg.l1_n), split)](
         x, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act, ws,
         hidden, inter, k, num_local,
         x.stride(0), w1.stride(0), s1.stride(0), act.stride(0),
         0.0 if clamp is None else clamp,
         BK=cfg.l1_k, LARGE=experts.large_scales, INTERPRET=interpret, NUM_STAGES=cfg.num_stages, SPLIT=split,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common, **regs,
     )
     if split > 1:
-        _l1_reduce_kernel[(nblocks, inter // cfg.l1_n)](
+        _l1_reduce_kernel[(nblocks * (inter // cfg.l1_n),)](
             ws, sorted_slots, weights, block_expert, block_row, block_end, act, inter, num_local, act.stride(0),
             0.0 if clamp is None else clamp, SPLIT=split, num_warps=4, **common,
         )
-    _l2_kernel[(nblocks, hidden // cfg.l2_n)](
+    _l2_kernel[(nblocks * (hidden // cfg.l2_n),)](
         act, w2, s2, sorted_slots, block_expert, block_row, block_end, out,
         hidden, inter, num_local,
         act.stride(0), w2.stride(0), s2.stride(0), out.stride(0),
         BT=cfg.block_t, BN=cfg.l2_n, BK=cfg.l2_k, LARGE=experts.large_scales, INTERPRET=interpret,
-        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **regs,
     )
     return out.view(m, k, hidden)
