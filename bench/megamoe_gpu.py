@@ -65,7 +65,7 @@ def parse_args(argv=None):
     p.add_argument("--bf16-tflops", type=float, default=989.0, help="dense BF16 rate for the bound (H200: 989)")
     p.add_argument("--no-reference", action="store_true", help="skip the reference and grouped_mm columns")
     p.add_argument("--sweep", action="store_true", help="time the Triton tile configs instead (see above)")
-    p.add_argument("--configs", default=None, metavar="BT,L1N,L1K,L2N,L2K,WARPS,STAGES[,SPLIT];...",
+    p.add_argument("--configs", default=None, metavar="BT,L1N,L1K,L2N,L2K,WARPS,STAGES[,SPLIT[,MAXNREG]];...",
                    help="with --sweep: these KernelConfig fields instead of the built-in candidates")
     p.add_argument("--profile", type=int, default=None, metavar="TOKENS",
                    help="print the GPU kernels of one Triton layer call at this batch size (torch.profiler) and stop")
@@ -189,13 +189,17 @@ def graph_or_eager(device, measure, fn, use_graph):
     return measure(graph.replay), out
 
 
-# The candidates of the last tuning (docs/benchmarks.md, third session of 2026-12-03), picks first; the sweep skips
-# blocks of more than 16 rows below 64 tokens. Run it under each Triton version users get (torch 2.11: 3.6, 2.13: 3.7).
+# The candidates of the last tuning (docs/benchmarks.md, third and fourth sessions of 2026-12-03), picks first; the
+# sweep skips blocks of more than 16 rows below 64 tokens. Run it under each Triton version users get (torch 2.11:
+# 3.6, 2.13: 3.7).
 SWEEP = (
     KernelConfig(16, 64, 64, 64, 64, 4, 4),
     KernelConfig(32, 64, 64, 64, 64, 4, 5),
-    KernelConfig(64, 128, 64, 128, 64, 8, 4),
+    KernelConfig(64, 128, 64, 128, 64, 8, 4, maxnreg=128),
     KernelConfig(128, 128, 64, 128, 64, 8, 4),
+    KernelConfig(16, 64, 64, 64, 64, 4, 4, maxnreg=56),
+    KernelConfig(64, 128, 64, 128, 64, 8, 4),
+    KernelConfig(64, 128, 64, 128, 64, 8, 3, maxnreg=128),
     KernelConfig(16, 64, 64, 64, 64, 4, 3),
     KernelConfig(16, 64, 64, 64, 64, 4, 5),
     KernelConfig(16, 64, 64, 64, 64, 4, 6),

@@ -29,11 +29,10 @@ How it is organized (the ideas of vLLM's fused_moe, triton_kernels' matmul_ogs a
   batch has too few such programs, so L1 then splits the hidden dimension (`l1_split`, `_l1_reduce_kernel`).
 - L1 fuses SwiGLU, the clamp, the routing weight and the FP8 requantization into its epilogue; L2 writes
   each slot's output straight to its slot.
-Measured on an H200 (docs/benchmarks.md), Triton 3.6 and 3.7.1 alike: ~108 µs at 1 token, 1.51-1.54x the FP4 bound
-at 16-64 tokens and 1.7x at 256 on the DeepSeek-V4 layer. A decode batch is bound by the weight bytes each SM has in
-flight (programs per SM: K tiles of 64 keep a program at ~55 registers) and by the ~24-30 instructions per 8 weights
-(the expansion is 13 of them); ptxas serializes the K loop's wgmma (C7515: Triton splits the register-operand MMA
-chain with waits that name the accumulators), which costs less than the registers that avoiding it takes.
+Measured on an H200 (docs/benchmarks.md), Triton 3.6 / 3.7.1: ~110 µs at 1 token, 1.52-1.59x the FP4 bound at
+16-256 tokens and 12.5 / 10.9 ms at 4096 on the DeepSeek-V4 layer; the weights stream at ~3.0-3.2 TB/s. What bounds
+a decode batch is not settled: K tiles of 64 keep a program at ~55 registers (K 128: 125, slower), but loops with
+fewer instructions per weight ran slower and more programs per SM gained < 1% (the sweeps are in that file).
 """
 
 from __future__ import annotations
@@ -220,9 +219,8 @@ class KernelConfig:
 
 # Tuned on an H200 (bench/megamoe_gpu.py --sweep on the DeepSeek-V4 and the mid-size layer, under Triton 3.6 (torch
 # 2.11) and 3.7.1 (torch 2.13); docs/benchmarks.md has the sweeps), keyed by the average (token, slot) rows per local
-# expert, a function of the shapes only. K tiles of 64 everywhere: a program then holds ~55 registers instead of
-# ~125 and twice as many run per SM, and the weight bytes in flight per SM (not the MMA issue) bound a decode batch:
-# under Triton 3.7.1 the K-128 tiles that were tuned on 3.6 ran V4 at 16 tokens in 1437 µs against 973.
+# expert, a function of the shapes only. K tiles of 64 everywhere: under Triton 3.7.1 a K-128 program holds ~125
+# registers and the K-128 tiles that were tuned on 3.6 ran V4 at 16 tokens in 1437 µs against 973.
 _CONFIGS = (
     # (up to this many rows per local expert on average, config)
     (16, KernelConfig(block_t=16, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=4)),
