@@ -180,7 +180,8 @@ def test_picked_config_fits_the_shapes():
     assert cfg.l1_split == 4 and 7168 % (cfg.l1_k * cfg.l1_split) == 0  # 1 token: 6 x 48 L1 programs, split in 4
     assert pick_config(6, 384, 7168, 3072, num_sms=66).l1_split == 2  # half the SMs: half the programs needed
     assert pick_config(6, 64, 2048, 1408).l1_split == 2  # mid-size: 32 K tiles, each slice keeps 4 pipeline depths
-    assert pick_config(4096 * 6, 384, 7168, 3072).block_t == 64  # V4 prefill: 64 rows per expert
+    v4_prefill = pick_config(4096 * 6, 384, 7168, 3072)  # 64 rows per expert, registers capped: 2 programs per SM
+    assert v4_prefill.block_t == 64 and v4_prefill.maxnreg == 128
     prefill = pick_config(4096 * 6, 64, 2048, 1408)  # mid-size prefill: 384 rows per expert, 192 row blocks
     assert prefill.block_t == 128 and prefill.l1_split == 1  # blocks fill the GPU: no split-K
     assert pick_config(96, 384, 7168, 3072).l1_split == 1  # 16 tokens fill the GPU unsplit
