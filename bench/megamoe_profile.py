@@ -1,0 +1,97 @@
+"""The Triton Mega MoE experts computation alone, on random FP4 bytes, for a profiler.
+
+Why: `megamoe_gpu.py --profile` profiles the whole layer but first builds BF16 weights and the reference backend
+(~50 GB and most of a minute on the V4 layer); a kernel profiler needs only the kernels' inputs. Random words are a
+valid packed FP4 layout (every 4-bit code is an e2m1 value); the scale bytes are kept near 2**-6 so nothing
+overflows. Warm-up calls first, then `--calls` timed ones: under Nsight Compute profile the first launches of the
+GEMMs, e.g.
+
+    ncu -k 'regex:_l1_swiglu|_l2_kernel' -c 2 --section SpeedOfLight --section WarpStateStats \\
+        --section MemoryWorkloadAnalysis --section Occupancy --section SchedulerStats \\
+        python3 bench/megamoe_profile.py --tokens 16
+
+`--table` prints torch.profiler's per-kernel device time of the timed calls instead (no ncu needed).
+CPU smoke test (Triton's interpreter): TRITON_INTERPRET=1 python bench/megamoe_profile.py --device cpu --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from planc.runtime.megamoe.quant import float_to_ue8m0_bytes, quantize_fp8  # noqa: E402
+from planc.runtime.megamoe.triton_backend import PackedExperts, triton_local_experts_forward  # noqa: E402
+
+
+def random_packed_experts(experts: int, hidden: int, inter: int, device, generator) -> PackedExperts:
+    """FP4 experts already in the kernels' layout (`shuffle_fp4`), from random words and scale bytes 118-123."""
+
+    def words(n, k):
+        return torch.randint(-2**31, 2**31 - 1, (experts, n, k // 8), generator=generator, device=device,
+                             dtype=torch.int32)
+
+    def scales(n, k):
+        return torch.randint(118, 124, (experts, n, k // 32), generator=generator, device=device, dtype=torch.uint8)
+
+    return PackedExperts(words(2 * inter, hidden), scales(2 * inter, hidden), words(hidden, inter),
+                         scales(hidden, inter), large_scales=False)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--tiny", action="store_true", help="hidden 256, intermediate 128, 8 experts, top-2")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--intermediate", type=int, default=3072)
+    p.add_argument("--experts", type=int, default=384)
+    p.add_argument("--topk", type=int, default=6)
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--clamp", type=float, default=10.0)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--calls", type=int, default=5)
+    p.add_argument("--table", action="store_true", help="print torch.profiler's kernel table of the timed calls")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.hidden, args.intermediate, args.experts, args.topk = 256, 128, 8, 2
+    device = torch.device(args.device)
+    g = torch.Generator(device=device).manual_seed(0)
+    packed = random_packed_experts(args.experts, args.hidden, args.intermediate, device, g)
+    x = torch.randn(args.tokens, args.hidden, generator=g, device=device, dtype=torch.bfloat16)
+    scores = torch.softmax(torch.randn(args.tokens, args.experts, generator=g, device=device), -1)
+    weights, idx = torch.topk(scores, args.topk, dim=-1)
+    q, sf = quantize_fp8(x)
+    sf = float_to_ue8m0_bytes(sf)
+
+    def call():
+        return triton_local_experts_forward(q, sf, idx, weights, packed, first_expert=0,
+                                            activation_clamp=args.clamp)
+
+    for _ in range(args.warmup):
+        call()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    if not args.table:
+        for _ in range(args.calls):
+            call()
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(args.calls):
+            call()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=10)
+    print(table)
+    return table
+
+
+if __name__ == "__main__":
+    main()
