@@ -48,14 +48,25 @@ from planc.runtime.megamoe.triton_backend import (  # noqa: E402
 )
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_layer_args(p: argparse.ArgumentParser) -> None:
+    """The layer's shapes (DeepSeek-V4 by default, `--tiny` for a CPU smoke test) and device: shared with
+    bench/megamoe_profile.py; `tiny_shapes` applies `--tiny`."""
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--tiny", action="store_true", help="tiny shapes (hidden 256, intermediate 128, 8 experts)")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (hidden 256, intermediate 128, 8 experts, top-2)")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--intermediate", type=int, default=3072)
     p.add_argument("--experts", type=int, default=384)
     p.add_argument("--topk", type=int, default=6)
+
+
+def tiny_shapes(args) -> None:
+    if args.tiny:
+        args.hidden, args.intermediate, args.experts, args.topk = 256, 128, 8, 2
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_layer_args(p)
     p.add_argument("--tokens", default="1,16,64,256,4096")
     p.add_argument("--clamp", type=float, default=10.0)
     p.add_argument("--warmup", type=int, default=3)
@@ -71,8 +82,8 @@ def parse_args(argv=None):
                    help="print the GPU kernels of one Triton layer call at this batch size (torch.profiler) and stop")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
+    tiny_shapes(args)
     if args.tiny:
-        args.hidden, args.intermediate, args.experts, args.topk = 256, 128, 8, 2
         args.no_graph = True
         if args.tokens == p.get_default("tokens"):
             args.tokens = "1,16,64"

@@ -27,6 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from planc.runtime.megamoe.quant import float_to_ue8m0_bytes, quantize_fp8  # noqa: E402
 from planc.runtime.megamoe.triton_backend import PackedExperts, triton_local_experts_forward  # noqa: E402
 
+from megamoe_gpu import add_layer_args, tiny_shapes  # noqa: E402  (this folder: the script's own)
+
 
 def random_packed_experts(experts: int, hidden: int, inter: int, device, generator) -> PackedExperts:
     """FP4 experts already in the kernels' layout (`shuffle_fp4`), from random words and scale bytes 118-123."""
@@ -44,20 +46,14 @@ def random_packed_experts(experts: int, hidden: int, inter: int, device, generat
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--tiny", action="store_true", help="hidden 256, intermediate 128, 8 experts, top-2")
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--intermediate", type=int, default=3072)
-    p.add_argument("--experts", type=int, default=384)
-    p.add_argument("--topk", type=int, default=6)
+    add_layer_args(p)
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--clamp", type=float, default=10.0)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--calls", type=int, default=5)
     p.add_argument("--table", action="store_true", help="print torch.profiler's kernel table of the timed calls")
     args = p.parse_args(argv)
-    if args.tiny:
-        args.hidden, args.intermediate, args.experts, args.topk = 256, 128, 8, 2
+    tiny_shapes(args)
     device = torch.device(args.device)
     g = torch.Generator(device=device).manual_seed(0)
     packed = random_packed_experts(args.experts, args.hidden, args.intermediate, device, g)
