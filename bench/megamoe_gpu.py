@@ -225,36 +225,44 @@ SWEEP = (
 )
 
 
-def profile(args, device, layer):
-    """Where one layer call's GPU time goes: every kernel of 5 eager calls, by total device time."""
+def random_batch(args, n: int, device, seed: int):
+    """`n` random BF16 tokens and their top-k routing (weights, expert ids) over `args.experts` experts."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(n, args.hidden, generator=g, device=device, dtype=torch.bfloat16)
+    scores = torch.randn(n, args.experts, generator=g, device=device)
+    w, idx = torch.topk(torch.softmax(scores, -1), args.topk, dim=-1)
+    return x, w, idx
+
+
+def kernel_table(device, fn, calls: int, rows: int) -> str:
+    """torch.profiler's table of `calls` calls of `fn` (after the caller's warm-up), by total device time."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    g = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(args.profile, args.hidden, generator=g, device=device, dtype=torch.bfloat16)
-    w, idx = torch.topk(torch.softmax(torch.randn(args.profile, args.experts, generator=g, device=device), -1),
-                        args.topk, dim=-1)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows)
+
+
+def profile(args, device, layer):
+    """Where one layer call's GPU time goes: every kernel of 5 eager calls, by total device time."""
+    x, w, idx = random_batch(args, args.profile, device, seed=0)
     with torch.no_grad():
         for _ in range(3):
             layer(x, idx, w)
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with torch_profile(activities=activities) as prof:
-            for _ in range(5):
-                layer(x, idx, w)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=30))
+        print(kernel_table(device, lambda: layer(x, idx, w), calls=5, rows=30))
 
 
 def sweep(args, device, measure, packed):
     """Per batch size: graph-replay µs of the experts computation for each candidate config."""
     results = []
     for n in args.tokens:
-        g = torch.Generator(device=device).manual_seed(n)
-        x = torch.randn(n, args.hidden, generator=g, device=device, dtype=torch.bfloat16)
-        scores = torch.randn(n, args.experts, generator=g, device=device)
-        w, idx = torch.topk(torch.softmax(scores, -1), args.topk, dim=-1)
+        x, w, idx = random_batch(args, n, device, seed=n)
         q, sf = quantize_fp8(x)
         sf = float_to_ue8m0_bytes(sf)
         picked = pick_config(n * args.topk, args.experts, args.hidden, args.intermediate, sm_count(device))
@@ -353,10 +361,7 @@ def main(argv=None):
 
     rows = []
     for n in args.tokens:
-        g = torch.Generator(device=device).manual_seed(n)
-        x = torch.randn(n, args.hidden, generator=g, device=device, dtype=torch.bfloat16)
-        scores = torch.randn(n, args.experts, generator=g, device=device)
-        w, idx = torch.topk(torch.softmax(scores, -1), args.topk, dim=-1)
+        x, w, idx = random_batch(args, n, device, seed=n)
         row = dict(tokens=n, distinct_experts=int(torch.unique(idx).numel()))
         with torch.no_grad():
             row["triton_eager_us"] = measure(lambda: tri_layer(x, idx, w))

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from planc.runtime.megamoe.quant import float_to_ue8m0_bytes, quantize_fp8  # noqa: E402
 from planc.runtime.megamoe.triton_backend import PackedExperts, triton_local_experts_forward  # noqa: E402
 
-from megamoe_gpu import add_layer_args, tiny_shapes  # noqa: E402  (this folder: the script's own)
+from megamoe_gpu import add_layer_args, kernel_table, random_batch, tiny_shapes  # noqa: E402  (this folder)
 
 
 def random_packed_experts(experts: int, hidden: int, inter: int, device, generator) -> PackedExperts:
@@ -57,9 +57,7 @@ def main(argv=None):
     device = torch.device(args.device)
     g = torch.Generator(device=device).manual_seed(0)
     packed = random_packed_experts(args.experts, args.hidden, args.intermediate, device, g)
-    x = torch.randn(args.tokens, args.hidden, generator=g, device=device, dtype=torch.bfloat16)
-    scores = torch.softmax(torch.randn(args.tokens, args.experts, generator=g, device=device), -1)
-    weights, idx = torch.topk(scores, args.topk, dim=-1)
+    x, weights, idx = random_batch(args, args.tokens, device, seed=args.tokens)
     q, sf = quantize_fp8(x)
     sf = float_to_ue8m0_bytes(sf)
 
@@ -75,16 +73,7 @@ def main(argv=None):
         for _ in range(args.calls):
             call()
         return None
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(args.calls):
-            call()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    table = prof.key_averages().table(sort_by=key, row_limit=10)
+    table = kernel_table(device, call, calls=args.calls, rows=10)
     print(table)
     return table
 
