@@ -211,7 +211,6 @@ SWEEP = (
     KernelConfig(16, 64, 64, 64, 64, 4, 4, maxnreg=56),
     KernelConfig(64, 128, 64, 128, 64, 8, 4),
     KernelConfig(64, 128, 64, 128, 64, 8, 3, maxnreg=128),
-    KernelConfig(16, 64, 128, 64, 128, 4, 3, maxnreg=64),  # untimed: fewer instructions per word (docs/benchmarks.md)
     KernelConfig(16, 64, 64, 64, 64, 4, 3),
     KernelConfig(16, 64, 64, 64, 64, 4, 5),
     KernelConfig(16, 64, 64, 64, 64, 4, 6),

@@ -30,9 +30,11 @@ How it is organized (the ideas of vLLM's fused_moe, triton_kernels' matmul_ogs a
 - L1 fuses SwiGLU, the clamp, the routing weight and the FP8 requantization into its epilogue; L2 writes
   each slot's output straight to its slot.
 Measured on an H200 (docs/benchmarks.md), Triton 3.6 / 3.7.1: ~110 µs at 1 token, 1.52-1.59x the FP4 bound at
-16-256 tokens and 12.5 / 10.9 ms at 4096 on the DeepSeek-V4 layer; the weights stream at ~3.0-3.2 TB/s. What bounds
-a decode batch is not settled: K tiles of 64 keep a program at ~55 registers (K 128: 125, slower), but loops with
-fewer instructions per weight ran slower and more programs per SM gained < 1% (the sweeps are in that file).
+16-256 tokens and 12.5 / 10.9 ms at 4096 on the DeepSeek-V4 layer; the weights stream at ~3.0-3.2 TB/s. Both GEMMs
+are issue-bound at decode (Nsight Compute: instructions issued in ~80-85% of cycles with 3-4 other warps eligible);
+the expansion is ~43% of the L1 loop's instructions, the rest is the wgmma, its descriptors and Triton's pipeline
+bookkeeping. Tiles with fewer instructions per weight hold more registers or shared-memory traffic and ran slower,
+and keeping several wgmma in flight changed nothing (the measurements are in that file).
 """
 
 from __future__ import annotations
