@@ -17,6 +17,7 @@ from planc.runtime.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantiz
 from planc.runtime.megamoe.reference import DequantizedExperts, ReferenceBuffer, local_experts_forward
 from planc.runtime.megamoe.reference import stage as reference_stage
 from planc.runtime.megamoe.reference import combine as reference_combine
+from planc.runtime.megamoe import triton_backend
 from planc.runtime.megamoe.triton_backend import (
     KernelConfig,
     PackedExperts,
@@ -127,8 +128,15 @@ def test_weight_layout_holds_every_code_and_scale_once():
     assert bits(words) == bits(packed)
 
 
+@pytest.fixture(params=[True, False], ids=["register_prefetch", "cp_async_pipeline"])
+def weight_stream(request, monkeypatch):
+    """Both ways the GEMM loops stream the weights (`REGISTER_PREFETCH`: Triton >= 3.7 or the pipeline)."""
+    monkeypatch.setattr(triton_backend, "REGISTER_PREFETCH", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("num_tokens,clamp,masked", [(1, None, 0.0), (3, 0.5, 0.3), (7, 0.5, 0.0), (29, None, 0.2)])
-def test_kernels_match_the_reference(experts, num_tokens, clamp, masked):
+def test_kernels_match_the_reference(experts, weight_stream, num_tokens, clamp, masked):
     packed, deq = experts
     q, sf, idx, w = staged(num_tokens, num_tokens, masked=masked)
     ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=clamp)
@@ -137,7 +145,7 @@ def test_kernels_match_the_reference(experts, num_tokens, clamp, masked):
 
 
 @pytest.mark.parametrize("split", [2, 4])
-def test_split_k_l1_matches_the_reference(experts, split):
+def test_split_k_l1_matches_the_reference(experts, weight_stream, split):
     """L1 over hidden slices (`l1_split`, for 1-2 token batches), summed in `_l1_reduce_kernel` before the epilogue."""
     packed, deq = experts
     q, sf, idx, w = staged(3, 11, masked=0.3)
@@ -146,6 +154,23 @@ def test_split_k_l1_matches_the_reference(experts, split):
     ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=0.5)
     assert_matches(triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=0.5,
                                                 config=cfg), ref)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [TINY, dataclasses.replace(TINY, l1_k=128, l2_k=128), dataclasses.replace(TINY, l1_split=2)],
+    ids=["k64", "k128", "split2"],
+)
+def test_both_weight_streams_give_the_same_bits(experts, monkeypatch, config):
+    """The register-prefetch loop and the cp.async pipeline run the same MMAs in the same K order."""
+    packed, _ = experts
+    q, sf, idx, w = staged(13, 4, masked=0.2)
+    outs = []
+    for prefetch in (True, False):
+        monkeypatch.setattr(triton_backend, "REGISTER_PREFETCH", prefetch)
+        outs.append(triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=0.5,
+                                                 config=config))
+    assert outs[0].any() and torch.equal(outs[0], outs[1])
 
 
 def test_all_routes_to_one_expert_span_several_blocks(experts):
