@@ -76,7 +76,8 @@ def parse_args(argv=None):
     p.add_argument("--bf16-tflops", type=float, default=989.0, help="dense BF16 rate for the bound (H200: 989)")
     p.add_argument("--no-reference", action="store_true", help="skip the reference and grouped_mm columns")
     p.add_argument("--sweep", action="store_true", help="time the Triton tile configs instead (see above)")
-    p.add_argument("--configs", default=None, metavar="BT,L1N,L1K,L2N,L2K,WARPS,STAGES[,SPLIT[,MAXNREG]];...",
+    p.add_argument("--configs", default=None,
+                   metavar="BT,L1N,L1K,L2N,L2K,WARPS,STAGES[,SPLIT[,MAXNREG[,PREFETCH]]];...",
                    help="with --sweep: these KernelConfig fields instead of the built-in candidates")
     p.add_argument("--profile", type=int, default=None, metavar="TOKENS",
                    help="print the GPU kernels of one Triton layer call at this batch size (torch.profiler) and stop")

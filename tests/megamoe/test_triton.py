@@ -166,11 +166,11 @@ def test_both_weight_streams_give_the_same_bits(experts, monkeypatch, config):
     packed, _ = experts
     q, sf, idx, w = staged(13, 4, masked=0.2)
     outs = []
-    for prefetch in (True, False):
-        monkeypatch.setattr(triton_backend, "REGISTER_PREFETCH", prefetch)
+    for triton_prefetches, cfg in ((True, config), (True, dataclasses.replace(config, prefetch=0)), (False, config)):
+        monkeypatch.setattr(triton_backend, "REGISTER_PREFETCH", triton_prefetches)
         outs.append(triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=0.5,
-                                                 config=config))
-    assert outs[0].any() and torch.equal(outs[0], outs[1])
+                                                 config=cfg))
+    assert outs[0].any() and torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 def test_all_routes_to_one_expert_span_several_blocks(experts):
@@ -209,10 +209,12 @@ def test_picked_config_fits_the_shapes():
     assert v4_prefill.block_t == 64 and v4_prefill.maxnreg == 128
     prefill = pick_config(4096 * 6, 64, 2048, 1408)  # mid-size prefill: 384 rows per expert, 192 row blocks
     assert prefill.block_t == 128 and prefill.l1_split == 1  # blocks fill the GPU: no split-K
+    assert prefill.prefetch == 0 and v4_prefill.prefetch == 1  # 128-row blocks stream through the pipeline
     assert pick_config(96, 384, 7168, 3072).l1_split == 1  # 16 tokens fill the GPU unsplit
     small = pick_config(24576, 8, 128, 64)
     assert 64 % small.l1_n == 0 and 128 % small.l1_k == 0 and small.l1_n % 32 == 0
-    assert KernelConfig(l1_k=256, maxnreg=56).fit(128, 64) == KernelConfig(l1_k=128, l2_k=64, maxnreg=56)
+    assert KernelConfig(l1_k=256, maxnreg=56, prefetch=0).fit(128, 64) == KernelConfig(l1_k=128, l2_k=64, maxnreg=56,
+                                                                                      prefetch=0)
     with pytest.raises(ValueError, match="divisible by 64.*backend: reference"):
         KernelConfig().fit(128, 48)
 

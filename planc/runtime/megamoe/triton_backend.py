@@ -193,6 +193,9 @@ class KernelConfig:
     # Registers per thread for the L1 and L2 kernels (0: ptxas's choice). ptxas does not weigh how many programs
     # fit on an SM; a cap that it can meet without spilling buys more of them (`bench/megamoe_gpu.py --sweep`).
     maxnreg: int = 0
+    # Stream the weights by register prefetch where Triton lowers it well (`REGISTER_PREFETCH`), else through
+    # Triton's cp.async pipeline (then `num_stages` buffers); 0 forces the pipeline.
+    prefetch: int = 1
 
     def fit(self, hidden: int, inter: int) -> "KernelConfig":
         """The same config with each tile shrunk to a power of two that divides its dimension (K tiles: 64 or
@@ -215,7 +218,7 @@ class KernelConfig:
             split //= 2
         return KernelConfig(
             self.block_t, div(self.l1_n, inter, 32), l1_k, div(self.l2_n, hidden, 32),
-            div(self.l2_k, inter, 64), self.num_warps, self.num_stages, split, self.maxnreg,
+            div(self.l2_k, inter, 64), self.num_warps, self.num_stages, split, self.maxnreg, self.prefetch,
         )
 
 
@@ -233,7 +236,9 @@ _CONFIGS = (
     # Above ~96 rows per expert 128-row blocks pad no more than 64-row ones and expand each weight half as often
     # (mid-size layer at 4096 tokens, 384 rows per expert: 1418 / 1288 µs (Triton 3.6 / 3.7.1) against 1748 / 1491;
     # V4 at 4096 tokens, 64 rows per expert, where they would double the padding: 14568 against 14507 under 3.6).
-    (None, KernelConfig(block_t=128, l1_n=128, l1_k=64, l2_n=128, l2_k=64, num_warps=8, num_stages=4)),
+    # Through the pipeline: with register prefetch L2 holds 148 registers instead of 123 (L1 255 either way), and
+    # the mid-size layer at 4096 tokens ran 1581 against 1254 µs under 3.7.1.
+    (None, KernelConfig(block_t=128, l1_n=128, l1_k=64, l2_n=128, l2_k=64, num_warps=8, num_stages=4, prefetch=0)),
 )
 
 
@@ -245,14 +250,15 @@ def _triton_at_least(major: int, minor: int) -> bool:
     return found >= (major, minor)
 
 
-# How the two GEMM loops stream the weights (the kernels' `PREFETCH`). From Triton 3.7 each program loads the next
-# K tile's words, scale words and activations into registers while it expands and multiplies this one: the weights
-# never pass through shared memory, and the loop has none of the cp.async pipeline's stage bookkeeping (sm_90 SASS:
-# 22.6 / 26.0 instructions per 8 weights in L1 / L2 against 30.5 / 37.5; decode batches are issue-bound). Same
-# device call, Triton 3.7.1, V4 experts computation at 16 / 64 / 256 / 4096 tokens: 926 / 2489 / 3985 / 10420 µs
-# against 1024 / 2808 / 4442 / 10847, the same bits. Triton 3.6 gives the loop-carried words another register
-# layout and converts every expanded tile through shared memory (64 STS.U16 per iteration; 4.2x slower), so under
-# 3.6 the loops keep Triton's software pipeline (`num_stages` cp.async buffers), which is all `num_stages` sets.
+# How the two GEMM loops stream the weights (the kernels' `PREFETCH`, per config `KernelConfig.prefetch`). From
+# Triton 3.7 each program loads the next K tile's words, scale words and activations into registers while it expands
+# and multiplies this one: the weights never pass through shared memory, and the loop has none of the cp.async
+# pipeline's stage bookkeeping (sm_90 SASS: 22.6 / 26.0 instructions per 8 weights in L1 / L2 against 30.5 / 37.5;
+# decode batches are issue-bound). Same device call, Triton 3.7.1, V4 experts computation at 16 / 64 / 256 / 4096
+# tokens: 926 / 2489 / 3985 / 10420 µs against 1024 / 2808 / 4442 / 10847, the same bits. Triton 3.6 gives the
+# loop-carried words another register layout and converts every expanded tile through shared memory (64 STS.U16
+# per iteration; 4.2x slower), so under 3.6 the loops keep Triton's software pipeline (`num_stages` cp.async
+# buffers; `num_stages` means nothing to the prefetch loop).
 REGISTER_PREFETCH = triton is not None and _triton_at_least(3, 7)
 
 
@@ -897,13 +903,14 @@ def triton_local_experts_forward(
                      device=device)
     common = dict(HAS_CLAMP=clamp is not None, BT=cfg.block_t, BN=cfg.l1_n)
     regs = {"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interpret else {}
+    prefetch = bool(cfg.prefetch) and REGISTER_PREFETCH
     _l1_swiglu_kernel[(nblocks * (inter // cfg.l1_n), split)](
         x, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act, ws,
         hidden, inter, k, num_local,
         x.stride(0), w1.stride(0), s1.stride(0), act.stride(0),
         0.0 if clamp is None else clamp,
         BK=cfg.l1_k, LARGE=experts.large_scales, INTERPRET=interpret, NUM_STAGES=cfg.num_stages, SPLIT=split,
-        PREFETCH=REGISTER_PREFETCH, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common, **regs,
+        PREFETCH=prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common, **regs,
     )
     if split > 1:
         _l1_reduce_kernel[(nblocks * (inter // cfg.l1_n),)](
@@ -915,7 +922,7 @@ def triton_local_experts_forward(
         hidden, inter, num_local,
         act.stride(0), w2.stride(0), s2.stride(0), out.stride(0),
         BT=cfg.block_t, BN=cfg.l2_n, BK=cfg.l2_k, LARGE=experts.large_scales, INTERPRET=interpret,
-        NUM_STAGES=cfg.num_stages, PREFETCH=REGISTER_PREFETCH, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        NUM_STAGES=cfg.num_stages, PREFETCH=prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **regs,
     )
     return out.view(m, k, hidden)
