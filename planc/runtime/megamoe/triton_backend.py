@@ -27,14 +27,16 @@ How it is organized (the ideas of vLLM's fused_moe, triton_kernels' matmul_ogs a
   BF16 (`_fp4_tile`: inline PTX on the GPU, Triton ops under the interpreter) and meets the activations in one MMA.
 - one program per (block, N tile) reads its weight slice once; at decode every SM streams weights. A 1-2 token
   batch has too few such programs, so L1 then splits the hidden dimension (`l1_split`, `_l1_reduce_kernel`).
+- from Triton 3.7 each program prefetches the next K tile's bytes into registers (`REGISTER_PREFETCH`) instead of
+  staging them in shared memory through Triton's cp.async pipeline: a quarter fewer instructions per weight.
 - L1 fuses SwiGLU, the clamp, the routing weight and the FP8 requantization into its epilogue; L2 writes
   each slot's output straight to its slot.
-Measured on an H200 (docs/benchmarks.md), Triton 3.6 / 3.7.1: ~110 µs at 1 token, 1.52-1.59x the FP4 bound at
-16-256 tokens and 12.5 / 10.9 ms at 4096 on the DeepSeek-V4 layer; the weights stream at ~3.0-3.2 TB/s. Both GEMMs
-are issue-bound at decode (Nsight Compute: instructions issued in ~80-85% of cycles with 3-4 other warps eligible);
-the expansion is ~43% of the L1 loop's instructions, the rest is the wgmma, its descriptors and Triton's pipeline
-bookkeeping. Tiles with fewer instructions per weight hold more registers or shared-memory traffic and ran slower,
-and keeping several wgmma in flight changed nothing (the measurements are in that file).
+Measured on an H200 (docs/benchmarks.md), DeepSeek-V4 layer, Triton 3.7.1 / 3.6: 103 / 111 µs at 1 token,
+1.35-1.45x / 1.53-1.59x the FP4 bound at 16-256 tokens and 10.7 / 12.5 ms at 4096. Both GEMMs are issue-bound at
+decode (Nsight Compute: instructions issued in ~80-85% of cycles with 3-4 other warps eligible), so what counts is
+instructions per weight at a given register and shared-memory budget per program: the expansion is 13 per 8
+weights; tiles with fewer instructions overall but more registers or shared-memory traffic ran slower, and keeping
+several wgmma in flight changed nothing (the measurements are in that file).
 """
 
 from __future__ import annotations
