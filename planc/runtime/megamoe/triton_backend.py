@@ -245,6 +245,7 @@ _CONFIGS = (
 
 
 def _triton_at_least(major: int, minor: int) -> bool:
+    """Whether the installed Triton is `major.minor` or newer (how it lowers a loop is version-specific)."""
     try:
         found = tuple(int(v) for v in triton.__version__.split(".")[:2])
     except ValueError:  # pragma: no cover - an unparsable (source build) version: assume the newer lowering
