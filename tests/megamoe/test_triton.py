@@ -130,7 +130,7 @@ def test_weight_layout_holds_every_code_and_scale_once():
 
 @pytest.fixture(params=[True, False], ids=["register_prefetch", "cp_async_pipeline"])
 def weight_stream(request, monkeypatch):
-    """Both ways the GEMM loops stream the weights (`REGISTER_PREFETCH`: Triton >= 3.7 or the pipeline)."""
+    """Both ways the GEMM loops stream the weights (`REGISTER_PREFETCH`: Triton >= 3.5, or the pipeline)."""
     monkeypatch.setattr(triton_backend, "REGISTER_PREFETCH", request.param)
     return request.param
 

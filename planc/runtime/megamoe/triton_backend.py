@@ -27,8 +27,8 @@ How it is organized (the ideas of vLLM's fused_moe, triton_kernels' matmul_ogs a
   BF16 (`_fp4_tile`: inline PTX on the GPU, Triton ops under the interpreter) and meets the activations in one MMA.
 - one program per (block, N tile) reads its weight slice once; at decode every SM streams weights. A 1-2 token
   batch has too few such programs, so L1 then splits the hidden dimension (`l1_split`, `_l1_reduce_kernel`).
-- from Triton 3.7 each program prefetches the next K tile's bytes into registers (`REGISTER_PREFETCH`) instead of
-  staging them in shared memory through Triton's cp.async pipeline: a quarter fewer instructions per weight.
+- each program prefetches the next K tile's bytes into registers (`REGISTER_PREFETCH`, Triton >= 3.5) instead of
+  staging them in shared memory through Triton's cp.async pipeline: 15-30% fewer instructions per weight.
 - L1 fuses SwiGLU, the clamp, the routing weight and the FP8 requantization into its epilogue; L2 writes
   each slot's output straight to its slot.
 Measured on an H200 (docs/benchmarks.md), DeepSeek-V4 layer, Triton 3.7.1 / 3.6: 103 / 111 µs at 1 token,
@@ -253,16 +253,17 @@ def _triton_at_least(major: int, minor: int) -> bool:
     return found >= (major, minor)
 
 
-# How the two GEMM loops stream the weights (the kernels' `PREFETCH`, per config `KernelConfig.prefetch`). From
-# Triton 3.7 each program loads the next K tile's words, scale words and activations into registers while it expands
-# and multiplies this one: the weights never pass through shared memory, and the loop has none of the cp.async
-# pipeline's stage bookkeeping (sm_90 SASS: 22.6 / 26.0 instructions per 8 weights in L1 / L2 against 30.5 / 37.5;
-# decode batches are issue-bound). Same device call, Triton 3.7.1, V4 experts computation at 16 / 64 / 256 / 4096
-# tokens: 926 / 2489 / 3985 / 10420 µs against 1024 / 2808 / 4442 / 10847, the same bits. Triton 3.6 gives the
-# loop-carried words another register layout and converts every expanded tile through shared memory (64 STS.U16
-# per iteration; 4.2x slower), so under 3.6 the loops keep Triton's software pipeline (`num_stages` cp.async
-# buffers; `num_stages` means nothing to the prefetch loop).
-REGISTER_PREFETCH = triton is not None and _triton_at_least(3, 7)
+# How the two GEMM loops stream the weights (the kernels' `PREFETCH`, per config `KernelConfig.prefetch`). Each
+# program loads the next K tile's words, scale words and activations into registers while it expands and multiplies
+# this one: the weights never pass through shared memory, and the loop has none of the cp.async pipeline's stage
+# bookkeeping (sm_90 SASS, L1 / L2 loop per thread: 181 / 104 instructions against 245 / 150 under Triton 3.7.1, 204 /
+# 110 against 239 / 152 under 3.6; decode batches are issue-bound). Same device call, V4 experts computation at 16 /
+# 64 / 256 / 4096 tokens: 926 / 2489 / 3985 / 10420 µs against 1024 / 2808 / 4442 / 10847 under Triton 3.7.1, 943 /
+# 2608 / 4326 / 11291 against 968 / 2708 / 4577 / 11896 under 3.6; the same bits. It needs Triton to keep the
+# loop-carried words in the layout they were loaded in, the MMA operand's (`_fp4_offsets`): 3.5 and 3.6 compile the
+# loop as 3.6 was measured; 3.3 and 3.4 still move part of each tile through shared memory (not measured), so they
+# keep Triton's software pipeline (`num_stages` cp.async buffers; `num_stages` means nothing to the prefetch loop).
+REGISTER_PREFETCH = triton is not None and _triton_at_least(3, 5)
 
 
 # L1 splits its hidden dimension (`l1_split`) until there are ~8 L1 programs per SM, keeping at least 4 pipeline
@@ -434,14 +435,18 @@ if triton is not None:
         """int32 offsets (in words, and in scale words) of the [BN, BK] tile of rows 16*g0.. at K 0 in the
         `shuffle_fp4` layout (`num_g` = N / 16 row groups); the tile at K 64*kc starts kc * num_g * 128 words (kc *
         num_g * 8 scale words) further. Every thread reads 16 contiguous bytes per 64 K of one 16-row group: its own
-        MMA operand registers. Computed once per program: the K loop only moves a scalar base."""
+        MMA operand registers. Computed once per program: the K loop only moves a scalar base. The words are
+        addressed as 128 contiguous words per group and reshaped after the load (`_fp4_load`): Triton then loads them
+        in the MMA operand's own layout (a 16-row group per warp, 4 words per lane), which the register-prefetch loop
+        carries from one iteration to the next; with [KC, G, 32, 4] offsets Triton 3.5 and 3.6 loaded them in another
+        layout and moved every expanded tile through shared memory."""
         G: tl.constexpr = BN // 16
         KC: tl.constexpr = BK // 64
         blk = tl.arange(0, KC)[:, None] * num_g + g0 + tl.arange(0, G)[None, :]  # [KC, G]
         lane = tl.arange(0, 32)  # 4 r + q
-        w_off = blk[:, :, None, None] * 128 + lane[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :]
+        w_off = blk[:, :, None] * 128 + tl.arange(0, 128)[None, None, :]
         s_off = blk[:, :, None] * 8 + (lane // 4)[None, None, :]
-        return w_off, s_off  # [KC, G, 32, 4] words, [KC, G, 32] scale words
+        return w_off, s_off  # [KC, G, 128] words (32 lanes x 4), [KC, G, 32] scale words
 
     @triton.jit
     def _fp4_tile(w_base, s_base, w_off, s_off, kc, num_g, BN: tl.constexpr, BK: tl.constexpr, LARGE: tl.constexpr,
@@ -456,7 +461,8 @@ if triton is not None:
     def _fp4_load(w_base, s_base, w_off, s_off, kc, num_g):
         """The words ``[KC, G, 32, 4]`` and scale words ``[KC, G, 32]`` of the tile at K 64*kc (`_fp4_offsets`)."""
         step = kc * num_g  # int32: offsets within one expert stay below 2**31 (`stride_we` words)
-        return tl.load(w_base + step * 128 + w_off), tl.load(s_base + step * 8 + s_off)
+        w = tl.load(w_base + step * 128 + w_off)
+        return tl.reshape(w, (w.shape[0], w.shape[1], 32, 4)), tl.load(s_base + step * 8 + s_off)
 
     @triton.jit
     def _fp4_expand(w, sw, BN: tl.constexpr, BK: tl.constexpr, LARGE: tl.constexpr, INTERPRET: tl.constexpr):
