@@ -6,7 +6,10 @@ planc plan for the model users load (`planc.runtime.families`): the `*ForCausalL
 model whose language model the config describes, with the base model's real path as prefix
 (`model.`, `model.language_model.`). It does what transformers does implicitly (the vocab-parallel
 embedding added to every TP plan, TP rules on experts that EP shards dropped) and then resolves the
-plan against the model built from the config, on the meta device.
+plan against the model built from the config, on the meta device. Where the config declares only EP
+rules on an experts module (transformers deprecated `moe_tp_experts` in 5.25 and dropped it from its
+configs' TP plans; planc's runtime still installs it), the TP rules used without EP are derived from the
+experts' layout.
 
 It always writes the closest plan that compiles: every rule it had to drop or change is a comment
 with the reason and the compiler's code, and the header says which sizes it chose and why. Sizes
@@ -111,6 +114,41 @@ def _ep_from_tp(tp_base: dict) -> dict:
     return ep
 
 
+# The TP style of each experts tensor, untransposed ([E, out, in]) and transposed ([E, in, out]): the
+# intermediate dim is sharded, the fused gate|up halves each (planc.runtime.tp_styles).
+_EXPERTS_TP = {"gate_up_proj": ("packed_colwise", "packed_rowwise"), "up_proj": ("colwise", "rowwise"),
+               "down_proj": ("rowwise", "colwise")}
+
+
+def _tp_from_ep(draft: _Draft, walk, model) -> dict:
+    """TP rules for the experts modules that the EP rules dispatch and no TP rule names (from transformers 5.25,
+    every config but Llama 4's): each tensor sharded on the intermediate dim as its layout requires, the module
+    `moe_tp_experts`. Experts with any other tensor (biases: every rank would add a down bias once; a norm inside
+    the experts) or with gate and up interleaved get none: they are planned expert-parallel only."""
+    from planc.spec.patterns import Pattern
+
+    out: dict[str, str] = {}
+    for pattern, style in draft.ep.items():
+        if style != "ep_dispatch_experts" or any(_under(k, [pattern]) for k in draft.tp):
+            continue
+        pat = Pattern(pattern)
+        infos = [m for m in walk.modules.values() if m.experts is not None and pat.matches(m.generic)]
+        derived = {_experts_tp_rules(model.get_submodule(m.fqn), m.experts.is_transposed) for m in infos}
+        if len(derived) == 1 and None not in derived:
+            out.update({f"{pattern}.{name}" if name else pattern: s for name, s in derived.pop()})
+    return out
+
+
+def _experts_tp_rules(module, transposed: bool) -> Optional[tuple]:
+    """((tensor, style), ..., ("", "moe_tp_experts")) for one experts module, or None when planc's TP styles
+    cannot shard it."""
+    params = dict(module.named_parameters())
+    if getattr(module, "is_concatenated", True) is False or not set(params) <= set(_EXPERTS_TP) \
+            or not all(p.is_floating_point() for p in params.values()):
+        return None
+    return tuple((name, _EXPERTS_TP[name][transposed]) for name in params) + (("", "moe_tp_experts"),)
+
+
 def _under(pattern: str, keys) -> bool:
     return any(pattern == k or pattern.startswith(k + ".") for k in keys)
 
@@ -173,8 +211,9 @@ def _plan_data(model_type: str, size: int, ep_on: bool, draft: _Draft, impl: str
     return data
 
 
-def _attempt(model_type, model, size: int, ep_on: bool, base: _Draft, impl: str):
+def _attempt(model_type, model, size: int, ep_on: bool, base: _Draft, impl: str, tp_experts: dict):
     """Compile at these sizes, dropping each rule a problem points at, until it compiles or cannot be repaired.
+    `tp_experts`: the experts' TP rules derived from the EP rules (`_tp_from_ep`), used without EP.
 
     Returns (draft, compiled or None, the unrepairable problems).
     """
@@ -186,10 +225,12 @@ def _attempt(model_type, model, size: int, ep_on: bool, base: _Draft, impl: str)
 
     draft = _Draft(dict(base.tp), dict(base.ep), list(base.notes))
     if not ep_on:
-        # Without EP, transformers' TP rules on the experts (moe_tp_experts) are the experts' rules.
+        # Without EP, transformers' TP rules on the experts (moe_tp_experts) are the experts' rules, else
+        # the ones derived from the experts' layout.
         for pattern in list(draft.ep):
             draft.notes.append(("ep_plan", pattern, draft.ep[pattern], "", "expert parallelism is off at these sizes"))
         draft.ep = {}
+        draft.tp.update(tp_experts)
     elif not any(s == "ep_dispatch_experts" for s in draft.ep.values()):
         return draft, None, ["no ep_plan rule shards experts (PLC404)"]
     else:
@@ -242,15 +283,11 @@ def _one_line(text: str) -> str:
 
 
 def _experts_implementation(model) -> str:
-    """`grouped_mm` where the model can switch its experts kernel, else its own forward (`eager`)."""
-    can = getattr(type(model), "_can_set_experts_implementation", None)
-    if callable(can):
-        try:
-            if not can():
-                return "eager"
-        except Exception:  # noqa: BLE001 - a heuristic of transformers; default to its own forward
-            return "eager"
-    return "grouped_mm"
+    """`grouped_mm` where the model can switch its experts kernel, else its own forward (`eager`): the
+    compiler's check (PLC624)."""
+    from planc.compiler.walk import can_switch_experts
+
+    return "eager" if can_switch_experts(type(model)) is False else "grouped_mm"
 
 
 def init_plan(model_type: str, config: Optional[dict] = None, overrides: Optional[dict] = None,
@@ -278,12 +315,13 @@ def init_plan(model_type: str, config: Optional[dict] = None, overrides: Optiona
     walk = walk_model(model)
     base = _Draft(tp, ep)
     _prefilter(base, walk, top_type)
+    tp_experts = _tp_from_ep(base, walk, model)
     impl = _experts_implementation(model)
     tried = []
     best = None
     for ep_on in (True, False):
         for size in sizes:
-            draft, compiled, blockers = _attempt(top_type, model, size, ep_on, base, impl)
+            draft, compiled, blockers = _attempt(top_type, model, size, ep_on, base, impl, tp_experts)
             dropped = sum(1 for n in draft.notes[len(base.notes):] if n[3] not in ("", "PLC406"))
             label = f"tp_size {size}" + (f", ep_size {size}" if ep_on else ", ep_size 1")
             if compiled is None:
@@ -307,10 +345,12 @@ def init_plan(model_type: str, config: Optional[dict] = None, overrides: Optiona
     why = f"{label}: the largest size that compiles" + (
         "" if best[0][0] == 0 else f" with the fewest rules dropped ({best[0][0]})"
     )
-    return _render(fam, type(model).__name__, prefix, transformers.__version__, size, ep_on, draft, impl, why, tried)
+    derived = {} if ep_on else {k: v for k, v in tp_experts.items() if draft.tp.get(k) == v}
+    return _render(fam, type(model).__name__, prefix, transformers.__version__, size, ep_on, draft, impl, why, tried,
+                   derived)
 
 
-def _render(fam, model_cls, prefix, version, size, ep_on, draft: _Draft, impl, why, tried) -> str:
+def _render(fam, model_cls, prefix, version, size, ep_on, draft: _Draft, impl, why, tried, derived) -> str:
     lines = [
         f"# Starting plan for {fam.model_type}, written by `planc init --from-transformers {fam.model_type}`",
         f"# from transformers {version}: {fam.config_class().__name__}.base_model_tp_plan / base_model_ep_plan",
@@ -322,6 +362,9 @@ def _render(fam, model_cls, prefix, version, size, ep_on, draft: _Draft, impl, w
     if ep_on and not getattr(fam.config_class(), "base_model_ep_plan", None):
         lines.append(f"# ep_plan: derived from the TP rules on the experts ({fam.config_class().__name__} declares no "
                      "base_model_ep_plan)")
+    if derived:
+        lines.append(f"# tp_plan: the experts' rules derived from their EP rules and layout "
+                     f"({fam.config_class().__name__} declares no TP rules on its experts)")
     if impl != "grouped_mm":
         lines.append(f"# experts.implementation: {impl}: {model_cls} cannot switch its experts kernel (its own forward runs)")
     if draft.notes:

@@ -76,14 +76,15 @@ def check_targets(c, rule: PlanRule) -> None:
                     f"write `{style}` on the experts module (`{generic_path(owner.fqn)}`)",
                     fqn,
                 )
-            elif style in PARAMETER_STYLES and owner.experts is None:
+            elif style in PARAMETER_STYLES and owner.experts is None and nested_expert_owner(walk, fqn) is None:
                 c.problems.add(
                     WRONG_TARGET,
                     f"`{style}` shards the expert dimension, but `{generic_path(fqn)}` belongs to {owner.class_name}, "
                     "which is not an experts module",
                     rule.source.where,
-                    "use `grouped_gemm` only on the parameters of experts modules (gate_up_proj, down_proj, ...); "
-                    "dense layers take TP styles in tp_plan",
+                    "use `grouped_gemm` only on the parameters of experts modules (gate_up_proj, down_proj, ...) and "
+                    "on per-expert tensors of modules inside them (leading dim = the experts count); dense layers "
+                    "take TP styles in tp_plan",
                     fqn,
                 )
         else:
@@ -307,7 +308,54 @@ def experts_assignments(c, final: dict[str, PlanRule], strategy) -> list[Experts
     return out
 
 
+def nested_expert_owner(walk, fqn: str):
+    """The experts module (ModuleInfo) that parameter `fqn` is a per-expert tensor of, from a module inside it
+    (ergo's `experts.post_expert_norm.weight` [E, H]: the experts' forward indexes it with the expert ids it runs):
+    the nearest experts ancestor of its owner when the tensor's leading dim is that module's experts count; None
+    for a parameter of an experts module itself, or of any other module."""
+    p = walk.params.get(fqn)
+    if p is None or not p.shape:
+        return None
+    owner = p.owner
+    while owner:
+        owner = owner.rpartition(".")[0]
+        m = walk.modules.get(owner)
+        if m is not None and m.experts is not None:
+            return m if p.shape[0] == m.experts.num_experts else None
+    return None
+
+
+def nested_expert_params(walk, m) -> list[str]:
+    """The per-expert tensors of modules inside experts module `m` (see `nested_expert_owner`)."""
+    prefix = m.fqn + "."
+    return [f for f, p in walk.params.items()
+            if p.owner.startswith(prefix) and getattr(nested_expert_owner(walk, f), "fqn", None) == m.fqn]
+
+
 def check_experts_params(c, m, mode, final: dict[str, PlanRule]) -> None:
+    for pfqn in nested_expert_params(c.walk, m):
+        r = final.get(pfqn)
+        if mode == "ep" and (r is None or r.style != "grouped_gemm"):
+            name = pfqn[len(m.fqn) + 1:]
+            c.problems.add(
+                EXPERTS_PARTIAL,
+                f"{name} is a per-expert tensor (leading dim {m.experts.num_experts}, the experts count) inside "
+                "expert-parallel experts, but it is not sharded by expert"
+                + (f" (it has `{r.style}`)" if r else "")
+                + ": the experts' forward would index the full tensor with its local expert ids",
+                final[m.fqn].source.where,
+                f"add `{generic_path(m.fqn)}.{name}: grouped_gemm` to ep_plan",
+                pfqn,
+            )
+        elif mode != "ep" and r is not None and r.style == "grouped_gemm" and c.active["ep"]:
+            c.problems.add(
+                EXPERTS_PARTIAL,
+                f"{pfqn[len(m.fqn) + 1:]} is sharded by expert (grouped_gemm) but its experts module is not "
+                "expert-parallel (no `ep_dispatch_experts`): the forward would index a slice with global ids",
+                r.source.where,
+                f"add `{generic_path(m.fqn)}: ep_dispatch_experts` to ep_plan, or delete this rule",
+                pfqn,
+            )
     for pfqn in m.params:
         r = final.get(pfqn)
         name = pfqn.rsplit(".", 1)[-1]

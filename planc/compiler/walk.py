@@ -191,8 +191,10 @@ def _head_dims(module) -> Optional[tuple]:
     return (hd, vd) if hd or vd else None
 
 
-def _can_switch_experts(model) -> Optional[bool]:
-    can = getattr(type(model), "_can_set_experts_implementation", None)
+def can_switch_experts(model_class) -> Optional[bool]:
+    """transformers' `_can_set_experts_implementation()` of a model class: whether its experts class takes the
+    kernels (`grouped_mm`, Mega MoE) or runs only its own forward. None when the class has no such method."""
+    can = getattr(model_class, "_can_set_experts_implementation", None)
     if not callable(can):
         return None
     try:
@@ -214,7 +216,7 @@ def walk_model(model) -> ModelWalk:
         model_class=type(model).__name__,
         model_type=getattr(config, "model_type", None),
         config=config,
-        can_switch_experts=_can_switch_experts(model),
+        can_switch_experts=can_switch_experts(type(model)),
     )
     modules, params, by_generic = walk.modules, walk.params, walk.by_generic
     generic_of: dict[str, str] = {"": ""}  # parents come before children in named_modules()

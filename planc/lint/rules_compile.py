@@ -146,15 +146,18 @@ _compile_rule(
 )
 _compile_rule(
     WRONG_TARGET, "style-on-wrong-target", "a style on the wrong kind of target",
-    "`grouped_gemm` shards the expert dimension of an experts parameter; `ep_dispatch_experts` and "
-    "`moe_tp_experts` hook an experts module's forward. On anything else they cannot run.",
+    "`grouped_gemm` shards the expert dimension of an experts parameter (or of a per-expert tensor of a module "
+    "inside the experts, such as a per-expert norm); `ep_dispatch_experts` and `moe_tp_experts` hook an experts "
+    "module's forward. On anything else they cannot run.",
     _GOOD.replace("model.layers.*.mlp.experts: ep_dispatch_experts", "model.layers.*.mlp.gate: ep_dispatch_experts"),
     _GOOD,
 )
 _compile_rule(
     EXPERTS_PARTIAL, "experts-partly-sharded", "an experts parameter left whole under EP, or sharded without its module rule",
     "Under EP every experts tensor must be sharded by expert (`grouped_gemm`): a whole tensor would be indexed "
-    "with local expert ids. Under `moe_tp_experts`, gate_up/down must be feature-sharded.",
+    "with local expert ids. That includes a per-expert tensor of a module inside the experts (leading dim = the "
+    "experts count: ergo's `experts.post_expert_norm.weight`). Under `moe_tp_experts`, gate_up/down must be "
+    "feature-sharded.",
     _GOOD.replace("{gate_up_proj,down_proj}", "gate_up_proj"), _GOOD,
 )
 _compile_rule(
@@ -212,11 +215,11 @@ _compile_rule(
     EXPERTS_IMPL_FIXED, "experts-implementation-fixed",
     "an experts kernel other than `eager` for a model class that cannot switch its experts implementation",
     "Some model classes run only their own experts forward (transformers' "
-    "`_can_set_experts_implementation()` is false: longcat_flash, llama4): `grouped_mm` or Mega MoE cannot be "
-    "installed on them. `implementation: eager` keeps the model's forward, which the EP strategies and TP "
-    "styles wrap.",
-    "version: 1\nmodel: {type: longcat_flash}\nparallel: {tp_size: 1}\nexperts: {implementation: grouped_mm}\n",
-    "version: 1\nmodel: {type: longcat_flash}\nparallel: {tp_size: 1}\nexperts: {implementation: eager}\n",
+    "`_can_set_experts_implementation()` is false: llama4; longcat_flash before transformers 5.25): `grouped_mm` "
+    "or Mega MoE cannot be installed on them. `implementation: eager` keeps the model's forward, which the EP "
+    "strategies and TP styles wrap.",
+    "version: 1\nmodel: {type: llama4_text}\nparallel: {tp_size: 1}\nexperts: {implementation: grouped_mm}\n",
+    "version: 1\nmodel: {type: llama4_text}\nparallel: {tp_size: 1}\nexperts: {implementation: eager}\n",
 )
 _compile_rule(
     LAYOUT_SHARDED_INTO_REPLICATED, "sharded-output-consumed-whole",
@@ -255,7 +258,8 @@ _compile_rule(
 _compile_rule(
     LAYOUT_PRODUCERS_DISAGREE, "producers-disagree", "modules that feed one consumer leave different layouts",
     "o_proj combines q, k and v (down_proj combines gate and up): either all of them are colwise, with a "
-    "rowwise consumer, or none is.",
+    "rowwise consumer, or none is. The producers of a chain transformers declares include those with a "
+    "transformers style planc does not install (`unit_colwise`), read from transformers' own style object.",
     _TOP + "tp_plan:\n  model.layers.*.self_attn.q_proj: colwise\n  model.layers.*.self_attn.o_proj: rowwise\n" + _EP,
     _GOOD, family="layout",
 )

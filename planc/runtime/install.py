@@ -312,7 +312,9 @@ def step_shard_parameters(state: InstallState) -> None:
         owner = state.module(owner_name)
         owner._planc_fqn = owner_name
         if a.style == "grouped_gemm":
-            shard_expert_tensor(owner, pname, state.groups, num_experts.get(owner_name))
+            # a parameter of a module inside the experts (a per-expert norm) is sliced alike; its owner is not the experts
+            shard_expert_tensor(owner, pname, state.groups, num_experts.get(owner_name),
+                                experts_module=owner_name in num_experts)
         elif a.style == "ep_dispatch_experts":
             continue  # a module style inherited by its parameters: grouped_gemm rules shard them
         else:

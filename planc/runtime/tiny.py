@@ -40,7 +40,9 @@ _MAX_LAYERS = 4
 _TINY_SIZES: dict[str, int] = {
     "hidden_size": TINY_HIDDEN, "vocab_size": 128, "head_dim": 16, "num_attention_heads": TINY_HEADS,
     "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16, "qk_head_dim": 24,
-    "index_n_heads": 2, "index_head_dim": 16, "index_topk": 4, "o_lora_rank": 16, "o_groups": 2,
+    # an indexer scores with at most the query heads of one KV head (kolibri1_1): 4 heads over 2 KV heads
+    "index_n_heads": 2, "index_num_heads": 2, "index_head_dim": 16, "index_topk": 4, "o_lora_rank": 16,
+    "o_groups": 2,
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
     "linear_value_head_dim": 16, "linear_num_heads": 4, "linear_head_dim": 16,
     "swa_num_attention_heads": 4, "swa_head_dim": 16, "num_sliding_attention_heads": 4,

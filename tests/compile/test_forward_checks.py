@@ -36,13 +36,26 @@ def test_sharded_sinks_without_a_wrapped_attention_forward_is_refused():
 
 
 def test_experts_kernel_the_class_cannot_switch_is_refused():
-    model = build_meta_model("longcat_flash", {"num_layers": 1})
-    plan = {"version": 1, "model": {"type": "longcat_flash"}, "parallel": {"tp_size": 1},
-            "experts": {"implementation": "grouped_mm"}}
-    (p,) = _codes(plan, model)
-    assert p.code == "PLC624" and "LongcatFlashForCausalLM" in p.message and "implementation: eager" in p.hint
-    plan["experts"]["implementation"] = "eager"
-    compile_plan(model, plan)
+    """Every MoE family whose model class cannot switch its experts implementation, found by the compiler's own
+    check (llama4_text; also longcat_flash and step3p5 before transformers 5.25, which wrapped their experts)."""
+    import torch
+
+    from planc.compiler.walk import can_switch_experts
+    from planc.runtime.families import moe_families
+    from planc.runtime.models import tiny_config
+
+    fixed = [f for f in moe_families() if can_switch_experts(f.model_class(None)) is False]
+    assert fixed, "no MoE family of this transformers runs only its own experts forward: PLC624 has no example"
+    for fam in fixed:
+        config = tiny_config(fam)
+        with torch.device("meta"):
+            model = fam.model_class(config)._from_config(config, dtype=torch.float32)
+        plan = {"version": 1, "model": {"type": fam.model_type}, "parallel": {"tp_size": 1},
+                "experts": {"implementation": "grouped_mm"}}
+        (p,) = _codes(plan, model)
+        assert p.code == "PLC624" and type(model).__name__ in p.message and "implementation: eager" in p.hint
+        plan["experts"]["implementation"] = "eager"
+        compile_plan(model, plan)
 
 
 def test_head_check_uses_v_head_dim_for_v_and_o_proj():
@@ -88,3 +101,50 @@ def test_llama4_experts_take_ep_dispatch_only_over_one_batch():
     problems = _codes(plan, model)
     assert any(p.code == "PLC613" and "pre-scaled" in p.message and "ep_size == tp_size" in p.message
                and "packed_rowwise" in p.hint for p in problems), problems
+
+def _needs(model_type):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers has no {model_type} before 5.25")
+
+
+def test_per_expert_tensor_inside_experts_is_sharded_by_expert_with_them():
+    """ergo's experts hold a per-expert norm (`post_expert_norm.weight` [E, H]) that their forward indexes with the
+    expert ids it runs: under EP it takes `grouped_gemm` like the experts' own tensors, and leaving it whole is
+    refused (PLC615); `grouped_gemm` on a tensor outside any experts module stays PLC613."""
+    _needs("ergo")
+    model = build_meta_model("ergo", {"num_hidden_layers": 2, "num_experts": 8})
+    experts = "model.layers.*.mlp.experts"
+    ep_plan = {f"{experts}.up_proj": "grouped_gemm", f"{experts}.down_proj": "grouped_gemm",
+               experts: "ep_dispatch_experts"}
+    plan = {"version": 1, "model": {"type": "ergo"}, "parallel": {"tp_size": 2, "ep_size": 2}, "ep_plan": ep_plan}
+    problems = _codes(plan, model)
+    assert {p.code for p in problems} == {"PLC615"}
+    assert all("post_expert_norm.weight" in p.message and "local expert ids" in p.message for p in problems)
+    assert problems[0].hint == f"add `{experts}.post_expert_norm.weight: grouped_gemm` to ep_plan"
+    ep_plan[f"{experts}.post_expert_norm.weight"] = "grouped_gemm"
+    compiled = compile_plan(model, plan)
+    norm = [a for a in compiled.assignments if a.fqn.endswith("mlp.experts.post_expert_norm.weight")]
+    assert norm and {a.style for a in norm} == {"grouped_gemm"}
+    plan["ep_plan"] = {**ep_plan, "model.layers.*.input_layernorm.weight": "grouped_gemm"}
+    assert {p.code for p in _codes(plan, model)} == {"PLC613"}
+
+
+def test_projections_transformers_chains_with_a_style_planc_lacks_must_agree():
+    """minicpm5_moe's plan shards q_gate_proj `colwise` and k/v_proj `unit_colwise` (a transformers 5.25 style planc
+    does not install), all feeding o_proj: keeping q sharded with k/v whole is refused (PLC634), not compiled."""
+    _needs("minicpm5_moe")
+    model = build_meta_model("minicpm5_moe", {"num_hidden_layers": 2})
+    attn = "model.layers.*.self_attn"
+    plan = {"version": 1, "model": {"type": "minicpm5_moe"}, "parallel": {"tp_size": 2},
+            "tp_plan": {f"{attn}.q_gate_proj": "colwise", f"{attn}.o_proj": "rowwise"}}
+    plan["tp_plan"].update({"model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+                            "model.layers.*.mlp.experts.down_proj": "rowwise",
+                            "model.layers.*.mlp.experts": "moe_tp_experts"})
+    problems = _codes(plan, model)
+    assert {p.code for p in problems} == {"PLC634"}
+    assert "k_proj, v_proj" in problems[0].message and "MiniCPM5MoeConfig.base_model_tp_plan" in problems[0].message
+    assert problems[0].where == f"tp_plan['{attn}.q_gate_proj']"
+    plan["tp_plan"].update({f"{attn}.k_proj": "colwise", f"{attn}.v_proj": "colwise"})
+    compile_plan(model, plan)

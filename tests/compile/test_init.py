@@ -46,9 +46,37 @@ def test_unknown_model_type_is_a_usage_error(capsys):
 
 
 def test_experts_on_their_own_forward_get_an_ep_plan():
-    """longcat_flash cannot switch its experts implementation and has parameter-free "zero" experts: init still
-    writes expert parallelism (its own forward runs under it), without a grouped_gemm rule on the identity child,
-    and the compiler counts the experts with weights (gate_up_proj is allocated for the zero experts too)."""
+    """Every family whose model class cannot switch its experts implementation (the compiler's check, PLC624:
+    llama4_text; also longcat_flash and step3p5 before transformers 5.25): init writes `eager`, says why, and
+    still writes expert parallelism (the model's own forward runs under it); the plan compiles."""
+    import torch
+    import yaml
+
+    from planc.commands.init import init_plan
+    from planc.compiler.walk import can_switch_experts
+    from planc.runtime.families import moe_families
+    from planc.runtime.models import tiny_config
+
+    fixed = [f for f in moe_families() if can_switch_experts(f.model_class(None)) is False]
+    assert fixed, "no MoE family of this transformers runs only its own experts forward"
+    for fam in fixed:
+        config = tiny_config(fam)
+        text = init_plan(fam.model_type, config.to_dict(), sizes=(2,))
+        plan = yaml.safe_load(text)
+        assert plan["experts"]["implementation"] == "eager", fam.text_type
+        assert "cannot switch its experts kernel (its own forward runs)" in text
+        assert plan["parallel"] == {"tp_size": 2, "ep_size": 2}, fam.text_type
+        assert "ep_dispatch_experts" in plan["ep_plan"].values(), fam.text_type
+        with torch.device("meta"):
+            meta = fam.model_class(config)._from_config(config, dtype=torch.float32)
+        compile_plan(meta, text)
+
+
+def test_parameter_free_experts_get_no_ep_rule_and_are_not_counted():
+    """longcat_flash's router also picks parameter-free "zero" experts (identities): init writes expert
+    parallelism with no rule for them, and the compiler counts the experts with weights. Before transformers 5.25
+    they were an `identity_expert` child of the experts and `gate_up_proj` had rows for them too (which install
+    drops); since 5.25 the MoE block adds them outside the experts."""
     import torch
     import yaml
 
@@ -60,8 +88,8 @@ def test_experts_on_their_own_forward_get_an_ep_plan():
     config = tiny_config(fam)
     text = init_plan(fam.model_type, config.to_dict(), sizes=(2,))
     plan = yaml.safe_load(text)
+    assert config.zero_expert_num > 0
     assert plan["parallel"] == {"tp_size": 2, "ep_size": 2}
-    assert plan["experts"]["implementation"] == "eager"
     assert plan["ep_plan"] == {
         "model.layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
         "model.layers.*.mlp.experts.down_proj": "grouped_gemm",
@@ -73,7 +101,7 @@ def test_experts_on_their_own_forward_get_an_ep_plan():
     assert {(e.num_experts, e.num_local_experts) for e in compiled.experts} == {(config.n_routed_experts, 4)}
     # bytes per rank count only the rows install keeps: the experts with weights, split over ep
     gate_up = meta.model.layers[0].mlp.experts.gate_up_proj
-    assert gate_up.shape[0] > config.n_routed_experts  # allocated for the zero experts too
+    assert gate_up.shape[0] >= config.n_routed_experts
     (cov,) = [c for c in compiled.coverage if c.rule.pattern.endswith("experts.gate_up_proj")]
     assert cov.bytes_per_rank * 2 == cov.bytes_total * config.n_routed_experts // gate_up.shape[0]
 
@@ -102,3 +130,52 @@ def test_a_rule_that_suits_one_class_of_blocks_is_kept_for_their_layers():
     assert "model.language_model.layers.*.self_attn.o_proj" not in tp
     assert "PLC631" in text and "(the layers it suits)" in text
     compile_plan(meta, text)
+
+
+# (family, the config's expert-count field, the experts' TP rules init writes without EP)
+_TP_EXPERTS = [
+    ("flex_olmo", "num_experts", {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}),
+    ("aria_text", "moe_num_experts", {"gate_up_proj": "packed_rowwise", "down_proj": "colwise"}),  # [E, H, 2I]
+    ("nemotron_h", "n_routed_experts", {"up_proj": "colwise", "down_proj": "rowwise"}),  # no gate
+]
+
+
+@pytest.mark.parametrize("name,count,want", _TP_EXPERTS, ids=[t[0] for t in _TP_EXPERTS])
+def test_experts_no_size_divides_are_tensor_parallel(name, count, want):
+    """3 experts split over no size: init writes the experts tensor-parallel. transformers declared those TP rules
+    up to 5.24; from 5.25 (`moe_tp_experts` deprecated) it declares only EP rules, and init derives the TP ones
+    from the experts' layout and says so. Either way the rules are the same."""
+    import torch
+    import yaml
+
+    from planc.commands.init import init_plan
+    from planc.runtime.families import family
+    from planc.runtime.models import tiny_config
+
+    fam = family(name)
+    config = tiny_config(fam, **{count: 3})
+    text = init_plan(fam.model_type, config.to_dict(), sizes=(2,))
+    plan = yaml.safe_load(text)
+    assert plan["parallel"] == {"tp_size": 2} and "PLC606 3 experts cannot be split evenly over ep_size=2" in text
+    experts = next(k for k, v in plan["tp_plan"].items() if v == "moe_tp_experts")
+    assert {k[len(experts) + 1:]: v for k, v in plan["tp_plan"].items() if k.startswith(experts + ".")} == want
+    declared = any(v == "moe_tp_experts" for v in (fam.config_class().base_model_tp_plan or {}).values())
+    assert ("# tp_plan: the experts' rules derived from their EP rules and layout" in text) == (not declared)
+    with torch.device("meta"):
+        meta = fam.model_class(config)._from_config(config, dtype=torch.float32)
+    compiled = compile_plan(meta, text)
+    assert {e.mode for e in compiled.experts} == {"tp"}
+
+
+def test_experts_tp_styles_cannot_shard_get_no_tp_rules():
+    """gpt_oss's experts have biases (every rank would add the down bias once) and interleaved gate|up: no TP
+    rules, so 3 experts cannot be planned at tp_size 2, and init says why for each layout it tried."""
+    from planc.commands.init import init_plan
+    from planc.runtime.families import family
+    from planc.runtime.models import tiny_config
+
+    fam = family("gpt_oss")
+    with pytest.raises(ValueError) as e:
+        init_plan(fam.model_type, tiny_config(fam, num_local_experts=3).to_dict(), sizes=(2,))
+    assert "PLC606 3 experts cannot be split evenly over ep_size=2" in str(e.value)
+    assert "PLC602 experts module GptOssExperts has no EP or TP rule" in str(e.value)

@@ -9,6 +9,8 @@ biases, FP8/FP4 scales. The experts module then holds `num_experts = E/ep` and t
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -18,12 +20,14 @@ from planc.runtime.mesh import needs_grad, to_local
 from planc.runtime.tp_styles import local_parameters, module_path
 
 
-def shard_expert_tensor(module: nn.Module, name: str, groups, num_experts=None) -> None:
+def shard_expert_tensor(module: nn.Module, name: str, groups, num_experts=None, experts_module: bool = True) -> None:
     """`grouped_gemm`: keep this rank's slice of the leading (expert) dim of parameter or buffer `name`.
 
     `num_experts` (the compiler's count of experts with weights): a tensor allocated with more leading rows
     (longcat_flash's gate_up_proj also counts the parameter-free experts its forward runs as identities)
-    keeps only the rows of the experts with weights, split like the others; its forward never reads the rest."""
+    keeps only the rows of the experts with weights, split like the others; its forward never reads the rest.
+    `experts_module` False: a per-expert tensor of a module inside the experts (ergo's `post_expert_norm.weight`),
+    sliced the same way; that module is not marked expert-parallel (its experts module is)."""
     ep = groups.ep_size
     tensor = module._parameters.get(name)
     is_param = tensor is not None
@@ -57,8 +61,9 @@ def shard_expert_tensor(module: nn.Module, name: str, groups, num_experts=None) 
     else:
         # Buffers (e.g. FP4 scales stored as buffers) stay plain tensors: the local slice.
         module._buffers[name] = tensor.chunk(ep, dim=0)[groups.ep_rank].clone()
-    module.num_experts = num // ep
-    module._is_expert_parallel = True
+    if experts_module:
+        module.num_experts = num // ep
+        module._is_expert_parallel = True
 
 
 class EPRuntime:
@@ -128,7 +133,10 @@ def install_ep_forward(module: nn.Module, runtime) -> None:
 
     def ep_forward(hidden_states, top_k_index, top_k_weights, **kwargs):
         hidden_states, top_k_weights = to_local(hidden_states), to_local(top_k_weights)
-        with local_parameters(module):
+        with contextlib.ExitStack() as stack:
+            # the experts' own tensors and the per-expert tensors of modules inside them (a per-expert norm)
+            for m in module.modules():
+                stack.enter_context(local_parameters(m))
             output = runtime(hidden_states, top_k_index, top_k_weights)
         return output.to(hidden_states.dtype)
 
