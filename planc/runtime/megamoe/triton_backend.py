@@ -32,12 +32,12 @@ How it is organized (the ideas of vLLM's fused_moe, triton_kernels' matmul_ogs a
 - L1 fuses SwiGLU, the clamp, the routing weight and the FP8 requantization into its epilogue; L2 writes
   each slot's output straight to its slot.
 Measured on an H200 (docs/benchmarks.md), DeepSeek-V4 layer: under Triton 3.7.1 103-106 µs at 1 token, 1.35-1.52x
-the FP4 bound at 16-256 tokens (two runs) and 10.6-10.7 ms at 4096; under 3.6 with the pipeline 111 µs, 1.53-1.59x
-and 12.5 ms (its register prefetch: experts computation 2.5-5.5% faster). Both GEMMs are issue-bound at
-decode (Nsight Compute: instructions issued in ~80-85% of cycles with 3-4 other warps eligible), so what counts is
-instructions per weight at a given register and shared-memory budget per program: the expansion is 13 per 8
-weights; tiles with fewer instructions overall but more registers or shared-memory traffic ran slower, and keeping
-several wgmma in flight changed nothing (the measurements are in that file).
+the FP4 bound at 16-256 tokens (two runs) and 10.6-10.7 ms at 4096; under 3.6 108 µs, 1.50-1.59x and 11.4 ms.
+Both GEMMs are issue-bound at decode (Nsight Compute: instructions issued in ~80-85% of cycles with 3-4 other warps
+eligible), so what counts is instructions per weight at a given register and shared-memory budget per program: the
+expansion is 13 per 8 weights; tiles with fewer instructions overall but more registers or shared-memory traffic ran
+slower, keeping several wgmma in flight changed nothing, and narrower MMAs over row sub-blocks (to skip a block's
+padding at prefill) cost more than they skipped (the measurements are in that file).
 """
 
 from __future__ import annotations
