@@ -333,36 +333,19 @@ def nested_expert_params(walk, m) -> list[str]:
 
 
 def check_experts_params(c, m, mode, final: dict[str, PlanRule]) -> None:
-    for pfqn in nested_expert_params(c.walk, m):
+    nested = nested_expert_params(c.walk, m)
+    for pfqn in [*m.params, *nested]:
         r = final.get(pfqn)
-        if mode == "ep" and (r is None or r.style != "grouped_gemm"):
-            name = pfqn[len(m.fqn) + 1:]
-            c.problems.add(
-                EXPERTS_PARTIAL,
-                f"{name} is a per-expert tensor (leading dim {m.experts.num_experts}, the experts count) inside "
-                "expert-parallel experts, but it is not sharded by expert"
-                + (f" (it has `{r.style}`)" if r else "")
-                + ": the experts' forward would index the full tensor with its local expert ids",
-                final[m.fqn].source.where,
-                f"add `{generic_path(m.fqn)}.{name}: grouped_gemm` to ep_plan",
-                pfqn,
-            )
-        elif mode != "ep" and r is not None and r.style == "grouped_gemm" and c.active["ep"]:
-            c.problems.add(
-                EXPERTS_PARTIAL,
-                f"{pfqn[len(m.fqn) + 1:]} is sharded by expert (grouped_gemm) but its experts module is not "
-                "expert-parallel (no `ep_dispatch_experts`): the forward would index a slice with global ids",
-                r.source.where,
-                f"add `{generic_path(m.fqn)}: ep_dispatch_experts` to ep_plan, or delete this rule",
-                pfqn,
-            )
-    for pfqn in m.params:
-        r = final.get(pfqn)
-        name = pfqn.rsplit(".", 1)[-1]
+        name = pfqn[len(m.fqn) + 1:]
+        if pfqn in nested:
+            what = (f"{name}, a per-expert tensor (leading dim {m.experts.num_experts}, the experts count) inside "
+                    "expert-parallel experts,")
+        else:
+            what = f"{name} of expert-parallel experts"
         if mode == "ep" and (r is None or r.style != "grouped_gemm"):
             c.problems.add(
                 EXPERTS_PARTIAL,
-                f"{name} of expert-parallel experts is not sharded by expert"
+                f"{what} is not sharded by expert"
                 + (f" (it has `{r.style}`)" if r else "")
                 + ": every rank would index a full tensor with its local expert ids",
                 final[m.fqn].source.where,
