@@ -102,6 +102,7 @@ def test_llama4_experts_take_ep_dispatch_only_over_one_batch():
     assert any(p.code == "PLC613" and "pre-scaled" in p.message and "ep_size == tp_size" in p.message
                and "packed_rowwise" in p.hint for p in problems), problems
 
+
 def _needs(model_type):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
