@@ -97,7 +97,7 @@ def _configs(config, depth: int = 0) -> list:
 def _declared_chains(walk, name: str, plan: dict) -> list[Chain]:
     by_container: dict[str, tuple[set, set]] = {}
     for key, style_name in plan.items():
-        spec = STYLE.get(style_name) or _transformers_style(style_name)
+        spec = STYLE.get(style_name)
         if spec is None or spec.target != "module" or not isinstance(key, str):
             continue
         for g in walk.by_generic:
@@ -115,34 +115,6 @@ def _declared_chains(walk, name: str, plan: dict) -> list[Chain]:
         if prods and len(cons) == 1:
             out.append(Chain(container, frozenset(prods), next(iter(cons)), name))
     return out
-
-
-def _transformers_style(name) -> Optional[Style]:
-    """The layouts of a transformers TP style that planc does not install (`unit_colwise`, from 5.25), read from
-    transformers' own style object (its `input_layouts`/`output_layouts`), so that the chains transformers declares
-    with it still hold: minicpm5_moe's q_gate_proj (colwise) and k/v_proj (unit_colwise) all feed o_proj, so a plan
-    that keeps q sharded after dropping k/v is refused (PLC634). None when transformers has no such style."""
-    if not isinstance(name, str):
-        return None
-    try:
-        from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES
-
-        obj = ALL_PARALLEL_STYLES.get(name) if hasattr(ALL_PARALLEL_STYLES, "get") else None
-    except Exception:  # noqa: BLE001 - an older transformers, or one without torch.distributed
-        return None
-    if obj is None:
-        return None
-
-    def layout(attr) -> Optional[str]:
-        value = getattr(obj, attr, None)
-        value = value[0] if isinstance(value, (tuple, list)) and value else value
-        kind = type(value).__name__
-        return SHARDED if kind == "Shard" else REPLICATED if kind == "Replicate" else None
-
-    inp, out = layout("input_layouts"), layout("output_layouts")
-    if inp is None or out is None:
-        return None
-    return Style(name, "tp", "module", f"transformers' `{name}` (not installed by planc)", input=inp, output=out)
 
 
 class _Blocks:

@@ -259,7 +259,7 @@ _compile_rule(
     LAYOUT_PRODUCERS_DISAGREE, "producers-disagree", "modules that feed one consumer leave different layouts",
     "o_proj combines q, k and v (down_proj combines gate and up): either all of them are colwise, with a "
     "rowwise consumer, or none is. The producers of a chain transformers declares include those with a "
-    "transformers style planc does not install (`unit_colwise`), read from transformers' own style object.",
+    "style planc does not install (`unit_colwise`), whose layouts the style table still gives.",
     _TOP + "tp_plan:\n  model.layers.*.self_attn.q_proj: colwise\n  model.layers.*.self_attn.o_proj: rowwise\n" + _EP,
     _GOOD, family="layout",
 )

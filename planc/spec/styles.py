@@ -78,6 +78,12 @@ STYLES: tuple[Style, ...] = (
     Style("embedding_colwise", "tp", "module", "hidden-dim sharded embedding, gathered",
           dims=(1, 0), input=R, output=R),
     Style("sequence_parallel", "tp", "module", "replicated params, activations sharded on the sequence dim"),
+    # transformers 5.25: colwise / rowwise over a 2-D mesh whose units (KV heads fewer than the TP size) several
+    # ranks hold alike; not installed, but their layouts keep the chains transformers declares with them (PLC634)
+    Style("unit_colwise", "tp", "module", "colwise in units that several ranks may share (KV heads < tp_size)",
+          dims=(-2, 0), input=R, output=S),
+    Style("unit_rowwise", "tp", "module", "rowwise in units that several ranks may share (KV heads < tp_size)",
+          dims=(-1, None), input=S, output=R),
     Style("replicated_with_grad_allreduce", "tp", "module", "replicated params whose gradients are all-reduced",
           runtime=True),
     Style("mla_kv_a_proj", "tp", "module", "MLA kv_a_proj_with_mqa: rope slice all-reduced in backward",
