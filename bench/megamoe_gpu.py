@@ -203,7 +203,7 @@ def graph_or_eager(device, measure, fn, use_graph):
 
 # The candidates of the last tuning (docs/benchmarks.md, third to fifth sessions of 2026-12-03), picks first; the
 # sweep skips blocks of more than 16 rows below 64 tokens. Run it under each Triton version users get (torch 2.11:
-# 3.6, 2.13: 3.7). From Triton 3.7 `prefetch=0` is the cp.async pipeline that register prefetch replaced.
+# 3.6, 2.13: 3.7). From Triton 3.5 `prefetch=0` is the cp.async pipeline that register prefetch replaced.
 SWEEP = (
     KernelConfig(16, 64, 64, 64, 64, 4, 4),
     KernelConfig(32, 64, 64, 64, 64, 4, 5),
