@@ -64,19 +64,23 @@ def _is_plain(module: nn.Module, cls: type) -> bool:
 
 
 @contextlib.contextmanager
-def local_parameters(module: nn.Module):
-    """Run the module's own forward on the local shards of its DTensor parameters.
+def local_parameters(module: nn.Module, recurse: bool = False):
+    """Run the module's own forward on the local shards of its DTensor parameters (`recurse`: and of its
+    submodules', such as a per-expert norm inside experts).
 
     Kernels (grouped_mm, experts loops, deep_gemm) take plain tensors. `to_local()` is differentiable,
     so the gradients still land on the DTensor parameters.
     """
-    originals = {n: p for n, p in module._parameters.items() if isinstance(p, DTensor)}
-    for name, p in originals.items():
-        module._parameters[name] = p.to_local()
+    originals = [(m, {n: p for n, p in m._parameters.items() if isinstance(p, DTensor)})
+                 for m in (module.modules() if recurse else (module,))]
+    for m, params in originals:
+        for name, p in params.items():
+            m._parameters[name] = p.to_local()
     try:
         yield
     finally:
-        module._parameters.update(originals)
+        for m, params in originals:
+            m._parameters.update(params)
 
 
 class TPStyle:

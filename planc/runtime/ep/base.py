@@ -9,8 +9,6 @@ biases, FP8/FP4 scales. The experts module then holds `num_experts = E/ep` and t
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -133,10 +131,8 @@ def install_ep_forward(module: nn.Module, runtime) -> None:
 
     def ep_forward(hidden_states, top_k_index, top_k_weights, **kwargs):
         hidden_states, top_k_weights = to_local(hidden_states), to_local(top_k_weights)
-        with contextlib.ExitStack() as stack:
-            # the experts' own tensors and the per-expert tensors of modules inside them (a per-expert norm)
-            for m in module.modules():
-                stack.enter_context(local_parameters(m))
+        # the experts' own tensors and the per-expert tensors of modules inside them (a per-expert norm)
+        with local_parameters(module, recurse=True):
             output = runtime(hidden_states, top_k_index, top_k_weights)
         return output.to(hidden_states.dtype)
 
