@@ -3,6 +3,7 @@
 Run on a CUDA machine: ``python -m pytest -m gpu tests/megamoe/test_triton_gpu.py``.
 """
 
+import dataclasses
 import types
 
 import pytest
@@ -12,7 +13,12 @@ from planc.runtime.ep.megamoe import MegaMoeEPRuntime
 from planc.runtime.megamoe import install_megamoe_forward, megamoe_state
 from planc.runtime.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_experts_fp4, quantize_fp8
 from planc.runtime.megamoe.reference import DequantizedExperts, local_experts_forward
-from planc.runtime.megamoe.triton_backend import PackedExperts, triton_local_experts_forward
+from planc.runtime.megamoe.hopper_prefill import gluon_unavailable_reason
+from planc.runtime.megamoe.triton_backend import (
+    KernelConfig,
+    PackedExperts,
+    triton_local_experts_forward,
+)
 from tests.megamoe.common import mixtral_experts, routing
 
 pytestmark = [
@@ -77,6 +83,56 @@ def test_rank_slice_and_no_local_expert(experts):
     assert not out.any()
 
 
+# The Hopper Gluon kernels (`hopper_prefill`) against the Triton kernels' 64-row blocks: the same bits.
+GLUON = KernelConfig(block_t=96, l1_n=128, l1_k=64, l2_n=128, l2_k=64, num_warps=8, num_stages=6, gluon=1)
+TRITON_64 = KernelConfig(block_t=64, l1_n=128, l1_k=64, l2_n=128, l2_k=64, num_warps=8, num_stages=4, maxnreg=128)
+needs_gluon = pytest.mark.skipif(
+    torch.cuda.is_available() and gluon_unavailable_reason(torch.device("cuda")) is not None,
+    reason="the Gluon kernels run on Hopper only")
+
+
+@needs_gluon
+@pytest.mark.parametrize("config", [GLUON, dataclasses.replace(GLUON, l1_n=64, l2_n=64, num_warps=4, num_stages=4)],
+                         ids=["8warps", "4warps"])
+@pytest.mark.parametrize("num_tokens", [1, 3, 7, 129, 300, 400, 600])  # up to 112 rows per expert: 0-2 tail MMAs
+@pytest.mark.parametrize("clamp", [None, 0.05])
+def test_gluon_kernels_give_the_triton_kernels_bits(experts, config, num_tokens, clamp):
+    packed, deq = experts
+    q, sf, idx, w = staged(num_tokens, num_tokens, masked=0.1)
+    out = triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=clamp, config=config)
+    assert torch.equal(out, triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0,
+                                                         activation_clamp=clamp, config=TRITON_64))
+    check(out, local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=clamp))
+
+
+@needs_gluon
+def test_gluon_kernels_on_one_expert_a_rank_slice_and_large_scales(experts):
+    packed, deq = experts
+    q, sf, idx, w = staged(300, 1)
+    one = torch.full_like(idx, 5)  # 1800 rows of one expert: 18 full blocks and a tail
+    ref = local_experts_forward(q, sf, one, w, deq, first_expert=0, activation_clamp=10.0)
+    check(triton_local_experts_forward(q, sf, one, w, packed, first_expert=0, activation_clamp=10.0,
+                                       config=GLUON), ref)
+    lo = NE // 2
+    half = PackedExperts(*(t[lo:] for t in (packed.w1, packed.s1, packed.w2, packed.s2)))
+    out = triton_local_experts_forward(q, sf, idx, w, half, first_expert=lo, activation_clamp=None, config=GLUON)
+    ref = local_experts_forward(q, sf, idx, w, DequantizedExperts(deq.gate_up[lo:], deq.down[lo:]), first_expert=lo,
+                                activation_clamp=None)
+    check(out, ref)
+    assert not triton_local_experts_forward(q, sf, idx % lo, w, half, first_expert=lo, activation_clamp=None,
+                                            config=GLUON).any()
+    w1, w2 = gpu_weights(2)
+    big = quantize_experts_fp4(w1 * 2.0**10, w2 * 2.0**10)  # UE8M0 bytes above 128: the two-multiply expansion
+    params = (big.gate_up_proj, big.gate_up_proj_scale_inv, big.down_proj, big.down_proj_scale_inv)
+    large = PackedExperts.from_params(*params)
+    assert large.large_scales
+    out = triton_local_experts_forward(q, sf, idx, w, large, first_expert=0, activation_clamp=None, config=GLUON)
+    assert torch.equal(out, triton_local_experts_forward(q, sf, idx, w, large, first_expert=0,
+                                                         activation_clamp=None, config=TRITON_64))
+    check(out, local_experts_forward(q, sf, idx, w, DequantizedExperts.from_fp4(*params), first_expert=0,
+                                     activation_clamp=None))
+
+
 def test_installed_layer_graph_capture_without_host_sync(world1):
     w1, w2 = gpu_weights(1)
     ref_m, tri_m = mixtral_experts(w1, w2), mixtral_experts(w1, w2)
@@ -88,7 +144,7 @@ def test_installed_layer_graph_capture_without_host_sync(world1):
     strategy = types.SimpleNamespace(name="deepgemm_megamoe", settings=None)
     layer, ref_layer = MegaMoeEPRuntime(tri_m, strategy, groups), MegaMoeEPRuntime(ref_m, strategy, groups)
     with torch.no_grad():
-        for t in (1, 16, 129):
+        for t in (1, 16, 129, 400):  # 400 tokens: 75 rows per expert, the Gluon kernels on Hopper
             x, idx, w = (a.cuda() for a in routing(t, t, num_experts=NE, topk=NK, hidden=NH, masked=0.1))
             layer(x, idx, w)  # compile outside the capture
             torch.cuda.synchronize()

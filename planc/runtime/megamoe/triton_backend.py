@@ -199,6 +199,9 @@ class KernelConfig:
     # Stream the weights by register prefetch where Triton lowers it well (`REGISTER_PREFETCH`), else through
     # Triton's cp.async pipeline (then `num_stages` buffers); 0 forces the pipeline.
     prefetch: int = 1
+    # 1: the Hopper kernels in Gluon (`hopper_prefill`: async wgmma, blocks of up to 96 rows, `num_stages` cp.async
+    # stages, l1_n = l2_n = 16 * num_warps, K tiles of 64). `pick_config` picks them only on sm_90.
+    gluon: int = 0
 
     def fit(self, hidden: int, inter: int) -> "KernelConfig":
         """The same config with each tile shrunk to a power of two that divides its dimension (K tiles: 64 or
@@ -219,6 +222,11 @@ class KernelConfig:
         split = self.l1_split
         while split > 1 and hidden % (l1_k * split):
             split //= 2
+        if self.gluon:
+            if inter % self.l1_n or hidden % self.l2_n:
+                raise ValueError(f"the Gluon kernels' tiles ({self.l1_n}, {self.l2_n}) do not divide intermediate "
+                                 f"{inter} and hidden {hidden}: `pick_config` picks them only where they do")
+            return self
         return KernelConfig(
             self.block_t, div(self.l1_n, inter, 32), l1_k, div(self.l2_n, hidden, 32),
             div(self.l2_k, inter, 64), self.num_warps, self.num_stages, split, self.maxnreg, self.prefetch,
@@ -242,6 +250,14 @@ _CONFIGS = (
     # Through the pipeline: with register prefetch L2 holds 148 registers instead of 123 (L1 255 either way), and
     # the mid-size layer at 4096 tokens ran 1581 against 1254 µs under 3.7.1.
     (None, KernelConfig(block_t=128, l1_n=128, l1_k=64, l2_n=128, l2_k=64, num_warps=8, num_stages=4, prefetch=0)),
+)
+
+
+# On Hopper, where the Gluon kernels run (`hopper_prefill`), they take the batches of 48-96 rows per local expert
+# instead of the 64-row Triton blocks (V4 at 4096 tokens: see docs/benchmarks.md).
+_GLUON_CONFIGS = (
+    (48, None),
+    (96, KernelConfig(block_t=96, l1_n=128, l1_k=64, l2_n=128, l2_k=64, num_warps=8, num_stages=6, gluon=1)),
 )
 
 
@@ -284,10 +300,17 @@ def sm_count(device: torch.device) -> int:
 
 
 def pick_config(
-    num_rows: int, num_local_experts: int, hidden: int, inter: int, num_sms: int = _TUNED_SMS
+    num_rows: int, num_local_experts: int, hidden: int, inter: int, num_sms: int = _TUNED_SMS, gluon: bool = False
 ) -> KernelConfig:
-    """The tuned config for a batch of `num_rows` (token, slot) pairs (shapes and SM count only: no device read)."""
+    """The tuned config for a batch of `num_rows` (token, slot) pairs (shapes and SM count only: no device read);
+    `gluon`: the Hopper Gluon kernels can run (`hopper_prefill.gluon_unavailable_reason`)."""
     per_expert = num_rows / max(num_local_experts, 1)
+    if gluon:
+        for bound, config in _GLUON_CONFIGS:
+            if per_expert <= bound:
+                if config is not None and not (inter % config.l1_n or hidden % config.l2_n):
+                    return config
+                break
     for bound, config in _CONFIGS:
         if bound is None or per_expert <= bound:
             break
@@ -887,13 +910,16 @@ def triton_local_experts_forward(
 ) -> torch.Tensor:
     """`reference.local_experts_forward` on packed FP4 weights: BF16 ``[M, K, H]`` slot outputs, zeros for
     slots whose expert is not in ``[first_expert, first_expert + E_loc)``."""
+    from planc.runtime.megamoe import hopper_prefill  # imports this module
+
     m, k = topk_idx.shape
     hidden, inter, num_local = experts.hidden, experts.intermediate, experts.num_local_experts
     device = x_fp8.device
     out = torch.zeros((m * k, hidden), dtype=torch.bfloat16, device=device)
     if m == 0:
         return out.view(m, k, hidden)
-    cfg = config or pick_config(m * k, num_local, hidden, inter, sm_count(device))
+    cfg = config or pick_config(m * k, num_local, hidden, inter, sm_count(device),
+                                gluon=hopper_prefill.gluon_unavailable_reason(device) is None)
     cfg = cfg.fit(hidden, inter)
 
     x = dequantize_x(x_fp8, x_sf)  # read by the L1 kernel by token
@@ -911,6 +937,12 @@ def triton_local_experts_forward(
     split = cfg.l1_split
     ws = torch.empty((split, nblocks * cfg.block_t, 2 * inter) if split > 1 else (1,), dtype=torch.float32,
                      device=device)
+    if cfg.gluon:
+        hopper_prefill.l1(x, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act, clamp=clamp,
+                          num_topk=k, large=experts.large_scales, config=cfg)
+        hopper_prefill.l2(act, w2, s2, sorted_slots, block_expert, block_row, block_end, out, hidden=hidden,
+                          large=experts.large_scales, config=cfg)
+        return out.view(m, k, hidden)
     common = dict(HAS_CLAMP=clamp is not None, BT=cfg.block_t, BN=cfg.l1_n)
     regs = {"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interpret else {}
     prefetch = bool(cfg.prefetch) and REGISTER_PREFETCH
