@@ -29,7 +29,7 @@ try:  # Gluon ships with Triton >= 3.5; its Hopper module is what the kernels ne
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as _cp
-    from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 except ImportError:  # pragma: no cover - no Triton, or one without Gluon
     gluon = None
 
@@ -57,9 +57,13 @@ def gluon_unavailable_reason(device: torch.device | None) -> str | None:
 if gluon is not None:
     # Renamed between Triton releases (3.6 names on the right).
     _async_load = getattr(_cp, "async_load", None) or _cp.async_copy_global_to_shared
-    _EXPAND: gl.constexpr = gl.constexpr(tb._EXPAND_PTX.value)
-    _EXPAND_LARGE: gl.constexpr = gl.constexpr(tb._EXPAND_PTX_LARGE.value)
-    _swiglu_requant = tb._swiglu_requant  # Triton functions compile inside Gluon kernels with inferred layouts
+    _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+    # Triton functions compile inside Gluon kernels (with layouts inferred from their arguments): one copy of the
+    # expansion's instructions and of the epilogue's numerics, in `triton_backend`.
+    _scale_factors = tb._scale_factors
+    _expand_words = tb._expand_words
+    _bf16_halves = tb._bf16_halves
+    _swiglu_requant = tb._swiglu_requant
     _bf16_rne = tb._bf16_rne
 
     @triton.constexpr_function
@@ -89,14 +93,9 @@ if gluon is not None:
         return w_off, s_off
 
     @gluon.jit
-    def _bf16_halves(o):
-        lo = (o & 0xFFFF).to(gl.uint16).to(gl.bfloat16, bitcast=True)
-        hi = ((o >> 16) & 0xFFFF).to(gl.uint16).to(gl.bfloat16, bitcast=True)
-        return gl.join(lo, hi)
-
-    @gluon.jit
     def _per_j(lo, hi, layout: gl.constexpr):
-        """Scale factors [G, 32] for K halves jh = 0, 1 -> [G, 32, 4] by j = 2 jh + jl, in the words' layout."""
+        """Factors [G, 32] for K halves jh = 0, 1 -> [G, 32, 4] by j = 2 jh + jl, in the words' layout
+        (`triton_backend._per_j`, whose broadcast Gluon does not take on a blocked layout)."""
         p = gl.join(lo, hi)
         p = gl.join(p, p)
         return gl.convert_layout(gl.reshape(p, (p.shape[0], p.shape[1], 4)), layout, assert_trivial=True)
@@ -104,23 +103,14 @@ if gluon is not None:
     @gluon.jit
     def _expand(w, sw, BN: gl.constexpr, LARGE: gl.constexpr, AL: gl.constexpr):
         """Words [G, 32, 4] and scale words [G, 32] -> the [BN, 64] BF16 tile in the wgmma A-operand layout, in
-        the registers the words are in (`triton_backend._fp4_expand`, the same instructions)."""
+        the registers the words are in: `triton_backend._fp4_expand` (its instructions, `_scale_factors` and
+        `_expand_words`) with the layouts written out, which Gluon needs and Triton infers."""
         G: gl.constexpr = BN // 16
         WL: gl.constexpr = w.type.layout
-        if LARGE:
-            p0 = _per_j((sw & 0xFF) * 0x00800080, ((sw >> 8) & 0xFF) * 0x00800080, WL)
-            p1 = _per_j(((sw >> 16) & 0xFF) * 0x00800080, ((sw >> 24) & 0xFF) * 0x00800080, WL)
-            o0, o1, o2, o3 = gl.inline_asm_elementwise(
-                _EXPAND_LARGE, "=r,=r,=r,=r,r,r,r", [w, p0, p1], dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
-                is_pure=True, pack=1)
-        else:
-            p0 = _per_j((sw & 0xFF) * 0x00800080 + 0x3F003F00, ((sw >> 8) & 0xFF) * 0x00800080 + 0x3F003F00, WL)
-            p1 = _per_j(((sw >> 16) & 0xFF) * 0x00800080 + 0x3F003F00,
-                        ((sw >> 24) & 0xFF) * 0x00800080 + 0x3F003F00, WL)
-            o0, o1, o2, o3 = gl.inline_asm_elementwise(
-                _EXPAND, "=r,=r,=r,=r,r,r,r", [w, p0, p1], dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
-                is_pure=True, pack=1)
-        c = gl.join(gl.join(_bf16_halves(o0), _bf16_halves(o1)), gl.join(_bf16_halves(o2), _bf16_halves(o3)))
+        s00, s01, s10, s11 = _scale_factors(sw, LARGE)
+        o0, o1, o2, o3 = _expand_words(w, _per_j(s00, s01, WL), _per_j(s10, s11, WL), LARGE)
+        c = gl.join(gl.join(_bf16_halves(o0), _bf16_halves(o1)),
+                    gl.join(_bf16_halves(o2), _bf16_halves(o3)))  # [g, lane, j, k1, k8, m8]
         c = gl.reshape(c, (G, 8, 4, 4, 2, 2, 2))  # g r q j k1 k8 m8
         c = gl.permute(c, (0, 6, 1, 3, 5, 2, 4))  # g m8 r j k8 q k1: rows, then K in order
         return gl.convert_layout(gl.reshape(c, (BN, 64)), AL, assert_trivial=True)
@@ -149,14 +139,16 @@ if gluon is not None:
 
     @gluon.jit
     def _mma(a, x_t, tail, acc0, acc1, acc2, AL16: gl.constexpr, EXTRA: gl.constexpr):
-        """acc += a @ x for the 64 main rows and the 0-2 16-row tails, asynchronously (one commit group each)."""
+        """acc += a @ x for the 64 main rows and the 0-2 16-row tails, asynchronously (one commit group each).
+        Also returns the tails' operand (a in the 16-column MMA's layout, the same values), which the caller keeps
+        alive until those MMAs are waited for."""
         acc0 = warpgroup_mma(a, x_t, acc0, is_async=True)
+        a16 = gl.convert_layout(a, AL16, assert_trivial=True)  # A's layout does not depend on N
         if EXTRA > 0:
-            a16 = gl.convert_layout(a, AL16, assert_trivial=True)  # the same registers: A does not depend on N
             acc1 = warpgroup_mma(a16, tail.slice(0, 16).permute((1, 0)), acc1, is_async=True)
             if EXTRA > 1:
                 acc2 = warpgroup_mma(a16, tail.slice(16, 16).permute((1, 0)), acc2, is_async=True)
-        return acc0, acc1, acc2
+        return acc0, acc1, acc2, a16
 
     @gluon.jit
     def _gemm(x0, x1, w_base, s_base, wa_off, sa_off, wb_off, sb_off, num_g, k_tiles,
@@ -199,13 +191,15 @@ if gluon is not None:
         b0 = gl.zeros([BN, 64], gl.float32, MMA)
         b1 = gl.zeros([BN, 16], gl.float32, MMA16)
         b2 = gl.zeros([BN, 16], gl.float32, MMA16)
-        opa = gl.zeros([BN, 64], gl.bfloat16, AL)
         opb = gl.zeros([BN, 64], gl.bfloat16, AL)
+        opb16 = gl.zeros([BN, 64], gl.bfloat16, AL16)
         for i in range(k_tiles):
             # Tile i has landed (this thread's copies; Triton's barrier after the wait covers the others'). Stage
             # (i - 2) % STAGES is free: every warp has passed iteration i - 1's first wait, so the MMAs of tile
             # i - 2 are done in both warpgroups.
             _cp.wait_group(STAGES - 3)
+            fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
+            _cta_barrier()
             nxt = i + STAGES - 2
             _issue(nxt, k_tiles, w_base, s_base, wa_off, sa_off, wb_off, sb_off, step, sstep, x0, x1,
                    wa_s, sa_s, wb_s, sb_s, x_s, xt_s, nxt % STAGES, GATED, EXTRA)
@@ -213,17 +207,18 @@ if gluon is not None:
             x_t = x_s.index(st).permute((1, 0))
             tail = xt_s.index(st)
             opa = _expand(wa_s.index(st).load(WL), sa_s.index(st).load(SL), BN, LARGE, AL)
-            a0, a1, a2 = _mma(opa, x_t, tail, a0, a1, a2, AL16, EXTRA)
+            a0, a1, a2, opa16 = _mma(opa, x_t, tail, a0, a1, a2, AL16, EXTRA)
             if GATED:
-                a0, a1, a2, b0, b1, b2, opa, opb = warpgroup_mma_wait(
-                    1 + EXTRA, deps=(a0, a1, a2, b0, b1, b2, opa, opb))
+                a0, a1, a2, b0, b1, b2, opa, opa16, opb, opb16 = warpgroup_mma_wait(
+                    1 + EXTRA, deps=(a0, a1, a2, b0, b1, b2, opa, opa16, opb, opb16))
                 opb = _expand(wb_s.index(st).load(WL), sb_s.index(st).load(SL), BN, LARGE, AL)
-                b0, b1, b2 = _mma(opb, x_t, tail, b0, b1, b2, AL16, EXTRA)
-                a0, a1, a2, b0, b1, b2, opa, opb = warpgroup_mma_wait(
-                    1 + EXTRA, deps=(a0, a1, a2, b0, b1, b2, opa, opb))
+                b0, b1, b2, opb16 = _mma(opb, x_t, tail, b0, b1, b2, AL16, EXTRA)
+                a0, a1, a2, b0, b1, b2, opa, opa16, opb, opb16 = warpgroup_mma_wait(
+                    1 + EXTRA, deps=(a0, a1, a2, b0, b1, b2, opa, opa16, opb, opb16))
             else:
-                a0, a1, a2, opa, opb = warpgroup_mma_wait(1 + EXTRA, deps=(a0, a1, a2, opa, opb))
-                opb = opa  # keeps this tile's operand registers alive until the next wait
+                a0, a1, a2, opa, opa16, opb, opb16 = warpgroup_mma_wait(
+                    1 + EXTRA, deps=(a0, a1, a2, opa, opa16, opb, opb16))
+                opb, opb16 = opa, opa16  # keeps this tile's operand registers alive until the next wait
         a0, a1, a2, b0, b1, b2 = warpgroup_mma_wait(0, deps=(a0, a1, a2, b0, b1, b2))
         _cp.wait_group(0)
         return a0, a1, a2, b0, b1, b2

@@ -448,6 +448,26 @@ if triton is not None:
         return tl.join(lo, hi)
 
     @triton.jit
+    def _scale_factors(sw, LARGE: tl.constexpr):
+        """Scale words (4 UE8M0 bytes: row half m8, K half jh at byte 2 m8 + jh) -> the BF16x2 factors that
+        `_EXPAND_PTX` multiplies by, per byte: 2**(s-1) = 2**126 * 2**(s-127), exact for s <= 128; with LARGE,
+        2**(s-127) (`_EXPAND_PTX_LARGE` multiplies by 2**126 first)."""
+        bias: tl.constexpr = 0 if LARGE else 0x3F003F00
+        return ((sw & 0xFF) * 0x00800080 + bias, ((sw >> 8) & 0xFF) * 0x00800080 + bias,
+                ((sw >> 16) & 0xFF) * 0x00800080 + bias, ((sw >> 24) & 0xFF) * 0x00800080 + bias)
+
+    @triton.jit
+    def _expand_words(w, p0, p1, LARGE: tl.constexpr):
+        """Words -> 4 int32 BF16 pairs each (`_EXPAND_PTX`); p0 / p1: the factors of row halves m8 = 0 / 1."""
+        if LARGE:
+            return tl.inline_asm_elementwise(
+                _EXPAND_PTX_LARGE, "=r,=r,=r,=r,r,r,r", [w, p0, p1], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(
+            _EXPAND_PTX, "=r,=r,=r,=r,r,r,r", [w, p0, p1], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+            is_pure=True, pack=1)
+
+    @triton.jit
     def _per_j(lo, hi):
         """[KC, G, 32] values for K halves jh = 0, 1 -> [KC, G, 32, 4] by j = 2 jh + jl."""
         p = tl.join(lo, hi)
@@ -508,19 +528,8 @@ if triton is not None:
             a2 = _f32_halves(o2, f1)
             a3 = _f32_halves(o3, f1)
         else:
-            if LARGE:  # BF16x2 2**(s-127), after a separate 2**126
-                p0 = _per_j((sw & 0xFF) * 0x00800080, ((sw >> 8) & 0xFF) * 0x00800080)
-                p1 = _per_j(((sw >> 16) & 0xFF) * 0x00800080, ((sw >> 24) & 0xFF) * 0x00800080)
-                o0, o1, o2, o3 = tl.inline_asm_elementwise(
-                    _EXPAND_PTX_LARGE, "=r,=r,=r,=r,r,r,r", [w, p0, p1], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-                    is_pure=True, pack=1)
-            else:  # BF16x2 2**(s-1) = 2**126 * 2**(s-127), exact for s <= 128
-                p0 = _per_j((sw & 0xFF) * 0x00800080 + 0x3F003F00, ((sw >> 8) & 0xFF) * 0x00800080 + 0x3F003F00)
-                p1 = _per_j(((sw >> 16) & 0xFF) * 0x00800080 + 0x3F003F00,
-                            ((sw >> 24) & 0xFF) * 0x00800080 + 0x3F003F00)
-                o0, o1, o2, o3 = tl.inline_asm_elementwise(
-                    _EXPAND_PTX, "=r,=r,=r,=r,r,r,r", [w, p0, p1], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-                    is_pure=True, pack=1)
+            s00, s01, s10, s11 = _scale_factors(sw, LARGE)
+            o0, o1, o2, o3 = _expand_words(w, _per_j(s00, s01), _per_j(s10, s11), LARGE)
             a0 = _bf16_halves(o0)
             a1 = _bf16_halves(o1)
             a2 = _bf16_halves(o2)
