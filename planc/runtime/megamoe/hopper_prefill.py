@@ -58,6 +58,8 @@ if gluon is not None:
     # Renamed between Triton releases (3.6 names on the right).
     _async_load = getattr(_cp, "async_load", None) or _cp.async_copy_global_to_shared
     _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+    import os as _os
+    _SYNC: gl.constexpr = gl.constexpr(_os.environ.get("GL_SYNC", "1") == "1")
     # Triton functions compile inside Gluon kernels (with layouts inferred from their arguments): one copy of the
     # expansion's instructions and of the epilogue's numerics, in `triton_backend`.
     _scale_factors = tb._scale_factors
@@ -192,14 +194,14 @@ if gluon is not None:
         b1 = gl.zeros([BN, 16], gl.float32, MMA16)
         b2 = gl.zeros([BN, 16], gl.float32, MMA16)
         opb = gl.zeros([BN, 64], gl.bfloat16, AL)
-        opb16 = gl.zeros([BN, 64], gl.bfloat16, AL16)
         for i in range(k_tiles):
             # Tile i has landed (this thread's copies; Triton's barrier after the wait covers the others'). Stage
             # (i - 2) % STAGES is free: every warp has passed iteration i - 1's first wait, so the MMAs of tile
             # i - 2 are done in both warpgroups.
             _cp.wait_group(STAGES - 3)
-            fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
-            _cta_barrier()
+            if _SYNC:
+                fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
+                _cta_barrier()
             nxt = i + STAGES - 2
             _issue(nxt, k_tiles, w_base, s_base, wa_off, sa_off, wb_off, sb_off, step, sstep, x0, x1,
                    wa_s, sa_s, wb_s, sb_s, x_s, xt_s, nxt % STAGES, GATED, EXTRA)
@@ -207,18 +209,17 @@ if gluon is not None:
             x_t = x_s.index(st).permute((1, 0))
             tail = xt_s.index(st)
             opa = _expand(wa_s.index(st).load(WL), sa_s.index(st).load(SL), BN, LARGE, AL)
-            a0, a1, a2, opa16 = _mma(opa, x_t, tail, a0, a1, a2, AL16, EXTRA)
+            a0, a1, a2, _a16 = _mma(opa, x_t, tail, a0, a1, a2, AL16, EXTRA)
             if GATED:
-                a0, a1, a2, b0, b1, b2, opa, opa16, opb, opb16 = warpgroup_mma_wait(
-                    1 + EXTRA, deps=(a0, a1, a2, b0, b1, b2, opa, opa16, opb, opb16))
+                a0, a1, a2, b0, b1, b2, opa, opb = warpgroup_mma_wait(
+                    1 + EXTRA, deps=(a0, a1, a2, b0, b1, b2, opa, opb))
                 opb = _expand(wb_s.index(st).load(WL), sb_s.index(st).load(SL), BN, LARGE, AL)
-                b0, b1, b2, opb16 = _mma(opb, x_t, tail, b0, b1, b2, AL16, EXTRA)
-                a0, a1, a2, b0, b1, b2, opa, opa16, opb, opb16 = warpgroup_mma_wait(
-                    1 + EXTRA, deps=(a0, a1, a2, b0, b1, b2, opa, opa16, opb, opb16))
+                b0, b1, b2, _b16 = _mma(opb, x_t, tail, b0, b1, b2, AL16, EXTRA)
+                a0, a1, a2, b0, b1, b2, opa, opb = warpgroup_mma_wait(
+                    1 + EXTRA, deps=(a0, a1, a2, b0, b1, b2, opa, opb))
             else:
-                a0, a1, a2, opa, opa16, opb, opb16 = warpgroup_mma_wait(
-                    1 + EXTRA, deps=(a0, a1, a2, opa, opa16, opb, opb16))
-                opb, opb16 = opa, opa16  # keeps this tile's operand registers alive until the next wait
+                a0, a1, a2, opa, opb = warpgroup_mma_wait(1 + EXTRA, deps=(a0, a1, a2, opa, opb))
+                opb = opa  # keeps this tile's operand registers alive until the next wait
         a0, a1, a2, b0, b1, b2 = warpgroup_mma_wait(0, deps=(a0, a1, a2, b0, b1, b2))
         _cp.wait_group(0)
         return a0, a1, a2, b0, b1, b2
