@@ -41,6 +41,47 @@ def compile_sm90(kernel, **constexprs):
     src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": constexprs["num_warps"]})
 
+def sass(cubin):
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        return subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+
+def in_flight_writes(text):
+    """Writes to the A-operand registers of a wgmma still in flight: each loop holding HGMMAs is cut at its
+    WARPGROUP.DEPBARs; the HGMMAs of one segment are in flight during the next (cyclically), and a wgmma reads its
+    registers until it is waited for (ptxas reuses registers that PTX no longer uses)."""
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
+           (re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in text.splitlines()) if m]
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    found = []
+    for i, (_, t) in enumerate(ins):
+        m = re.search(r"BRA\s.*?(0x[0-9a-f]+)", t)
+        lo = at.get(int(m.group(1), 16)) if m else None
+        if lo is None or lo >= i:
+            continue
+        body = [x for _, x in ins[lo:i + 1]]
+        cuts = [k for k, x in enumerate(body) if "WARPGROUP.DEPBAR" in x]
+        segs = [body[a:b] for a, b in zip([0] + cuts, cuts + [len(body)])]
+        def a_regs(seg):
+            regs = set()
+            for x in seg:
+                mm = re.search(r"HGMMA\.\S+\s+R\d+,\s*R(\d+),", x)
+                if mm:
+                    regs |= set(range(int(mm.group(1)), int(mm.group(1)) + 4))
+            return regs
+        with_mma = [j for j, sg in enumerate(segs) if a_regs(sg)]
+        for j, sg in enumerate(segs):
+            prev = [p for p in with_mma if p < j] or [p for p in with_mma if p >= j]
+            pending = a_regs(segs[prev[-1]]) if prev else set()
+            for x in sg:
+                mm = re.match(r"(?:@!?U?P\w+\s+)?([A-Z][\w.]*)\s+R(\d+)\b", x)
+                if mm and not mm.group(1).startswith(("HGMMA", "ST", "WARPGROUP")) and int(mm.group(2)) in pending:
+                    found.append(x)
+    return found
+
 def spills(cubin):
     """Bytes of stack frame per thread (register spills land there) in the cubin, from the cuobjdump that Triton ships."""
     with tempfile.TemporaryDirectory() as d:
@@ -64,7 +105,9 @@ for layer, bn, warps, stages, large in json.loads(sys.argv[1]):
         mma64="wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx,
         mma16="wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16" in ptx,
         staged_operand="stmatrix" in ptx or "st.shared.b16" in ptx,
-        spills=spills(kernel.asm["cubin"]))
+        spills=spills(kernel.asm["cubin"]),
+        hgmma_loops=sass(kernel.asm["cubin"]).count("HGMMA") > 0,
+        in_flight_writes=in_flight_writes(sass(kernel.asm["cubin"])))
 print(json.dumps(out))
 '''
 
@@ -91,3 +134,5 @@ def test_compiles_for_sm90_with_async_wgmma_and_no_spills(compiled):
         assert got["mma64"] and got["mma16"], name
         assert not got["staged_operand"], name  # the weight operand never goes through shared memory
         assert got["spills"] == 0, name
+        # The next operand is expanded while the last MMAs run: never into registers those MMAs still read.
+        assert got["hgmma_loops"] and got["in_flight_writes"] == [], (name, got["in_flight_writes"][:5])

@@ -115,7 +115,9 @@ if gluon is not None:
                     gl.join(_bf16_halves(o2), _bf16_halves(o3)))  # [g, lane, j, k1, k8, m8]
         c = gl.reshape(c, (G, 8, 4, 4, 2, 2, 2))  # g r q j k1 k8 m8
         c = gl.permute(c, (0, 6, 1, 3, 5, 2, 4))  # g m8 r j k8 q k1: rows, then K in order
-        return gl.convert_layout(gl.reshape(c, (BN, 64)), AL, assert_trivial=True)
+        # Also the BF16 pairs as int32: the registers the wgmma reads. An async wgmma reads them until it is waited
+        # for, and ptxas reuses a register once PTX no longer uses it: the caller passes these to that wait.
+        return gl.convert_layout(gl.reshape(c, (BN, 64)), AL, assert_trivial=True), o0, o1, o2, o3
 
     @gluon.jit
     def _x_pointers(x_ptr, rows, ok, stride_x, XL: gl.constexpr):
@@ -151,6 +153,21 @@ if gluon is not None:
             if EXTRA > 1:
                 acc2 = warpgroup_mma(a16, tail.slice(16, 16).permute((1, 0)), acc2, is_async=True)
         return acc0, acc1, acc2, a16
+
+    @gluon.jit
+    def _next_tile(t, k_tiles, w_base, s_base, wa_off, sa_off, wb_off, sb_off, step, sstep, x0, x1,
+                   wa_s, sa_s, wb_s, sb_s, x_s, xt_s, STAGES: gl.constexpr, GATED: gl.constexpr,
+                   EXTRA: gl.constexpr):
+        """Wait for K tile t's copies and issue tile t + STAGES - 2's; returns t's stage. Tile t - 2's stage is free
+        then: every warp has passed the wait that retired its MMAs before this barrier."""
+        _cp.wait_group(STAGES - 3)  # this thread's copies of tile t
+        if _SYNC:
+            fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
+            _cta_barrier()  # everyone's copies
+        nxt = t + STAGES - 2
+        _issue(nxt, k_tiles, w_base, s_base, wa_off, sa_off, wb_off, sb_off, step, sstep, x0, x1,
+               wa_s, sa_s, wb_s, sb_s, x_s, xt_s, nxt % STAGES, GATED, EXTRA)
+        return t % STAGES
 
     @gluon.jit
     def _gemm(x0, x1, w_base, s_base, wa_off, sa_off, wb_off, sb_off, num_g, k_tiles,
@@ -193,33 +210,32 @@ if gluon is not None:
         b0 = gl.zeros([BN, 64], gl.float32, MMA)
         b1 = gl.zeros([BN, 16], gl.float32, MMA16)
         b2 = gl.zeros([BN, 16], gl.float32, MMA16)
-        opb = gl.zeros([BN, 64], gl.bfloat16, AL)
-        for i in range(k_tiles):
-            # Tile i has landed (this thread's copies; Triton's barrier after the wait covers the others'). Stage
-            # (i - 2) % STAGES is free: every warp has passed iteration i - 1's first wait, so the MMAs of tile
-            # i - 2 are done in both warpgroups.
-            _cp.wait_group(STAGES - 3)
-            if _SYNC:
-                fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
-                _cta_barrier()
-            nxt = i + STAGES - 2
-            _issue(nxt, k_tiles, w_base, s_base, wa_off, sa_off, wb_off, sb_off, step, sstep, x0, x1,
-                   wa_s, sa_s, wb_s, sb_s, x_s, xt_s, nxt % STAGES, GATED, EXTRA)
-            st = i % STAGES
+        WZ = gl.zeros([G, 32, 4], gl.int32, WL)
+        pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3 = WZ, WZ, WZ, WZ, WZ, WZ, WZ, WZ
+        # One iteration: two operands' MMAs, each issued while the other's are in flight: L1 the gate and the up
+        # tile of one K tile, L2 two K tiles into the same accumulators. A wgmma instruction reads fixed registers
+        # until it is waited for, so the operand of the next MMAs must be a different instruction's: a loop with one
+        # operand per iteration would overwrite the registers of the MMA still in flight.
+        for i in range(0, k_tiles, 1 if GATED else 2):
+            st = _next_tile(i, k_tiles, w_base, s_base, wa_off, sa_off, wb_off, sb_off, step, sstep, x0, x1,
+                            wa_s, sa_s, wb_s, sb_s, x_s, xt_s, STAGES, GATED, EXTRA)
             x_t = x_s.index(st).permute((1, 0))
             tail = xt_s.index(st)
-            opa = _expand(wa_s.index(st).load(WL), sa_s.index(st).load(SL), BN, LARGE, AL)
+            # pa* / pb*: the operand registers of the MMAs in flight, kept alive through each wait (see `_expand`).
+            opa, pa0, pa1, pa2, pa3 = _expand(wa_s.index(st).load(WL), sa_s.index(st).load(SL), BN, LARGE, AL)
             a0, a1, a2, _a16 = _mma(opa, x_t, tail, a0, a1, a2, AL16, EXTRA)
+            a0, a1, a2, b0, b1, b2, pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3 = warpgroup_mma_wait(
+                1 + EXTRA, deps=(a0, a1, a2, b0, b1, b2, pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3))
             if GATED:
-                a0, a1, a2, b0, b1, b2, opa, opb = warpgroup_mma_wait(
-                    1 + EXTRA, deps=(a0, a1, a2, b0, b1, b2, opa, opb))
-                opb = _expand(wb_s.index(st).load(WL), sb_s.index(st).load(SL), BN, LARGE, AL)
+                opb, pb0, pb1, pb2, pb3 = _expand(wb_s.index(st).load(WL), sb_s.index(st).load(SL), BN, LARGE, AL)
                 b0, b1, b2, _b16 = _mma(opb, x_t, tail, b0, b1, b2, AL16, EXTRA)
-                a0, a1, a2, b0, b1, b2, opa, opb = warpgroup_mma_wait(
-                    1 + EXTRA, deps=(a0, a1, a2, b0, b1, b2, opa, opb))
-            else:
-                a0, a1, a2, opa, opb = warpgroup_mma_wait(1 + EXTRA, deps=(a0, a1, a2, opa, opb))
-                opb = opa  # keeps this tile's operand registers alive until the next wait
+            else:  # K tile i + 1 (k_tiles is even), into a's accumulators
+                st = _next_tile(i + 1, k_tiles, w_base, s_base, wa_off, sa_off, wb_off, sb_off, step, sstep, x0, x1,
+                                wa_s, sa_s, wb_s, sb_s, x_s, xt_s, STAGES, GATED, EXTRA)
+                opb, pb0, pb1, pb2, pb3 = _expand(wa_s.index(st).load(WL), sa_s.index(st).load(SL), BN, LARGE, AL)
+                a0, a1, a2, _b16 = _mma(opb, x_s.index(st).permute((1, 0)), xt_s.index(st), a0, a1, a2, AL16, EXTRA)
+            a0, a1, a2, b0, b1, b2, pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3 = warpgroup_mma_wait(
+                1 + EXTRA, deps=(a0, a1, a2, b0, b1, b2, pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3))
         a0, a1, a2, b0, b1, b2 = warpgroup_mma_wait(0, deps=(a0, a1, a2, b0, b1, b2))
         _cp.wait_group(0)
         return a0, a1, a2, b0, b1, b2

@@ -223,9 +223,10 @@ class KernelConfig:
         while split > 1 and hidden % (l1_k * split):
             split //= 2
         if self.gluon:
-            if inter % self.l1_n or hidden % self.l2_n:
+            if inter % self.l1_n or hidden % self.l2_n or inter % 128:
                 raise ValueError(f"the Gluon kernels' tiles ({self.l1_n}, {self.l2_n}) do not divide intermediate "
-                                 f"{inter} and hidden {hidden}: `pick_config` picks them only where they do")
+                                 f"{inter} and hidden {hidden}, or L2's K tiles do not pair (intermediate % 128): `pick_config` picks "
+                                 f"them only where they do")
             return self
         return KernelConfig(
             self.block_t, div(self.l1_n, inter, 32), l1_k, div(self.l2_n, hidden, 32),
@@ -308,7 +309,7 @@ def pick_config(
     if gluon:
         for bound, config in _GLUON_CONFIGS:
             if per_expert <= bound:
-                if config is not None and not (inter % config.l1_n or hidden % config.l2_n):
+                if config is not None and not (inter % config.l1_n or hidden % config.l2_n or inter % 128):
                     return config
                 break
     for bound, config in _CONFIGS:
