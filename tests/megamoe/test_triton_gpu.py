@@ -15,6 +15,7 @@ from planc.runtime.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantiz
 from planc.runtime.megamoe.reference import DequantizedExperts, local_experts_forward
 from planc.runtime.megamoe.hopper_prefill import gluon_unavailable_reason
 from planc.runtime.megamoe.triton_backend import (
+    _GLUON_CONFIGS,
     KernelConfig,
     PackedExperts,
     triton_local_experts_forward,
@@ -84,7 +85,7 @@ def test_rank_slice_and_no_local_expert(experts):
 
 
 # The Hopper Gluon kernels (`hopper_prefill`) against the Triton kernels' 64-row blocks: the same bits.
-GLUON = KernelConfig(block_t=96, l1_n=128, l1_k=64, l2_n=128, l2_k=64, num_warps=8, num_stages=6, gluon=1)
+GLUON = dict(_GLUON_CONFIGS)[96]  # the shipped one
 TRITON_64 = KernelConfig(block_t=64, l1_n=128, l1_k=64, l2_n=128, l2_k=64, num_warps=8, num_stages=4, maxnreg=128)
 needs_gluon = pytest.mark.skipif(
     torch.cuda.is_available() and gluon_unavailable_reason(torch.device("cuda")) is not None,
@@ -92,8 +93,8 @@ needs_gluon = pytest.mark.skipif(
 
 
 @needs_gluon
-@pytest.mark.parametrize("config", [GLUON, dataclasses.replace(GLUON, l1_n=64, l2_n=64, num_warps=4, num_stages=4)],
-                         ids=["8warps", "4warps"])
+@pytest.mark.parametrize("config", [GLUON, dataclasses.replace(GLUON, l1_n=128, l2_n=128, num_warps=8, num_stages=6)],
+                         ids=["shipped", "8warps"])
 @pytest.mark.parametrize("num_tokens", [1, 3, 7, 129, 300, 400, 600])  # up to 112 rows per expert: 0-2 tail MMAs
 @pytest.mark.parametrize("clamp", [None, 0.05])
 def test_gluon_kernels_give_the_triton_kernels_bits(experts, config, num_tokens, clamp):

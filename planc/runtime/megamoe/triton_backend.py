@@ -255,10 +255,12 @@ _CONFIGS = (
 
 
 # On Hopper, where the Gluon kernels run (`hopper_prefill`), they take the batches of 48-96 rows per local expert
-# instead of the 64-row Triton blocks (V4 at 4096 tokens: see docs/benchmarks.md).
+# instead of the 64-row Triton blocks: V4 at 4096 tokens, experts computation 8.8 / 8.9 ms against 11.4 / 10.5 ms
+# (Triton 3.6 / 3.7.1); 4 warps with 64-column tiles and 4 stages beat 8 warps with 128 (9.0 ms) and 6 stages
+# (9.2 ms) under both (docs/benchmarks.md, eighth session).
 _GLUON_CONFIGS = (
     (48, None),
-    (96, KernelConfig(block_t=96, l1_n=128, l1_k=64, l2_n=128, l2_k=64, num_warps=8, num_stages=6, gluon=1)),
+    (96, KernelConfig(block_t=96, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=4, gluon=1)),
 )
 
 
