@@ -211,6 +211,8 @@ def test_picked_config_fits_the_shapes():
     assert prefill.block_t == 128 and prefill.l1_split == 1  # blocks fill the GPU: no split-K
     assert prefill.prefetch == 0 and v4_prefill.prefetch == 1  # 128-row blocks stream through the pipeline
     assert pick_config(96, 384, 7168, 3072).l1_split == 1  # 16 tokens fill the GPU unsplit
+    assert pick_config(597 * 6, 64, 2048, 1408).l1_split == 1  # 704 programs of 64-row blocks: prefill, no split
+    assert [pick_config(t * 6, 384, 7168, 3072).block_t for t in (256, 2048, 2560, 4096, 5120)] == [16, 32, 64, 64, 128]
     small = pick_config(24576, 8, 128, 64)
     assert 64 % small.l1_n == 0 and 128 % small.l1_k == 0 and small.l1_n % 32 == 0
     assert KernelConfig(l1_k=256, maxnreg=56, prefetch=0).fit(128, 64) == KernelConfig(l1_k=128, l2_k=64, maxnreg=56,
@@ -222,7 +224,10 @@ def test_picked_config_fits_the_shapes():
     assert gluon.gluon and gluon.block_t == 96 and gluon.l1_n == gluon.l2_n == 16 * gluon.num_warps
     assert not pick_config(256 * 6, 384, 7168, 3072, gluon=True).gluon  # decode: the Triton kernels
     assert not pick_config(4096 * 6, 64, 2048, 1408, gluon=True).gluon  # 384 rows per expert: Triton's 128-row blocks
-    assert not pick_config(4096 * 6, 384, 7168, 3072 - 64, gluon=True).gluon  # 128-column tiles do not divide 3008
+    assert not pick_config(4096 * 6, 384, 7168, 3072 - 64, gluon=True).gluon  # L2's K tiles do not pair: 3008 % 128
+    assert not pick_config(3584 * 6, 384, 7168, 3072, gluon=True).gluon  # 56 rows per expert: Triton's 64-row blocks
+    assert pick_config(5120 * 6, 384, 7168, 3072, gluon=True).gluon  # 80 rows: still one 96-row block per expert
+    assert pick_config(6144 * 6, 384, 7168, 3072, gluon=True).block_t == 128  # 96 rows: Triton's 128-row blocks
 
 
 def test_installed_backend_equals_the_reference_backend_and_keeps_fp4_only(world1):

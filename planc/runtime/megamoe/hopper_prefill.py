@@ -6,7 +6,8 @@ when its operand is loop-invariant), so each K tile's FP4 expansion and its MMA 
 with the same weight layout, expansion and numerics:
 
 - each wgmma is issued asynchronously and waited for one step later, so the CUDA cores expand the next weight tile
-  (L1: the up tile while the gate tile multiplies, then the next gate tile) while the tensor cores multiply;
+  while the tensor cores multiply (L1: the up tile while the gate tile multiplies, then the next gate tile; L2: K
+  tiles in pairs, each operand expanded while the other multiplies);
 - the weight words, their scale words and the activation tiles stream through shared memory by cp.async,
   `STAGES` K tiles ahead (each thread copies and later reads back exactly its own MMA operand words, 16 bytes);
 - a block holds up to 96 rows of one expert: one 64-row MMA plus one 16-row MMA per 16 rows past 64, picked per
@@ -411,4 +412,5 @@ def l2(act, w2, s2, sorted_slots, block_expert, block_row, block_end, out, *, hi
 
 
 def _registers(config) -> dict:
+    """The launch's register cap, where the config sets one."""
     return {"maxnreg": config.maxnreg} if config.maxnreg else {}

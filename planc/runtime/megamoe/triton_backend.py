@@ -241,26 +241,32 @@ class KernelConfig:
 _CONFIGS = (
     # (up to this many rows per local expert on average, config)
     (16, KernelConfig(block_t=16, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=4)),
-    (48, KernelConfig(block_t=32, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=5)),
+    # 32-row blocks only while one block holds an average expert: at 40 rows per expert the 64-row blocks ran V4 in
+    # 7461 against 9751 µs and the mid-size layer in 318 against 352 (Triton 3.7.1; 3.6 alike); at 32 rows 7275 /
+    # 7261 and 228 / 253.
+    (32, KernelConfig(block_t=32, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=5)),
     # 64-row blocks: ptxas gives L1 175-191 registers, one program of 8 warps per SM; capped at 128 (no spill) two fit
     # (V4 at 4096 tokens: 10.7 against 11.7 ms under Triton 3.7.1, 12.3 against 14.0 under 3.6).
-    (96, KernelConfig(block_t=64, l1_n=128, l1_k=64, l2_n=128, l2_k=64, num_warps=8, num_stages=4, maxnreg=128)),
-    # Above ~96 rows per expert 128-row blocks pad no more than 64-row ones and expand each weight half as often
-    # (mid-size layer at 4096 tokens, 384 rows per expert: 1418 / 1288 µs (Triton 3.6 / 3.7.1) against 1748 / 1491;
-    # V4 at 4096 tokens, 64 rows per expert, where they would double the padding: 14568 against 14507 under 3.6).
-    # Through the pipeline: with register prefetch L2 holds 148 registers instead of 123 (L1 255 either way), and
-    # the mid-size layer at 4096 tokens ran 1581 against 1254 µs under 3.7.1.
+    (64, KernelConfig(block_t=64, l1_n=128, l1_k=64, l2_n=128, l2_k=64, num_warps=8, num_stages=4, maxnreg=128)),
+    # Above 64 rows per expert 128-row blocks pad no more than 64-row ones and expand each weight half as often: at 80
+    # rows V4 11874 against 13578 µs and the mid-size layer 502 against 533, at 96 rows 11850 against 14086 and 491
+    # against 535 (3.7.1; 3.6 alike), at 384 rows (mid-size, 4096 tokens) 1288 against 1491. Through the pipeline:
+    # with register prefetch L2 holds 148 registers instead of 123 (L1 255 either way), and the mid-size layer at
+    # 4096 tokens ran 1581 against 1254 µs under 3.7.1.
     (None, KernelConfig(block_t=128, l1_n=128, l1_k=64, l2_n=128, l2_k=64, num_warps=8, num_stages=4, prefetch=0)),
 )
 
 
-# On Hopper, where the Gluon kernels run (`hopper_prefill`), they take the batches of 48-96 rows per local expert
-# instead of the 64-row Triton blocks: V4 at 4096 tokens, experts computation 8.8 / 8.9 ms against 11.4 / 10.5 ms
-# (Triton 3.6 / 3.7.1); 4 warps with 64-column tiles and 4 stages beat 8 warps with 128 (9.0 ms) and 6 stages
-# (9.2 ms) under both (docs/benchmarks.md, eighth session).
+# On Hopper, where the Gluon kernels run (`hopper_prefill`), they take the batches of 57-80 rows per local expert
+# (up to 96-row blocks hold an average expert whole) from the Triton kernels. Experts computation, µs, Triton 3.7.1 /
+# 3.6, Gluon against the best Triton config: V4 at 64 rows (4096 tokens) 8932 / 8824 against 10502 / 11380; at 80
+# rows 11533 / 11222 against 11874 / 12308; the mid-size layer at 64 rows 422 / 415 against 443 / 458, at 80 rows
+# 460 / 455 against 502 / 520. At 56 rows they trade places (V4 8750 / 8668 against 8501 / 9013; 3.7.1, torch 2.13's,
+# decides), at 48 and 96 rows Triton wins in both shapes. 4 warps with 64-column tiles and 4 stages beat 8 warps with
+# 128 (9.0 ms at 4096 tokens) and 6 stages (9.2 ms) under both (docs/benchmarks.md, eighth session).
 _GLUON_CONFIGS = (
-    (48, None),
-    (96, KernelConfig(block_t=96, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=4, gluon=1)),
+    (56, None),
+    (80, KernelConfig(block_t=96, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=4, gluon=1)),
 )
 
 
@@ -318,13 +324,15 @@ def pick_config(
         if bound is None or per_expert <= bound:
             break
     config = config.fit(hidden, inter)
-    # L1 programs: row blocks (at least one per expert that gets rows) times N tiles. A prefill batch fills the GPU
-    # with blocks and must not split (mid-size layer at 4096 tokens, 192 blocks of 128 rows: 2273 µs split in 2).
+    # L1 programs: row blocks (at least one per expert that gets rows) times N tiles. A prefill batch (blocks of 64
+    # rows and more) must not split, even with few programs: mid-size layer at 4096 tokens, 192 blocks of 128 rows,
+    # 2273 µs split in 2; at 56 / 64 / 80 rows per expert, 64 blocks of 64 rows (704 programs), 380 / 491 / 582 µs
+    # split in 2 against 337 / 443 / 533 (Triton 3.7.1; 3.6 alike).
     blocks = max(min(num_rows, num_local_experts), -(-num_rows // config.block_t))
     programs = blocks * max(inter // config.l1_n, 1)
     k_tiles = hidden // config.l1_k
     split = 1
-    while (split < 8 and programs * split < _L1_PROGRAMS_PER_SM * num_sms
+    while (config.block_t < 64 and split < 8 and programs * split < _L1_PROGRAMS_PER_SM * num_sms
            and k_tiles // (2 * split) >= _L1_MIN_SLICE_STAGES * config.num_stages):
         split *= 2
     return dataclasses.replace(config, l1_split=split).fit(hidden, inter)
