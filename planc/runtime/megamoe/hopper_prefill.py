@@ -396,7 +396,7 @@ def l1(x, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act
         x.stride(0), w1.stride(0), s1.stride(0), act.stride(0),
         0.0 if clamp is None else clamp,
         HAS_CLAMP=clamp is not None, BN=config.l1_n, STAGES=config.num_stages, LARGE=large,
-        num_warps=config.num_warps, **_registers(config),
+        num_warps=config.num_warps, **config.launch_registers(),
     )
 
 
@@ -407,10 +407,6 @@ def l2(act, w2, s2, sorted_slots, block_expert, block_row, block_end, out, *, hi
         act, w2, s2, sorted_slots, block_expert, block_row, block_end, out,
         hidden, inter, num_local,
         act.stride(0), w2.stride(0), s2.stride(0), out.stride(0),
-        BN=config.l2_n, STAGES=config.num_stages, LARGE=large, num_warps=config.num_warps, **_registers(config),
+        BN=config.l2_n, STAGES=config.num_stages, LARGE=large, num_warps=config.num_warps, **config.launch_registers(),
     )
 
-
-def _registers(config) -> dict:
-    """The launch's register cap, where the config sets one."""
-    return {"maxnreg": config.maxnreg} if config.maxnreg else {}

@@ -203,6 +203,15 @@ class KernelConfig:
     # stages, l1_n = l2_n = 16 * num_warps, K tiles of 64). `pick_config` picks them only on sm_90.
     gluon: int = 0
 
+    def gluon_fits(self, hidden: int, inter: int) -> bool:
+        """Whether the Gluon kernels run these tiles on these shapes as they are (they do not shrink them): N tiles
+        that divide, and L2's K tiles of 64 in pairs."""
+        return not (inter % self.l1_n or hidden % self.l2_n or inter % 128)
+
+    def launch_registers(self) -> dict:
+        """The launch's register cap, where the config sets one and the kernels are compiled (not interpreted)."""
+        return {"maxnreg": self.maxnreg} if self.maxnreg and not _interpreting() else {}
+
     def fit(self, hidden: int, inter: int) -> "KernelConfig":
         """The same config with each tile shrunk to a power of two that divides its dimension (K tiles: 64 or
         more, the weight layout's K block; N tiles: 32 or more, the requantization groups)."""
@@ -223,10 +232,10 @@ class KernelConfig:
         while split > 1 and hidden % (l1_k * split):
             split //= 2
         if self.gluon:
-            if inter % self.l1_n or hidden % self.l2_n or inter % 128:
+            if not self.gluon_fits(hidden, inter):
                 raise ValueError(f"the Gluon kernels' tiles ({self.l1_n}, {self.l2_n}) do not divide intermediate "
-                                 f"{inter} and hidden {hidden}, or L2's K tiles do not pair (intermediate % 128): `pick_config` picks "
-                                 f"them only where they do")
+                                 f"{inter} and hidden {hidden}, or L2's K tiles do not pair (intermediate % 128): "
+                                 f"`pick_config` picks them only where they do")
             return self
         return KernelConfig(
             self.block_t, div(self.l1_n, inter, 32), l1_k, div(self.l2_n, hidden, 32),
@@ -317,7 +326,7 @@ def pick_config(
     if gluon:
         for bound, config in _GLUON_CONFIGS:
             if per_expert <= bound:
-                if config is not None and not (inter % config.l1_n or hidden % config.l2_n or inter % 128):
+                if config is not None and config.gluon_fits(hidden, inter):
                     return config
                 break
     for bound, config in _CONFIGS:
@@ -953,18 +962,18 @@ def triton_local_experts_forward(
     w1, w2 = experts.w1, experts.w2
     s1 = experts.s1.reshape(num_local, -1).view(torch.int32)  # one int32 per (K block, row group, r): `shuffle_fp4`
     s2 = experts.s2.reshape(num_local, -1).view(torch.int32)
-    interpret = _interpreting()
-    split = cfg.l1_split
-    ws = torch.empty((split, nblocks * cfg.block_t, 2 * inter) if split > 1 else (1,), dtype=torch.float32,
-                     device=device)
     if cfg.gluon:
         hopper_prefill.l1(x, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act, clamp=clamp,
                           num_topk=k, large=experts.large_scales, config=cfg)
         hopper_prefill.l2(act, w2, s2, sorted_slots, block_expert, block_row, block_end, out, hidden=hidden,
                           large=experts.large_scales, config=cfg)
         return out.view(m, k, hidden)
+    interpret = _interpreting()
+    split = cfg.l1_split
+    ws = torch.empty((split, nblocks * cfg.block_t, 2 * inter) if split > 1 else (1,), dtype=torch.float32,
+                     device=device)
     common = dict(HAS_CLAMP=clamp is not None, BT=cfg.block_t, BN=cfg.l1_n)
-    regs = {"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interpret else {}
+    regs = cfg.launch_registers()
     prefetch = bool(cfg.prefetch) and REGISTER_PREFETCH
     _l1_swiglu_kernel[(nblocks * (inter // cfg.l1_n), split)](
         x, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act, ws,
