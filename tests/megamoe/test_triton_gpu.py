@@ -93,7 +93,7 @@ needs_gluon = pytest.mark.skipif(
 
 
 @needs_gluon
-@pytest.mark.parametrize("config", [GLUON, dataclasses.replace(GLUON, l1_n=128, l2_n=128, num_warps=8, num_stages=6)],
+@pytest.mark.parametrize("config", [GLUON, dataclasses.replace(GLUON, l1_n=128, l2_n=128, num_warps=8, num_stages=6, maxnreg=0)],
                          ids=["shipped", "8warps"])
 @pytest.mark.parametrize("num_tokens", [1, 3, 7, 129, 300, 400, 600])  # up to 112 rows per expert: 0-2 tail MMAs
 @pytest.mark.parametrize("clamp", [None, 0.05])

@@ -271,11 +271,14 @@ _CONFIGS = (
 # 3.6, Gluon against the best Triton config: V4 at 64 rows (4096 tokens) 8932 / 8824 against 10502 / 11380; at 80
 # rows 11533 / 11222 against 11874 / 12308; the mid-size layer at 64 rows 422 / 415 against 443 / 458, at 80 rows
 # 460 / 455 against 502 / 520. At 56 rows they trade places (V4 8750 / 8668 against 8501 / 9013; 3.7.1, torch 2.13's,
-# decides), at 48 and 96 rows Triton wins in both shapes. 4 warps with 64-column tiles and 4 stages beat 8 warps with
-# 128 (9.0 ms at 4096 tokens) and 6 stages (9.2 ms) under both (docs/benchmarks.md, eighth session).
+# decides), at 48 and 96 rows Triton wins in both shapes (those without the register cap). 4 warps with 64-column
+# tiles and 4 stages beat 8 warps with 128 (9.0 ms at 4096 tokens) and 6 stages (9.2 ms) under both. L1 holds 214
+# registers, two programs per SM; capped at 168, three fit (ptxas spills 128 bytes outside the K loops only, which
+# the compile test checks): at 4096 tokens 8041 / 8797 µs against 9157 / 9158 uncapped in one call, at 5120 10701 /
+# 10617 against 11030 / 10849; 160 spills more (8906 / 8541) (docs/benchmarks.md, eighth session).
 _GLUON_CONFIGS = (
     (56, None),
-    (80, KernelConfig(block_t=96, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=4, gluon=1)),
+    (80, KernelConfig(block_t=96, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=4, maxnreg=168, gluon=1)),
 )
 
 
