@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from transformers import DeepseekV4Config, MixtralConfig
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+from planc.runtime.megamoe.triton_backend import _GLUON_CONFIGS
+
+# The Gluon configs the tests compile and run: the shipped one and its 80-row-block variant (no two-tail loop body:
+# under the 168-register cap L1 keeps its wgmma asynchronous, the shipped 96-row L1 does not), which a GPU sweep
+# has still to time against it.
+GLUON = next(config for _, config in _GLUON_CONFIGS if config is not None)
+GLUON_80_ROWS = dataclasses.replace(GLUON, block_t=80)
 
 E, H, I, K = 8, 128, 64, 3  # small shapes; the reference needs H % 32 == 0 and I % 32 == 0
 

@@ -219,7 +219,7 @@ def test_picked_config_fits_the_shapes():
                                                                                       prefetch=0)
     with pytest.raises(ValueError, match="divisible by 64.*backend: reference"):
         KernelConfig().fit(128, 48)
-    # Where the Hopper Gluon kernels can run they take 48-96 rows per expert (V4 at 4096 tokens: 64), in blocks of 96.
+    # Where the Hopper Gluon kernels can run they take 57-80 rows per expert (V4 at 4096 tokens: 64), in blocks of 96.
     gluon = pick_config(4096 * 6, 384, 7168, 3072, gluon=True)
     assert gluon.gluon and gluon.block_t == 96 and gluon.l1_n == gluon.l2_n == 16 * gluon.num_warps
     assert not pick_config(256 * 6, 384, 7168, 3072, gluon=True).gluon  # decode: the Triton kernels

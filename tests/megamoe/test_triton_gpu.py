@@ -15,12 +15,11 @@ from planc.runtime.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantiz
 from planc.runtime.megamoe.reference import DequantizedExperts, local_experts_forward
 from planc.runtime.megamoe.hopper_prefill import gluon_unavailable_reason
 from planc.runtime.megamoe.triton_backend import (
-    _GLUON_CONFIGS,
     KernelConfig,
     PackedExperts,
     triton_local_experts_forward,
 )
-from tests.megamoe.common import mixtral_experts, routing
+from tests.megamoe.common import GLUON, GLUON_80_ROWS, mixtral_experts, routing
 
 pytestmark = [
     pytest.mark.gpu,
@@ -85,7 +84,6 @@ def test_rank_slice_and_no_local_expert(experts):
 
 
 # The Hopper Gluon kernels (`hopper_prefill`) against the Triton kernels' 64-row blocks: the same bits.
-GLUON = next(config for _, config in _GLUON_CONFIGS if config is not None)  # the shipped one
 TRITON_64 = KernelConfig(block_t=64, l1_n=128, l1_k=64, l2_n=128, l2_k=64, num_warps=8, num_stages=4, maxnreg=128)
 needs_gluon = pytest.mark.skipif(
     torch.cuda.is_available() and gluon_unavailable_reason(torch.device("cuda")) is not None,
@@ -93,8 +91,9 @@ needs_gluon = pytest.mark.skipif(
 
 
 @needs_gluon
-@pytest.mark.parametrize("config", [GLUON, dataclasses.replace(GLUON, l1_n=128, l2_n=128, num_warps=8, num_stages=6, maxnreg=0)],
-                         ids=["shipped", "8warps"])
+@pytest.mark.parametrize("config", [GLUON, GLUON_80_ROWS,
+                                    dataclasses.replace(GLUON, l1_n=128, l2_n=128, num_warps=8, num_stages=6, maxnreg=0)],
+                         ids=["shipped", "80rows", "8warps"])
 @pytest.mark.parametrize("num_tokens", [1, 3, 7, 129, 300, 400, 600])  # up to 112 rows per expert: 0-2 tail MMAs
 @pytest.mark.parametrize("clamp", [None, 0.05])
 def test_gluon_kernels_give_the_triton_kernels_bits(experts, config, num_tokens, clamp):

@@ -11,9 +11,9 @@ with the same weight layout, expansion and numerics:
   once in L1 (C7515), which buys a third program per SM and was measured faster (`triton_backend._GLUON_CONFIGS`);
 - the weight words, their scale words and the activation tiles stream through shared memory by cp.async,
   `STAGES` K tiles ahead (each thread copies and later reads back exactly its own MMA operand words, 16 bytes);
-- a block holds up to 96 rows of one expert: one 64-row MMA plus one 16-row MMA per 16 rows past 64, picked per
-  block at run time (three loop bodies), so a block pads at most 15 rows and each weight tile is expanded once
-  for all of them.
+- a block holds up to 80 or 96 rows of one expert (`block_t`): one 64-row MMA plus one 16-row MMA per 16 rows
+  past 64, picked per block at run time (two or three loop bodies), so a block pads at most 15 rows and each
+  weight tile is expanded once for all of them.
 
 The products and their FP32 sums are those of the Triton kernels (same wgmma, same K order): the outputs are bit
 for bit the same (checked on the GPU: `tests/megamoe/test_triton_gpu.py`). Gluon has no CPU interpreter, so CI
@@ -37,10 +37,9 @@ except ImportError:  # pragma: no cover - no Triton, or one without Gluon
 
 from planc.runtime.megamoe import triton_backend as tb
 
-# Rows of one block: a 64-row MMA and up to two 16-row MMAs (`route(block_t=BLOCK_ROWS)`).
-MAIN_ROWS = 64
-TAIL_ROWS = 32
-BLOCK_ROWS = MAIN_ROWS + TAIL_ROWS
+# Rows of one block (`KernelConfig.block_t`, `route(block_t=...)`): a 64-row MMA and up to one (80) or two (96)
+# 16-row MMAs. 80-row blocks compile without the two-tail loop body: fewer registers (see `_GLUON_CONFIGS`).
+BLOCK_ROWS = (80, 96)
 
 
 def gluon_unavailable_reason(device: torch.device | None) -> str | None:
@@ -199,7 +198,7 @@ if gluon is not None:
             sb_s = sa_s
         x_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 64, 64], XS)
         if EXTRA > 0:
-            xt_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 32, 64], XS)
+            xt_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, x1.shape[0], 64], XS)
         else:  # not read
             xt_s = x_s
         step = num_g * 128
@@ -271,12 +270,12 @@ if gluon is not None:
     def _l1_block(x_ptr, w_base, s_base, wg_off, sg_off, wu_off, su_off, num_g, k_tiles, stride_x, sorted_ptr,
                   weight_ptr, out_ptr, stride_out, row0, nrows, num_topk, out_row0, offs0, clamp,
                   HAS_CLAMP: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, EXTRA: gl.constexpr,
-                  LARGE: gl.constexpr, num_warps: gl.constexpr):
+                  LARGE: gl.constexpr, ROWS: gl.constexpr, num_warps: gl.constexpr):
         XL: gl.constexpr = _x_layout(num_warps)
         t = gl.arange(0, 64, layout=gl.SliceLayout(1, XL))
         slot0 = gl.load(sorted_ptr + row0 + t, mask=t < nrows, other=0)
         x0 = _x_pointers(x_ptr, slot0 // num_topk, t < nrows, stride_x, XL)
-        t1 = 64 + gl.arange(0, 32, layout=gl.SliceLayout(1, XL))
+        t1 = 64 + gl.arange(0, ROWS - 64, layout=gl.SliceLayout(1, XL))
         slot1 = gl.load(sorted_ptr + row0 + t1, mask=t1 < nrows, other=0)
         x1 = _x_pointers(x_ptr, slot1 // num_topk, t1 < nrows, stride_x, XL)
         g0, g1, g2, u0, u1, u2 = _gemm(x0, x1, w_base, s_base, wg_off, sg_off, wu_off, su_off, num_g, k_tiles,
@@ -298,10 +297,10 @@ if gluon is not None:
         hidden, inter, num_topk, num_local,
         stride_x, stride_we, stride_se, stride_out,
         clamp,
-        HAS_CLAMP: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, LARGE: gl.constexpr,
+        HAS_CLAMP: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, LARGE: gl.constexpr, ROWS: gl.constexpr,
         num_warps: gl.constexpr,
     ):
-        """`triton_backend._l1_swiglu_kernel` (SPLIT 1) on blocks of up to 96 rows: BN gate and BN up columns."""
+        """`triton_backend._l1_swiglu_kernel` (SPLIT 1) on blocks of up to ROWS rows: BN gate and BN up columns."""
         G: gl.constexpr = BN // 16
         WL: gl.constexpr = _words_layout(num_warps)
         pid_b, pid_n, expert, row0, nrows = _block(block_expert_ptr, block_row_ptr, block_end_ptr, inter // BN)
@@ -312,20 +311,24 @@ if gluon is not None:
             wg_off, sg_off = _fp4_offsets(pid_n * G, num_g, G, WL)
             wu_off, su_off = _fp4_offsets(pid_n * G + inter // 16, num_g, G, WL)
             k_tiles = hidden // 64
-            out_row0 = pid_b * 96
+            out_row0 = pid_b * ROWS
             offs0 = pid_n * BN
             if nrows <= 64:
                 _l1_block(x_ptr, w_base, s_base, wg_off, sg_off, wu_off, su_off, num_g, k_tiles, stride_x,
                           sorted_ptr, weight_ptr, out_ptr, stride_out, row0, nrows, num_topk, out_row0, offs0,
-                          clamp, HAS_CLAMP, BN, STAGES, 0, LARGE, num_warps)
+                          clamp, HAS_CLAMP, BN, STAGES, 0, LARGE, ROWS, num_warps)
+            elif ROWS == 80:  # a compile-time branch: no two-tail body
+                _l1_block(x_ptr, w_base, s_base, wg_off, sg_off, wu_off, su_off, num_g, k_tiles, stride_x,
+                          sorted_ptr, weight_ptr, out_ptr, stride_out, row0, nrows, num_topk, out_row0, offs0,
+                          clamp, HAS_CLAMP, BN, STAGES, 1, LARGE, ROWS, num_warps)
             elif nrows <= 80:
                 _l1_block(x_ptr, w_base, s_base, wg_off, sg_off, wu_off, su_off, num_g, k_tiles, stride_x,
                           sorted_ptr, weight_ptr, out_ptr, stride_out, row0, nrows, num_topk, out_row0, offs0,
-                          clamp, HAS_CLAMP, BN, STAGES, 1, LARGE, num_warps)
+                          clamp, HAS_CLAMP, BN, STAGES, 1, LARGE, ROWS, num_warps)
             else:
                 _l1_block(x_ptr, w_base, s_base, wg_off, sg_off, wu_off, su_off, num_g, k_tiles, stride_x,
                           sorted_ptr, weight_ptr, out_ptr, stride_out, row0, nrows, num_topk, out_row0, offs0,
-                          clamp, HAS_CLAMP, BN, STAGES, 2, LARGE, num_warps)
+                          clamp, HAS_CLAMP, BN, STAGES, 2, LARGE, ROWS, num_warps)
 
     @gluon.jit
     def _l2_store(acc, out_ptr, sorted_ptr, row0, t0, nrows, offs0, stride_out, L: gl.constexpr):
@@ -342,12 +345,12 @@ if gluon is not None:
     def _l2_block(a_ptr, w_base, s_base, w_off, s_off, num_g, k_tiles, stride_a, sorted_ptr, out_ptr, stride_out,
                   row0, nrows, a_row0, offs0,
                   BN: gl.constexpr, STAGES: gl.constexpr, EXTRA: gl.constexpr, LARGE: gl.constexpr,
-                  num_warps: gl.constexpr):
+                  ROWS: gl.constexpr, num_warps: gl.constexpr):
         XL: gl.constexpr = _x_layout(num_warps)
         t = gl.arange(0, 64, layout=gl.SliceLayout(1, XL))
         x0 = _x_pointers(a_ptr, a_row0 + t, t < 64, stride_a, XL)
-        t1 = 64 + gl.arange(0, 32, layout=gl.SliceLayout(1, XL))
-        x1 = _x_pointers(a_ptr, a_row0 + t1, t1 < 96, stride_a, XL)
+        t1 = 64 + gl.arange(0, ROWS - 64, layout=gl.SliceLayout(1, XL))
+        x1 = _x_pointers(a_ptr, a_row0 + t1, t1 < ROWS, stride_a, XL)
         a0, a1, a2, b0, b1, b2 = _gemm(x0, x1, w_base, s_base, w_off, s_off, w_off, s_off, num_g, k_tiles,
                                        BN, STAGES, EXTRA, False, LARGE, num_warps)
         MMA: gl.constexpr = _mma_layout(num_warps, 64)
@@ -363,9 +366,9 @@ if gluon is not None:
         a_ptr, w_ptr, s_ptr, sorted_ptr, block_expert_ptr, block_row_ptr, block_end_ptr, out_ptr,
         hidden, inter, num_local,
         stride_a, stride_we, stride_se, stride_out,
-        BN: gl.constexpr, STAGES: gl.constexpr, LARGE: gl.constexpr, num_warps: gl.constexpr,
+        BN: gl.constexpr, STAGES: gl.constexpr, LARGE: gl.constexpr, ROWS: gl.constexpr, num_warps: gl.constexpr,
     ):
-        """`triton_backend._l2_kernel` on blocks of up to 96 rows."""
+        """`triton_backend._l2_kernel` on blocks of up to ROWS rows."""
         G: gl.constexpr = BN // 16
         WL: gl.constexpr = _words_layout(num_warps)
         pid_b, pid_n, expert, row0, nrows = _block(block_expert_ptr, block_row_ptr, block_end_ptr, hidden // BN)
@@ -375,39 +378,52 @@ if gluon is not None:
             num_g = hidden // 16
             w_off, s_off = _fp4_offsets(pid_n * G, num_g, G, WL)
             k_tiles = inter // 64
-            a_row0 = pid_b * 96
+            a_row0 = pid_b * ROWS
             offs0 = pid_n * BN
             if nrows <= 64:
                 _l2_block(a_ptr, w_base, s_base, w_off, s_off, num_g, k_tiles, stride_a, sorted_ptr, out_ptr,
-                          stride_out, row0, nrows, a_row0, offs0, BN, STAGES, 0, LARGE, num_warps)
+                          stride_out, row0, nrows, a_row0, offs0, BN, STAGES, 0, LARGE, ROWS, num_warps)
+            elif ROWS == 80:  # a compile-time branch: no two-tail body
+                _l2_block(a_ptr, w_base, s_base, w_off, s_off, num_g, k_tiles, stride_a, sorted_ptr, out_ptr,
+                          stride_out, row0, nrows, a_row0, offs0, BN, STAGES, 1, LARGE, ROWS, num_warps)
             elif nrows <= 80:
                 _l2_block(a_ptr, w_base, s_base, w_off, s_off, num_g, k_tiles, stride_a, sorted_ptr, out_ptr,
-                          stride_out, row0, nrows, a_row0, offs0, BN, STAGES, 1, LARGE, num_warps)
+                          stride_out, row0, nrows, a_row0, offs0, BN, STAGES, 1, LARGE, ROWS, num_warps)
             else:
                 _l2_block(a_ptr, w_base, s_base, w_off, s_off, num_g, k_tiles, stride_a, sorted_ptr, out_ptr,
-                          stride_out, row0, nrows, a_row0, offs0, BN, STAGES, 2, LARGE, num_warps)
+                          stride_out, row0, nrows, a_row0, offs0, BN, STAGES, 2, LARGE, ROWS, num_warps)
 
 
 def l1(x, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act, *, clamp, num_topk, large, config):
-    """L1 with the SwiGLU epilogue into `act` (block rows of 96), as `triton_backend`'s L1 launch."""
+    """L1 with the SwiGLU epilogue into `act` (block rows of `config.block_t`), as `triton_backend`'s L1 launch."""
+    _check_rows(config)
     hidden, inter, num_local = x.shape[1], w1.shape[1] // 2, w1.shape[0]
     _l1_kernel[(block_expert.numel() * (inter // config.l1_n),)](
         x, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act,
         hidden, inter, num_topk, num_local,
         x.stride(0), w1.stride(0), s1.stride(0), act.stride(0),
         0.0 if clamp is None else clamp,
-        HAS_CLAMP=clamp is not None, BN=config.l1_n, STAGES=config.num_stages, LARGE=large,
+        HAS_CLAMP=clamp is not None, BN=config.l1_n, STAGES=config.num_stages, LARGE=large, ROWS=config.block_t,
         num_warps=config.num_warps, **config.launch_registers(),
     )
 
 
 def l2(act, w2, s2, sorted_slots, block_expert, block_row, block_end, out, *, hidden, large, config):
     """L2 from `act` into the slot rows of `out`, as `triton_backend`'s L2 launch."""
+    _check_rows(config)
     inter, num_local = act.shape[1], w2.shape[0]
     _l2_kernel[(block_expert.numel() * (hidden // config.l2_n),)](
         act, w2, s2, sorted_slots, block_expert, block_row, block_end, out,
         hidden, inter, num_local,
         act.stride(0), w2.stride(0), s2.stride(0), out.stride(0),
-        BN=config.l2_n, STAGES=config.num_stages, LARGE=large, num_warps=config.num_warps, **config.launch_registers(),
+        BN=config.l2_n, STAGES=config.num_stages, LARGE=large, ROWS=config.block_t, num_warps=config.num_warps,
+        **config.launch_registers(),
     )
+
+
+def _check_rows(config) -> None:
+    """The block sizes the kernels have loop bodies for (`route` cuts the experts' rows by `block_t`)."""
+    if config.block_t not in BLOCK_ROWS:
+        raise ValueError(f"the Gluon kernels take blocks of {' or '.join(map(str, BLOCK_ROWS))} rows, not "
+                         f"block_t={config.block_t}: set KernelConfig(block_t=...) to one of them")
 
