@@ -244,7 +244,9 @@ if gluon is not None:
 
     @gluon.jit
     def _block(block_expert_ptr, block_row_ptr, block_end_ptr, num_n):
-        """(block, N tile, local expert, first sorted row, rows) of this program (`triton_backend._tile_ids`)."""
+        """(block, N tile, local expert, first sorted row, rows) of this program (`triton_backend._tile_ids`). rows
+        counts the expert's rows from the block's first on (`route`'s block_end is the expert's end): a body covers
+        at most ROWS of them, and its `t < nrows` masks only cut rows past the expert's end."""
         pid = gl.program_id(0)
         pid_b = pid // num_n
         expert = gl.load(block_expert_ptr + pid_b)
