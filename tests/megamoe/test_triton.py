@@ -254,6 +254,22 @@ def test_installed_backend_equals_the_reference_backend_and_keeps_fp4_only(world
                                 ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv"))
 
 
+def test_a_rocm_torch_is_refused_by_name(monkeypatch):
+    """A ROCm torch reports `cuda` devices (MI300: capability (9, 4)): the PTX kernels, Triton's and Gluon's, must
+    not be picked there, and an explicit `backend: triton` must say why."""
+    from planc.runtime.megamoe import hopper_prefill
+
+    monkeypatch.setattr(triton_backend, "_interpreting", lambda: False)  # what a GPU machine's import gives
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133")
+    reason = triton_backend.triton_unavailable_reason(torch.device("cuda"))
+    assert reason is not None and "ROCm" in reason and "6.2.41133" in reason
+    if hopper_prefill.gluon is not None:
+        assert hopper_prefill.gluon_unavailable_reason(torch.device("cuda")) == reason
+    m = mixtral_experts(*full_weights(0))
+    with pytest.raises(RuntimeError, match="ROCm.*backend: reference"):
+        install_megamoe_forward(m, backend="triton", quantize="fp4")
+
+
 def test_explicit_triton_where_it_cannot_run_names_the_reason(monkeypatch):
     from planc.runtime.megamoe import experts as experts_mod
 

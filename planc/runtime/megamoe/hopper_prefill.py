@@ -48,8 +48,11 @@ def gluon_unavailable_reason(device: torch.device | None) -> str | None:
         return "this Triton has no Gluon (Triton >= 3.5 has it)"
     if tb._interpreting():
         return "Gluon kernels do not run under Triton's interpreter"
-    if device is None or device.type != "cuda":
+    if device is None:
         return "Gluon kernels need a CUDA GPU"
+    reason = tb.triton_unavailable_reason(device)  # no GPU, not NVIDIA's, too old
+    if reason is not None:
+        return reason
     if torch.cuda.get_device_capability(device)[0] != 9:
         return "the async wgmma kernels are written for Hopper (sm_90)"
     return None

@@ -65,6 +65,9 @@ def triton_unavailable_reason(device: torch.device | None) -> str | None:
         return "the `triton` package is not installed (it ships with torch's CUDA builds: `pip install triton`)"
     if _interpreting():
         return None  # Triton's CPU interpreter (TRITON_INTERPRET=1 when planc was imported): runs anywhere, slowly
+    if torch.version.hip is not None:  # ROCm reports `cuda` devices and capabilities such as (9, 4) on MI300
+        return (f"a ROCm build of torch (HIP {torch.version.hip}): the Triton kernels are written against NVIDIA's "
+                "PTX (inline conversions, wgmma)")
     if device is not None and device.type != "cuda":
         return f"the weights are on {device.type} (Triton kernels need a CUDA GPU; TRITON_INTERPRET=1 runs them on CPU)"
     if not torch.cuda.is_available():
