@@ -228,6 +228,8 @@ def test_picked_config_fits_the_shapes():
     assert not pick_config(3584 * 6, 384, 7168, 3072, gluon=True).gluon  # 56 rows per expert: Triton's 64-row blocks
     assert pick_config(5120 * 6, 384, 7168, 3072, gluon=True).gluon  # 80 rows: still one 96-row block per expert
     assert pick_config(6144 * 6, 384, 7168, 3072, gluon=True).block_t == 128  # 96 rows: Triton's 128-row blocks
+    with pytest.raises(ValueError, match="blocks of 80 or 96 rows, not block_t=64"):
+        dataclasses.replace(gluon, block_t=64).fit(7168, 3072)  # the kernels have no loop body for it
 
 
 def test_installed_backend_equals_the_reference_backend_and_keeps_fp4_only(world1):

@@ -37,11 +37,6 @@ except ImportError:  # pragma: no cover - no Triton, or one without Gluon
 
 from planc.runtime.megamoe import triton_backend as tb
 
-# Rows of one block (`KernelConfig.block_t`, `route(block_t=...)`): a 64-row MMA and up to one (80) or two (96)
-# 16-row MMAs. 80-row blocks compile without the two-tail loop body: fewer registers (see `_GLUON_CONFIGS`).
-BLOCK_ROWS = (80, 96)
-
-
 def gluon_unavailable_reason(device: torch.device | None) -> str | None:
     """None when these kernels can run on `device`, else why not (the Triton kernels run instead)."""
     if gluon is None:
@@ -401,7 +396,6 @@ if gluon is not None:
 
 def l1(x, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act, *, clamp, num_topk, large, config):
     """L1 with the SwiGLU epilogue into `act` (block rows of `config.block_t`), as `triton_backend`'s L1 launch."""
-    _check_rows(config)
     hidden, inter, num_local = x.shape[1], w1.shape[1] // 2, w1.shape[0]
     _l1_kernel[(block_expert.numel() * (inter // config.l1_n),)](
         x, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act,
@@ -415,7 +409,6 @@ def l1(x, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act
 
 def l2(act, w2, s2, sorted_slots, block_expert, block_row, block_end, out, *, hidden, large, config):
     """L2 from `act` into the slot rows of `out`, as `triton_backend`'s L2 launch."""
-    _check_rows(config)
     inter, num_local = act.shape[1], w2.shape[0]
     _l2_kernel[(block_expert.numel() * (hidden // config.l2_n),)](
         act, w2, s2, sorted_slots, block_expert, block_row, block_end, out,
@@ -424,11 +417,4 @@ def l2(act, w2, s2, sorted_slots, block_expert, block_row, block_end, out, *, hi
         BN=config.l2_n, STAGES=config.num_stages, LARGE=large, ROWS=config.block_t, num_warps=config.num_warps,
         **config.launch_registers(),
     )
-
-
-def _check_rows(config) -> None:
-    """The block sizes the kernels have loop bodies for (`route` cuts the experts' rows by `block_t`)."""
-    if config.block_t not in BLOCK_ROWS:
-        raise ValueError(f"the Gluon kernels take blocks of {' or '.join(map(str, BLOCK_ROWS))} rows, not "
-                         f"block_t={config.block_t}: set KernelConfig(block_t=...) to one of them")
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -208,6 +209,10 @@ class KernelConfig:
     # stages, l1_n = l2_n = 16 * num_warps, K tiles of 64). `pick_config` picks them only on sm_90.
     gluon: int = 0
 
+    # The block sizes the Gluon kernels have loop bodies for: a 64-row MMA and up to one (80) or two (96) 16-row MMAs;
+    # 80-row blocks compile without the two-tail body, in fewer registers (see `_GLUON_CONFIGS`).
+    GLUON_BLOCK_ROWS: ClassVar[tuple[int, ...]] = (80, 96)
+
     def gluon_fits(self, hidden: int, inter: int) -> bool:
         """Whether the Gluon kernels run these tiles on these shapes as they are (they do not shrink them): N tiles
         that divide, and L2's K tiles of 64 in pairs."""
@@ -241,6 +246,9 @@ class KernelConfig:
                 raise ValueError(f"the Gluon kernels' tiles ({self.l1_n}, {self.l2_n}) do not divide intermediate "
                                  f"{inter} and hidden {hidden}, or L2's K tiles do not pair (intermediate % 128): "
                                  f"`pick_config` picks them only where they do")
+            if self.block_t not in self.GLUON_BLOCK_ROWS:
+                raise ValueError(f"the Gluon kernels take blocks of {' or '.join(map(str, self.GLUON_BLOCK_ROWS))} "
+                                 f"rows, not block_t={self.block_t}: set KernelConfig(block_t=...) to one of them")
             return self
         return KernelConfig(
             self.block_t, div(self.l1_n, inter, 32), l1_k, div(self.l2_n, hidden, 32),
