@@ -24,6 +24,7 @@ CPU smoke test (tiny):   python bench/megamoe_gpu.py --device cpu --tiny
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -42,8 +43,7 @@ from planc.runtime.megamoe import megamoe_state  # noqa: E402
 from planc.runtime.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_fp8  # noqa: E402
 from planc.runtime.megamoe.triton_backend import (  # noqa: E402
     KernelConfig,
-    pick_config,
-    sm_count,
+    device_config,
     triton_local_experts_forward,
 )
 
@@ -268,7 +268,7 @@ def sweep(args, device, measure, packed):
         x, w, idx = random_batch(args, n, device, seed=n)
         q, sf = quantize_fp8(x)
         sf = float_to_ue8m0_bytes(sf)
-        picked = pick_config(n * args.topk, args.experts, args.hidden, args.intermediate, sm_count(device))
+        picked = device_config(n * args.topk, args.experts, args.hidden, args.intermediate, device)
         row = {"tokens": n, "picked": picked.__dict__, "configs": []}
         for cfg in dict.fromkeys([picked, *(args.configs or SWEEP)]):
             if n < 64 and cfg.block_t > 16:
@@ -295,7 +295,7 @@ def sweep(args, device, measure, packed):
 
 def print_sweep(results):
     """The sweep as one Markdown table: a row per config, a column per batch size (µs; * the fastest, p the picked)."""
-    fields = tuple(KernelConfig.__dataclass_fields__)
+    fields = tuple(f.name for f in dataclasses.fields(KernelConfig))  # not ClassVars such as GLUON_BLOCK_ROWS
     key = lambda c: tuple(c[f] for f in fields)  # noqa: E731
     configs = list(dict.fromkeys(key(c["config"]) for r in results for c in r["configs"]))
     print("\n| " + ",".join(fields) + " | " + " | ".join(f"T={r['tokens']}" for r in results) + " |")

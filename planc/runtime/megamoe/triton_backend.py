@@ -363,6 +363,15 @@ def pick_config(
     return dataclasses.replace(config, l1_split=split).fit(hidden, inter)
 
 
+def device_config(num_rows: int, num_local_experts: int, hidden: int, inter: int, device: torch.device) -> KernelConfig:
+    """`pick_config` for this device: its SM count and whether the Gluon kernels run on it (what a forward without
+    an explicit config runs; the benchmark's sweep marks it)."""
+    from planc.runtime.megamoe import hopper_prefill  # imports this module
+
+    return pick_config(num_rows, num_local_experts, hidden, inter, sm_count(device),
+                       gluon=hopper_prefill.gluon_unavailable_reason(device) is None)
+
+
 def max_blocks(num_slots: int, num_local_experts: int, block_t: int) -> int:
     """Upper bound of row blocks: every expert that gets rows adds at most one partial block."""
     return -(-num_slots // block_t) + min(num_local_experts, num_slots)
@@ -963,8 +972,7 @@ def triton_local_experts_forward(
     out = torch.zeros((m * k, hidden), dtype=torch.bfloat16, device=device)
     if m == 0:
         return out.view(m, k, hidden)
-    cfg = config or pick_config(m * k, num_local, hidden, inter, sm_count(device),
-                                gluon=hopper_prefill.gluon_unavailable_reason(device) is None)
+    cfg = config or device_config(m * k, num_local, hidden, inter, device)
     cfg = cfg.fit(hidden, inter)
 
     x = dequantize_x(x_fp8, x_sf)  # read by the L1 kernel by token
