@@ -109,7 +109,10 @@ for layer, rows, bn, warps, stages, maxnreg, large in json.loads(sys.argv[1]):
         loop_spills=sum(bool(re.search(r"\b(LDL|STL)\b", x)) for body in loops(text) for x in body),
         full_waits=sum("DEPBAR.LE gsb0, 0x0" in x for body in loops(text) for x in body),
         hgmma_loops=bool(loops(text)),
-        in_flight_writes=in_flight_writes(text))
+        in_flight_writes=in_flight_writes(text),
+        # per K loop: cp.async waits, CTA barriers, proxy fences
+        syncs=[[sum(bool(re.match(p, x)) for x in body) for p in (r"DEPBAR\.LE SB0", r"BAR\.SYNC", r"FENCE\.VIEW\.ASYNC")]
+               for body in loops(text)])
 print(json.dumps(out))
 '''
 
@@ -139,5 +142,10 @@ def test_compiles_for_sm90_with_async_wgmma_and_no_spills_in_the_loops(compiled)
         assert got["loop_spills"] == 0, name  # the register cap may spill around the K loops, never in them
         # The next operand is expanded while the last MMAs run: never into registers those MMAs still read.
         assert got["hgmma_loops"] and got["in_flight_writes"] == [], (name, got["in_flight_writes"][:5])
+        # One proxy fence per K tile and at most two barriers (the one after the cp.async wait, and in Triton < 3.9
+        # the one its shared-memory analysis adds between the copies issued and the reads of another stage): a
+        # fence before the issue got a second fence and a third barrier from the compiler (`_next_tile`).
+        for waits, barriers, fences in got["syncs"]:
+            assert waits >= 1 and fences == waits and barriers <= 2 * waits, (name, got["syncs"])
         if rows == 80:  # what the 80-row blocks are for: under the cap ptxas keeps every loop's wgmma in flight
             assert got["full_waits"] == 0, name

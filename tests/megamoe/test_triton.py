@@ -219,14 +219,17 @@ def test_picked_config_fits_the_shapes():
                                                                                       prefetch=0)
     with pytest.raises(ValueError, match="divisible by 64.*backend: reference"):
         KernelConfig().fit(128, 48)
-    # Where the Hopper Gluon kernels can run they take 57-80 rows per expert (V4 at 4096 tokens: 64), in blocks of 96.
+    # Where the Hopper Gluon kernels can run they take 45-80 rows per expert: blocks of 80 rows up to 68 (V4 at 4096
+    # tokens: 64), of 96 above.
     gluon = pick_config(4096 * 6, 384, 7168, 3072, gluon=True)
-    assert gluon.gluon and gluon.block_t == 96 and gluon.l1_n == gluon.l2_n == 16 * gluon.num_warps
+    assert gluon.gluon and gluon.block_t == 80 and gluon.l1_n == gluon.l2_n == 16 * gluon.num_warps
     assert not pick_config(256 * 6, 384, 7168, 3072, gluon=True).gluon  # decode: the Triton kernels
     assert not pick_config(4096 * 6, 64, 2048, 1408, gluon=True).gluon  # 384 rows per expert: Triton's 128-row blocks
     assert not pick_config(4096 * 6, 384, 7168, 3072 - 64, gluon=True).gluon  # L2's K tiles do not pair: 3008 % 128
-    assert not pick_config(3584 * 6, 384, 7168, 3072, gluon=True).gluon  # 56 rows per expert: Triton's 64-row blocks
-    assert pick_config(5120 * 6, 384, 7168, 3072, gluon=True).gluon  # 80 rows: still one 96-row block per expert
+    assert pick_config(3072 * 6, 384, 7168, 3072, gluon=True).block_t == 80  # 48 rows per expert
+    assert not pick_config(2560 * 6, 384, 7168, 3072, gluon=True).gluon  # 40 rows: Triton's 64-row blocks
+    assert pick_config(4608 * 6, 384, 7168, 3072, gluon=True).block_t == 96  # 72 rows: an expert fits 96 rows, not 80
+    assert pick_config(5120 * 6, 384, 7168, 3072, gluon=True).block_t == 96  # 80 rows: one 96-row block per expert
     assert pick_config(6144 * 6, 384, 7168, 3072, gluon=True).block_t == 128  # 96 rows: Triton's 128-row blocks
     with pytest.raises(ValueError, match="blocks of 80 or 96 rows, not block_t=64"):
         dataclasses.replace(gluon, block_t=64).fit(7168, 3072)  # the kernels have no loop body for it

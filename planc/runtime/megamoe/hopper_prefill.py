@@ -158,15 +158,19 @@ if gluon is not None:
         """Wait for K tile t's copies and issue tile t + STAGES - 2's; returns t's stage. Tile t - 2's stage is free
         then: every warp has passed the wait that retired its MMAs before this barrier."""
         _cp.wait_group(STAGES - 3)  # this thread's copies of tile t
-        # Both are needed for correctness although the H200 gave the same bits without them (about 4% faster): the
-        # fence because cp.async writes through the generic proxy and wgmma reads through the async one, the
-        # barrier because every warp's MMAs read the whole activation tile (all threads' copies) and because it is
-        # what makes tile t - 2's stage free for the copies issued next.
-        fence_async_shared()
+        # The barrier makes every thread's copies of tile t visible (every warp's MMAs read the whole activation tile)
+        # and frees tile t - 2's stage for the copies issued next; the proxy fence orders those generic-proxy writes
+        # before the wgmma's async-proxy reads. Their places are Triton's own: its shared-memory analysis (membar)
+        # puts a barrier right after a cp.async wait and (3.7+) a proxy fence after the last cp.async issued before a
+        # wgmma, so a barrier right after the wait and a fence after the issue are the only ones in the loop (a
+        # fence before the issue, as the eighth session's kernels had, got a second barrier and fence from the
+        # compiler: 3 barriers and 2 fences per K tile). The H200 gave the same bits without either, but the memory
+        # model needs both.
         _cta_barrier()
         nxt = t + STAGES - 2
         _issue(nxt, k_tiles, w_base, s_base, wa_off, sa_off, wb_off, sb_off, step, sstep, x0, x1,
                wa_s, sa_s, wb_s, sb_s, x_s, xt_s, nxt % STAGES, GATED, EXTRA)
+        fence_async_shared()
         return t % STAGES
 
     @gluon.jit

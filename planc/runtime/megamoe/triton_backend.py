@@ -279,18 +279,22 @@ _CONFIGS = (
 )
 
 
-# On Hopper, where the Gluon kernels run (`hopper_prefill`), they take the batches of 57-80 rows per local expert
-# (up to 96-row blocks hold an average expert whole) from the Triton kernels. Experts computation, µs, Triton 3.7.1 /
-# 3.6, Gluon against the best Triton config: V4 at 64 rows (4096 tokens) 8932 / 8824 against 10502 / 11380; at 80
-# rows 11533 / 11222 against 11874 / 12308; the mid-size layer at 64 rows 422 / 415 against 443 / 458, at 80 rows
-# 460 / 455 against 502 / 520. At 56 rows they trade places (V4 8750 / 8668 against 8501 / 9013; 3.7.1, torch 2.13's,
-# decides), at 48 and 96 rows Triton wins in both shapes (those without the register cap). 4 warps with 64-column
-# tiles and 4 stages beat 8 warps with 128 (9.0 ms at 4096 tokens) and 6 stages (9.2 ms) under both. L1 holds 214
-# registers, two programs per SM; capped at 168, three fit (ptxas spills 128 bytes outside the K loops only, which
-# the compile test checks): at 4096 tokens 8041 / 8797 µs against 9157 / 9158 uncapped in one call, at 5120 10701 /
-# 10617 against 11030 / 10849; 160 spills more (8906 / 8541) (docs/benchmarks.md, eighth session).
+# On Hopper, where the Gluon kernels run (`hopper_prefill`), they take the batches of 45-80 rows per local expert
+# from the Triton kernels: blocks of 80 rows up to 68 rows per expert, 96 above. Experts computation, V4, µs, Triton
+# 3.7.1 (torch 2.13's, which decides) / 3.6, ninth session (docs/benchmarks.md): at 48 rows (3072 tokens) 80-row
+# blocks 7058 against the best Triton config's 7612 (3.7.1); at 56 rows 8209 / 7487 against 8589 / 9124; at 64
+# rows 80-row and 96-row blocks within noise (80 ahead by 1-3% in three 3.7.1 runs, 3.6 split), both ~1.2x the
+# Triton kernels; at 72 rows 96-row blocks 9671 against 10226 (an average expert no longer fits 80 rows); at 80 rows
+# 10750 / 10662 against the 128-row Triton kernels' 11607 / 12156. Below 48 rows not re-measured with the cap (at
+# 40 the uncapped 96-row kernel lost by 1.09x): the bound sits halfway. 4 warps with 64-column tiles and 4 stages
+# beat 8 warps with 128 (9.0 ms at 4096 tokens) and 6 stages (9.2 ms), eighth session. Registers: L1 holds 214
+# with the two-tail body of 96-row blocks (two programs per SM), 191 without it (80-row blocks); capped at 168,
+# three fit (spills outside the K loops only, which the compile test checks): ptxas then serializes the 96-row L1's
+# wgmma and keeps the 80-row L1's async; 96-row blocks at 4096 tokens 8041 / 8797 µs capped against 9157 / 9158
+# uncapped (eighth session), 80-row blocks 8756 / 8820 against 9201 / 9099.
 _GLUON_CONFIGS = (
-    (56, None),
+    (44, None),
+    (68, KernelConfig(block_t=80, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=4, maxnreg=168, gluon=1)),
     (80, KernelConfig(block_t=96, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=4, maxnreg=168, gluon=1)),
 )
 
