@@ -8,7 +8,8 @@ with the same weight layout, expansion and numerics:
 - each wgmma is issued asynchronously and waited for one step later, so the CUDA cores expand the next weight tile
   while the tensor cores multiply (L1: the up tile while the gate tile multiplies, then the next gate tile; L2: K
   tiles in pairs, each operand expanded while the other multiplies); under the tuned register cap ptxas waits at
-  once in L1 (C7515), which buys a third program per SM and was measured faster (`triton_backend._GLUON_CONFIGS`);
+  once in the 96-row L1 (C7515), which buys a third program per SM and was measured faster, and keeps the 80-row
+  L1 asynchronous (`triton_backend._GLUON_CONFIGS`);
 - the weight words, their scale words and the activation tiles stream through shared memory by cp.async,
   `STAGES` K tiles ahead (each thread copies and later reads back exactly its own MMA operand words, 16 bytes);
 - a block holds up to 80 or 96 rows of one expert (`block_t`): one 64-row MMA plus one 16-row MMA per 16 rows

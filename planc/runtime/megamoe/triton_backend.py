@@ -33,8 +33,8 @@ How it is organized (the ideas of vLLM's fused_moe, triton_kernels' matmul_ogs a
   each slot's output straight to its slot.
 Measured on an H200 (docs/benchmarks.md), DeepSeek-V4 layer: under Triton 3.7.1 103-106 µs at 1 token, 1.35-1.52x
 the FP4 bound at 16-256 tokens (three runs) and 10.6-10.7 ms at 4096; under 3.6 108 µs, 1.46-1.59x and 11.4 ms.
-On Hopper, batches of 57-80 rows per expert run `hopper_prefill`'s Gluon kernels instead: at 4096 tokens the layer
-call took 9.3 ms before their register cap, the experts computation 8.0 ms with it (Triton 3.7.1).
+On Hopper, batches of 45-80 rows per expert run `hopper_prefill`'s Gluon kernels instead: at 4096 tokens the layer
+call takes 8.65 ms (Triton 3.7.1) / 8.70 ms (3.6).
 Both GEMMs are issue-bound at decode (Nsight Compute: instructions issued in ~80-85% of cycles with 3-4 other warps
 eligible), so what counts is instructions per weight at a given register and shared-memory budget per program: the
 expansion is 13 per 8 weights; tiles with fewer instructions overall but more registers or shared-memory traffic ran
