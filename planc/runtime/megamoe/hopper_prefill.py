@@ -65,6 +65,7 @@ if gluon is not None:
     _bf16_halves = tb._bf16_halves
     _swiglu_requant = tb._swiglu_requant
     _bf16_rne = tb._bf16_rne
+    _tile_ids = tb._tile_ids  # the grid order: one block's N tiles are neighbours
 
     @triton.constexpr_function
     def _words_layout(num_warps):
@@ -247,15 +248,14 @@ if gluon is not None:
 
     @gluon.jit
     def _block(block_expert_ptr, block_row_ptr, block_end_ptr, num_n):
-        """(block, N tile, local expert, first sorted row, rows) of this program (`triton_backend._tile_ids`). rows
+        """(block, N tile, local expert, first sorted row, rows) of this program (in `_tile_ids` order). rows
         counts the expert's rows from the block's first on (`route`'s block_end is the expert's end): a body covers
         at most ROWS of them, and its `t < nrows` masks only cut rows past the expert's end."""
-        pid = gl.program_id(0)
-        pid_b = pid // num_n
+        pid_b, pid_n, _ = _tile_ids(num_n)
         expert = gl.load(block_expert_ptr + pid_b)
         row0 = gl.load(block_row_ptr + pid_b)
         nrows = gl.load(block_end_ptr + pid_b) - row0
-        return pid_b, pid % num_n, expert, row0, nrows
+        return pid_b, pid_n, expert, row0, nrows
 
     @gluon.jit
     def _l1_store(acc_g, acc_u, out_ptr, sorted_ptr, weight_ptr, row0, t0, nrows, out_row0, offs0, stride_out,
