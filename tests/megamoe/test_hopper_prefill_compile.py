@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from planc.runtime.megamoe import hopper_prefill
+from planc.runtime.megamoe import hopper_prefill, hopper_prefill_ws
 from tests.megamoe.common import GLUON, GLUON_80_ROWS
 
 pytestmark = pytest.mark.skipif(hopper_prefill.gluon is None, reason="this Triton has no Gluon")
@@ -26,14 +26,24 @@ import json, os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from planc.runtime.megamoe import hopper_prefill
+from triton.experimental.gluon import language as gl
+from planc.runtime.megamoe import hopper_prefill, hopper_prefill_ws
 
-def compile_sm90(kernel, maxnreg, **constexprs):
+def tma_types(rows, bn):
+    """`hopper_prefill_ws.descriptors`' TMA descriptor types, as the launcher names them."""
+    x = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    plain = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return {"a_desc": f"tensordesc<bf16[64, 64],{x!r}>", "at_desc": f"tensordesc<bf16[{rows - 64}, 64],{x!r}>",
+            "w_desc": f"tensordesc<i32[{bn // 16}, 128],{plain!r}>", "s_desc": f"tensordesc<i32[1, {bn // 2}],{plain!r}>"}
+
+def compile_sm90(kernel, maxnreg, descs=None, **constexprs):
     pointer_types = {"x_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr": "*bf16", "weight_ptr": "*fp32"}
     signature = {}
     for name in kernel.arg_names:
         if name in constexprs:
             signature[name] = "constexpr"
+        elif descs and name in descs:
+            signature[name] = descs[name]
         elif name.endswith("_ptr"):
             signature[name] = pointer_types.get(name, "*i32")
         else:
@@ -53,13 +63,14 @@ def sass(cubin):
         return subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
 
 def loops(text):
-    """The instructions of each SASS loop that holds HGMMAs (the K loops): from a backward branch's target to it."""
+    """The instructions of each SASS loop that holds HGMMAs (the K loops): from a conditional backward branch's
+    target to it (an mbarrier wait's retry code jumps back into the loop unconditionally: not a loop)."""
     ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
            (re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in text.splitlines()) if m]
     at = {a: i for i, (a, _) in enumerate(ins)}
     found = []
     for i, (_, t) in enumerate(ins):
-        m = re.search(r"BRA\s.*?(0x[0-9a-f]+)", t)
+        m = re.search(r"^@!?U?P\w+\s+BRA\s.*?(0x[0-9a-f]+)", t)
         lo = at.get(int(m.group(1), 16)) if m else None
         if lo is not None and lo < i and any("HGMMA" in x for _, x in ins[lo:i + 1]):
             found.append([x for _, x in ins[lo:i + 1]])
@@ -97,6 +108,8 @@ for layer, rows, bn, warps, stages, maxnreg, large in json.loads(sys.argv[1]):
     common = dict(BN=bn, STAGES=stages, LARGE=large, ROWS=rows, num_warps=warps)
     if layer == "L1":
         kernel = compile_sm90(hopper_prefill._l1_kernel, maxnreg, HAS_CLAMP=True, **common)
+    elif layer == "L2WS":
+        kernel = compile_sm90(hopper_prefill_ws._l2_ws_kernel, maxnreg, tma_types(rows, bn), **common)
     else:
         kernel = compile_sm90(hopper_prefill._l2_kernel, maxnreg, **common)
     ptx = kernel.asm["ptx"]
@@ -112,7 +125,11 @@ for layer, rows, bn, warps, stages, maxnreg, large in json.loads(sys.argv[1]):
         in_flight_writes=in_flight_writes(text),
         # per K loop: cp.async waits, CTA barriers, proxy fences
         syncs=[[sum(bool(re.match(p, x)) for x in body) for p in (r"DEPBAR\.LE SB0", r"BAR\.SYNC", r"FENCE\.VIEW\.ASYNC")]
-               for body in loops(text)])
+               for body in loops(text)],
+        # the threads each CTA barrier in the K loops waits for; the register counts the partitions ask for
+        barrier_threads=sorted({int(m.group(1), 16) for body in loops(text) for x in body
+                                for m in [re.match(r"BAR\.SYNC\S*\s+0x[0-9a-f]+,\s*(0x[0-9a-f]+)", x)] if m}),
+        setmaxnreg=sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);", ptx)}))
 print(json.dumps(out))
 '''
 
@@ -122,6 +139,8 @@ def compiled():
     """The shipped config and the 80-row variant, both layers, both scale expansions, in one child process."""
     variants = [(layer, c.block_t, c.l1_n if layer == "L1" else c.l2_n, c.num_warps, c.num_stages, c.maxnreg, large)
                 for c in (GLUON, GLUON_80_ROWS) for layer in ("L1", "L2") for large in (False, True)]
+    variants += [("L2WS", c.block_t, c.l2_n, c.num_warps, c.num_stages, c.l2_maxnreg, large)
+                 for c in (GLUON, GLUON_80_ROWS) for large in (False, True)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
@@ -132,8 +151,10 @@ def compiled():
 
 
 def test_compiles_for_sm90_with_async_wgmma_and_no_spills_in_the_loops(compiled):
-    assert len(compiled) == 8
+    assert len(compiled) == 12
     for name, got in compiled.items():
+        if name.startswith("L2WS"):
+            continue  # below
         # The K loops (0, 1 or 2 tail MMAs per operand) wait with this tile's MMAs still in flight.
         rows = int(name.split("_")[1])
         assert set(range(1, 2 + (rows - 64) // 16)) <= set(got["waits"]), name
@@ -149,3 +170,24 @@ def test_compiles_for_sm90_with_async_wgmma_and_no_spills_in_the_loops(compiled)
             assert waits >= 1 and fences == waits and barriers <= 2 * waits, (name, got["syncs"])
         if rows == 80:  # what the 80-row blocks are for: under the cap ptxas keeps every loop's wgmma in flight
             assert got["full_waits"] == 0, name
+
+
+def test_warp_specialized_l2_keeps_its_mma_warps_to_expanding_and_multiplying(compiled):
+    """`hopper_prefill_ws` under the shipped caps: waits one step late (ptxas keeps the 80-row loops async and
+    serializes the 96-row ones at their 136 registers), no spills and no writes into a wgmma's operand in flight, and
+    what the producer warp is for: no CTA-wide barrier in the K loops (only the MMA warpgroup's own 128 threads
+    meet, before one of them frees a stage), no cp.async waits, and the producer's warpgroup gives its registers
+    to the MMA warps (`setmaxnreg`)."""
+    ws = {name: got for name, got in compiled.items() if name.startswith("L2WS")}
+    assert len(ws) == 4
+    for name, got in ws.items():
+        rows = int(name.split("_")[1])
+        assert set(range(1, 2 + (rows - 64) // 16)) <= set(got["waits"]), name
+        assert got["mma64"] and got["mma16"] and not got["staged_operand"], name
+        assert got["loop_spills"] == 0, name
+        if rows == 80:  # at 104 registers ptxas keeps the 80-row loops' wgmma in flight (96 rows: serialized)
+            assert got["full_waits"] == 0, name
+        assert got["hgmma_loops"] and got["in_flight_writes"] == [], (name, got["in_flight_writes"][:5])
+        assert got["barrier_threads"] == [128], (name, got["barrier_threads"])
+        assert all(waits == 0 for waits, _, _ in got["syncs"]), (name, got["syncs"])
+        assert hopper_prefill_ws.PRODUCER_REGS.value in got["setmaxnreg"], (name, got["setmaxnreg"])

@@ -19,7 +19,7 @@ from planc.runtime.megamoe.triton_backend import (
     PackedExperts,
     triton_local_experts_forward,
 )
-from tests.megamoe.common import GLUON, GLUON_80_ROWS, mixtral_experts, routing
+from tests.megamoe.common import CP_ASYNC, CP_ASYNC_80_ROWS, GLUON, GLUON_80_ROWS, mixtral_experts, routing
 
 pytestmark = [
     pytest.mark.gpu,
@@ -91,9 +91,11 @@ needs_gluon = pytest.mark.skipif(
 
 
 @needs_gluon
-@pytest.mark.parametrize("config", [GLUON, GLUON_80_ROWS,
-                                    dataclasses.replace(GLUON, l1_n=128, l2_n=128, num_warps=8, num_stages=6, maxnreg=0)],
-                         ids=["shipped", "80rows", "8warps"])
+@pytest.mark.parametrize("config", [GLUON, GLUON_80_ROWS, CP_ASYNC, CP_ASYNC_80_ROWS,
+                                    dataclasses.replace(CP_ASYNC, l1_n=128, l2_n=128, num_warps=8, num_stages=6,
+                                                        maxnreg=0),
+                                    dataclasses.replace(GLUON, l2_maxnreg=96)],  # the async wgmma of 96-row blocks
+                         ids=["shipped", "80rows", "cpasync", "cpasync80", "8warps", "ws96async"])
 @pytest.mark.parametrize("num_tokens", [1, 3, 7, 129, 300, 400, 600])  # up to 112 rows per expert: 0-2 tail MMAs
 @pytest.mark.parametrize("clamp", [None, 0.05])
 def test_gluon_kernels_give_the_triton_kernels_bits(experts, config, num_tokens, clamp):
@@ -106,27 +108,28 @@ def test_gluon_kernels_give_the_triton_kernels_bits(experts, config, num_tokens,
 
 
 @needs_gluon
-def test_gluon_kernels_on_one_expert_a_rank_slice_and_large_scales(experts):
+@pytest.mark.parametrize("config", [GLUON, CP_ASYNC], ids=["shipped", "cpasync"])
+def test_gluon_kernels_on_one_expert_a_rank_slice_and_large_scales(experts, config):
     packed, deq = experts
     q, sf, idx, w = staged(300, 1)
     one = torch.full_like(idx, 5)  # 1800 rows of one expert: 18 full blocks and a tail
     ref = local_experts_forward(q, sf, one, w, deq, first_expert=0, activation_clamp=10.0)
     check(triton_local_experts_forward(q, sf, one, w, packed, first_expert=0, activation_clamp=10.0,
-                                       config=GLUON), ref)
+                                       config=config), ref)
     lo = NE // 2
     half = PackedExperts(*(t[lo:] for t in (packed.w1, packed.s1, packed.w2, packed.s2)))
-    out = triton_local_experts_forward(q, sf, idx, w, half, first_expert=lo, activation_clamp=None, config=GLUON)
+    out = triton_local_experts_forward(q, sf, idx, w, half, first_expert=lo, activation_clamp=None, config=config)
     ref = local_experts_forward(q, sf, idx, w, DequantizedExperts(deq.gate_up[lo:], deq.down[lo:]), first_expert=lo,
                                 activation_clamp=None)
     check(out, ref)
     assert not triton_local_experts_forward(q, sf, idx % lo, w, half, first_expert=lo, activation_clamp=None,
-                                            config=GLUON).any()
+                                            config=config).any()
     w1, w2 = gpu_weights(2)
     big = quantize_experts_fp4(w1 * 2.0**10, w2 * 2.0**10)  # UE8M0 bytes above 128: the two-multiply expansion
     params = (big.gate_up_proj, big.gate_up_proj_scale_inv, big.down_proj, big.down_proj_scale_inv)
     large = PackedExperts.from_params(*params)
     assert large.large_scales
-    out = triton_local_experts_forward(q, sf, idx, w, large, first_expert=0, activation_clamp=None, config=GLUON)
+    out = triton_local_experts_forward(q, sf, idx, w, large, first_expert=0, activation_clamp=None, config=config)
     assert torch.equal(out, triton_local_experts_forward(q, sf, idx, w, large, first_expert=0,
                                                          activation_clamp=None, config=TRITON_64))
     check(out, local_experts_forward(q, sf, idx, w, DequantizedExperts.from_fp4(*params), first_expert=0,

@@ -420,6 +420,6 @@ def l2(act, w2, s2, sorted_slots, block_expert, block_row, block_end, out, *, hi
         hidden, inter, num_local,
         act.stride(0), w2.stride(0), s2.stride(0), out.stride(0),
         BN=config.l2_n, STAGES=config.num_stages, LARGE=large, ROWS=config.block_t, num_warps=config.num_warps,
-        **config.launch_registers(),
+        **config.launch_registers("L2"),
     )
 

@@ -206,8 +206,12 @@ class KernelConfig:
     # Triton's cp.async pipeline (then `num_stages` buffers); 0 forces the pipeline.
     prefetch: int = 1
     # 1: the Hopper kernels in Gluon (`hopper_prefill`: async wgmma, blocks of 80 or 96 rows, `num_stages` cp.async
-    # stages, l1_n = l2_n = 16 * num_warps, K tiles of 64). `pick_config` picks them only on sm_90.
+    # stages, l1_n = l2_n = 16 * num_warps, K tiles of 64). `pick_config` picks them only on sm_90. 2: the same L1,
+    # and L2 with its copies in a producer warp (`hopper_prefill_ws`: TMA, mbarriers, `num_stages` stages).
     gluon: int = 0
+    # L2's register cap where it is not `maxnreg` (0: the same). The warp-specialized L2 runs 8 warps per program
+    # (4 MMA warps and the producer's warpgroup at 24): 64 fits four programs per SM, the MMA warps getting 104.
+    l2_maxnreg: int = 0
 
     # The block sizes the Gluon kernels have loop bodies for: a 64-row MMA and up to one (80) or two (96) 16-row MMAs;
     # 80-row blocks compile without the two-tail body, in fewer registers (see `_GLUON_CONFIGS`).
@@ -218,9 +222,10 @@ class KernelConfig:
         that divide, and L2's K tiles of 64 in pairs."""
         return not (inter % self.l1_n or hidden % self.l2_n or inter % 128)
 
-    def launch_registers(self) -> dict:
+    def launch_registers(self, layer: str = "L1") -> dict:
         """The launch's register cap, where the config sets one and the kernels are compiled (not interpreted)."""
-        return {"maxnreg": self.maxnreg} if self.maxnreg and not _interpreting() else {}
+        cap = self.l2_maxnreg if layer == "L2" and self.l2_maxnreg else self.maxnreg
+        return {"maxnreg": cap} if cap and not _interpreting() else {}
 
     def fit(self, hidden: int, inter: int) -> "KernelConfig":
         """The same config with each tile shrunk to a power of two that divides its dimension (K tiles: 64 or
@@ -253,6 +258,7 @@ class KernelConfig:
         return KernelConfig(
             self.block_t, div(self.l1_n, inter, 32), l1_k, div(self.l2_n, hidden, 32),
             div(self.l2_k, inter, 64), self.num_warps, self.num_stages, split, self.maxnreg, self.prefetch,
+            l2_maxnreg=self.l2_maxnreg,
         )
 
 
@@ -292,10 +298,16 @@ _CONFIGS = (
 # three fit (spills outside the K loops only, which the compile test checks): ptxas then serializes the 96-row L1's
 # wgmma and keeps the 80-row L1's async; 96-row blocks at 4096 tokens 8041 / 8797 µs capped against 9157 / 9158
 # uncapped (eighth session), 80-row blocks 8756 / 8820 against 9201 / 9099.
+# L2 is the warp-specialized one (`hopper_prefill_ws`, tenth session): at 4096 tokens, 80-row blocks, 8393-8427 µs
+# (3.6) / 8333 (3.7.1) with four programs per SM (64 registers, 104 for the MMA warps) against 8811-8820 / 8732 for
+# the cp.async L2; three programs (80) 8520-8585, two (96) 8890; 6 stages 9216. 96-row blocks under 3.6: 8560 at 80
+# registers (three programs; ptxas serializes the wgmma at 136) against 8882 at 96 (two, async) and 9073 cp.async.
 _GLUON_CONFIGS = (
     (44, None),
-    (68, KernelConfig(block_t=80, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=4, maxnreg=168, gluon=1)),
-    (80, KernelConfig(block_t=96, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=4, maxnreg=168, gluon=1)),
+    (68, KernelConfig(block_t=80, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=4, maxnreg=168, gluon=2,
+                      l2_maxnreg=64)),
+    (80, KernelConfig(block_t=96, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=4, maxnreg=168, gluon=2,
+                      l2_maxnreg=80)),
 )
 
 
@@ -368,12 +380,15 @@ def pick_config(
 
 
 def device_config(num_rows: int, num_local_experts: int, hidden: int, inter: int, device: torch.device) -> KernelConfig:
-    """`pick_config` for this device: its SM count and whether the Gluon kernels run on it (what a forward without
-    an explicit config runs; the benchmark's sweep marks it)."""
-    from planc.runtime.megamoe import hopper_prefill  # imports this module
+    """`pick_config` for this device: its SM count and whether the Gluon kernels (and the warp-specialized L2) run on
+    it (what a forward without an explicit config runs; the benchmark's sweep marks it)."""
+    from planc.runtime.megamoe import hopper_prefill, hopper_prefill_ws  # import this module
 
-    return pick_config(num_rows, num_local_experts, hidden, inter, sm_count(device),
-                       gluon=hopper_prefill.gluon_unavailable_reason(device) is None)
+    config = pick_config(num_rows, num_local_experts, hidden, inter, sm_count(device),
+                         gluon=hopper_prefill.gluon_unavailable_reason(device) is None)
+    if config.gluon == 2 and hopper_prefill_ws.unavailable_reason is not None:
+        config = dataclasses.replace(config, gluon=1, l2_maxnreg=0)  # the cp.async L2, under L1's cap
+    return config
 
 
 def max_blocks(num_slots: int, num_local_experts: int, block_t: int) -> int:
@@ -968,7 +983,7 @@ def triton_local_experts_forward(
 ) -> torch.Tensor:
     """`reference.local_experts_forward` on packed FP4 weights: BF16 ``[M, K, H]`` slot outputs, zeros for
     slots whose expert is not in ``[first_expert, first_expert + E_loc)``."""
-    from planc.runtime.megamoe import hopper_prefill  # imports this module
+    from planc.runtime.megamoe import hopper_prefill, hopper_prefill_ws  # import this module
 
     m, k = topk_idx.shape
     hidden, inter, num_local = experts.hidden, experts.intermediate, experts.num_local_experts
@@ -993,8 +1008,9 @@ def triton_local_experts_forward(
     if cfg.gluon:
         hopper_prefill.l1(x, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act, clamp=clamp,
                           num_topk=k, large=experts.large_scales, config=cfg)
-        hopper_prefill.l2(act, w2, s2, sorted_slots, block_expert, block_row, block_end, out, hidden=hidden,
-                          large=experts.large_scales, config=cfg)
+        l2 = hopper_prefill_ws.l2 if cfg.gluon == 2 else hopper_prefill.l2
+        l2(act, w2, s2, sorted_slots, block_expert, block_row, block_end, out, hidden=hidden,
+           large=experts.large_scales, config=cfg)
         return out.view(m, k, hidden)
     interpret = _interpreting()
     split = cfg.l1_split
@@ -1022,6 +1038,6 @@ def triton_local_experts_forward(
         act.stride(0), w2.stride(0), s2.stride(0), out.stride(0),
         BT=cfg.block_t, BN=cfg.l2_n, BK=cfg.l2_k, LARGE=experts.large_scales, INTERPRET=interpret,
         NUM_STAGES=cfg.num_stages, PREFETCH=prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **regs,
+        **cfg.launch_registers("L2"),
     )
     return out.view(m, k, hidden)
