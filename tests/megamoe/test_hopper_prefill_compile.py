@@ -26,13 +26,11 @@ import json, os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from triton.experimental.gluon import language as gl
 from planc.runtime.megamoe import hopper_prefill, hopper_prefill_ws
 
 def tma_types(rows, bn):
     """`hopper_prefill_ws.descriptors`' TMA descriptor types, as the launcher names them."""
-    x = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    plain = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    x, plain = hopper_prefill_ws.tma_layouts()
     return {"a_desc": f"tensordesc<bf16[64, 64],{x!r}>", "at_desc": f"tensordesc<bf16[{rows - 64}, 64],{x!r}>",
             "w_desc": f"tensordesc<i32[{bn // 16}, 128],{plain!r}>", "s_desc": f"tensordesc<i32[1, {bn // 2}],{plain!r}>"}
 

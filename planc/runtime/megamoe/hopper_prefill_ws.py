@@ -13,7 +13,8 @@ are `hopper_prefill`'s, so the outputs are the same bits (`tests/megamoe/test_tr
 `KernelConfig(gluon=2)`, with its own register cap (`l2_maxnreg`: a program is 8 warps, the producer's warpgroup
 holding 24 registers a thread, and the MMA warps the rest). L1 stays `hopper_prefill`'s: its activation rows are
 gathered by token, which Hopper's TMA cannot load, and the same split on activations sorted into block rows first
-(one `index_select`) ran no faster under Triton 3.6 and 10% slower under 3.7.1 (docs/benchmarks.md, tenth session).
+(one `index_select`) ran within -1% / +4% of it under Triton 3.6 and 4-18% slower under 3.7.1 (docs/benchmarks.md,
+tenth session).
 """
 
 from __future__ import annotations
@@ -202,14 +203,20 @@ if unavailable_reason is None:
             ], [1], [PRODUCER_REGS])
 
 
+def tma_layouts() -> tuple:
+    """The shared-memory layouts the copies write: activation tiles 128-byte swizzled (what wgmma reads), words and
+    scale words as they are (each lane reads its own 16 bytes, conflict-free)."""
+    nvmma = gl.NVMMASharedLayout
+    return (nvmma(swizzle_byte_width=128, element_bitwidth=16, rank=2),
+            nvmma(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+
+
 def descriptors(x, w, sw, *, rows: int, bn: int) -> tuple:
     """The TMA descriptors of one GEMM's operands: the activation tile's 64 and `rows - 64` rows, the words [G, 128]
     of one K tile's row groups and their scale words [1, 8 G] (`triton_backend.shuffle_fp4`: per expert, K tile, row
     group, 128 words and 8 scale words)."""
     g = bn // 16
-    nvmma = gl.NVMMASharedLayout
-    x_layout = nvmma(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    plain = nvmma(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    x_layout, plain = tma_layouts()
     words = w.view(-1, 128)  # views: the parameters are contiguous (a copy would be a second weight tensor)
     scales = sw.view(-1, 8 * g)
     return (TensorDescriptor.from_tensor(x, [64, 64], x_layout),
