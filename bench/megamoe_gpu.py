@@ -77,7 +77,7 @@ def parse_args(argv=None):
     p.add_argument("--no-reference", action="store_true", help="skip the reference and grouped_mm columns")
     p.add_argument("--sweep", action="store_true", help="time the Triton tile configs instead (see above)")
     p.add_argument("--configs", default=None,
-                   metavar="BT,L1N,L1K,L2N,L2K,WARPS,STAGES[,SPLIT[,MAXNREG[,PREFETCH]]];...",
+                   metavar="BT,L1N,L1K,L2N,L2K,WARPS,STAGES[,SPLIT[,MAXNREG[,PREFETCH[,GLUON[,L2_MAXNREG]]]]];...",
                    help="with --sweep: these KernelConfig fields instead of the built-in candidates")
     p.add_argument("--profile", type=int, default=None, metavar="TOKENS",
                    help="print the GPU kernels of one Triton layer call at this batch size (torch.profiler) and stop")
