@@ -223,6 +223,10 @@ def test_picked_config_fits_the_shapes():
     # tokens: 64), of 96 above.
     gluon = pick_config(4096 * 6, 384, 7168, 3072, gluon=True)
     assert gluon.gluon and gluon.block_t == 80 and gluon.l1_n == gluon.l2_n == 16 * gluon.num_warps
+    # With the warp-specialized L2 (its own register cap), or where this Triton cannot build it the cp.async L2.
+    assert (gluon.gluon, gluon.l2_maxnreg) == (2, 64)
+    plain = pick_config(4096 * 6, 384, 7168, 3072, gluon=True, warp_specialized=False)
+    assert (plain.gluon, plain.l2_maxnreg, plain.maxnreg, plain.block_t) == (1, 0, 168, 80)
     assert not pick_config(256 * 6, 384, 7168, 3072, gluon=True).gluon  # decode: the Triton kernels
     assert not pick_config(4096 * 6, 64, 2048, 1408, gluon=True).gluon  # 384 rows per expert: Triton's 128-row blocks
     assert not pick_config(4096 * 6, 384, 7168, 3072 - 64, gluon=True).gluon  # L2's K tiles do not pair: 3008 % 128

@@ -350,16 +350,19 @@ def sm_count(device: torch.device) -> int:
 
 
 def pick_config(
-    num_rows: int, num_local_experts: int, hidden: int, inter: int, num_sms: int = _TUNED_SMS, gluon: bool = False
+    num_rows: int, num_local_experts: int, hidden: int, inter: int, num_sms: int = _TUNED_SMS, gluon: bool = False,
+    warp_specialized: bool = True,
 ) -> KernelConfig:
     """The tuned config for a batch of `num_rows` (token, slot) pairs (shapes and SM count only: no device read);
-    `gluon`: the Hopper Gluon kernels can run (`hopper_prefill.gluon_unavailable_reason`)."""
+    `gluon`: the Hopper Gluon kernels can run (`hopper_prefill.gluon_unavailable_reason`); `warp_specialized`: and
+    this Triton builds the warp-specialized L2 (`hopper_prefill_ws.unavailable_reason`), else the cp.async L2 runs
+    under L1's register cap."""
     per_expert = num_rows / max(num_local_experts, 1)
     if gluon:
         for bound, config in _GLUON_CONFIGS:
             if per_expert <= bound:
                 if config is not None and config.gluon_fits(hidden, inter):
-                    return config
+                    return config if warp_specialized else dataclasses.replace(config, gluon=1, l2_maxnreg=0)
                 break
     for bound, config in _CONFIGS:
         if bound is None or per_expert <= bound:
@@ -384,11 +387,9 @@ def device_config(num_rows: int, num_local_experts: int, hidden: int, inter: int
     it (what a forward without an explicit config runs; the benchmark's sweep marks it)."""
     from planc.runtime.megamoe import hopper_prefill, hopper_prefill_ws  # they import this module
 
-    config = pick_config(num_rows, num_local_experts, hidden, inter, sm_count(device),
-                         gluon=hopper_prefill.gluon_unavailable_reason(device) is None)
-    if config.gluon == 2 and hopper_prefill_ws.unavailable_reason is not None:
-        config = dataclasses.replace(config, gluon=1, l2_maxnreg=0)  # the cp.async L2, under L1's cap
-    return config
+    return pick_config(num_rows, num_local_experts, hidden, inter, sm_count(device),
+                       gluon=hopper_prefill.gluon_unavailable_reason(device) is None,
+                       warp_specialized=hopper_prefill_ws.unavailable_reason is None)
 
 
 def max_blocks(num_slots: int, num_local_experts: int, block_t: int) -> int:
