@@ -347,6 +347,16 @@ if gluon is not None:
                  mask=ok[None, :])
 
     @gluon.jit
+    def _l2_stores(a0, a1, a2, out_ptr, sorted_ptr, row0, nrows, offs0, stride_out, EXTRA: gl.constexpr,
+                   num_warps: gl.constexpr):
+        """The block's 64 main rows and its 0-2 16-row tails (`_l2_store`)."""
+        _l2_store(a0, out_ptr, sorted_ptr, row0, 0, nrows, offs0, stride_out, _mma_layout(num_warps, 64))
+        if EXTRA > 0:
+            _l2_store(a1, out_ptr, sorted_ptr, row0, 64, nrows, offs0, stride_out, _mma_layout(num_warps, 16))
+            if EXTRA > 1:
+                _l2_store(a2, out_ptr, sorted_ptr, row0, 80, nrows, offs0, stride_out, _mma_layout(num_warps, 16))
+
+    @gluon.jit
     def _l2_block(a_ptr, w_base, s_base, w_off, s_off, num_g, k_tiles, stride_a, sorted_ptr, out_ptr, stride_out,
                   row0, nrows, a_row0, offs0,
                   BN: gl.constexpr, STAGES: gl.constexpr, EXTRA: gl.constexpr, LARGE: gl.constexpr,
@@ -358,13 +368,7 @@ if gluon is not None:
         x1 = _x_pointers(a_ptr, a_row0 + t1, t1 < ROWS, stride_a, XL)
         a0, a1, a2, b0, b1, b2 = _gemm(x0, x1, w_base, s_base, w_off, s_off, w_off, s_off, num_g, k_tiles,
                                        BN, STAGES, EXTRA, False, LARGE, num_warps)
-        MMA: gl.constexpr = _mma_layout(num_warps, 64)
-        MMA16: gl.constexpr = _mma_layout(num_warps, 16)
-        _l2_store(a0, out_ptr, sorted_ptr, row0, 0, nrows, offs0, stride_out, MMA)
-        if EXTRA > 0:
-            _l2_store(a1, out_ptr, sorted_ptr, row0, 64, nrows, offs0, stride_out, MMA16)
-            if EXTRA > 1:
-                _l2_store(a2, out_ptr, sorted_ptr, row0, 80, nrows, offs0, stride_out, MMA16)
+        _l2_stores(a0, a1, a2, out_ptr, sorted_ptr, row0, nrows, offs0, stride_out, EXTRA, num_warps)
 
     @gluon.jit
     def _l2_kernel(

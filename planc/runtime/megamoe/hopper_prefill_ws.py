@@ -22,7 +22,7 @@ from __future__ import annotations
 from planc.runtime.megamoe import hopper_prefill as hp
 
 # None when this Triton has what the kernel needs (warp specialization, TMA descriptors: 3.6-3.9 checked), else why
-# not: `triton_backend.device_config` then picks the cp.async L2.
+# not: `triton_backend.pick_config` then picks the cp.async L2 (`device_config` passes this).
 unavailable_reason: str | None = "this Triton has no Gluon (Triton >= 3.5 has it)"
 if hp.gluon is not None:
     try:
@@ -125,13 +125,7 @@ if unavailable_reason is None:
         them, which ptxas needs to keep the wgmma asynchronous (a merge of accumulators serializes them, C7515)."""
         a0, a1, a2 = _l2_mma_loop(w_s, s_s, x_s, xt_s, ready, empty, k_tiles, BN, STAGES, EXTRA, LARGE,
                                   num_warps)
-        MMA: gl.constexpr = hp._mma_layout(num_warps, 64)
-        MMA16: gl.constexpr = hp._mma_layout(num_warps, 16)
-        hp._l2_store(a0, out_ptr, sorted_ptr, row0, 0, nrows, offs0, stride_out, MMA)
-        if EXTRA > 0:
-            hp._l2_store(a1, out_ptr, sorted_ptr, row0, 64, nrows, offs0, stride_out, MMA16)
-            if EXTRA > 1:
-                hp._l2_store(a2, out_ptr, sorted_ptr, row0, 80, nrows, offs0, stride_out, MMA16)
+        hp._l2_stores(a0, a1, a2, out_ptr, sorted_ptr, row0, nrows, offs0, stride_out, EXTRA, num_warps)
 
     @gluon.jit
     def _l2_mma_partition(w_s, s_s, x_s, xt_s, ready, empty, k_tiles, out_ptr, sorted_ptr, row0, nrows, offs0,
@@ -141,7 +135,7 @@ if unavailable_reason is None:
         if nrows <= 64:
             _l2_mma_block(w_s, s_s, x_s, xt_s, ready, empty, k_tiles, out_ptr, sorted_ptr, row0, nrows, offs0,
                           stride_out, BN, STAGES, 0, LARGE, num_warps)
-        elif ROWS == 80:
+        elif ROWS == 80:  # a compile-time branch: no two-tail body
             _l2_mma_block(w_s, s_s, x_s, xt_s, ready, empty, k_tiles, out_ptr, sorted_ptr, row0, nrows, offs0,
                           stride_out, BN, STAGES, 1, LARGE, num_warps)
         elif nrows <= 80:
