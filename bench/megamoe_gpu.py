@@ -13,6 +13,9 @@ them once to BF16). Per batch size (decode 1/16/64/256, prefill 4096), CUDA-even
   ``E * (1 - (1 - k/E)**T)`` times the FP4 bytes per expert (e2m1 + UE8M0 scales) at `--hbm-tbps`; or the
   dense BF16 math at `--bf16-tflops` when that is larger (prefill). `ratio` = triton / bound.
 - `calc_diff`: Triton against the reference backend (DeepGEMM's metric; the contract is < 1e-4).
+`--ceiling` also times cuBLAS's dense GEMMs of the same math per batch size (`dense_ceiling`): what the vendor's
+best kernels take with no routing, padding or FP4 expansion, in BF16 and in FP8 with the finest block scaling
+Hopper's cuBLAS has (1x128 x 128x128; the kernel's 1x32 MX scales are SM100-only, and the attempt is recorded).
 `--sweep` times each candidate tile config of the Triton kernels per batch size instead (graph replay of the
 experts computation alone) and prints the best: the table in `triton_backend._CONFIGS` comes from it.
 
@@ -75,6 +78,8 @@ def parse_args(argv=None):
     p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for the bound (H200: 4.8 TB/s)")
     p.add_argument("--bf16-tflops", type=float, default=989.0, help="dense BF16 rate for the bound (H200: 989)")
     p.add_argument("--no-reference", action="store_true", help="skip the reference and grouped_mm columns")
+    p.add_argument("--ceiling", action="store_true",
+                   help="also time cuBLAS's dense BF16 / FP8 GEMMs of the same math (the compute ceiling)")
     p.add_argument("--sweep", action="store_true", help="time the Triton tile configs instead (see above)")
     p.add_argument("--configs", default=None,
                    metavar="BT,L1N,L1K,L2N,L2K,WARPS,STAGES[,SPLIT[,MAXNREG[,PREFETCH[,GLUON[,L2_MAXNREG]]]]];...",
@@ -182,6 +187,62 @@ def bound_us(args, n, bytes_per_expert) -> tuple[float, str]:
     flops = 2 * n * args.topk * (2 * args.intermediate * args.hidden + args.hidden * args.intermediate) * 1.0
     compute = flops / (args.bf16_tflops * 1e12) * 1e6
     return (memory, "fp4 read") if memory >= compute else (compute, "bf16 math")
+
+
+def dense_ceiling(args, n, device, measure, use_graph) -> dict:
+    """cuBLAS's dense GEMMs of the layer's math at `n` tokens, µs: the ceiling for any kernel of these numerics.
+
+    The n * top-k rows as one [R, H] x [H, 2I] and one [R, I] x [I, H] GEMM: the same multiply-adds as the experts,
+    without routing, without padding rows to tiles, without reading or expanding FP4 (one expert-sized weight pair,
+    reused by every row). `bf16`: the MMA the Triton backend runs. `fp8_1x128`: FP8 e4m3 with per-1x128 activation
+    and per-128x128 weight scales, the finest block scaling Hopper's cuBLAS offers; the experts' numerics need
+    per-1x32 scales on both operands, which `fp8_1x32` tries (MX scaling: cuBLAS has it from SM100 on).
+    """
+    rows, h, i = n * args.topk, args.hidden, args.intermediate
+    g = torch.Generator(device=device).manual_seed(n)
+    x = torch.randn(rows, h, generator=g, device=device, dtype=torch.bfloat16)
+    a = torch.randn(rows, i, generator=g, device=device, dtype=torch.bfloat16)
+    w1 = torch.randn(2 * i, h, generator=g, device=device, dtype=torch.bfloat16) * h**-0.5
+    w2 = torch.randn(h, i, generator=g, device=device, dtype=torch.bfloat16) * i**-0.5
+    out = dict(rows=rows, tflop=2 * rows * 3 * h * i / 1e12)
+    out["bf16_us"], _ = graph_or_eager(device, measure, lambda: (x @ w1.t(), a @ w2.t()), use_graph)
+
+    f8 = torch.float8_e4m3fn
+    xq, aq, w1q, w2q = (t.to(f8) for t in (x, a, w1, w2))
+
+    def scales(m, k, layout):  # ones: the values do not change the time; cuBLAS wants a given memory order
+        return torch.ones(m, k, device=device) if layout == "row" else torch.ones(k, m, device=device).t()
+
+    def blockwise(lhs, w, la, lw):  # lhs [M, K] per 1x128, w [N, K] per 128x128
+        (m, k), nw = lhs.shape, w.shape[0]
+        return torch._scaled_mm(lhs, w.t(), scales(m, k // 128, la), scales(k // 128, nw // 128, lw),
+                                out_dtype=torch.bfloat16)
+
+    # SM90's blockwise kernels want the scales in a given memory order: the first that cuBLAS takes
+    for la, lw in (("outer", "outer"), ("outer", "row"), ("row", "outer"), ("row", "row")):
+        try:
+            out["fp8_1x128_us"], _ = graph_or_eager(
+                device, measure, lambda: (blockwise(xq, w1q, la, lw), blockwise(aq, w2q, la, lw)), use_graph)
+            out["fp8_1x128_scales"] = f"{la}/{lw}"
+            out.pop("fp8_1x128_error", None)
+            break
+        except (RuntimeError, ValueError) as e:
+            out["fp8_1x128_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    try:
+        from torch.nn.functional import ScalingType, SwizzleType, scaled_mm
+
+        def ue8m0(m, k):  # the swizzled per-1x32 scale layout, padded to 128 x 4 blocks
+            return torch.full((-(-m // 128) * 128 * (-(-k // 32 // 4) * 4),), 127, dtype=torch.uint8,
+                              device=device).view(torch.float8_e8m0fnu)
+
+        y = scaled_mm(xq, w1q.t(), ue8m0(rows, h), ScalingType.BlockWise1x32, ue8m0(2 * i, h),
+                      ScalingType.BlockWise1x32, swizzle_a=SwizzleType.SWIZZLE_32_4_4,
+                      swizzle_b=SwizzleType.SWIZZLE_32_4_4, output_dtype=torch.bfloat16)
+        del y
+        out["fp8_1x32"] = "ran"
+    except (ImportError, RuntimeError, ValueError, NotImplementedError) as e:
+        out["fp8_1x32"] = f"refused: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return out
 
 
 def graph_or_eager(device, measure, fn, use_graph):
@@ -388,6 +449,8 @@ def main(argv=None):
                 except Exception as e:  # noqa: BLE001 - report the eager time if the baseline cannot be captured
                     print(f"grouped_mm capture failed ({type(e).__name__}: {e}); timing it eagerly", file=sys.stderr)
                     row["grouped_mm_us"], row["grouped_mm_mode"] = measure(lambda: baseline(x, idx, w)), "eager"
+        if args.ceiling and device.type == "cuda":
+            row["ceiling"] = dense_ceiling(args, n, device, measure, use_graph)
         row["bound_us"], row["bound"] = bound_us(args, n, bytes_per_expert)
         row["ratio"] = row["triton_us"] / row["bound_us"]
         rows.append(row)
@@ -419,6 +482,21 @@ def main(argv=None):
         print(f"| {r['tokens']} | {f(r['triton_us'])} | {f(r['triton_eager_us'])} | {f(r.get('reference_us'))} | "
               f"{f(gm)} | {f(r['bound_us'])} | {r['bound']} | {r['ratio']:.2f}x | "
               f"{f(gm / r['triton_us'] if gm else None, '.2f')} | {f(r.get('calc_diff'), '.1e')} |")
+    ceilings = [r for r in rows if "ceiling" in r]
+    if ceilings:
+        print("\nThe same math as cuBLAS dense GEMMs (no routing, padding or FP4; µs, and TFLOP/s of the layer's math)\n")
+        print("| tokens | rows | triton layer | cuBLAS BF16 | cuBLAS FP8 1x128 | triton TFLOP/s | BF16 TFLOP/s | "
+              "FP8 TFLOP/s | triton / cuBLAS BF16 |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in ceilings:
+            c = r["ceiling"]
+            rate = lambda us: None if us is None else c["tflop"] / us * 1e6  # noqa: E731
+            print(f"| {r['tokens']} | {c['rows']} | {f(r['triton_us'])} | {f(c['bf16_us'])} | "
+                  f"{f(c.get('fp8_1x128_us'))} | {f(rate(r['triton_us']), '.0f')} | {f(rate(c['bf16_us']), '.0f')} | "
+                  f"{f(rate(c.get('fp8_1x128_us')), '.0f')} | {r['triton_us'] / c['bf16_us']:.2f}x |")
+        c = ceilings[-1]["ceiling"]
+        print(f"FP8 1x128 scales: {c.get('fp8_1x128_scales') or c.get('fp8_1x128_error')}; "
+              f"FP8 per-1x32 (MX) scales: {c['fp8_1x32']}")
     print(f"\nresident expert bytes per layer: triton {resident_fp4 / 1e9:.2f} GB (FP4 + UE8M0, no other copy)"
           + (f", reference {reference_bytes / 1e9:.2f} GB (FP4 + its BF16 cache)" if reference_bytes else ""))
     print(f"buffer allocations: {stats.allocations} ({stats.live_bytes / 2**20:.1f} MiB live)")
