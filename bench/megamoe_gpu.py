@@ -85,7 +85,7 @@ def parse_args(argv=None):
                    metavar="BT,L1N,L1K,L2N,L2K,WARPS,STAGES[,SPLIT[,MAXNREG[,PREFETCH[,GLUON[,L2_MAXNREG]]]]];...",
                    help="with --sweep: these KernelConfig fields instead of the built-in candidates")
     p.add_argument("--profile", type=int, default=None, metavar="TOKENS",
-                   help="print the GPU kernels of one Triton layer call at this batch size (torch.profiler) and stop")
+                   help="print the GPU kernels of Triton layer calls at this batch size (torch.profiler) and stop")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     tiny_shapes(args)
@@ -245,10 +245,9 @@ def dense_ceiling(args, n, device, measure, use_graph) -> dict:
     return out
 
 
-def graph_or_eager(device, measure, fn, use_graph):
-    """Median µs of `fn` by CUDA-graph replay (after one warm call outside the capture), else eager."""
-    if not use_graph:
-        return measure(fn), None
+def capture_graph(fn):
+    """A CUDA graph of `fn` (after one warm call outside the capture, on a side stream), replayed once, and the
+    output tensors the graph writes."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -259,6 +258,14 @@ def graph_or_eager(device, measure, fn, use_graph):
         out = fn()
     graph.replay()
     torch.cuda.synchronize()
+    return graph, out
+
+
+def graph_or_eager(device, measure, fn, use_graph):
+    """Median µs of `fn` by CUDA-graph replay (`capture_graph`), else eager."""
+    if not use_graph:
+        return measure(fn), None
+    graph, out = capture_graph(fn)
     return measure(graph.replay), out
 
 
@@ -299,27 +306,43 @@ def random_batch(args, n: int, device, seed: int):
 
 
 def kernel_table(device, fn, calls: int, rows: int) -> str:
-    """torch.profiler's table of `calls` calls of `fn` (after the caller's warm-up), by total device time."""
+    """torch.profiler's table of `calls` calls of `fn` (after the caller's warm-up), by total device time; on a GPU
+    also the calls' wall time (CUDA events) beside the kernels' summed time: the difference is the GPU idle between
+    kernels."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with torch_profile(activities=activities) as prof:
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
         for _ in range(calls):
             fn()
-        if device.type == "cuda":
+        if cuda:
+            end.record()
             torch.cuda.synchronize()
-    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=rows)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=rows)
+    if cuda:
+        kernels = sum(e.self_device_time_total for e in prof.key_averages()) / calls
+        wall = start.elapsed_time(end) * 1e3 / calls
+        table += f"\nper call: {wall:.1f} µs wall, {kernels:.1f} µs in kernels ({wall - kernels:.1f} µs idle)"
+    return table
 
 
-def profile(args, device, layer):
-    """Where one layer call's GPU time goes: every kernel of 5 eager calls, by total device time."""
+def profile(args, device, layer, use_graph):
+    """Where one layer call's GPU time goes: every kernel of 5 calls (graph replays where graphs are on, as the
+    timed rows run), by total device time."""
     x, w, idx = random_batch(args, args.profile, device, seed=0)
     with torch.no_grad():
         for _ in range(3):
             layer(x, idx, w)
-        print(kernel_table(device, lambda: layer(x, idx, w), calls=5, rows=30))
+        fn = lambda: layer(x, idx, w)  # noqa: E731
+        if use_graph:
+            fn = capture_graph(fn)[0].replay
+        print(kernel_table(device, fn, calls=5, rows=30))
 
 
 def sweep(args, device, measure, packed):
@@ -399,7 +422,7 @@ def main(argv=None):
     bytes_per_expert = resident_fp4 / args.experts
 
     if args.profile is not None:
-        profile(args, device, tri_layer)
+        profile(args, device, tri_layer, use_graph)
         destroy_megamoe_buffers()
         dist.destroy_process_group()
         return None
