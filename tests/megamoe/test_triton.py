@@ -156,6 +156,17 @@ def test_split_k_l1_matches_the_reference(experts, weight_stream, split):
                                                 config=cfg), ref)
 
 
+def test_l2_n_tiles_of_128_match_the_reference(experts, weight_stream):
+    """16-row blocks with L2 N tiles of 128, which `pick_config` gives wide decode batches."""
+    packed, deq = experts
+    q, sf, idx, w = staged(7, 5, masked=0.2)
+    cfg = dataclasses.replace(TINY, l2_n=128)
+    assert cfg.fit(packed.hidden, packed.intermediate).l2_n == 128
+    ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=0.5)
+    assert_matches(triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=0.5,
+                                                config=cfg), ref)
+
+
 @pytest.mark.parametrize(
     "config",
     [TINY, dataclasses.replace(TINY, l1_k=128, l2_k=128), dataclasses.replace(TINY, l1_split=2)],
@@ -211,6 +222,10 @@ def test_picked_config_fits_the_shapes():
     assert prefill.block_t == 128 and prefill.l1_split == 1  # blocks fill the GPU: no split-K
     assert prefill.prefetch == 0 and v4_prefill.prefetch == 1  # 128-row blocks stream through the pipeline
     assert pick_config(96, 384, 7168, 3072).l1_split == 1  # 16 tokens fill the GPU unsplit
+    # L2 N tiles of 128 for 16-row blocks only with >= 16 such L2 programs per SM
+    assert [pick_config(t * 6, 384, 7168, 3072).l2_n for t in (1, 16, 64, 256)] == [64, 128, 128, 128]
+    assert [pick_config(t * 6, 64, 2048, 1408).l2_n for t in (1, 16, 64)] == [64, 64, 64]  # 0.7 / 7.8 / 7.8 per SM
+    assert pick_config(96, 384, 7168, 3072, num_sms=528).l2_n == 64  # 4x the SMs: 10 per SM
     assert pick_config(597 * 6, 64, 2048, 1408).l1_split == 1  # 704 programs of 64-row blocks: prefill, no split
     assert [pick_config(t * 6, 384, 7168, 3072).block_t for t in (256, 2048, 2560, 4096, 5120)] == [16, 32, 64, 64, 128]
     small = pick_config(24576, 8, 128, 64)

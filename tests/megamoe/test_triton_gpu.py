@@ -54,13 +54,19 @@ def check(out, ref):
     assert calc_diff(out.float(), ref.float()) < 1e-4
 
 
+# The decode config as `pick_config` widens it for V4-sized batches (L2 N tiles of 128); these shapes pick 64.
+WIDE_L2 = KernelConfig(block_t=16, l1_n=64, l1_k=64, l2_n=128, l2_k=64, num_warps=4, num_stages=4)
+
+
 @pytest.mark.parametrize("num_tokens", [1, 3, 7, 129, 600])
 @pytest.mark.parametrize("clamp", [None, 0.05])  # 0.05: active on most gate/up values here
-def test_ragged_batches_match_the_reference(experts, num_tokens, clamp):
+@pytest.mark.parametrize("config", [None, WIDE_L2], ids=["picked", "l2n128"])
+def test_ragged_batches_match_the_reference(experts, num_tokens, clamp, config):
     packed, deq = experts
     q, sf, idx, w = staged(num_tokens, num_tokens, masked=0.1)  # -1 padding slots included
     ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=clamp)
-    check(triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=clamp), ref)
+    check(triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=clamp, config=config),
+          ref)
 
 
 def test_all_routes_to_one_expert(experts):

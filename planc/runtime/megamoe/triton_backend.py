@@ -339,6 +339,14 @@ REGISTER_PREFETCH = triton is not None and _triton_at_least(3, 5)
 # slices: 121 / 116 / 106 / 112 µs (Triton 3.7.1); the mid-size layer (132 programs, 32 K tiles): 39 / 33 / 34 / 36.
 _L1_PROGRAMS_PER_SM = 8
 _L1_MIN_SLICE_STAGES = 4
+# 16-row blocks take L2 N tiles of 128 (half the programs, each expanding twice the weight rows per activation tile)
+# where that still leaves at least this many L2 programs per SM. Experts computation, sustained, 16 / 64 / 256
+# tokens, two sweeps per Triton on one machine (eleventh session, docs/benchmarks.md): V4 (41-163 such programs per
+# SM) 860 / 2356 / 4133 and 847 / 2480 / 4075 against 880 / 2405 / 4196 and 866 / 2445 / 4107 µs (3.7.1), 914 / 2521
+# / 4297 and 903 / 2599 / 4302 against 943 / 2588 / 4529 and 937 / 2666 / 4541 (3.6); V4 at 1 token (2.5 per SM)
+# 104-105 against 99 µs (3.7.1, both split in 4); the mid-size layer at 16 tokens (7.8 per SM) 111-112 against
+# 107-108 µs (3.7.1), 64 tokens within 1-2%.
+_L2_WIDE_PROGRAMS_PER_SM = 16
 _TUNED_SMS = 132  # the H200 the table was tuned on: the SM count assumed off the GPU (the interpreter)
 
 
@@ -379,7 +387,10 @@ def pick_config(
     while (config.block_t < 64 and split < 8 and programs * split < _L1_PROGRAMS_PER_SM * num_sms
            and k_tiles // (2 * split) >= _L1_MIN_SLICE_STAGES * config.num_stages):
         split *= 2
-    return dataclasses.replace(config, l1_split=split).fit(hidden, inter)
+    l2_n = config.l2_n
+    if config.block_t == 16 and hidden % 128 == 0 and blocks * (hidden // 128) >= _L2_WIDE_PROGRAMS_PER_SM * num_sms:
+        l2_n = 128
+    return dataclasses.replace(config, l1_split=split, l2_n=l2_n).fit(hidden, inter)
 
 
 def device_config(num_rows: int, num_local_experts: int, hidden: int, inter: int, device: torch.device) -> KernelConfig:
