@@ -423,21 +423,14 @@ def main(argv=None):
 
     if args.profile is not None:
         profile(args, device, tri_layer, use_graph)
-        destroy_megamoe_buffers()
-        dist.destroy_process_group()
-        return None
+        return finish(args, None)
 
     if args.sweep:
         rows = sweep(args, device, measure, tri_state.runner.weights(device))
         result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                       torch=torch.__version__, shapes=dict(hidden=args.hidden, intermediate=args.intermediate,
                                                            experts=args.experts, topk=args.topk), sweep=rows)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=2)
-        destroy_megamoe_buffers()
-        dist.destroy_process_group()
-        return result
+        return finish(args, result)
 
     reference_bytes = None
     baseline = None
@@ -523,7 +516,12 @@ def main(argv=None):
     print(f"\nresident expert bytes per layer: triton {resident_fp4 / 1e9:.2f} GB (FP4 + UE8M0, no other copy)"
           + (f", reference {reference_bytes / 1e9:.2f} GB (FP4 + its BF16 cache)" if reference_bytes else ""))
     print(f"buffer allocations: {stats.allocations} ({stats.live_bytes / 2**20:.1f} MiB live)")
-    if args.json:
+    return finish(args, result)
+
+
+def finish(args, result):
+    """Every mode's exit: `result` to `--json` (when there is one), the symmetric buffers freed, the group left."""
+    if args.json and result is not None:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     destroy_megamoe_buffers()
