@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from transformers import DeepseekV4Config, MixtralConfig
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts
@@ -16,7 +14,7 @@ from planc.runtime.megamoe.triton_backend import _GLUON_CONFIGS
 # with the warp-specialized L2 (`hopper_prefill_ws`). The same with the cp.async L2 (`hopper_prefill`) beside them.
 GLUON_80_ROWS, GLUON = (config for _, config in _GLUON_CONFIGS if config is not None)
 assert (GLUON_80_ROWS.block_t, GLUON.block_t) == (80, 96) and GLUON_80_ROWS.gluon == GLUON.gluon == 2
-CP_ASYNC_80_ROWS, CP_ASYNC = (dataclasses.replace(c, gluon=1, l2_maxnreg=0) for c in (GLUON_80_ROWS, GLUON))
+CP_ASYNC_80_ROWS, CP_ASYNC = (c.cp_async_l2() for c in (GLUON_80_ROWS, GLUON))
 
 E, H, I, K = 8, 128, 64, 3  # small shapes; the reference needs H % 32 == 0 and I % 32 == 0
 

@@ -255,11 +255,13 @@ class KernelConfig:
                 raise ValueError(f"the Gluon kernels take blocks of {' or '.join(map(str, self.GLUON_BLOCK_ROWS))} "
                                  f"rows, not block_t={self.block_t}: set KernelConfig(block_t=...) to one of them")
             return self
-        return KernelConfig(
-            self.block_t, div(self.l1_n, inter, 32), l1_k, div(self.l2_n, hidden, 32),
-            div(self.l2_k, inter, 64), self.num_warps, self.num_stages, split, self.maxnreg, self.prefetch,
-            l2_maxnreg=self.l2_maxnreg,
-        )
+        return dataclasses.replace(self, l1_n=div(self.l1_n, inter, 32), l1_k=l1_k, l2_n=div(self.l2_n, hidden, 32),
+                                   l2_k=div(self.l2_k, inter, 64), l1_split=split)
+
+    def cp_async_l2(self) -> "KernelConfig":
+        """This Gluon config with the cp.async L2 (`hopper_prefill`) in place of the warp-specialized one, under L1's
+        register cap: where this Triton cannot build the latter (`hopper_prefill_ws.unavailable_reason`)."""
+        return dataclasses.replace(self, gluon=1, l2_maxnreg=0)
 
 
 # Tuned on an H200 (bench/megamoe_gpu.py --sweep on the DeepSeek-V4 and the mid-size layer, under Triton 3.6 (torch
@@ -370,7 +372,7 @@ def pick_config(
         for bound, config in _GLUON_CONFIGS:
             if per_expert <= bound:
                 if config is not None and config.gluon_fits(hidden, inter):
-                    return config if warp_specialized else dataclasses.replace(config, gluon=1, l2_maxnreg=0)
+                    return config if warp_specialized else config.cp_async_l2()
                 break
     for bound, config in _CONFIGS:
         if bound is None or per_expert <= bound:
