@@ -12,7 +12,7 @@ from planc.compiler.compiled import Assignment, CompileWarning, ExpertsAssignmen
 from planc.compiler.context import *  # noqa: F403 - the problem codes
 from planc.compiler.context import PlanRule, key_where
 from planc.spec.ep import EPStrategy, resolve_ep
-from planc.compiler.render import human_bytes
+from planc.compiler.units import human_bytes
 from planc.compiler.walk import generic_path
 from planc.spec.sizes import check_sizes as _check_sizes
 from planc.spec.styles import ALL_STYLES, EXPERTS_MODULE_STYLES, PARAMETER_STYLES, RUNTIME_STYLES, STYLE

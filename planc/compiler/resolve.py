@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from planc.compiler import bytes as accounting
-from planc.compiler import checks, layout, match
+from planc.compiler import accounting, checks, layout, match
 from planc.compiler.compiled import CompiledPlan
 from planc.compiler.context import *  # noqa: F401,F403 - the problem codes, re-exported for callers and tests
 from planc.compiler.context import PlanRule, Problems, key_where
