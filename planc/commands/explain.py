@@ -76,7 +76,7 @@ def build_model(model_type: str, config: dict, dtype: str):
     """The `*ForCausalLM` on the meta device, cast to the dtype the byte counts should use."""
     import torch
 
-    from planc.runtime.models import build_meta_model
+    from planc.models.build import build_meta_model
 
     kwargs = {k: v for k, v in config.items() if k not in _CONFIG_METADATA}
     model = build_meta_model(model_type, kwargs)
@@ -156,7 +156,7 @@ def explain_one(path: str, config: dict, overrides: dict, dtype: str):
     from planc.lint.load import load_plan
 
     from planc.lint.rules_source import UNREADABLE_CODES
-    from planc.runtime.models import ModelBuildError
+    from planc.models.build import ModelBuildError
 
     try:
         loaded = load_plan(path)
@@ -172,7 +172,7 @@ def explain_one(path: str, config: dict, overrides: dict, dtype: str):
     model_type = config.get("model_type") or loaded.plan.model.type
     try:
         model = build_model(model_type, {**config, **overrides}, dtype)
-    except ModelBuildError as e:  # one line that names the model type (planc.runtime.models)
+    except ModelBuildError as e:  # one line that names the model type (planc.models.build)
         sys.stderr.write(f"planc explain: {e}\n")
         return 2, None
     except (ValueError, TypeError, AttributeError) as e:  # a --dtype the config names that torch does not have

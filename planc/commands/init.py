@@ -2,7 +2,7 @@
 
 transformers keeps its plans on the config class (`base_model_tp_plan`, `base_model_ep_plan`, keys
 relative to the base model) and on the model class (`_tp_plan`, e.g. `lm_head`). This writes them as a
-planc plan for the model users load (`planc.runtime.families`): the `*ForCausalLM`, or the multimodal
+planc plan for the model users load (`planc.models.families`): the `*ForCausalLM`, or the multimodal
 model whose language model the config describes, with the base model's real path as prefix
 (`model.`, `model.language_model.`). It does what transformers does implicitly (the vocab-parallel
 embedding added to every TP plan, TP rules on experts that EP shards dropped) and then resolves the
@@ -65,7 +65,7 @@ def _transformers_rules(fam, model):
     each base model applies its own config's plans under its own path, so the family's rules are written
     under every base model that carries its config, and so are those of any other MoE tower of the model
     (a vision encoder with experts next to the language model)."""
-    from planc.runtime.families import base_model_paths, declares_experts_plan
+    from planc.models.families import base_model_paths, declares_experts_plan
 
     config_cls = fam.config_class()
     classes = [config_cls]
@@ -296,13 +296,13 @@ def init_plan(model_type: str, config: Optional[dict] = None, overrides: Optiona
     import transformers
 
     from planc.compiler.walk import walk_model
-    from planc.runtime.families import family
-    from planc.runtime.models import build_meta_model
+    from planc.models.families import family
+    from planc.models.build import build_meta_model
 
     try:
         fam = family(model_type)
     except KeyError:
-        from planc.runtime.models import config_class
+        from planc.models.build import config_class
 
         config_class(model_type)  # a type transformers does not know: ModelBuildError naming the closest ones
         raise ValueError(

@@ -25,8 +25,8 @@ def tp_experts_world(rank, world_size):
 
     from planc import apply
     from planc.commands.init import init_plan
-    from planc.runtime.families import family
-    from planc.runtime.models import build_tiny_model, tiny_config
+    from planc.models.families import family
+    from planc.models.build import build_tiny_model, tiny_config
     from tests.runtime.workers import batch, logits_diff, train_step_diff
 
     out = {}

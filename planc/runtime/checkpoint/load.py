@@ -219,7 +219,7 @@ def _model_class(config):
     the config (`model_class_for`: the family's top model, e.g. a multimodal MoE, else its *ForCausalLM)."""
     import transformers
 
-    from planc.runtime.models import model_class_for
+    from planc.models.build import model_class_for
 
     for name in getattr(config, "architectures", None) or []:
         cls = getattr(transformers, name, None)

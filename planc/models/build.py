@@ -129,10 +129,10 @@ def build_model(config, *, meta: bool = False, **kwargs):
 def tiny_config(model_type, **overrides):
     """The tiny config of `model_type` (a family's model type or its top model's, or a Family) that the
     tests, `planc demo` and the family sweep build: derived from the family's own config class
-    (`planc.runtime.tiny`), with the hand-tuned values of TINY_CONFIGS and then `overrides` on top.
+    (`planc.models.tiny`), with the hand-tuned values of TINY_CONFIGS and then `overrides` on top.
     fp32, eager attention. ModelBuildError when transformers rejects it."""
-    from planc.runtime.families import Family, family
-    from planc.runtime.tiny import tiny_family_config
+    from planc.models.families import Family, family
+    from planc.models.tiny import tiny_family_config
 
     if isinstance(model_type, Family):
         fam = model_type
@@ -156,7 +156,7 @@ def build_tiny_model(model_type, *, seed: int = 0, experts_implementation: Optio
     the multimodal model holding the family's config), fp32, eval mode, identical for the same seed on every rank."""
     import torch
 
-    from planc.runtime.families import Family
+    from planc.models.families import Family
 
     config = tiny_config(model_type, **overrides)
     torch.manual_seed(seed)
@@ -262,8 +262,8 @@ def _nest(flat: dict) -> dict:
 
 
 def model_class_for(config):
-    """The class users load for `config`: the family's top model (planc.runtime.families), else the *ForCausalLM."""
-    from planc.runtime.families import _direct_family
+    """The class users load for `config`: the family's top model (planc.models.families), else the *ForCausalLM."""
+    from planc.models.families import _direct_family
 
     fam = _direct_family(config.model_type)
     if fam is not None and fam.head is not None:
