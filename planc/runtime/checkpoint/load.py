@@ -229,13 +229,9 @@ def _model_class(config):
 
 
 def _meta_model(config, dtype) -> nn.Module:
-    cls = _model_class(config)
-    with torch.device("meta"):
-        if hasattr(cls, "_from_config"):
-            model = cls._from_config(config, dtype=config.dtype)
-        else:
-            model = cls.from_config(config, dtype=config.dtype)
-    return model.eval()
+    from planc.models.build import meta_model
+
+    return meta_model(config, model_class=_model_class(config), dtype=config.dtype).eval()
 
 
 # ---- 3. the fill step ------------------------------------------------------------------------------------
