@@ -70,7 +70,7 @@ def prepare(fam) -> dict:
     """Steps 1-2 in this process: {'init', 'lint', 'explain', 'plan' (text or None), 'ep'}."""
     import torch
 
-    from planc.commands.init import init_plan
+    from planc.models.synthesis import init_plan
     from planc.compiler.resolve import compile_plan
     from planc.lint.runner import lint_text
 

@@ -52,7 +52,7 @@ def test_experts_on_their_own_forward_get_an_ep_plan():
     import torch
     import yaml
 
-    from planc.commands.init import init_plan
+    from planc.models.synthesis import init_plan
     from planc.compiler.walk import can_switch_experts
     from planc.models.families import moe_families
     from planc.models.build import tiny_config
@@ -80,7 +80,7 @@ def test_parameter_free_experts_get_no_ep_rule_and_are_not_counted():
     import torch
     import yaml
 
-    from planc.commands.init import init_plan
+    from planc.models.synthesis import init_plan
     from planc.models.families import family
     from planc.models.build import tiny_config
 
@@ -112,7 +112,7 @@ def test_a_rule_that_suits_one_class_of_blocks_is_kept_for_their_layers():
     import torch
     import yaml
 
-    from planc.commands.init import init_plan
+    from planc.models.synthesis import init_plan
     from planc.models.families import family
     from planc.models.build import tiny_config
 
@@ -148,7 +148,7 @@ def test_experts_no_size_divides_are_tensor_parallel(name, count, want):
     import torch
     import yaml
 
-    from planc.commands.init import init_plan
+    from planc.models.synthesis import init_plan
     from planc.models.families import family
     from planc.models.build import tiny_config
 
@@ -170,7 +170,7 @@ def test_experts_no_size_divides_are_tensor_parallel(name, count, want):
 def test_experts_tp_styles_cannot_shard_get_no_tp_rules():
     """gpt_oss's experts have biases (every rank would add the down bias once) and interleaved gate|up: no TP
     rules, so 3 experts cannot be planned at tp_size 2, and init says why for each layout it tried."""
-    from planc.commands.init import init_plan
+    from planc.models.synthesis import init_plan
     from planc.models.families import family
     from planc.models.build import tiny_config
 

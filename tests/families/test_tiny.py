@@ -147,7 +147,7 @@ def test_init_plans_every_stack_of_experts_in_the_model():
     """A diffusion model runs the family's layers twice (its encoder's language model and its decoder, built
     from the top config); dots3_note has experts in its vision encoder and its language model: the plan init
     writes shards all of them (transformers' own EP plan leaves the decoder's experts replicated)."""
-    from planc.commands.init import init_plan
+    from planc.models.synthesis import init_plan
 
     for name, prefixes in (("diffusion_gemma_text", ("model.encoder.language_model.layers", "model.decoder.layers")),
                            ("dots3_note_vision_encoder", ("model.vision_tower.blocks", "model.language_model.layers"))):
@@ -181,7 +181,7 @@ def test_expert_counts_exercise_expert_parallelism():
 
 
 def test_one_expert_is_refused_for_expert_parallelism_with_its_reason():
-    from planc.commands.init import init_plan
+    from planc.models.synthesis import init_plan
     from planc.compiler.resolve import compile_plan
     from planc.errors import CompileError
 

@@ -63,7 +63,7 @@ def _init_plan(model_type: str, world_size: int) -> dict:
     """The plan `planc init --from-transformers MODEL_TYPE` writes for the family's tiny config at this world size."""
     import yaml
 
-    from planc.commands.init import init_plan
+    from planc.models.synthesis import init_plan
     from planc.models.families import family
     from planc.models.build import tiny_config
 
