@@ -2,7 +2,7 @@
 
 These rules have no lint check: the compiler emits them (`planc.compiler`), because they need the
 model. They live in the one registry so `planc rules PLC601` and docs/lint.md know them, and each
-carries a failing and a passing plan that `tests/compile/test_rule_examples.py` compiles against the
+carries a failing and a passing plan that `tests/compiler/test_rule_examples.py` compiles against the
 tiny random model of the plan's `model.type` (with `config` overrides where the rule needs them).
 Codes are stable: PLC604, PLC614, PLC618, PLC619 and PLC620 are retired, because the plans that
 reached them now go through lint (PLC406, PLC400-402, PLC311/312, PLC300, PLC500/501) first.
@@ -305,6 +305,6 @@ register(Rule(
     DEVICE_MEMORY, "shard-exceeds-device-memory", "each rank's parameters alone exceed the device memory",
     "With a device memory budget (`planc explain --device-memory 141GiB`, or `planc.load`, which knows its "
     "device), the compiler refuses a plan whose per-rank parameters cannot fit, and names sizes or FP8 weights "
-    "that would. It needs the budget, so its examples are the explain runs of tests/compile/test_memory_budget.py.",
+    "that would. It needs the budget, so its examples are the explain runs of tests/compiler/test_memory_budget.py.",
     family="compile",
 ))

@@ -38,7 +38,7 @@ REFUSAL_REASONS = {
 
 # Causes outside planc a family may be reported with (status `transformers`): a top model that only generates
 # and holds no submodule built from the family's config with a forward of its own (none in transformers 5.24:
-# the Qwen3 Omni MoE talker family is compared on its talker, see test_tiny.py).
+# the Qwen3 Omni MoE talker family is compared on its talker, see tests/models/test_tiny.py).
 OUTSIDE_PLANC = [re.compile(r"has no forward of its own \(it only generates\)")]
 
 # Families transformers' default configs could not build a tiny model of until the derivation filled in

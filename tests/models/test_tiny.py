@@ -3,7 +3,7 @@
 transformers' default configs of several families cannot build a model (fields left None that the model
 needs, per-layer lists that do not match the layer count, towers of different widths); the derivation
 must fill and shrink them in general. Each test builds the real config (and model, where it says so) and
-checks the property the derivation promises; the sweep (test_sweep.py) then runs every family on 2 ranks.
+checks the property the derivation promises; the sweep (tests/families/test_sweep.py) then runs every family on 2 ranks.
 """
 
 from __future__ import annotations

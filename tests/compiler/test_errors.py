@@ -9,7 +9,7 @@ import pytest
 from planc.compiler import resolve as R
 from planc.compiler.resolve import compile_plan
 from planc.errors import CompileError, PlanError
-from tests.compile.fakes import fake_moe, fake_plan
+from tests.compiler.fakes import fake_moe, fake_plan
 
 HEAD = """\
 version: 1

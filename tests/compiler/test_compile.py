@@ -14,7 +14,7 @@ import pytest
 from planc.compiler.ep import AllReduceEP, AllToAllEP, AutoEP, MegaMoeEP
 from planc.compiler.resolve import compile_plan
 from planc.spec.model import Plan
-from tests.compile.fakes import fake_moe, fake_plan
+from tests.compiler.fakes import fake_moe, fake_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -183,7 +183,7 @@ NO_TORCH = textwrap.dedent(
     sys.path.insert(0, {root!r})
     sys.path.insert(0, {tests!r})
     import planc.compiler.resolve as resolve
-    from compile.fakes import fake_moe, fake_plan
+    from tests.compiler.fakes import fake_moe, fake_plan
     c = resolve.compile_plan(fake_moe(), fake_plan())
     print(json.dumps({{"torch": "torch" in sys.modules, "transformers": "transformers" in sys.modules,
                       "covered": c.experts_covered}}))
