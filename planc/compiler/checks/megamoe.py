@@ -16,13 +16,10 @@ from planc.compiler.context import (
     key_where,
 )
 from planc.compiler.walk import generic_path
-
+from planc.spec.megamoe import MEGAMOE_KERNEL_BLOCK
 
 MEGAMOE_MAX_TOP_K = 32
 MEGAMOE_MAX_RANKS = 72
-# The real kernel's block alignment beyond its host checks (% 128): H/128 must be even, and at decode-sized
-# batches (about <= 8.5 tokens per expert) its heuristics take BLOCK_K = 256 over the intermediate size.
-MEGAMOE_KERNEL_BLOCK = 256
 # Config fields of gated activations other than the kernel's SiLU SwiGLU (the clamp is `swiglu_limit`).
 MEGAMOE_OTHER_ACTIVATION_FIELDS = ("swiglu_alpha", "mlp_gate_softcap", "mlp_up_softcap", "gate_softcap", "up_softcap")
 
