@@ -53,7 +53,7 @@ MID_CONFIG = dict(
 # ---- models and installs -----------------------------------------------------------------------------------
 
 
-def build_model(kind: str, seed: int = 0):
+def bench_model(kind: str, seed: int = 0):
     """The unsharded model of `kind`, identical on every rank (same seed), fp32, eval."""
     import torch
 
@@ -155,7 +155,7 @@ def run_cells(rank: int, world: int, models, impls, tokens, reps_table, profile=
 
     rows = []
     for kind in models:
-        base = build_model(kind)
+        base = bench_model(kind)
         for impl in impls:
             peer = install_peer(copy.deepcopy(base), world, impl)
             try:
