@@ -252,7 +252,7 @@ def run(args) -> dict:
         ours = install_planc(share_weights_copy(base))
         sides["planc.apply"] = experts_of(ours)
         sides["planc"] = experts_of(install_planc_wrapper(share_weights_copy(base)))
-    except Exception as e:  # still time the peer
+    except Exception as e:  # noqa: BLE001 - still time the peer
         ours, planc_error = None, f"{type(e).__name__}: {e}"
         print(f"[gpu_ep_layer] planc failed: {planc_error}", file=sys.stderr, flush=True)
     setup_s = time.perf_counter() - t0

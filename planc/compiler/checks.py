@@ -9,8 +9,30 @@ from __future__ import annotations
 from typing import Optional
 
 from planc.compiler.compiled import Assignment, CompileWarning, ExpertsAssignment
-from planc.compiler.context import *  # noqa: F403 - the problem codes
-from planc.compiler.context import PlanRule, key_where
+from planc.compiler.context import (
+    BARE_PARAM_UNWRAPPED,
+    BLOCK_GRID,
+    CONFLICTING_RULES,
+    EXPERTS_IMPL_FIXED,
+    EXPERTS_NOT_DIVISIBLE,
+    EXPERTS_PARTIAL,
+    EXPERTS_UNCOVERED,
+    HEAD_SPLIT,
+    MEGAMOE_ACTIVATION,
+    MEGAMOE_ALIGNMENT,
+    MEGAMOE_EP_SIZE,
+    MEGAMOE_KERNEL_BLOCKS,
+    MEGAMOE_NOT_FP4,
+    MEGAMOE_NO_GATE,
+    MEGAMOE_SIZES,
+    MEGAMOE_TOP_K,
+    MODEL_TYPE_MISMATCH,
+    STYLE_NOT_INSTALLABLE,
+    UNEVEN_SHARD,
+    WRONG_TARGET,
+    PlanRule,
+    key_where,
+)
 from planc.spec.ep import EPStrategy, resolve_ep
 from planc.compiler.render import human_bytes
 from planc.compiler.walk import generic_path

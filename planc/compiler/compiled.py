@@ -95,12 +95,12 @@ def _at(where: str) -> dict:
     return {"position": position} if position is not None else {"key": str(where)}
 
 
-def CompileProblem(code: str, message: str, module: Optional[str], where: str, hint: str) -> Diagnostic:  # noqa: N802
+def CompileProblem(code: str, message: str, module: Optional[str], where: str, hint: str) -> Diagnostic:  # CamelCase: reads as the problem it builds
     """One reason the plan does not resolve, as a Diagnostic: what, which module, which plan line, what instead."""
     return Diagnostic(code, ERROR, message, hint, module=module, **_at(where))
 
 
-def CompileWarning(code: str, message: str, hint: str, where: str) -> Diagnostic:  # noqa: N802
+def CompileWarning(code: str, message: str, hint: str, where: str) -> Diagnostic:
     """A compile warning, as a Diagnostic (severity `warning`)."""
     return Diagnostic(code, WARNING, message, hint, **_at(where))
 

@@ -18,7 +18,6 @@ from typing import Any, Optional
 from planc.compiler import bytes as accounting
 from planc.compiler import checks, layout, match
 from planc.compiler.compiled import CompiledPlan
-from planc.compiler.context import *  # noqa: F401,F403 - the problem codes, re-exported for callers and tests
 from planc.compiler.context import PlanRule, Problems, key_where
 from planc.compiler.walk import ModelWalk, walk_model
 from planc.errors import CompileError

@@ -63,7 +63,7 @@ def check_context(ctx: LintContext) -> CheckResult:
     """All checks over already-merged data (`load_plan(..., parallel=...)` re-checks a plan at other sizes)."""
     try:
         return _check_context(ctx, [])
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - linting never raises: a bug in a check becomes a diagnostic
         return CheckResult([_internal(exc, ctx.path)])
 
 
@@ -83,7 +83,7 @@ def _check_context(ctx: LintContext, diags: list) -> CheckResult:
             continue
         try:
             found = list(r.check(ctx))
-        except Exception as exc:  # a bug in one check must not hide the others' findings
+        except Exception as exc:  # noqa: BLE001 - a bug in one check must not hide the others' findings
             found = [_internal(exc, ctx.path)]
         diags += found
         if r.family == "schema" and found:  # the Plan holds coerced values: semantic rules would mislead
@@ -105,7 +105,7 @@ def _check_source(
         except SourceError as e:
             return CheckResult([_from_source_error(e)])
         return check_doc(doc, root_dir)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - linting never raises: a bug in a check becomes a diagnostic
         return CheckResult([_internal(exc, path)])
 
 
@@ -122,7 +122,7 @@ def check_data(data: dict) -> CheckResult:
     """Lint a plan given as a mapping (no positions, no `extends` resolution)."""
     try:
         return _check_context(LintContext(dict(data), None, None, {}, {}), [])
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - linting never raises: a bug in a check becomes a diagnostic
         return CheckResult([_internal(exc, None)])
 
 

@@ -16,7 +16,7 @@ hard-coded list of families.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Optional
 
 # Task heads tried in order for the top model; the first mapping that knows the type wins.
@@ -109,7 +109,7 @@ def _top_head_for(model_type: str) -> Optional[str]:
     return first
 
 
-@lru_cache(maxsize=None)
+@cache
 def moe_families() -> tuple[Family, ...]:
     """Every family of the installed transformers, sorted by `text_type`."""
     from transformers import CONFIG_MAPPING

@@ -92,7 +92,7 @@ def build_config(model_type: str, overrides: Optional[dict] = None):
     cls = config_class(model_type)
     try:
         return cls(**(overrides or {}))
-    except Exception as e:  # noqa: BLE001 - e.g. transformers' StrictDataclassFieldValidationError for a bad value
+    except Exception as e:  # e.g. transformers' StrictDataclassFieldValidationError for a bad value
         raise ModelBuildError(f"cannot build a `{model_type}` config ({cls.__name__}): {_one_line(e)}") from e
 
 
@@ -120,7 +120,7 @@ def build_model(config, *, meta: bool = False, **kwargs):
             with torch.device("meta"):
                 return AutoModelForCausalLM.from_config(config, **kwargs)
         return AutoModelForCausalLM.from_config(config, **kwargs)
-    except Exception as e:  # noqa: BLE001 - transformers raises anything from a config it cannot build
+    except Exception as e:  # transformers raises anything from a config it cannot build
         raise ModelBuildError(
             f"transformers cannot build a `{config.model_type}` model ({cls.__name__}) from this config: {_one_line(e)}"
         ) from e
@@ -145,7 +145,7 @@ def tiny_config(model_type, **overrides):
     kwargs = {**TINY_CONFIGS.get(fam.text_type, {}), **overrides}
     try:
         return tiny_family_config(fam, **kwargs)
-    except Exception as e:  # noqa: BLE001 - transformers' config validation raises anything
+    except Exception as e:  # transformers' config validation raises anything
         raise ModelBuildError(
             f"cannot build a tiny `{fam.model_type}` config ({fam.config_class().__name__}): {_one_line(e)}"
         ) from e
@@ -168,7 +168,7 @@ def build_tiny_model(model_type, *, seed: int = 0, experts_implementation: Optio
     try:
         with _uninitialized_memory_is_nan():
             model = cls._from_config(config, dtype=torch.float32, **kwargs)
-    except Exception as e:  # noqa: BLE001 - transformers raises anything from a config it cannot build
+    except Exception as e:  # transformers raises anything from a config it cannot build
         raise ModelBuildError(
             f"transformers cannot build a `{config.model_type}` model ({cls.__name__}) from this config: {_one_line(e)}"
         ) from e
@@ -243,7 +243,7 @@ def build_meta_model(model_type: str, config_overrides: Optional[dict] = None):
     try:
         with torch.device("meta"):
             return cls._from_config(config)
-    except Exception as e:  # noqa: BLE001 - transformers raises anything from a config it cannot build
+    except Exception as e:  # transformers raises anything from a config it cannot build
         raise ModelBuildError(
             f"transformers cannot build a `{config.model_type}` model ({cls.__name__}) from this config: {_one_line(e)}"
         ) from e

@@ -29,7 +29,7 @@ import dataclasses
 import importlib
 import math
 import re
-from functools import lru_cache
+from functools import cache
 from typing import Optional
 
 TINY_HIDDEN = 64
@@ -97,7 +97,7 @@ def _computed_from_others(cls, key: str) -> bool:
     return f is not None and isinstance(f.default, str)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _modeling_source(config_module: str) -> str:
     import inspect
 

@@ -254,7 +254,7 @@ def guards_world(rank, world_size, root):
         (root / ".ckpt.planc-partial").mkdir()  # and a partial one from the crashed save
         (root / ".ckpt.planc-partial" / "junk").write_text("x")
     dist.barrier()
-    setattr(save_module, "_write_metadata", metadata_then_fail)
+    save_module._write_metadata = metadata_then_fail
     try:
         out["recover/failed_save"] = _attempt(lambda: planc.save(model_b, target))
     finally:

@@ -155,7 +155,7 @@ class _ShardWriter:
         self.offsets: dict[str, tuple[int, int]] = {}
         self.data_start: list[int] = []
         self.current: Optional[tuple[int, object]] = None  # (file index, open file)
-        for i, names in enumerate(self._names_by_file()):
+        for names in self._names_by_file():
             header: dict = {"__metadata__": {"format": "pt"}}
             pos = 0
             for name in names:
