@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 # Activation layouts at a module boundary (the last dim, features, is the one TP splits).
-REPLICATED = "replicated"  # every rank holds the whole tensor
-SHARDED = "sharded"  # each rank holds its slice of the last dim (e.g. its attention heads)
 Layout = Literal["replicated", "sharded"]
+REPLICATED: Layout = "replicated"  # every rank holds the whole tensor
+SHARDED: Layout = "sharded"  # each rank holds its slice of the last dim (e.g. its attention heads)
 
 
 @dataclass(frozen=True)
