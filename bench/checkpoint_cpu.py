@@ -65,7 +65,7 @@ def _world(rank, world_size, root, hidden, layers):
     from torch.distributed.tensor import DTensor
 
     import planc
-    from planc.runtime.models import build_tiny_model
+    from planc.models.build import build_tiny_model
     from tests.checkpoint.workers import plan_for
 
     model = build_tiny_model(

@@ -68,7 +68,7 @@ def build_layer_model(shapes: dict, device: str):
     """
     from transformers import AutoModelForCausalLM
 
-    from planc.runtime.models import tiny_config
+    from planc.models.build import tiny_config
 
     config = tiny_config(
         "deepseek_v4", num_hidden_layers=1, layer_types=["compressed_sparse_attention"], mlp_layer_types=["moe"],

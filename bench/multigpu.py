@@ -102,7 +102,7 @@ def experts_plan(world: int, impl: str) -> dict:
 
 
 def build(model_type: str, size: str, world: int, device, **extra):
-    from planc.runtime.models import build_tiny_model
+    from planc.models.build import build_tiny_model
 
     overrides = dict(MID[model_type]) if size == "mid" else dict(TINY_8.get(model_type, {}) if world > 4 else {})
     overrides.update(extra)

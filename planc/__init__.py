@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from planc.lint.load import PlanSource
     from planc.spec.load import LoadedPlan
 
-__version__ = "0.1.0"
+from planc.version import __version__
 
 __all__ = [
     "load_plan", "lint_paths", "compile", "apply", "load", "save", "export", "destroy_megamoe_buffers", "__version__",

@@ -37,3 +37,18 @@ class ApplyError(PlancError):
 class CheckpointError(PlancError):
     """A checkpoint that cannot be loaded as asked, or a planc.save / planc.export that could not complete:
     names the file and the tensor and what to do; an existing checkpoint is left intact."""
+
+
+class ModelBuildError(PlancError, ValueError):
+    """transformers could not build a config or a model: one line that names the model type and the cause.
+
+    `planc init`, `planc explain` and `planc demo` print it as is (exit 2) instead of transformers'
+    traceback; every way planc builds a model goes through planc.models.build, so none of them can leak one.
+    """
+
+
+def one_line(text: object, limit: int | None = None) -> str:
+    """`text` (a message, an exception) on one line, whitespace collapsed, cut to `limit` characters with `...`:
+    a message from a dependency quoted inside one of planc's own."""
+    line = " ".join(str(text).split())
+    return line if limit is None or len(line) <= limit else line[: limit - 3] + "..."

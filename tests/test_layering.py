@@ -10,7 +10,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "planc"
-LAYERS = {"errors": 0, "spec": 0, "lint": 1, "compiler": 2, "runtime": 3, "checkpoint": 3, "commands": 4, "cli": 4,
+LAYERS = {"errors": 0, "version": 0, "spec": 0, "lint": 1, "compiler": 2, "models": 3, "runtime": 3, "checkpoint": 3, "commands": 4, "cli": 4,
           "__main__": 4, "__init__": 4}
 
 

@@ -39,7 +39,7 @@ def _rank(rank: int, world: int, plan: dict, seed: int) -> str:
     import torch
 
     from planc import apply
-    from planc.runtime.models import build_tiny_model, clone_model
+    from planc.models.build import build_tiny_model, clone_model
 
     model = build_tiny_model(plan["model"]["type"], seed=seed)
     reference = clone_model(model)
@@ -58,8 +58,8 @@ def _check_before_spawning(path: str, plan: dict, seed: int) -> int:
     """Build the tiny model and compile the plan against it here, so that a family transformers cannot
     build or a plan that does not resolve fails in a second with one message, not after spawning ranks."""
     from planc.compiler.resolve import compile_plan
-    from planc.errors import CompileError
-    from planc.runtime.models import ModelBuildError, build_tiny_model
+    from planc.errors import CompileError, ModelBuildError
+    from planc.models.build import build_tiny_model
 
     try:
         model = build_tiny_model(plan["model"]["type"], seed=seed)

@@ -72,11 +72,12 @@ def read_config(path: str) -> dict:
     return data
 
 
-def build_model(model_type: str, config: dict, dtype: str):
-    """The `*ForCausalLM` on the meta device, cast to the dtype the byte counts should use."""
+def _meta_model_at(model_type: str, config: dict, dtype: str):
+    """The model users load for `config` on the meta device (planc.models.build.build_meta_model), cast to the
+    dtype the byte counts should use (`config`: the config's own, else bfloat16)."""
     import torch
 
-    from planc.runtime.models import build_meta_model
+    from planc.models.build import build_meta_model
 
     kwargs = {k: v for k, v in config.items() if k not in _CONFIG_METADATA}
     model = build_meta_model(model_type, kwargs)
@@ -141,7 +142,7 @@ def _checkpoint_reads(directory: str, compiled, config: dict, overrides: dict, d
     from planc.runtime.checkpoint.files import CheckpointFiles
     from planc.runtime.checkpoint.keys import target_reads
 
-    model = build_model(config.get("model_type") or compiled.model_type, {**config, **overrides}, dtype)
+    model = _meta_model_at(config.get("model_type") or compiled.model_type, {**config, **overrides}, dtype)
     files = CheckpointFiles.open(directory)
     try:
         return read_per_rank(compiled, target_reads(model, files))
@@ -152,11 +153,9 @@ def _checkpoint_reads(directory: str, compiled, config: dict, overrides: dict, d
 def explain_one(path: str, config: dict, overrides: dict, dtype: str):
     """(exit status, CompiledPlan or None) for one plan file; the problems go to stderr."""
     from planc.compiler.resolve import compile_plan
-    from planc.errors import CompileError, PlanError
+    from planc.errors import CompileError, ModelBuildError, PlanError
     from planc.lint.load import load_plan
-
     from planc.lint.rules_source import UNREADABLE_CODES
-    from planc.runtime.models import ModelBuildError
 
     try:
         loaded = load_plan(path)
@@ -171,8 +170,8 @@ def explain_one(path: str, config: dict, overrides: dict, dtype: str):
         return 2, None
     model_type = config.get("model_type") or loaded.plan.model.type
     try:
-        model = build_model(model_type, {**config, **overrides}, dtype)
-    except ModelBuildError as e:  # one line that names the model type (planc.runtime.models)
+        model = _meta_model_at(model_type, {**config, **overrides}, dtype)
+    except ModelBuildError as e:  # one line that names the model type (planc.models.build)
         sys.stderr.write(f"planc explain: {e}\n")
         return 2, None
     except (ValueError, TypeError, AttributeError) as e:  # a --dtype the config names that torch does not have

@@ -1,8 +1,8 @@
 """What every compiler pass shares: the problem codes, a plan rule, and the problem collector.
 
-Each pass (`match`, `checks`, `layout`, `bytes`) is a set of functions over one `Resolver`
-(`planc.compiler.resolve`); they report through `Resolver.problems`, which folds the same problem on
-many layers into one line.
+Each pass (`match`, `checks`, `experts_assignments`, `layout`, `accounting`) is a set of functions
+over one `Resolver` (`planc.compiler.resolve`); they report through `Resolver.problems`, which folds
+the same problem on many layers into one line.
 """
 
 from __future__ import annotations

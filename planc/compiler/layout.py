@@ -29,8 +29,7 @@ from planc.compiler.context import (
     LAYOUT_SHARDED_INTO_REPLICATED,
     PlanRule,
 )
-from planc.compiler.checks import _config_attr
-from planc.compiler.walk import generic_path
+from planc.compiler.walk import config_attr, generic_path
 from planc.spec.styles import REPLICATED, SHARDED, STYLE, Style
 
 # Producer leaf names -> the consumer that takes their (sharded) outputs, in the same container module.
@@ -328,7 +327,7 @@ def _check_norms(c, blocks: _Blocks, container: str, producers: dict, module_rul
         if w is None or len(w.shape) != 1:
             continue
         over = [p for p, width in widths.items() if width == w.shape[0] and width % c.tp == 0]
-        head_dim = _config_attr(walk.config, "head_dim")
+        head_dim = config_attr(walk.config, "head_dim")
         if over and w.shape[0] != head_dim:
             c.problems.add(
                 LAYOUT_NORM_OVER_SHARDED,

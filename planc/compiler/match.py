@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 
-from planc.compiler import checks
+from planc.compiler.checks import shards, targets
 from planc.compiler.compiled import Assignment
 from planc.compiler.context import (
     CONFLICTING_RULES,
@@ -29,7 +29,7 @@ def collect_rules(c) -> None:
             )
             c.rules.append(rule)
             rule.pattern = Pattern(pattern_text)  # lint (PLC300) has refused invalid patterns
-            checks.check_style(c, rule)
+            targets.check_style(c, rule)
 
 
 def match_rules(c) -> None:
@@ -97,7 +97,7 @@ def table_maps(c) -> dict[str, dict[str, PlanRule]]:
                     "keep one rule per target: narrow one pattern, or delete one of the two rules",
                     fqn,
                 )
-        checks.check_targets(c, rule)
+        targets.check_targets(c, rule)
     return maps
 
 
@@ -124,7 +124,7 @@ def expand(c, maps, ep_experts: set[str]) -> tuple[list[Assignment], dict[str, P
         r = table_map.get(fqn)
         if r is not None:
             return r, False
-        weight = checks.block_scale_weight(walk, fqn)
+        weight = shards.block_scale_weight(walk, fqn)
         r = table_map.get(weight) if weight is not None else None
         if r is not None:  # a block scale (`weight_scale_inv`) is sharded with its weight, like it
             return r, True

@@ -15,7 +15,7 @@ from typing import Iterable, Optional
 
 from planc.compiler.compiled import CompiledPlan, CompileProblem
 from planc.compiler.context import DEVICE_MEMORY
-from planc.compiler.render import human_bytes
+from planc.compiler.units import human_bytes
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -63,7 +63,7 @@ class Budget:
 
 def read_per_rank(compiled: CompiledPlan, reads: Iterable[tuple[str, str, tuple, int]]) -> tuple[tuple[str, int], ...]:
     """Bytes per rank by checkpoint dtype, from `(model parameter, checkpoint dtype, parameter shape, bytes)`."""
-    from planc.compiler.bytes import shard_divisor
+    from planc.compiler.accounting import shard_divisor
 
     styles = {a.fqn: a.style for a in compiled.assignments if a.target == "parameter"}
     p = compiled.parallel

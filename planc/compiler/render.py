@@ -7,17 +7,13 @@ chosen; then what stays replicated and the per-rank total.
 
 from __future__ import annotations
 
-from planc.compiler.compiled import CompiledPlan
+from typing import TYPE_CHECKING
+
+from planc.compiler.units import human_bytes
 from planc.compiler.walk import generic_path
 
-
-def human_bytes(n: float, digits: int = 2) -> str:
-    """`1536` -> `1.50 KiB` (whole bytes below 1 KiB; `digits` decimals above)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{int(n)} B" if unit == "B" else f"{n:.{digits}f} {unit}"
-        n /= 1024
-    return f"{n:.{digits}f} TiB"
+if TYPE_CHECKING:  # annotations only: compiled.py imports this module for CompiledPlan.__str__
+    from planc.compiler.compiled import CompiledPlan
 
 
 def _group_experts(compiled: CompiledPlan) -> list[tuple[str, int, object]]:

@@ -131,12 +131,17 @@ def _has_experts_forward(module):
     return hit
 
 
+def config_attr(config, name: str):
+    """getattr that tolerates per-layer configs, which raise for a global attribute (gemma4)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - such configs raise their own error type
+        return None
+
+
 def _config_int(config, *names) -> Optional[int]:
     for n in names:
-        try:
-            v = getattr(config, n, None)
-        except Exception:  # noqa: BLE001 - per-layer configs raise for global attributes (gemma4)
-            continue
+        v = config_attr(config, n)
         if isinstance(v, int) and not isinstance(v, bool):
             return v
     return None

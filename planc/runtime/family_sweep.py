@@ -1,7 +1,7 @@
 """The family sweep: every MoE family of the installed transformers through init, lint, explain and apply.
 
-For each family (`planc.runtime.families.moe_families`, found at run time) a tiny config is derived
-from the family's own config class (`planc.runtime.models.tiny_config`, see planc.runtime.tiny), then:
+For each family (`planc.models.families.moe_families`, found at run time) a tiny config is derived
+from the family's own config class (`planc.models.build.tiny_config`, see planc.models.tiny), then:
 
 1. `planc init` writes a plan against that config at tp_size 2 (what two ranks can run);
 2. the plan lints clean and compiles against the meta model (what `planc explain` does);
@@ -53,15 +53,15 @@ def outcome_of_error(e: BaseException) -> str:
 
 def tiny_family_config(fam):
     """The family's top config (multimodal models keep their other towers, tiny too), fp32 eager attention:
-    the one tiny-config derivation (`planc.runtime.models.tiny_config`) that the tests and `planc demo` use."""
-    from planc.runtime.models import tiny_config
+    the one tiny-config derivation (`planc.models.build.tiny_config`) that the tests and `planc demo` use."""
+    from planc.models.build import tiny_config
 
     return tiny_config(fam)
 
 
 def build_family_model(fam, seed: int = 0):
     """A tiny random model of the family, identical on every rank for the same seed, eval mode."""
-    from planc.runtime.models import build_tiny_model
+    from planc.models.build import build_tiny_model
 
     return build_tiny_model(fam, seed=seed)
 
@@ -70,7 +70,7 @@ def prepare(fam) -> dict:
     """Steps 1-2 in this process: {'init', 'lint', 'explain', 'plan' (text or None), 'ep'}."""
     import torch
 
-    from planc.commands.init import init_plan
+    from planc.models.synthesis import init_plan
     from planc.compiler.resolve import compile_plan
     from planc.lint.runner import lint_text
 
@@ -130,7 +130,7 @@ def apply_world(rank, world_size, jobs):
     import torch
 
     from planc import apply
-    from planc.runtime.families import family
+    from planc.models.families import family
 
     out = {}
     for key, text_type, plan, ep in jobs:
@@ -223,7 +223,7 @@ def run_sweep(families=None, shipped: Optional[dict] = None) -> tuple[dict, dict
     `shipped` plans {path: text}, run at the world's sizes on their family's tiny model) in one 2-rank world."""
     import yaml
 
-    from planc.runtime.families import family, moe_families
+    from planc.models.families import family, moe_families
     from planc.runtime.local_world import run_local_world
 
     fams = families if families is not None else moe_families()

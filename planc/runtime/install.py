@@ -31,12 +31,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from planc.compiler.walk import _has_experts_forward
 from planc.errors import ApplyError
-from planc.runtime.checkpoint.guards import guard_applied_model
 from planc.runtime.ep import EP_RUNTIMES
 from planc.runtime.ep.base import install_ep_forward, shard_expert_tensor
 from planc.runtime.ep.dense import install_dense_ep_forward
+from planc.runtime.guards import guard_applied_model
 from planc.runtime.mesh import Groups, build_groups, rank_device
 from planc.runtime.snapshot import Snapshot
 from planc.runtime.tp_styles import tp_style
@@ -380,7 +379,7 @@ def step_install_ep_forwards(state: InstallState) -> None:
             continue
         module = state.module(e.fqn)
         module._planc_fqn = e.fqn
-        if _has_experts_forward(module) == "dense":  # every token pre-scaled (Llama 4): no routed pairs
+        if e.dispatch == "dense":  # every token pre-scaled (Llama 4): no routed pairs
             install_dense_ep_forward(module, e.strategy, state.groups, e.num_experts)
             continue
         runtime = EP_RUNTIMES[e.strategy.name](module, e.strategy, state.groups)

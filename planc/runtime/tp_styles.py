@@ -481,7 +481,7 @@ class MoeTPExperts(TPStyle):
 
 # The runtime registry, keyed by the table's names: every `runtime` TP row has exactly one object here
 # (tests/runtime/test_styles_table.py checks both directions and each object's placements).
-TP_STYLES: dict[str, TPStyle] = {
+TP_RUNTIMES: dict[str, TPStyle] = {
     style.name: style
     for style in (
         Colwise(),
@@ -505,9 +505,9 @@ TP_STYLES: dict[str, TPStyle] = {
 def _check_registry() -> None:
     """Fail at import if the registry and the table drift apart (a row marked `runtime` with no object)."""
     want = {s.name for s in STYLES if s.runtime and s.section == "tp"}
-    if set(TP_STYLES) != want:
+    if set(TP_RUNTIMES) != want:
         raise ImportError(
-            f"planc.runtime.tp_styles: runtime TP styles {sorted(set(TP_STYLES) ^ want)} differ from "
+            f"planc.runtime.tp_styles: runtime TP styles {sorted(set(TP_RUNTIMES) ^ want)} differ from "
             "planc.spec.styles.STYLES; add the object or fix the row's `runtime` flag"
         )
 
@@ -518,12 +518,12 @@ _check_registry()
 def tp_style(name: str, where: Optional[str] = None) -> TPStyle:
     """The style object for a plan's style name; a name the runtime does not implement is an error."""
     try:
-        return TP_STYLES[name]
+        return TP_RUNTIMES[name]
     except KeyError:
         raise ApplyError(
             f"planc.runtime.tp_styles: style `{name}`{f' at {where}' if where else ''} has no runtime "
-            f"implementation; implemented: {', '.join(sorted(TP_STYLES))}. Pick one of those, or `replicate`."
+            f"implementation; implemented: {', '.join(sorted(TP_RUNTIMES))}. Pick one of those, or `replicate`."
         ) from None
 
 
-__all__ = ["TPStyle", "TP_STYLES", "tp_style", "local_parameters", "module_path"]
+__all__ = ["TPStyle", "TP_RUNTIMES", "tp_style", "local_parameters", "module_path"]

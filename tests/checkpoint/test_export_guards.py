@@ -19,7 +19,7 @@ TOL = 1e-5
 def test_export_loads_with_plain_from_pretrained(tmp_path):
     from transformers import AutoConfig
 
-    from planc.runtime.models import model_class_for
+    from planc.models.build import model_class_for
 
     results = run_distributed(export_world, 2, str(tmp_path))
     failures = []

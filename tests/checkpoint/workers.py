@@ -72,7 +72,7 @@ def load_on_meta(directory, plan, *, dtype=torch.float32, **config_overrides):
     config._attn_implementation = "eager"
     for name, value in config_overrides.items():
         setattr(config, name, value)
-    from planc.runtime.models import model_class_for
+    from planc.models.build import model_class_for
 
     with torch.device("meta"):
         model = model_class_for(config)._from_config(config, dtype=dtype)
@@ -200,7 +200,7 @@ def guards_world(rank, world_size, root):
     directory it did not write."""
     import planc
     from planc.runtime.checkpoint import save as save_module
-    from planc.runtime.models import build_tiny_model
+    from planc.models.build import build_tiny_model
 
     root = Path(root)
     out = {}

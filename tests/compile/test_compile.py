@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture(scope="module")
 def mixtral():
-    from planc.runtime.models import build_tiny_model
+    from planc.models.build import build_tiny_model
 
     return build_tiny_model("mixtral")
 
@@ -152,7 +152,7 @@ FINGERPRINT = textwrap.dedent(
     import sys
     sys.path.insert(0, {root!r})
     from planc.compiler.resolve import compile_plan
-    from planc.runtime.models import build_meta_model
+    from planc.models.build import build_meta_model
     c = compile_plan(build_meta_model("mixtral", {{"num_hidden_layers": 2}}), {plan!r})
     print(c.fingerprint)
     """

@@ -29,7 +29,7 @@ ep_plan:
 
 @pytest.fixture(scope="module")
 def mixtral():
-    from planc.runtime.models import build_tiny_model
+    from planc.models.build import build_tiny_model
 
     return build_tiny_model("mixtral")
 
@@ -94,7 +94,7 @@ def test_two_styles_on_one_target(tmp_path, mixtral):
 
 
 def test_tied_weights_with_two_rules():
-    from planc.runtime.models import build_tiny_model
+    from planc.models.build import build_tiny_model
 
     tied = build_tiny_model("mixtral", tie_word_embeddings=True)
     plan = fake_plan(model_type="mixtral")
@@ -105,7 +105,7 @@ def test_tied_weights_with_two_rules():
 
 def test_tied_weights_with_one_rule():
     # lm_head would read the vocab shard of the embedding as its whole weight
-    from planc.runtime.models import build_tiny_model
+    from planc.models.build import build_tiny_model
 
     plan = fake_plan(model_type="mixtral")
     plan["tp_plan"] = {"model.embed_tokens": "embedding_rowwise"}

@@ -6,7 +6,7 @@ import pytest
 
 from planc.compiler.resolve import compile_plan
 from planc.errors import CompileError
-from planc.runtime.models import build_meta_model
+from planc.models.build import build_meta_model
 
 
 def _codes(plan, model):
@@ -41,8 +41,8 @@ def test_experts_kernel_the_class_cannot_switch_is_refused():
     import torch
 
     from planc.compiler.walk import can_switch_experts
-    from planc.runtime.families import moe_families
-    from planc.runtime.models import tiny_config
+    from planc.models.families import moe_families
+    from planc.models.build import tiny_config
 
     fixed = [f for f in moe_families() if can_switch_experts(f.model_class(None)) is False]
     assert fixed, "no MoE family of this transformers runs only its own experts forward: PLC624 has no example"

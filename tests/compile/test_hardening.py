@@ -154,7 +154,7 @@ def test_unknown_model_type_suggests_the_closest_few(tmp_path, capsys):
 def test_compile_names_the_missing_suffix_the_directory_and_a_missing_model():
     import planc
     from planc.errors import PlanError
-    from planc.runtime.models import build_meta_model
+    from planc.models.build import build_meta_model
 
     model = build_meta_model("mixtral")
     with pytest.raises(PlanError, match=r"PLC002.*no such plan file: `.*plans/mixtral`") as e:

@@ -7,7 +7,7 @@ import pytest
 from planc.cli import main
 from planc.compiler.resolve import compile_plan
 from planc.lint.runner import lint_text
-from planc.runtime.models import build_meta_model
+from planc.models.build import build_meta_model
 from planc.spec.source import parse_yaml
 
 FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "deepseek_v4"]
@@ -52,10 +52,10 @@ def test_experts_on_their_own_forward_get_an_ep_plan():
     import torch
     import yaml
 
-    from planc.commands.init import init_plan
+    from planc.models.synthesis import init_plan
     from planc.compiler.walk import can_switch_experts
-    from planc.runtime.families import moe_families
-    from planc.runtime.models import tiny_config
+    from planc.models.families import moe_families
+    from planc.models.build import tiny_config
 
     fixed = [f for f in moe_families() if can_switch_experts(f.model_class(None)) is False]
     assert fixed, "no MoE family of this transformers runs only its own experts forward"
@@ -80,9 +80,9 @@ def test_parameter_free_experts_get_no_ep_rule_and_are_not_counted():
     import torch
     import yaml
 
-    from planc.commands.init import init_plan
-    from planc.runtime.families import family
-    from planc.runtime.models import tiny_config
+    from planc.models.synthesis import init_plan
+    from planc.models.families import family
+    from planc.models.build import tiny_config
 
     fam = family("longcat_flash")
     config = tiny_config(fam)
@@ -112,9 +112,9 @@ def test_a_rule_that_suits_one_class_of_blocks_is_kept_for_their_layers():
     import torch
     import yaml
 
-    from planc.commands.init import init_plan
-    from planc.runtime.families import family
-    from planc.runtime.models import tiny_config
+    from planc.models.synthesis import init_plan
+    from planc.models.families import family
+    from planc.models.build import tiny_config
 
     fam = family("glm5_next_text")
     config = tiny_config(fam)
@@ -148,9 +148,9 @@ def test_experts_no_size_divides_are_tensor_parallel(name, count, want):
     import torch
     import yaml
 
-    from planc.commands.init import init_plan
-    from planc.runtime.families import family
-    from planc.runtime.models import tiny_config
+    from planc.models.synthesis import init_plan
+    from planc.models.families import family
+    from planc.models.build import tiny_config
 
     fam = family(name)
     config = tiny_config(fam, **{count: 3})
@@ -170,9 +170,9 @@ def test_experts_no_size_divides_are_tensor_parallel(name, count, want):
 def test_experts_tp_styles_cannot_shard_get_no_tp_rules():
     """gpt_oss's experts have biases (every rank would add the down bias once) and interleaved gate|up: no TP
     rules, so 3 experts cannot be planned at tp_size 2, and init says why for each layout it tried."""
-    from planc.commands.init import init_plan
-    from planc.runtime.families import family
-    from planc.runtime.models import tiny_config
+    from planc.models.synthesis import init_plan
+    from planc.models.families import family
+    from planc.models.build import tiny_config
 
     fam = family("gpt_oss")
     with pytest.raises(ValueError) as e:

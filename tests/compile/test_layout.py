@@ -10,7 +10,7 @@ import pytest
 from planc.compiler import resolve as R
 from planc.compiler.resolve import compile_plan
 from planc.errors import CompileError
-from planc.runtime.models import build_meta_model, build_tiny_model
+from planc.models.build import build_meta_model, build_tiny_model
 from planc.spec.sizes import Sizes, check_sizes, solve_sizes
 
 HEAD = "version: 1\nmodel: {type: mixtral}\nparallel: {tp_size: 2, ep_size: 2}\n"
@@ -223,8 +223,8 @@ def test_lint_size_hints_pass_lint():
 def _glm5_next():
     import torch
 
-    from planc.runtime.families import family
-    from planc.runtime.models import tiny_config
+    from planc.models.families import family
+    from planc.models.build import tiny_config
 
     fam = family("glm5_next_text")
     config = tiny_config(fam)

@@ -40,7 +40,7 @@ def test_checkpoint_reads_per_rank(tmp_path):
     """fp32 checkpoint, fp32 model: each rank reads exactly the bytes it holds (only its shards)."""
     import json
 
-    from planc.runtime.models import build_tiny_model
+    from planc.models.build import build_tiny_model
     from planc.lint.load import load_plan
 
     build_tiny_model("mixtral").save_pretrained(tmp_path / "ckpt", max_shard_size="40KB")

@@ -11,7 +11,7 @@ import pytest
 from planc.compiler.resolve import compile_plan
 from planc.errors import CompileError
 from planc.lint.registry import all_rules
-from planc.runtime.models import build_tiny_model
+from planc.models.build import build_tiny_model
 from planc.spec.source import parse_yaml
 
 COMPILE_RULES = [r for r in all_rules() if r.family in ("compile", "layout")]

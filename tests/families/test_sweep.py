@@ -1,6 +1,6 @@
 """Every MoE family of the installed transformers: init -> lint -> explain -> apply on 2 gloo ranks.
 
-The families are found at test time (`planc.runtime.families.moe_families`), each on a tiny config
+The families are found at test time (`planc.models.families.moe_families`), each on a tiny config
 derived from its own config class. One sweep (one spawned 2-rank world for every family and every
 shipped plan) is shared by all tests here through a module fixture; they are marked `sweep` and
 grouped (`xdist_group`, with `--dist loadgroup` in pyproject.toml) so that under `pytest -n 2` the
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from planc.compiler.resolve import compile_plan
-from planc.runtime.families import family, moe_families
+from planc.models.families import family, moe_families
 from planc.runtime.family_sweep import family_status, render_models_md, run_sweep
-from planc.runtime.models import build_meta_model
+from planc.models.build import build_meta_model
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ["qwen3_vl_moe", "glm4_moe", "minimax_m2", "llama4", "qwen3_next", "deepseek_v2"]

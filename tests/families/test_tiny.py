@@ -1,4 +1,4 @@
-"""The one tiny-config derivation (planc.runtime.tiny) on real transformers config classes.
+"""The one tiny-config derivation (planc.models.tiny) on real transformers config classes.
 
 transformers' default configs of several families cannot build a model (fields left None that the model
 needs, per-layer lists that do not match the layer count, towers of different widths); the derivation
@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from planc.runtime import models
-from planc.runtime.families import family, text_config_of
-from planc.runtime.models import TINY_CONFIGS, build_tiny_model, tiny_config
+from planc.models import build as models
+from planc.models.families import family, text_config_of
+from planc.models.build import TINY_CONFIGS, build_tiny_model, tiny_config
 
 
 def _text(name: str):
@@ -23,7 +23,7 @@ def _text(name: str):
 
 def test_one_derivation_for_demo_tests_and_sweep():
     from planc.runtime import family_sweep
-    from planc.runtime.tiny import tiny_family_config
+    from planc.models.tiny import tiny_family_config
 
     for gone in ("derive_tiny_config", "shrink_config", "shrink_other_config", "_TINY_DERIVED"):
         assert not hasattr(models, gone), gone
@@ -147,7 +147,7 @@ def test_init_plans_every_stack_of_experts_in_the_model():
     """A diffusion model runs the family's layers twice (its encoder's language model and its decoder, built
     from the top config); dots3_note has experts in its vision encoder and its language model: the plan init
     writes shards all of them (transformers' own EP plan leaves the decoder's experts replicated)."""
-    from planc.commands.init import init_plan
+    from planc.models.synthesis import init_plan
 
     for name, prefixes in (("diffusion_gemma_text", ("model.encoder.language_model.layers", "model.decoder.layers")),
                            ("dots3_note_vision_encoder", ("model.vision_tower.blocks", "model.language_model.layers"))):
@@ -181,7 +181,7 @@ def test_expert_counts_exercise_expert_parallelism():
 
 
 def test_one_expert_is_refused_for_expert_parallelism_with_its_reason():
-    from planc.commands.init import init_plan
+    from planc.models.synthesis import init_plan
     from planc.compiler.resolve import compile_plan
     from planc.errors import CompileError
 

@@ -61,7 +61,7 @@ def _quantized(key: str, t: torch.Tensor) -> bool:
 
 
 def write_fp8_checkpoint(case: str, path: Path, *, seed: int = 0) -> None:
-    from planc.runtime.models import build_tiny_model
+    from planc.models.build import build_tiny_model
 
     model_type, overrides = FP8_CASES[case]
     bf = Path(str(path) + ".unquantized")
@@ -201,7 +201,7 @@ def write_fp4_experts_checkpoint(path: Path, *, seed: int = 0) -> None:
     The FP4 values are planc's (= DeepGEMM's) cast of the random bf16 experts. The other weights stay fp32 (the tiny
     dims are not on the 128 grid). `experts_fp4.pt` beside it holds every layer's stacked FP4 tensors, for the byte
     comparison."""
-    from planc.runtime.models import build_tiny_model
+    from planc.models.build import build_tiny_model
 
     model = build_tiny_model("deepseek_v4", seed=seed)
     stacked = save_fp4_experts(model, path, max_shard_size="40KB")

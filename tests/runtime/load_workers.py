@@ -26,7 +26,7 @@ def write_checkpoints(root: Path, model_types, *, seed: int = 0) -> None:
     w1/w2/w3), sharded over several files with an index. `model`: the model's in-memory layout (fused
     gate_up_proj), one file.
     """
-    from planc.runtime.models import build_tiny_model
+    from planc.models.build import build_tiny_model
 
     for model_type in model_types:
         model = build_tiny_model(model_type, seed=seed, **FOUR_RANK_HEADS.get(model_type, {}))
@@ -106,7 +106,7 @@ def write_transposed_experts_checkpoint(path: Path, *, seed: int = 0) -> None:
     them at load). H 64, I 16: no dim pair is square, so the transpose is visible in every shape."""
     from safetensors.torch import load_file, save_file
 
-    from planc.runtime.models import build_tiny_model
+    from planc.models.build import build_tiny_model
 
     model = build_tiny_model("qwen3_vl_moe", seed=seed, moe_intermediate_size=16)
     model.save_pretrained(path, save_original_format=False)

@@ -52,7 +52,7 @@ def shipped_case_plan(name: str, *, tp: int, ep: int | None = None) -> dict:
 
 def tiny_for_case(name: str, seed: int = 0, **overrides):
     """The tiny random model a shipped plan's tests use (4 KV heads where 4-rank TP needs them)."""
-    from planc.runtime.models import build_tiny_model
+    from planc.models.build import build_tiny_model
 
     model_type = SHIPPED[name][0]
     return build_tiny_model(model_type, seed=seed, **{**FOUR_RANK_HEADS.get(model_type, {}), **overrides})
@@ -121,7 +121,7 @@ def train_step_diff(model, ref, ids, *, only=None) -> tuple[float, float]:
 
 def fresh(model_type: str, impl: str | None = None, **overrides):
     """A tiny model and an unsharded copy of it (running the same experts implementation)."""
-    from planc.runtime.models import build_tiny_model
+    from planc.models.build import build_tiny_model
 
     model = build_tiny_model(model_type, **overrides)
     ref = copy.deepcopy(model)

@@ -219,7 +219,7 @@ def _model_class(config):
     the config (`model_class_for`: the family's top model, e.g. a multimodal MoE, else its *ForCausalLM)."""
     import transformers
 
-    from planc.runtime.models import model_class_for
+    from planc.models.build import model_class_for
 
     for name in getattr(config, "architectures", None) or []:
         cls = getattr(transformers, name, None)
@@ -229,13 +229,9 @@ def _model_class(config):
 
 
 def _meta_model(config, dtype) -> nn.Module:
-    cls = _model_class(config)
-    with torch.device("meta"):
-        if hasattr(cls, "_from_config"):
-            model = cls._from_config(config, dtype=config.dtype)
-        else:
-            model = cls.from_config(config, dtype=config.dtype)
-    return model.eval()
+    from planc.models.build import meta_model
+
+    return meta_model(config, model_class=_model_class(config), dtype=config.dtype).eval()
 
 
 # ---- 3. the fill step ------------------------------------------------------------------------------------

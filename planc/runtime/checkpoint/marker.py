@@ -51,7 +51,7 @@ def marker_data(model, compiled, non_persistent_buffers: list[str]) -> dict[str,
     import torch
     import transformers
 
-    import planc
+    from planc.version import __version__
 
     dtype = next((p.dtype for p in model.parameters()), torch.float32)
     return {
@@ -67,7 +67,7 @@ def marker_data(model, compiled, non_persistent_buffers: list[str]) -> dict[str,
         "plan_name": compiled.plan_name,
         "plan_path": str(compiled.plan_path) if compiled.plan_path else None,
         "non_persistent_buffers": sorted(non_persistent_buffers),
-        "planc_version": planc.__version__,
+        "planc_version": __version__,
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
     }

@@ -2,8 +2,10 @@
 
 Tests, `planc demo` and `planc explain` need real transformers models without the hub. The tiny
 configs keep every dimension the shipped plans shard divisible by 4 (heads, KV heads, experts), so
-the same model runs on 1, 2 and 4 ranks; `build_meta_model` builds the family's default (full-size)
-config on the meta device, which costs no memory, for the compiler to walk.
+the same model runs on 1, 2 and 4 ranks. `meta_model` is the one builder on the meta device (no
+memory) of the model the compiler walks: the family's default (full-size) config for `planc explain`
+and `planc init` (`build_meta_model`), a checkpoint's config for `planc.load`, a tiny config for the
+family sweep. Every transformers failure becomes one ModelBuildError line naming the model type.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import contextlib
 import copy
 from typing import Any, Optional
 
-from planc.errors import PlancError
+from planc.errors import ModelBuildError, one_line
 
 # Small enough for CPU tests (forward < 50 ms), big enough that every sharded dim splits over 4 ranks.
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
@@ -50,18 +52,9 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 MODEL_TYPES = tuple(TINY_CONFIGS)
 
 
-class ModelBuildError(PlancError, ValueError):
-    """transformers could not build a config or a model: one line that names the model type and the cause.
-
-    `planc init`, `planc explain` and `planc demo` print it as is (exit 2) instead of transformers'
-    traceback; every way planc builds a model goes through this module, so none of them can leak one.
-    """
-
-
-def _one_line(exc: BaseException, limit: int = 300) -> str:
-    text = " ".join(str(exc).split()) or "(no message)"
-    text = text if len(text) <= limit else text[: limit - 3] + "..."
-    return f"{type(exc).__name__}: {text}"
+def _cause(exc: BaseException) -> str:
+    """`ExcType: message` on one line (what transformers said, quoted in a ModelBuildError)."""
+    return f"{type(exc).__name__}: {one_line(exc, 300) or '(no message)'}"
 
 
 def known_model_types() -> list[str]:
@@ -92,8 +85,8 @@ def build_config(model_type: str, overrides: Optional[dict] = None):
     cls = config_class(model_type)
     try:
         return cls(**(overrides or {}))
-    except Exception as e:  # e.g. transformers' StrictDataclassFieldValidationError for a bad value
-        raise ModelBuildError(f"cannot build a `{model_type}` config ({cls.__name__}): {_one_line(e)}") from e
+    except Exception as e:  # noqa: BLE001 - e.g. transformers' StrictDataclassFieldValidationError for a bad value
+        raise ModelBuildError(f"cannot build a `{model_type}` config ({cls.__name__}): {_cause(e)}") from e
 
 
 def causal_lm_class(config):
@@ -108,31 +101,13 @@ def causal_lm_class(config):
         ) from None
 
 
-def build_model(config, *, meta: bool = False, **kwargs):
-    """`AutoModelForCausalLM.from_config(config, **kwargs)` (on the meta device: no memory); any exception
-    from transformers becomes one ModelBuildError line naming the model type and what failed."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    cls = causal_lm_class(config)
-    try:
-        if meta:
-            with torch.device("meta"):
-                return AutoModelForCausalLM.from_config(config, **kwargs)
-        return AutoModelForCausalLM.from_config(config, **kwargs)
-    except Exception as e:  # transformers raises anything from a config it cannot build
-        raise ModelBuildError(
-            f"transformers cannot build a `{config.model_type}` model ({cls.__name__}) from this config: {_one_line(e)}"
-        ) from e
-
-
 def tiny_config(model_type, **overrides):
     """The tiny config of `model_type` (a family's model type or its top model's, or a Family) that the
     tests, `planc demo` and the family sweep build: derived from the family's own config class
-    (`planc.runtime.tiny`), with the hand-tuned values of TINY_CONFIGS and then `overrides` on top.
+    (`planc.models.tiny`), with the hand-tuned values of TINY_CONFIGS and then `overrides` on top.
     fp32, eager attention. ModelBuildError when transformers rejects it."""
-    from planc.runtime.families import Family, family
-    from planc.runtime.tiny import tiny_family_config
+    from planc.models.families import Family, family
+    from planc.models.tiny import tiny_family_config
 
     if isinstance(model_type, Family):
         fam = model_type
@@ -145,9 +120,9 @@ def tiny_config(model_type, **overrides):
     kwargs = {**TINY_CONFIGS.get(fam.text_type, {}), **overrides}
     try:
         return tiny_family_config(fam, **kwargs)
-    except Exception as e:  # transformers' config validation raises anything
+    except Exception as e:  # noqa: BLE001 - transformers' config validation raises anything
         raise ModelBuildError(
-            f"cannot build a tiny `{fam.model_type}` config ({fam.config_class().__name__}): {_one_line(e)}"
+            f"cannot build a tiny `{fam.model_type}` config ({fam.config_class().__name__}): {_cause(e)}"
         ) from e
 
 
@@ -156,7 +131,7 @@ def build_tiny_model(model_type, *, seed: int = 0, experts_implementation: Optio
     the multimodal model holding the family's config), fp32, eval mode, identical for the same seed on every rank."""
     import torch
 
-    from planc.runtime.families import Family
+    from planc.models.families import Family
 
     config = tiny_config(model_type, **overrides)
     torch.manual_seed(seed)
@@ -165,13 +140,8 @@ def build_tiny_model(model_type, *, seed: int = 0, experts_implementation: Optio
         cls = model_type.model_class(config)
     else:
         cls = model_class_for(config)
-    try:
-        with _uninitialized_memory_is_nan():
-            model = cls._from_config(config, dtype=torch.float32, **kwargs)
-    except Exception as e:  # transformers raises anything from a config it cannot build
-        raise ModelBuildError(
-            f"transformers cannot build a `{config.model_type}` model ({cls.__name__}) from this config: {_one_line(e)}"
-        ) from e
+    with _uninitialized_memory_is_nan():
+        model = _instantiate(cls, config, dtype=torch.float32, **kwargs)
     _randomize_uninitialized(model, seed)
     _randomize_zero_inits(model, seed)
     return model.eval()
@@ -231,21 +201,33 @@ def clone_model(model):
     return copy.deepcopy(model)
 
 
-def build_meta_model(model_type: str, config_overrides: Optional[dict] = None):
-    """The full-size `*ForCausalLM` of `model_type` from transformers' default config, on the meta device.
-
-    No memory is allocated, so `planc explain` can resolve a plan against a 600B-parameter model.
-    """
+def meta_model(config, *, model_class=None, dtype=None):
+    """The model of `config` on the meta device (no memory: `planc explain` resolves a plan against a 600B-parameter
+    model): `model_class` (default `model_class_for(config)`: the family's top model, else the *ForCausalLM) in
+    `dtype` (default: transformers' choice for the config). The one meta-model builder: `planc explain`, `planc init`,
+    `planc.load` and the family sweep build through it. ModelBuildError on any failure."""
     import torch
 
-    config = build_config(model_type, _nest(config_overrides or {}))
-    cls = model_class_for(config)
+    cls = model_class if model_class is not None else model_class_for(config)
+    kwargs = {"dtype": dtype} if dtype is not None else {}
+    with torch.device("meta"):
+        return _instantiate(cls, config, **kwargs)
+
+
+def build_meta_model(model_type: str, config_overrides: Optional[dict] = None, *, dtype=None):
+    """`meta_model` of `model_type`'s config: transformers' defaults with `config_overrides` (dotted keys reach
+    sub-configs, `text_config.num_hidden_layers`); full-size unless the overrides say otherwise."""
+    return meta_model(build_config(model_type, _nest(config_overrides or {})), dtype=dtype)
+
+
+def _instantiate(cls, config, **kwargs):
+    """`cls._from_config(config, **kwargs)`; any exception from transformers becomes one ModelBuildError line naming
+    the model type, the class and what failed."""
     try:
-        with torch.device("meta"):
-            return cls._from_config(config)
-    except Exception as e:  # transformers raises anything from a config it cannot build
+        return cls._from_config(config, **kwargs)
+    except Exception as e:  # noqa: BLE001 - transformers raises anything from a config it cannot build
         raise ModelBuildError(
-            f"transformers cannot build a `{config.model_type}` model ({cls.__name__}) from this config: {_one_line(e)}"
+            f"transformers cannot build a `{config.model_type}` model ({cls.__name__}) from this config: {_cause(e)}"
         ) from e
 
 
@@ -262,8 +244,8 @@ def _nest(flat: dict) -> dict:
 
 
 def model_class_for(config):
-    """The class users load for `config`: the family's top model (planc.runtime.families), else the *ForCausalLM."""
-    from planc.runtime.families import _direct_family
+    """The class users load for `config`: the family's top model (planc.models.families), else the *ForCausalLM."""
+    from planc.models.families import _direct_family
 
     fam = _direct_family(config.model_type)
     if fam is not None and fam.head is not None:

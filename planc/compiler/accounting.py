@@ -11,7 +11,7 @@ from collections import OrderedDict
 
 from planc.compiler.compiled import Assignment, CompileWarning, ReplicatedGroup, RuleCoverage
 from planc.compiler.context import REPLICATED_DENSE, TABLE_INACTIVE, PlanRule, key_where
-from planc.compiler.render import human_bytes
+from planc.compiler.units import human_bytes
 from planc.spec.styles import STYLE
 
 

@@ -19,7 +19,7 @@ family, so a tiny config is derived from the family's own config class, starting
 Structural switches stay as the family ships them, except one that turns the experts on (gemma4's
 `enable_moe_block`, off by default; its MoE checkpoints set it): the sweep is about the experts. An expert
 count of 1 in the defaults (hunyuan_v1_moe) becomes 8 too, so that expert parallelism is exercised.
-`TINY_CONFIGS` (planc.runtime.models) holds
+`TINY_CONFIGS` (planc.models.build) holds
 hand-tuned values for the shipped plans' families; they are overrides on top of this derivation.
 """
 
