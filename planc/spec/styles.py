@@ -116,7 +116,7 @@ PARAMETER_STYLES = frozenset(s.name for s in STYLES if s.target == "parameter")
 # The styles planc's runtime installs. The compiler refuses the others instead of skipping them.
 RUNTIME_STYLES = frozenset(s.name for s in STYLES if s.runtime)
 # Module styles that hook an experts module: style -> experts mode.
-EXPERTS_MODULE_STYLES: dict[str, str] = {s.name: s.experts_mode for s in STYLES if s.experts_mode}
+EXPERTS_MODULE_STYLES: dict[str, Literal["ep", "tp"]] = {s.name: s.experts_mode for s in STYLES if s.experts_mode}
 
 # Removed styles -> what to write instead (used by lint hints and `planc migrate`).
 REMOVED_STYLES: dict[str, str] = {
