@@ -34,7 +34,7 @@ MAX_TINY_PARAMS = 20_000_000  # fp32 on every rank plus the reference copy: keep
 _CODE = re.compile(r"\b(PLC\d{3})\b")
 
 
-def _one_line(text: str, limit: int = 300) -> str:
+def _one_line(text: object, limit: int = 300) -> str:
     line = " ".join(str(text).split())
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
@@ -257,9 +257,9 @@ def family_status(rec: dict) -> str:
         return "not built"  # also: the unsharded tiny model's own forward fails
     steps = [rec.get(k) for k in ("build", "init", "lint", "explain") if k in rec]
     steps += list((rec.get("apply") or {}).values())
-    if any(s.startswith("fail") for s in steps):
+    if any(s is not None and s.startswith("fail") for s in steps):
         return "fail"
-    if any(s.startswith("refused") for s in steps):
+    if any(s is not None and s.startswith("refused") for s in steps):
         return "refused"
     return "pass" if "apply" in rec else "fail"
 
