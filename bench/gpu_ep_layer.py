@@ -31,8 +31,8 @@ for _p in (str(REPO), str(REPO / "bench")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch  # noqa: E402 - after the sys.path setup above
+import torch.distributed as dist  # noqa: E402 - after the sys.path setup above
 from machine import describe  # noqa: E402  (same directory)
 
 FULL = dict(hidden_size=7168, n_routed_experts=384, num_experts_per_tok=6, moe_intermediate_size=3072)

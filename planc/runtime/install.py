@@ -96,7 +96,7 @@ def compile_and_check(model, plan, mesh, *, device: Optional[torch.device] = Non
     problems = []
     try:
         problems += _local_checks(model, compiled, mesh, device)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - reported on every rank by agree_across_ranks instead of hanging them
         problems.append(f"{type(e).__name__}: {e}")
     return compiled, problems
 
