@@ -18,8 +18,8 @@ import pytest
 
 from planc.compiler.resolve import compile_plan
 from planc.models.families import family, moe_families
-from planc.runtime.family_sweep import family_status, render_models_md, run_sweep
 from planc.models.build import build_meta_model
+from tests.families.sweep import family_status, render_models_md, run_sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ["qwen3_vl_moe", "glm4_moe", "minimax_m2", "llama4", "qwen3_next", "deepseek_v2"]
@@ -145,7 +145,7 @@ def test_models_md_is_current(sweep):
     records, _ = sweep
     want = render_models_md(records, transformers.__version__)
     have = (ROOT / "docs" / "models.md").read_text()
-    assert have == want, "docs/models.md is stale: run `python -m planc.runtime.family_sweep --write docs/models.md`"
+    assert have == want, "docs/models.md is stale: run `python -m tests.families.sweep --write docs/models.md`"
 
 
 @pytest.mark.parametrize("name", SHIPPED)

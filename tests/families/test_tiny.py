@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from planc.models import build as models
+from planc.models import build
 from planc.models.families import family, text_config_of
 from planc.models.build import TINY_CONFIGS, build_tiny_model, tiny_config
 
@@ -22,14 +22,16 @@ def _text(name: str):
 
 
 def test_one_derivation_for_demo_tests_and_sweep():
-    from planc.runtime import family_sweep
     from planc.models.tiny import tiny_family_config
+    from tests.families import sweep
 
     for gone in ("derive_tiny_config", "shrink_config", "shrink_other_config", "_TINY_DERIVED"):
-        assert not hasattr(models, gone), gone
+        assert not hasattr(build, gone), gone
     # the hand-tuned values are overrides on top of the derivation, not a second derivation
     want = tiny_family_config(family("mixtral"), **TINY_CONFIGS["mixtral"]).to_dict()
-    assert tiny_config("mixtral").to_dict() == want == family_sweep.tiny_family_config(family("mixtral")).to_dict()
+    assert tiny_config("mixtral").to_dict() == want
+    # the sweep builds through the same tiny_config: no tiny-config or model builder of its own
+    assert not {"tiny_family_config", "build_family_model"} & set(vars(sweep)), sorted(vars(sweep))
     assert tiny_config("qwen2_moe").num_experts == 8  # derived: no hand-tuned entry
 
 
@@ -110,7 +112,7 @@ def test_a_top_model_that_only_generates_is_compared_on_the_submodule_of_its_con
     """transformers' Qwen3 Omni MoE top model (thinker + talker + code2wav) only generates (calling it raises
     NotImplementedError): the sweep compares the forward of the talker, the outermost module with a forward
     of its own whose config holds the family's (talker) text config, fed embeddings (it ignores input_ids)."""
-    from planc.runtime.family_sweep import _logits, comparison_inputs, comparison_path
+    from tests.families.sweep import _logits, comparison_inputs, comparison_path
 
     fam = family("qwen3_omni_moe_talker_text")
     model = build_tiny_model(fam)

@@ -1,7 +1,8 @@
 """The family sweep: every MoE family of the installed transformers through init, lint, explain and apply.
 
-For each family (`planc.models.families.moe_families`, found at run time) a tiny config is derived
-from the family's own config class (`planc.models.build.tiny_config`, see planc.models.tiny), then:
+A driver over planc's commands and public API (it lives beside its tests, outside the package). For each
+family (`planc.models.families.moe_families`, found at run time) a tiny config is derived from the family's
+own config class (`planc.models.build.tiny_config`, see planc.models.tiny), then:
 
 1. `planc init` writes a plan against that config at tp_size 2 (what two ranks can run);
 2. the plan lints clean and compiles against the meta model (what `planc explain` does);
@@ -15,7 +16,7 @@ Every step records an outcome: `pass`, `refused PLCxxx: ...` (planc said no, wit
 `fail: ...` (anything else). One spawned 2-rank world runs the applies of every family (starting ranks
 costs more than the checks). The results render docs/models.md:
 
-    python -m planc.runtime.family_sweep --write docs/models.md   # regenerate (about 3 minutes)
+    python -m tests.families.sweep --write docs/models.md   # regenerate (about 3 minutes)
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import sys
 import traceback
 from typing import Optional
 
+from planc.errors import PlancError, one_line
+
 TOL = 1e-5
 STRATEGIES = ("all_to_all", "all_reduce", "auto")
 WORLD = 2
@@ -34,53 +37,31 @@ MAX_TINY_PARAMS = 20_000_000  # fp32 on every rank plus the reference copy: keep
 _CODE = re.compile(r"\b(PLC\d{3})\b")
 
 
-def _one_line(text: object, limit: int = 300) -> str:
-    line = " ".join(str(text).split())
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
 def outcome_of_error(e: BaseException) -> str:
     """`refused PLCxxx: message` for planc's own refusals (a rule code in the message), else `fail: ...`."""
-    from planc.errors import PlancError
-
     text = str(e)
     code = _CODE.search(text)
     if isinstance(e, PlancError) and code:
         lines = [ln.strip() for ln in text.splitlines() if code.group(1) in ln]
-        return f"refused {code.group(1)}: {_one_line(lines[0] if lines else text)}"
-    return f"fail: {type(e).__name__}: {_one_line(text)}"
-
-
-def tiny_family_config(fam):
-    """The family's top config (multimodal models keep their other towers, tiny too), fp32 eager attention:
-    the one tiny-config derivation (`planc.models.build.tiny_config`) that the tests and `planc demo` use."""
-    from planc.models.build import tiny_config
-
-    return tiny_config(fam)
-
-
-def build_family_model(fam, seed: int = 0):
-    """A tiny random model of the family, identical on every rank for the same seed, eval mode."""
-    from planc.models.build import build_tiny_model
-
-    return build_tiny_model(fam, seed=seed)
+        return f"refused {code.group(1)}: {one_line(lines[0] if lines else text, 300)}"
+    return f"fail: {type(e).__name__}: {one_line(text, 300)}"
 
 
 def prepare(fam) -> dict:
     """Steps 1-2 in this process: {'init', 'lint', 'explain', 'plan' (text or None), 'ep'}."""
     import torch
 
-    from planc.models.synthesis import init_plan
     from planc.compiler.resolve import compile_plan
     from planc.lint.runner import lint_text
+    from planc.models.build import meta_model, tiny_config
+    from planc.models.synthesis import init_plan
 
     rec: dict = {"text_type": fam.text_type, "model_type": fam.model_type, "multimodal": fam.multimodal}
     try:
-        config = tiny_family_config(fam)
-        with torch.device("meta"):
-            meta = fam.model_class(config)._from_config(config, dtype=torch.float32)
+        config = tiny_config(fam)
+        meta = meta_model(config, model_class=fam.model_class(config), dtype=torch.float32)
     except Exception as e:  # noqa: BLE001 - recorded: transformers cannot build this tiny config
-        rec["build"] = f"fail: {type(e).__name__}: {_one_line(e)}"
+        rec["build"] = f"fail: {type(e).__name__}: {one_line(e, 300)}"
         return rec
     numel = sum(p.numel() for p in meta.parameters())
     if numel > MAX_TINY_PARAMS:
@@ -92,11 +73,11 @@ def prepare(fam) -> dict:
     try:
         text = init_plan(fam.model_type, config.to_dict(), sizes=(WORLD,))
     except Exception as e:  # noqa: BLE001 - a family planc cannot plan is a recorded outcome
-        rec["init"] = outcome_of_error(e) if "PLC" in str(e) else f"refused init: {_one_line(e)}"
+        rec["init"] = outcome_of_error(e) if "PLC" in str(e) else f"refused init: {one_line(e, 300)}"
         return rec
     rec["init"], rec["plan"] = "pass", text
     errors = [d.format() for d in lint_text(text) if d.severity == "error"]
-    rec["lint"] = "pass" if not errors else f"fail: {_one_line(errors[0])}"
+    rec["lint"] = "pass" if not errors else f"fail: {one_line(errors[0], 300)}"
     try:
         compiled = compile_plan(meta, text)
         rec["explain"] = "pass"
@@ -130,6 +111,7 @@ def apply_world(rank, world_size, jobs):
     import torch
 
     from planc import apply
+    from planc.models.build import build_tiny_model
     from planc.models.families import family
 
     out = {}
@@ -137,7 +119,7 @@ def apply_world(rank, world_size, jobs):
         res = out[key] = {}
         try:
             fam = family(text_type)
-            base = build_family_model(fam)
+            base = build_tiny_model(fam)
             path = comparison_path(base, fam)
             if path is None:
                 res["build"] = (f"transformers: {type(base).__name__} has no forward of its own (it only generates) "
@@ -149,7 +131,7 @@ def apply_world(rank, world_size, jobs):
                 torch.manual_seed(FORWARD_SEED)  # a forward that samples (a diffusion model's canvas) samples alike
                 want = _logits(target(**inputs))
         except Exception as e:  # noqa: BLE001 - transformers cannot run the tiny model: recorded
-            res["build"] = f"fail: {type(e).__name__}: {_one_line(e)}"
+            res["build"] = f"fail: {type(e).__name__}: {one_line(e, 300)}"
             continue
         for strategy in STRATEGIES if ep else ("tp",):
             try:
@@ -163,7 +145,7 @@ def apply_world(rank, world_size, jobs):
             except Exception as e:  # noqa: BLE001 - every strategy's failure is a recorded outcome
                 res[strategy] = outcome_of_error(e)
                 if res[strategy].startswith("fail"):
-                    res[strategy] += " | " + _one_line(traceback.format_exc().splitlines()[-3], 160)
+                    res[strategy] += " | " + one_line(traceback.format_exc().splitlines()[-3], 160)
     return out
 
 
@@ -257,9 +239,9 @@ def family_status(rec: dict) -> str:
         return "not built"  # also: the unsharded tiny model's own forward fails
     steps = [rec.get(k) for k in ("build", "init", "lint", "explain") if k in rec]
     steps += list((rec.get("apply") or {}).values())
-    if any(s is not None and s.startswith("fail") for s in steps):
+    if any(s.startswith("fail") for s in steps):
         return "fail"
-    if any(s is not None and s.startswith("refused") for s in steps):
+    if any(s.startswith("refused") for s in steps):
         return "refused"
     return "pass" if "apply" in rec else "fail"
 
@@ -272,7 +254,7 @@ def render_models_md(records: dict, transformers_version: str) -> str:
     lines = [
         "# Model families",
         "",
-        "<!-- generated by `python -m planc.runtime.family_sweep --write docs/models.md`; "
+        "<!-- generated by `python -m tests.families.sweep --write docs/models.md`; "
         "tests/families/test_sweep.py checks it is current -->",
         "",
         f"Every MoE family of transformers {transformers_version} (a config class with `base_model_ep_plan`, or a",
@@ -299,7 +281,7 @@ def render_models_md(records: dict, transformers_version: str) -> str:
         if first_bad is None and apply_res.get("build", "pass") != "pass":
             first_bad = apply_res["build"] if apply_res["build"].startswith("transformers:") else "tiny model: " + apply_res["build"]
 
-        def cell(key, apply_res=apply_res):
+        def cell(key):
             v = apply_res.get(key)
             if v is None:
                 v = apply_res.get("tp") if key in STRATEGIES and "tp" in apply_res else None
@@ -316,7 +298,7 @@ def render_models_md(records: dict, transformers_version: str) -> str:
 
 
 def _md(text: str) -> str:
-    return _one_line(text, 140).replace("|", "\\|")
+    return one_line(text, 140).replace("|", "\\|")
 
 
 def main(argv: Optional[list] = None) -> int:
