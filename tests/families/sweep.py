@@ -281,7 +281,7 @@ def render_models_md(records: dict, transformers_version: str) -> str:
         if first_bad is None and apply_res.get("build", "pass") != "pass":
             first_bad = apply_res["build"] if apply_res["build"].startswith("transformers:") else "tiny model: " + apply_res["build"]
 
-        def cell(key):
+        def cell(key, apply_res=apply_res):
             v = apply_res.get(key)
             if v is None:
                 v = apply_res.get("tp") if key in STRATEGIES and "tp" in apply_res else None
