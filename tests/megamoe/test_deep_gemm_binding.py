@@ -92,7 +92,7 @@ class RecordingDeepGemm(types.ModuleType):
     def transform_weights_for_mega_moe(self, *, l1_weights, l2_weights, activation="swiglu"):
         self.calls.append(("transform_weights_for_mega_moe", dict(l1_weights=l1_weights, l2_weights=l2_weights)))
         (w1, sf1), (w2, sf2) = l1_weights, l2_weights
-        mn_major = lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)  # noqa: E731
+        mn_major = lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)  # noqa: E731 - a one-line layout helper
         return ((_interleave_gate_up(w1), mn_major(_utccp(_interleave_gate_up(sf1)))),
                 (w2, mn_major(_utccp(sf2))))
 

@@ -124,7 +124,7 @@ def test_weight_layout_holds_every_code_and_scale_once():
     words, sbytes = shuffle_fp4(packed, scales)
     assert words.shape == (2, 32, 16) and words.dtype == torch.int32 and sbytes.shape == scales.shape
     assert torch.equal(sbytes.flatten(1).sort(1).values, scales.flatten(1).sort(1).values)
-    bits = lambda t: sum(int(((t.view(torch.uint8).to(torch.int32) >> b) & 1).sum()) for b in range(8))  # noqa: E731
+    bits = lambda t: sum(int(((t.view(torch.uint8).to(torch.int32) >> b) & 1).sum()) for b in range(8))  # noqa: E731 - a one-line bit count
     assert bits(words) == bits(packed)
 
 

@@ -240,7 +240,7 @@ class BlockScaleSlice:
         lead, (rows, cols) = spans[:-2], spans[-2:]
         grid = []
         aligned = True
-        for (start, stop), b, size in zip((rows, cols), self.block, self.weight_shape[-2:]):
+        for (start, stop), b in zip((rows, cols), self.block):
             grid.append((start // b, -(-stop // b)))
             aligned &= start % b == 0 and (stop - start) % b == 0
         scale = self.source[tuple(slice(a, z) for a, z in lead) + tuple(slice(a, z) for a, z in grid)]
