@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from planc.runtime.megamoe import deep_gemm_backend, install_megamoe_forward, megamoe_state, resolve_backend
-from planc.runtime.megamoe.quant import (
+from planc.kernels.megamoe.quant import (
     calc_diff,
     float_to_ue8m0_bytes,
     pack_ue8m0,
@@ -16,7 +16,7 @@ from planc.runtime.megamoe.quant import (
     quantize_fp8,
     unpack_ue8m0,
 )
-from planc.runtime.megamoe.reference import DequantizedExperts, combine, local_experts_forward, reference_mega_moe
+from planc.kernels.megamoe.reference import DequantizedExperts, combine, local_experts_forward, reference_mega_moe
 from tests.megamoe.common import full_weights, mixtral_experts, routing
 
 
@@ -282,7 +282,7 @@ def test_auto_skips_the_kernel_for_sizes_it_rejects(recording):
 
 
 def test_destroy_barriers_each_group_before_freeing(monkeypatch):
-    from planc.runtime.megamoe import buffers
+    from planc.kernels.megamoe import buffers
 
     events = []
     group = types.SimpleNamespace(group_name="g", size=lambda: 2)

@@ -8,8 +8,8 @@ import torch.distributed as dist
 
 from planc.runtime.ep.megamoe import MegaMoeEPRuntime, slice_for_rank
 from planc.runtime.megamoe import buffer_stats, install_megamoe_forward
-from planc.runtime.megamoe.quant import quantize_experts_fp4
-from planc.runtime.megamoe.reference import DequantizedExperts, reference_mega_moe
+from planc.kernels.megamoe.quant import quantize_experts_fp4
+from planc.kernels.megamoe.reference import DequantizedExperts, reference_mega_moe
 from tests.distributed import run_distributed
 from tests.megamoe.common import E, full_weights, mixtral_experts, routing
 
@@ -108,7 +108,7 @@ def _rank(rank, world_size):
 
 def check_triton(results):
     """The Triton backend's local experts inside the reference's real dispatch/combine, through MegaMoeEP."""
-    from planc.runtime.megamoe.quant import calc_diff
+    from planc.kernels.megamoe.quant import calc_diff
 
     if results[0][2] is None:
         return

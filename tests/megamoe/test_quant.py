@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from planc.runtime.megamoe.quant import (
+from planc.kernels.megamoe.quant import (
     SCALE_DTYPE,
     calc_diff,
     dequantize_experts_fp4,

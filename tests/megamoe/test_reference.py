@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from planc.runtime.megamoe.quant import calc_diff, quantize_experts_fp4
-from planc.runtime.megamoe.reference import DequantizedExperts, reference_mega_moe
+from planc.kernels.megamoe.quant import calc_diff, quantize_experts_fp4
+from planc.kernels.megamoe.reference import DequantizedExperts, reference_mega_moe
 from tests.megamoe.common import E, full_weights, routing
 from tests.megamoe.emulation import decode_fp4, emulate, moe_float64
 

@@ -13,10 +13,10 @@ import torch
 
 from planc.runtime.ep.megamoe import MegaMoeEPRuntime
 from planc.runtime.megamoe import install_megamoe_forward, megamoe_state
-from planc.runtime.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_experts_fp4, quantize_fp8
-from planc.runtime.megamoe.reference import DequantizedExperts, ReferenceBuffer, local_experts_forward
-from planc.runtime.megamoe.reference import stage as reference_stage
-from planc.runtime.megamoe.reference import combine as reference_combine
+from planc.kernels.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_experts_fp4, quantize_fp8
+from planc.kernels.megamoe.reference import DequantizedExperts, ReferenceBuffer, local_experts_forward
+from planc.kernels.megamoe.reference import stage as reference_stage
+from planc.kernels.megamoe.reference import combine as reference_combine
 from planc.runtime.megamoe import triton_backend
 from planc.runtime.megamoe.triton_backend import (
     KernelConfig,

@@ -11,8 +11,8 @@ import torch
 
 from planc.runtime.ep.megamoe import MegaMoeEPRuntime
 from planc.runtime.megamoe import install_megamoe_forward, megamoe_state
-from planc.runtime.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_experts_fp4, quantize_fp8
-from planc.runtime.megamoe.reference import DequantizedExperts, local_experts_forward
+from planc.kernels.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_experts_fp4, quantize_fp8
+from planc.kernels.megamoe.reference import DequantizedExperts, local_experts_forward
 from planc.runtime.megamoe.hopper_prefill import gluon_unavailable_reason
 from planc.runtime.megamoe.triton_backend import (
     KernelConfig,

@@ -21,8 +21,8 @@ import re
 import torch
 import torch.nn as nn
 
-from planc.runtime.megamoe.buffers import BufferKey, get_buffer
-from planc.runtime.megamoe.quant import pack_ue8m0, quantize_fp8, ue8m0_to_float
+from planc.kernels.megamoe.buffers import BufferKey, get_buffer
+from planc.kernels.megamoe.quant import pack_ue8m0, quantize_fp8, ue8m0_to_float
 from planc.runtime.mesh import to_local
 
 PINNED_COMMIT = "54e22612409371d6364144b69086735beb54e98b"

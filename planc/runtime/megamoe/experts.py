@@ -21,8 +21,8 @@ import torch
 import torch.nn as nn
 
 from planc.runtime.megamoe import deep_gemm_backend, triton_backend
-from planc.runtime.megamoe.quant import SCALE_DTYPE, quantize_experts_fp4
-from planc.runtime.megamoe.reference import DequantizedExperts, compute_dtype_for, reference_mega_moe
+from planc.kernels.megamoe.quant import SCALE_DTYPE, quantize_experts_fp4
+from planc.kernels.megamoe.reference import DequantizedExperts, compute_dtype_for, reference_mega_moe
 from planc.runtime.mesh import to_local
 from planc.runtime.snapshot import Snapshot
 

@@ -50,7 +50,7 @@ from typing import ClassVar
 
 import torch
 
-from planc.runtime.megamoe.quant import float_to_ue8m0_bytes
+from planc.kernels.megamoe.quant import float_to_ue8m0_bytes
 
 try:  # Triton ships with torch's CUDA builds; CPU CI installs it for the interpreter (TRITON_INTERPRET=1).
     import triton
