@@ -12,6 +12,7 @@ from planc.compiler.compiled import Assignment, CompileWarning, ExpertsAssignmen
 from planc.compiler.context import *  # noqa: F403 - the problem codes
 from planc.compiler.context import PlanRule, key_where
 from planc.spec.ep import EPStrategy, resolve_ep
+from planc.spec.megamoe import MEGAMOE_KERNEL_BLOCK
 from planc.compiler.render import human_bytes
 from planc.compiler.walk import generic_path
 from planc.spec.sizes import check_sizes as _check_sizes
@@ -19,9 +20,6 @@ from planc.spec.styles import ALL_STYLES, EXPERTS_MODULE_STYLES, PARAMETER_STYLE
 
 MEGAMOE_MAX_TOP_K = 32
 MEGAMOE_MAX_RANKS = 72
-# The real kernel's block alignment beyond its host checks (% 128): H/128 must be even, and at decode-sized
-# batches (about <= 8.5 tokens per expert) its heuristics take BLOCK_K = 256 over the intermediate size.
-MEGAMOE_KERNEL_BLOCK = 256
 # Config fields of gated activations other than the kernel's SiLU SwiGLU (the clamp is `swiglu_limit`).
 MEGAMOE_OTHER_ACTIVATION_FIELDS = ("swiglu_alpha", "mlp_gate_softcap", "mlp_up_softcap", "gate_softcap", "up_softcap")
 ATTENTION_PROJ = {"q_proj": "out", "k_proj": "out", "v_proj": "out", "o_proj": "in"}

@@ -20,7 +20,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from planc.runtime.megamoe import deep_gemm_backend, triton_backend
+from planc.kernels.megamoe import deep_gemm
+from planc.runtime.megamoe import triton_backend
 from planc.kernels.megamoe.quant import SCALE_DTYPE, quantize_experts_fp4
 from planc.kernels.megamoe.reference import DequantizedExperts, compute_dtype_for, reference_mega_moe
 from planc.runtime.mesh import to_local
@@ -55,8 +56,8 @@ def choose_backend(backend: str, device: torch.device | None = None, sizes: tupl
     if backend == "reference":
         return backend, "`experts.megamoe.backend: reference` in the plan"
     if backend == "deep_gemm":
-        deep_gemm_backend.check_device(device)
-        deep_gemm_backend.load_deep_gemm()
+        deep_gemm.check_device(device)
+        deep_gemm.load_deep_gemm()
         return backend, "`experts.megamoe.backend: deep_gemm` in the plan"
     if backend == "triton":
         reason = _triton_problem(device, sizes)
@@ -66,9 +67,9 @@ def choose_backend(backend: str, device: torch.device | None = None, sizes: tupl
                 "(pure PyTorch) on this machine."
             )
         return backend, "`experts.megamoe.backend: triton` in the plan"
-    no_deep_gemm = deep_gemm_backend.deep_gemm_unavailable_reason(device)
+    no_deep_gemm = deep_gemm.deep_gemm_unavailable_reason(device)
     if no_deep_gemm is None and sizes is not None:
-        no_deep_gemm = deep_gemm_backend.kernel_size_problem(*sizes)
+        no_deep_gemm = deep_gemm.kernel_size_problem(*sizes)
     if no_deep_gemm is None:
         return "deep_gemm", "auto: deep_gemm imports with the pinned API and the GPU is SM100"
     no_triton = _triton_problem(device, sizes)
@@ -206,6 +207,42 @@ class TritonRunner(_StagedRunner):
                 f"the FP4 experts of {_describe(self.module)} are on {w.device} but the tokens on {device}: the Triton "
                 "backend reads the weights where they are (no copy); move the model to the tokens' device"
             )
+
+
+class DeepGemmRunner:
+    """The deep_gemm backend for one module: on its first forward the module's FP4 parameters are replaced by the
+    kernel-layout tensors (`deep_gemm.transform_weights`), as transformers does, so the weights are not held twice."""
+
+    def __init__(self, module: nn.Module, num_experts: int, activation_clamp, max_tokens_per_rank):
+        self.module = module
+        self.num_experts = num_experts
+        self.activation_clamp = activation_clamp
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.dg = deep_gemm.load_deep_gemm()
+        two_i, half_h = to_local(module.gate_up_proj).shape[1:]
+        self.intermediate, self.hidden = two_i // 2, 2 * half_h
+        problem = deep_gemm.kernel_size_problem(self.hidden, self.intermediate)
+        if problem is not None:
+            raise ValueError(f"{problem}; use `experts.megamoe.backend: triton` (or `reference`)")
+        self.l1 = self.l2 = None
+
+    def transform_weights(self) -> None:
+        """FP4 weights -> the kernel's layout, once; the module's parameters then hold that layout."""
+        m = self.module
+        self.l1, self.l2 = deep_gemm.transform_weights(
+            self.dg, *(to_local(getattr(m, name)) for name in _FP4_PARAMS))
+        for name, tensor in zip(_FP4_PARAMS, (*self.l1, *self.l2)):
+            setattr(m, name, nn.Parameter(tensor, requires_grad=False))
+        m._planc_megamoe_weight_layout = "deep_gemm"
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights, process_group) -> torch.Tensor:
+        if self.l1 is None:
+            self.transform_weights()
+        return deep_gemm.mega_moe(
+            self.dg, self.l1, self.l2, hidden_states, top_k_index, top_k_weights, process_group,
+            num_experts=self.num_experts, intermediate=self.intermediate, activation_clamp=self.activation_clamp,
+            max_tokens_per_rank=self.max_tokens_per_rank,
+        )
 
 
 @dataclass
@@ -350,10 +387,7 @@ def install_megamoe_forward(
     try:
         set_fp4_parameters(experts, new_params)
         if resolved == "deep_gemm":
-            runner = deep_gemm_backend.DeepGemmMegaMoe(
-                experts, num_experts=num_global_experts, activation_clamp=activation_clamp,
-                max_tokens_per_rank=max_tokens_per_rank,
-            )
+            runner = DeepGemmRunner(experts, num_global_experts, activation_clamp, max_tokens_per_rank)
         elif resolved == "triton":
             runner = TritonRunner(experts, num_global_experts, activation_clamp, max_tokens_per_rank)
         else:
