@@ -44,7 +44,7 @@ from planc.runtime.ep.megamoe import MegaMoeEPRuntime  # noqa: E402
 from planc.runtime.megamoe import buffer_stats, destroy_megamoe_buffers, install_megamoe_forward  # noqa: E402
 from planc.runtime.megamoe import megamoe_state  # noqa: E402
 from planc.kernels.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_fp8  # noqa: E402
-from planc.runtime.megamoe.triton_backend import (  # noqa: E402
+from planc.kernels.megamoe.triton.jit import (  # noqa: E402
     KernelConfig,
     device_config,
     triton_local_experts_forward,

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from planc.kernels.megamoe.quant import float_to_ue8m0_bytes, quantize_fp8  # noqa: E402
-from planc.runtime.megamoe.triton_backend import PackedExperts, triton_local_experts_forward  # noqa: E402
+from planc.kernels.megamoe.triton.jit import PackedExperts, triton_local_experts_forward  # noqa: E402
 
 from megamoe_gpu import add_layer_args, kernel_table, random_batch, tiny_shapes  # noqa: E402  (this folder)
 

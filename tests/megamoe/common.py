@@ -7,7 +7,7 @@ from transformers import DeepseekV4Config, MixtralConfig
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
-from planc.runtime.megamoe.triton_backend import _GLUON_CONFIGS
+from planc.kernels.megamoe.triton.jit import _GLUON_CONFIGS
 
 # The shipped Gluon configs, which the tests compile and run: blocks of 80 rows (no two-tail loop body: under the
 # 168-register cap L1 keeps its wgmma asynchronous) and of 96 (ptxas serializes that L1's wgmma under the cap); both

@@ -94,7 +94,7 @@ TRITON_BATCHES = [3, 5]  # the Triton backend under Triton's CPU interpreter: sl
 
 def _rank(rank, world_size):
     # one spawn per world size (process start-up dominates the cost of these tests)
-    from planc.runtime.megamoe.triton_backend import triton_unavailable_reason
+    from planc.kernels.megamoe.triton.jit import triton_unavailable_reason
 
     triton = None
     if world_size == 2 and triton_unavailable_reason(torch.device("cpu")) is None:

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from planc.runtime.megamoe import hopper_prefill, hopper_prefill_ws
+from planc.kernels.megamoe.triton import hopper_prefill, hopper_prefill_ws
 from tests.megamoe.common import GLUON, GLUON_80_ROWS
 
 pytestmark = pytest.mark.skipif(hopper_prefill.gluon is None, reason="this Triton has no Gluon")
@@ -26,7 +26,7 @@ import json, os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from planc.runtime.megamoe import hopper_prefill, hopper_prefill_ws
+from planc.kernels.megamoe.triton import hopper_prefill, hopper_prefill_ws
 
 def tma_types(rows, bn):
     """`hopper_prefill_ws.descriptors`' TMA descriptor types, as the launcher names them."""

@@ -17,8 +17,8 @@ from planc.kernels.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantiz
 from planc.kernels.megamoe.reference import DequantizedExperts, ReferenceBuffer, local_experts_forward
 from planc.kernels.megamoe.reference import stage as reference_stage
 from planc.kernels.megamoe.reference import combine as reference_combine
-from planc.runtime.megamoe import triton_backend
-from planc.runtime.megamoe.triton_backend import (
+from planc.kernels.megamoe.triton import jit as triton_backend
+from planc.kernels.megamoe.triton.jit import (
     KernelConfig,
     PackedExperts,
     max_blocks,
@@ -281,7 +281,7 @@ def test_installed_backend_equals_the_reference_backend_and_keeps_fp4_only(world
 def test_a_rocm_torch_is_refused_by_name(monkeypatch):
     """A ROCm torch reports `cuda` devices (MI300: capability (9, 4)): the PTX kernels, Triton's and Gluon's, must
     not be picked there, and an explicit `backend: triton` must say why."""
-    from planc.runtime.megamoe import hopper_prefill
+    from planc.kernels.megamoe.triton import hopper_prefill
 
     monkeypatch.setattr(triton_backend, "_interpreting", lambda: False)  # what a GPU machine's import gives
     monkeypatch.setattr(torch.version, "hip", "6.2.41133")

@@ -13,8 +13,8 @@ from planc.runtime.ep.megamoe import MegaMoeEPRuntime
 from planc.runtime.megamoe import install_megamoe_forward, megamoe_state
 from planc.kernels.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_experts_fp4, quantize_fp8
 from planc.kernels.megamoe.reference import DequantizedExperts, local_experts_forward
-from planc.runtime.megamoe.hopper_prefill import gluon_unavailable_reason
-from planc.runtime.megamoe.triton_backend import (
+from planc.kernels.megamoe.triton.hopper_prefill import gluon_unavailable_reason
+from planc.kernels.megamoe.triton.jit import (
     KernelConfig,
     PackedExperts,
     triton_local_experts_forward,

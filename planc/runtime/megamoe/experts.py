@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from planc.kernels.megamoe import deep_gemm
-from planc.runtime.megamoe import triton_backend
+from planc.kernels.megamoe.triton import jit as triton_backend
 from planc.kernels.megamoe.quant import SCALE_DTYPE, quantize_experts_fp4
 from planc.kernels.megamoe.reference import DequantizedExperts, compute_dtype_for, reference_mega_moe
 from planc.runtime.mesh import to_local

@@ -36,7 +36,7 @@ try:  # Gluon ships with Triton >= 3.5; its Hopper module is what the kernels ne
 except ImportError:  # pragma: no cover - no Triton, or one without Gluon
     gluon = None
 
-from planc.runtime.megamoe import triton_backend as tb
+from planc.kernels.megamoe.triton import jit as tb
 
 def gluon_unavailable_reason(device: torch.device | None) -> str | None:
     """None when these kernels can run on `device`, else why not (the Triton kernels run instead)."""

@@ -19,7 +19,7 @@ tenth session).
 
 from __future__ import annotations
 
-from planc.runtime.megamoe import hopper_prefill as hp
+from planc.kernels.megamoe.triton import hopper_prefill as hp
 
 # None when this Triton has what the kernel needs (warp specialization, TMA descriptors: 3.6-3.9 checked), else why
 # not: `triton_backend.pick_config` then picks the cp.async L2 (`device_config` passes this).

@@ -398,7 +398,7 @@ def pick_config(
 def device_config(num_rows: int, num_local_experts: int, hidden: int, inter: int, device: torch.device) -> KernelConfig:
     """`pick_config` for this device: its SM count and whether the Gluon kernels (and the warp-specialized L2) run on
     it (what a forward without an explicit config runs; the benchmark's sweep marks it)."""
-    from planc.runtime.megamoe import hopper_prefill, hopper_prefill_ws  # they import this module
+    from planc.kernels.megamoe.triton import hopper_prefill, hopper_prefill_ws  # they import this module
 
     return pick_config(num_rows, num_local_experts, hidden, inter, sm_count(device),
                        gluon=hopper_prefill.gluon_unavailable_reason(device) is None,
@@ -997,7 +997,7 @@ def triton_local_experts_forward(
 ) -> torch.Tensor:
     """`reference.local_experts_forward` on packed FP4 weights: BF16 ``[M, K, H]`` slot outputs, zeros for
     slots whose expert is not in ``[first_expert, first_expert + E_loc)``."""
-    from planc.runtime.megamoe import hopper_prefill, hopper_prefill_ws  # they import this module
+    from planc.kernels.megamoe.triton import hopper_prefill, hopper_prefill_ws  # they import this module
 
     m, k = topk_idx.shape
     hidden, inter, num_local = experts.hidden, experts.intermediate, experts.num_local_experts

@@ -1,0 +1,1 @@
+"""Triton and Gluon Mega MoE kernels for Hopper (and any GPU Triton runs on)."""
