@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from planc.kernels.megamoe import deep_gemm
-from planc.kernels.megamoe.triton import jit as triton_backend
+from planc.kernels.megamoe.triton import forward, layout, target
 from planc.kernels.megamoe.quant import SCALE_DTYPE, quantize_experts_fp4
 from planc.kernels.megamoe.reference import DequantizedExperts, compute_dtype_for, reference_mega_moe
 from planc.runtime.mesh import to_local
@@ -40,9 +40,9 @@ def _describe(experts: nn.Module) -> str:
 
 def _triton_problem(device, sizes) -> str | None:
     """Why the Triton backend cannot run these experts here (no Triton or GPU for it, or sizes it does not tile)."""
-    reason = triton_backend.triton_unavailable_reason(device)
+    reason = target.triton_unavailable_reason(device)
     if reason is None and sizes is not None:
-        reason = triton_backend.size_problem(*sizes)
+        reason = layout.size_problem(*sizes)
     return reason
 
 
@@ -158,25 +158,25 @@ TRITON_LAYOUT = "triton"  # `module._planc_megamoe_weight_layout` once its FP4 p
 @dataclass
 class TritonRunner(_StagedRunner):
     """The Triton backend for one module: on its first forward, the module's FP4 parameters are put into the kernels'
-    layout (`triton_backend.shuffle_fp4`: the same e2m1 and UE8M0 bytes in MMA-fragment order, same dtypes and
+    layout (`layout.shuffle_fp4`: the same e2m1 and UE8M0 bytes in MMA-fragment order, same dtypes and
     shapes, so no copy stays); the kernels then read them where they are."""
 
     _cache: tuple | None = field(default=None, repr=False)
 
     def _local_forward(self) -> dict:
-        return dict(local_forward=triton_backend.triton_local_experts_forward, backend="triton",
-                    combine_fn=triton_backend.combine, stage_fn=triton_backend.stage)
+        return dict(local_forward=forward.triton_local_experts_forward, backend="triton",
+                    combine_fn=forward.combine, stage_fn=forward.stage)
 
     def _shuffle_module(self) -> bool:
         """Replace the module's FP4 parameters by the same bytes in the kernels' layout; returns `large_scales`.
         One host read (any scale byte above 128?): the first forward is not capturable, like Triton's compile."""
         m = self.module
         p = {name: to_local(getattr(m, name)).detach() for name in _FP4_PARAMS}
-        w1, s1 = triton_backend.shuffle_fp4(p["gate_up_proj"].contiguous().view(torch.uint8),
-                                            triton_backend._exponent_bytes(p["gate_up_proj_scale_inv"]))
-        w2, s2 = triton_backend.shuffle_fp4(p["down_proj"].contiguous().view(torch.uint8),
-                                            triton_backend._exponent_bytes(p["down_proj_scale_inv"]))
-        large = triton_backend.has_large_scales(s1, s2)
+        w1, s1 = layout.shuffle_fp4(p["gate_up_proj"].contiguous().view(torch.uint8),
+                                    layout.exponent_bytes(p["gate_up_proj_scale_inv"]))
+        w2, s2 = layout.shuffle_fp4(p["down_proj"].contiguous().view(torch.uint8),
+                                    layout.exponent_bytes(p["down_proj_scale_inv"]))
+        large = layout.has_large_scales(s1, s2)
         scale_dtype = SCALE_DTYPE if SCALE_DTYPE != torch.float32 else torch.uint8
         for name, tensor in (("gate_up_proj", w1.view(torch.int8)), ("gate_up_proj_scale_inv", s1.view(scale_dtype)),
                              ("down_proj", w2.view(torch.int8)), ("down_proj_scale_inv", s2.view(scale_dtype))):
@@ -185,7 +185,7 @@ class TritonRunner(_StagedRunner):
         m._planc_megamoe_large_scales = large
         return large
 
-    def weights(self, device: torch.device) -> triton_backend.PackedExperts:
+    def weights(self, device: torch.device) -> layout.PackedExperts:
         m = self.module
         self._check_device(device)
         if getattr(m, "_planc_megamoe_weight_layout", None) != TRITON_LAYOUT:
@@ -194,7 +194,7 @@ class TritonRunner(_StagedRunner):
         key = tuple(t.data_ptr() for t in p)
         if self._cache is None or self._cache[0] != key:  # views of the parameters, rebuilt if they move
             w1, s1, w2, s2 = p
-            self._cache = (key, triton_backend.PackedExperts(
+            self._cache = (key, layout.PackedExperts(
                 w1.view(torch.int32), s1.view(torch.uint8), w2.view(torch.int32), s2.view(torch.uint8),
                 bool(getattr(m, "_planc_megamoe_large_scales", True)),
             ))

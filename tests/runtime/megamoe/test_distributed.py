@@ -11,7 +11,7 @@ from planc.runtime.megamoe import buffer_stats, install_megamoe_forward
 from planc.kernels.megamoe.quant import quantize_experts_fp4
 from planc.kernels.megamoe.reference import DequantizedExperts, reference_mega_moe
 from tests.distributed import run_distributed
-from tests.megamoe.common import E, full_weights, mixtral_experts, routing
+from tests.kernels.megamoe.common import E, full_weights, mixtral_experts, routing
 
 CLAMP = 1.0  # small enough to be active on these inputs
 
@@ -94,7 +94,7 @@ TRITON_BATCHES = [3, 5]  # the Triton backend under Triton's CPU interpreter: sl
 
 def _rank(rank, world_size):
     # one spawn per world size (process start-up dominates the cost of these tests)
-    from planc.kernels.megamoe.triton.jit import triton_unavailable_reason
+    from planc.kernels.megamoe.triton.target import triton_unavailable_reason
 
     triton = None
     if world_size == 2 and triton_unavailable_reason(torch.device("cpu")) is None:

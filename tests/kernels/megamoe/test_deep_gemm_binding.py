@@ -18,7 +18,7 @@ from planc.kernels.megamoe.quant import (
     unpack_ue8m0,
 )
 from planc.kernels.megamoe.reference import DequantizedExperts, combine, local_experts_forward, reference_mega_moe
-from tests.megamoe.common import full_weights, mixtral_experts, routing
+from tests.kernels.megamoe.common import full_weights, mixtral_experts, routing
 
 
 def _interleave_gate_up(t: torch.Tensor, gran: int = 8) -> torch.Tensor:
