@@ -40,12 +40,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from planc.runtime.ep.megamoe import MegaMoeEPRuntime  # noqa: E402
-from planc.runtime.megamoe import buffer_stats, destroy_megamoe_buffers, install_megamoe_forward  # noqa: E402
-from planc.runtime.megamoe import megamoe_state  # noqa: E402
 from planc.kernels.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_fp8  # noqa: E402
 from planc.kernels.megamoe.triton.config import KernelConfig  # noqa: E402
 from planc.kernels.megamoe.triton.forward import device_config, triton_local_experts_forward  # noqa: E402
+from planc.runtime.ep.megamoe import MegaMoeEPRuntime  # noqa: E402
+from planc.runtime.megamoe import buffer_stats, destroy_megamoe_buffers, install_megamoe_forward  # noqa: E402
+from planc.runtime.megamoe import megamoe_state  # noqa: E402
 
 
 def add_layer_args(p: argparse.ArgumentParser) -> None:

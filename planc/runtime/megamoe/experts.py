@@ -21,9 +21,9 @@ import torch
 import torch.nn as nn
 
 from planc.kernels.megamoe import deep_gemm
-from planc.kernels.megamoe.triton import forward, layout, target
 from planc.kernels.megamoe.quant import SCALE_DTYPE, quantize_experts_fp4
 from planc.kernels.megamoe.reference import DequantizedExperts, compute_dtype_for, reference_mega_moe
+from planc.kernels.megamoe.triton import forward, layout, target
 from planc.runtime.mesh import to_local
 from planc.runtime.snapshot import Snapshot
 

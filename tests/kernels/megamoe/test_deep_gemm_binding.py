@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from planc.kernels.megamoe import deep_gemm as binding
-from planc.runtime.megamoe import install_megamoe_forward, megamoe_state, resolve_backend
 from planc.kernels.megamoe.quant import (
     calc_diff,
     float_to_ue8m0_bytes,
@@ -18,6 +17,7 @@ from planc.kernels.megamoe.quant import (
     unpack_ue8m0,
 )
 from planc.kernels.megamoe.reference import DequantizedExperts, combine, local_experts_forward, reference_mega_moe
+from planc.runtime.megamoe import install_megamoe_forward, megamoe_state, resolve_backend
 from tests.kernels.megamoe.common import full_weights, mixtral_experts, routing
 
 

@@ -11,21 +11,22 @@ import types
 import pytest
 import torch
 
-from planc.runtime.ep.megamoe import MegaMoeEPRuntime
-from planc.runtime.megamoe import install_megamoe_forward, megamoe_state
 from planc.kernels.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_experts_fp4, quantize_fp8
 from planc.kernels.megamoe.reference import DequantizedExperts, ReferenceBuffer, local_experts_forward
-from planc.kernels.megamoe.reference import stage as reference_stage
 from planc.kernels.megamoe.reference import combine as reference_combine
+from planc.kernels.megamoe.reference import stage as reference_stage
 from planc.kernels.megamoe.triton import target
 from planc.kernels.megamoe.triton.config import KernelConfig, pick_config
 from planc.kernels.megamoe.triton.forward import combine, dequantize_x, stage, triton_local_experts_forward
 from planc.kernels.megamoe.triton.layout import PackedExperts, shuffle_fp4
 from planc.kernels.megamoe.triton.routing import max_blocks, route, route_fused, route_torch
+from planc.runtime.ep.megamoe import MegaMoeEPRuntime
+from planc.runtime.megamoe import install_megamoe_forward, megamoe_state
 from tests.kernels.megamoe.common import full_weights, mixtral_experts, routing
 
 pytestmark = pytest.mark.skipif(
-    not target.interpreting(), reason="CPU tensors need Triton's interpreter; on a GPU, test_triton_gpu.py runs the kernels"
+    not target.interpreting(),
+    reason="CPU tensors need Triton's interpreter; on a GPU, test_triton_gpu.py runs the kernels",
 )
 
 TINY = KernelConfig(block_t=16, l1_n=32, l1_k=64, l2_n=32, l2_k=64)

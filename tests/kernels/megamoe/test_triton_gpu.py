@@ -9,14 +9,14 @@ import types
 import pytest
 import torch
 
-from planc.runtime.ep.megamoe import MegaMoeEPRuntime
-from planc.runtime.megamoe import install_megamoe_forward, megamoe_state
 from planc.kernels.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_experts_fp4, quantize_fp8
 from planc.kernels.megamoe.reference import DequantizedExperts, local_experts_forward
 from planc.kernels.megamoe.triton.config import KernelConfig
 from planc.kernels.megamoe.triton.forward import triton_local_experts_forward
 from planc.kernels.megamoe.triton.hopper_prefill import gluon_unavailable_reason
 from planc.kernels.megamoe.triton.layout import PackedExperts
+from planc.runtime.ep.megamoe import MegaMoeEPRuntime
+from planc.runtime.megamoe import install_megamoe_forward, megamoe_state
 from tests.kernels.megamoe.common import CP_ASYNC, CP_ASYNC_80_ROWS, GLUON, GLUON_80_ROWS, mixtral_experts, routing
 
 pytestmark = [

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from planc.runtime.ep.megamoe import MegaMoeEPRuntime, slice_for_rank
-from planc.runtime.megamoe import buffer_stats, install_megamoe_forward
 from planc.kernels.megamoe.quant import quantize_experts_fp4
 from planc.kernels.megamoe.reference import DequantizedExperts, reference_mega_moe
+from planc.runtime.ep.megamoe import MegaMoeEPRuntime, slice_for_rank
+from planc.runtime.megamoe import buffer_stats, install_megamoe_forward
 from tests.distributed import run_distributed
 from tests.kernels.megamoe.common import E, full_weights, mixtral_experts, routing
 

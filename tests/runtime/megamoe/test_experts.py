@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from planc.runtime.megamoe import buffer_stats, destroy_megamoe_buffers, install_megamoe_forward, megamoe_state
 from planc.kernels.megamoe.buffers import next_power_of_two
 from planc.kernels.megamoe.quant import quantize_experts_fp4
 from planc.kernels.megamoe.reference import DequantizedExperts, reference_mega_moe
+from planc.runtime.megamoe import buffer_stats, destroy_megamoe_buffers, install_megamoe_forward, megamoe_state
 from tests.kernels.megamoe.common import E, deepseek_v4_experts, full_weights, mixtral_experts, routing
 
 

@@ -38,6 +38,7 @@ except ImportError:  # pragma: no cover - no Triton, or one without Gluon
 
 from planc.kernels.megamoe.triton import target
 
+
 def gluon_unavailable_reason(device: torch.device | None) -> str | None:
     """None when these kernels can run on `device`, else why not (the Triton kernels run instead)."""
     if gluon is None:
