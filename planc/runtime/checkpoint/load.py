@@ -28,6 +28,7 @@ whose parameters carry planc's placements.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -37,7 +38,7 @@ from torch import nn
 from planc.errors import ApplyError, CheckpointError, PlancError
 from planc.runtime.checkpoint.files import CheckpointFiles
 from planc.runtime.checkpoint.fill import SafetensorsFill
-from planc.runtime.checkpoint.keys import checkpoint_problems
+from planc.runtime.checkpoint.keys import checkpoint_problems, last_line
 from planc.runtime.checkpoint.quantized import prepare_meta_model, quantizer_for
 from planc.runtime.mesh import rank_device
 
@@ -69,51 +70,92 @@ def load(
 
     install.require_distributed("planc.load")
     device = rank_device(device)
-    model = compiled = files = dcp_dir = None
-    problems: list[str] = []
+    checked = check_checkpoint(source, plan, dtype=dtype, device=device, mesh=mesh, parallel=parallel,
+                               dequantize=dequantize)
     try:
-        dcp_dir = _dcp_checkpoint(source)
-        if dcp_dir is None:
-            files = CheckpointFiles.open(source)
-            config = _config(files.config_path.parent, dtype)
-        else:
-            config = _config(dcp_dir, dtype)
-        config_path = files.config_path if files else Path(dcp_dir) / "config.json"
-        loaded = _plan_for(plan, config, config_path)
-        megamoe = loaded.plan.experts.implementation == "deepgemm_megamoe"
-        quantizer = _quantizer(config, config_path, device, dequantize, dcp=dcp_dir is not None, megamoe=megamoe)
-        model = _meta_model(config, dtype)
-        if quantizer is not None:
-            _check_fp8_kept_plan(quantizer, loaded, config_path)
-            prepare_meta_model(model, quantizer)
-        compiled, problems = install.compile_and_check(model, loaded, mesh, device=device, parallel=parallel)
-        if compiled is not None and files is not None:
-            problems += checkpoint_problems(model, files)
-        if compiled is not None and device.type == "cuda":
-            problems += _memory_problems(compiled, device, source)
-    except PlancError as e:
-        problems.append(str(e))
-    except Exception as e:  # noqa: BLE001 - reported on every rank by the agreement instead of hanging them
-        problems.append(f"{type(e).__name__}: {e}")
-    try:
-        install.agree_across_ranks(compiled, problems, what="planc.load")
+        install.agree_across_ranks(checked.compiled, checked.problems, what="planc.load", decisions=checked.decisions)
     except ApplyError:
-        if files is not None:
-            files.close()
+        checked.close()
         raise
 
+    model, compiled = checked.model, checked.compiled
     groups = build_groups(compiled.parallel, mesh)
     state = install.InstallState(model=model, compiled=compiled, groups=groups)
-    if dcp_dir is None:
-        fill = SafetensorsFill(files, device)
+    if checked.dcp_dir is None:
+        fill = SafetensorsFill(checked.files, device)
     else:
-        fill = _DcpFill(dcp_dir, device)
+        fill = _DcpFill(checked.dcp_dir, device)
     try:
         install.install_atomically(state, after_sharding=fill, what="planc.load")
     finally:
-        if files is not None:
-            files.close()
+        checked.close()
     return model
+
+
+@dataclass
+class Checked:
+    """What `check_checkpoint` found: the meta model and its CompiledPlan (None when compiling failed), the open
+    safetensors files or the DCP directory, every problem (each a message naming file/key and the fix), and the
+    decisions the ranks must agree on before their collectives diverge (install.agree_across_ranks)."""
+
+    model: Optional[nn.Module] = None
+    compiled: Any = None
+    files: Optional[CheckpointFiles] = None
+    dcp_dir: Optional[str] = None
+    problems: list[str] = field(default_factory=list)
+    decisions: dict[str, str] = field(default_factory=dict)
+
+    def close(self) -> None:
+        if self.files is not None:
+            self.files.close()
+
+
+def check_checkpoint(
+    source, plan, *, dtype=None, device=None, mesh=None, parallel=None, dequantize=None, launched: bool = True
+) -> Checked:
+    """Every check planc.load runs before a byte of a tensor is read, on this rank alone (no communication).
+
+    `planc.load` calls it on every rank and agrees on the outcome; `planc explain --checkpoint` calls it with
+    `launched=False` (no world: the world size and the kernels' device are not checked) and prints the problems.
+    One function, so explain refuses exactly what load refuses.
+    """
+    from planc.runtime import install
+
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    out = Checked()
+    try:
+        out.dcp_dir = _dcp_checkpoint(source)
+        out.decisions["checkpoint route"] = "planc.save (torch.distributed.checkpoint)" if out.dcp_dir else "safetensors"
+        if out.dcp_dir is None:
+            out.files = CheckpointFiles.open(source)
+            out.decisions["checkpoint"] = f"{len(out.files.tensors)} tensors, headers {out.files.digest()}"
+            config = _config(out.files.config_path.parent, dtype)
+        else:
+            config = _config(out.dcp_dir, dtype)
+        config_path = out.files.config_path if out.files else Path(out.dcp_dir) / "config.json"
+        loaded = _plan_for(plan, config, config_path)
+        megamoe = loaded.plan.experts.implementation == "deepgemm_megamoe"
+        quantizer = _quantizer(config, config_path, device, dequantize, dcp=out.dcp_dir is not None, megamoe=megamoe)
+        out.decisions["quantization"] = (
+            "none" if quantizer is None
+            else "dequantized" if getattr(quantizer.quantization_config, "dequantize", False) else "kept"
+        )
+        model = out.model = _meta_model(config, dtype)
+        if quantizer is not None:
+            _check_fp8_kept_plan(quantizer, loaded, config_path)
+            prepare_meta_model(model, quantizer)
+        out.compiled, problems = install.compile_and_check(model, loaded, mesh, device=device, parallel=parallel,
+                                                           launched=launched)
+        out.problems += problems
+        if out.compiled is not None and out.files is not None:
+            out.problems += checkpoint_problems(model, out.files)
+        if out.compiled is not None and device.type == "cuda":
+            out.problems += _memory_problems(out.compiled, device, source)
+    except PlancError as e:
+        out.problems.append(str(e))
+    except Exception as e:  # noqa: BLE001 - reported on every rank by the agreement instead of hanging them
+        out.problems.append(f"{type(e).__name__}: {last_line(str(e)) or e}")
+    return out
 
 
 def _memory_problems(compiled, device, source) -> list[str]:
@@ -128,12 +170,33 @@ def _memory_problems(compiled, device, source) -> list[str]:
 
 
 def _dcp_checkpoint(source) -> Optional[str]:
-    """`source` if it holds a planc DCP checkpoint (written by `planc.save`), else None."""
-    try:
-        from planc.runtime.checkpoint.dcp import is_planc_checkpoint
-    except ImportError:  # the DCP half is not installed in this build
+    """`source` if it holds a planc DCP checkpoint (written by `planc.save`), None for a safetensors directory.
+
+    A `planc.json` that cannot be read means a damaged planc checkpoint, said as such (not "no model.safetensors"):
+    planc.save writes it last, so it is damaged only when something changed the directory afterwards.
+    """
+    import json
+
+    from planc.runtime.checkpoint.files import missing_directory
+    from planc.runtime.checkpoint.marker import FORMAT, MARKER, read_marker
+
+    root = Path(source)
+    if not root.is_dir():
+        raise CheckpointError(missing_directory(root))
+    marker = root / MARKER
+    if not (marker.exists() or marker.is_symlink()):
         return None
-    return str(source) if is_planc_checkpoint(source) else None
+    try:
+        data = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(
+            f"{marker}: unreadable ({type(e).__name__}: {e}), so {root} is a damaged planc.save checkpoint (planc.json "
+            "names its format and plan; nothing was read). Save it again, or restore planc.json from a copy."
+        ) from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        return None  # someone else's planc.json beside a safetensors checkpoint
+    read_marker(root)  # its format_version, with the fix when this planc cannot read it
+    return str(source)
 
 
 def _resolve_dtype(dtype, config) -> torch.dtype:
