@@ -239,8 +239,8 @@ def agree_across_ranks(
     gathered only when some rank disagrees, and then every rank builds the same error from them.
     """
     fingerprint = compiled.fingerprint if compiled is not None else None
-    decisions = dict(sorted((decisions or {}).items()))
-    agreed = None if fingerprint is None else f"{fingerprint} {decisions}"
+    decisions = dict(decisions or {})
+    agreed = None if fingerprint is None else f"{fingerprint} {sorted(decisions.items())}"
     if _all_agree(not problems and fingerprint is not None, _digest(agreed)):
         return
     mine = (fingerprint, problems, decisions)
@@ -249,7 +249,7 @@ def agree_across_ranks(
     failed = [(rank, p) for rank, (_, ps, _) in enumerate(everyone) for p in ps]
     if failed:
         raise ApplyError(f"{what}: nothing was installed:\n" + _by_message(failed))
-    for name in sorted({n for _, _, d in everyone for n in d}):
+    for name in dict.fromkeys(n for _, _, d in everyone for n in d):  # in the order the ranks decided them
         chosen = [(rank, f"{name}: {d.get(name, '(not decided)')}") for rank, (_, _, d) in enumerate(everyone)]
         if len({c for _, c in chosen}) > 1:
             raise ApplyError(

@@ -74,7 +74,12 @@ def dcp_failures(what: str):
         for rank, failure in sorted(e.failures.items()):
             exc = failure[0] if isinstance(failure, tuple) else failure
             lines.append(f"rank {rank}: {type(exc).__name__}: {last_line(str(exc)) or exc}")
-        raise CheckpointError(f"{what}: torch.distributed.checkpoint failed: " + "; ".join(lines)) from None
+        short = any("unexpected pos" in line or "No space" in line or "too large" in line for line in lines)
+        hint = (
+            " A file write stopped short: the disk is full, a quota was reached or a file size limit (`ulimit -f`) "
+            "applies on that rank; free space or raise the limit, then run it again." if short else ""
+        )
+        raise CheckpointError(f"{what}: torch.distributed.checkpoint failed: " + "; ".join(lines) + "." + hint) from None
 
 
 def _storage_problems(metadata, directory: Path) -> list[str]:

@@ -145,7 +145,12 @@ class CheckpointFiles:
 
 
 class MappedSlice:
-    """A safetensors `mmap` slice that records the storage of every tensor it returns (a view of the mapped file)."""
+    """A safetensors `mmap` slice that records the storage of every tensor it returns (a view of the mapped file).
+
+    `MappedSlice.reads` counts the slices indexed in this process: a load refused before reading leaves it as it was
+    (the tests check every refusal so)."""
+
+    reads = 0
 
     def __init__(self, source, storages: set[int]):
         self.source = source
@@ -159,6 +164,7 @@ class MappedSlice:
 
     def __getitem__(self, index):
         tensor = self.source[index]
+        MappedSlice.reads += 1
         self.storages.add(tensor.untyped_storage().data_ptr())
         return tensor
 
