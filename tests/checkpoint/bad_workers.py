@@ -164,3 +164,51 @@ def dcp_world(rank: int, world: int, hub: str, model_layout: str, root: str) -> 
 
 def _listing(d: Path) -> dict:
     return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(d.iterdir())}
+
+
+def property_world(rank: int, world: int, good: str, scratch: str, max_examples: int) -> dict:
+    """Random byte flips in the safetensors headers and the index, and random truncations of any file: a load
+    never hangs (the world is bounded), never raises anything but a PlancError, and never returns a model whose
+    logits differ from the good checkpoint's."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from planc import load
+    from planc.errors import PlancError
+
+    plan = shipped_plan("mixtral", tp=world)
+    good_path = Path(good)
+    ids = batch(1)
+    with torch.no_grad():
+        reference = load(good, plan, dtype=torch.float32)(ids).logits
+    names = sorted(p.name for p in good_path.iterdir() if p.suffix in (".safetensors", ".json") and p.name != "config.json")
+    outcomes = {"refused": 0, "loaded": 0}
+
+    @settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.data())
+    def damaged_never_lies(data):
+        name = data.draw(st.sampled_from(names), label="file")
+        raw = bytearray((good_path / name).read_bytes())
+        if data.draw(st.booleans(), label="truncate"):
+            raw = raw[: data.draw(st.integers(0, len(raw) - 1), label="keep bytes")]
+        else:
+            end = len(raw) if name.endswith(".json") else 8 + int.from_bytes(raw[:8], "little")
+            at = data.draw(st.integers(0, end - 1), label="byte")
+            raw[at] ^= 1 << data.draw(st.integers(0, 7), label="bit")
+        case = Path(scratch) / f"rank{rank}"
+        shutil.rmtree(case, ignore_errors=True)
+        shutil.copytree(good_path, case)
+        (case / name).write_bytes(bytes(raw))
+        try:
+            model = load(str(case), plan, dtype=torch.float32)
+        except PlancError as e:
+            assert "Traceback" not in str(e), str(e)
+            outcomes["refused"] += 1
+            return
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, reference), f"{name} damaged, loaded, and the logits differ"
+        outcomes["loaded"] += 1
+
+    damaged_never_lies()
+    return outcomes

@@ -128,3 +128,15 @@ def test_save_failing_with_efbig_is_a_checkpoint_error_and_cleans_up(dcp_cases):
         assert out["intact"], rank  # the previous checkpoint is untouched
         assert out["left"] == [], (rank, out["left"])  # no .saved.planc-partial left behind
         assert res["reloaded_same"] is True, rank
+
+
+def test_random_header_damage_never_hangs_crashes_or_lies(tmp_path):
+    # 2 CPU cores in CI: a few dozen examples (each a full planc.load on 2 ranks), derandomized so both ranks draw
+    # the same damage and stay in step
+    from tests.checkpoint.bad_workers import property_world
+
+    write_good(tmp_path / "good")
+    per_rank = run_distributed(property_world, 2, str(tmp_path / "good"), str(tmp_path / "scratch"), 30,
+                               timeout=WORLD_TIMEOUT)
+    assert per_rank[0] == per_rank[1]
+    assert per_rank[0]["refused"] > 0, per_rank
