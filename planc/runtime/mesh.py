@@ -71,6 +71,36 @@ def rank_device(device: Union[None, str, torch.device] = None) -> torch.device:
     return torch.device("cpu")
 
 
+_AT_EXIT = False
+
+
+def destroy_groups_at_exit() -> None:
+    """Destroy the process groups when the interpreter exits, if the program has not (registered once).
+
+    A torchrun job that finished its work without calling `destroy_process_group` exited 1 about one run in five
+    (2 gloo ranks, torch 2.13; a load then an export, measured with torchrun --nproc-per-node 2): in the
+    interpreter's teardown one rank aborted with `terminate called without an active exception` (SIGABRT), a gloo
+    thread destroyed while joinable, and torchrun reported the job failed although every rank had printed success.
+    With the groups destroyed first, 8 runs of 8 exited 0. `atexit` hooks run before that teardown; destroying the
+    groups at the end of a program is what torch asks of programs (planc made some of them: the mesh's subgroups).
+    """
+    global _AT_EXIT
+    if _AT_EXIT:
+        return
+    import atexit
+
+    atexit.register(_destroy_groups)
+    _AT_EXIT = True
+
+
+def _destroy_groups() -> None:
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - at exit nothing is left to report to; the job's work is done
+            pass
+
+
 def build_groups(parallel, mesh: Optional[DeviceMesh] = None) -> Groups:
     """The `Groups` of `parallel` (a `planc.spec.model.Parallel`) on this world, or on the caller's `mesh`.
 
@@ -82,6 +112,7 @@ def build_groups(parallel, mesh: Optional[DeviceMesh] = None) -> Groups:
     problems = check_sizes(tp, ep, dp, world if mesh is None else None)
     if problems:
         raise ApplyError(f"planc.runtime.mesh: {problems[0].message}. {problems[0].hint}.")
+    destroy_groups_at_exit()
     if mesh is None:
         mesh = init_device_mesh(device_type(), (dp, tp), mesh_dim_names=("dp", "tp"))
     else:
