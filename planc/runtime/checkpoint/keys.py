@@ -127,8 +127,14 @@ def _dtype_problems(files: CheckpointFiles, key: str, renamed: str, expected, qu
 
 
 def _index_regex(pattern: str):
-    """transformers' source pattern (`.experts.*.w1.weight`: `*` is one module index) as a regex capturing it."""
-    return re.compile(re.escape(pattern).replace(r"\*", r"(\d+)"))
+    """transformers' source pattern (a regex in which `*.` stands for one module index: `.experts.*.w1.weight`,
+    `\\.experts.*.w1.weight`) as a regex capturing that index; None if the pattern has no index."""
+    if "*." not in pattern:
+        return None
+    try:
+        return re.compile(pattern.replace("*.", r"(\d+)\.", 1))
+    except re.error:
+        return None
 
 
 def converter_problems(files: CheckpointFiles, target: str, expected, converter, keys, quantized: bool) -> list[str]:
@@ -148,30 +154,35 @@ def converter_problems(files: CheckpointFiles, target: str, expected, converter,
     infos = {k: files.tensors[k] for k, _ in keys}
     problems: list[str] = []
 
-    dtypes = Counter(i.dtype for i in infos.values())
-    if len(dtypes) > 1:
-        common = dtypes.most_common(1)[0][0]
-        odd = sorted(k for k, i in infos.items() if i.dtype != common)
-        reported = not quantized and expected.is_floating_point() and infos[odd[0]].dtype in _NON_FLOAT
-        problems += [] if reported else [
-            f"{files.where(odd[0])} is stored as {infos[odd[0]].dtype}, but the other tensors merged into the model's "
-            f"`{target}` are {common}{_more(odd)}. {fix}"
-        ]
+    for pattern in converter.source_patterns:  # one dtype per source pattern (a weight and its scales differ)
+        mine = {k: infos[k] for k, p in keys if p == pattern}
+        dtypes = Counter(i.dtype for i in mine.values())
+        if len(dtypes) > 1:
+            common = dtypes.most_common(1)[0][0]
+            odd = sorted(k for k, i in mine.items() if i.dtype != common)
+            reported = not quantized and expected.is_floating_point() and mine[odd[0]].dtype in _NON_FLOAT
+            problems += [] if reported else [
+                f"{files.where(odd[0])} is stored as {mine[odd[0]].dtype}, but the other tensors of `{pattern}` "
+                f"merged into the model's `{target}` are {common}{_more(odd)}. {fix}"
+            ]
     if merge is None:
         return problems
 
     num = expected.shape[merge.dim] if expected.dim() > merge.dim else None
     by_pattern: dict[str, dict[int, str]] = {p: {} for p in converter.source_patterns}
     for key, pattern in keys:
-        m = _index_regex(pattern).search(key)
-        if m is not None and m.groups():
+        regex = _index_regex(pattern)
+        m = regex.search(key) if regex is not None else None
+        if m is not None:
             by_pattern[pattern][int(m.group(1))] = key
     present = {p: idx for p, idx in by_pattern.items() if idx}
     example = next(iter(next(iter(present.values())).values())) if present else keys[0][0]
     for pattern, indices in by_pattern.items():
-        if "*" not in pattern:
+        if _index_regex(pattern) is None:
             continue
         if not indices:
+            if quantized:  # a quantizer's patterns include optional ones (activation scales)
+                continue
             problems.append(
                 f"{files.root}: no checkpoint tensor matches `{pattern}` for the model's `{target}` (its other sources "
                 f"are there, e.g. {files.where(example)}). {fix}"
@@ -194,15 +205,6 @@ def converter_problems(files: CheckpointFiles, target: str, expected, converter,
                 f"{len(missing)} of them are in no checkpoint file (indices {missing[:8]}{' ...' if len(missing) > 8 else ''}"
                 f"; its siblings are in {files.tensors[some].file}). {fix}"
             )
-    shapes = Counter(i.shape for i in infos.values())
-    if len(set(len(s) for s in shapes)) > 1 or (concat is None and len(shapes) > 1):
-        common = shapes.most_common(1)[0][0]
-        odd = sorted(k for k, i in infos.items() if i.shape != common)
-        problems.append(
-            f"{files.where(odd[0])} has shape {list(infos[odd[0]].shape)}, but the other tensors merged into the "
-            f"model's `{target}` are {list(common)}{_more(odd)}. {fix}"
-        )
-        return problems
     per_pattern = {}
     for pattern, indices in present.items():
         pshapes = Counter(infos[k].shape for k in indices.values())
@@ -219,11 +221,14 @@ def converter_problems(files: CheckpointFiles, target: str, expected, converter,
     if num is None or not per_pattern:
         return problems
     stacked = [list(s[: merge.dim]) + [num] + list(s[merge.dim:]) for s in per_pattern.values()]
+    if len({len(s) for s in stacked}) > 1:
+        keys_named = ", ".join(f"`{next(iter(i.values()))}` {list(per_pattern[p])}" for p, i in present.items())
+        return [f"{files.root}: the tensors merged into the model's `{target}` have different ranks: {keys_named}. {fix}"]
     merged = stacked[0]
     if concat is not None:
         d = concat.dim
         rest = {tuple(s[:d] + s[d + 1:]) for s in stacked}
-        if len(rest) > 1 or d >= len(merged):
+        if len(rest) > 1 or any(d >= len(s) for s in stacked):
             keys_named = ", ".join(f"`{next(iter(i.values()))}` {list(per_pattern[p])}" for p, i in present.items())
             return [f"{files.root}: the tensors concatenated into the model's `{target}` disagree beyond dim "
                     f"{d - merge.dim - 1 if d > merge.dim else d}: {keys_named}. {fix}"]
@@ -238,7 +243,8 @@ def converter_problems(files: CheckpointFiles, target: str, expected, converter,
 
 
 def _with_index(key: str, pattern: str, index: int) -> str:
-    m = _index_regex(pattern).search(key)
+    regex = _index_regex(pattern)
+    m = regex.search(key) if regex is not None else None
     return key[: m.start(1)] + str(index) + key[m.end(1):] if m else key
 
 
