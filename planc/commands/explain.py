@@ -98,7 +98,9 @@ def read_config(path: str) -> dict:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except ValueError as e:
-        raise ValueError(f"{path}: not valid JSON ({e}); a config.json is a JSON object as save_pretrained writes it") from None
+        raise ValueError(
+            f"{path}: not valid JSON ({e}); a config.json is a JSON object as save_pretrained writes it"
+        ) from None
     except OSError as e:
         raise OSError(f"{path}: cannot be read ({e.strerror or e})") from None
     if not isinstance(data, dict):

@@ -183,7 +183,8 @@ def property_world(rank: int, world: int, good: str, scratch: str, max_examples:
     ids = batch(1)
     with torch.no_grad():
         reference = load(good, plan, dtype=torch.float32)(ids).logits
-    names = sorted(p.name for p in good_path.iterdir() if p.suffix in (".safetensors", ".json") and p.name != "config.json")
+    names = sorted(p.name for p in good_path.iterdir()
+                   if p.suffix in (".safetensors", ".json") and p.name != "config.json")
     outcomes = {"refused": 0, "loaded": 0}
 
     @settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,

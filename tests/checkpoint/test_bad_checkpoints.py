@@ -106,8 +106,10 @@ def test_damaged_marker_says_damaged_not_missing_weights(dcp_cases):
 
 
 def test_ranks_that_take_different_routes_fail_together_instead_of_hanging(dcp_cases):
-    _refused(dcp_cases, "route_disagrees", ["`checkpoint route`", "rank 0: checkpoint route: safetensors",
-                                            "rank 1: checkpoint route: planc.save", "would enter different collectives"])
+    _refused(dcp_cases, "route_disagrees", [
+        "`checkpoint route`", "rank 0: checkpoint route: safetensors", "rank 1: checkpoint route: planc.save",
+        "would enter different collectives",
+    ])
 
 
 def test_ranks_that_choose_another_quantization_fail_together(damaged):

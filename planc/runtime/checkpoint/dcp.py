@@ -79,7 +79,8 @@ def dcp_failures(what: str):
             " A file write stopped short: the disk is full, a quota was reached or a file size limit (`ulimit -f`) "
             "applies on that rank; free space or raise the limit, then run it again." if short else ""
         )
-        raise CheckpointError(f"{what}: torch.distributed.checkpoint failed: " + "; ".join(lines) + "." + hint) from None
+        failed = "; ".join(lines)
+        raise CheckpointError(f"{what}: torch.distributed.checkpoint failed: {failed}.{hint}") from None
 
 
 def _storage_problems(metadata, directory: Path) -> list[str]:
@@ -97,8 +98,8 @@ def _storage_problems(metadata, directory: Path) -> list[str]:
             problems.append(f"{f}: missing (the checkpoint's .metadata places tensors in it); copy the whole directory")
         elif f.stat().st_size < end:
             problems.append(
-                f"{f}: {f.stat().st_size} bytes, but the checkpoint's .metadata reads up to byte {end}: it is truncated; "
-                "copy it again"
+                f"{f}: {f.stat().st_size} bytes, but the checkpoint's .metadata reads up to byte {end}: it is "
+                "truncated; copy it again"
             )
     return problems
 

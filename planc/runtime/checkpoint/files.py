@@ -294,4 +294,6 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
         handle.__exit__(None, None, None)
 
 
-__all__ = ["CheckpointFiles", "MappedSlice", "TensorInfo", "INDEX_NAME", "SINGLE_NAME", "CONFIG_NAME", "missing_directory"]
+__all__ = [
+    "CheckpointFiles", "MappedSlice", "TensorInfo", "INDEX_NAME", "SINGLE_NAME", "CONFIG_NAME", "missing_directory",
+]

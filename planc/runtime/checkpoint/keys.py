@@ -202,7 +202,8 @@ def converter_problems(files: CheckpointFiles, target: str, expected, converter,
             name = _with_index(some, pattern, missing[0])
             problems.append(
                 f"{files.root}: `{name}` is missing: the model's `{target}` merges {len(wanted)} experts, and "
-                f"{len(missing)} of them are in no checkpoint file (indices {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+                f"{len(missing)} of them are in no checkpoint file (indices {missing[:8]}"
+                f"{' ...' if len(missing) > 8 else ''}"
                 f"; its siblings are in {files.tensors[some].file}). {fix}"
             )
     per_pattern = {}
@@ -223,7 +224,8 @@ def converter_problems(files: CheckpointFiles, target: str, expected, converter,
     stacked = [list(s[: merge.dim]) + [num] + list(s[merge.dim:]) for s in per_pattern.values()]
     if len({len(s) for s in stacked}) > 1:
         keys_named = ", ".join(f"`{next(iter(i.values()))}` {list(per_pattern[p])}" for p, i in present.items())
-        return [f"{files.root}: the tensors merged into the model's `{target}` have different ranks: {keys_named}. {fix}"]
+        return [f"{files.root}: the tensors merged into the model's `{target}` have different ranks: {keys_named}. "
+                f"{fix}"]
     merged = stacked[0]
     if concat is not None:
         d = concat.dim
@@ -286,7 +288,8 @@ def loading_problems(model: nn.Module, info, files: CheckpointFiles) -> list[str
     for key, error in sorted(info.conversion_errors.items()):
         fed = feeders.get(key, [])
         listed = ", ".join(f"`{k}`" for k in fed[:_MAX_LISTED]) + (" ..." if len(fed) > _MAX_LISTED else "")
-        where = f" from {len(fed)} checkpoint tensor(s) ({listed}; first in {files.tensors[fed[0]].file})" if fed else ""
+        where = (f" from {len(fed)} checkpoint tensor(s) ({listed}; first in {files.tensors[fed[0]].file})"
+                 if fed else "")
         problems.append(
             f"{files.root}: converting the model's `{key}`{where} failed: {last_line(error)}. The checkpoint's "
             "tensors do not fit this model's layout: use the config.json saved with these weights."

@@ -125,7 +125,8 @@ def check_checkpoint(
     out = Checked()
     try:
         out.dcp_dir = _dcp_checkpoint(source)
-        out.decisions["checkpoint route"] = "planc.save (torch.distributed.checkpoint)" if out.dcp_dir else "safetensors"
+        route = "planc.save (torch.distributed.checkpoint)" if out.dcp_dir else "safetensors"
+        out.decisions["checkpoint route"] = route
         if out.dcp_dir is None:
             out.files = CheckpointFiles.open(source)
             out.decisions["checkpoint"] = f"{len(out.files.tensors)} tensors, headers {out.files.digest()}"
