@@ -144,3 +144,34 @@ def test_random_header_damage_never_hangs_crashes_or_lies(tmp_path):
                                timeout=WORLD_TIMEOUT)
     assert per_rank[0] == per_rank[1]
     assert per_rank[0]["refused"] > 0, per_rank
+
+
+def test_a_conversion_that_still_fails_is_summarized_without_its_traceback(tmp_path):
+    # transformers' loader records a failing conversion as the whole traceback text; planc names the model key, the
+    # checkpoint keys that fed it and the last line of the cause. The failure here is a real torch.stack of experts of
+    # two shapes, recorded by transformers' own log_conversion_errors.
+    import torch
+    from transformers.core_model_loading import MergeModulelist, SkipParameters, log_conversion_errors
+    from transformers.utils.loading_report import LoadStateDictInfo
+
+    from planc.runtime.checkpoint.files import CheckpointFiles
+    from planc.runtime.checkpoint.keys import loading_problems
+    from planc.runtime.checkpoint.load import _config, _meta_model
+
+    write_good(tmp_path / "good")
+    info = LoadStateDictInfo(missing_keys=set(), unexpected_keys=set(), mismatched_keys=set(), error_msgs=[],
+                             conversion_errors={}, skipped_pp_keys=set())
+    op = MergeModulelist(dim=0)
+    with pytest.raises(SkipParameters):
+        with log_conversion_errors(GATE_UP, info, (2, GATE_UP), op):
+            op.convert({"w1": [torch.zeros(32, 64), torch.zeros(31, 64)]}, ["w1"], [GATE_UP])
+    assert "Traceback" in info.conversion_errors[GATE_UP]  # what transformers keeps
+    model = _meta_model(_config(tmp_path / "good", None), None)
+    files = CheckpointFiles.open(tmp_path / "good")
+    try:
+        (problem,) = loading_problems(model, info, files)
+    finally:
+        files.close()
+    assert "Traceback" not in problem and 'File "' not in problem, problem
+    assert f"converting the model's `{GATE_UP}` from 16 checkpoint tensor(s)" in problem, problem
+    assert W1 in problem and "RuntimeError: stack expects each tensor to be equal size" in problem, problem
