@@ -41,7 +41,10 @@ def applied_plan(model: nn.Module, what: str):
 
 def _write_shards(state: dict, directory: Path) -> None:
     """DCP writes every rank's shards and the coordinator's `.metadata` (a collective)."""
-    dcp.save(state, checkpoint_id=str(directory))
+    from planc.runtime.checkpoint.dcp import dcp_failures
+
+    with dcp_failures(f"writing {directory}"):
+        dcp.save(state, checkpoint_id=str(directory))
 
 
 def _write_metadata(model: nn.Module, compiled, directory: Path, non_persistent: list[str]) -> None:
