@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
-    "load_plan", "lint_paths", "compile", "apply", "load", "save", "export", "destroy_megamoe_buffers", "__version__",
+    "load_plan", "lint_paths", "compile", "apply", "load", "save", "load_optimizer", "export", "destroy_megamoe_buffers",
+    "__version__",
 ]
 
 
@@ -75,13 +76,22 @@ def load(source: "Union[str, os.PathLike[str]]", plan: "PlanSource", *, dtype: O
     return _load(source, plan, dtype=dtype, device=device, mesh=mesh, parallel=parallel, dequantize=dequantize)
 
 
-def save(model: nn.Module, directory: Union[str, os.PathLike[str]]) -> Path:
+def save(model: nn.Module, directory: Union[str, os.PathLike[str]], *, optimizer: Optional[Any] = None) -> Path:
     """Write an applied model as a sharded checkpoint (torch.distributed.checkpoint, every rank its own shards)
     with its plan beside it; `planc.load` reads it back under any plan or sizes. Call on every rank.
+    `optimizer`: its state is saved too, sharded like the model, for `planc.load_optimizer`.
     The directory is replaced only once the new checkpoint is complete."""
     from planc.runtime.checkpoint.save import save as _save
 
-    return _save(model, directory)
+    return _save(model, directory, optimizer=optimizer)
+
+
+def load_optimizer(model: nn.Module, optimizer: Any, directory: Union[str, os.PathLike[str]]) -> None:
+    """Restore `optimizer` (built over `model`'s parameters) from a checkpoint `planc.save(..., optimizer=)` wrote,
+    under any plan or sizes (`model` from `planc.load` of that checkpoint). Call on every rank."""
+    from planc.runtime.checkpoint.optimizer import load_optimizer as _load_optimizer
+
+    _load_optimizer(model, optimizer, directory)
 
 
 def export(model: nn.Module, directory: Union[str, os.PathLike[str]], *, max_shard_size: Union[int, str] = "5GB") -> Path:
