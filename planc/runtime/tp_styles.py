@@ -63,19 +63,35 @@ def _is_plain(module: nn.Module, cls: type) -> bool:
     return type(module).forward is cls.forward
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times `scale` backward."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
 @contextlib.contextmanager
-def local_parameters(module: nn.Module, recurse: bool = False):
+def local_parameters(module: nn.Module, recurse: bool = False, grad_scale: Optional[float] = None):
     """Run the module's own forward on the local shards of its DTensor parameters (`recurse`: and of its
     submodules', such as a per-expert norm inside experts).
 
     Kernels (grouped_mm, experts loops, deep_gemm) take plain tensors. `to_local()` is differentiable,
-    so the gradients still land on the DTensor parameters.
+    so the gradients still land on the DTensor parameters. `grad_scale`: those gradients are multiplied
+    by it (identity forward; the experts' data-parallel rule, planc.runtime.data_parallel).
     """
     originals = [(m, {n: p for n, p in m._parameters.items() if isinstance(p, DTensor)})
                  for m in (module.modules() if recurse else (module,))]
+    scale = grad_scale is not None and grad_scale != 1 and torch.is_grad_enabled()
     for m, params in originals:
         for name, p in params.items():
-            m._parameters[name] = p.to_local()
+            local = p.to_local()
+            m._parameters[name] = _ScaleGrad.apply(local, grad_scale) if scale and p.requires_grad else local
     try:
         yield
     finally:
