@@ -103,15 +103,16 @@ def clip_grad_norm_(model: Any, max_norm: float, norm_type: float = 2.0, *,
     return _clip(model, max_norm, norm_type, error_if_nonfinite)
 
 
-def device_mesh(model: Any) -> Any:
-    """The root DeviceMesh planc built for an applied model: every dim it uses (dp, tp, ep, efsdp) is a view of it
-    (docs/train.md draws it); `CompiledPlan.mesh_dims` gives its sizes and names without torch."""
+def device_mesh(model: Any, view: Optional[str] = None) -> Any:
+    """The root DeviceMesh planc built for an applied model, or one of its views: `dp` (this rank's data-parallel
+    replicas: `get_local_rank()` is the replica to feed), `tp`, `ep`, `efsdp` (the ranks holding the same experts).
+    docs/train.md draws them; `CompiledPlan.mesh_dims` gives the root's sizes and names without torch."""
     groups = getattr(model, "_planc_groups", None)
     if groups is None:
         from planc.errors import ApplyError
 
         raise ApplyError(f"planc.device_mesh: {type(model).__name__} was not applied by planc.apply or planc.load")
-    return groups.root
+    return groups.root if view is None else groups.view(view)
 
 
 def destroy_megamoe_buffers() -> None:

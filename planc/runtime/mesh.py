@@ -51,6 +51,16 @@ class Groups:
     ep_size: int
     dp_size: int = 1
 
+    def view(self, name: str) -> DeviceMesh:
+        """A named view of the root: `dp`, `tp`, `ep` or `efsdp` (`planc.device_mesh(model, name)`)."""
+        views = {"dp": self.dp_mesh, "tp": self.tp_mesh, "ep": self.ep_mesh, "efsdp": self.efsdp_mesh}
+        if name not in views or views[name] is None:
+            raise ApplyError(
+                f"planc.device_mesh: no `{name}` view at these sizes; the views are "
+                f"{', '.join(k for k, v in views.items() if v is not None)} (efsdp only with ep_size > 1)."
+            )
+        return views[name]
+
     @property
     def mesh(self) -> DeviceMesh:
         """The ("dp", "tp") view of the root (what `planc.apply(mesh=...)` accepted before the root had more dims)."""
@@ -107,8 +117,8 @@ def build_groups(parallel, mesh: Optional[DeviceMesh] = None) -> Groups:
     else:
         root = _check_caller_mesh(mesh, tp, ep, dp, world)
     if ep > 1:
-        dp_mesh = root["dp_mod_ep", "dp_in_ep"]._flatten("dp")
-        ep_mesh = root["dp_in_ep", "tp"]._flatten("ep")
+        dp_mesh = _flattened(root, ("dp_mod_ep", "dp_in_ep"), "dp")
+        ep_mesh = _flattened(root, ("dp_in_ep", "tp"), "ep")
         efsdp_mesh = root["dp_mod_ep"]
     else:
         dp_mesh, efsdp_mesh = root["dp"], None
@@ -130,16 +140,34 @@ def build_groups(parallel, mesh: Optional[DeviceMesh] = None) -> Groups:
     )
 
 
+def _flattened(root: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
+    """`root[dims]` flattened as `name`, kept on the root (torch deprecates slicing a flattened dim back out of
+    its root by name: the views are bookkept), so a root passed to planc again gets the same views."""
+    views = root.__dict__.setdefault("_planc_views", {})
+    if name not in views:
+        try:
+            views[name] = root[dims]._flatten(name)
+        except ValueError as e:
+            raise ApplyError(
+                f"planc.runtime.mesh: the mesh passed to planc.apply already has a flattened `{name}` dim planc did "
+                f"not make ({e}); pass the mesh before flattening it, or leave `mesh` out and planc builds it."
+            ) from None
+    return views[name]
+
+
 def _single_rank_mesh(root: DeviceMesh) -> DeviceMesh:
     """The EP mesh at ep_size 1 (each rank its own group; Mega MoE binds its kernel to it): a size-1 dim
     unflattened out of the root's tp dim, so it stays a view of the root."""
-    tp = root["tp"].size()
-    return root._unflatten("tp", (tp, 1), ("tp_", "ep"))["ep"]
+    views = root.__dict__.setdefault("_planc_views", {})
+    if "ep" not in views:
+        views["ep"] = root._unflatten("tp", (root["tp"].size(), 1), ("tp_", "ep"))["ep"]
+    return views["ep"]
 
 
 def _check_caller_mesh(mesh: DeviceMesh, tp: int, ep: int, dp: int, world: int) -> DeviceMesh:
-    """The root mesh from the caller's: planc's own dims as they are, a ("dp", "tp") mesh with its dp dim
-    unflattened, a 1-D mesh of the whole world as ("dp"=1, "tp"); anything else is an ApplyError."""
+    """The root from the caller's mesh: planc's own dims as they are, a ("dp", "tp") mesh with its dp dim
+    unflattened (its own "dp" kept as the dp view), a 1-D mesh of the whole world as ("dp"=1, "tp");
+    anything else is an ApplyError."""
     sizes, names = mesh_dims(tp, ep, dp)
     got = tuple(mesh.mesh_dim_names or ())
     if mesh.size() != world:
@@ -165,7 +193,11 @@ def _check_caller_mesh(mesh: DeviceMesh, tp: int, ep: int, dp: int, world: int) 
                 f"tp={mesh['tp'].size()} over {mesh.size()} of {world} ranks, the plan wants dp={dp} x tp={tp}. "
                 "Make the mesh match the plan's `parallel` sizes."
             )
-        return mesh if ep == 1 else mesh._unflatten("dp", sizes[:2], names[:2])
+        if ep == 1:
+            return mesh
+        root = mesh._unflatten("dp", sizes[:2], names[:2])
+        root.__dict__.setdefault("_planc_views", {})["dp"] = mesh["dp"]  # the caller's dp is the flattened view
+        return root
     raise ApplyError(
         f"planc.runtime.mesh: the mesh passed to planc.apply has dims {got} of sizes {tuple(mesh.shape)}; planc "
         f"needs {names} of sizes {sizes} (its root mesh for these sizes) or a 2-D mesh named ('dp', 'tp'). "

@@ -320,25 +320,26 @@ class EmbeddingRowwise(TPStyle):
 
 class ReplicatedWithGradAllReduce(TPStyle):
     """Replicated parameters whose gradient each rank computes only in part (e.g. Qwen3's per-head q/k norms
-    over this rank's heads): the gradients are summed over the group after accumulation."""
+    over this rank's heads): the forward reads each such parameter through `all_reduce_grad` (identity
+    forward, gradient summed over the group backward). In autograd rather than a hook on the Parameter, so
+    it holds whatever object holds the parameter at forward time (FSDP2 swaps in its own)."""
 
     name = "replicated_with_grad_allreduce"
 
     def install(self, module, mesh):
         group = mesh.get_group()
 
-        def reduce_grad(param):
-            torch.distributed.all_reduce(param.grad, group=group)
+        def forward(original, *args, **kwargs):
+            params = {n: p for n, p in module._parameters.items()
+                      if p is not None and not isinstance(p, DTensor) and p.requires_grad}
+            for n, p in params.items():
+                module._parameters[n] = all_reduce_grad(p, group)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                module._parameters.update(params)
 
-        for name, p in list(module._parameters.items()):
-            if p is None or isinstance(p, DTensor):
-                continue
-            # A new Parameter object (same storage) carries the hook, so rollback only has to restore the
-            # module's `_parameters` to leave the user's Parameter objects untouched.
-            fresh = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
-            if fresh.requires_grad:
-                fresh.register_post_accumulate_grad_hook(reduce_grad)
-            module._parameters[name] = fresh
+        self._wrap(module, forward)
 
 
 class MlaKvAProj(TPStyle):

@@ -65,7 +65,8 @@ def train_case(model_type: str, tp: int, ep: int, dp: int, data_parallel: str, s
     plan = shipped_plan(model_type, tp=tp, ep=ep, dp=dp, ep_implementation=strategy)
     plan["training"] = {"data_parallel": data_parallel}
     compiled = planc.apply(model, plan)
-    dp_rank = dist.get_rank() // tp  # the ("dp", "tp") layout: replica of this rank
+    dp_rank = planc.device_mesh(model, "dp").get_local_rank()
+    assert dp_rank == dist.get_rank() // tp  # the ("dp", "tp") layout: replica of this rank
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     model.train()
     out = {"loss": 0.0, "norm_rel": 0.0, "mode": compiled.data_parallel}
@@ -96,3 +97,52 @@ def train_case(model_type: str, tp: int, ep: int, dp: int, data_parallel: str, s
 
 def run_cases(rank: int, world_size: int, cases: list) -> dict:
     return {case: train_case(*case) for case in cases}
+
+
+def api_checks(rank: int, world_size: int) -> dict:
+    """planc.clip_grad_norm_ (inf norm, torch's clip refused with the planc name), the root mesh and a caller's mesh."""
+    import planc
+    from planc.errors import ApplyError, PlancError
+    from planc.runtime.models import build_tiny_model
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = {}
+    model = build_tiny_model("mixtral", seed=1)
+    ref = build_tiny_model("mixtral", seed=1)
+    plan = shipped_plan("mixtral", tp=world_size, ep=world_size, ep_implementation="all_to_all")
+    compiled = planc.apply(model, plan)
+    mesh = planc.device_mesh(model)
+    out["mesh"] = (tuple(mesh.mesh_dim_names), tuple(mesh.shape), compiled.mesh_dims)
+    ids = global_batch(0, 1)
+    model(ids, labels=ids).loss.backward()
+    ref(ids, labels=ids).loss.backward()
+    try:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        out["torch_clip"] = "no error"
+    except PlancError as e:
+        out["torch_clip"] = f"{type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001 - the point: no raw torch error
+        out["torch_clip"] = f"raw {type(e).__name__}: {e}"
+    for norm_type in (float("inf"), 1.0, 2.0):
+        got = planc.clip_grad_norm_(model, 1e9, norm_type).item()
+        want = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()], norm_type).item()
+        out[f"norm_{norm_type}"] = abs(got - want) / want
+    # a caller's mesh: the root planc builds is accepted, a wrong one refused before anything changes
+    right = init_device_mesh("cpu", compiled.mesh_dims[0], mesh_dim_names=compiled.mesh_dims[1])
+    planc.apply(build_tiny_model("mixtral", seed=1), plan, mesh=right)
+    wrong = init_device_mesh("cpu", (world_size,), mesh_dim_names=("world",))
+    try:
+        planc.apply(build_tiny_model("mixtral", seed=1), shipped_plan("mixtral", tp=1, ep=world_size, dp=world_size),
+                    mesh=wrong)
+        out["wrong_mesh"] = "accepted"
+    except ApplyError as e:
+        out["wrong_mesh"] = str(e)
+    return out
+
+
+def train_world(rank: int, world_size: int, cases: list) -> dict:
+    """Every training case, then (2 ranks) the API checks: one world for all of them."""
+    out = run_cases(rank, world_size, cases)
+    if world_size == 2:
+        out["api"] = api_checks(rank, world_size)
+    return out
