@@ -404,6 +404,15 @@ def step_mark_applied(state: InstallState) -> None:
     guard_applied_model(state.model)  # save_pretrained / deepcopy refuse with what to call instead
 
 
+def step_data_parallel(state: InstallState) -> None:
+    """`training.data_parallel` over the dp replicas (replicate or FSDP2), after TP/EP: the last step."""
+    from planc.runtime.clip import guard_torch_clip_grad_norm
+    from planc.runtime.data_parallel import install_data_parallel
+
+    install_data_parallel(state.model, state.compiled, state.groups)
+    guard_torch_clip_grad_norm()
+
+
 INSTALL_STEPS: list[Callable[[InstallState], None]] = [
     step_set_experts_implementation,
     step_shard_parameters,
@@ -411,6 +420,7 @@ INSTALL_STEPS: list[Callable[[InstallState], None]] = [
     step_install_megamoe,
     step_install_ep_forwards,
     step_mark_applied,
+    step_data_parallel,
 ]
 
 
