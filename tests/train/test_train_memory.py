@@ -1,0 +1,77 @@
+"""`planc explain --train` against what ranks really hold after one AdamW step (sum of the local bytes of the
+parameters, gradients and optimizer state on each rank), tiny fp32 Mixtral and DeepSeek-V3 (dense first layer,
+shared experts) loaded by planc.load, on 2 and 4 gloo ranks, in each mode: replicate, fsdp, fsdp with bf16 mixed
+precision. Sizes: (tp, ep, dp) = (1, 2, 2) on 2 ranks; (2, 2, 2) (experts FSDP over efsdp = 2) and (2, 4, 2)
+(efsdp = 1) on 4. Acceptance: within 2% of the most any rank holds, for every number."""
+
+import contextlib
+import io
+import json
+
+import pytest
+import yaml
+
+from planc.cli import main as planc_main
+from tests.distributed import run_distributed
+from tests.runtime.workers import shipped_plan
+from tests.train.memory_workers import measure_world
+
+pytestmark = pytest.mark.distributed
+FAMILIES = ("mixtral", "deepseek_v3")
+MODES = {
+    "replicate": {"data_parallel": "replicate"},
+    "fsdp": {"data_parallel": "fsdp"},
+    "fsdp_bf16": {"data_parallel": "fsdp", "mixed_precision": {"param_dtype": "bfloat16", "reduce_dtype": "float32"}},
+}
+WORLDS = {2: [(1, 2, 2)], 4: [(2, 2, 2), (2, 4, 2)]}
+TOL = 0.02
+
+
+def _explain(plan_path, config_path) -> dict:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = planc_main(["explain", str(plan_path), "--config", str(config_path), "--dtype", "float32", "--train",
+                         "--format", "json"])
+    assert rc == 0, out.getvalue()
+    return json.loads(out.getvalue())["train"]
+
+
+@pytest.fixture(scope="module")
+def hubs(tmp_path_factory):
+    from planc.runtime.models import build_tiny_model
+
+    root = tmp_path_factory.mktemp("hubs")
+    for family in FAMILIES:
+        build_tiny_model(family, seed=0).save_pretrained(root / family)
+    return root
+
+
+@pytest.mark.parametrize("world", sorted(WORLDS))
+def test_explain_train_is_what_ranks_hold(hubs, tmp_path, world):
+    failures, checked = [], 0
+    for family in FAMILIES:
+        plans, explained = [], {}
+        for tp, ep, dp in WORLDS[world]:
+            for mode, training in MODES.items():
+                data = shipped_plan(family, tp=tp, ep=ep, dp=dp, ep_implementation="all_to_all")
+                data["training"] = training
+                data = {k: v for k, v in data.items() if v is not None}
+                path = tmp_path / f"{family}-{tp}{ep}{dp}-{mode}.yaml"
+                path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+                plans.append(str(path))
+                explained[path.name] = _explain(path, hubs / family / "config.json")
+        measured = run_distributed(measure_world, world, str(hubs / family), plans)
+        for name, explain in explained.items():
+            per_rank = [res[name] for res in measured]
+            for rank, held in enumerate(per_rank):
+                assert isinstance(held, dict), f"{name} rank {rank}:\n{held}"
+            for key, ours in (("parameters", "parameters_per_rank"), ("gradients", "gradients_per_rank"),
+                              ("optimizer", "optimizer_per_rank")):
+                real = max(held[key] for held in per_rank)
+                checked += 1
+                print(f"{name:40s} {key:10s} explain {explain[ours]:>9d} held {real:>9d} ({explain[ours] / real - 1:+.2%})")
+                if abs(explain[ours] - real) > TOL * real:
+                    failures.append(f"{name}: {key} explain {explain[ours]} vs held {real} (max over ranks)")
+            assert explain["tensors"] == per_rank[0]["tensors"], name
+    assert not failures, "\n".join(failures)
+    assert checked == len(FAMILIES) * len(WORLDS[world]) * len(MODES) * 3
