@@ -11,6 +11,7 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from tests.runtime.workers import FOUR_RANK_HEADS, batch, shipped_plan
 
@@ -31,10 +32,20 @@ def write_hub_checkpoints(root: Path) -> None:
         build_tiny_model(family, seed=1, **FOUR_RANK_HEADS.get(family, {})).save_pretrained(root / family / "hub")
 
 
+# Resumed at 4 ranks with data parallelism too: (tp, ep, dp) = (2, 2, 2) under each `training.data_parallel`
+DP_CASES = {f"{family}@dp2-{mode}": (family, mode) for family in FAMILIES for mode in ("fsdp", "replicate")}
+# ... and the fsdp run saved again after step 3, resumed at 1 rank for step 4
+RESAVED = "mixtral@dp2-fsdp"
+
+
 def plan(case: str, world: int) -> dict:
-    """The shipped plan of the case's family at tp = ep = world; `-packed`: its experts tensor-parallel."""
+    """The shipped plan of the case's family at tp = ep = world; `-packed`: its experts tensor-parallel;
+    a DP_CASES one at (2, 2, 2) with its `training:` mode."""
     from tests.checkpoint.workers import plan_for
 
+    if case in DP_CASES:
+        family, mode = DP_CASES[case]
+        return {**shipped_plan(family, tp=2, ep=2, dp=2), "training": {"data_parallel": mode}}
     if case.endswith("-packed"):
         return plan_for("packed", CASES[case], world)
     return shipped_plan(CASES[case], tp=world)
@@ -45,14 +56,20 @@ def optimizer_for(model):
 
 
 def step(model, optimizer, n: int) -> float:
-    """Training step `n` (1-based): its batch, loss, backward, AdamW step; returns the loss."""
+    """Training step `n` (1-based): each dp replica its rows of the step's batch, backward, AdamW step; returns
+    the loss of the whole batch (the mean over the replicas: their rows hold as many tokens)."""
+    import planc
+
+    dp = planc.device_mesh(model, "dp")
     model.train()
-    ids = batch(100 + n)
+    ids = batch(100 + n)[dp.get_local_rank()::dp.size()]
     loss = model(ids, labels=ids).loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss.item()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    return mean.item() / dist.get_world_size()
 
 
 def train_and_save_world(rank, world_size, root):
@@ -106,6 +123,27 @@ def resume_world(rank, world_size, root, bad_inputs: bool):
                 out[f"{case}/fresh"] = [step(model, optimizer, n) for n in range(SAVE_AFTER + 1, STEPS + 1)]
         except Exception:  # noqa: BLE001
             out[case] = traceback.format_exc()
+    if world_size == 4:
+        for case, (family, _) in DP_CASES.items():
+            try:
+                ckpt = Path(root) / family / "ckpt"
+                model = planc.load(ckpt, plan(case, world_size))
+                optimizer = optimizer_for(model)
+                planc.load_optimizer(model, optimizer, ckpt)
+                out[case] = [step(model, optimizer, SAVE_AFTER + 1)]
+                if case == RESAVED:
+                    planc.save(model, Path(root) / case, optimizer=optimizer)
+                out[case].append(step(model, optimizer, SAVE_AFTER + 2))
+            except Exception:  # noqa: BLE001
+                out[case] = traceback.format_exc()
+    if world_size == 1:
+        try:
+            model = planc.load(Path(root) / RESAVED, plan(DP_CASES[RESAVED][0], 1))
+            optimizer = optimizer_for(model)
+            planc.load_optimizer(model, optimizer, Path(root) / RESAVED)
+            out[RESAVED] = [step(model, optimizer, SAVE_AFTER + 2)]
+        except Exception:  # noqa: BLE001
+            out[RESAVED] = traceback.format_exc()
     if not bad_inputs:
         return out
     root = Path(root)

@@ -1,6 +1,8 @@
 """planc.save(..., optimizer=) at 2 ranks -> planc.load + planc.load_optimizer at 4 and 1 ranks: steps 3-4 of AdamW
 give the losses of the uninterrupted run (tiny fp32 Mixtral, Qwen3-MoE, DeepSeek-V3 from save_pretrained dirs,
-and Mixtral with tensor-parallel packed experts); every bad input is one CheckpointError on every rank.
+and Mixtral with tensor-parallel packed experts); at 4 ranks also with data parallelism, (tp, ep, dp) = (2, 2, 2)
+under `fsdp` and `replicate` (each replica half the batch), and the fsdp run saved again after step 3 and resumed
+at 1 rank; every bad input is one CheckpointError on every rank.
 
 Tolerance 1e-5 abs: at other sizes the rowwise/expert partial sums are added in another order (fp32 rounding), as
 in the save/load test. One world per size, shared by every case: spawning ranks is the slow part.
@@ -8,7 +10,15 @@ in the save/load test. One world per size, shared by every case: spawning ranks 
 
 import pytest
 
-from tests.checkpoint.optimizer_workers import CASES, SAVE_AFTER, resume_world, train_and_save_world, write_hub_checkpoints
+from tests.checkpoint.optimizer_workers import (
+    CASES,
+    DP_CASES,
+    RESAVED,
+    SAVE_AFTER,
+    resume_world,
+    train_and_save_world,
+    write_hub_checkpoints,
+)
 from tests.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -35,6 +45,12 @@ def test_resume_at_4_and_1_ranks_continues_the_run(tmp_path):
             assert all(res[f"{case}/step"] == [float(SAVE_AFTER)] for res in resumed), (case, world_size)
             for n, (got, want) in enumerate(zip(losses, uninterrupted[case][SAVE_AFTER:]), start=SAVE_AFTER + 1):
                 assert abs(got - want) <= TOL, f"{case} at {world_size} ranks, step {n}: {got} vs {want}"
+        dp_cases = DP_CASES if world_size == 4 else {RESAVED: DP_CASES[RESAVED]}
+        for case, (family, _) in dp_cases.items():
+            losses = _losses(resumed, case)
+            want = uninterrupted[family][-len(losses):]
+            for n, (got, w) in enumerate(zip(losses, want), start=len(uninterrupted[family]) - len(losses) + 1):
+                assert abs(got - w) <= TOL, f"{case} at {world_size} ranks, step {n}: {got} vs {w}"
         # without the optimizer state the same resume drifts: the comparison above can fail
         fresh = resumed[0]["mixtral/fresh"][-1]
         assert abs(fresh - uninterrupted["mixtral"][-1]) > 1e-3, fresh
