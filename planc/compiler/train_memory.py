@@ -49,6 +49,7 @@ class TrainMemory:
     optimizer: int  # AdamW: exp_avg + exp_avg_sq + step
     tensors: int  # parameters that get a gradient and AdamW state
     experts_sharded: bool = False  # EP-sharded experts modules, FSDP units of their own over efsdp
+    local_experts: int = 0  # fsdp: the fewest experts a rank holds after EP (dim 0 FSDP2 splits over efsdp)
     param_dtype: Optional[str] = None  # fsdp mixed precision
     reduce_dtype: Optional[str] = None
     gathered_root: int = 0  # fsdp: the root unit's parameters all-gathered (param_dtype), forward to backward
@@ -100,6 +101,12 @@ class TrainMemory:
                 f"  all-gathered while units run ({dtype}, not in the total): root {human_bytes(self.gathered_root, 1)}"
                 f" from forward to backward, largest layer {human_bytes(self.gathered_layer, 1)}"
             )
+            if self.experts_sharded and 0 < self.local_experts < self.efsdp_size:
+                lines.append(
+                    f"  note: FSDP2 splits dim 0 of the experts' tensors, {self.local_experts} expert(s) per EP rank, "
+                    f"over efsdp={self.efsdp_size} ranks: it pads, so every rank holds a whole expert's bytes. The "
+                    "split is even when the model has at least as many experts as the world has ranks"
+                )
         lines.append("  activations are not counted")
         return "\n".join(lines)
 
@@ -203,6 +210,7 @@ def train_memory(compiled, model_or_walk, *, data_parallel: Optional[str] = None
         optimizer=optim,
         tensors=tensors,
         experts_sharded=bool(ep_experts),
+        local_experts=min((e.num_local_experts for e in compiled.experts if e.fqn in ep_experts), default=0),
         param_dtype=mp.param_dtype if mp is not None else None,
         reduce_dtype=mp.reduce_dtype if mp is not None else None,
         gathered_root=root,
