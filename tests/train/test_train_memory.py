@@ -75,3 +75,28 @@ def test_explain_train_is_what_ranks_hold(hubs, tmp_path, world):
             assert explain["tensors"] == per_rank[0]["tensors"], name
     assert not failures, "\n".join(failures)
     assert checked == len(FAMILIES) * len(WORLDS[world]) * len(MODES) * 3
+
+
+def _explain_text(plan_path, config_path, *extra) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = planc_main(["explain", str(plan_path), "--config", str(config_path), "--dtype", "float32", *extra])
+    assert rc == 0, out.getvalue()
+    return out.getvalue()
+
+
+def test_explain_train_text_and_padded_experts_note(hubs, tmp_path):
+    """The text form, `train` in JSON only with --train, and the note when FSDP2 must pad the experts' dim 0
+    (8 experts, ep 8, 16 ranks: one expert per EP rank over efsdp = 2)."""
+    config = hubs / "mixtral" / "config.json"
+    padded = {**shipped_plan("mixtral", tp=2, ep=8, dp=8), "training": MODES["fsdp_bf16"]}
+    even = {**shipped_plan("mixtral", tp=2, ep=2, dp=2), "training": MODES["fsdp"]}
+    for name, data in (("padded", padded), ("even", even)):
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({k: v for k, v in data.items() if v is not None}))
+    text = _explain_text(tmp_path / "padded.yaml", config, "--train")
+    assert "training memory (fsdp over dp_size=8 (EP experts over efsdp=2), mixed precision bfloat16" in text, text
+    assert "note: FSDP2 splits dim 0 of the experts' tensors, 1 expert(s) per EP rank, over efsdp=2 ranks" in text
+    assert "all-gathered while units run (bfloat16, not in the total)" in text
+    assert "note:" not in _explain_text(tmp_path / "even.yaml", config, "--train")
+    assert "training memory" not in _explain_text(tmp_path / "even.yaml", config)
+    assert "train" not in json.loads(_explain_text(tmp_path / "even.yaml", config, "--format", "json"))
