@@ -32,13 +32,13 @@ def held_after_step(model, optimizer) -> dict:
     }
 
 
-def measure_world(rank, world_size, hub: str, plans: list[str]):
-    """For each plan (a file the test wrote for this world size): planc.load, one AdamW step on this replica's
-    rows, then the bytes held, before zero_grad."""
+def measure_world(rank, world_size, cases: list[tuple[str, str]]):
+    """For each (checkpoint, plan file the test wrote for this world size): planc.load, one AdamW step on this
+    replica's rows, then the bytes held, before zero_grad."""
     import planc
 
     out = {}
-    for path in plans:
+    for hub, path in cases:
         try:
             model = planc.load(hub, path)
             dp_rank = planc.device_mesh(model, "dp").get_local_rank()
