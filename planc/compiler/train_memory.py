@@ -113,15 +113,17 @@ class TrainMemory:
 
 def _local_shape(shape: tuple, style: Optional[str], tp: int, ep: int, rows: Optional[int]) -> tuple:
     """The shape rank 0 holds after TP/EP sharding (`rows`: an expert tensor cut to its experts with weights)."""
-    shape = list(shape)
+    dims = list(shape)
     spec = STYLE.get(style) if style is not None else None
-    if rows is not None and spec is not None and spec.mesh == "ep":
-        shape[0] = rows
-    div = shard_divisor(style, tuple(shape), tp, ep)
-    if div > 1:
-        dim = spec.placement(len(shape))
-        shape[dim] = -(-shape[dim] // div)
-    return tuple(shape)
+    if spec is None:
+        return tuple(dims)
+    if rows is not None and spec.mesh == "ep":
+        dims[0] = rows
+    dim = spec.placement(len(dims))
+    div = shard_divisor(style, tuple(dims), tp, ep)
+    if div > 1 and dim is not None:
+        dims[dim] = -(-dims[dim] // div)
+    return tuple(dims)
 
 
 def _decoder_layers(walk, experts_fqns) -> set[str]:

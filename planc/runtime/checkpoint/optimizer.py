@@ -165,10 +165,12 @@ def load_optimizer(model: nn.Module, optimizer, directory) -> None:
     what = f"planc.load_optimizer({str(directory)!r})"
     compiled, _ = applied_plan(model, what)
     error = None
+    marker: dict[str, Any] = {}
+    entry: dict[str, Any] = {}
     try:
         marker = read_marker(directory)
-        entry = marker.get("optimizer")
-        if entry is None:
+        entry = marker.get("optimizer") or {}
+        if not entry:
             raise CheckpointError(
                 f"{directory} holds no optimizer state: it was saved by planc.save without optimizer=. Save with "
                 "`planc.save(model, directory, optimizer=opt)` to resume training, or start a fresh optimizer."
@@ -190,10 +192,13 @@ def load_optimizer(model: nn.Module, optimizer, directory) -> None:
     agree(error, what)
 
     had_state = bool(optimizer.state)
-    target = get_optimizer_state_dict(model, optimizer, options=_OPTIONS)  # allocates a fresh optimizer's state
-    error, plan, stateless = None, {}, set()
+    # allocates a fresh optimizer's state
+    target: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer, options=_OPTIONS))
+    saved_dir = str(directory / entry["path"])
+    plan: dict[str, Any] = {}
+    stateless: set[str] = set()
     try:
-        saved = dcp.FileSystemReader(str(directory / entry["path"])).read_metadata().state_dict_metadata
+        saved = dcp.FileSystemReader(saved_dir).read_metadata().state_dict_metadata
         plan, stateless, problems = _plan_load(target, saved)
         if problems:
             raise CheckpointError(
@@ -214,7 +219,7 @@ def load_optimizer(model: nn.Module, optimizer, directory) -> None:
 
     strided = [k for k, v in plan.items() if has_strided(v)]  # a list: every rank redistributes in one order
     load_state = _dcp_view(plan)
-    dcp.load(load_state, checkpoint_id=str(directory / entry["path"]))
+    dcp.load(load_state, checkpoint_id=saved_dir)
     with torch.no_grad():
         for key in strided:
             target[key].to_local().copy_(load_state[key].redistribute(placements=target[key].placements).to_local())
