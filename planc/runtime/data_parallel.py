@@ -97,8 +97,14 @@ def _wrapper(compiled):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if compiled.data_parallel == "replicate":
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
+        try:
+            from torch.distributed._composable.replicate_with_fsdp import replicate
+        except ImportError:
+            raise ApplyError(
+                f"planc.runtime.data_parallel: `data_parallel: replicate` with dp_size > 1 uses torch's FSDP2-based "
+                f"replicate (torch.distributed._composable.replicate_with_fsdp), which torch {torch.__version__} "
+                "lacks. Upgrade torch, or write `training: {data_parallel: fsdp}`."
+            ) from None
         return replicate, {}
     mp = compiled.training.mixed_precision if compiled.training is not None else None
     policy = (
