@@ -17,8 +17,9 @@ peak memory <= FSDP2's.
 GPU mode (`--gpu`, a world of one GPU): one training step (forward, backward, AdamW) of a full-width
 2-layer Qwen3-MoE (bf16, grouped_mm experts) through planc against the same model without planc,
 alternating in one process; the ratio is planc / plain. At a world of one no rule shards anything
-(ep_size 1), so this measures what planc leaves on the step: installed forwards, hooks, the data-parallel
-step (`replicate` at dp 1 installs nothing; `fsdp` wraps in FSDP2 over one rank, timed too).
+(ep_size 1, so no EP dispatch runs either) and neither data-parallel mode wraps anything (one replica, no
+mixed precision), so this measures what planc leaves on the step: `planc.clip_grad_norm_` against
+torch's, and whatever apply installed. Both `training.data_parallel` values are timed.
 
     python bench/train_step.py                      # CPU, 4 ranks
     python bench/train_step.py --gpu                # one CUDA GPU

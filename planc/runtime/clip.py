@@ -73,9 +73,12 @@ def clip_grad_norm_(model_or_params: Union[nn.Module, torch.Tensor, Iterable[tor
             "the step would write NaN/inf into the parameters. Pass error_if_nonfinite=False to clip anyway."
         )
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    by_kind: dict = {}  # one foreach multiply per device and dtype, on the local tensors (as torch's clip does)
     for g in grads:
         local = g.to_local() if isinstance(g, DTensor) else g
-        local.mul_(coef.to(device=local.device, dtype=local.dtype))
+        by_kind.setdefault((local.device, local.dtype), []).append(local)
+    for (device, dtype), locals_ in by_kind.items():
+        torch._foreach_mul_(locals_, coef.to(device=device, dtype=dtype))
     return norm
 
 

@@ -58,7 +58,7 @@ def expert_grad_scale(groups) -> float:
 
 def install_data_parallel(model: nn.Module, compiled, groups) -> Optional[str]:
     """Wrap `model` for `compiled.data_parallel`; returns the mode installed, or None (nothing to do: one
-    replica under `replicate`, or experts that cannot train)."""
+    replica and no mixed precision, or experts that cannot train)."""
     if any(e.strategy is not None and e.strategy.inference_only for e in compiled.experts):
         return None  # Mega MoE: inference only (a plan that declares `training:` is refused by PLC700)
     modules = dict(model.named_modules())
@@ -67,8 +67,10 @@ def install_data_parallel(model: nn.Module, compiled, groups) -> Optional[str]:
     for experts in ep_experts:
         experts._planc_grad_scale = scale
     mode = compiled.data_parallel
-    if mode == "replicate" and groups.dp_size == 1:
-        return None
+    holders = groups.efsdp_mesh.size() if groups.efsdp_mesh is not None else 1
+    mixed = compiled.training is not None and compiled.training.mixed_precision is not None
+    if groups.dp_size == 1 and holders == 1 and not mixed:
+        return None  # one replica and nothing to shard: FSDP2 over one rank would only add copies to each step
     layers = decoder_layers(model, compiled)
     if not layers:
         raise ApplyError(
@@ -97,8 +99,14 @@ def _wrapper(compiled):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if compiled.data_parallel == "replicate":
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
+        try:
+            from torch.distributed._composable.replicate_with_fsdp import replicate
+        except ImportError:
+            raise ApplyError(
+                f"planc.runtime.data_parallel: `data_parallel: replicate` with dp_size > 1 uses torch's FSDP2-based "
+                f"replicate (torch.distributed._composable.replicate_with_fsdp), which torch {torch.__version__} "
+                "lacks. Upgrade torch, or write `training: {data_parallel: fsdp}`."
+            ) from None
         return replicate, {}
     mp = compiled.training.mixed_precision if compiled.training is not None else None
     policy = (

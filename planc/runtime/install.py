@@ -49,8 +49,8 @@ def apply(model: nn.Module, plan: Any, *, mesh: Optional[Any] = None,
           parallel: Optional[Mapping[str, int]] = None) -> Any:
     """Compile `plan` against `model`, then shard and install it on every rank (all or nothing).
 
-    `plan`: a path, YAML text, mapping, `LoadedPlan` or `Plan`. `mesh`: an optional ("dp", "tp")
-    DeviceMesh; planc builds one from the plan's sizes otherwise. `parallel`: run the plan at other
+    `plan`: a path, YAML text, mapping, `LoadedPlan` or `Plan`. `mesh`: an optional DeviceMesh, planc's root
+    (planc.spec.sizes.mesh_dims) or ("dp", "tp"); planc builds the root from the plan's sizes otherwise. `parallel`: run the plan at other
     sizes, e.g. `{"tp_size": 2, "ep_size": 2}` (checked like the plan's own, `load_plan(parallel=)`).
     Returns the CompiledPlan.
     """

@@ -160,7 +160,9 @@ def _single_rank_mesh(root: DeviceMesh) -> DeviceMesh:
     unflattened out of the root's tp dim, so it stays a view of the root."""
     views = root.__dict__.setdefault("_planc_views", {})
     if "ep" not in views:
-        views["ep"] = root._unflatten("tp", (root["tp"].size(), 1), ("tp_", "ep"))["ep"]
+        # the dim by index: torch 2.11's _unflatten rejects a dim given by name
+        tp_dim = root.mesh_dim_names.index("tp")
+        views["ep"] = root._unflatten(tp_dim, (root["tp"].size(), 1), ("tp_", "ep"))["ep"]
     return views["ep"]
 
 
@@ -195,7 +197,7 @@ def _check_caller_mesh(mesh: DeviceMesh, tp: int, ep: int, dp: int, world: int) 
             )
         if ep == 1:
             return mesh
-        root = mesh._unflatten("dp", sizes[:2], names[:2])
+        root = mesh._unflatten(got.index("dp"), sizes[:2], names[:2])
         root.__dict__.setdefault("_planc_views", {})["dp"] = mesh["dp"]  # the caller's dp is the flattened view
         return root
     raise ApplyError(
