@@ -46,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--parallel tp_size=2,ep_size=2",
     )
     parser.add_argument(
+        "--train", action="store_true",
+        help="also print what each rank holds while training with AdamW: parameters, gradients and optimizer "
+        "state at the plan's sizes and `training.data_parallel` (replicate or fsdp, mixed precision)",
+    )
+    parser.add_argument(
         "--device-memory", metavar="SIZE",
         help="memory of the device each rank loads onto (e.g. 141GiB, 80GB): a plan whose per-rank shard does "
         "not fit is refused (PLC660)",
@@ -139,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         sys.stderr.write(f"planc explain: {e}\n")
         return 2
-    status, compiled, budgets = 0, [], []
+    status, compiled, budgets, trains = 0, [], [], []
     for path in args.plans:
         rc, c = explain_one(path, config, overrides, args.dtype, parallel)
         status = max(status, rc)
@@ -155,13 +160,28 @@ def run(args: argparse.Namespace) -> int:
             status = max(status, 1)
         compiled.append(c)
         budgets.append(budget(c, device_memory, reads))
+        trains.append(_train_memory(c, config, overrides, args.dtype) if args.train else None)
     if args.format == "json":
-        data = [{**json_data(c), "memory": _budget_json(b)} for c, b in zip(compiled, budgets)]
+        data = [
+            {**json_data(c), "memory": _budget_json(b), **({"train": t.to_json()} if t is not None else {})}
+            for c, b, t in zip(compiled, budgets, trains)
+        ]
         sys.stdout.write(json.dumps(data[0] if len(args.plans) == 1 and data else data, indent=2, sort_keys=True) + "\n")
     else:
-        text = [render_text(c) + "\n" + b.render() for c, b in zip(compiled, budgets)]
+        text = [
+            render_text(c) + "\n" + b.render() + (f"\n{t.render()}" if t is not None else "")
+            for c, b, t in zip(compiled, budgets, trains)
+        ]
         sys.stdout.write("\n\n".join(text) + ("\n" if compiled else ""))
     return status
+
+
+def _train_memory(compiled, config: dict, overrides: dict, dtype: str):
+    """`--train`: what each rank holds training with AdamW under the plan (planc.compiler.train_memory)."""
+    from planc.compiler.train_memory import train_memory
+
+    model = build_model(config.get("model_type") or compiled.model_type, {**config, **overrides}, dtype)
+    return train_memory(compiled, model)
 
 
 def _budget_json(b) -> dict:

@@ -51,8 +51,8 @@ def apply(model: nn.Module, plan: Any, *, mesh: Optional[Any] = None,
           parallel: Optional[Mapping[str, int]] = None) -> Any:
     """Compile `plan` against `model`, then shard and install it on every rank (all or nothing).
 
-    `plan`: a path, YAML text, mapping, `LoadedPlan` or `Plan`. `mesh`: an optional ("dp", "tp")
-    DeviceMesh; planc builds one from the plan's sizes otherwise. `parallel`: run the plan at other
+    `plan`: a path, YAML text, mapping, `LoadedPlan` or `Plan`. `mesh`: an optional DeviceMesh, planc's root
+    (planc.spec.sizes.mesh_dims) or ("dp", "tp"); planc builds the root from the plan's sizes otherwise. `parallel`: run the plan at other
     sizes, e.g. `{"tp_size": 2, "ep_size": 2}` (checked like the plan's own, `load_plan(parallel=)`).
     Returns the CompiledPlan.
     """
@@ -425,6 +425,15 @@ def step_mark_applied(state: InstallState) -> None:
     guard_applied_model(state.model)  # save_pretrained / deepcopy refuse with what to call instead
 
 
+def step_data_parallel(state: InstallState) -> None:
+    """`training.data_parallel` over the dp replicas (replicate or FSDP2), after TP/EP: the last step."""
+    from planc.runtime.clip import guard_torch_clip_grad_norm
+    from planc.runtime.data_parallel import install_data_parallel
+
+    install_data_parallel(state.model, state.compiled, state.groups)
+    guard_torch_clip_grad_norm()
+
+
 INSTALL_STEPS: list[Callable[[InstallState], None]] = [
     step_set_experts_implementation,
     step_shard_parameters,
@@ -432,6 +441,7 @@ INSTALL_STEPS: list[Callable[[InstallState], None]] = [
     step_install_megamoe,
     step_install_ep_forwards,
     step_mark_applied,
+    step_data_parallel,
 ]
 
 

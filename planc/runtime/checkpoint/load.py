@@ -61,7 +61,7 @@ def load(
     `plan`: a path, YAML text, mapping, `LoadedPlan` or `Plan` (as for `planc.apply`). `dtype`: the
     parameters' dtype (default: the checkpoint's `dtype` in config.json, else float32). `device`:
     where this rank's shards live (default: `cuda:LOCAL_RANK` under NCCL, the CPU under gloo).
-    `mesh`: an optional ("dp", "tp") DeviceMesh, as for `apply`. `parallel`: run the plan at other sizes,
+    `mesh`: an optional DeviceMesh, as for `apply`. `parallel`: run the plan at other sizes,
     as for `apply` (`{"tp_size": 2, "ep_size": 2}`, linted again). `dequantize`: for an FP8 block-scaled
     checkpoint, keep the weights FP8 (False; transformers' FP8 modules, CUDA kernels) or dequantize each shard to
     `dtype` as it is read (True); default: as transformers decides (FP8 on a CUDA GPU of compute capability
