@@ -180,7 +180,7 @@ def _train_memory(compiled, config: dict, overrides: dict, dtype: str):
     """`--train`: what each rank holds training with AdamW under the plan (planc.compiler.train_memory)."""
     from planc.compiler.train_memory import train_memory
 
-    model = build_model(config.get("model_type") or compiled.model_type, {**config, **overrides}, dtype)
+    model = _meta_model_at(config.get("model_type") or compiled.model_type, {**config, **overrides}, dtype)
     return train_memory(compiled, model)
 
 
