@@ -14,7 +14,7 @@ from typing import Literal, Optional
 
 from planc.lint.diagnostic import ERROR, WARNING, Diagnostic
 from planc.spec.ep import EPStrategy
-from planc.spec.model import Experts, Parallel
+from planc.spec.model import Experts, Parallel, Training
 from planc.spec.source import Position
 
 
@@ -146,6 +146,12 @@ class CompiledPlan:
     bytes_total: int = 0  # all parameters, unsharded (tied tensors once)
     replicated: tuple[ReplicatedGroup, ...] = ()  # dense weights left whole on every rank, by generic path
     bytes_per_rank_by_dtype: tuple[tuple[str, int], ...] = ()  # (dtype, bytes) largest first
+    training: Optional[Training] = None  # the plan's `training:` section; None: not declared (replicate)
+
+    @property
+    def data_parallel(self) -> str:
+        """How the dp replicas train: the plan's `training.data_parallel`, `replicate` when not declared."""
+        return self.training.data_parallel if self.training is not None else "replicate"
 
     def __post_init__(self) -> None:
         if not self.fingerprint:
@@ -213,6 +219,8 @@ class CompiledPlan:
             ],
             "bytes_sharded_per_rank": self.bytes_sharded_per_rank,
             "bytes_replicated_per_rank": self.bytes_replicated_per_rank,
+            # only when declared, so the fingerprints of plans without it (and their checkpoints) stay the same
+            **({"training": self.training.model_dump()} if self.training is not None else {}),
         }
 
     def __str__(self) -> str:

@@ -25,6 +25,18 @@ def _group_experts(compiled: CompiledPlan) -> list[tuple[str, int, object]]:
     return [(k[0], n, e) for k, (n, e) in groups.items()]
 
 
+def training_text(compiled: CompiledPlan) -> str:
+    """The training mode in one line: data_parallel, over how many replicas, and the mixed precision."""
+    t = compiled.training
+    text = f"data_parallel={compiled.data_parallel} over dp_size={compiled.parallel.dp_size}"
+    if t is None:
+        text += " (no `training:` section: the default)"
+    elif t.mixed_precision is not None:
+        mp = t.mixed_precision
+        text += f", mixed_precision param_dtype={mp.param_dtype} reduce_dtype={mp.reduce_dtype}"
+    return text
+
+
 def render_text(compiled: CompiledPlan) -> str:
     p = compiled.parallel
     lines = []
@@ -36,6 +48,7 @@ def render_text(compiled: CompiledPlan) -> str:
     )
     s = compiled.experts_settings
     lines.append(f"  experts: implementation={s.implementation} ep_implementation={s.ep_implementation}")
+    lines.append(f"  training: {training_text(compiled)}")
     lines.append("")
     lines.append("rules:")
     width = max((len(c.rule.pattern) for c in compiled.coverage), default=10)
@@ -123,5 +136,6 @@ def json_data(compiled: CompiledPlan) -> dict:
     data["bytes_total"] = compiled.bytes_total
     data["full_coverage"] = compiled.full_coverage
     data["experts_covered"] = compiled.experts_covered
+    data["data_parallel"] = compiled.data_parallel
     data["warnings"] = [{"code": w.code, "message": w.message, "hint": w.hint, "where": w.where} for w in compiled.warnings]
     return data

@@ -129,6 +129,7 @@ class Resolver:
             bytes_total=total,
             replicated=replicated_groups,
             bytes_per_rank_by_dtype=tuple(sorted(self.by_dtype.items(), key=lambda kv: -kv[1])),
+            training=self.plan.training,
         )
 
 

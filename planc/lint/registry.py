@@ -18,10 +18,12 @@ from planc.lint.diagnostic import ERROR
 
 # Families, in the order `planc rules` lists them: loader and lint rules, then the rules the compiler
 # emits (`compile`, `layout`; documented and exampled here, checked in planc.compiler).
-FAMILIES = ("source", "schema", "extends", "patterns", "styles", "removed", "ep", "sizes", "compile", "layout")
+FAMILIES = (
+    "source", "schema", "extends", "patterns", "styles", "removed", "ep", "sizes", "training", "compile", "layout",
+)
 COMPILE_FAMILIES = ("compile", "layout")
 # The modules that register them (`layout` rules live in rules_compile).
-_MODULES = ("source", "schema", "extends", "patterns", "styles", "removed", "ep", "sizes", "compile")
+_MODULES = ("source", "schema", "extends", "patterns", "styles", "removed", "ep", "sizes", "training", "compile")
 
 _RULES: dict[str, "Rule"] = {}
 _loaded = False

@@ -16,6 +16,7 @@ from planc.spec.styles import ALL_STYLES
 ExpertsImplementation = Literal["eager", "batched_mm", "grouped_mm", "deepgemm", "sonicmoe", "deepgemm_megamoe"]
 EPImplementation = Literal["auto", "all_to_all", "all_reduce", "deepgemm_megamoe"]
 MegaMoeBackend = Literal["auto", "deep_gemm", "triton", "reference"]
+TrainDtype = Literal["float32", "bfloat16", "float16"]
 
 StyleName = Annotated[
     str,
@@ -82,6 +83,28 @@ class Experts(_Strict):
     megamoe: Optional[MegaMoe] = None
 
 
+class MixedPrecision(_Strict):
+    """FSDP2 mixed precision (`MixedPrecisionPolicy`): compute in `param_dtype`, reduce gradients in
+    `reduce_dtype`; the sharded parameters and the optimizer state stay in the model's dtype."""
+
+    param_dtype: TrainDtype = Field(description="Dtype the parameters are all-gathered to and the forward runs in.")
+    reduce_dtype: TrainDtype = Field(default="float32", description="Dtype gradients are reduce-scattered in.")
+
+
+class Training(_Strict):
+    """How the plan's `dp_size` replicas train: gradients synchronised (`replicate`) or parameters,
+    gradients and optimizer state sharded over them (`fsdp`, torch FSDP2)."""
+
+    data_parallel: Literal["replicate", "fsdp"] = Field(
+        default="replicate",
+        description="`replicate`: every dp replica holds the model, gradients averaged over the global batch "
+        "during backward; `fsdp`: FSDP2 `fully_shard` per decoder layer and on the root.",
+    )
+    mixed_precision: Optional[MixedPrecision] = Field(
+        default=None, description="FSDP2 mixed precision; only with `data_parallel: fsdp`."
+    )
+
+
 class Plan(_Strict):
     """A planc plan, format version 1."""
 
@@ -101,3 +124,6 @@ class Plan(_Strict):
     experts: Experts = Field(default_factory=Experts)
     tp_plan: dict[PatternText, StyleName] = Field(default_factory=dict)
     ep_plan: dict[PatternText, StyleName] = Field(default_factory=dict)
+    training: Optional[Training] = Field(
+        default=None, description="How the model trains over the dp replicas; absent: `data_parallel: replicate`."
+    )

@@ -78,3 +78,21 @@ def test_several_plans_as_pre_commit_passes_them(tmp_path, capsys):
     assert main(["explain", plan("mixtral.yaml"), str(bad), "--set", "num_hidden_layers=2"]) == 1
     captured = capsys.readouterr()
     assert "coverage: full" in captured.out and "lm_heed" in captured.err and "`lm_head`" in captured.err
+
+
+def test_explain_shows_the_training_mode(tmp_path, capsys):
+    with open(plan("mixtral.yaml"), encoding="utf-8") as f:
+        text = f.read()
+    assert "training:" not in text
+    assert main(["explain", plan("mixtral.yaml"), "--set", "num_hidden_layers=1"]) == 0
+    assert "training: data_parallel=replicate over dp_size=" in capsys.readouterr().out
+    p = tmp_path / "train.yaml"
+    p.write_text(text + "training:\n  data_parallel: fsdp\n  mixed_precision: {param_dtype: bfloat16}\n")
+    assert main(["explain", str(p), "--set", "num_hidden_layers=1", "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["data_parallel"] == "fsdp"
+    assert data["training"] == {
+        "data_parallel": "fsdp", "mixed_precision": {"param_dtype": "bfloat16", "reduce_dtype": "float32"},
+    }
+    assert main(["explain", str(p), "--set", "num_hidden_layers=1"]) == 0
+    assert "mixed_precision param_dtype=bfloat16 reduce_dtype=float32" in capsys.readouterr().out
