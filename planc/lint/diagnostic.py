@@ -51,6 +51,14 @@ class Diagnostic:
     def col(self) -> int:
         return self.position.col if self.position else 1
 
+    @property
+    def end(self) -> tuple[int, int]:
+        """(line, col) just past the offending node; the start itself when the parser gave no end."""
+        p = self.position
+        if p is None or p.end_line is None or p.end_col is None:
+            return self.line, self.col
+        return p.end_line, p.end_col
+
     def location(self) -> str:
         return f"{self.path or '<string>'}:{self.line}:{self.col}"
 
@@ -68,6 +76,8 @@ class Diagnostic:
             "path": self.path,
             "line": self.line,
             "col": self.col,
+            "end_line": self.end[0],
+            "end_col": self.end[1],
             "code": self.code,
             "severity": self.severity,
             "message": self.message,

@@ -28,7 +28,7 @@ class CheckResult:
     loaded: object = None  # planc.spec.load.LoadedPlan | None
 
 
-def _from_source_error(e: SourceError) -> Diagnostic:
+def from_source_error(e: SourceError) -> Diagnostic:
     from planc.lint.registry import severity_of
 
     return Diagnostic(e.code, severity_of(e.code), e.message, e.hint, e.position)
@@ -50,8 +50,8 @@ def check_doc(doc: SourceDoc, root_dir: Optional[str] = None) -> CheckResult:
     try:
         merged = resolve_extends(doc, root_dir)
     except SourceError as e:
-        return CheckResult([_from_source_error(p) for p in doc.problems] + [_from_source_error(e)])
-    diags = [_from_source_error(p) for p in merged.problems]
+        return CheckResult([from_source_error(p) for p in doc.problems] + [from_source_error(e)])
+    diags = [from_source_error(p) for p in merged.problems]
     ctx = LintContext(merged.data, None, doc.path, merged.key_positions, merged.value_positions)
     result = _check_context(ctx, diags)
     if result.loaded is not None:
@@ -103,7 +103,7 @@ def _check_source(
         try:
             doc = parse()
         except SourceError as e:
-            return CheckResult([_from_source_error(e)])
+            return CheckResult([from_source_error(e)])
         return check_doc(doc, root_dir)
     except Exception as exc:
         return CheckResult([_internal(exc, path)])
