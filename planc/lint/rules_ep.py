@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from planc.lint.registry import rule
 from planc.lint.diagnostic import WARNING
+from planc.spec.pairings import MEGAMOE_EP_EXPERTS, MEGAMOE_EXPERTS_EP
 from planc.spec.patterns import PatternError
 
-MEGAMOE_OTHER_EP = "PLC400"
-MEGAMOE_EP_OTHER_EXPERTS = "PLC401"
+MEGAMOE_OTHER_EP = MEGAMOE_EXPERTS_EP.code  # PLC400
+MEGAMOE_EP_OTHER_EXPERTS = MEGAMOE_EP_EXPERTS.code  # PLC401
 SHARED_BATCH = "PLC402"
 MEGAMOE_BLOCK = "PLC403"
 MISSING_DISPATCH = "PLC404"

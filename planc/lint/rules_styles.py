@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from planc.lint.registry import rule
 from planc.lint.suggest import did_you_mean
-from planc.spec.styles import ALL_STYLES, EP_STYLES, REMOVED_STYLES, TP_STYLES
+from planc.spec.styles import ALL_STYLES, EP_STYLES, REMOVED_STYLES, TABLE_STYLES, TP_STYLES
 
 UNKNOWN_STYLE = "PLC310"
 EP_STYLE_IN_TP = "PLC311"
@@ -15,8 +15,8 @@ _EP = (
     "ep_plan:\n  model.layers.*.mlp.experts.{gate_up_proj,down_proj}: grouped_gemm\n"
     "  model.layers.*.mlp.experts: ep_dispatch_experts\n"
 )
-TP_TABLE_STYLES = sorted(TP_STYLES)
-EP_TABLE_STYLES = sorted([*EP_STYLES, "replicate"])
+TP_TABLE_STYLES = list(TABLE_STYLES["tp_plan"])
+EP_TABLE_STYLES = list(TABLE_STYLES["ep_plan"])
 
 
 def _known(style: str) -> bool:

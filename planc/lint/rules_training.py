@@ -7,8 +7,9 @@ experts whose kernel has no backward, and FSDP mixed precision without FSDP.
 from __future__ import annotations
 
 from planc.lint.registry import rule
+from planc.spec.pairings import TRAINING_EXPERTS
 
-TRAINING_INFERENCE_ONLY = "PLC700"
+TRAINING_INFERENCE_ONLY = TRAINING_EXPERTS.code  # PLC700
 MIXED_PRECISION_WITHOUT_FSDP = "PLC701"
 
 _TOP = "version: 1\nmodel: {type: deepseek_v4}\nparallel: {tp_size: 2, ep_size: 2, dp_size: 2}\n"
@@ -30,7 +31,7 @@ def check_training_inference_only(ctx):
     refuses autograd, so a plan that declares `training:` could never take a step. Train with
     `grouped_mm` experts and `ep_implementation: all_to_all` (or `all_reduce`), and keep the Mega MoE
     plan for serving: `planc.save` writes a checkpoint that loads under either plan."""
-    if ctx.plan.training is not None and ctx.plan.experts.implementation == "deepgemm_megamoe":
+    if ctx.plan.training is not None and TRAINING_EXPERTS.violated(ctx.plan.model_dump(exclude_none=True)):
         yield ctx.diag(
             TRAINING_INFERENCE_ONLY,
             "experts.implementation `deepgemm_megamoe` is inference-only (its kernel has no backward) "
