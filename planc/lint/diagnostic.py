@@ -8,7 +8,7 @@ print the same thing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from planc.spec.source import Position
@@ -33,6 +33,8 @@ class Diagnostic:
     position: Optional[Position] = None  # where; None only for problems with no file (a mapping plan)
     module: Optional[str] = None  # compile diagnostics: the module/parameter path (generic with a count when many)
     key: Optional[str] = None  # where, when there is no position: `tp_plan['lm_head']` for a plan built in code
+    # the text that replaces the node at `position` (a did-you-mean sure enough to offer): editors' quick fix
+    fix: Optional[str] = field(default=None, compare=False)
 
     @property
     def where(self) -> str:
@@ -83,6 +85,7 @@ class Diagnostic:
             "message": self.message,
             "hint": self.hint,
             **({"module": self.module} if self.module else {}),
+            **({"fix": self.fix} if self.fix is not None else {}),
         }
 
     def sort_key(self) -> tuple:

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from planc.lint.registry import rule
 from planc.lint.diagnostic import WARNING
-from planc.spec.pairings import MEGAMOE_EP_EXPERTS, MEGAMOE_EXPERTS_EP
+from planc.spec.pairings import MEGAMOE_EP_EXPERTS, MEGAMOE_EXPERTS_EP, MEGAMOE_SETTINGS
 from planc.spec.patterns import PatternError
 
 MEGAMOE_OTHER_EP = MEGAMOE_EXPERTS_EP.code  # PLC400
 MEGAMOE_EP_OTHER_EXPERTS = MEGAMOE_EP_EXPERTS.code  # PLC401
 SHARED_BATCH = "PLC402"
-MEGAMOE_BLOCK = "PLC403"
+MEGAMOE_BLOCK = MEGAMOE_SETTINGS.code  # PLC403
 MISSING_DISPATCH = "PLC404"
 DISPATCH_WITHOUT_EP = "PLC405"
 TP_ON_EP_EXPERTS = "PLC406"
@@ -109,7 +109,7 @@ def check_megamoe_block(ctx):
     """The `experts.megamoe` settings (backend, buffer size, clamp, quantization) only apply to
     `implementation: deepgemm_megamoe`; with other experts they would be ignored silently."""
     experts = ctx.plan.experts
-    if experts.megamoe is not None and experts.implementation != "deepgemm_megamoe":
+    if MEGAMOE_SETTINGS.violated(ctx.plan.model_dump(exclude_none=True)):
         yield ctx.diag(
             MEGAMOE_BLOCK,
             f"`experts.megamoe` settings have no effect with implementation `{experts.implementation}`",

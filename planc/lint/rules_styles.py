@@ -39,7 +39,8 @@ def check_unknown(ctx):
                 continue
             guess = did_you_mean(style, valid) or did_you_mean(style, ALL_STYLES)
             hint = f"did you mean `{guess}`?" if guess else f"{table} styles: {', '.join(valid)}"
-            yield ctx.diag(UNKNOWN_STYLE, f"unknown style `{style}` in {table}", hint, (table, pattern), at_value=True)
+            yield ctx.diag(UNKNOWN_STYLE, f"unknown style `{style}` in {table}", hint, (table, pattern), at_value=True,
+                           fix=guess if guess in valid else None)
 
 
 @rule(

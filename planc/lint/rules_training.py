@@ -7,10 +7,10 @@ experts whose kernel has no backward, and FSDP mixed precision without FSDP.
 from __future__ import annotations
 
 from planc.lint.registry import rule
-from planc.spec.pairings import TRAINING_EXPERTS
+from planc.spec.pairings import MIXED_PRECISION_FSDP, TRAINING_EXPERTS
 
 TRAINING_INFERENCE_ONLY = TRAINING_EXPERTS.code  # PLC700
-MIXED_PRECISION_WITHOUT_FSDP = "PLC701"
+MIXED_PRECISION_WITHOUT_FSDP = MIXED_PRECISION_FSDP.code  # PLC701
 
 _TOP = "version: 1\nmodel: {type: deepseek_v4}\nparallel: {tp_size: 2, ep_size: 2, dp_size: 2}\n"
 _EP = (
@@ -56,7 +56,7 @@ def check_mixed_precision_without_fsdp(ctx):
     nothing would apply it. Write `data_parallel: fsdp`, or drop `mixed_precision` and load the model
     in the dtype it should train in (`planc.load(..., dtype=torch.bfloat16)`)."""
     training = ctx.plan.training
-    if training is not None and training.mixed_precision is not None and training.data_parallel != "fsdp":
+    if training is not None and MIXED_PRECISION_FSDP.violated(ctx.plan.model_dump(exclude_none=True)):
         yield ctx.diag(
             MIXED_PRECISION_WITHOUT_FSDP,
             f"`training.mixed_precision` applies only with `data_parallel: fsdp`, got `{training.data_parallel}`",

@@ -2,7 +2,8 @@
 
 Each row says: when `when` holds (a key has a value, or a section is written at all), the setting at
 `key` may take only `allowed`. The linter checks the merged plan against the rows (PLC400 and PLC401
-through `planc.spec.ep.resolve_ep`, which the compiler calls too; PLC700 in `planc.lint.rules_training`),
+through `planc.spec.ep.resolve_ep`, which the compiler calls too; PLC403 in `planc.lint.rules_ep`; PLC700
+and PLC701 in `planc.lint.rules_training`),
 and `planc schema` writes each row as an `if`/`then` fragment, so an editor with only the schema
 (yaml-language-server) reports the same pairings on the value that breaks them.
 """
@@ -65,4 +66,15 @@ TRAINING_EXPERTS = Pairing(
     "the Mega MoE kernel has no backward: a plan with `training:` cannot use it",
 )
 
-PAIRINGS: tuple[Pairing, ...] = (MEGAMOE_EXPERTS_EP, MEGAMOE_EP_EXPERTS, TRAINING_EXPERTS)
+MEGAMOE_SETTINGS = Pairing(
+    "PLC403", ("experts", "megamoe"), None, ("experts", "implementation"), (MEGAMOE,), "grouped_mm",
+    "the `megamoe:` settings apply only to Mega MoE experts",
+)
+MIXED_PRECISION_FSDP = Pairing(
+    "PLC701", ("training", "mixed_precision"), None, ("training", "data_parallel"), ("fsdp",), "replicate",
+    "`mixed_precision` is FSDP2's policy: it applies only with `data_parallel: fsdp`",
+)
+
+PAIRINGS: tuple[Pairing, ...] = (
+    MEGAMOE_EXPERTS_EP, MEGAMOE_EP_EXPERTS, MEGAMOE_SETTINGS, TRAINING_EXPERTS, MIXED_PRECISION_FSDP,
+)

@@ -82,7 +82,8 @@ def test_json_format(plans):
     doc = json.loads(r.stdout)
     assert doc["files"] == 3 and doc["errors"] == 2 and doc["warnings"] == 1
     d = doc["diagnostics"][0]
-    assert set(d) == {"path", "line", "col", "end_line", "end_col", "code", "severity", "message", "hint"}
+    assert set(d) - {"fix"} == {"path", "line", "col", "end_line", "end_col", "code", "severity", "message", "hint"}
+    assert all(x["fix"] for x in doc["diagnostics"] if "fix" in x)  # a fix, when given, is text to write
     assert {x["code"] for x in doc["diagnostics"]} == {"PLC101", "PLC310", "PLC405"}
 
 
