@@ -114,7 +114,7 @@ def check_megamoe_block(ctx):
             MEGAMOE_BLOCK,
             f"`experts.megamoe` settings have no effect with implementation `{experts.implementation}`",
             "set `experts.implementation: deepgemm_megamoe`, or delete the `megamoe:` block",
-            ("experts", "megamoe"),
+            MEGAMOE_SETTINGS.key, at_value=True,  # where the schema reports it too
         )
 
 

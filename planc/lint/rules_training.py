@@ -38,7 +38,7 @@ def check_training_inference_only(ctx):
             "but the plan declares `training:`",
             "train with `experts: {implementation: grouped_mm, ep_implementation: all_to_all}`, or remove "
             "the `training:` section from this serving plan",
-            ("training",),
+            TRAINING_EXPERTS.key, at_value=True,  # where the schema reports it too
         )
 
 
@@ -61,5 +61,5 @@ def check_mixed_precision_without_fsdp(ctx):
             MIXED_PRECISION_WITHOUT_FSDP,
             f"`training.mixed_precision` applies only with `data_parallel: fsdp`, got `{training.data_parallel}`",
             "write `data_parallel: fsdp`, or remove `mixed_precision` (load the model in the dtype to train in)",
-            ("training", "mixed_precision"),
+            MIXED_PRECISION_FSDP.key, at_value=True,  # where the schema reports it too
         )

@@ -95,7 +95,7 @@ def resolve_ep(experts: Experts, parallel: Parallel) -> EPStrategy:
                 f"experts.implementation `deepgemm_megamoe` runs only with the MegaMoeEP strategy, "
                 f"got ep_implementation `{ep}`",
                 "write `ep_implementation: auto` (or `deepgemm_megamoe`), or choose other experts",
-                "experts.ep_implementation",
+                ".".join(MEGAMOE_EXPERTS_EP.key),
                 EPResolutionError.MEGAMOE_OTHER_EP,
             )
         strategy = MegaMoeEP(
@@ -107,7 +107,7 @@ def resolve_ep(experts: Experts, parallel: Parallel) -> EPStrategy:
         raise EPResolutionError(
             f"ep_implementation `deepgemm_megamoe` needs experts.implementation `deepgemm_megamoe`, got `{impl}`",
             "write `implementation: deepgemm_megamoe`, or pick `ep_implementation: auto`",
-            "experts.ep_implementation",
+            ".".join(MEGAMOE_EP_EXPERTS.key),
             EPResolutionError.MEGAMOE_EP_OTHER_EXPERTS,
         )
     elif ep == "all_to_all":

@@ -31,7 +31,6 @@ def _styles(table: str, what: str):
         json_schema_extra={
             "enum": list(styles),
             "enumDescriptions": list(styles.values()),
-            "markdownEnumDescriptions": [f"`{name}`: {doc}" for name, doc in styles.items()],
         },
     )]
 
