@@ -157,6 +157,11 @@ def build_server() -> LanguageServer:
             if other != uri and "extends" in server.workspace.get_text_document(other).source:
                 publish(other)
 
+    @server.feature(types.INITIALIZED)
+    def initialized(ls: LanguageServer, params: types.InitializedParams) -> None:
+        # the linter imports its rules and the plan models on first use: pay that now, not on the first open
+        lint_buffer("version: 1\nmodel: {type: mixtral}\nparallel: {tp_size: 1}\n", None)
+
     @server.feature(types.TEXT_DOCUMENT_DID_OPEN)
     def did_open(ls: LanguageServer, params: types.DidOpenTextDocumentParams) -> None:
         publish(params.text_document.uri)
