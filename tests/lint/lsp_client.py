@@ -121,6 +121,10 @@ class Editor:
             [types.TextDocumentContentChangeWholeDocument(text=text)]))
         return self.version[uri]
 
+    def save(self, uri: str) -> None:
+        self._send(self.client.text_document_did_save,
+                   types.DidSaveTextDocumentParams(types.TextDocumentIdentifier(uri=uri)))
+
     def close(self, uri: str) -> None:
         self._send(self.client.text_document_did_close,
                    types.DidCloseTextDocumentParams(types.TextDocumentIdentifier(uri=uri)))

@@ -10,6 +10,7 @@ driven over stdio by pygls' LSP client (tests/lint/lsp_client.py), on broken var
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import subprocess
@@ -21,6 +22,7 @@ from typing import Callable, Optional
 import pytest
 
 pytest.importorskip("pygls", reason="the LSP tests need pygls (the planc[lsp] extra)")
+pytestmark = pytest.mark.xdist_group("lsp")  # one worker: each server process starts once
 
 from planc.spec.styles import STYLE, TABLE_STYLES  # noqa: E402
 
@@ -128,6 +130,7 @@ def yls(root):
         yield editor
 
 
+@functools.lru_cache(maxsize=None)
 def lint_json(text: str, path: Path) -> list[dict]:
     """`planc lint --stdin-filename PATH --format json` on the buffer: what the editor must agree with."""
     r = subprocess.run([sys.executable, "-m", "planc", "lint", "--stdin-filename", str(path), "--format", "json"],
@@ -168,7 +171,7 @@ def test_planc_lsp_reports_what_lint_reports(planc_lsp, root, case):
 def test_schema_alone_shows_what_it_can_express(yls, root, case):
     path, text = buffer(root, case)
     lines = {d["line"] for d in lint_json(text, path)}
-    got = yls.diagnostics(yls.open(path, text), settle=0.5)
+    got = yls.diagnostics(yls.open(path, text), settle=0.3)
     if case.name == "no_parallel":  # on the document (planc: line 1, the editor: the first key): named
         assert any('"parallel"' in d.message for d in got) and not any("extends" in d.message for d in got), got
     else:
@@ -179,7 +182,7 @@ def test_shipped_plans_are_clean_in_both(planc_lsp, yls):
     for plan in PLANS:
         text = plan.read_text()
         assert planc_lsp.diagnostics(planc_lsp.open(plan, text)) == [], plan
-        assert yls.diagnostics(yls.open(plan, text), settle=0.5) == [], plan
+        assert yls.diagnostics(yls.open(plan, text), settle=0.3) == [], plan
 
 
 def test_planc_lsp_follows_the_buffer_as_it_changes(planc_lsp, root):
@@ -190,6 +193,20 @@ def test_planc_lsp_follows_the_buffer_as_it_changes(planc_lsp, root):
     assert {d.code for d in planc_lsp.diagnostics(uri, 2)} == {"PLC500", "PLC501"}
     planc_lsp.change(uri, MIXTRAL)
     assert planc_lsp.diagnostics(uri, 3) == []
+
+
+def test_planc_lsp_lints_children_again_when_a_parent_is_saved(planc_lsp, root):
+    parent = root / "plans" / "saved_parent.yaml"
+    parent.write_text(MIXTRAL)
+    child = planc_lsp.open(root / "plans" / "saved_child.yaml", "extends: saved_parent.yaml\nname: child\n")
+    assert planc_lsp.diagnostics(child, 1) == []
+    broken = MIXTRAL.replace("ep_size: 8", "ep_size: 3")
+    parent_uri = planc_lsp.open(parent, broken)
+    parent.write_text(broken)
+    planc_lsp.save(parent_uri)
+    found = planc_lsp.diagnostics(child, 2)
+    assert {d.code for d in found} == {"PLC500", "PLC501"} and {d.range.start.line for d in found} == {0}
+    assert all("saved_parent.yaml:11:" in d.message for d in found)
 
 
 def _fix(editor: Editor, path: Path, text: str, title: str) -> str:
@@ -231,7 +248,7 @@ def test_schema_completes_each_tables_styles_with_their_docs(yls, root, table, l
     text = MIXTRAL.replace(line, f"{key}: \n")
     row = text.splitlines().index(f"{key}: ")
     uri = yls.open(root / "plans" / f"complete_{table}.yaml", text)
-    yls.diagnostics(uri, settle=0.5)
+    yls.diagnostics(uri, settle=0.3)
     found = yls.completion(uri, row, len(key) + 2)
     items = found.items if hasattr(found, "items") else found
     docs = {i.label: getattr(i.documentation, "value", i.documentation) for i in items}
@@ -241,7 +258,7 @@ def test_schema_completes_each_tables_styles_with_their_docs(yls, root, table, l
 def test_schema_hover_on_a_style_explains_it(yls, root):
     row = MIXTRAL.splitlines().index("  model.layers.*.self_attn.o_proj: rowwise")
     uri = yls.open(root / "plans" / "hover.yaml", MIXTRAL)
-    yls.diagnostics(uri, settle=0.5)
+    yls.diagnostics(uri, settle=0.3)
     hover = yls.hover(uri, row, len("  model.layers.*.self_attn.o_proj: ro"))
     text = hover.contents.value
     first = text.index("* `")
