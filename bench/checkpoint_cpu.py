@@ -95,7 +95,7 @@ def _load_world(rank, world_size, root):
     """A fresh process per rank (nothing freed by an earlier model to reuse): what reading the checkpoint adds."""
     import torch
 
-    import torch.distributed.checkpoint  # noqa: F401 - imports are not what is measured
+    import torch.distributed.checkpoint  # imports are not what is measured
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from tests.checkpoint.workers import load_on_meta, plan_for

@@ -43,7 +43,7 @@ def lint_paths(paths: "Union[str, os.PathLike[str], Iterable[Union[str, os.PathL
     return _lint(paths, strict=strict)
 
 
-def compile(model: Any, plan: "PlanSource") -> "CompiledPlan":  # noqa: A001 - the verb is the API
+def compile(model: Any, plan: "PlanSource") -> "CompiledPlan":  # shadows the builtin: the verb is the API
     """Resolve `plan` against `model` (never changes it) and return the CompiledPlan; CompileError lists
     every problem. `compile(plan, model)`, the old order, still works with a DeprecationWarning."""
     from planc.compiler.resolve import compile_plan, model_and_plan

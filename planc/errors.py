@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Iterable
+
 
 class PlancError(Exception):
     """Base of planc's errors."""
@@ -10,7 +12,7 @@ class PlancError(Exception):
 class PlanError(PlancError):
     """A plan that does not load or validate. `diagnostics` holds every problem found (lint Diagnostics)."""
 
-    def __init__(self, diagnostics):
+    def __init__(self, diagnostics: Iterable[Any]) -> None:  # planc.lint Diagnostics (a layer up)
         self.diagnostics = list(diagnostics)
         super().__init__("\n".join(d.format() if hasattr(d, "format") else str(d) for d in self.diagnostics))
 
@@ -19,7 +21,7 @@ class CompileError(PlancError):
     """A plan that cannot be resolved against this model. `problems` lists every conflict found, as
     Diagnostics (the shape lint reports in, plus the module path); `diagnostics` is the same list."""
 
-    def __init__(self, problems):
+    def __init__(self, problems: Iterable[Any]) -> None:  # planc.lint Diagnostics
         self.problems = list(problems)
         self.diagnostics = self.problems
         lines = [f"{len(self.problems)} problem(s) resolving the plan against the model:"]

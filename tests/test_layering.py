@@ -14,7 +14,7 @@ count; imports under `if TYPE_CHECKING:` (annotations only, never run) do not.
 from __future__ import annotations
 
 import ast
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "planc"
@@ -25,7 +25,7 @@ LAYERS = {"errors": 0, "version": 0, "spec": 0, "lint": 1, "compiler": 2, "kerne
 ONLY = {"kernels": {"errors", "spec", "kernels"}}
 
 
-@lru_cache(maxsize=None)
+@cache
 def _modules() -> dict[str, Path]:
     """Every module of the package by dotted name (a package by its own name, `planc` for planc/__init__.py)."""
     out = {}

@@ -7,15 +7,18 @@ otherwise. Tied tensors count once.
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 from collections import OrderedDict
 
 from planc.compiler.compiled import Assignment, CompileWarning, ReplicatedGroup, RuleCoverage
-from planc.compiler.context import REPLICATED_DENSE, TABLE_INACTIVE, PlanRule, key_where
+from planc.compiler.walk import ModelWalk, ParamInfo
+from planc.compiler.context import REPLICATED_DENSE, TABLE_INACTIVE, PlanRule, key_where, Resolution
 from planc.compiler.units import human_bytes
 from planc.spec.styles import STYLE
 
 
-def shard_divisor(style, shape: tuple, tp: int, ep: int) -> int:
+def shard_divisor(style: Optional[str], shape: tuple[int, ...], tp: int, ep: int) -> int:
     """Over how many ranks a parameter of `shape` under `style` is split (1: every rank holds it whole).
 
     From the style's row in `planc.spec.styles`; the accounting below and the memory budget both use it.
@@ -26,25 +29,27 @@ def shard_divisor(style, shape: tuple, tp: int, ep: int) -> int:
     return ep if spec.mesh == "ep" else tp
 
 
-def _held_rows_bytes(p, rule, walk) -> int:
+def _held_rows_bytes(p: ParamInfo, rule: Optional[PlanRule], walk: ModelWalk) -> int:
     """A parameter's bytes before the split. An expert-sharded tensor allocated with more leading rows than the
     module has experts with weights (longcat_flash's gate_up_proj also counts its parameter-free "zero" experts)
     keeps only those experts' rows at install (`planc.runtime.ep.base.shard_expert_tensor`); the rest is never held."""
     spec = STYLE.get(rule.style) if rule is not None else None
     experts = walk.modules[p.owner].experts
     fewer = experts is not None and p.shape and 0 < experts.num_experts < p.shape[0]
-    if spec is not None and spec.mesh == "ep" and fewer:
+    if spec is not None and spec.mesh == "ep" and experts is not None and fewer:
         return p.nbytes * experts.num_experts // p.shape[0]
     return p.nbytes
 
 
-def account(c, final: dict[str, PlanRule]):
+def account(
+    c: Resolution, final: dict[str, PlanRule]
+) -> tuple[int, int, int, dict[int, list[int]], tuple[ReplicatedGroup, ...]]:
     walk, tp, ep = c.walk, c.tp, c.ep
     seen: set[int] = set()
     total = sharded = replicated = 0
     per_rule_bytes: dict[int, list[int]] = {}
     c.by_dtype = {}  # bytes per rank by dtype: the memory budget (planc.compiler.memory)
-    groups: "OrderedDict[str, list]" = OrderedDict()
+    groups: OrderedDict[str, list[Any]] = OrderedDict()
     for p in walk.params.values():
         if p.tensor_id in seen:
             continue
@@ -75,7 +80,7 @@ def account(c, final: dict[str, PlanRule]):
     return total, sharded, replicated, per_rule_bytes, replicated_groups
 
 
-def coverage(c, assignments: list[Assignment], per_rule_bytes) -> list[RuleCoverage]:
+def coverage(c: Resolution, assignments: list[Assignment], per_rule_bytes: dict[int, list[int]]) -> list[RuleCoverage]:
     counts: dict[int, list[int]] = {r.index: [0, 0] for r in c.rules}
     examples: dict[int, str] = {}
     by_source = {id(r.source): r for r in c.rules}
@@ -98,7 +103,7 @@ def coverage(c, assignments: list[Assignment], per_rule_bytes) -> list[RuleCover
     return out
 
 
-def table_warnings(c, replicated_groups) -> None:
+def table_warnings(c: Resolution, replicated_groups: tuple[ReplicatedGroup, ...]) -> None:
     for kind, table in (("tp", "tp_plan"), ("ep", "ep_plan")):
         if not c.active[kind] and getattr(c.plan, table):
             c.warnings.append(

@@ -8,24 +8,27 @@ from typing import Optional
 from planc.compiler.checks.experts import check_experts_params
 from planc.compiler.checks.megamoe import check_megamoe
 from planc.compiler.compiled import ExpertsAssignment
-from planc.compiler.context import EXPERTS_NOT_DIVISIBLE, EXPERTS_UNCOVERED, PlanRule, key_where
+from planc.compiler.context import EXPERTS_NOT_DIVISIBLE, EXPERTS_UNCOVERED, PlanRule, key_where, Resolution
 from planc.compiler.units import human_bytes
 from planc.spec.ep import EPStrategy, resolve_ep
 from planc.spec.styles import EXPERTS_MODULE_STYLES
 
 
-def resolve_strategy(c, ep_experts: set[str]) -> Optional[EPStrategy]:
+def resolve_strategy(c: Resolution, ep_experts: set[str]) -> Optional[EPStrategy]:
     # Mega MoE experts always run behind MegaMoeEP (it hands the kernel its process group), even at ep_size 1.
     if not ep_experts and not c.megamoe:
         return None
     return resolve_ep(c.plan.experts, c.parallel)  # lint (PLC400-402) has refused the plans it raises for
 
 
-def experts_assignments(c, final: dict[str, PlanRule], strategy) -> list[ExpertsAssignment]:
+def experts_assignments(
+    c: Resolution, final: dict[str, PlanRule], strategy: Optional[EPStrategy]
+) -> list[ExpertsAssignment]:
     walk, out = c.walk, []
     sharding = c.active["tp"] or c.active["ep"]
     for m in walk.experts:
         info = m.experts
+        assert info is not None  # walk.experts: the modules with experts
         rule = final.get(m.fqn)
         mode = EXPERTS_MODULE_STYLES.get(rule.style) if rule is not None else None
         if mode is None and sharding:

@@ -20,18 +20,18 @@ from planc.compiler import accounting, layout, match
 from planc.compiler.checks import forwards, shards, targets
 from planc.compiler.experts_assignments import experts_assignments, resolve_strategy
 from planc.compiler.compiled import CompiledPlan
-from planc.compiler.context import *  # noqa: F401,F403 - the problem codes, re-exported for callers and tests
 from planc.compiler.context import PlanRule, Problems, key_where
 from planc.compiler.walk import ModelWalk, walk_model
 from planc.errors import CompileError
 from planc.lint.diagnostic import Diagnostic
+from planc.spec.load import LoadedPlan
 from planc.spec.sizes import Sizes, sizes_hint, solve_sizes
 
 
 class Resolver:
     """The state the passes share: the loaded plan, the model walk, the rules, the problems."""
 
-    def __init__(self, loaded, walk: ModelWalk, *, suggest_sizes: bool = True):
+    def __init__(self, loaded: LoadedPlan, walk: ModelWalk, *, suggest_sizes: bool = True) -> None:
         self.loaded = loaded
         self.plan = loaded.plan
         self.walk = walk
@@ -42,6 +42,7 @@ class Resolver:
         self.problems = Problems()
         self.warnings: list[Diagnostic] = []
         self.rules: list[PlanRule] = []
+        self.by_dtype: dict[str, int] = {}  # filled by the accounting pass
         self._suggest = suggest_sizes
         self._hint: Optional[str] = None
 
@@ -57,7 +58,7 @@ class Resolver:
 
     def _solve(self, world: int, need_ep: bool, limit: int = 3) -> list[Sizes]:
         p = self.parallel
-        experts = [m.experts.num_experts for m in self.walk.experts]
+        experts = [m.experts.num_experts for m in self.walk.experts if m.experts is not None]
         current = Sizes(p.tp_size, p.ep_size, p.dp_size)
         return solve_sizes(
             world,
@@ -133,7 +134,7 @@ class Resolver:
         )
 
 
-def with_sizes(loaded, sizes: Sizes):
+def with_sizes(loaded: LoadedPlan, sizes: Sizes) -> LoadedPlan:
     """`loaded` with its `parallel` replaced (positions kept): what the plan would be under other sizes."""
     import dataclasses
 
@@ -157,7 +158,7 @@ def sizes_for_world(plan: Any, model: Any, world: int, limit: int = 3) -> list[S
     loaded = _load(plan)
     r = Resolver(loaded, walk_model(model), suggest_sizes=False)
     p = r.parallel
-    experts = [m.experts.num_experts for m in r.walk.experts]
+    experts = [m.experts.num_experts for m in r.walk.experts if m.experts is not None]
     need_ep = p.ep_size > 1 and bool(r.plan.ep_plan)
     return solve_sizes(
         world,
@@ -169,7 +170,7 @@ def sizes_for_world(plan: Any, model: Any, world: int, limit: int = 3) -> list[S
     )
 
 
-def _load(plan):
+def _load(plan: Any) -> LoadedPlan:
     from planc.lint.load import load_plan
     from planc.spec.load import LoadedPlan
 

@@ -22,7 +22,7 @@ from pygls.uris import from_fs_path, to_fs_path
 from planc.lint.diagnostic import WARNING, Diagnostic
 from planc.lint.runner import CheckResult, check_doc, from_source_error
 from planc.lint.rules_removed import REMOVED_STYLE
-from planc.spec.source import SourceError, parse_yaml, read_text
+from planc.spec.source import SourceDoc, SourceError, parse_yaml, read_text
 from planc.version import __version__
 
 SOURCE = "planc"
@@ -41,7 +41,7 @@ def _lines_of(path: str) -> list[str]:
         return []
 
 
-def lint_buffer(text: str, path: Optional[str]) -> tuple[list[Diagnostic], Optional[object]]:
+def lint_buffer(text: str, path: Optional[str]) -> tuple[list[Diagnostic], Optional[SourceDoc]]:
     """(diagnostics, the parsed SourceDoc or None) of a buffer: `planc lint --stdin-filename path` exactly."""
     from planc.lint.runner import _internal
 
@@ -52,7 +52,7 @@ def lint_buffer(text: str, path: Optional[str]) -> tuple[list[Diagnostic], Optio
             return [from_source_error(e)], None
         result: CheckResult = check_doc(doc)
         return result.diagnostics, doc
-    except Exception as exc:  # as `planc lint`: a bug is a diagnostic, never a dead server
+    except Exception as exc:  # noqa: BLE001 - as `planc lint`: a bug is a diagnostic, never a dead server
         return [_internal(exc, path)], None
 
 
@@ -78,7 +78,8 @@ def _range(lines: list[str], line: int, col: int, end: tuple[int, int]) -> types
     return types.Range(types.Position(sl, _utf16(text, sc)), types.Position(el, _utf16(end_text, ec)))
 
 
-def to_lsp(diags: list[Diagnostic], text: str, path: Optional[str], doc) -> list[types.Diagnostic]:
+def to_lsp(diags: list[Diagnostic], text: str, path: Optional[str], doc: Optional[SourceDoc]
+           ) -> list[types.Diagnostic]:
     """LSP diagnostics of one buffer; those located in another file (a parent plan) go on its `extends:` value."""
     lines = text.splitlines()
     extends_at = doc.value_position(("extends",)) if doc is not None else None
@@ -112,7 +113,9 @@ def to_lsp(diags: list[Diagnostic], text: str, path: Optional[str], doc) -> list
     return out
 
 
-def code_actions(text: str, path: Optional[str], uri: str, diagnostics: list[types.Diagnostic]) -> list:
+def code_actions(
+    text: str, path: Optional[str], uri: str, diagnostics: list[types.Diagnostic]
+) -> list[types.CodeAction]:
     """Quick fixes for the diagnostics the client sends back: each sure did-you-mean, and one migrate rewrite."""
     actions = []
     for d in diagnostics:
@@ -181,7 +184,7 @@ def build_server() -> LanguageServer:
 
     @server.feature(types.TEXT_DOCUMENT_CODE_ACTION,
                     types.CodeActionOptions(code_action_kinds=[types.CodeActionKind.QuickFix]))
-    def code_action(ls: LanguageServer, params: types.CodeActionParams):
+    def code_action(ls: LanguageServer, params: types.CodeActionParams) -> list[types.CodeAction]:
         uri = params.text_document.uri
         document = ls.workspace.get_text_document(uri)
         return code_actions(document.source, uri_path(uri), uri, list(params.context.diagnostics))

@@ -10,6 +10,8 @@ reached them now go through lint (PLC406, PLC400-402, PLC311/312, PLC300, PLC500
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 from planc.lint.diagnostic import WARNING
 from planc.lint.registry import Rule, register
 
@@ -65,7 +67,18 @@ _V4 = "version: 1\nmodel: {type: deepseek_v4}\nparallel: {tp_size: 2, ep_size: 2
 _V4_EP = _EP + "experts:\n  implementation: deepgemm_megamoe\n  megamoe: {backend: reference, quantize: fp4}\n"
 
 
-def _compile_rule(code, name, title, doc, bad, good, *, family="compile", severity="error", config=None):
+def _compile_rule(
+    code: str,
+    name: str,
+    title: str,
+    doc: str,
+    bad: str,
+    good: str,
+    *,
+    family: str = "compile",
+    severity: str = "error",
+    config: Optional[dict[str, Any]] = None,
+) -> None:
     register(Rule(code, name, title, doc, None, severity, family, True, bad, good, config=config))
 
 

@@ -85,7 +85,7 @@ def build_config(model_type: str, overrides: Optional[dict] = None):
     cls = config_class(model_type)
     try:
         return cls(**(overrides or {}))
-    except Exception as e:  # noqa: BLE001 - e.g. transformers' StrictDataclassFieldValidationError for a bad value
+    except Exception as e:  # e.g. transformers' StrictDataclassFieldValidationError for a bad value
         raise ModelBuildError(f"cannot build a `{model_type}` config ({cls.__name__}): {_cause(e)}") from e
 
 
@@ -120,7 +120,7 @@ def tiny_config(model_type, **overrides):
     kwargs = {**TINY_CONFIGS.get(fam.text_type, {}), **overrides}
     try:
         return tiny_family_config(fam, **kwargs)
-    except Exception as e:  # noqa: BLE001 - transformers' config validation raises anything
+    except Exception as e:  # transformers' config validation raises anything
         raise ModelBuildError(
             f"cannot build a tiny `{fam.model_type}` config ({fam.config_class().__name__}): {_cause(e)}"
         ) from e
@@ -225,7 +225,7 @@ def _instantiate(cls, config, **kwargs):
     the model type, the class and what failed."""
     try:
         return cls._from_config(config, **kwargs)
-    except Exception as e:  # noqa: BLE001 - transformers raises anything from a config it cannot build
+    except Exception as e:  # transformers raises anything from a config it cannot build
         raise ModelBuildError(
             f"transformers cannot build a `{config.model_type}` model ({cls.__name__}) from this config: {_cause(e)}"
         ) from e

@@ -16,8 +16,10 @@ hard-coded list of families.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Optional
+
+from planc.errors import ModelBuildError
 
 # Task heads tried in order for the top model; the first mapping that knows the type wins.
 _HEADS = (
@@ -36,7 +38,7 @@ class Family:
     text_type: str  # the config class's model_type, whose plans transformers declares (qwen3_vl_moe_text)
     model_type: str  # config.model_type of the top model; a plan's `model.type` (qwen3_vl_moe)
     config_path: tuple[str, ...]  # attributes from the top config to the family's config (("text_config",))
-    head: str  # the auto mapping the top model class comes from
+    head: Optional[str]  # the auto mapping the top model class comes from; None: no task head builds it
 
     @property
     def multimodal(self) -> bool:
@@ -55,6 +57,8 @@ class Family:
     def model_class(self, config):
         from transformers.models.auto import modeling_auto
 
+        if self.head is None:
+            raise ModelBuildError(f"transformers has no task head that builds a `{self.model_type}` model")
         names = getattr(modeling_auto, self.head)
         name = names[self.model_type]
         return getattr(__import__("transformers", fromlist=[name]), name)
@@ -109,7 +113,7 @@ def _top_head_for(model_type: str) -> Optional[str]:
     return first
 
 
-@lru_cache(maxsize=None)
+@cache
 def moe_families() -> tuple[Family, ...]:
     """Every family of the installed transformers, sorted by `text_type`."""
     from transformers import CONFIG_MAPPING

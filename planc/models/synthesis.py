@@ -118,8 +118,9 @@ def _tp_from_ep(draft: _Draft, walk, model) -> dict:
         pat = Pattern(pattern)
         infos = [m for m in walk.modules.values() if m.experts is not None and pat.matches(m.generic)]
         derived = {_experts_tp_rules(model.get_submodule(m.fqn), m.experts.is_transposed) for m in infos}
-        if len(derived) == 1 and None not in derived:
-            out.update({f"{pattern}.{name}" if name else pattern: s for name, s in derived.pop()})
+        rules = derived.pop() if len(derived) == 1 else None
+        if rules is not None:
+            out.update({f"{pattern}.{name}" if name else pattern: s for name, s in rules})
     return out
 
 

@@ -29,8 +29,8 @@ import dataclasses
 import importlib
 import math
 import re
-from functools import lru_cache
-from typing import Optional
+from functools import cache
+from typing import Optional, TypeGuard
 
 TINY_HIDDEN = 64
 TINY_HEADS = 4
@@ -75,7 +75,7 @@ _NONE_SIZE_SUFFIXES = (("kv_heads", 1), ("n_heads", 2), ("num_heads", 2), ("head
                        ("compress_ratio", 4), ("topk", 4))
 
 
-def _is_int(v) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -97,7 +97,7 @@ def _computed_from_others(cls, key: str) -> bool:
     return f is not None and isinstance(f.default, str)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _modeling_source(config_module: str) -> str:
     import inspect
 
@@ -267,7 +267,9 @@ def _shrink_layers(cls, d: dict, kw: dict, family: bool) -> None:
         n = d.get(key)
         if not _is_int(n) or n <= 2:
             continue
-        as_lists = {f"{k} (by layer)": [repr(_by_index(v, i)) for i in range(n)] for k, v in by_layer.items()}
+        as_lists: dict[str, list[object]] = {
+            f"{k} (by layer)": [repr(_by_index(v, i)) for i in range(n)] for k, v in by_layer.items()
+        }
         # lists of layer indices (`mlp_only_layers`: the dense ones) are kinds too: keep a dense and a MoE layer
         ids = {lk: set(d[lk]) for lk in _LAYER_ID_LISTS
                if lk != "no_rope_layers" and isinstance(d.get(lk), list) and len(d[lk]) != n}

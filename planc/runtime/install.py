@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,9 @@ from planc.runtime.guards import guard_applied_model
 from planc.runtime.mesh import Groups, build_groups, rank_device
 from planc.runtime.snapshot import Snapshot
 from planc.runtime.tp_styles import tp_style
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Experts kernels that need a CUDA GPU of at least this compute capability.
 _GPU_KERNELS = {"deepgemm": (9, 0), "sonicmoe": (9, 0)}
@@ -93,7 +96,7 @@ def compile_and_check(model, plan, mesh, *, device: Optional[torch.device] = Non
     problems = []
     try:
         problems += _local_checks(model, compiled, mesh, device)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - reported on every rank by agree_across_ranks instead of hanging them
         problems.append(f"{type(e).__name__}: {e}")
     return compiled, problems
 
@@ -298,7 +301,7 @@ def step_set_experts_implementation(state: InstallState) -> None:
             f"planc.runtime.install: {type(state.model).__name__} is not a transformers PreTrainedModel, so its "
             f"experts implementation cannot be set to `{impl}`. Apply the plan to a transformers model."
         )
-    state.model.set_experts_implementation(impl)
+    cast("PreTrainedModel", state.model).set_experts_implementation(impl)
 
 
 def step_shard_parameters(state: InstallState) -> None:
@@ -346,7 +349,7 @@ def _rope_dim(state: InstallState, fqn: str):
         if isinstance(value, int):
             return value
     config = getattr(state.model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
     return getattr(text, "qk_rope_head_dim", None)
 
 
@@ -397,9 +400,9 @@ def step_mark_applied(state: InstallState) -> None:
     """Mark the model (double apply is refused) and the touched modules (other tools see them as hooked)."""
     for a in state.compiled.assignments:
         if a.target == "module":
-            state.module(a.fqn)._is_hooked = True
+            state.module(a.fqn)._is_hooked = True  # type: ignore[assignment]  # plain flags and records (torch types
     state.model._planc_plan = state.compiled
-    state.model._planc_groups = state.groups
+    state.model._planc_groups = state.groups  # type: ignore[assignment]  # module attributes as tensors or modules)
     guard_applied_model(state.model)  # save_pretrained / deepcopy refuse with what to call instead
 
 

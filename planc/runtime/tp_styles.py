@@ -17,12 +17,12 @@ untouched), so `planc.runtime.install` can undo it by restoring the module's `__
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from planc.errors import ApplyError
@@ -58,7 +58,7 @@ def _shard_sizes(module: nn.Module, dim: int, fallback: int, mesh) -> list[int]:
     return shard_sizes(size, mesh.size())
 
 
-def _is_plain(module: nn.Module, cls: type) -> bool:
+def _is_plain(module: nn.Module, cls: type[nn.Module]) -> bool:
     """The module runs `cls`'s own forward (no subclass forward to honour): call the functional op directly."""
     return type(module).forward is cls.forward
 
@@ -71,8 +71,10 @@ def local_parameters(module: nn.Module, recurse: bool = False):
     Kernels (grouped_mm, experts loops, deep_gemm) take plain tensors. `to_local()` is differentiable,
     so the gradients still land on the DTensor parameters.
     """
-    originals = [(m, {n: p for n, p in m._parameters.items() if isinstance(p, DTensor)})
-                 for m in (module.modules() if recurse else (module,))]
+    originals: list[tuple[nn.Module, dict[str, Any]]] = [  # the DTensor parameters of each module
+        (m, {n: p for n, p in m._parameters.items() if isinstance(p, DTensor)})
+        for m in (module.modules() if recurse else (module,))
+    ]
     for m, params in originals:
         for name, p in params.items():
             m._parameters[name] = p.to_local()
@@ -102,7 +104,9 @@ class TPStyle:
         if not spec.shards:
             return
         p = module._parameters[name]
+        assert p is not None, f"{name} is a parameter of {type(module).__name__}"  # the compiler matched it
         dim = spec.placement(p.ndim)
+        placement: Placement
         if dim is None:
             placement = Replicate()
         elif spec.packed:
@@ -120,7 +124,7 @@ class TPStyle:
         def tp_forward(*args, **kwargs):
             return forward(original, *args, **kwargs)
 
-        tp_forward.planc_style = self.name
+        tp_forward.planc_style = self.name  # type: ignore[attr-defined]  # a function attribute: which style wrapped it
         module.forward = tp_forward
 
     def _shard_own_params(self, module: nn.Module, mesh) -> None:

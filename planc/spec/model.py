@@ -7,7 +7,7 @@ linter can tell a removed style, with its migration, from a typo, with its did-y
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,22 +21,19 @@ TrainDtype = Literal["float32", "bfloat16", "float16"]
 
 
 
-def _styles(table: str, what: str):
-    """A style of one rule table: the schema lists only the styles legal there, each with its own doc (editors
-    show it on completion and hover). Plain `str` for pydantic, so that lint tells a removed style (PLC320) or a
-    style of the other table (PLC311/312) from a typo (PLC310)."""
+def _styles(table: str, what: str) -> Any:
+    """The field of a style in one rule table: the schema lists only the styles legal there, each with its own doc
+    (editors show it on completion and hover). The type stays `str` for pydantic, so that lint tells a removed
+    style (PLC320) or a style of the other table (PLC311/312) from a typo (PLC310)."""
     styles = TABLE_STYLES[table]
-    return Annotated[str, Field(
+    return Field(
         description=f"A {what} style (transformers' vocabulary): what the modules this pattern matches become.",
-        json_schema_extra={
-            "enum": list(styles),
-            "enumDescriptions": list(styles.values()),
-        },
-    )]
+        json_schema_extra={"enum": list(styles), "enumDescriptions": list(styles.values())},
+    )
 
 
-TpStyle = _styles("tp_plan", "tensor-parallel")
-EpStyle = _styles("ep_plan", "expert-parallel")
+TpStyle = Annotated[str, _styles("tp_plan", "tensor-parallel")]
+EpStyle = Annotated[str, _styles("ep_plan", "expert-parallel")]
 PatternText = Annotated[
     str,
     Field(

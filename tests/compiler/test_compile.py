@@ -209,7 +209,7 @@ def test_compiled_plan_is_immutable_and_printable():
 def test_planc_compile_stays_callable_after_the_compiler_is_imported():
     """`planc.compile` is the public function; importing the compiler package must not shadow it."""
     import planc
-    import planc.compiler.resolve  # noqa: F401 - the import that used to replace planc.compile
+    import planc.compiler.resolve  # the import that used to replace planc.compile
 
     assert callable(planc.compile)
     assert planc.compile.__module__ == "planc"

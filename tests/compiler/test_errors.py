@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from planc.compiler import resolve as R
+from planc.lint import rules_compile as R  # the problem codes, from the one registry
 from planc.compiler.resolve import compile_plan
 from planc.errors import CompileError, PlanError
 from tests.compiler.fakes import fake_moe, fake_plan

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from planc.compiler import resolve as R
+from planc.lint import rules_compile as R  # the problem codes, from the one registry
 from planc.compiler.resolve import compile_plan
 from planc.errors import CompileError
 from planc.models.build import build_meta_model, build_tiny_model

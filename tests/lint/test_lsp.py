@@ -17,7 +17,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import pytest
 
@@ -130,7 +130,7 @@ def yls(root):
         yield editor
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def lint_json(text: str, path: Path) -> list[dict]:
     """`planc lint --stdin-filename PATH --format json` on the buffer: what the editor must agree with."""
     r = subprocess.run([sys.executable, "-m", "planc", "lint", "--stdin-filename", str(path), "--format", "json"],

@@ -274,7 +274,7 @@ def _transformers_peer(model_type, world_size):
         try:
             apply(theirs, plan)
             out["refuses_transformers_sharded"] = "applied"
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - the test reads the type and message
             out["refuses_transformers_sharded"] = f"{type(e).__name__}: {e}"
     return out
 
@@ -414,7 +414,7 @@ def errors_world(rank, world_size):
     attempt("deepgemm_on_cpu", model, shipped_plan("mixtral", tp=world_size, implementation="deepgemm"))
     attempt("sonicmoe_on_cpu", model, shipped_plan("mixtral", tp=world_size, implementation="sonicmoe"))
     # (Mega MoE `backend: auto` on CPU is no refusal: it runs the reference with a RuntimeWarning,
-    # tests/megamoe/test_deep_gemm_binding.py::test_auto_falls_back_to_the_reference_with_a_warning_naming_why.)
+    # tests/kernels/megamoe/test_deep_gemm_binding.py::test_auto_falls_back_to_the_reference_with_a_warning_naming_why.)
     from torch.distributed.device_mesh import init_device_mesh
 
     wrong_mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp", "tp"))

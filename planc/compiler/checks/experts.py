@@ -3,12 +3,14 @@ tensors of modules inside experts (`nested_expert_owner`)."""
 
 from __future__ import annotations
 
-from planc.compiler.context import EXPERTS_PARTIAL, PlanRule
-from planc.compiler.walk import generic_path
+from typing import Optional
+
+from planc.compiler.context import EXPERTS_PARTIAL, PlanRule, Resolution
+from planc.compiler.walk import ModelWalk, ModuleInfo, generic_path
 from planc.spec.styles import STYLE
 
 
-def nested_expert_owner(walk, fqn: str):
+def nested_expert_owner(walk: ModelWalk, fqn: str) -> Optional[ModuleInfo]:
     """The experts module (ModuleInfo) that parameter `fqn` is a per-expert tensor of, from a module inside it
     (ergo's `experts.post_expert_norm.weight` [E, H]: the experts' forward indexes it with the expert ids it runs):
     the nearest experts ancestor of its owner when the tensor's leading dim is that module's experts count; None
@@ -25,20 +27,22 @@ def nested_expert_owner(walk, fqn: str):
     return None
 
 
-def nested_expert_params(walk, m) -> list[str]:
+def nested_expert_params(walk: ModelWalk, m: ModuleInfo) -> list[str]:
     """The per-expert tensors of modules inside experts module `m` (see `nested_expert_owner`)."""
     prefix = m.fqn + "."
     return [f for f, p in walk.params.items()
             if p.owner.startswith(prefix) and getattr(nested_expert_owner(walk, f), "fqn", None) == m.fqn]
 
 
-def check_experts_params(c, m, mode, final: dict[str, PlanRule]) -> None:
+def check_experts_params(c: Resolution, m: ModuleInfo, mode: Optional[str], final: dict[str, PlanRule]) -> None:
+    info = m.experts
+    assert info is not None  # called for experts modules
     nested = nested_expert_params(c.walk, m)
     for pfqn in [*m.params, *nested]:
         r = final.get(pfqn)
         name = pfqn[len(m.fqn) + 1:]
         if pfqn in nested:
-            what = (f"{name}, a per-expert tensor (leading dim {m.experts.num_experts}, the experts count) inside "
+            what = (f"{name}, a per-expert tensor (leading dim {info.num_experts}, the experts count) inside "
                     "expert-parallel experts,")
         else:
             what = f"{name} of expert-parallel experts"

@@ -9,12 +9,13 @@ every token pre-scaled (`forward(hidden_states)`, Llama 4) have no routed ids to
 
 from __future__ import annotations
 
-from planc.compiler.context import BARE_PARAM_UNWRAPPED, EXPERTS_IMPL_FIXED, WRONG_TARGET
+from planc.compiler.context import BARE_PARAM_UNWRAPPED, EXPERTS_IMPL_FIXED, WRONG_TARGET, PlanRule, Resolution
+from planc.compiler.compiled import Assignment
 from planc.compiler.walk import generic_path
 from planc.spec.styles import STYLE
 
 
-def check_bare_parameters(c, assignments, final) -> None:
+def check_bare_parameters(c: Resolution, assignments: list[Assignment], final: dict[str, PlanRule]) -> None:
     """PLC623: a sharded parameter whose module's forward planc does not wrap."""
     if not c.active["tp"]:
         return
@@ -44,7 +45,7 @@ def check_bare_parameters(c, assignments, final) -> None:
         )
 
 
-def check_experts_implementation(c, where_impl: str) -> None:
+def check_experts_implementation(c: Resolution, where_impl: str) -> None:
     """PLC624: an experts kernel the model class cannot switch to."""
     walk, impl = c.walk, c.plan.experts.implementation
     if walk.can_switch_experts is not False or impl in ("eager", "deepgemm_megamoe") or not walk.experts:
@@ -59,13 +60,13 @@ def check_experts_implementation(c, where_impl: str) -> None:
     )
 
 
-def check_dense_experts(c, final) -> None:
+def check_dense_experts(c: Resolution, final: dict[str, PlanRule]) -> None:
     """PLC613: ep_dispatch_experts on experts that take every token pre-scaled (Llama 4) when the EP group does not
     hold one batch. Such experts have no routed (token, expert) pairs to dispatch: each rank runs its own experts
     on every token of the batch its EP group shares and the outputs are gathered, so ep_size must equal tp_size."""
     for m in c.walk.experts:
         rule = final.get(m.fqn)
-        if m.experts.dispatch != "dense" or rule is None or rule.style != "ep_dispatch_experts" or c.ep == c.tp:
+        if m.experts is None or m.experts.dispatch != "dense" or rule is None or rule.style != "ep_dispatch_experts" or c.ep == c.tp:
             continue
         c.problems.add(
             WRONG_TARGET,

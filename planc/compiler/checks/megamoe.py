@@ -14,9 +14,11 @@ from planc.compiler.context import (
     MEGAMOE_SIZES,
     MEGAMOE_TOP_K,
     key_where,
+    Resolution,
 )
-from planc.compiler.walk import generic_path
+from planc.compiler.walk import ModuleInfo, generic_path
 from planc.spec.megamoe import MEGAMOE_KERNEL_BLOCK
+
 
 MEGAMOE_MAX_TOP_K = 32
 MEGAMOE_MAX_RANKS = 72
@@ -24,8 +26,9 @@ MEGAMOE_MAX_RANKS = 72
 MEGAMOE_OTHER_ACTIVATION_FIELDS = ("swiglu_alpha", "mlp_gate_softcap", "mlp_up_softcap", "gate_softcap", "up_softcap")
 
 
-def check_megamoe(c, m) -> None:
+def check_megamoe(c: Resolution, m: ModuleInfo) -> None:
     info, settings = m.experts, c.plan.experts.megamoe
+    assert info is not None  # called for experts modules
     impl_where = key_where(c.loaded, ("experts", "implementation"))
     if not info.has_gate or info.is_transposed:
         why = "have no gate (up_proj only)" if not info.has_gate else "store their weights transposed ([E, H, 2I])"
@@ -104,7 +107,7 @@ def check_megamoe(c, m) -> None:
         )
 
 
-def check_megamoe_activation(c, m, where) -> None:
+def check_megamoe_activation(c: Resolution, m: ModuleInfo, where: str) -> None:
     """Every Mega MoE backend computes the kernel's SiLU SwiGLU (with the `swiglu_limit` clamp) and nothing else."""
     config = c.walk.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

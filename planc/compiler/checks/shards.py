@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from planc.compiler.compiled import Assignment
-from planc.compiler.context import BLOCK_GRID, HEAD_SPLIT, UNEVEN_SHARD, PlanRule
-from planc.compiler.walk import config_attr, generic_path
+from planc.compiler.context import BLOCK_GRID, HEAD_SPLIT, UNEVEN_SHARD, PlanRule, Resolution
+from planc.compiler.walk import ModelWalk, config_attr, generic_path
 from planc.spec.styles import STYLE
 
 
 ATTENTION_PROJ = {"q_proj": "out", "k_proj": "out", "v_proj": "out", "o_proj": "in"}
 
 
-def check_shards(c, assignments: list[Assignment], final: dict[str, PlanRule]) -> None:
+def check_shards(c: Resolution, assignments: list[Assignment], final: dict[str, PlanRule]) -> None:
     walk, tp = c.walk, c.tp
     if tp <= 1:
         return
@@ -63,7 +63,7 @@ def check_shards(c, assignments: list[Assignment], final: dict[str, PlanRule]) -
 BLOCK_SCALE_SUFFIX = "_scale_inv"
 
 
-def block_scale_weight(walk, fqn: str) -> Optional[str]:
+def block_scale_weight(walk: ModelWalk, fqn: str) -> Optional[str]:
     """The weight a block-scale parameter belongs to (`q_proj.weight_scale_inv` -> `q_proj.weight`), else None."""
     if not fqn.endswith(BLOCK_SCALE_SUFFIX):
         return None
@@ -71,7 +71,7 @@ def block_scale_weight(walk, fqn: str) -> Optional[str]:
     return weight if weight in walk.params else None
 
 
-def _block_size(config) -> Optional[tuple[int, int]]:
+def _block_size(config: Any) -> Optional[tuple[int, int]]:
     q = getattr(config, "quantization_config", None)
     block = q.get("weight_block_size") if isinstance(q, dict) else getattr(q, "weight_block_size", None)
     if isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block):
@@ -79,7 +79,7 @@ def _block_size(config) -> Optional[tuple[int, int]]:
     return None
 
 
-def check_block_grid(c, assignments: list[Assignment], final: dict[str, PlanRule]) -> None:
+def check_block_grid(c: Resolution, assignments: list[Assignment], final: dict[str, PlanRule]) -> None:
     """PLC625: a block-scaled (FP8) weight whose TP shards do not start and end on its scale blocks.
 
     A weight `W` with a companion `W_scale_inv` holds one scale per `weight_block_size` block (128 x 128 in
@@ -128,7 +128,7 @@ def check_block_grid(c, assignments: list[Assignment], final: dict[str, PlanRule
         )
 
 
-def _proj_head_dim(walk, owner: str, proj: str, config_head_dim: Optional[int]) -> Optional[int]:
+def _proj_head_dim(walk: ModelWalk, owner: str, proj: str, config_head_dim: Optional[int]) -> Optional[int]:
     """The head width a q/k/v/o projection's features come in: v_proj/o_proj use v_head_dim where the
     attention has one (dots3_note, mimo_v2_flash); the attention module's own attributes win over the
     config (per-layer configs such as gemma4's have no global head_dim)."""
@@ -142,7 +142,7 @@ def _proj_head_dim(walk, owner: str, proj: str, config_head_dim: Optional[int]) 
     return hd or config_head_dim
 
 
-def _head_dim(config) -> Optional[int]:
+def _head_dim(config: Any) -> Optional[int]:
     hd = config_attr(config, "head_dim")
     if isinstance(hd, int) and hd > 0:
         return hd

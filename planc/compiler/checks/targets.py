@@ -7,13 +7,13 @@ position and what to write instead.
 from __future__ import annotations
 
 from planc.compiler.checks.experts import nested_expert_owner
-from planc.compiler.context import CONFLICTING_RULES, MODEL_TYPE_MISMATCH, STYLE_NOT_INSTALLABLE, WRONG_TARGET, PlanRule, key_where
+from planc.compiler.context import CONFLICTING_RULES, MODEL_TYPE_MISMATCH, STYLE_NOT_INSTALLABLE, WRONG_TARGET, PlanRule, key_where, Resolution
 from planc.compiler.walk import generic_path
 from planc.spec.sizes import check_sizes as _check_sizes
 from planc.spec.styles import ALL_STYLES, EXPERTS_MODULE_STYLES, PARAMETER_STYLES, RUNTIME_STYLES
 
 
-def check_model_type(c) -> None:
+def check_model_type(c: Resolution) -> None:
     want, have = c.plan.model.type, c.walk.model_type
     if have is not None and want != have:
         c.problems.add(
@@ -26,7 +26,7 @@ def check_model_type(c) -> None:
         )
 
 
-def check_sizes(c) -> None:
+def check_sizes(c: Resolution) -> None:
     """`planc.spec.sizes.check_sizes`, the function lint and the runtime call. Plans reach the compiler
     linted, so this only fires for a `LoadedPlan` built in code; the codes are lint's (PLC500-502)."""
     p = c.parallel
@@ -34,7 +34,7 @@ def check_sizes(c) -> None:
         c.problems.add(problem.code, problem.message, key_where(c.loaded, problem.key), problem.hint)
 
 
-def check_style(c, rule: PlanRule) -> None:
+def check_style(c: Resolution, rule: PlanRule) -> None:
     """A style lint accepts (current, in the right table) that planc's runtime does not install."""
     style = rule.style
     if style not in RUNTIME_STYLES:
@@ -48,7 +48,7 @@ def check_style(c, rule: PlanRule) -> None:
         )
 
 
-def check_targets(c, rule: PlanRule) -> None:
+def check_targets(c: Resolution, rule: PlanRule) -> None:
     walk, style = c.walk, rule.style
     for fqn in rule.targets:
         if fqn in walk.params:
@@ -96,7 +96,7 @@ def check_targets(c, rule: PlanRule) -> None:
                 )
 
 
-def check_tied(c, final: dict[str, PlanRule]) -> None:
+def check_tied(c: Resolution, final: dict[str, PlanRule]) -> None:
     by_tensor: dict[int, list[str]] = {}
     for p in c.walk.params.values():
         by_tensor.setdefault(p.tensor_id, []).append(p.fqn)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from typing import Any, cast
+
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -45,7 +47,8 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
     modules (tied weights) gets one new tensor, assigned to all of them."""
     new: dict[int, torch.Tensor] = {}
     for module in model.modules():
-        for table in (module._parameters, module._buffers):
+        tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+        for table in tables:
             for name, t in list(table.items()):
                 if t is None or not t.is_meta:
                     continue
@@ -133,12 +136,14 @@ def fill_from_dcp(
 
     _materialize(model, device)
     targets = _targets(model, compiled, groups, saved_np)
-    strided = {k: t for k, t in targets.items() if has_strided(t)}
-    load_state = {k: (dcp_layout(t.detach()) if k in strided else t) for k, t in targets.items()}
+    strided: dict[str, DTensor] = {k: t for k, t in targets.items() if has_strided(t)}
+    load_state = {k: (dcp_layout(cast(DTensor, strided[k].detach())) if k in strided else t) for k, t in targets.items()}
     dcp.load(load_state, checkpoint_id=str(directory))
     with torch.no_grad():
         for key, t in strided.items():
-            t.to_local().copy_(load_state[key].redistribute(placements=t.placements).to_local())
+            loaded = load_state[key]
+            assert isinstance(loaded, DTensor)  # dcp_layout's
+            t.to_local().copy_(loaded.redistribute(placements=t.placements).to_local())
 
 
 __all__ = ["fill_from_dcp", "is_planc_checkpoint", "read_marker"]

@@ -15,9 +15,14 @@ the per-expert `w1`/`w3` merge into `gate_up_proj`), and drop what transformers 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 
 from planc.runtime.checkpoint.files import CheckpointFiles
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 _MAX_LISTED = 5
 _NON_FLOAT = {"I8", "U8", "I16", "U16", "I32", "U32", "I64", "U64", "BOOL", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4"}
@@ -34,7 +39,7 @@ def _mapping(model: nn.Module):
     return renamings, converters
 
 
-def checkpoint_problems(model: nn.Module, files: CheckpointFiles) -> list[str]:
+def checkpoint_problems(model: PreTrainedModel, files: CheckpointFiles) -> list[str]:
     """Every key, shape and dtype problem visible in the headers, each naming the file and the tensor."""
     from transformers.core_model_loading import rename_source_key
     from transformers.utils.loading_report import LoadStateDictInfo
@@ -84,13 +89,13 @@ def checkpoint_problems(model: nn.Module, files: CheckpointFiles) -> list[str]:
         k for k in model_keys
         if k not in targeted and k not in tied and k.rpartition(".")[0] not in fused_modules
     }
-    info = LoadStateDictInfo(
+    report = LoadStateDictInfo(
         missing_keys=missing, unexpected_keys=set(unexpected), mismatched_keys=set(), error_msgs=[],
         conversion_errors={}, skipped_pp_keys=set(),
     )
-    model._adjust_missing_and_unexpected_keys(info)
-    if info.unexpected_keys:
-        keys = sorted(info.unexpected_keys)
+    model._adjust_missing_and_unexpected_keys(report)
+    if report.unexpected_keys:
+        keys = sorted(report.unexpected_keys)
         listed = ", ".join(f"`{unexpected[k]}`" for k in keys[:_MAX_LISTED])
         problems.append(
             f"{files.root}: {len(keys)} checkpoint tensor(s) have no place in the "
@@ -98,8 +103,8 @@ def checkpoint_problems(model: nn.Module, files: CheckpointFiles) -> list[str]:
             f"first in {files.tensors[unexpected[keys[0]]].file}). The checkpoint is not for this model or config: "
             "check config.json (model_type, num_hidden_layers, the experts count)."
         )
-    if info.missing_keys:
-        keys = sorted(info.missing_keys)
+    if report.missing_keys:
+        keys = sorted(report.missing_keys)
         listed = ", ".join(f"`{k}`" for k in keys[:_MAX_LISTED])
         problems.append(
             f"{files.root}: {len(keys)} tensor(s) of the model are in no checkpoint file ({listed}"
@@ -109,7 +114,7 @@ def checkpoint_problems(model: nn.Module, files: CheckpointFiles) -> list[str]:
     return problems
 
 
-def target_reads(model: nn.Module, files: CheckpointFiles) -> list[tuple[str, str, tuple, int]]:
+def target_reads(model: PreTrainedModel, files: CheckpointFiles) -> list[tuple[str, str, tuple, int]]:
     """`(model parameter, checkpoint dtype, parameter shape, bytes)` for every checkpoint tensor the model takes."""
     from transformers.core_model_loading import rename_source_key
 

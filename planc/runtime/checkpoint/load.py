@@ -31,7 +31,7 @@ import contextlib
 import os
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 import torch
 from torch import nn
@@ -48,6 +48,9 @@ from planc.runtime.checkpoint.quantized import (
     wrap_scales,
 )
 from planc.runtime.mesh import rank_device
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def load(
@@ -83,10 +86,11 @@ def load(
         dcp_dir = _dcp_checkpoint(source)
         if dcp_dir is None:
             files = CheckpointFiles.open(source)
-            config = _config(files.config_path.parent, dtype)
+            config_path = files.config_path
+            config = _config(config_path.parent, dtype)
         else:
+            config_path = Path(dcp_dir) / "config.json"
             config = _config(dcp_dir, dtype)
-        config_path = files.config_path if files else Path(dcp_dir) / "config.json"
         loaded = _plan_for(plan, config, config_path)
         megamoe = loaded.plan.experts.implementation == "deepgemm_megamoe"
         quantizer = _quantizer(config, config_path, device, dequantize, dcp=dcp_dir is not None, megamoe=megamoe)
@@ -110,11 +114,14 @@ def load(
             files.close()
         raise
 
+    assert model is not None and compiled is not None  # agree_across_ranks raised otherwise
     groups = build_groups(compiled.parallel, mesh)
     state = install.InstallState(model=model, compiled=compiled, groups=groups)
-    if dcp_dir is None:
+    fill: _SafetensorsFill | _DcpFill
+    if files is not None:
         fill = _SafetensorsFill(files, device)
     else:
+        assert dcp_dir is not None
         fill = _DcpFill(dcp_dir, device)
     try:
         install.install_atomically(state, after_sharding=fill, what="planc.load")
@@ -228,7 +235,7 @@ def _model_class(config):
     return model_class_for(config)
 
 
-def _meta_model(config, dtype) -> nn.Module:
+def _meta_model(config, dtype) -> PreTrainedModel:
     from planc.models.build import meta_model
 
     return meta_model(config, model_class=_model_class(config), dtype=config.dtype).eval()
@@ -264,7 +271,8 @@ class _SafetensorsFill:
             hf_quantizer=quantizer,
         )
         quantize = _experts_to_quantize(state)
-        infos, used = [], {}
+        infos: list[Any] = []
+        used: dict[int, Any] = {}  # the converters transformers ran, by identity
         # One loader call per decoder layer: the mapped pages of a layer leave the RSS (`unmap`) before the next
         # layer is read, and Mega MoE experts are quantized as soon as their layer is complete.
         with _no_progress_bars(), _shard_offsets_once():  # no progress bar per layer per rank
@@ -299,8 +307,10 @@ class _SafetensorsFill:
 
         slices = self.files.slices(keys)
         if dequantizing(model):  # each rank reads only the scale blocks of its own rows/columns (quantized.py)
-            slices = wrap_scales(slices, self.files.tensors, block_size(model))
-        info, _ = convert_and_load_state_dict_in_model(model, slices, config)
+            blocks = block_size(model)
+            assert blocks is not None  # a dequantized model has a block size
+            slices = wrap_scales(slices, self.files.tensors, blocks)
+        info, _ = convert_and_load_state_dict_in_model(cast("PreTrainedModel", model), slices, config)
         _own_copies(model, self.files.mapped_storages)
         self.files.unmap()
         return info
@@ -311,7 +321,7 @@ def _quantize_experts(experts: nn.Module) -> None:
 
     quantize_to_fp4(experts)
     for p in experts.parameters(recurse=False):
-        p._is_hf_initialized = True  # loaded, not to be re-initialised by transformers' finalisation
+        p._is_hf_initialized = True  # type: ignore[attr-defined]  # loaded: transformers' finalisation skips it
 
 
 def _own_copies(model: nn.Module, mapped: set[int]) -> None:
@@ -325,7 +335,8 @@ def _own_copies(model: nn.Module, mapped: set[int]) -> None:
     from torch.distributed.tensor import DTensor
 
     for module in model.modules():
-        for table in (module._parameters, module._buffers):
+        tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+        for table in tables:
             for name, t in list(table.items()):
                 if t is None or t.is_meta:
                     continue

@@ -7,8 +7,8 @@ import types
 import pytest
 import torch
 
-from planc.runtime.megamoe import deep_gemm_backend, install_megamoe_forward, megamoe_state, resolve_backend
-from planc.runtime.megamoe.quant import (
+from planc.kernels.megamoe import deep_gemm as binding
+from planc.kernels.megamoe.quant import (
     calc_diff,
     float_to_ue8m0_bytes,
     pack_ue8m0,
@@ -16,8 +16,9 @@ from planc.runtime.megamoe.quant import (
     quantize_fp8,
     unpack_ue8m0,
 )
-from planc.runtime.megamoe.reference import DequantizedExperts, combine, local_experts_forward, reference_mega_moe
-from tests.megamoe.common import full_weights, mixtral_experts, routing
+from planc.kernels.megamoe.reference import DequantizedExperts, combine, local_experts_forward, reference_mega_moe
+from planc.runtime.megamoe import install_megamoe_forward, megamoe_state, resolve_backend
+from tests.kernels.megamoe.common import full_weights, mixtral_experts, routing
 
 
 def _interleave_gate_up(t: torch.Tensor, gran: int = 8) -> torch.Tensor:
@@ -92,7 +93,7 @@ class RecordingDeepGemm(types.ModuleType):
     def transform_weights_for_mega_moe(self, *, l1_weights, l2_weights, activation="swiglu"):
         self.calls.append(("transform_weights_for_mega_moe", dict(l1_weights=l1_weights, l2_weights=l2_weights)))
         (w1, sf1), (w2, sf2) = l1_weights, l2_weights
-        mn_major = lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)  # noqa: E731
+        mn_major = lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)  # noqa: E731 - a one-line layout helper
         return ((_interleave_gate_up(w1), mn_major(_utccp(_interleave_gate_up(sf1)))),
                 (w2, mn_major(_utccp(sf2))))
 
@@ -133,7 +134,7 @@ def recording(monkeypatch):
     stand_in = RecordingDeepGemm()
     monkeypatch.setitem(sys.modules, "deep_gemm", stand_in)
     # The contract test runs on CPU: only the SM100 device check is bypassed, the API check still runs.
-    monkeypatch.setattr(deep_gemm_backend, "check_device", lambda device=None: None)
+    monkeypatch.setattr(binding, "check_device", lambda device=None: None)
     return stand_in
 
 
@@ -210,7 +211,7 @@ def test_stand_in_catches_a_layout_error(recording, world1, monkeypatch):
 def test_api_check_names_what_is_missing(monkeypatch):
     stand_in = RecordingDeepGemm()
     monkeypatch.setitem(sys.modules, "deep_gemm", stand_in)
-    deep_gemm_backend.load_deep_gemm()  # the full pinned API passes
+    binding.load_deep_gemm()  # the full pinned API passes
 
     def old_mega_moe(y, l1_weights, l2_weights, sym_buffer, recipe=(1, 1, 32)):  # no activation_clamp
         pass
@@ -218,18 +219,18 @@ def test_api_check_names_what_is_missing(monkeypatch):
     stand_in.fp8_fp4_mega_moe = old_mega_moe
     stand_in.transform_weights_for_mega_moe = None
     with pytest.raises(ImportError) as err:
-        deep_gemm_backend.load_deep_gemm()
+        binding.load_deep_gemm()
     msg = str(err.value)
     assert "`deep_gemm.transform_weights_for_mega_moe` is missing" in msg
     assert "`deep_gemm.fp8_fp4_mega_moe` has no parameter(s) activation_clamp" in msg
-    assert deep_gemm_backend.PINNED_COMMIT[:7] in msg and "backend: reference" in msg
+    assert binding.PINNED_COMMIT[:7] in msg and "backend: reference" in msg
 
 
 def test_pybind_style_signatures_are_read_from_the_docstring():
     """pybind11 functions (transform_sf_into_required_layout) have no inspect.signature, only a docstring."""
     fn = types.SimpleNamespace(__doc__="transform_sf_into_required_layout(sf: torch.Tensor, mn: int, k: int, "
                                "recipe: tuple, num_groups: Optional[int] = None) -> torch.Tensor\n")
-    assert deep_gemm_backend._parameter_names(fn) == {"sf", "mn", "k", "recipe", "num_groups"}
+    assert binding.parameter_names(fn) == {"sf", "mn", "k", "recipe", "num_groups"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10,
@@ -256,7 +257,7 @@ def test_auto_falls_back_to_the_reference_with_a_warning_naming_why():
 @pytest.mark.parametrize("error", [AssertionError("CUDA_HOME is not set"), NameError("name 'symm_mem' is not defined")])
 def test_import_errors_of_deep_gemm_mean_it_cannot_run(monkeypatch, error):
     """deep_gemm's import asserts a CUDA toolkit and can hit a NameError: both read as "not importable"."""
-    real_import = deep_gemm_backend.importlib.import_module
+    real_import = binding.importlib.import_module
 
     def failing(name, *a, **kw):
         if name == "deep_gemm":
@@ -264,11 +265,11 @@ def test_import_errors_of_deep_gemm_mean_it_cannot_run(monkeypatch, error):
         return real_import(name, *a, **kw)
 
     monkeypatch.delitem(sys.modules, "deep_gemm", raising=False)
-    monkeypatch.setattr(deep_gemm_backend.importlib, "import_module", failing)
-    monkeypatch.setattr(deep_gemm_backend, "check_device", lambda device=None: None)  # as on an SM100 machine
+    monkeypatch.setattr(binding.importlib, "import_module", failing)
+    monkeypatch.setattr(binding, "check_device", lambda device=None: None)  # as on an SM100 machine
     with pytest.raises(ImportError, match=f"{type(error).__name__}.*PyPI"):
-        deep_gemm_backend.load_deep_gemm()
-    reason = deep_gemm_backend.deep_gemm_unavailable_reason()
+        binding.load_deep_gemm()
+    reason = binding.deep_gemm_unavailable_reason()
     assert type(error).__name__ in reason
 
 
@@ -282,7 +283,7 @@ def test_auto_skips_the_kernel_for_sizes_it_rejects(recording):
 
 
 def test_destroy_barriers_each_group_before_freeing(monkeypatch):
-    from planc.runtime.megamoe import buffers
+    from planc.kernels.megamoe import buffers
 
     events = []
     group = types.SimpleNamespace(group_name="g", size=lambda: 2)

@@ -1,6 +1,6 @@
 """The Triton backend's prefill GEMMs for Hopper, in Gluon (Triton's explicit-layout dialect): async wgmma.
 
-Why: in `triton_backend`'s Triton loops every wgmma is waited on at once (Triton makes a register-A dot async only
+Why: in the Triton kernels' loops (`jit`) every wgmma is waited on at once (Triton makes a register-A dot async only
 when its operand is loop-invariant), so each K tile's FP4 expansion and its MMA run one after the other, and a
 64-row block of one expert pads ~64 rows per expert (DeepSeek-V4 at 4096 tokens) to 1.5x. Here, written in Gluon
 with the same weight layout, expansion and numerics:
@@ -9,7 +9,7 @@ with the same weight layout, expansion and numerics:
   while the tensor cores multiply (L1: the up tile while the gate tile multiplies, then the next gate tile; L2: K
   tiles in pairs, each operand expanded while the other multiplies); under the tuned register cap ptxas waits at
   once in the 96-row L1 (C7515), which buys a third program per SM and was measured faster, and keeps the 80-row
-  L1 asynchronous (`triton_backend._GLUON_CONFIGS`);
+  L1 asynchronous (`config.GLUON_CONFIGS`);
 - the weight words, their scale words and the activation tiles stream through shared memory by cp.async,
   `STAGES` K tiles ahead (each thread copies and later reads back exactly its own MMA operand words, 16 bytes);
 - a block holds up to 80 or 96 rows of one expert (`block_t`): one 64-row MMA plus one 16-row MMA per 16 rows
@@ -17,8 +17,8 @@ with the same weight layout, expansion and numerics:
   weight tile is expanded once for all of them.
 
 The products and their FP32 sums are those of the Triton kernels (same wgmma, same K order): the outputs are bit
-for bit the same (checked on the GPU: `tests/megamoe/test_triton_gpu.py`). Gluon has no CPU interpreter, so CI
-compiles these kernels for sm_90 (`tests/megamoe/test_hopper_prefill_compile.py`) and the GPU tests run them.
+for bit the same (checked on the GPU: `tests/kernels/megamoe/test_triton_gpu.py`). Gluon has no CPU interpreter, so CI
+compiles these kernels for sm_90 (`tests/kernels/megamoe/test_hopper_prefill_compile.py`) and the GPU tests run them.
 Gluon's API moves between Triton releases: this file is written against 3.6 (torch 2.11's) and runs on 3.6-3.9
 through the aliases below.
 """
@@ -36,17 +36,18 @@ try:  # Gluon ships with Triton >= 3.5; its Hopper module is what the kernels ne
 except ImportError:  # pragma: no cover - no Triton, or one without Gluon
     gluon = None
 
-from planc.runtime.megamoe import triton_backend as tb
+from planc.kernels.megamoe.triton import target
+
 
 def gluon_unavailable_reason(device: torch.device | None) -> str | None:
     """None when these kernels can run on `device`, else why not (the Triton kernels run instead)."""
     if gluon is None:
         return "this Triton has no Gluon (Triton >= 3.5 has it)"
-    if tb._interpreting():
+    if target.interpreting():
         return "Gluon kernels do not run under Triton's interpreter"
     if device is None:
         return "Gluon kernels need a CUDA GPU"
-    reason = tb.triton_unavailable_reason(device)  # no GPU, not NVIDIA's, too old
+    reason = target.triton_unavailable_reason(device)  # no GPU, not NVIDIA's, too old
     if reason is not None:
         return reason
     if torch.cuda.get_device_capability(device)[0] != 9:
@@ -59,22 +60,25 @@ if gluon is not None:
     _async_load = getattr(_cp, "async_load", None) or _cp.async_copy_global_to_shared
     _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
     # Triton functions compile inside Gluon kernels (with layouts inferred from their arguments): one copy of the
-    # expansion's instructions and of the epilogue's numerics, in `triton_backend`.
-    _scale_factors = tb._scale_factors
-    _expand_words = tb._expand_words
-    _bf16_halves = tb._bf16_halves
-    _swiglu_requant = tb._swiglu_requant
-    _bf16_rne = tb._bf16_rne
-    _tile_ids = tb._tile_ids  # the grid order: one block's N tiles are neighbours
+    # expansion's instructions and of the epilogue's numerics, in `jit`; `tile_ids` is the grid order (one block's
+    # N tiles are neighbours).
+    from planc.kernels.megamoe.triton.jit import (
+        bf16_halves,
+        bf16_rne,
+        expand_words,
+        scale_factors,
+        swiglu_requant,
+        tile_ids,
+    )
 
     @triton.constexpr_function
-    def _words_layout(num_warps):
+    def words_layout(num_warps):
         """The weight words of one 64-deep K tile, [16-row group, lane, j]: group g in warp g, 4 words per lane,
-        which are that lane's MMA operand registers for the group's 4 16x16 tiles (`triton_backend.shuffle_fp4`)."""
+        which are that lane's MMA operand registers for the group's 4 16x16 tiles (`layout.shuffle_fp4`)."""
         return gl.BlockedLayout([1, 1, 4], [1, 32, 1], [num_warps, 1, 1], [2, 1, 0])
 
     @triton.constexpr_function
-    def _mma_layout(num_warps, n):
+    def mma_layout(num_warps, n):
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
 
     @triton.constexpr_function
@@ -84,7 +88,7 @@ if gluon is not None:
     @gluon.jit
     def _fp4_offsets(g0, num_g, G: gl.constexpr, WL: gl.constexpr):
         """Word and scale-word offsets of the [16 G, 64] weight tile of row groups g0.. at K 0 (as
-        `triton_backend._fp4_offsets`, one K block: the tile at K 64 kc is kc * num_g * 128 words further)."""
+        `jit`'s `_fp4_offsets`, one K block: the tile at K 64 kc is kc * num_g * 128 words further)."""
         g = gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, WL)))
         lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, WL)))
         j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, WL)))
@@ -96,22 +100,22 @@ if gluon is not None:
     @gluon.jit
     def _per_j(lo, hi, layout: gl.constexpr):
         """Factors [G, 32] for K halves jh = 0, 1 -> [G, 32, 4] by j = 2 jh + jl, in the words' layout
-        (`triton_backend._per_j`, whose broadcast Gluon does not take on a blocked layout)."""
+        (`jit`'s `_per_j`, whose broadcast Gluon does not take on a blocked layout)."""
         p = gl.join(lo, hi)
         p = gl.join(p, p)
         return gl.convert_layout(gl.reshape(p, (p.shape[0], p.shape[1], 4)), layout, assert_trivial=True)
 
     @gluon.jit
-    def _expand(w, sw, BN: gl.constexpr, LARGE: gl.constexpr, AL: gl.constexpr):
+    def expand_operand(w, sw, BN: gl.constexpr, LARGE: gl.constexpr, AL: gl.constexpr):
         """Words [G, 32, 4] and scale words [G, 32] -> the [BN, 64] BF16 tile in the wgmma A-operand layout, in
-        the registers the words are in: `triton_backend._fp4_expand` (its instructions, `_scale_factors` and
-        `_expand_words`) with the layouts written out, which Gluon needs and Triton infers."""
+        the registers the words are in: `jit`'s `_fp4_expand` (its instructions, `scale_factors` and
+        `expand_words`) with the layouts written out, which Gluon needs and Triton infers."""
         G: gl.constexpr = BN // 16
         WL: gl.constexpr = w.type.layout
-        s00, s01, s10, s11 = _scale_factors(sw, LARGE)
-        o0, o1, o2, o3 = _expand_words(w, _per_j(s00, s01, WL), _per_j(s10, s11, WL), LARGE)
-        c = gl.join(gl.join(_bf16_halves(o0), _bf16_halves(o1)),
-                    gl.join(_bf16_halves(o2), _bf16_halves(o3)))  # [g, lane, j, k1, k8, m8]
+        s00, s01, s10, s11 = scale_factors(sw, LARGE)
+        o0, o1, o2, o3 = expand_words(w, _per_j(s00, s01, WL), _per_j(s10, s11, WL), LARGE)
+        c = gl.join(gl.join(bf16_halves(o0), bf16_halves(o1)),
+                    gl.join(bf16_halves(o2), bf16_halves(o3)))  # [g, lane, j, k1, k8, m8]
         c = gl.reshape(c, (G, 8, 4, 4, 2, 2, 2))  # g r q j k1 k8 m8
         c = gl.permute(c, (0, 6, 1, 3, 5, 2, 4))  # g m8 r j k8 q k1: rows, then K in order
         # Also the BF16 pairs as int32: the registers the wgmma reads. An async wgmma reads them until it is waited
@@ -141,7 +145,7 @@ if gluon is not None:
         _cp.commit_group()
 
     @gluon.jit
-    def _mma(a, x_t, tail, acc0, acc1, acc2, AL16: gl.constexpr, EXTRA: gl.constexpr):
+    def issue_mma(a, x_t, tail, acc0, acc1, acc2, AL16: gl.constexpr, EXTRA: gl.constexpr):
         """acc += a @ x for the 64 main rows and the 0-2 16-row tails, asynchronously (one commit group each).
         Also returns the tails' operand (a in the 16-column MMA's layout, the same values), which the caller keeps
         alive until those MMAs are waited for."""
@@ -165,8 +169,8 @@ if gluon is not None:
         # before the wgmma's async-proxy reads. Their places are Triton's own: its shared-memory analysis (membar)
         # puts a barrier right after a cp.async wait and (3.7+) a proxy fence after the last cp.async issued before a
         # wgmma, so a barrier right after the wait and a fence after the issue are the only ones in the loop (a
-        # fence before the issue, as the eighth session's kernels had, got a second barrier and fence from the
-        # compiler: 3 barriers and 2 fences per K tile). The H200 gave the same bits without either, but the memory
+        # fence before the issue instead gets a second barrier and fence from the compiler: 3 barriers and 2 fences
+        # per K tile). The H200 gave the same bits without either, but the memory
         # model needs both.
         _cta_barrier()
         nxt = t + STAGES - 2
@@ -183,10 +187,10 @@ if gluon is not None:
         all K tiles. Order per K tile: expand a, issue a's MMAs, wait for the previous ones (b's of the last tile),
         expand b, issue b's MMAs, wait for a's: one operand always multiplies while the other expands."""
         G: gl.constexpr = BN // 16
-        WL: gl.constexpr = _words_layout(num_warps)
+        WL: gl.constexpr = words_layout(num_warps)
         SL: gl.constexpr = gl.SliceLayout(2, WL)
-        MMA: gl.constexpr = _mma_layout(num_warps, 64)
-        MMA16: gl.constexpr = _mma_layout(num_warps, 16)
+        MMA: gl.constexpr = mma_layout(num_warps, 64)
+        MMA16: gl.constexpr = mma_layout(num_warps, 16)
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         AL16: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA16, k_width=2)
         XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -227,19 +231,23 @@ if gluon is not None:
                             wa_s, sa_s, wb_s, sb_s, x_s, xt_s, STAGES, GATED, EXTRA)
             x_t = x_s.index(st).permute((1, 0))
             tail = xt_s.index(st)
-            # pa* / pb*: the operand registers of the MMAs in flight, kept alive through each wait (see `_expand`).
-            opa, pa0, pa1, pa2, pa3 = _expand(wa_s.index(st).load(WL), sa_s.index(st).load(SL), BN, LARGE, AL)
-            a0, a1, a2, _a16 = _mma(opa, x_t, tail, a0, a1, a2, AL16, EXTRA)
+            # pa* / pb*: the operand registers of the MMAs in flight, kept alive through each wait
+            # (see `expand_operand`).
+            opa, pa0, pa1, pa2, pa3 = expand_operand(wa_s.index(st).load(WL), sa_s.index(st).load(SL), BN, LARGE, AL)
+            a0, a1, a2, _a16 = issue_mma(opa, x_t, tail, a0, a1, a2, AL16, EXTRA)
             a0, a1, a2, b0, b1, b2, pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3 = warpgroup_mma_wait(
                 1 + EXTRA, deps=(a0, a1, a2, b0, b1, b2, pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3))
             if GATED:
-                opb, pb0, pb1, pb2, pb3 = _expand(wb_s.index(st).load(WL), sb_s.index(st).load(SL), BN, LARGE, AL)
-                b0, b1, b2, _b16 = _mma(opb, x_t, tail, b0, b1, b2, AL16, EXTRA)
+                opb, pb0, pb1, pb2, pb3 = expand_operand(wb_s.index(st).load(WL), sb_s.index(st).load(SL), BN, LARGE,
+                                                         AL)
+                b0, b1, b2, _b16 = issue_mma(opb, x_t, tail, b0, b1, b2, AL16, EXTRA)
             else:  # K tile i + 1 (k_tiles is even), into a's accumulators
                 st = _next_tile(i + 1, k_tiles, w_base, s_base, wa_off, sa_off, wb_off, sb_off, step, sstep, x0, x1,
                                 wa_s, sa_s, wb_s, sb_s, x_s, xt_s, STAGES, GATED, EXTRA)
-                opb, pb0, pb1, pb2, pb3 = _expand(wa_s.index(st).load(WL), sa_s.index(st).load(SL), BN, LARGE, AL)
-                a0, a1, a2, _b16 = _mma(opb, x_s.index(st).permute((1, 0)), xt_s.index(st), a0, a1, a2, AL16, EXTRA)
+                opb, pb0, pb1, pb2, pb3 = expand_operand(wa_s.index(st).load(WL), sa_s.index(st).load(SL), BN, LARGE,
+                                                         AL)
+                a0, a1, a2, _b16 = issue_mma(opb, x_s.index(st).permute((1, 0)), xt_s.index(st), a0, a1, a2, AL16,
+                                             EXTRA)
             a0, a1, a2, b0, b1, b2, pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3 = warpgroup_mma_wait(
                 1 + EXTRA, deps=(a0, a1, a2, b0, b1, b2, pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3))
         a0, a1, a2, b0, b1, b2 = warpgroup_mma_wait(0, deps=(a0, a1, a2, b0, b1, b2))
@@ -247,11 +255,11 @@ if gluon is not None:
         return a0, a1, a2, b0, b1, b2
 
     @gluon.jit
-    def _block(block_expert_ptr, block_row_ptr, block_end_ptr, num_n):
+    def program_block(block_expert_ptr, block_row_ptr, block_end_ptr, num_n):
         """(block, N tile, local expert, first sorted row, rows) of this program (in `_tile_ids` order). rows
         counts the expert's rows from the block's first on (`route`'s block_end is the expert's end): a body covers
         at most ROWS of them, and its `t < nrows` masks only cut rows past the expert's end."""
-        pid_b, pid_n, _ = _tile_ids(num_n)
+        pid_b, pid_n, _ = tile_ids(num_n)
         expert = gl.load(block_expert_ptr + pid_b)
         row0 = gl.load(block_row_ptr + pid_b)
         nrows = gl.load(block_end_ptr + pid_b) - row0
@@ -260,14 +268,14 @@ if gluon is not None:
     @gluon.jit
     def _l1_store(acc_g, acc_u, out_ptr, sorted_ptr, weight_ptr, row0, t0, nrows, out_row0, offs0, stride_out,
                   clamp, HAS_CLAMP: gl.constexpr, L: gl.constexpr):
-        """L1's epilogue (`triton_backend._swiglu_requant`) on rows t0.. of the block, stored at their block rows."""
+        """L1's epilogue (`jit.swiglu_requant`) on rows t0.. of the block, stored at their block rows."""
         BN: gl.constexpr = acc_g.shape[0]
         R: gl.constexpr = acc_g.shape[1]
         t = t0 + gl.arange(0, R, layout=gl.SliceLayout(0, L))
         ok = t < nrows
         slot = gl.load(sorted_ptr + row0 + t, mask=ok, other=0)
         topw = gl.load(weight_ptr + slot, mask=ok, other=0.0)
-        q = gl.convert_layout(_swiglu_requant(acc_g, acc_u, topw, ok, clamp, HAS_CLAMP, BN, R), L)
+        q = gl.convert_layout(swiglu_requant(acc_g, acc_u, topw, ok, clamp, HAS_CLAMP, BN, R), L)
         offs_n = offs0 + gl.arange(0, BN, layout=gl.SliceLayout(1, L))
         gl.store(out_ptr + (out_row0 + t)[None, :].to(gl.int64) * stride_out + offs_n[:, None], q)
 
@@ -285,8 +293,8 @@ if gluon is not None:
         x1 = _x_pointers(x_ptr, slot1 // num_topk, t1 < nrows, stride_x, XL)
         g0, g1, g2, u0, u1, u2 = _gemm(x0, x1, w_base, s_base, wg_off, sg_off, wu_off, su_off, num_g, k_tiles,
                                        BN, STAGES, EXTRA, True, LARGE, num_warps)
-        MMA: gl.constexpr = _mma_layout(num_warps, 64)
-        MMA16: gl.constexpr = _mma_layout(num_warps, 16)
+        MMA: gl.constexpr = mma_layout(num_warps, 64)
+        MMA16: gl.constexpr = mma_layout(num_warps, 16)
         _l1_store(g0, u0, out_ptr, sorted_ptr, weight_ptr, row0, 0, nrows, out_row0, offs0, stride_out, clamp,
                   HAS_CLAMP, MMA)
         if EXTRA > 0:
@@ -297,7 +305,7 @@ if gluon is not None:
                           clamp, HAS_CLAMP, MMA16)
 
     @gluon.jit
-    def _l1_kernel(
+    def l1_kernel(
         x_ptr, w_ptr, s_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr, block_end_ptr, out_ptr,
         hidden, inter, num_topk, num_local,
         stride_x, stride_we, stride_se, stride_out,
@@ -305,10 +313,10 @@ if gluon is not None:
         HAS_CLAMP: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, LARGE: gl.constexpr, ROWS: gl.constexpr,
         num_warps: gl.constexpr,
     ):
-        """`triton_backend._l1_swiglu_kernel` (SPLIT 1) on blocks of up to ROWS rows: BN gate and BN up columns."""
+        """`jit.l1_swiglu_kernel` (SPLIT 1) on blocks of up to ROWS rows: BN gate and BN up columns."""
         G: gl.constexpr = BN // 16
-        WL: gl.constexpr = _words_layout(num_warps)
-        pid_b, pid_n, expert, row0, nrows = _block(block_expert_ptr, block_row_ptr, block_end_ptr, inter // BN)
+        WL: gl.constexpr = words_layout(num_warps)
+        pid_b, pid_n, expert, row0, nrows = program_block(block_expert_ptr, block_row_ptr, block_end_ptr, inter // BN)
         if expert < num_local:
             w_base = w_ptr + expert.to(gl.int64) * stride_we
             s_base = s_ptr + expert.to(gl.int64) * stride_se
@@ -343,18 +351,18 @@ if gluon is not None:
         ok = t < nrows
         slot = gl.load(sorted_ptr + row0 + t, mask=ok, other=0)
         offs_n = offs0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, L))
-        gl.store(out_ptr + slot[None, :].to(gl.int64) * stride_out + offs_n[:, None], _bf16_rne(acc),
+        gl.store(out_ptr + slot[None, :].to(gl.int64) * stride_out + offs_n[:, None], bf16_rne(acc),
                  mask=ok[None, :])
 
     @gluon.jit
-    def _l2_stores(a0, a1, a2, out_ptr, sorted_ptr, row0, nrows, offs0, stride_out, EXTRA: gl.constexpr,
+    def l2_stores(a0, a1, a2, out_ptr, sorted_ptr, row0, nrows, offs0, stride_out, EXTRA: gl.constexpr,
                    num_warps: gl.constexpr):
         """The block's 64 main rows and its 0-2 16-row tails (`_l2_store`)."""
-        _l2_store(a0, out_ptr, sorted_ptr, row0, 0, nrows, offs0, stride_out, _mma_layout(num_warps, 64))
+        _l2_store(a0, out_ptr, sorted_ptr, row0, 0, nrows, offs0, stride_out, mma_layout(num_warps, 64))
         if EXTRA > 0:
-            _l2_store(a1, out_ptr, sorted_ptr, row0, 64, nrows, offs0, stride_out, _mma_layout(num_warps, 16))
+            _l2_store(a1, out_ptr, sorted_ptr, row0, 64, nrows, offs0, stride_out, mma_layout(num_warps, 16))
             if EXTRA > 1:
-                _l2_store(a2, out_ptr, sorted_ptr, row0, 80, nrows, offs0, stride_out, _mma_layout(num_warps, 16))
+                _l2_store(a2, out_ptr, sorted_ptr, row0, 80, nrows, offs0, stride_out, mma_layout(num_warps, 16))
 
     @gluon.jit
     def _l2_block(a_ptr, w_base, s_base, w_off, s_off, num_g, k_tiles, stride_a, sorted_ptr, out_ptr, stride_out,
@@ -368,19 +376,19 @@ if gluon is not None:
         x1 = _x_pointers(a_ptr, a_row0 + t1, t1 < ROWS, stride_a, XL)
         a0, a1, a2, b0, b1, b2 = _gemm(x0, x1, w_base, s_base, w_off, s_off, w_off, s_off, num_g, k_tiles,
                                        BN, STAGES, EXTRA, False, LARGE, num_warps)
-        _l2_stores(a0, a1, a2, out_ptr, sorted_ptr, row0, nrows, offs0, stride_out, EXTRA, num_warps)
+        l2_stores(a0, a1, a2, out_ptr, sorted_ptr, row0, nrows, offs0, stride_out, EXTRA, num_warps)
 
     @gluon.jit
-    def _l2_kernel(
+    def l2_kernel(
         a_ptr, w_ptr, s_ptr, sorted_ptr, block_expert_ptr, block_row_ptr, block_end_ptr, out_ptr,
         hidden, inter, num_local,
         stride_a, stride_we, stride_se, stride_out,
         BN: gl.constexpr, STAGES: gl.constexpr, LARGE: gl.constexpr, ROWS: gl.constexpr, num_warps: gl.constexpr,
     ):
-        """`triton_backend._l2_kernel` on blocks of up to ROWS rows."""
+        """`jit.l2_kernel` on blocks of up to ROWS rows."""
         G: gl.constexpr = BN // 16
-        WL: gl.constexpr = _words_layout(num_warps)
-        pid_b, pid_n, expert, row0, nrows = _block(block_expert_ptr, block_row_ptr, block_end_ptr, hidden // BN)
+        WL: gl.constexpr = words_layout(num_warps)
+        pid_b, pid_n, expert, row0, nrows = program_block(block_expert_ptr, block_row_ptr, block_end_ptr, hidden // BN)
         if expert < num_local:
             w_base = w_ptr + expert.to(gl.int64) * stride_we
             s_base = s_ptr + expert.to(gl.int64) * stride_se
@@ -404,9 +412,9 @@ if gluon is not None:
 
 
 def l1(x, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act, *, clamp, num_topk, large, config):
-    """L1 with the SwiGLU epilogue into `act` (block rows of `config.block_t`), as `triton_backend`'s L1 launch."""
+    """L1 with the SwiGLU epilogue into `act` (block rows of `config.block_t`), as `jit`'s L1 launch."""
     hidden, inter, num_local = x.shape[1], w1.shape[1] // 2, w1.shape[0]
-    _l1_kernel[(block_expert.numel() * (inter // config.l1_n),)](
+    l1_kernel[(block_expert.numel() * (inter // config.l1_n),)](
         x, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act,
         hidden, inter, num_topk, num_local,
         x.stride(0), w1.stride(0), s1.stride(0), act.stride(0),
@@ -417,9 +425,9 @@ def l1(x, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act
 
 
 def l2(act, w2, s2, sorted_slots, block_expert, block_row, block_end, out, *, hidden, large, config):
-    """L2 from `act` into the slot rows of `out`, as `triton_backend`'s L2 launch."""
+    """L2 from `act` into the slot rows of `out`, as `jit`'s L2 launch."""
     inter, num_local = act.shape[1], w2.shape[0]
-    _l2_kernel[(block_expert.numel() * (hidden // config.l2_n),)](
+    l2_kernel[(block_expert.numel() * (hidden // config.l2_n),)](
         act, w2, s2, sorted_slots, block_expert, block_row, block_end, out,
         hidden, inter, num_local,
         act.stride(0), w2.stride(0), s2.stride(0), out.stride(0),

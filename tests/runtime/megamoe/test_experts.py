@@ -3,11 +3,11 @@
 import pytest
 import torch
 
+from planc.kernels.megamoe.buffers import next_power_of_two
+from planc.kernels.megamoe.quant import quantize_experts_fp4
+from planc.kernels.megamoe.reference import DequantizedExperts, reference_mega_moe
 from planc.runtime.megamoe import buffer_stats, destroy_megamoe_buffers, install_megamoe_forward, megamoe_state
-from planc.runtime.megamoe.buffers import next_power_of_two
-from planc.runtime.megamoe.quant import quantize_experts_fp4
-from planc.runtime.megamoe.reference import DequantizedExperts, reference_mega_moe
-from tests.megamoe.common import E, deepseek_v4_experts, full_weights, mixtral_experts, routing
+from tests.kernels.megamoe.common import E, deepseek_v4_experts, full_weights, mixtral_experts, routing
 
 
 def installed(seed=0, **kw):

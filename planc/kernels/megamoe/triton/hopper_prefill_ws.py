@@ -1,6 +1,6 @@
 """`hopper_prefill`'s L2 with its copies in a warp of their own: TMA into a ring of shared-memory stages.
 
-Why: the profile of the cp.async kernels (docs/benchmarks.md, ninth session) shows L2's four MMA warps waiting on
+Why: the profile of the cp.async kernels (docs/benchmarks.md) shows L2's four MMA warps waiting on
 their own copies, CTA barriers and proxy fences (the tensor pipe busy 39% of L2's time at 89 instructions per K
 tile per warp): every warp issues, waits for and fences its share of each stage. Here one producer warp
 (`gl.warp_specialize`) issues each K tile's weight words, scale words and activation tiles as TMA copies that
@@ -9,20 +9,19 @@ free the stage on its `empty` mbarrier once the wgmma that read it is retired: n
 copies' addresses leave the MMA warps.
 
 The expansion, the MMA order (K tiles in pairs, each operand expanded while the other multiplies) and the epilogue
-are `hopper_prefill`'s, so the outputs are the same bits (`tests/megamoe/test_triton_gpu.py`). Picked by
+are `hopper_prefill`'s, so the outputs are the same bits (`tests/kernels/megamoe/test_triton_gpu.py`). Picked by
 `KernelConfig(gluon=2)`, with its own register cap (`l2_maxnreg`: a program is 8 warps, the producer's warpgroup
 holding 24 registers a thread, and the MMA warps the rest). L1 stays `hopper_prefill`'s: its activation rows are
 gathered by token, which Hopper's TMA cannot load, and the same split on activations sorted into block rows first
-(one `index_select`) ran within -1% / +4% of it under Triton 3.6 and 4-18% slower under 3.7.1 (docs/benchmarks.md,
-tenth session).
+(one `index_select`) ran within -1% / +4% of it under Triton 3.6 and 4-18% slower under 3.7.1.
 """
 
 from __future__ import annotations
 
-from planc.runtime.megamoe import hopper_prefill as hp
+from planc.kernels.megamoe.triton import hopper_prefill as hp
 
 # None when this Triton has what the kernel needs (warp specialization, TMA descriptors: 3.6-3.9 checked), else why
-# not: `triton_backend.pick_config` then picks the cp.async L2 (`device_config` passes this).
+# not: `config.pick_config` then picks the cp.async L2 (`device_config` passes this).
 unavailable_reason: str | None = "this Triton has no Gluon (Triton >= 3.5 has it)"
 if hp.gluon is not None:
     try:
@@ -46,7 +45,7 @@ if unavailable_reason is None:
     @triton.constexpr_function
     def _scale_layout(num_warps):
         """[G, 8, 4]: lane 4 r + q holds scale word r of its warp's row group (q: the 4 lanes that share it), so
-        that a [G, 8] load broadcast over q is the words' [G, 32] scale layout (`hopper_prefill._fp4_offsets`)."""
+        that a [G, 8] load broadcast over q is the words' [G, 32] scale layout (`hopper_prefill`'s `_fp4_offsets`)."""
         return gl.BlockedLayout([1, 1, 1], [1, 8, 4], [num_warps, 1, 1], [2, 1, 0])
 
     @gluon.jit
@@ -67,31 +66,31 @@ if unavailable_reason is None:
 
     @gluon.jit
     def _operand(w_s, s_s, s, BN: gl.constexpr, LARGE: gl.constexpr, num_warps: gl.constexpr):
-        """Stage s's weight tile expanded to the wgmma A operand (`hopper_prefill._expand`)."""
+        """Stage s's weight tile expanded to the wgmma A operand (`hopper_prefill.expand_operand`)."""
         G: gl.constexpr = BN // 16
-        WL: gl.constexpr = hp._words_layout(num_warps)
-        MMA: gl.constexpr = hp._mma_layout(num_warps, 64)
+        WL: gl.constexpr = hp.words_layout(num_warps)
+        MMA: gl.constexpr = hp.mma_layout(num_warps, 64)
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         words = w_s.index(s).reshape((G, 32, 4)).load(WL)
-        return hp._expand(words, _scales(s_s.index(s).reshape((G, 8)), WL, num_warps), BN, LARGE, AL)
+        return hp.expand_operand(words, _scales(s_s.index(s).reshape((G, 8)), WL, num_warps), BN, LARGE, AL)
 
     @gluon.jit
     def _release(empty, i, STAGES: gl.constexpr):
         """Free K tile i's stage for the producer: its MMAs are retired and its words are in registers. The proxy
         fence orders this partition's shared-memory reads (generic proxy) before the producer's next TMA writes of
-        the stage (async proxy), as Triton's warp-specialization tutorial does; without it the H200 gave the same
-        bits and times within noise (docs/benchmarks.md, tenth session)."""
+        the stage (async proxy), as Triton's warp-specialization tutorial does; without it the H200 gives the same
+        bits and times within noise."""
         fence_async_shared()
         mbarrier.arrive(empty.index(i % STAGES), count=1)
 
     @gluon.jit
     def _l2_mma_loop(w_s, s_s, x_s, xt_s, ready, empty, k_tiles, BN: gl.constexpr, STAGES: gl.constexpr,
                      EXTRA: gl.constexpr, LARGE: gl.constexpr, num_warps: gl.constexpr):
-        """FP32 sums of the block's rows over all K tiles: `hopper_prefill._gemm` (GATED off) fed by the ring."""
-        MMA: gl.constexpr = hp._mma_layout(num_warps, 64)
-        MMA16: gl.constexpr = hp._mma_layout(num_warps, 16)
+        """FP32 sums of the block's rows over all K tiles: `hopper_prefill`'s `_gemm` (GATED off) fed by the ring."""
+        MMA: gl.constexpr = hp.mma_layout(num_warps, 64)
+        MMA16: gl.constexpr = hp.mma_layout(num_warps, 16)
         AL16: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA16, k_width=2)
-        WL: gl.constexpr = hp._words_layout(num_warps)
+        WL: gl.constexpr = hp.words_layout(num_warps)
         G: gl.constexpr = BN // 16
         a0 = gl.zeros([BN, 64], gl.float32, MMA)
         a1 = gl.zeros([BN, 16], gl.float32, MMA16)
@@ -102,7 +101,7 @@ if unavailable_reason is None:
             # K tile i: expand and issue while tile i - 1's MMAs run; once they are retired, free its stage.
             s = _stage(ready, i, STAGES)
             opa, pa0, pa1, pa2, pa3 = _operand(w_s, s_s, s, BN, LARGE, num_warps)
-            a0, a1, a2, _a16 = hp._mma(opa, x_s.index(s).permute((1, 0)), xt_s.index(s), a0, a1, a2, AL16, EXTRA)
+            a0, a1, a2, _a16 = hp.issue_mma(opa, x_s.index(s).permute((1, 0)), xt_s.index(s), a0, a1, a2, AL16, EXTRA)
             a0, a1, a2, pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3 = warpgroup_mma_wait(
                 1 + EXTRA, deps=(a0, a1, a2, pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3))
             if i > 0:
@@ -110,7 +109,7 @@ if unavailable_reason is None:
             # K tile i + 1 (k_tiles is even), into the same accumulators.
             t = _stage(ready, i + 1, STAGES)
             opb, pb0, pb1, pb2, pb3 = _operand(w_s, s_s, t, BN, LARGE, num_warps)
-            a0, a1, a2, _b16 = hp._mma(opb, x_s.index(t).permute((1, 0)), xt_s.index(t), a0, a1, a2, AL16, EXTRA)
+            a0, a1, a2, _b16 = hp.issue_mma(opb, x_s.index(t).permute((1, 0)), xt_s.index(t), a0, a1, a2, AL16, EXTRA)
             a0, a1, a2, pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3 = warpgroup_mma_wait(
                 1 + EXTRA, deps=(a0, a1, a2, pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3))
             _release(empty, i, STAGES)
@@ -121,17 +120,17 @@ if unavailable_reason is None:
     def _l2_mma_block(w_s, s_s, x_s, xt_s, ready, empty, k_tiles, out_ptr, sorted_ptr, row0, nrows, offs0, stride_out,
                       BN: gl.constexpr, STAGES: gl.constexpr, EXTRA: gl.constexpr, LARGE: gl.constexpr,
                       num_warps: gl.constexpr):
-        """One loop body and its stores (`hopper_prefill._l2_block`): the sums never leave the branch that made
+        """One loop body and its stores (`hopper_prefill`'s `_l2_block`): the sums never leave the branch that made
         them, which ptxas needs to keep the wgmma asynchronous (a merge of accumulators serializes them, C7515)."""
         a0, a1, a2 = _l2_mma_loop(w_s, s_s, x_s, xt_s, ready, empty, k_tiles, BN, STAGES, EXTRA, LARGE,
                                   num_warps)
-        hp._l2_stores(a0, a1, a2, out_ptr, sorted_ptr, row0, nrows, offs0, stride_out, EXTRA, num_warps)
+        hp.l2_stores(a0, a1, a2, out_ptr, sorted_ptr, row0, nrows, offs0, stride_out, EXTRA, num_warps)
 
     @gluon.jit
     def _l2_mma_partition(w_s, s_s, x_s, xt_s, ready, empty, k_tiles, out_ptr, sorted_ptr, row0, nrows, offs0,
                           stride_out, BN: gl.constexpr, STAGES: gl.constexpr, LARGE: gl.constexpr, ROWS: gl.constexpr,
                           num_warps: gl.constexpr):
-        """The default partition: one loop body per tail count, as `hopper_prefill._l2_kernel` picks them."""
+        """The default partition: one loop body per tail count, as `hopper_prefill.l2_kernel` picks them."""
         if nrows <= 64:
             _l2_mma_block(w_s, s_s, x_s, xt_s, ready, empty, k_tiles, out_ptr, sorted_ptr, row0, nrows, offs0,
                           stride_out, BN, STAGES, 0, LARGE, num_warps)
@@ -167,14 +166,15 @@ if unavailable_reason is None:
             _tma_load(at_desc, [a_row0 + 64, i * 64], bar, xt_s.index(s), pred=tail)
 
     @gluon.jit
-    def _l2_ws_kernel(
+    def l2_ws_kernel(
         a_desc, at_desc, w_desc, s_desc, sorted_ptr, block_expert_ptr, block_row_ptr, block_end_ptr, out_ptr,
         hidden, inter, num_local, stride_out,
         BN: gl.constexpr, STAGES: gl.constexpr, LARGE: gl.constexpr, ROWS: gl.constexpr, num_warps: gl.constexpr,
     ):
-        """`hopper_prefill._l2_kernel` with its copies in a producer warp."""
+        """`hopper_prefill.l2_kernel` with its copies in a producer warp."""
         G: gl.constexpr = BN // 16
-        pid_b, pid_n, expert, row0, nrows = hp._block(block_expert_ptr, block_row_ptr, block_end_ptr, hidden // BN)
+        pid_b, pid_n, expert, row0, nrows = hp.program_block(block_expert_ptr, block_row_ptr, block_end_ptr,
+                                                             hidden // BN)
         if expert < num_local:
             k_tiles = inter // 64
             num_g = hidden // 16
@@ -207,7 +207,7 @@ def tma_layouts() -> tuple:
 
 def descriptors(x, w, sw, *, rows: int, bn: int) -> tuple:
     """The TMA descriptors of one GEMM's operands: the activation tile's 64 and `rows - 64` rows, the words [G, 128]
-    of one K tile's row groups and their scale words [1, 8 G] (`triton_backend.shuffle_fp4`: per expert, K tile, row
+    of one K tile's row groups and their scale words [1, 8 G] (`layout.shuffle_fp4`: per expert, K tile, row
     group, 128 words and 8 scale words)."""
     g = bn // 16
     x_layout, plain = tma_layouts()
@@ -226,7 +226,7 @@ def l2(act, w2, s2, sorted_slots, block_expert, block_row, block_end, out, *, hi
                            f"gluon=1 (the cp.async L2) or leave the config to `device_config`")
     inter, num_local = act.shape[1], w2.shape[0]
     a_desc, at_desc, w_desc, s_desc = descriptors(act, w2, s2, rows=config.block_t, bn=config.l2_n)
-    _l2_ws_kernel[(block_expert.numel() * (hidden // config.l2_n),)](
+    l2_ws_kernel[(block_expert.numel() * (hidden // config.l2_n),)](
         a_desc, at_desc, w_desc, s_desc, sorted_slots, block_expert, block_row, block_end, out,
         hidden, inter, num_local, out.stride(0),
         BN=config.l2_n, STAGES=config.num_stages, LARGE=large, ROWS=config.block_t,

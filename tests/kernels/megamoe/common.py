@@ -7,12 +7,12 @@ from transformers import DeepseekV4Config, MixtralConfig
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
-from planc.runtime.megamoe.triton_backend import _GLUON_CONFIGS
+from planc.kernels.megamoe.triton.config import GLUON_CONFIGS
 
 # The shipped Gluon configs, which the tests compile and run: blocks of 80 rows (no two-tail loop body: under the
 # 168-register cap L1 keeps its wgmma asynchronous) and of 96 (ptxas serializes that L1's wgmma under the cap); both
 # with the warp-specialized L2 (`hopper_prefill_ws`). The same with the cp.async L2 (`hopper_prefill`) beside them.
-GLUON_80_ROWS, GLUON = (config for _, config in _GLUON_CONFIGS if config is not None)
+GLUON_80_ROWS, GLUON = (config for _, config in GLUON_CONFIGS if config is not None)
 assert (GLUON_80_ROWS.block_t, GLUON.block_t) == (80, 96) and GLUON_80_ROWS.gluon == GLUON.gluon == 2
 CP_ASYNC_80_ROWS, CP_ASYNC = (c.cp_async_l2() for c in (GLUON_80_ROWS, GLUON))
 

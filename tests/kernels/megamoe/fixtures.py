@@ -1,6 +1,9 @@
+"""Fixtures of the Mega MoE tests (kernels and runtime glue): a one-rank group, a fresh buffer cache per test."""
+
 import pytest
 import torch.distributed as dist
 
+from planc.kernels.megamoe.buffers import destroy_megamoe_buffers
 from tests.distributed import free_port
 
 
@@ -20,8 +23,6 @@ def world1():
 
 @pytest.fixture(autouse=True)
 def fresh_buffers():
-    from planc.runtime.megamoe import destroy_megamoe_buffers
-
     destroy_megamoe_buffers()
     yield
     destroy_megamoe_buffers()

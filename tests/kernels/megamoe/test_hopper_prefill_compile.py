@@ -16,8 +16,8 @@ import sys
 
 import pytest
 
-from planc.runtime.megamoe import hopper_prefill, hopper_prefill_ws
-from tests.megamoe.common import GLUON, GLUON_80_ROWS
+from planc.kernels.megamoe.triton import hopper_prefill, hopper_prefill_ws
+from tests.kernels.megamoe.common import GLUON, GLUON_80_ROWS
 
 pytestmark = pytest.mark.skipif(hopper_prefill.gluon is None, reason="this Triton has no Gluon")
 
@@ -26,7 +26,7 @@ import json, os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from planc.runtime.megamoe import hopper_prefill, hopper_prefill_ws
+from planc.kernels.megamoe.triton import hopper_prefill, hopper_prefill_ws
 
 def tma_types(rows, bn):
     """`hopper_prefill_ws.descriptors`' TMA descriptor types, as the launcher names them."""
@@ -105,11 +105,11 @@ out = {}
 for layer, rows, bn, warps, stages, maxnreg, large in json.loads(sys.argv[1]):
     common = dict(BN=bn, STAGES=stages, LARGE=large, ROWS=rows, num_warps=warps)
     if layer == "L1":
-        kernel = compile_sm90(hopper_prefill._l1_kernel, maxnreg, HAS_CLAMP=True, **common)
+        kernel = compile_sm90(hopper_prefill.l1_kernel, maxnreg, HAS_CLAMP=True, **common)
     elif layer == "L2WS":
-        kernel = compile_sm90(hopper_prefill_ws._l2_ws_kernel, maxnreg, tma_types(rows, bn), **common)
+        kernel = compile_sm90(hopper_prefill_ws.l2_ws_kernel, maxnreg, tma_types(rows, bn), **common)
     else:
-        kernel = compile_sm90(hopper_prefill._l2_kernel, maxnreg, **common)
+        kernel = compile_sm90(hopper_prefill.l2_kernel, maxnreg, **common)
     ptx = kernel.asm["ptx"]
     text = sass(kernel.asm["cubin"])
     out[f"{layer}_{rows}_{bn}_{warps}_{stages}_{maxnreg}_{large}"] = dict(

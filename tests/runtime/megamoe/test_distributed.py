@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from planc.kernels.megamoe.quant import quantize_experts_fp4
+from planc.kernels.megamoe.reference import DequantizedExperts, reference_mega_moe
 from planc.runtime.ep.megamoe import MegaMoeEPRuntime, slice_for_rank
 from planc.runtime.megamoe import buffer_stats, install_megamoe_forward
-from planc.runtime.megamoe.quant import quantize_experts_fp4
-from planc.runtime.megamoe.reference import DequantizedExperts, reference_mega_moe
 from tests.distributed import run_distributed
-from tests.megamoe.common import E, full_weights, mixtral_experts, routing
+from tests.kernels.megamoe.common import E, full_weights, mixtral_experts, routing
 
 CLAMP = 1.0  # small enough to be active on these inputs
 
@@ -94,7 +94,7 @@ TRITON_BATCHES = [3, 5]  # the Triton backend under Triton's CPU interpreter: sl
 
 def _rank(rank, world_size):
     # one spawn per world size (process start-up dominates the cost of these tests)
-    from planc.runtime.megamoe.triton_backend import triton_unavailable_reason
+    from planc.kernels.megamoe.triton.target import triton_unavailable_reason
 
     triton = None
     if world_size == 2 and triton_unavailable_reason(torch.device("cpu")) is None:
@@ -108,7 +108,7 @@ def _rank(rank, world_size):
 
 def check_triton(results):
     """The Triton backend's local experts inside the reference's real dispatch/combine, through MegaMoeEP."""
-    from planc.runtime.megamoe.quant import calc_diff
+    from planc.kernels.megamoe.quant import calc_diff
 
     if results[0][2] is None:
         return

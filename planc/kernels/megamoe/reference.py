@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from planc.runtime.megamoe.buffers import BufferKey, get_buffer, next_power_of_two
-from planc.runtime.megamoe.quant import (
+from planc.kernels.megamoe.buffers import BufferKey, get_buffer, next_power_of_two
+from planc.kernels.megamoe.quant import (
     GRAN,
     dequantize_fp4_batched,
     float_to_ue8m0_bytes,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from planc.runtime.megamoe.quant import (
+from planc.kernels.megamoe.quant import (
     SCALE_DTYPE,
     calc_diff,
     dequantize_experts_fp4,
@@ -16,7 +16,7 @@ from planc.runtime.megamoe.quant import (
     requantize_fp8_like_kernel,
     unpack_ue8m0,
 )
-from tests.megamoe.emulation import decode_fp4, round_bf16
+from tests.kernels.megamoe.emulation import decode_fp4, round_bf16
 
 
 def test_fp4_packing_puts_even_index_in_low_nibble():

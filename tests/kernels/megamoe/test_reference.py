@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from planc.runtime.megamoe.quant import calc_diff, quantize_experts_fp4
-from planc.runtime.megamoe.reference import DequantizedExperts, reference_mega_moe
-from tests.megamoe.common import E, full_weights, routing
-from tests.megamoe.emulation import decode_fp4, emulate, moe_float64
+from planc.kernels.megamoe.quant import calc_diff, quantize_experts_fp4
+from planc.kernels.megamoe.reference import DequantizedExperts, reference_mega_moe
+from tests.kernels.megamoe.common import E, full_weights, routing
+from tests.kernels.megamoe.emulation import decode_fp4, emulate, moe_float64
 
 
 @pytest.fixture(scope="module")

@@ -11,32 +11,22 @@ import types
 import pytest
 import torch
 
+from planc.kernels.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_experts_fp4, quantize_fp8
+from planc.kernels.megamoe.reference import DequantizedExperts, ReferenceBuffer, local_experts_forward
+from planc.kernels.megamoe.reference import combine as reference_combine
+from planc.kernels.megamoe.reference import stage as reference_stage
+from planc.kernels.megamoe.triton import target
+from planc.kernels.megamoe.triton.config import KernelConfig, pick_config
+from planc.kernels.megamoe.triton.forward import combine, dequantize_x, stage, triton_local_experts_forward
+from planc.kernels.megamoe.triton.layout import PackedExperts, shuffle_fp4
+from planc.kernels.megamoe.triton.routing import max_blocks, route, route_fused, route_torch
 from planc.runtime.ep.megamoe import MegaMoeEPRuntime
 from planc.runtime.megamoe import install_megamoe_forward, megamoe_state
-from planc.runtime.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_experts_fp4, quantize_fp8
-from planc.runtime.megamoe.reference import DequantizedExperts, ReferenceBuffer, local_experts_forward
-from planc.runtime.megamoe.reference import stage as reference_stage
-from planc.runtime.megamoe.reference import combine as reference_combine
-from planc.runtime.megamoe import triton_backend
-from planc.runtime.megamoe.triton_backend import (
-    KernelConfig,
-    PackedExperts,
-    max_blocks,
-    pick_config,
-    route,
-    _interpreting,
-    _route_fused,
-    _route_torch,
-    combine,
-    dequantize_x,
-    shuffle_fp4,
-    stage,
-    triton_local_experts_forward,
-)
-from tests.megamoe.common import full_weights, mixtral_experts, routing
+from tests.kernels.megamoe.common import full_weights, mixtral_experts, routing
 
 pytestmark = pytest.mark.skipif(
-    not _interpreting(), reason="CPU tensors need Triton's interpreter; on a GPU, test_triton_gpu.py runs the kernels"
+    not target.interpreting(),
+    reason="CPU tensors need Triton's interpreter; on a GPU, test_triton_gpu.py runs the kernels",
 )
 
 TINY = KernelConfig(block_t=16, l1_n=32, l1_k=64, l2_n=32, l2_k=64)
@@ -82,7 +72,7 @@ def test_fused_route_equals_the_torch_route():
         first = int(torch.randint(0, 3, (1,), generator=g)) * e_loc
         idx = torch.randint(-1, 3 * e_loc, (t, k), generator=g)
         kw = dict(first_expert=first, num_local_experts=e_loc, block_t=(16, 32, 64)[trial % 3])
-        fused, ref = _route_fused(idx, **kw), _route_torch(idx, **kw)
+        fused, ref = route_fused(idx, **kw), route_torch(idx, **kw)
         valid = ref[1] < e_loc  # rows of the unused blocks are not read
         assert torch.equal(fused[0], ref[0]) and torch.equal(fused[1], ref[1])
         assert torch.equal(fused[2][valid], ref[2][valid]) and torch.equal(fused[3][valid], ref[3][valid])
@@ -124,14 +114,14 @@ def test_weight_layout_holds_every_code_and_scale_once():
     words, sbytes = shuffle_fp4(packed, scales)
     assert words.shape == (2, 32, 16) and words.dtype == torch.int32 and sbytes.shape == scales.shape
     assert torch.equal(sbytes.flatten(1).sort(1).values, scales.flatten(1).sort(1).values)
-    bits = lambda t: sum(int(((t.view(torch.uint8).to(torch.int32) >> b) & 1).sum()) for b in range(8))  # noqa: E731
+    bits = lambda t: sum(int(((t.view(torch.uint8).to(torch.int32) >> b) & 1).sum()) for b in range(8))  # noqa: E731 - a one-line bit count
     assert bits(words) == bits(packed)
 
 
 @pytest.fixture(params=[True, False], ids=["register_prefetch", "cp_async_pipeline"])
 def weight_stream(request, monkeypatch):
     """Both ways the GEMM loops stream the weights (`REGISTER_PREFETCH`: Triton >= 3.5, or the pipeline)."""
-    monkeypatch.setattr(triton_backend, "REGISTER_PREFETCH", request.param)
+    monkeypatch.setattr(target, "REGISTER_PREFETCH", request.param)
     return request.param
 
 
@@ -178,7 +168,7 @@ def test_both_weight_streams_give_the_same_bits(experts, monkeypatch, config):
     q, sf, idx, w = staged(13, 4, masked=0.2)
     outs = []
     for triton_prefetches, cfg in ((True, config), (True, dataclasses.replace(config, prefetch=0)), (False, config)):
-        monkeypatch.setattr(triton_backend, "REGISTER_PREFETCH", triton_prefetches)
+        monkeypatch.setattr(target, "REGISTER_PREFETCH", triton_prefetches)
         outs.append(triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=0.5,
                                                  config=cfg))
     assert outs[0].any() and torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
@@ -281,11 +271,11 @@ def test_installed_backend_equals_the_reference_backend_and_keeps_fp4_only(world
 def test_a_rocm_torch_is_refused_by_name(monkeypatch):
     """A ROCm torch reports `cuda` devices (MI300: capability (9, 4)): the PTX kernels, Triton's and Gluon's, must
     not be picked there, and an explicit `backend: triton` must say why."""
-    from planc.runtime.megamoe import hopper_prefill
+    from planc.kernels.megamoe.triton import hopper_prefill
 
-    monkeypatch.setattr(triton_backend, "_interpreting", lambda: False)  # what a GPU machine's import gives
+    monkeypatch.setattr(target, "interpreting", lambda: False)  # what a GPU machine's import gives
     monkeypatch.setattr(torch.version, "hip", "6.2.41133")
-    reason = triton_backend.triton_unavailable_reason(torch.device("cuda"))
+    reason = target.triton_unavailable_reason(torch.device("cuda"))
     assert reason is not None and "ROCm" in reason and "6.2.41133" in reason
     if hopper_prefill.gluon is not None:
         assert hopper_prefill.gluon_unavailable_reason(torch.device("cuda")) == reason
@@ -297,7 +287,7 @@ def test_a_rocm_torch_is_refused_by_name(monkeypatch):
 def test_explicit_triton_where_it_cannot_run_names_the_reason(monkeypatch):
     from planc.runtime.megamoe import experts as experts_mod
 
-    monkeypatch.setattr(experts_mod.triton_backend, "triton_unavailable_reason", lambda device: "no triton here")
+    monkeypatch.setattr(experts_mod.target, "triton_unavailable_reason", lambda device: "no triton here")
     m = mixtral_experts(*full_weights(0))
     with pytest.raises(RuntimeError, match="no triton here.*backend: reference"):
         install_megamoe_forward(m, backend="triton", quantize="fp4")

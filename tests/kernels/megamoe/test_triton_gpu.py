@@ -1,6 +1,6 @@
 """The Triton backend compiled on a real GPU, at real tile sizes, against the reference backend on the same GPU.
 
-Run on a CUDA machine: ``python -m pytest -m gpu tests/megamoe/test_triton_gpu.py``.
+Run on a CUDA machine: ``python -m pytest -m gpu tests/kernels/megamoe/test_triton_gpu.py``.
 """
 
 import dataclasses
@@ -9,17 +9,15 @@ import types
 import pytest
 import torch
 
+from planc.kernels.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_experts_fp4, quantize_fp8
+from planc.kernels.megamoe.reference import DequantizedExperts, local_experts_forward
+from planc.kernels.megamoe.triton.config import KernelConfig
+from planc.kernels.megamoe.triton.forward import triton_local_experts_forward
+from planc.kernels.megamoe.triton.hopper_prefill import gluon_unavailable_reason
+from planc.kernels.megamoe.triton.layout import PackedExperts
 from planc.runtime.ep.megamoe import MegaMoeEPRuntime
 from planc.runtime.megamoe import install_megamoe_forward, megamoe_state
-from planc.runtime.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_experts_fp4, quantize_fp8
-from planc.runtime.megamoe.reference import DequantizedExperts, local_experts_forward
-from planc.runtime.megamoe.hopper_prefill import gluon_unavailable_reason
-from planc.runtime.megamoe.triton_backend import (
-    KernelConfig,
-    PackedExperts,
-    triton_local_experts_forward,
-)
-from tests.megamoe.common import CP_ASYNC, CP_ASYNC_80_ROWS, GLUON, GLUON_80_ROWS, mixtral_experts, routing
+from tests.kernels.megamoe.common import CP_ASYNC, CP_ASYNC_80_ROWS, GLUON, GLUON_80_ROWS, mixtral_experts, routing
 
 pytestmark = [
     pytest.mark.gpu,
