@@ -27,7 +27,9 @@ def _styles(table: str, what: str) -> Any:
     style (PLC320) or a style of the other table (PLC311/312) from a typo (PLC310)."""
     styles = TABLE_STYLES[table]
     return Field(
-        description=f"A {what} style (transformers' vocabulary): what the modules this pattern matches become.",
+        # editors show this on hover over the value and over its key: both halves of `pattern: style`
+        description=f"A {what} style (transformers' vocabulary): what the modules the pattern (the key) matches "
+        f"become. The pattern: {PATTERN_SYNTAX}",
         json_schema_extra={"enum": list(styles), "enumDescriptions": list(styles.values())},
     )
 

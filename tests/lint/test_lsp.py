@@ -264,3 +264,13 @@ def test_schema_hover_on_a_style_explains_it(yls, root):
     first = text.index("* `")
     assert text[first:].startswith(f"* `rowwise`: {STYLE['rowwise'].doc}")  # the hovered style first, its own doc
     assert "grouped_gemm" not in text  # a tp_plan value: only tensor-parallel styles
+
+
+def test_schema_hover_on_a_pattern_gives_the_pattern_syntax(yls, root):
+    from planc.spec.patterns import PATTERN_SYNTAX
+
+    row = MIXTRAL.splitlines().index("  model.layers.*.self_attn.o_proj: rowwise")
+    uri = yls.open(root / "plans" / "hover_pattern.yaml", MIXTRAL)
+    yls.diagnostics(uri, settle=0.3)
+    shown = yls.hover(uri, row, 8).contents.value.replace("\\", "")  # markdown escapes `*`, `_`, `{`
+    assert PATTERN_SYNTAX in shown
