@@ -20,7 +20,7 @@ from pygls.lsp.server import LanguageServer
 from pygls.uris import from_fs_path, to_fs_path
 
 from planc.lint.diagnostic import WARNING, Diagnostic
-from planc.lint.runner import CheckResult, check_doc, from_source_error
+from planc.lint.runner import CheckResult, check_doc, from_source_error, internal_error
 from planc.lint.rules_removed import REMOVED_STYLE
 from planc.spec.source import SourceDoc, SourceError, parse_yaml, read_text
 from planc.version import __version__
@@ -43,8 +43,6 @@ def _lines_of(path: str) -> list[str]:
 
 def lint_buffer(text: str, path: Optional[str]) -> tuple[list[Diagnostic], Optional[SourceDoc]]:
     """(diagnostics, the parsed SourceDoc or None) of a buffer: `planc lint --stdin-filename path` exactly."""
-    from planc.lint.runner import _internal
-
     try:
         try:
             doc = parse_yaml(text, path)
@@ -53,7 +51,7 @@ def lint_buffer(text: str, path: Optional[str]) -> tuple[list[Diagnostic], Optio
         result: CheckResult = check_doc(doc)
         return result.diagnostics, doc
     except Exception as exc:  # noqa: BLE001 - as `planc lint`: a bug is a diagnostic, never a dead server
-        return [_internal(exc, path)], None
+        return [internal_error(exc, path)], None
 
 
 def _utf16(line: str, col: int) -> int:
