@@ -40,12 +40,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from planc.kernels.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_fp8  # noqa: E402
-from planc.kernels.megamoe.triton.config import KernelConfig  # noqa: E402
-from planc.kernels.megamoe.triton.forward import device_config, triton_local_experts_forward  # noqa: E402
-from planc.runtime.ep.megamoe import MegaMoeEPRuntime  # noqa: E402
-from planc.runtime.megamoe import buffer_stats, destroy_megamoe_buffers, install_megamoe_forward  # noqa: E402
-from planc.runtime.megamoe import megamoe_state  # noqa: E402
+from planc.kernels.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_fp8
+from planc.kernels.megamoe.triton.config import KernelConfig
+from planc.kernels.megamoe.triton.forward import device_config, triton_local_experts_forward
+from planc.runtime.ep.megamoe import MegaMoeEPRuntime
+from planc.runtime.megamoe import buffer_stats, destroy_megamoe_buffers, install_megamoe_forward
+from planc.runtime.megamoe import megamoe_state
 
 
 def add_layer_args(p: argparse.ArgumentParser) -> None:
@@ -360,7 +360,7 @@ def sweep(args, device, measure, packed):
                                                         activation_clamp=args.clamp, config=fit)
 
                 us, _ = graph_or_eager(device, measure, run, device.type == "cuda")
-            except Exception as e:  # a config that does not compile (shared memory, registers) is skipped
+            except Exception as e:  # noqa: BLE001 - a config that fails to compile (shared memory, registers): skip it
                 print(f"  T={n} {cfg}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
                 continue
             row["configs"].append({"config": fit.__dict__, "us": us})

@@ -24,11 +24,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from planc.kernels.megamoe.quant import float_to_ue8m0_bytes, quantize_fp8  # noqa: E402
-from planc.kernels.megamoe.triton.forward import triton_local_experts_forward  # noqa: E402
-from planc.kernels.megamoe.triton.layout import PackedExperts  # noqa: E402
+from planc.kernels.megamoe.quant import float_to_ue8m0_bytes, quantize_fp8
+from planc.kernels.megamoe.triton.forward import triton_local_experts_forward
+from planc.kernels.megamoe.triton.layout import PackedExperts
 
-from megamoe_gpu import add_layer_args, kernel_table, random_batch, tiny_shapes  # noqa: E402  (this folder)
+from megamoe_gpu import add_layer_args, kernel_table, random_batch, tiny_shapes  # this folder
 
 
 def random_packed_experts(experts: int, hidden: int, inter: int, device, generator) -> PackedExperts:

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 from planc.version import __version__
 
 __all__ = [
-    "load_plan", "lint_paths", "compile", "apply", "load", "save", "export", "destroy_megamoe_buffers", "__version__",
+    "load_plan", "lint_paths", "compile", "apply", "load", "save", "load_optimizer", "export", "destroy_megamoe_buffers",
+    "clip_grad_norm_", "device_mesh", "__version__",
 ]
 
 
@@ -75,13 +76,22 @@ def load(source: "Union[str, os.PathLike[str]]", plan: "PlanSource", *, dtype: O
     return _load(source, plan, dtype=dtype, device=device, mesh=mesh, parallel=parallel, dequantize=dequantize)
 
 
-def save(model: nn.Module, directory: Union[str, os.PathLike[str]]) -> Path:
+def save(model: nn.Module, directory: Union[str, os.PathLike[str]], *, optimizer: Optional[Any] = None) -> Path:
     """Write an applied model as a sharded checkpoint (torch.distributed.checkpoint, every rank its own shards)
     with its plan beside it; `planc.load` reads it back under any plan or sizes. Call on every rank.
+    `optimizer`: its state is saved too, sharded like the model, for `planc.load_optimizer`.
     The directory is replaced only once the new checkpoint is complete."""
     from planc.runtime.checkpoint.save import save as _save
 
-    return _save(model, directory)
+    return _save(model, directory, optimizer=optimizer)
+
+
+def load_optimizer(model: nn.Module, optimizer: Any, directory: Union[str, os.PathLike[str]]) -> None:
+    """Restore `optimizer` (built over `model`'s parameters) from a checkpoint `planc.save(..., optimizer=)` wrote,
+    under any plan or sizes (`model` from `planc.load` of that checkpoint). Call on every rank."""
+    from planc.runtime.checkpoint.optimizer import load_optimizer as _load_optimizer
+
+    _load_optimizer(model, optimizer, directory)
 
 
 def export(model: nn.Module, directory: Union[str, os.PathLike[str]], *, max_shard_size: Union[int, str] = "5GB") -> Path:
@@ -90,6 +100,28 @@ def export(model: nn.Module, directory: Union[str, os.PathLike[str]], *, max_sha
     from planc.runtime.checkpoint.export import export as _export
 
     return _export(model, directory, max_shard_size=max_shard_size)
+
+
+def clip_grad_norm_(model: Any, max_norm: float, norm_type: float = 2.0, *,
+                    error_if_nonfinite: bool = False) -> Any:
+    """Clip the gradients of a planc model in place to a global norm of `max_norm`; returns the total norm of
+    its full (unsharded) gradients, the same on every rank, over any mix of TP, EP and data-parallel meshes
+    (`norm_type` any p > 0 or inf). torch.nn.utils.clip_grad_norm_ cannot combine those meshes."""
+    from planc.runtime.clip import clip_grad_norm_ as _clip
+
+    return _clip(model, max_norm, norm_type, error_if_nonfinite)
+
+
+def device_mesh(model: Any, view: Optional[str] = None) -> Any:
+    """The root DeviceMesh planc built for an applied model, or one of its views: `dp` (this rank's data-parallel
+    replicas: `get_local_rank()` is the replica to feed), `tp`, `ep`, `efsdp` (the ranks holding the same experts).
+    docs/train.md draws them; `CompiledPlan.mesh_dims` gives the root's sizes and names without torch."""
+    groups = getattr(model, "_planc_groups", None)
+    if groups is None:
+        from planc.errors import ApplyError
+
+        raise ApplyError(f"planc.device_mesh: {type(model).__name__} was not applied by planc.apply or planc.load")
+    return groups.root if view is None else groups.view(view)
 
 
 def destroy_megamoe_buffers() -> None:

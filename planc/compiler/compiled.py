@@ -152,6 +152,14 @@ class CompiledPlan:
     training: Optional[Training] = None  # the plan's `training:` section; None: not declared (replicate)
 
     @property
+    def mesh_dims(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """(sizes, names) of the root DeviceMesh `planc.apply` builds for these sizes (planc.runtime.mesh)."""
+        from planc.spec.sizes import mesh_dims
+
+        p = self.parallel
+        return mesh_dims(p.tp_size, p.ep_size, p.dp_size)
+
+    @property
     def data_parallel(self) -> str:
         """How the dp replicas train: the plan's `training.data_parallel`, `replicate` when not declared."""
         return self.training.data_parallel if self.training is not None else "replicate"

@@ -50,6 +50,8 @@ def render_text(compiled: CompiledPlan) -> str:
     s = compiled.experts_settings
     lines.append(f"  experts: implementation={s.implementation} ep_implementation={s.ep_implementation}")
     lines.append(f"  training: {training_text(compiled)}")
+    sizes, names = compiled.mesh_dims
+    lines.append(f"  mesh: {' x '.join(f'{n}={k}' for n, k in zip(names, sizes))}")
     lines.append("")
     lines.append("rules:")
     width = max((len(c.rule.pattern) for c in compiled.coverage), default=10)

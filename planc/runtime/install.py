@@ -51,8 +51,8 @@ def apply(model: nn.Module, plan: Any, *, mesh: Optional[Any] = None,
           parallel: Optional[Mapping[str, int]] = None) -> Any:
     """Compile `plan` against `model`, then shard and install it on every rank (all or nothing).
 
-    `plan`: a path, YAML text, mapping, `LoadedPlan` or `Plan`. `mesh`: an optional ("dp", "tp")
-    DeviceMesh; planc builds one from the plan's sizes otherwise. `parallel`: run the plan at other
+    `plan`: a path, YAML text, mapping, `LoadedPlan` or `Plan`. `mesh`: an optional DeviceMesh, planc's root
+    (planc.spec.sizes.mesh_dims) or ("dp", "tp"); planc builds the root from the plan's sizes otherwise. `parallel`: run the plan at other
     sizes, e.g. `{"tp_size": 2, "ep_size": 2}` (checked like the plan's own, `load_plan(parallel=)`).
     Returns the CompiledPlan.
     """
@@ -77,22 +77,26 @@ def require_distributed(what: str) -> None:
 # ---- 2. compile and local checks ---------------------------------------------------------------------------
 
 
-def compile_and_check(model, plan, mesh, *, device: Optional[torch.device] = None, parallel=None):
+def compile_and_check(model, plan, mesh, *, device: Optional[torch.device] = None, parallel=None,
+                      launched: bool = True):
     """The CompiledPlan (or None) and the list of problems found on this rank, without any communication.
 
     A world that does not fit the plan's sizes is reported first and alone: every other problem
     (heads split, experts uneven) would be about sizes that are not the ones launched. `device`: where
-    the model will run (planc.load builds it on `meta` first); default: where it lives.
+    the model will run (planc.load builds it on `meta` first); default: where it lives. `launched=False`
+    (`planc explain --checkpoint`): no world is running, so the world size and the kernels' device are not checked.
     """
     try:
         loaded = _load(plan, parallel)
-        if mesh is None:
+        if mesh is None and launched:
             sizes = _world_problem(model, loaded)
             if sizes:
                 return None, [sizes]
         compiled = _compile(model, loaded)
     except Exception as e:  # noqa: BLE001 - reported on every rank by agree_across_ranks instead of hanging them
         return None, [f"{type(e).__name__}: {e}"]
+    if not launched:
+        return compiled, []
     problems = []
     try:
         problems += _local_checks(model, compiled, mesh, device)
@@ -225,22 +229,37 @@ def _all_agree(ok: bool, digest: int = 0) -> bool:
     return not any_failed and max_digest == -neg_min_digest
 
 
-def agree_across_ranks(compiled, problems: list[str], *, what: str = "planc.apply") -> None:
-    """Raise the same ApplyError on every rank if any rank has problems or another fingerprint.
+def agree_across_ranks(
+    compiled, problems: list[str], *, what: str = "planc.apply", decisions: Optional[Mapping[str, str]] = None
+) -> None:
+    """Raise the same ApplyError on every rank if any rank has problems, another fingerprint or other decisions.
 
-    The common case (all agree) costs one small all-reduce; the messages are gathered only when
-    some rank disagrees, and then every rank builds the same error from them.
+    `decisions`: every choice a rank made on its own that leads to different collectives later (planc.load: the
+    checkpoint route, DCP or safetensors; the quantization mode; which checkpoint it sees), `{name: value}`. They
+    are agreed here, with the fingerprint, so that ranks that chose differently fail together instead of entering
+    different collectives and hanging. The common case (all agree) costs one small all-reduce; the messages are
+    gathered only when some rank disagrees, and then every rank builds the same error from them.
     """
     fingerprint = compiled.fingerprint if compiled is not None else None
-    if _all_agree(not problems and fingerprint is not None, _digest(fingerprint)):
+    decisions = dict(decisions or {})
+    agreed = None if fingerprint is None else f"{fingerprint} {sorted(decisions.items())}"
+    if _all_agree(not problems and fingerprint is not None, _digest(agreed)):
         return
-    mine = (fingerprint, problems)
+    mine = (fingerprint, problems, decisions)
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    failed = [(rank, p) for rank, (_, ps) in enumerate(everyone) for p in ps]
+    failed = [(rank, p) for rank, (_, ps, _) in enumerate(everyone) for p in ps]
     if failed:
         raise ApplyError(f"{what}: nothing was installed:\n" + _by_message(failed))
-    fingerprints = {rank: fp for rank, (fp, _) in enumerate(everyone)}
+    for name in dict.fromkeys(n for _, _, d in everyone for n in d):  # in the order the ranks decided them
+        chosen = [(rank, f"{name}: {d.get(name, '(not decided)')}") for rank, (_, _, d) in enumerate(everyone)]
+        if len({c for _, c in chosen}) > 1:
+            raise ApplyError(
+                f"{what}: the ranks decided `{name}` differently, so they would enter different collectives and hang; "
+                f"nothing was installed:\n{_by_message(chosen)}\nEvery rank must see the same inputs (one shared "
+                "path: the same checkpoint directory, device kind and options on every rank)."
+            )
+    fingerprints = {rank: fp for rank, (fp, _, _) in enumerate(everyone)}
     if len(set(fingerprints.values())) > 1:
         by_fp: dict[str, list[int]] = {}
         for rank, fp in fingerprints.items():
@@ -406,6 +425,15 @@ def step_mark_applied(state: InstallState) -> None:
     guard_applied_model(state.model)  # save_pretrained / deepcopy refuse with what to call instead
 
 
+def step_data_parallel(state: InstallState) -> None:
+    """`training.data_parallel` over the dp replicas (replicate or FSDP2), after TP/EP: the last step."""
+    from planc.runtime.clip import guard_torch_clip_grad_norm
+    from planc.runtime.data_parallel import install_data_parallel
+
+    install_data_parallel(state.model, state.compiled, state.groups)
+    guard_torch_clip_grad_norm()
+
+
 INSTALL_STEPS: list[Callable[[InstallState], None]] = [
     step_set_experts_implementation,
     step_shard_parameters,
@@ -413,6 +441,7 @@ INSTALL_STEPS: list[Callable[[InstallState], None]] = [
     step_install_megamoe,
     step_install_ep_forwards,
     step_mark_applied,
+    step_data_parallel,
 ]
 
 

@@ -53,15 +53,20 @@ def _configs(model: nn.Module) -> list:
 class Snapshot:
     """Everything an install may change, restorable exactly: every module's attributes (parameters,
     buffers, submodules, hooks, forwards), every config's attributes, and each tensor's own Python
-    attributes and `requires_grad` (the steps never write tensor data in place)."""
+    attributes and `requires_grad` (the steps never write tensor data in place), and each module's class
+    (FSDP2 and `replicate` swap it for a subclass)."""
 
     def __init__(self, model: nn.Module):
         self.modules = [(m, _copy_attrs(m)) for m in model.modules()]
+        self.classes = [(m, type(m)) for m in model.modules()]
         self.configs = [(c, _copy_attrs(c)) for c in _configs(model)]
         tensors = {id(t): t for m in model.modules() for t in (*m._parameters.values(), *m._buffers.values())}
         self.tensors = [(t, dict(t.__dict__), t.requires_grad) for t in tensors.values() if t is not None]
 
     def restore(self) -> None:
+        for m, cls in self.classes:
+            if type(m) is not cls:
+                m.__class__ = cls
         for obj, attrs in (*self.modules, *self.configs):
             _restore_attrs(obj, attrs)
         for t, attrs, requires_grad in self.tensors:

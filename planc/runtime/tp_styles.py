@@ -63,21 +63,37 @@ def _is_plain(module: nn.Module, cls: type[nn.Module]) -> bool:
     return type(module).forward is cls.forward
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times `scale` backward."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
 @contextlib.contextmanager
-def local_parameters(module: nn.Module, recurse: bool = False):
+def local_parameters(module: nn.Module, recurse: bool = False, grad_scale: Optional[float] = None):
     """Run the module's own forward on the local shards of its DTensor parameters (`recurse`: and of its
     submodules', such as a per-expert norm inside experts).
 
     Kernels (grouped_mm, experts loops, deep_gemm) take plain tensors. `to_local()` is differentiable,
-    so the gradients still land on the DTensor parameters.
+    so the gradients still land on the DTensor parameters. `grad_scale`: those gradients are multiplied
+    by it (identity forward; the experts' data-parallel rule, planc.runtime.data_parallel).
     """
     originals: list[tuple[nn.Module, dict[str, Any]]] = [  # the DTensor parameters of each module
         (m, {n: p for n, p in m._parameters.items() if isinstance(p, DTensor)})
         for m in (module.modules() if recurse else (module,))
     ]
+    scale = grad_scale is not None and grad_scale != 1 and torch.is_grad_enabled()
     for m, params in originals:
         for name, p in params.items():
-            m._parameters[name] = p.to_local()
+            local = p.to_local()
+            m._parameters[name] = _ScaleGrad.apply(local, grad_scale) if scale and p.requires_grad else local
     try:
         yield
     finally:
@@ -308,25 +324,26 @@ class EmbeddingRowwise(TPStyle):
 
 class ReplicatedWithGradAllReduce(TPStyle):
     """Replicated parameters whose gradient each rank computes only in part (e.g. Qwen3's per-head q/k norms
-    over this rank's heads): the gradients are summed over the group after accumulation."""
+    over this rank's heads): the forward reads each such parameter through `all_reduce_grad` (identity
+    forward, gradient summed over the group backward). In autograd rather than a hook on the Parameter, so
+    it holds whatever object holds the parameter at forward time (FSDP2 swaps in its own)."""
 
     name = "replicated_with_grad_allreduce"
 
     def install(self, module, mesh):
         group = mesh.get_group()
 
-        def reduce_grad(param):
-            torch.distributed.all_reduce(param.grad, group=group)
+        def forward(original, *args, **kwargs):
+            params = {n: p for n, p in module._parameters.items()
+                      if p is not None and not isinstance(p, DTensor) and p.requires_grad}
+            for n, p in params.items():
+                module._parameters[n] = all_reduce_grad(p, group)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                module._parameters.update(params)
 
-        for name, p in list(module._parameters.items()):
-            if p is None or isinstance(p, DTensor):
-                continue
-            # A new Parameter object (same storage) carries the hook, so rollback only has to restore the
-            # module's `_parameters` to leave the user's Parameter objects untouched.
-            fresh = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
-            if fresh.requires_grad:
-                fresh.register_post_accumulate_grad_hook(reduce_grad)
-            module._parameters[name] = fresh
+        self._wrap(module, forward)
 
 
 class MlaKvAProj(TPStyle):

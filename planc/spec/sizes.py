@@ -146,3 +146,14 @@ def check_sizes(tp: int, ep: int, dp: int, world: Optional[int] = None) -> list[
                 f"{fits}or change dp_size" if eps else "set `ep_size: 1`",
             ))
     return out
+
+
+def mesh_dims(tp: int, ep: int, dp: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """(sizes, names) of the one root DeviceMesh the runtime builds for valid sizes (planc.runtime.mesh).
+
+    With ep > 1 the dp dim is split in two so that the EP group (ep consecutive ranks: `dp_in_ep` x `tp`)
+    and the ranks holding the same experts (`dp_mod_ep`, world / ep of them) are both views of the root.
+    """
+    if ep > 1:
+        return (tp * dp // ep, ep // tp, tp), ("dp_mod_ep", "dp_in_ep", "tp")
+    return (dp, tp), ("dp", "tp")

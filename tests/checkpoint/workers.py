@@ -225,8 +225,8 @@ def guards_world(rank, world_size, root):
     logits_b = logits(model_b)
     original_write_metadata, original_write_shards = save_module._write_metadata, save_module._write_shards
 
-    def metadata_then_fail(model, compiled, directory, non_persistent):
-        original_write_metadata(model, compiled, directory, non_persistent)
+    def metadata_then_fail(*args):
+        original_write_metadata(*args)
         raise Injected("injected after writing planc.json")
 
     def shards_then_fail_on_rank1(state, directory):

@@ -221,17 +221,22 @@ def _ep_wider_than_tp(rank):
     key = "tp2/ep4/dp2/all_to_all"
     ids = [batch(10 + r) for r in range(2)]
     out = {f"{key}/logits": logits_diff(model, ref, ids[replica])}
-    # Training: the experts' gradients sum over both replicas' tokens; the reference sees both batches.
+    # Training (dp_size 2, `data_parallel: replicate` by default): every gradient is that of the mean of both
+    # replicas' losses, the experts' too (the all_to_all summed them over both replicas' tokens: planc divides).
     model.train()
     ref.train()
     loss = model(ids[replica], labels=ids[replica]).loss
     loss.backward()
     ref_losses = [ref(i, labels=i).loss for i in ids]
-    sum(ref_losses).backward()
+    (sum(ref_losses) / 2).backward()
     out[f"{key}/loss"] = abs(loss.item() - ref_losses[replica].item())
     ref_params = dict(ref.named_parameters())
     out[f"{key}/expert_grads"] = max(
         (full(p.grad) - ref_params[n].grad).abs().max().item() for n, p in model.named_parameters() if ".experts." in n
+    )
+    out[f"{key}/dense_grads"] = max(
+        (full(p.grad) - ref_params[n].grad).abs().max().item() for n, p in model.named_parameters()
+        if ".experts." not in n
     )
     return out
 

@@ -68,7 +68,8 @@ class ReferenceBuffer:
         return sum(t.nbytes for t in (self.x, self.x_sf, self.topk_idx, self.topk_weights))
 
     def destroy(self) -> None:
-        self.x = self.x_sf = self.topk_idx = self.topk_weights = None
+        """Drop the tensors (their memory goes back to the allocator); the buffer is unusable afterwards."""
+        del self.x, self.x_sf, self.topk_idx, self.topk_weights
 
 
 @dataclass
@@ -255,6 +256,7 @@ def reference_mega_moe(
 
     (stage_fn or stage)(buf, hidden_states, topk_idx, topk_weights, rows)
     staged = (buf.x[:rows].view(torch.uint8), buf.x_sf[:rows], buf.topk_idx[:rows], buf.topk_weights[:rows])
+    gathered: tuple[torch.Tensor, ...] | list[torch.Tensor]
     if size == 1:
         gathered = staged
     else:  # dispatch: every rank sees every rank's staged rows

@@ -8,7 +8,8 @@ rebuilt from the CompiledPlan, so `planc lint` and `planc.load` read it like any
     {"format": "planc-dcp", "format_version": 1, "fingerprint": ..., "parallel": {...},
      "world_size": 2, "model_type": "mixtral", "model_class": "MixtralForCausalLM", "dtype": "float32",
      "plan": {...}, "plan_name": ..., "plan_path": ..., "non_persistent_buffers": [...],
-     "planc_version": ..., "torch_version": ..., "transformers_version": ...}
+     "planc_version": ..., "torch_version": ..., "transformers_version": ...,
+     "optimizer": {"class": "torch.optim.adamw.AdamW", "path": "optimizer"}}   # only with planc.save(optimizer=)
 
 `planc.load` detects one with `is_planc_checkpoint(dir)` and reports what it was saved under with
 `read_marker(dir)`.

@@ -134,7 +134,8 @@ def install_ep_forward(module: nn.Module, runtime) -> None:
     def ep_forward(hidden_states, top_k_index, top_k_weights, **kwargs):
         hidden_states, top_k_weights = to_local(hidden_states), to_local(top_k_weights)
         # the experts' own tensors and the per-expert tensors of modules inside them (a per-expert norm)
-        with local_parameters(module, recurse=True):
+        # the experts' data-parallel gradient rule (planc.runtime.data_parallel); None until a plan trains over dp
+        with local_parameters(module, recurse=True, grad_scale=getattr(module, "_planc_grad_scale", None)):
             output = runtime(hidden_states, top_k_index, top_k_weights)
         return output.to(hidden_states.dtype)
 

@@ -237,6 +237,7 @@ def install_megamoe_forward(
     snapshot = Snapshot(experts)
     try:
         set_fp4_parameters(experts, new_params)
+        runner: DeepGemmRunner | TritonRunner | ReferenceRunner
         if resolved == "deep_gemm":
             runner = DeepGemmRunner(experts, num_global_experts, activation_clamp, max_tokens_per_rank)
         elif resolved == "triton":

@@ -79,7 +79,10 @@ class ReferenceRunner(_StagedRunner):
         return self._cache
 
 
-TRITON_LAYOUT = "triton"  # `module._planc_megamoe_weight_layout` once its FP4 parameters hold the Triton layout
+# Marks on an experts module, kept in its __dict__: `nn.Module.__setattr__` is typed for tensors and modules only.
+WEIGHT_LAYOUT = "_planc_megamoe_weight_layout"  # which kernels' layout its FP4 parameters hold, once transformed
+LARGE_SCALES = "_planc_megamoe_large_scales"  # Triton layout: whether a scale byte is above 128
+TRITON_LAYOUT = "triton"  # `module.<WEIGHT_LAYOUT>` once its FP4 parameters hold the Triton layout
 
 
 @dataclass
@@ -108,14 +111,14 @@ class TritonRunner(_StagedRunner):
         for name, tensor in (("gate_up_proj", w1.view(torch.int8)), ("gate_up_proj_scale_inv", s1.view(scale_dtype)),
                              ("down_proj", w2.view(torch.int8)), ("down_proj_scale_inv", s2.view(scale_dtype))):
             setattr(m, name, nn.Parameter(tensor, requires_grad=False))
-        m._planc_megamoe_weight_layout = TRITON_LAYOUT
-        m._planc_megamoe_large_scales = large
+        m.__dict__[WEIGHT_LAYOUT] = TRITON_LAYOUT
+        m.__dict__[LARGE_SCALES] = large
         return large
 
     def weights(self, device: torch.device) -> layout.PackedExperts:
         m = self.module
         self._check_device(device)
-        if getattr(m, "_planc_megamoe_weight_layout", None) != TRITON_LAYOUT:
+        if getattr(m, WEIGHT_LAYOUT, None) != TRITON_LAYOUT:
             self._shuffle_module()
         p = [to_local(getattr(m, name)).detach() for name in FP4_PARAMS]
         key = tuple(t.data_ptr() for t in p)
@@ -123,7 +126,7 @@ class TritonRunner(_StagedRunner):
             w1, s1, w2, s2 = p
             self._cache = (key, layout.PackedExperts(
                 w1.view(torch.int32), s1.view(torch.uint8), w2.view(torch.int32), s2.view(torch.uint8),
-                bool(getattr(m, "_planc_megamoe_large_scales", True)),
+                bool(getattr(m, LARGE_SCALES, True)),
             ))
         return self._cache[1]
 
@@ -151,7 +154,9 @@ class DeepGemmRunner:
         problem = deep_gemm.kernel_size_problem(self.hidden, self.intermediate)
         if problem is not None:
             raise ValueError(f"{problem}; use `experts.megamoe.backend: triton` (or `reference`)")
-        self.l1 = self.l2 = None
+        # The kernel-layout (weights, scales) pairs of L1 and L2, once `transform_weights` ran.
+        self.l1: tuple | None = None
+        self.l2: tuple | None = None
 
     def transform_weights(self) -> None:
         """FP4 weights -> the kernel's layout, once; the module's parameters then hold that layout."""
@@ -160,7 +165,7 @@ class DeepGemmRunner:
             self.dg, *(to_local(getattr(m, name)) for name in FP4_PARAMS))
         for name, tensor in zip(FP4_PARAMS, (*self.l1, *self.l2)):
             setattr(m, name, nn.Parameter(tensor, requires_grad=False))
-        m._planc_megamoe_weight_layout = "deep_gemm"
+        m.__dict__[WEIGHT_LAYOUT] = "deep_gemm"
 
     def __call__(self, hidden_states, top_k_index, top_k_weights, process_group) -> torch.Tensor:
         if self.l1 is None:

@@ -1,8 +1,8 @@
 """An independent float64 emulation of the Mega MoE kernel, written from the kernel description
 (docs/megamoe.md, DeepGEMM `sm100_fp8_fp4_mega_moe.cuh`), one token and one slot at a time.
 
-It shares no code with `planc.runtime.megamoe`: its own e4m3 / e2m1 decoding and rounding, its own
-UE8M0 scales, float64 GEMMs. Only for tests (slow by design).
+It shares no code with `planc.kernels.megamoe` or `planc.runtime.megamoe`: its own e4m3 / e2m1 decoding and
+rounding, its own UE8M0 scales, float64 GEMMs. Only for tests (slow by design).
 """
 
 from __future__ import annotations

@@ -154,10 +154,8 @@ def pick_config(
                 if config is not None and config.gluon_fits(hidden, inter):
                     return config if warp_specialized else config.cp_async_l2()
                 break
-    for bound, config in CONFIGS:
-        if bound is None or per_expert <= bound:
-            break
-    config = config.fit(hidden, inter)
+    # The last bound is None: some config always matches.
+    config = next(c for b, c in CONFIGS if b is None or per_expert <= b).fit(hidden, inter)
     # L1 programs: row blocks (at least one per expert that gets rows) times N tiles. A prefill batch (blocks of 64
     # rows and more) must not split, even with few programs: the mid-size layer at 56-80 rows per expert (704
     # programs of 64-row blocks) runs 9-13% slower split in 2.

@@ -20,7 +20,7 @@ from planc.kernels.megamoe.quant import float_to_ue8m0_bytes
 #   (m8, k8, k1); output t = 2 m8 + k8 of the expansion is the BF16 pair (k1 = 0 low half, 1 high half).
 #   Each code's sign goes to bit 15 and its three magnitude bits to bits 8..6 of its half (e2m1 value x 2**-126 as a
 #   BF16) after a rotation of the word: output 0 by 0, 1 by 4, 2 by 10; output 3 takes its m0 bits from a rotation by
-#   6 and the others from a rotation by 14 (`_ROTATIONS`), so 13 instructions expand 8 weights (`_EXPAND_PTX`).
+#   6 and the others from a rotation by 14 (`_ROTATIONS`), so 13 instructions expand 8 weights (`jit._EXPAND_PTX`).
 #   Scales: one int32 per (kc, g, r) at offset (kc * N/16 + g) * 8 + r: byte 2 m8 + jh is the UE8M0 exponent of row
 #   16 g + 8 m8 + r for K [64 kc + 32 jh, +32).
 _ROTATIONS = (0, 4, 10)

@@ -17,7 +17,6 @@ if triton is not None:
     @triton.jit
     def _probe():
         """A kernel defined with the others: its type says whether `triton.jit` made interpreted functions."""
-        pass
 
 
 def interpreting() -> bool:

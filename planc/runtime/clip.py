@@ -1,0 +1,119 @@
+"""`planc.clip_grad_norm_`: the exact global gradient norm of a planc model, whatever meshes its parameters live on.
+
+A planc model mixes plain parameters (router, norms: replicated), DTensors on the TP mesh, on the EP
+mesh, and under `training:` on meshes that add the dp dims. torch's `clip_grad_norm_` runs one foreach
+norm over all of them and fails ("got mixed torch.Tensor and DTensor", or meshes that differ). As in
+torchtitan's `dist_utils.clip_grad_norm_`: gradients are grouped by mesh, each group's norm computed
+by `torch.nn.utils.get_total_norm` (a DTensor norm reduces over its shards and counts a replicated
+dim once), made a full tensor, and the groups combined (`sum of norm**p`, then `**(1/p)`; `max` for
+inf). Every rank returns the same norm and scales its local gradients by the same coefficient.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Iterable, Union
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from planc.errors import PlancError
+
+
+class ClipGradError(PlancError, RuntimeError):
+    """torch.nn.utils.clip_grad_norm_ on parameters it cannot combine (a planc model): use planc.clip_grad_norm_."""
+
+
+def _parameters(model_or_params) -> list[torch.Tensor]:
+    if isinstance(model_or_params, nn.Module):
+        return list(model_or_params.parameters())
+    if isinstance(model_or_params, torch.Tensor):
+        return [model_or_params]
+    return list(model_or_params)
+
+
+def _mesh_key(t: torch.Tensor):
+    return id(t.device_mesh) if isinstance(t, DTensor) else None
+
+
+def total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The norm of every gradient together, each counted once over its mesh (a plain tensor, same on every rank)."""
+    groups: dict = {}
+    for g in grads:
+        groups.setdefault(_mesh_key(g), []).append(g)
+    norms = []
+    for members in groups.values():
+        n = torch.nn.utils.get_total_norm(members, norm_type, foreach=None)
+        norms.append((n.full_tensor() if isinstance(n, DTensor) else n).float())
+    if not norms:
+        return torch.tensor(0.0)
+    device = norms[0].device
+    stacked = torch.stack([n.to(device) for n in norms])
+    if norm_type == float("inf"):
+        return stacked.max()
+    return stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm_(model_or_params: Union[nn.Module, torch.Tensor, Iterable[torch.Tensor]], max_norm: float,
+                    norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Clip the gradients of a planc model (or its parameters) in place to a global norm of `max_norm`.
+
+    Returns the total norm before clipping: the norm of the full, unsharded gradients of the whole
+    model (sharded parameters counted once, replicated ones once), equal on every rank. Call it on every
+    rank (it reduces over the meshes). `norm_type` any p > 0 or `inf`.
+    """
+    norm_type = float(norm_type)
+    grads = [p.grad for p in _parameters(model_or_params) if p.grad is not None]
+    norm = total_norm(grads, norm_type)
+    if error_if_nonfinite and not torch.isfinite(norm):
+        raise ClipGradError(
+            f"planc.clip_grad_norm_: the total norm of order {norm_type} of the gradients is non-finite ({norm.item()}); "
+            "the step would write NaN/inf into the parameters. Pass error_if_nonfinite=False to clip anyway."
+        )
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    by_kind: dict = {}  # one foreach multiply per device and dtype, on the local tensors (as torch's clip does)
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        by_kind.setdefault((local.device, local.dtype), []).append(local)
+    for (device, dtype), locals_ in by_kind.items():
+        torch._foreach_mul_(locals_, coef.to(device=device, dtype=dtype))
+    return norm
+
+
+_MIXED = ("mixed torch.Tensor and DTensor", "DTensor", "device mesh", "DeviceMesh")
+
+
+def guard_torch_clip_grad_norm() -> None:
+    """Make torch.nn.utils.clip_grad_norm_ on a planc model fail with a ClipGradError that names
+    planc.clip_grad_norm_ instead of torch's mixed-tensor error (installed once, by planc.apply; any other
+    call behaves exactly as before: the wrapper only translates a failure on parameters with DTensors)."""
+    import torch.nn.utils as utils
+    import torch.nn.utils.clip_grad as clip_grad
+
+    original = clip_grad.clip_grad_norm_
+    if getattr(original, "_planc_guard", False):
+        return
+
+    @functools.wraps(original)
+    def clip_grad_norm_guarded(parameters, max_norm, *args, **kwargs):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        try:
+            return original(params, max_norm, *args, **kwargs)
+        except (RuntimeError, NotImplementedError, ValueError, AssertionError) as e:
+            if any(isinstance(p, DTensor) for p in params) and any(m in str(e) for m in _MIXED):
+                raise ClipGradError(
+                    "torch.nn.utils.clip_grad_norm_ cannot combine the gradients of a planc model (plain tensors "
+                    f"and DTensors on several device meshes: {str(e).splitlines()[0][:160]}). Call "
+                    "planc.clip_grad_norm_(model, max_norm, norm_type) instead: it computes the exact global norm "
+                    "over every mesh and clips in place."
+                ) from None
+            raise
+
+    clip_grad_norm_guarded._planc_guard = True
+    clip_grad.clip_grad_norm_ = clip_grad_norm_guarded
+    utils.clip_grad_norm_ = clip_grad_norm_guarded
+
+
+__all__ = ["ClipGradError", "clip_grad_norm_", "guard_torch_clip_grad_norm", "total_norm"]

@@ -1,0 +1,75 @@
+"""`training.data_parallel` on 2 and 4 gloo ranks: 3 AdamW steps with planc.clip_grad_norm_ equal single-process
+training on the global batch, for every (tp, ep, dp) of the acceptance grid the size rules allow, both modes and
+both EP strategies that train, on tiny fp32 Mixtral, Qwen3-MoE and DeepSeek-V3 (2 layers).
+
+One spawned world per world size runs every case in sequence (a rank's start, importing torch and
+transformers, costs more than a case); the single-process reference runs once per model and dp.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from planc.spec.sizes import check_sizes
+from tests.distributed import run_distributed
+from tests.train.train_workers import train_world
+
+MODELS = ("mixtral", "qwen3_moe", "deepseek_v3")
+GRID = ((2, 2, 1), (2, 2, 2), (2, 4, 2), (1, 4, 4), (1, 2, 2))
+LOSS_TOL, PARAM_TOL, NORM_REL = 1e-5, 1e-4, 1e-5
+
+
+def cases(world: int) -> list[tuple]:
+    out = []
+    for tp, ep, dp in GRID:
+        if tp * dp != world or check_sizes(tp, ep, dp, world):
+            continue
+        for strategy in ("all_to_all", "all_reduce"):
+            if strategy == "all_reduce" and ep != tp:  # PLC402: all_reduce needs the EP group to share the batch
+                continue
+            for mode in ("replicate", "fsdp"):
+                out += [(m, tp, ep, dp, mode, strategy) for m in MODELS]
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_training_equals_single_process_on_the_global_batch(world_size):
+    grid = cases(world_size)
+    assert len(grid) == (18 if world_size == 2 else 24)
+    results = run_distributed(train_world, world_size, grid)
+    failures = []
+    for case in grid:
+        per_rank = [r[case] for r in results]
+        first = per_rank[0]
+        if first["mode"] != case[4]:
+            failures.append(f"{case}: installed {first['mode']}")
+        if first["loss"] > LOSS_TOL:
+            failures.append(f"{case}: loss off by {first['loss']:.3g}")
+        if first["norm_rel"] > NORM_REL:
+            failures.append(f"{case}: clip norm off by {first['norm_rel']:.3g} (relative)")
+        if first["params"] > PARAM_TOL:
+            failures.append(f"{case}: {first['worst']} off by {first['params']:.3g}")
+        if len({r["digest"] for r in per_rank}) != 1:
+            failures.append(f"{case}: the full parameters differ between ranks (replicas drifted)")
+    if world_size == 2:
+        failures += api_failures([r["api"] for r in results])
+    assert not failures, "\n".join(failures)
+
+
+def api_failures(per_rank: list[dict]) -> list[str]:
+    """planc.clip_grad_norm_'s norms (inf, 1, 2) against the unsharded model's, torch's clip refused with the
+    planc name, the root mesh exposed and matching `CompiledPlan.mesh_dims`, a wrong caller mesh refused."""
+    failures = []
+    for rank, api in enumerate(per_rank):
+        names, shape, (sizes, dims) = api["mesh"]
+        if (names, shape) != (tuple(dims), tuple(sizes)) or names != ("dp_mod_ep", "dp_in_ep", "tp"):
+            failures.append(f"rank {rank}: root mesh {names} {shape}, compiled {dims} {sizes}")
+        if not (api["torch_clip"].startswith("ClipGradError") and "planc.clip_grad_norm_" in api["torch_clip"]):
+            failures.append(f"rank {rank}: torch.nn.utils.clip_grad_norm_ gave {api['torch_clip']}")
+        for key in ("norm_inf", "norm_1.0", "norm_2.0"):
+            if api[key] > NORM_REL:
+                failures.append(f"rank {rank}: {key} off by {api[key]:.3g} (relative)")
+        if "mesh passed to planc.apply" not in api["wrong_mesh"]:
+            failures.append(f"rank {rank}: a wrong mesh gave {api['wrong_mesh']}")
+    return failures

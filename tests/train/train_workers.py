@@ -1,0 +1,148 @@
+"""Rank code of the data-parallel training tests: one spawned world runs many cases in sequence.
+
+Each case: a tiny fp32 model, its unsharded copy trained in this process on the global batch (the
+reference), and the planc model at (tp, ep, dp) x data_parallel x EP strategy fed the micro-batch of
+its dp replica; 3 AdamW steps with planc.clip_grad_norm_ on both sides.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from tests.runtime.workers import full, shipped_plan
+
+STEPS = 3
+LR = 1e-3
+MAX_NORM = 0.5  # below the tiny models' gradient norms: the clip scales every step
+MICRO_ROWS, COLS = 2, 8
+
+
+def global_batch(step: int, dp: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, 128, (dp * MICRO_ROWS, COLS), generator=g)
+
+
+_REFERENCE: dict = {}
+
+
+def reference(model_type: str, dp: int, seed: int = 0) -> dict:
+    """The single-process run on the global batch of `dp` micro-batches: losses, clip norms, final parameters
+    (the same for every (tp, ep, mode, strategy), so one world computes it once per model and dp)."""
+    key = (model_type, dp, seed)
+    if key not in _REFERENCE:
+        from planc.models.build import build_tiny_model
+
+        ref = build_tiny_model(model_type, seed=seed)
+        impl = shipped_plan(model_type, tp=1)["experts"]["implementation"]
+        ref.set_experts_implementation(impl)
+        ref.train()
+        opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+        losses, norms = [], []
+        for step in range(STEPS):
+            ids = global_batch(step, dp)
+            loss = ref(ids, labels=ids).loss
+            loss.backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM).item())
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        _REFERENCE[key] = {"losses": losses, "norms": norms,
+                           "params": {n: p.detach().clone() for n, p in ref.named_parameters()}}
+    return _REFERENCE[key]
+
+
+def train_case(model_type: str, tp: int, ep: int, dp: int, data_parallel: str, strategy: str, seed: int = 0) -> dict:
+    """Worst loss, clip-norm and parameter differences of planc training against the single-process reference,
+    and a digest of the full parameters (equal on every rank when the replicas are bit-identical)."""
+    import planc
+    from planc.models.build import build_tiny_model
+
+    ref = reference(model_type, dp, seed)
+    model = build_tiny_model(model_type, seed=seed)
+    plan = shipped_plan(model_type, tp=tp, ep=ep, dp=dp, ep_implementation=strategy)
+    plan["training"] = {"data_parallel": data_parallel}
+    compiled = planc.apply(model, plan)
+    dp_rank = planc.device_mesh(model, "dp").get_local_rank()
+    assert dp_rank == dist.get_rank() // tp  # the ("dp", "tp") layout: replica of this rank
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    model.train()
+    out = {"loss": 0.0, "norm_rel": 0.0, "mode": compiled.data_parallel}
+    for step in range(STEPS):
+        ids = global_batch(step, dp)
+        micro = ids[dp_rank * MICRO_ROWS:(dp_rank + 1) * MICRO_ROWS]
+        loss = model(micro, labels=micro).loss
+        loss.backward()
+        norm = planc.clip_grad_norm_(model, MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        mean /= dist.get_world_size()  # every rank of a replica holds its loss: the mean over ranks is over replicas
+        out["loss"] = max(out["loss"], abs(mean.item() - ref["losses"][step]))
+        out["norm_rel"] = max(out["norm_rel"], abs(norm.item() - ref["norms"][step]) / ref["norms"][step])
+    worst, worst_name, digest = 0.0, "", hashlib.sha256()
+    for name, p in model.named_parameters():
+        f = full(p.detach())
+        diff = (f - ref["params"][name]).abs().max().item()
+        if diff > worst:
+            worst, worst_name = diff, name
+        digest.update(name.encode() + f.contiguous().numpy().tobytes())
+    out["params"], out["worst"] = worst, worst_name
+    out["digest"] = digest.hexdigest()
+    return out
+
+
+def run_cases(rank: int, world_size: int, cases: list) -> dict:
+    return {case: train_case(*case) for case in cases}
+
+
+def api_checks(rank: int, world_size: int) -> dict:
+    """planc.clip_grad_norm_ (inf norm, torch's clip refused with the planc name), the root mesh and a caller's mesh."""
+    import planc
+    from planc.errors import ApplyError, PlancError
+    from planc.models.build import build_tiny_model
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = {}
+    model = build_tiny_model("mixtral", seed=1)
+    ref = build_tiny_model("mixtral", seed=1)
+    plan = shipped_plan("mixtral", tp=world_size, ep=world_size, ep_implementation="all_to_all")
+    compiled = planc.apply(model, plan)
+    mesh = planc.device_mesh(model)
+    out["mesh"] = (tuple(mesh.mesh_dim_names), tuple(mesh.shape), compiled.mesh_dims)
+    ids = global_batch(0, 1)
+    model(ids, labels=ids).loss.backward()
+    ref(ids, labels=ids).loss.backward()
+    try:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        out["torch_clip"] = "no error"
+    except PlancError as e:
+        out["torch_clip"] = f"{type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001 - the point: no raw torch error
+        out["torch_clip"] = f"raw {type(e).__name__}: {e}"
+    for norm_type in (float("inf"), 1.0, 2.0):
+        got = planc.clip_grad_norm_(model, 1e9, norm_type).item()
+        want = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()], norm_type).item()
+        out[f"norm_{norm_type}"] = abs(got - want) / want
+    # a caller's mesh: the root planc builds is accepted, a wrong one refused before anything changes
+    right = init_device_mesh("cpu", compiled.mesh_dims[0], mesh_dim_names=compiled.mesh_dims[1])
+    planc.apply(build_tiny_model("mixtral", seed=1), plan, mesh=right)
+    wrong = init_device_mesh("cpu", (world_size,), mesh_dim_names=("world",))
+    try:
+        planc.apply(build_tiny_model("mixtral", seed=1), shipped_plan("mixtral", tp=1, ep=world_size, dp=world_size),
+                    mesh=wrong)
+        out["wrong_mesh"] = "accepted"
+    except ApplyError as e:
+        out["wrong_mesh"] = str(e)
+    return out
+
+
+def train_world(rank: int, world_size: int, cases: list) -> dict:
+    """Every training case, then (2 ranks) the API checks: one world for all of them."""
+    out = run_cases(rank, world_size, cases)
+    if world_size == 2:
+        out["api"] = api_checks(rank, world_size)
+    return out
