@@ -2,6 +2,9 @@
 training on the global batch, for every (tp, ep, dp) of the acceptance grid the size rules allow, both modes and
 both EP strategies that train, on tiny fp32 Mixtral, Qwen3-MoE and DeepSeek-V3 (2 layers).
 
+The 2-rank world also runs generate() right after planc.load (default and static cache, a left-padded
+batch; every EP strategy, TP-only, and dp replicas) against the unsharded model, token for token.
+
 One spawned world per world size runs every case in sequence (a rank's start, importing torch and
 transformers, costs more than a case); the single-process reference runs once per model and dp.
 """
@@ -34,10 +37,17 @@ def cases(world: int) -> list[tuple]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_training_equals_single_process_on_the_global_batch(world_size):
+def test_training_equals_single_process_on_the_global_batch(world_size, tmp_path):
     grid = cases(world_size)
     assert len(grid) == (18 if world_size == 2 else 24)
-    results = run_distributed(train_world, world_size, grid)
+    hub_dirs = {}
+    if world_size == 2:  # generate() after planc.load: what users do first (the 2-rank world runs it too)
+        from planc.runtime.models import build_tiny_model
+
+        for m in MODELS:
+            build_tiny_model(m, seed=0).save_pretrained(tmp_path / m)
+            hub_dirs[m] = str(tmp_path / m)
+    results = run_distributed(train_world, world_size, grid, hub_dirs)
     failures = []
     for case in grid:
         per_rank = [r[case] for r in results]
@@ -54,6 +64,10 @@ def test_training_equals_single_process_on_the_global_batch(world_size):
             failures.append(f"{case}: the full parameters differ between ranks (replicas drifted)")
     if world_size == 2:
         failures += api_failures([r["api"] for r in results])
+        for rank, r in enumerate(results):
+            assert len(r["generate"]) == 30  # 3 models x 5 layouts x 2 caches
+            failures += [f"rank {rank}: generate() {key} differs from the unsharded model"
+                         for key, same in r["generate"].items() if not same]
     assert not failures, "\n".join(failures)
 
 

@@ -140,9 +140,48 @@ def api_checks(rank: int, world_size: int) -> dict:
     return out
 
 
-def train_world(rank: int, world_size: int, cases: list) -> dict:
-    """Every training case, then (2 ranks) the API checks: one world for all of them."""
+def train_world(rank: int, world_size: int, cases: list, hub_dirs: dict | None = None) -> dict:
+    """Every training case, then (2 ranks) the API checks and generate(): one world for all of them."""
     out = run_cases(rank, world_size, cases)
     if world_size == 2:
         out["api"] = api_checks(rank, world_size)
+    if hub_dirs:
+        out["generate"] = generate_checks(rank, world_size, hub_dirs)
+    return out
+
+
+def generate_checks(rank: int, world_size: int, hub_dirs: dict) -> dict:
+    """generate() right after planc.load (default and static cache, a left-padded batch) against the unsharded
+    model, for every EP strategy, TP-only, and dp replicas (each feeding its own batch): tokens identical."""
+    import planc
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0  # left padding
+    for model_type, hub in hub_dirs.items():
+        ref = AutoModelForCausalLM.from_pretrained(hub, dtype=torch.float32)
+        ref.set_experts_implementation("grouped_mm")
+        layouts = {f"tp{world_size}/ep{world_size}/{s}": ((world_size, world_size, 1), s)
+                   for s in ("all_to_all", "all_reduce", "auto")}
+        layouts[f"tp{world_size}/ep1"] = ((world_size, 1, 1), "auto")
+        layouts[f"tp1/ep{world_size}/dp{world_size}"] = ((1, world_size, world_size), "all_to_all")
+        for name, ((tp, ep, dp), strategy) in layouts.items():
+            plan = shipped_plan(model_type, tp=tp, ep=ep, dp=dp, ep_implementation=strategy)
+            if ep == 1:  # TP-only: the experts tensor-parallel
+                plan["ep_plan"] = {}
+                plan["tp_plan"].update({"model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+                                        "model.layers.*.mlp.experts.down_proj": "rowwise",
+                                        "model.layers.*.mlp.experts": "moe_tp_experts"})
+            model = planc.load(hub, plan)
+            batch_ids, batch_mask = (ids, mask) if dp == 1 else (ids[rank:rank + 1], mask[rank:rank + 1])
+            for cache in (None, "static"):
+                kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+                if cache:
+                    kwargs["cache_implementation"] = cache
+                with torch.no_grad():
+                    got = model.generate(batch_ids, attention_mask=batch_mask, **kwargs)
+                    want = ref.generate(batch_ids, attention_mask=batch_mask, **kwargs)
+                out[f"{model_type}/{name}/{cache or 'dynamic'}"] = bool(torch.equal(got, want))
     return out
