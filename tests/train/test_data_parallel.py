@@ -84,6 +84,9 @@ def api_failures(per_rank: list[dict]) -> list[str]:
         for key in ("norm_inf", "norm_1.0", "norm_2.0"):
             if api[key] > NORM_REL:
                 failures.append(f"rank {rank}: {key} off by {api[key]:.3g} (relative)")
+        if api["mp_dtypes"] != ("torch.bfloat16", "torch.float32", "torch.float32") or api["mp_loss"] > 2e-2:
+            failures.append(f"rank {rank}: mixed precision: forward/param/grad dtypes {api['mp_dtypes']}, "
+                            f"loss off by {api['mp_loss']:.3g} (bf16 compute)")
         if "mesh passed to planc.apply" not in api["wrong_mesh"]:
             failures.append(f"rank {rank}: a wrong mesh gave {api['wrong_mesh']}")
     return failures

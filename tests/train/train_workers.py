@@ -127,6 +127,22 @@ def api_checks(rank: int, world_size: int) -> dict:
         got = planc.clip_grad_norm_(model, 1e9, norm_type).item()
         want = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()], norm_type).item()
         out[f"norm_{norm_type}"] = abs(got - want) / want
+    # mixed precision (fsdp): the forward computes in bf16, the sharded parameters and the step stay fp32
+    mp_plan = shipped_plan("mixtral", tp=1, ep=world_size, dp=world_size, ep_implementation="all_to_all")
+    mp_plan["training"] = {"data_parallel": "fsdp", "mixed_precision": {"param_dtype": "bfloat16"}}
+    mp_model = build_tiny_model("mixtral", seed=0)
+    planc.apply(mp_model, mp_plan)
+    seen = []
+    q_proj = mp_model.model.layers[0].self_attn.q_proj
+    q_proj.register_forward_pre_hook(lambda m, args: seen.append(m.weight.dtype))
+    ref_loss = reference("mixtral", world_size)["losses"][0]
+    ids = global_batch(0, world_size)[rank * MICRO_ROWS:(rank + 1) * MICRO_ROWS]
+    loss = mp_model(ids, labels=ids).loss
+    loss.backward()
+    mean = loss.detach().float().clone()
+    dist.all_reduce(mean)
+    out["mp_loss"] = abs(mean.item() / world_size - ref_loss)
+    out["mp_dtypes"] = (str(seen[0]), str(q_proj.weight.dtype), str(q_proj.weight.grad.dtype))
     # a caller's mesh: the root planc builds is accepted, a wrong one refused before anything changes
     right = init_device_mesh("cpu", compiled.mesh_dims[0], mesh_dim_names=compiled.mesh_dims[1])
     planc.apply(build_tiny_model("mixtral", seed=1), plan, mesh=right)
