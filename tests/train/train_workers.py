@@ -101,10 +101,11 @@ def run_cases(rank: int, world_size: int, cases: list) -> dict:
 
 def api_checks(rank: int, world_size: int) -> dict:
     """planc.clip_grad_norm_ (inf norm, torch's clip refused with the planc name), the root mesh and a caller's mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     import planc
     from planc.errors import ApplyError, PlancError
     from planc.runtime.models import build_tiny_model
-    from torch.distributed.device_mesh import init_device_mesh
 
     out = {}
     model = build_tiny_model("mixtral", seed=1)
@@ -169,8 +170,9 @@ def train_world(rank: int, world_size: int, cases: list, hub_dirs: dict | None =
 def generate_checks(rank: int, world_size: int, hub_dirs: dict) -> dict:
     """generate() right after planc.load (default and static cache, a left-padded batch) against the unsharded
     model, for every EP strategy, TP-only, and dp replicas (each feeding its own batch): tokens identical."""
-    import planc
     from transformers import AutoModelForCausalLM
+
+    import planc
 
     out = {}
     ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(7))
@@ -193,7 +195,7 @@ def generate_checks(rank: int, world_size: int, hub_dirs: dict) -> dict:
             model = planc.load(hub, plan)
             batch_ids, batch_mask = (ids, mask) if dp == 1 else (ids[rank:rank + 1], mask[rank:rank + 1])
             for cache in (None, "static"):
-                kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+                kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
                 if cache:
                     kwargs["cache_implementation"] = cache
                 with torch.no_grad():
