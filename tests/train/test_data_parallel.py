@@ -54,6 +54,10 @@ def test_training_equals_single_process_on_the_global_batch(world_size, tmp_path
         first = per_rank[0]
         if first["mode"] != case[4]:
             failures.append(f"{case}: installed {first['mode']}")
+        # dp > 1: each decoder layer is a unit of torch's replicate (an FSDPModule too) or of fully_shard
+        want = ([] if case[3] == 1 else ["FSDPModule", "ReplicateModule"] if case[4] == "replicate" else ["FSDPModule"])
+        if first["wrapped"] != want:
+            failures.append(f"{case}: decoder layers wrapped by {first['wrapped']}, expected {want}")
         if first["loss"] > LOSS_TOL:
             failures.append(f"{case}: loss off by {first['loss']:.3g}")
         if first["norm_rel"] > NORM_REL:

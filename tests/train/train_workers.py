@@ -69,7 +69,9 @@ def train_case(model_type: str, tp: int, ep: int, dp: int, data_parallel: str, s
     assert dp_rank == dist.get_rank() // tp  # the ("dp", "tp") layout: replica of this rank
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     model.train()
-    out = {"loss": 0.0, "norm_rel": 0.0, "mode": compiled.data_parallel}
+    # what wraps a decoder layer: torch's replicate (FSDP2-based DDP) or fully_shard, bucketed per unit
+    wrappers = {c.__name__ for c in type(model.model.layers[0]).__mro__} & {"ReplicateModule", "FSDPModule"}
+    out = {"loss": 0.0, "norm_rel": 0.0, "mode": compiled.data_parallel, "wrapped": sorted(wrappers)}
     for step in range(STEPS):
         ids = global_batch(step, dp)
         micro = ids[dp_rank * MICRO_ROWS:(dp_rank + 1) * MICRO_ROWS]
