@@ -66,7 +66,7 @@ def time_apply(rank: int, world: int, models, reps: int) -> list:
     import torch.distributed as dist
 
     import planc
-    from planc.runtime.models import build_tiny_model
+    from planc.models.build import build_tiny_model
 
     from transformers.utils import logging as hf_logging
 

@@ -65,7 +65,7 @@ def _world(rank, world_size, root, hidden, layers):
     from torch.distributed.tensor import DTensor
 
     import planc
-    from planc.runtime.models import build_tiny_model
+    from planc.models.build import build_tiny_model
     from tests.checkpoint.workers import plan_for
 
     model = build_tiny_model(
@@ -95,7 +95,7 @@ def _load_world(rank, world_size, root):
     """A fresh process per rank (nothing freed by an earlier model to reuse): what reading the checkpoint adds."""
     import torch
 
-    import torch.distributed.checkpoint  # noqa: F401 - imports are not what is measured
+    import torch.distributed.checkpoint  # imports are not what is measured
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from tests.checkpoint.workers import load_on_meta, plan_for

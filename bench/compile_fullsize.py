@@ -57,7 +57,7 @@ def run(repeats: int) -> list[dict]:
     from transformers import DistributedConfig
 
     from planc.compiler.resolve import compile_plan
-    from planc.runtime.models import build_meta_model
+    from planc.models.build import build_meta_model
     from planc.lint.load import load_plan
 
     logging.getLogger("transformers").setLevel(logging.ERROR)

@@ -8,7 +8,7 @@ so that drift on a shared box hits both sides alike. The peer is installed the w
 `planc.apply` with the shipped Mixtral plan, sizes and `ep_implementation` set per cell.
 
 Models: one MoE layer (the `MixtralSparseMoeBlock`: router + experts + EP) of a mid-size Mixtral-like
-config (hidden 1024, 8 experts, top-2, intermediate 2816), and a full tiny Mixtral (`planc.runtime.models`).
+config (hidden 1024, 8 experts, top-2, intermediate 2816), and a full tiny Mixtral (`planc.models.build`).
 Each rank times its own call; a cell's time is the median over repetitions of the slowest rank, and its
 ratio the median over repetitions of planc / transformers (adjacent in time, so drift cancels).
 Torch runs one thread per rank so ranks do not fight over the cores.
@@ -53,12 +53,12 @@ MID_CONFIG = dict(
 # ---- models and installs -----------------------------------------------------------------------------------
 
 
-def build_model(kind: str, seed: int = 0):
+def bench_model(kind: str, seed: int = 0):
     """The unsharded model of `kind`, identical on every rank (same seed), fp32, eval."""
     import torch
 
     if kind == "tiny":
-        from planc.runtime.models import build_tiny_model
+        from planc.models.build import build_tiny_model
 
         return build_tiny_model("mixtral", seed=seed, experts_implementation="grouped_mm", max_position_embeddings=4096)
     from transformers import MixtralConfig, MixtralForCausalLM
@@ -155,13 +155,13 @@ def run_cells(rank: int, world: int, models, impls, tokens, reps_table, profile=
 
     rows = []
     for kind in models:
-        base = build_model(kind)
+        base = bench_model(kind)
         for impl in impls:
             peer = install_peer(copy.deepcopy(base), world, impl)
             try:
                 ours = install_planc(copy.deepcopy(base), world, impl)
                 planc_error = None
-            except Exception as e:  # a missing or failing planc still prints the peer's numbers
+            except Exception as e:  # noqa: BLE001 - a missing or failing planc still prints the peer's numbers
                 ours, planc_error = None, f"{type(e).__name__}: {e}"
                 if rank == 0:
                     print(f"[ep_forward_cpu] planc.apply failed ({kind}, {impl}): {planc_error}", file=sys.stderr)

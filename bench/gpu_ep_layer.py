@@ -31,8 +31,8 @@ for _p in (str(REPO), str(REPO / "bench")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch  # noqa: E402 - after the sys.path setup above
+import torch.distributed as dist  # noqa: E402 - after the sys.path setup above
 from machine import describe  # noqa: E402  (same directory)
 
 FULL = dict(hidden_size=7168, n_routed_experts=384, num_experts_per_tok=6, moe_intermediate_size=3072)
@@ -68,7 +68,7 @@ def build_layer_model(shapes: dict, device: str):
     """
     from transformers import AutoModelForCausalLM
 
-    from planc.runtime.models import tiny_config
+    from planc.models.build import tiny_config
 
     config = tiny_config(
         "deepseek_v4", num_hidden_layers=1, layer_types=["compressed_sparse_attention"], mlp_layer_types=["moe"],
@@ -252,7 +252,7 @@ def run(args) -> dict:
         ours = install_planc(share_weights_copy(base))
         sides["planc.apply"] = experts_of(ours)
         sides["planc"] = experts_of(install_planc_wrapper(share_weights_copy(base)))
-    except Exception as e:  # still time the peer
+    except Exception as e:  # noqa: BLE001 - still time the peer
         ours, planc_error = None, f"{type(e).__name__}: {e}"
         print(f"[gpu_ep_layer] planc failed: {planc_error}", file=sys.stderr, flush=True)
     setup_s = time.perf_counter() - t0

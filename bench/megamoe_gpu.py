@@ -17,7 +17,7 @@ them once to BF16). Per batch size (decode 1/16/64/256, prefill 4096), CUDA-even
 best kernels take with no routing, padding or FP4 expansion, in BF16 and in FP8 with the finest block scaling
 Hopper's cuBLAS has (1x128 x 128x128; the kernel's 1x32 MX scales are SM100-only, and the attempt is recorded).
 `--sweep` times each candidate tile config of the Triton kernels per batch size instead (graph replay of the
-experts computation alone) and prints the best: the table in `triton_backend._CONFIGS` comes from it.
+experts computation alone) and prints the best: the table in `planc.kernels.megamoe.triton.config` comes from it.
 
 GPU, DeepSeek-V4 layer:  python bench/megamoe_gpu.py --json megamoe.json
 GPU, mid-size layer:     python bench/megamoe_gpu.py --hidden 2048 --intermediate 1408 --experts 64
@@ -40,15 +40,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from planc.runtime.ep.megamoe import MegaMoeEPRuntime  # noqa: E402
-from planc.runtime.megamoe import buffer_stats, destroy_megamoe_buffers, install_megamoe_forward  # noqa: E402
-from planc.runtime.megamoe import megamoe_state  # noqa: E402
-from planc.runtime.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_fp8  # noqa: E402
-from planc.runtime.megamoe.triton_backend import (  # noqa: E402
-    KernelConfig,
-    device_config,
-    triton_local_experts_forward,
-)
+from planc.kernels.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_fp8
+from planc.kernels.megamoe.triton.config import KernelConfig
+from planc.kernels.megamoe.triton.forward import device_config, triton_local_experts_forward
+from planc.runtime.ep.megamoe import MegaMoeEPRuntime
+from planc.runtime.megamoe import buffer_stats, destroy_megamoe_buffers, install_megamoe_forward
+from planc.runtime.megamoe import megamoe_state
 
 
 def add_layer_args(p: argparse.ArgumentParser) -> None:
@@ -268,7 +265,7 @@ def graph_or_eager(device, measure, fn, use_graph):
     return measure(graph.replay), out
 
 
-# The candidates of the last tuning (docs/benchmarks.md, third to fifth sessions of 2026-12-03), picks first; the
+# The candidates of the last tuning (docs/benchmarks.md, H200, 2026-12-03), picks first; the
 # sweep skips blocks of more than 16 rows below 64 tokens. Run it under each Triton version users get (torch 2.11:
 # 3.6, 2.13: 3.7). From Triton 3.5 `prefetch=0` is the cp.async pipeline that register prefetch replaced.
 SWEEP = (
@@ -363,7 +360,7 @@ def sweep(args, device, measure, packed):
                                                         activation_clamp=args.clamp, config=fit)
 
                 us, _ = graph_or_eager(device, measure, run, device.type == "cuda")
-            except Exception as e:  # a config that does not compile (shared memory, registers) is skipped
+            except Exception as e:  # noqa: BLE001 - a config that fails to compile (shared memory, registers): skip it
                 print(f"  T={n} {cfg}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
                 continue
             row["configs"].append({"config": fit.__dict__, "us": us})

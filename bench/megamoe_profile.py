@@ -6,7 +6,7 @@ valid packed FP4 layout (every 4-bit code is an e2m1 value); the scale bytes are
 overflows. Warm-up calls first, then `--calls` timed ones: under Nsight Compute profile the first launches of the
 GEMMs, e.g.
 
-    ncu -k 'regex:_l1_swiglu|_l2_kernel' -c 2 --section SpeedOfLight --section WarpStateStats \\
+    ncu -k 'regex:l1_swiglu|l2_kernel' -c 2 --section SpeedOfLight --section WarpStateStats \\
         --section MemoryWorkloadAnalysis --section Occupancy --section SchedulerStats \\
         python3 bench/megamoe_profile.py --tokens 16
 
@@ -24,10 +24,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from planc.runtime.megamoe.quant import float_to_ue8m0_bytes, quantize_fp8  # noqa: E402
-from planc.runtime.megamoe.triton_backend import PackedExperts, triton_local_experts_forward  # noqa: E402
+from planc.kernels.megamoe.quant import float_to_ue8m0_bytes, quantize_fp8
+from planc.kernels.megamoe.triton.forward import triton_local_experts_forward
+from planc.kernels.megamoe.triton.layout import PackedExperts
 
-from megamoe_gpu import add_layer_args, kernel_table, random_batch, tiny_shapes  # noqa: E402  (this folder)
+from megamoe_gpu import add_layer_args, kernel_table, random_batch, tiny_shapes  # this folder
 
 
 def random_packed_experts(experts: int, hidden: int, inter: int, device, generator) -> PackedExperts:

@@ -37,8 +37,8 @@ for p in (str(REPO), str(REPO / "bench")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch  # noqa: E402 - after the sys.path setup above
+import torch.distributed as dist  # noqa: E402 - after the sys.path setup above
 from machine import describe  # noqa: E402  (same directory)
 
 import gpu_ep_layer as layer_bench  # noqa: E402  (same directory: the one-layer model, routes, timers)
@@ -102,7 +102,7 @@ def experts_plan(world: int, impl: str) -> dict:
 
 
 def build(model_type: str, size: str, world: int, device, **extra):
-    from planc.runtime.models import build_tiny_model
+    from planc.models.build import build_tiny_model
 
     overrides = dict(MID[model_type]) if size == "mid" else dict(TINY_8.get(model_type, {}) if world > 4 else {})
     overrides.update(extra)
@@ -233,13 +233,13 @@ def run_performance(world: int, device_type: str, args, notes: list) -> list:
             if impl != "deepgemm_megamoe":
                 sides[("transformers", impl)] = layer_bench.experts_of(
                     install_peer(layer_bench.share_weights_copy(base), world, impl, device_type))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - a side that cannot install is reported, not timed
             log(f"  transformers {impl} install failed: {type(e).__name__}: {e}")
         try:
             m = layer_bench.share_weights_copy(base)
             planc.apply(m, experts_plan(world, impl))
             sides[("planc", impl)] = layer_bench.experts_of(m)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - a side that cannot install is reported, not timed
             log(f"  planc {impl} apply failed: {type(e).__name__}: {e}")
     del base, m
     _cleanup()
@@ -289,7 +289,7 @@ def perf_cell(world, impl, t, sides, x, idx, w, timer, inner, reps, device_type,
             for who, f in fns.items():
                 try:
                     graphs[who], _ = layer_bench.capture(f)
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:  # noqa: BLE001 - a side that does not capture is reported, not fatal
                     log(f"  {who} {impl} T={t}: CUDA graph capture failed: {type(e).__name__}: {e}")
                     torch.cuda.synchronize()
             if graphs:
@@ -439,7 +439,7 @@ def main(argv=None) -> int:
     if "buffers" in args.sections:
         try:
             result["buffers"] = run_buffers(world, device, args)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - the buffer table is reported as failed; the rest stands
             result["buffers"] = {"error": f"{type(e).__name__}: {e}"}
     result["wall_s"] = time.perf_counter() - started
     if dist.get_rank() == 0:

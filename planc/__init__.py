@@ -20,10 +20,10 @@ if TYPE_CHECKING:
     from planc.lint.load import PlanSource
     from planc.spec.load import LoadedPlan
 
-__version__ = "0.1.0"
+from planc.version import __version__
 
 __all__ = [
-    "load_plan", "lint_paths", "compile", "apply", "load", "save", "export", "destroy_megamoe_buffers",
+    "load_plan", "lint_paths", "compile", "apply", "load", "save", "load_optimizer", "export", "destroy_megamoe_buffers",
     "clip_grad_norm_", "device_mesh", "__version__",
 ]
 
@@ -44,7 +44,7 @@ def lint_paths(paths: "Union[str, os.PathLike[str], Iterable[Union[str, os.PathL
     return _lint(paths, strict=strict)
 
 
-def compile(model: Any, plan: "PlanSource") -> "CompiledPlan":  # noqa: A001 - the verb is the API
+def compile(model: Any, plan: "PlanSource") -> "CompiledPlan":  # shadows the builtin: the verb is the API
     """Resolve `plan` against `model` (never changes it) and return the CompiledPlan; CompileError lists
     every problem. `compile(plan, model)`, the old order, still works with a DeprecationWarning."""
     from planc.compiler.resolve import compile_plan, model_and_plan
@@ -76,13 +76,22 @@ def load(source: "Union[str, os.PathLike[str]]", plan: "PlanSource", *, dtype: O
     return _load(source, plan, dtype=dtype, device=device, mesh=mesh, parallel=parallel, dequantize=dequantize)
 
 
-def save(model: nn.Module, directory: Union[str, os.PathLike[str]]) -> Path:
+def save(model: nn.Module, directory: Union[str, os.PathLike[str]], *, optimizer: Optional[Any] = None) -> Path:
     """Write an applied model as a sharded checkpoint (torch.distributed.checkpoint, every rank its own shards)
     with its plan beside it; `planc.load` reads it back under any plan or sizes. Call on every rank.
+    `optimizer`: its state is saved too, sharded like the model, for `planc.load_optimizer`.
     The directory is replaced only once the new checkpoint is complete."""
     from planc.runtime.checkpoint.save import save as _save
 
-    return _save(model, directory)
+    return _save(model, directory, optimizer=optimizer)
+
+
+def load_optimizer(model: nn.Module, optimizer: Any, directory: Union[str, os.PathLike[str]]) -> None:
+    """Restore `optimizer` (built over `model`'s parameters) from a checkpoint `planc.save(..., optimizer=)` wrote,
+    under any plan or sizes (`model` from `planc.load` of that checkpoint). Call on every rank."""
+    from planc.runtime.checkpoint.optimizer import load_optimizer as _load_optimizer
+
+    _load_optimizer(model, optimizer, directory)
 
 
 def export(model: nn.Module, directory: Union[str, os.PathLike[str]], *, max_shard_size: Union[int, str] = "5GB") -> Path:

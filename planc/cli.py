@@ -22,7 +22,7 @@ COMMANDS = {
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """All commands are listed; only `only`'s module is imported, so one command cannot break another."""
-    from planc import __version__
+    from planc.version import __version__
 
     parser = argparse.ArgumentParser(prog="planc", description="Declarative TP/EP plans for MoE models.")
     parser.add_argument("--version", action="version", version=f"planc {__version__}")

@@ -26,8 +26,10 @@ def add_arguments(parser) -> None:
 def _plan_for_two_ranks(path: str) -> dict:
     from planc.lint.load import load_plan
 
+    own = load_plan(path).plan.parallel
     data = load_plan(path, parallel={"tp_size": WORLD, "ep_size": WORLD, "dp_size": 1}).plan.model_dump()
     data["extends"] = None  # merged already
+    data["_own_sizes"] = f"tp_size={own.tp_size} ep_size={own.ep_size} dp_size={own.dp_size}, {own.world_size} ranks"
     megamoe = data["experts"].get("megamoe")
     if data["experts"]["implementation"] == "deepgemm_megamoe" and megamoe and megamoe["backend"] == "auto":
         megamoe["backend"] = "reference"  # the demo runs on CPU: the explicit pure-PyTorch backend
@@ -39,7 +41,7 @@ def _rank(rank: int, world: int, plan: dict, seed: int) -> str:
     import torch
 
     from planc import apply
-    from planc.runtime.models import build_tiny_model, clone_model
+    from planc.models.build import build_tiny_model, clone_model
 
     model = build_tiny_model(plan["model"]["type"], seed=seed)
     reference = clone_model(model)
@@ -51,15 +53,29 @@ def _rank(rank: int, world: int, plan: dict, seed: int) -> str:
     with torch.no_grad():
         diff = (model(ids).logits - reference(ids).logits).abs().max().item()
     diff_note = " (FP4 experts vs the bf16/fp32 unsharded model)" if megamoe else ""
-    return f"{compiled}\n\nmax |logits - unsharded logits| on {world} ranks: {diff:.3e}{diff_note}\n"
+    text = f"{compiled}\n\nmax |logits - unsharded logits| on {world} ranks: {diff:.3e}{diff_note}\n"
+    return {"text": text, "model": _model_sizes(model.config)}
+
+
+def _model_sizes(config) -> str:
+    """The tiny model's sizes, as the config names them (hidden size, layers, experts)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    parts = []
+    for label, names in (("hidden", ("hidden_size",)), ("layers", ("num_hidden_layers",)),
+                         ("experts", ("num_local_experts", "num_experts", "n_routed_experts"))):
+        value = next((getattr(text, n) for n in names if isinstance(getattr(text, n, None), int)), None)
+        if value is not None:
+            parts.append(f"{label} {value}")
+    return ", ".join(parts)
+
 
 
 def _check_before_spawning(path: str, plan: dict, seed: int) -> int:
     """Build the tiny model and compile the plan against it here, so that a family transformers cannot
     build or a plan that does not resolve fails in a second with one message, not after spawning ranks."""
     from planc.compiler.resolve import compile_plan
-    from planc.errors import CompileError
-    from planc.runtime.models import ModelBuildError, build_tiny_model
+    from planc.errors import CompileError, ModelBuildError
+    from planc.models.build import build_tiny_model
 
     try:
         model = build_tiny_model(plan["model"]["type"], seed=seed)
@@ -85,6 +101,7 @@ def run(args) -> int:
         return 2
     try:
         plan = _plan_for_two_ranks(args.plan)
+        own_sizes = plan.pop("_own_sizes")
     except Exception as e:  # noqa: BLE001 - a plan error is the user's to fix: print it, exit 1
         print(f"planc demo: {args.plan}: {e}", file=sys.stderr)
         return 1
@@ -96,10 +113,12 @@ def run(args) -> int:
     except mp.ProcessRaisedException as e:
         print(f"planc demo: a rank failed:\n{e}", file=sys.stderr)
         return 1
+    p = plan["parallel"]
     print(
-        f"planc demo: {args.plan} applied to a tiny random {plan['model']['type']} on {WORLD} CPU ranks "
-        f"(gloo), sizes overridden to tp_size={plan['parallel']['tp_size']} "
-        f"ep_size={plan['parallel']['ep_size']}\n"
+        f"planc demo: {args.plan} applied to a tiny random {plan['model']['type']} ({report['model']}) on {WORLD} "
+        f"CPU ranks (gloo), run at tp_size={p['tp_size']} ep_size={p['ep_size']} dp_size={p['dp_size']} "
+        f"(the plan's own sizes: {own_sizes}; the table keeps its name)\n"
     )
+    report = report["text"]
     print(report, end="")
     return 0

@@ -4,8 +4,12 @@ The model named by `model.type` is built on the `meta` device from transformers'
 that type (or `--config config.json`), with `--set key=value` overrides, so a 600B-parameter model
 costs no memory. Prints what each rule matched, the EP strategy and why, and the bytes per rank.
 
-Exit status: 0 the plan resolves, 1 it does not (the CompileError or lint errors are printed),
-2 usage errors (unreadable --config, bad --set, unknown model type).
+`--checkpoint DIR` runs every check planc.load runs before reading a byte (the same function), and
+`--parallel tp_size=2,ep_size=2` explains the plan at the sizes planc.apply/load(parallel=...) would run it.
+
+Exit status: 0 the plan resolves, 1 it does not (the CompileError or lint errors are printed) or planc.load
+would refuse the checkpoint (every problem listed), 2 usage errors (unreadable --config, bad --set or
+--parallel, unknown model type).
 """
 
 from __future__ import annotations
@@ -32,8 +36,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--checkpoint", metavar="DIR",
-        help="a local checkpoint directory: its config.json builds the model, and the bytes each rank reads "
-        "from its safetensors files are printed by dtype",
+        help="a local checkpoint directory: its config.json builds the model, every check planc.load runs before "
+        "reading is run (keys, shapes, dtypes, experts; exit 1 listing what it would refuse), and the bytes each "
+        "rank reads from its safetensors files are printed by dtype",
+    )
+    parser.add_argument(
+        "--parallel", metavar="SIZES",
+        help="explain the plan at other sizes, as planc.apply/planc.load(parallel=...) run it, e.g. "
+        "--parallel tp_size=2,ep_size=2",
+    )
+    parser.add_argument(
+        "--train", action="store_true",
+        help="also print what each rank holds while training with AdamW: parameters, gradients and optimizer "
+        "state at the plan's sizes and `training.data_parallel` (replicate or fsdp, mixed precision)",
     )
     parser.add_argument(
         "--device-memory", metavar="SIZE",
@@ -62,21 +77,48 @@ def parse_overrides(items: list[str]) -> dict:
     return out
 
 
+_SIZES = ("tp_size", "ep_size", "dp_size")
+
+
+def parse_parallel(text: str | None) -> dict | None:
+    """`tp_size=2,ep_size=2` -> {"tp_size": 2, "ep_size": 2} (the `parallel=` of planc.apply and planc.load)."""
+    if not text:
+        return None
+    out = {}
+    for item in text.split(","):
+        key, sep, value = item.strip().partition("=")
+        if not sep or key.strip() not in _SIZES or not value.strip().isdigit():
+            raise ValueError(
+                f"--parallel {text!r}: write comma-separated SIZE=N with SIZE one of {', '.join(_SIZES)}, "
+                "e.g. --parallel tp_size=2,ep_size=2"
+            )
+        out[key.strip()] = int(value)
+    return out
+
+
 def read_config(path: str) -> dict:
     import json
 
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except ValueError as e:
+        raise ValueError(
+            f"{path}: not valid JSON ({e}); a config.json is a JSON object as save_pretrained writes it"
+        ) from None
+    except OSError as e:
+        raise OSError(f"{path}: cannot be read ({e.strerror or e})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a config.json holds a JSON object")
     return data
 
 
-def build_model(model_type: str, config: dict, dtype: str):
-    """The `*ForCausalLM` on the meta device, cast to the dtype the byte counts should use."""
+def _meta_model_at(model_type: str, config: dict, dtype: str):
+    """The model users load for `config` on the meta device (planc.models.build.build_meta_model), cast to the
+    dtype the byte counts should use (`config`: the config's own, else bfloat16)."""
     import torch
 
-    from planc.runtime.models import build_meta_model
+    from planc.models.build import build_meta_model
 
     kwargs = {k: v for k, v in config.items() if k not in _CONFIG_METADATA}
     model = build_meta_model(model_type, kwargs)
@@ -98,33 +140,48 @@ def run(args: argparse.Namespace) -> int:
         config_path = args.config or (f"{args.checkpoint}/config.json" if args.checkpoint else None)
         config = read_config(config_path) if config_path else {}
         device_memory = parse_size(args.device_memory) if args.device_memory else None
+        parallel = parse_parallel(args.parallel)
     except (OSError, ValueError) as e:
         sys.stderr.write(f"planc explain: {e}\n")
         return 2
-    status, compiled, budgets = 0, [], []
+    status, compiled, budgets, trains = 0, [], [], []
     for path in args.plans:
-        rc, c = explain_one(path, config, overrides, args.dtype)
+        rc, c = explain_one(path, config, overrides, args.dtype, parallel)
         status = max(status, rc)
         if c is None:
             continue
-        try:
-            reads = _checkpoint_reads(args.checkpoint, c, config, overrides, args.dtype) if args.checkpoint else None
-        except Exception as e:  # noqa: BLE001 - a checkpoint that cannot be read is the user's to fix
-            sys.stderr.write(f"planc explain: {e}\n")
-            return 2
+        reads = None
+        if args.checkpoint:
+            rc, reads = check_checkpoint(args.checkpoint, path, args.dtype, parallel, c)
+            status = max(status, rc)
         problems = budget_problems(c, device_memory, where=path) if device_memory is not None else []
         for p in problems:
             sys.stderr.write(f"planc explain: {p.where}: {p.code} {p.message}\n      hint: {p.hint}\n")
             status = max(status, 1)
         compiled.append(c)
         budgets.append(budget(c, device_memory, reads))
+        trains.append(_train_memory(c, config, overrides, args.dtype) if args.train else None)
     if args.format == "json":
-        data = [{**json_data(c), "memory": _budget_json(b)} for c, b in zip(compiled, budgets)]
+        data = [
+            {**json_data(c), "memory": _budget_json(b), **({"train": t.to_json()} if t is not None else {})}
+            for c, b, t in zip(compiled, budgets, trains)
+        ]
         sys.stdout.write(json.dumps(data[0] if len(args.plans) == 1 and data else data, indent=2, sort_keys=True) + "\n")
     else:
-        text = [render_text(c) + "\n" + b.render() for c, b in zip(compiled, budgets)]
+        text = [
+            render_text(c) + "\n" + b.render() + (f"\n{t.render()}" if t is not None else "")
+            for c, b, t in zip(compiled, budgets, trains)
+        ]
         sys.stdout.write("\n\n".join(text) + ("\n" if compiled else ""))
     return status
+
+
+def _train_memory(compiled, config: dict, overrides: dict, dtype: str):
+    """`--train`: what each rank holds training with AdamW under the plan (planc.compiler.train_memory)."""
+    from planc.compiler.train_memory import train_memory
+
+    model = _meta_model_at(config.get("model_type") or compiled.model_type, {**config, **overrides}, dtype)
+    return train_memory(compiled, model)
 
 
 def _budget_json(b) -> dict:
@@ -135,31 +192,39 @@ def _budget_json(b) -> dict:
     }
 
 
-def _checkpoint_reads(directory: str, compiled, config: dict, overrides: dict, dtype: str):
-    """Bytes each rank reads from `directory`'s safetensors files, by checkpoint dtype (headers only)."""
+def check_checkpoint(directory: str, plan_path: str, dtype: str, parallel, compiled):
+    """(exit status, bytes each rank reads by checkpoint dtype or None): every check planc.load runs before reading
+    (`planc.runtime.checkpoint.load.check_checkpoint`, the same function), its problems on stderr."""
     from planc.compiler.memory import read_per_rank
-    from planc.runtime.checkpoint.files import CheckpointFiles
     from planc.runtime.checkpoint.keys import target_reads
+    from planc.runtime.checkpoint.load import check_checkpoint as load_checks
 
-    model = build_model(config.get("model_type") or compiled.model_type, {**config, **overrides}, dtype)
-    files = CheckpointFiles.open(directory)
+    checked = load_checks(directory, plan_path, dtype=None if dtype == "config" else dtype, parallel=parallel,
+                          launched=False)
     try:
-        return read_per_rank(compiled, target_reads(model, files))
+        if checked.problems:
+            sys.stderr.write(
+                f"planc explain: planc.load would refuse {directory} with {plan_path} "
+                f"({len(checked.problems)} problem(s); nothing is read):\n"
+                + "".join(f"  - {p}\n" for p in checked.problems)
+            )
+            return 1, None
+        if checked.files is None:  # a planc.save checkpoint: DCP reads each rank's overlap, not a fixed byte count
+            return 0, None
+        return 0, read_per_rank(compiled, target_reads(checked.model, checked.files))
     finally:
-        files.close()
+        checked.close()
 
 
-def explain_one(path: str, config: dict, overrides: dict, dtype: str):
+def explain_one(path: str, config: dict, overrides: dict, dtype: str, parallel=None):
     """(exit status, CompiledPlan or None) for one plan file; the problems go to stderr."""
     from planc.compiler.resolve import compile_plan
-    from planc.errors import CompileError, PlanError
+    from planc.errors import CompileError, ModelBuildError, PlanError
     from planc.lint.load import load_plan
-
     from planc.lint.rules_source import UNREADABLE_CODES
-    from planc.runtime.models import ModelBuildError
 
     try:
-        loaded = load_plan(path)
+        loaded = load_plan(path, parallel=parallel)
     except PlanError as e:
         if any(d.code in UNREADABLE_CODES for d in e.diagnostics):  # like `planc lint`: unreadable input is 2
             sys.stderr.write(f"planc explain: cannot read {path}:\n{e}\n")
@@ -171,8 +236,8 @@ def explain_one(path: str, config: dict, overrides: dict, dtype: str):
         return 2, None
     model_type = config.get("model_type") or loaded.plan.model.type
     try:
-        model = build_model(model_type, {**config, **overrides}, dtype)
-    except ModelBuildError as e:  # one line that names the model type (planc.runtime.models)
+        model = _meta_model_at(model_type, {**config, **overrides}, dtype)
+    except ModelBuildError as e:  # one line that names the model type (planc.models.build)
         sys.stderr.write(f"planc explain: {e}\n")
         return 2, None
     except (ValueError, TypeError, AttributeError) as e:  # a --dtype the config names that torch does not have

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from planc.lint.diagnostic import ERROR, WARNING, Diagnostic
 from planc.spec.ep import EPStrategy
@@ -18,11 +18,14 @@ from planc.spec.model import Experts, Parallel, Training
 from planc.spec.source import Position
 
 
+Table = Literal["tp_plan", "ep_plan"]  # the plan table a rule is written in
+
+
 @dataclass(frozen=True)
 class SourceRule:
     """The plan rule an assignment came from, with its position for error messages."""
 
-    table: Literal["tp_plan", "ep_plan"]
+    table: Table
     pattern: str
     style: str
     file: Optional[str] = None
@@ -90,17 +93,17 @@ class Where(str):
         return obj
 
 
-def _at(where: str) -> dict:
+def _at(where: str) -> dict[str, Any]:
     position = getattr(where, "position", None)
     return {"position": position} if position is not None else {"key": str(where)}
 
 
-def CompileProblem(code: str, message: str, module: Optional[str], where: str, hint: str) -> Diagnostic:  # noqa: N802
+def CompileProblem(code: str, message: str, module: Optional[str], where: str, hint: str) -> Diagnostic:  # CamelCase: reads as the problem it builds
     """One reason the plan does not resolve, as a Diagnostic: what, which module, which plan line, what instead."""
     return Diagnostic(code, ERROR, message, hint, module=module, **_at(where))
 
 
-def CompileWarning(code: str, message: str, hint: str, where: str) -> Diagnostic:  # noqa: N802
+def CompileWarning(code: str, message: str, hint: str, where: str) -> Diagnostic:
     """A compile warning, as a Diagnostic (severity `warning`)."""
     return Diagnostic(code, WARNING, message, hint, **_at(where))
 
@@ -190,7 +193,7 @@ class CompiledPlan:
                 return a
         return None
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         """Canonical, JSON-ready form (also what the fingerprint hashes, minus the fingerprint)."""
         return {
             "model_type": self.model_type,

@@ -1,23 +1,28 @@
 """What every compiler pass shares: the problem codes, a plan rule, and the problem collector.
 
-Each pass (`match`, `checks`, `layout`, `bytes`) is a set of functions over one `Resolver`
-(`planc.compiler.resolve`); they report through `Resolver.problems`, which folds the same problem on
-many layers into one line.
+Each pass (`match`, `checks`, `experts_assignments`, `layout`, `accounting`) is a set of functions
+over one `Resolver` (`planc.compiler.resolve`); they report through `Resolver.problems`, which folds
+the same problem on many layers into one line.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
-from planc.compiler.compiled import CompileProblem, SourceRule, Where
+from planc.compiler.compiled import CompileProblem, SourceRule, Table, Where
 from planc.lint.diagnostic import Diagnostic
-from planc.compiler.walk import generic_path
+from planc.spec.source import KeyPath
+from planc.compiler.walk import ModelWalk, generic_path
 from planc.spec.patterns import Pattern
 
+if TYPE_CHECKING:
+    from planc.spec.load import LoadedPlan
+    from planc.spec.model import Parallel
+
 # The codes the compiler emits: defined, documented and exampled in the one registry (planc.lint.rules_compile).
-from planc.lint.rules_compile import (  # noqa: E402
+from planc.lint.rules_compile import (
     BARE_PARAM_UNWRAPPED,
     BLOCK_GRID,
     CONFLICTING_RULES,
@@ -50,19 +55,80 @@ from planc.lint.rules_compile import (  # noqa: E402
     WRONG_TARGET,
 )
 
+# The passes import the codes from here (and tests read them all from here): re-exported by name.
+__all__ = [
+    "BARE_PARAM_UNWRAPPED",
+    "BLOCK_GRID",
+    "CONFLICTING_RULES",
+    "DEVICE_MEMORY",
+    "EXPERTS_IMPL_FIXED",
+    "EXPERTS_NOT_DIVISIBLE",
+    "EXPERTS_PARTIAL",
+    "EXPERTS_UNCOVERED",
+    "HEAD_SPLIT",
+    "LAYOUT_MODULE_PARAM_CONFLICT",
+    "LAYOUT_NORM_OVER_SHARDED",
+    "LAYOUT_OUTPUT_LEFT_SHARDED",
+    "LAYOUT_PRODUCERS_DISAGREE",
+    "LAYOUT_ROWWISE_WITHOUT_SHARDED",
+    "LAYOUT_SHARDED_INTO_REPLICATED",
+    "MEGAMOE_ACTIVATION",
+    "MEGAMOE_ALIGNMENT",
+    "MEGAMOE_EP_SIZE",
+    "MEGAMOE_KERNEL_BLOCKS",
+    "MEGAMOE_NO_GATE",
+    "MEGAMOE_NOT_FP4",
+    "MEGAMOE_SIZES",
+    "MEGAMOE_TOP_K",
+    "MODEL_TYPE_MISMATCH",
+    "REPLICATED_DENSE",
+    "STYLE_NOT_INSTALLABLE",
+    "TABLE_INACTIVE",
+    "UNEVEN_SHARD",
+    "UNMATCHED_RULE",
+    "WRONG_TARGET",
+    "PlanRule",
+    "Problems",
+    "key_where",
+    "source_rule",
+    "Resolution",
+    "TABLES",
+]
+
+TABLES: tuple[Table, ...] = ("tp_plan", "ep_plan")
+
+
+class Resolution(Protocol):
+    """What a pass reads and writes on the Resolver (`planc.compiler.resolve`), so no pass imports it."""
+
+    loaded: LoadedPlan
+    plan: Any  # planc.spec.model.Plan
+    walk: ModelWalk
+    parallel: Parallel
+    tp: int
+    ep: int
+    active: dict[str, bool]  # "tp" / "ep": the table's size is above 1
+    megamoe: bool
+    problems: Problems
+    warnings: list[Diagnostic]
+    rules: list[PlanRule]
+    by_dtype: dict[str, int]  # bytes per rank by dtype, filled by the accounting pass
+
+    def sizes_hint(self, fallback: str) -> str: ...
+
 
 @dataclass
 class PlanRule:
     """One rule of the plan, with what it matched."""
 
     index: int
-    table: str  # "tp_plan" | "ep_plan"
+    table: Table
     pattern_text: str
     style: str
     source: SourceRule
     pattern: Optional[Pattern] = None
-    targets: set = field(default_factory=set)
-    per_alternative: list = field(default_factory=list)  # hit count per alternative
+    targets: set[str] = field(default_factory=set)
+    per_alternative: list[int] = field(default_factory=list)  # hit count per alternative
 
     @property
     def kind(self) -> str:
@@ -73,7 +139,7 @@ class Problems:
     """Collects problems, folding the same problem on many layers into one line with a count."""
 
     def __init__(self) -> None:
-        self._groups: "OrderedDict[tuple, list]" = OrderedDict()
+        self._groups: OrderedDict[tuple[str, str, str, str, Optional[str]], list[Optional[str]]] = OrderedDict()
 
     def add(self, code: str, message: str, where: str, hint: str, fqn: Optional[str] = None) -> None:
         key = (code, message, where, hint, generic_path(fqn) if fqn else None)
@@ -96,12 +162,12 @@ class Problems:
         return out
 
 
-def key_where(loaded, keypath: tuple) -> Where:
+def key_where(loaded: LoadedPlan, keypath: KeyPath) -> Where:
     pos = loaded.position(keypath)
     return Where(str(pos), pos) if pos is not None else Where(".".join(str(k) for k in keypath))
 
 
-def source_rule(loaded, table: str, pattern: str, style: str) -> SourceRule:
+def source_rule(loaded: LoadedPlan, table: Table, pattern: str, style: str) -> SourceRule:
     pos = loaded.key_positions.get((table, pattern)) if loaded.key_positions else None
     if pos is None:
         return SourceRule(table, pattern, style)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from planc.compiler.context import (
     LAYOUT_MODULE_PARAM_CONFLICT,
@@ -28,13 +28,14 @@ from planc.compiler.context import (
     LAYOUT_ROWWISE_WITHOUT_SHARDED,
     LAYOUT_SHARDED_INTO_REPLICATED,
     PlanRule,
+    Resolution,
 )
-from planc.compiler.checks import _config_attr
-from planc.compiler.walk import generic_path
+from planc.compiler.compiled import Assignment
+from planc.compiler.walk import ModelWalk, config_attr, generic_path
 from planc.spec.styles import REPLICATED, SHARDED, STYLE, Style
 
 # Producer leaf names -> the consumer that takes their (sharded) outputs, in the same container module.
-NAMED_CHAINS: tuple[tuple[frozenset, str], ...] = (
+NAMED_CHAINS: tuple[tuple[frozenset[str], str], ...] = (
     (frozenset({"q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj"}), "o_proj"),
     (frozenset({"gate_proj", "up_proj"}), "down_proj"),
     (frozenset({"gate_up_proj"}), "down_proj"),
@@ -50,9 +51,13 @@ class Chain:
     """In `container` (a generic path), the outputs of `producers` feed `consumer`; `source` says who says so."""
 
     container: str
-    producers: frozenset
+    producers: frozenset[str]
     consumer: str
     source: str
+
+
+# module fqn -> the tp_plan rule that gives it a module style
+ModuleRules = dict[str, PlanRule]
 
 
 def _style(rule: Optional[PlanRule]) -> Optional[Style]:
@@ -71,7 +76,7 @@ def _described(spec: Optional[Style]) -> str:
     return f"`{spec.name}`" if spec is not None else "no TP rule"
 
 
-def declared_chains(walk) -> list[Chain]:
+def declared_chains(walk: ModelWalk) -> list[Chain]:
     """The producer -> consumer pairs transformers declares for this model (`base_model_tp_plan`)."""
     plans = []
     for config in _configs(walk.config):  # a multimodal model: its language model's config declares the plan
@@ -84,7 +89,7 @@ def declared_chains(walk) -> list[Chain]:
     return out
 
 
-def _configs(config, depth: int = 0) -> list:
+def _configs(config: Any, depth: int = 0) -> list[Any]:
     """`config` and every sub-config under it (text_config, vision_config, thinker_config.text_config...)."""
     if config is None or depth > 3:
         return []
@@ -94,8 +99,8 @@ def _configs(config, depth: int = 0) -> list:
     return out
 
 
-def _declared_chains(walk, name: str, plan: dict) -> list[Chain]:
-    by_container: dict[str, tuple[set, set]] = {}
+def _declared_chains(walk: ModelWalk, name: str, plan: dict[str, str]) -> list[Chain]:
+    by_container: dict[str, tuple[set[str], set[str]]] = {}
     for key, style_name in plan.items():
         spec = STYLE.get(style_name)
         if spec is None or spec.target != "module" or not isinstance(key, str):
@@ -120,7 +125,7 @@ def _declared_chains(walk, name: str, plan: dict) -> list[Chain]:
 class _Blocks:
     """The model's containers and their children by leaf name, with the chains that hold in each."""
 
-    def __init__(self, walk):
+    def __init__(self, walk: ModelWalk) -> None:
         self.children: dict[str, dict[str, str]] = {}
         for fqn in walk.modules:
             if fqn:
@@ -145,7 +150,7 @@ class _Blocks:
         return out
 
 
-def check_layouts(c, assignments, final: dict[str, PlanRule]) -> None:
+def check_layouts(c: Resolution, assignments: list[Assignment], final: dict[str, PlanRule]) -> None:
     """Refuse every module style whose neighbours cannot take or give the layout it needs."""
     if not c.active["tp"]:
         return
@@ -215,7 +220,7 @@ def _consumes_shards_inside(spec: Optional[Style]) -> bool:
     return spec is not None and spec.local_forward and not spec.shards and spec.output is None
 
 
-def _check_chain(c, blocks: _Blocks, container: str, chain: Chain, module_rule) -> set[str]:
+def _check_chain(c: Resolution, blocks: _Blocks, container: str, chain: Chain, module_rule: ModuleRules) -> set[str]:
     """Check one producer -> consumer chain in one container; returns the fqns it accounted for."""
     kids = blocks.children[container]
     consumer_fqn = kids[chain.consumer]
@@ -252,10 +257,11 @@ def _check_chain(c, blocks: _Blocks, container: str, chain: Chain, module_rule) 
             consumer_fqn,
         )
     elif not sharded and _takes(consumer) == SHARDED:
+        assert consumer_rule is not None  # a style that takes a sharded input has a rule
         where, narrow = _mixed_blocks(c, container, consumer_rule.pattern_text)
         c.problems.add(
             LAYOUT_ROWWISE_WITHOUT_SHARDED,
-            f"`{consumer.name}` on {chain.consumer}{where} expects its input sharded, but {names} leave their outputs "
+            f"{_described(consumer)} on {chain.consumer}{where} expects its input sharded, but {names} leave their outputs "
             f"whole (no colwise rule): the first forward fails with mismatched shapes ({assumed})",
             consumer_rule.source.where,
             f"add `{generic_path(container)}.{{{','.join(producers)}}}: colwise` to tp_plan, or write "
@@ -265,9 +271,10 @@ def _check_chain(c, blocks: _Blocks, container: str, chain: Chain, module_rule) 
     elif sharded:
         _check_norms(c, blocks, container, producers, module_rule, assumed)
     if _gives(consumer) == SHARDED:
+        assert consumer_rule is not None  # a style that gives a sharded output has a rule
         c.problems.add(
             LAYOUT_SHARDED_INTO_REPLICATED,
-            f"`{consumer.name}` leaves the output of {chain.consumer} sharded, but it goes back to the residual "
+            f"{_described(consumer)} leaves the output of {chain.consumer} sharded, but it goes back to the residual "
             f"stream, which every module of the next block reads whole ({assumed})",
             consumer_rule.source.where,
             f"write `{consumer_rule.pattern_text}: rowwise`",
@@ -287,14 +294,14 @@ def narrowed_pattern(hint: str) -> Optional[str]:
     return m.group(1) if m else None
 
 
-def _mixed_blocks(c, container: str, pattern: str) -> tuple[str, str]:
+def _mixed_blocks(c: Resolution, container: str, pattern: str) -> tuple[str, str]:
     """(" (in Cls, ...)", "; or ...narrowed pattern") when the generic path of `container` holds blocks of more
     than one class (glm5_next's `layers.*.self_attn`: linear attention in some layers, MLA in others): one rule on
     all of them is right for one class only, and the hint names the layers of the others."""
     walk = c.walk
     generic = generic_path(container)
     cls = walk.modules[container].class_name
-    others: dict[str, list[str]] = {}
+    others: dict[str, list[Optional[str]]] = {}
     for fqn in walk.by_generic.get(generic, ()):
         info = walk.modules.get(fqn)
         if info is not None and info.class_name != cls:
@@ -312,7 +319,9 @@ def _mixed_blocks(c, container: str, pattern: str) -> tuple[str, str]:
     return where, narrow
 
 
-def _check_norms(c, blocks: _Blocks, container: str, producers: dict, module_rule, assumed: str) -> None:
+def _check_norms(
+    c: Resolution, blocks: _Blocks, container: str, producers: dict[str, str], module_rule: ModuleRules, assumed: str
+) -> None:
     """A norm in the container whose weight spans a producer's whole (now sharded) output would normalize
     each rank's slice as if it were the whole (OLMoE's q_norm over all heads; Qwen3's per-head q_norm is fine)."""
     walk = c.walk
@@ -328,7 +337,7 @@ def _check_norms(c, blocks: _Blocks, container: str, producers: dict, module_rul
         if w is None or len(w.shape) != 1:
             continue
         over = [p for p, width in widths.items() if width == w.shape[0] and width % c.tp == 0]
-        head_dim = _config_attr(walk.config, "head_dim")
+        head_dim = config_attr(walk.config, "head_dim")
         if over and w.shape[0] != head_dim:
             c.problems.add(
                 LAYOUT_NORM_OVER_SHARDED,
@@ -341,7 +350,9 @@ def _check_norms(c, blocks: _Blocks, container: str, producers: dict, module_rul
             )
 
 
-def _check_module_vs_parameters(c, assignments, final, module_rule) -> None:
+def _check_module_vs_parameters(
+    c: Resolution, assignments: list[Assignment], final: dict[str, PlanRule], module_rule: ModuleRules
+) -> None:
     """A parameter rule that splits its tensor differently from its module's style: the module's forward
     would compute on a tensor laid out the way it does not expect."""
     walk = c.walk
@@ -352,7 +363,7 @@ def _check_module_vs_parameters(c, assignments, final, module_rule) -> None:
         mrule = module_rule.get(owner)
         mspec = _style(mrule)
         pspec = STYLE.get(a.style)
-        if mspec is None or pspec is None or mspec.experts_mode or (mspec.local_forward and not mspec.shards):
+        if mrule is None or mspec is None or pspec is None or mspec.experts_mode or (mspec.local_forward and not mspec.shards):
             continue  # experts styles and local_params/all_reduce leave each parameter to its own rule
         ndim = len(walk.params[a.fqn].shape)
         if (mspec.placement(ndim), mspec.packed, mspec.mesh) == (pspec.placement(ndim), pspec.packed, pspec.mesh):

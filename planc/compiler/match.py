@@ -7,21 +7,24 @@ rule of its own inherits its module's TP style, as in transformers.
 
 from __future__ import annotations
 
+from typing import Literal, Optional
+
 import difflib
 
-from planc.compiler import checks
+from planc.compiler.checks import shards, targets
 from planc.compiler.compiled import Assignment
 from planc.compiler.context import (
     CONFLICTING_RULES,
     UNMATCHED_RULE,
     PlanRule,
     source_rule,
+    Resolution,
 )
 from planc.spec.patterns import Pattern
 from planc.spec.styles import ALL_STYLES, EXPERTS_MODULE_STYLES, PARAMETER_STYLES
 
 
-def collect_rules(c) -> None:
+def collect_rules(c: Resolution) -> None:
     for table in ("tp_plan", "ep_plan"):
         for pattern_text, style in getattr(c.plan, table).items():
             rule = PlanRule(
@@ -29,10 +32,10 @@ def collect_rules(c) -> None:
             )
             c.rules.append(rule)
             rule.pattern = Pattern(pattern_text)  # lint (PLC300) has refused invalid patterns
-            checks.check_style(c, rule)
+            targets.check_style(c, rule)
 
 
-def match_rules(c) -> None:
+def match_rules(c: Resolution) -> None:
     generics = [(g.split("."), fqns) for g, fqns in c.walk.by_generic.items()]
     for rule in c.rules:
         if rule.pattern is None:
@@ -47,7 +50,8 @@ def match_rules(c) -> None:
         check_matched(c, rule)
 
 
-def check_matched(c, rule: PlanRule) -> None:
+def check_matched(c: Resolution, rule: PlanRule) -> None:
+    assert rule.pattern is not None  # parsed by collect_rules
     alts = rule.pattern.alternatives
     missing = [".".join(a) for a, n in zip(alts, rule.per_alternative) if n == 0]
     if not missing:
@@ -68,7 +72,7 @@ def check_matched(c, rule: PlanRule) -> None:
         )
 
 
-def suggest(c, text: str) -> list[str]:
+def suggest(c: Resolution, text: str) -> list[str]:
     candidates = list(c.walk.by_generic)
     # The commonest mistake: the base-model prefix is missing (transformers' config plans have none).
     out = [cand for cand in candidates if cand.endswith("." + text)]
@@ -78,7 +82,11 @@ def suggest(c, text: str) -> list[str]:
     return out[:3]
 
 
-def table_maps(c) -> dict[str, dict[str, PlanRule]]:
+# "tp" / "ep" -> target fqn -> the rule that gives it its style
+TableMaps = dict[str, dict[str, PlanRule]]
+
+
+def table_maps(c: Resolution) -> TableMaps:
     maps: dict[str, dict[str, PlanRule]] = {"tp": {}, "ep": {}}
     for rule in c.rules:
         if rule.style not in ALL_STYLES:
@@ -97,11 +105,11 @@ def table_maps(c) -> dict[str, dict[str, PlanRule]]:
                     "keep one rule per target: narrow one pattern, or delete one of the two rules",
                     fqn,
                 )
-        checks.check_targets(c, rule)
+        targets.check_targets(c, rule)
     return maps
 
 
-def find_ep_experts(c, maps) -> set[str]:
+def find_ep_experts(c: Resolution, maps: TableMaps) -> set[str]:
     """The experts modules that ep_plan shards by expert (none while ep_size is 1)."""
     if not c.active["ep"]:
         return set()
@@ -112,7 +120,7 @@ def find_ep_experts(c, maps) -> set[str]:
     }
 
 
-def expand(c, maps, ep_experts: set[str]) -> tuple[list[Assignment], dict[str, PlanRule]]:
+def expand(c: Resolution, maps: TableMaps, ep_experts: set[str]) -> tuple[list[Assignment], dict[str, PlanRule]]:
     """Concrete assignments in module order, each module's parameters before the module."""
     walk, active = c.walk, c.active
     tp_map = maps["tp"] if active["tp"] else {}
@@ -120,11 +128,11 @@ def expand(c, maps, ep_experts: set[str]) -> tuple[list[Assignment], dict[str, P
     out: list[Assignment] = []
     final: dict[str, PlanRule] = {}
 
-    def style_in(table_map, fqn, owner):
+    def style_in(table_map: dict[str, PlanRule], fqn: str, owner: Optional[str]) -> tuple[Optional[PlanRule], bool]:
         r = table_map.get(fqn)
         if r is not None:
             return r, False
-        weight = checks.block_scale_weight(walk, fqn)
+        weight = shards.block_scale_weight(walk, fqn)
         r = table_map.get(weight) if weight is not None else None
         if r is not None:  # a block scale (`weight_scale_inv`) is sharded with its weight, like it
             return r, True
@@ -134,7 +142,9 @@ def expand(c, maps, ep_experts: set[str]) -> tuple[list[Assignment], dict[str, P
         return None, False
 
     for mname, minfo in walk.modules.items():
-        targets = [(p, "parameter", mname) for p in minfo.params] + ([(mname, "module", None)] if mname else [])
+        targets: list[tuple[str, Literal["parameter", "module"], Optional[str]]] = [
+            (p, "parameter", mname) for p in minfo.params
+        ] + ([(mname, "module", None)] if mname else [])
         for fqn, target, owner in targets:
             tr, t_inh = style_in(tp_map, fqn, owner)
             er, e_inh = style_in(ep_map, fqn, owner)
@@ -155,11 +165,11 @@ def expand(c, maps, ep_experts: set[str]) -> tuple[list[Assignment], dict[str, P
     return out, final
 
 
-def _match_alt(alt: tuple, segs: list) -> bool:
+def _match_alt(alt: tuple[str, ...], segs: list[str]) -> bool:
     return len(alt) == len(segs) and all(a == "*" or a == s for a, s in zip(alt, segs))
 
 
-def _match_generic(alt: tuple, gsegs: list, fqns: list) -> list:
+def _match_generic(alt: tuple[str, ...], gsegs: list[str], fqns: list[str]) -> list[str]:
     """The concrete `fqns` of generic path `gsegs` that alternative `alt` matches.
 
     All of them, unless `alt` names a layer index (`model.layers.7.mlp`) where the generic path has `*`:

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from planc.compiler.compiled import CompiledPlan, CompileProblem
+from planc.lint.diagnostic import Diagnostic
 from planc.compiler.context import DEVICE_MEMORY
-from planc.compiler.render import human_bytes
+from planc.compiler.units import human_bytes
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -43,7 +44,7 @@ class Budget:
         return sum(n for _, n in self.hold)
 
     def render(self) -> str:
-        def line(label, items):
+        def line(label: str, items: Iterable[tuple[str, int]]) -> str:
             parts = ", ".join(f"{dtype} {human_bytes(n, 1)}" for dtype, n in items)
             return f"  {label}: {human_bytes(sum(n for _, n in items), 2)} per rank ({parts})"
 
@@ -61,9 +62,9 @@ class Budget:
         return "\n".join(lines)
 
 
-def read_per_rank(compiled: CompiledPlan, reads: Iterable[tuple[str, str, tuple, int]]) -> tuple[tuple[str, int], ...]:
+def read_per_rank(compiled: CompiledPlan, reads: Iterable[tuple[str, str, tuple[int, ...], int]]) -> tuple[tuple[str, int], ...]:
     """Bytes per rank by checkpoint dtype, from `(model parameter, checkpoint dtype, parameter shape, bytes)`."""
-    from planc.compiler.bytes import shard_divisor
+    from planc.compiler.accounting import shard_divisor
 
     styles = {a.fqn: a.style for a in compiled.assignments if a.target == "parameter"}
     p = compiled.parallel
@@ -74,11 +75,13 @@ def read_per_rank(compiled: CompiledPlan, reads: Iterable[tuple[str, str, tuple,
     return tuple(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def budget(compiled: CompiledPlan, device_memory: Optional[int] = None, read=None) -> Budget:
+def budget(
+    compiled: CompiledPlan, device_memory: Optional[int] = None, read: Optional[tuple[tuple[str, int], ...]] = None
+) -> Budget:
     return Budget(compiled.bytes_per_rank_by_dtype, read, device_memory)
 
 
-def budget_problems(compiled: CompiledPlan, device_memory: int, where: str) -> list[CompileProblem]:
+def budget_problems(compiled: CompiledPlan, device_memory: int, where: str) -> list[Diagnostic]:
     """PLC660 when this rank's parameters alone exceed `device_memory`, with what would fit."""
     need = compiled.bytes_per_rank
     if need <= device_memory:

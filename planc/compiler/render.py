@@ -7,26 +7,23 @@ chosen; then what stays replicated and the per-rank total.
 
 from __future__ import annotations
 
-from planc.compiler.compiled import CompiledPlan
+from typing import TYPE_CHECKING, Any
+
+from planc.compiler.units import human_bytes
 from planc.compiler.walk import generic_path
 
-
-def human_bytes(n: float, digits: int = 2) -> str:
-    """`1536` -> `1.50 KiB` (whole bytes below 1 KiB; `digits` decimals above)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{int(n)} B" if unit == "B" else f"{n:.{digits}f} {unit}"
-        n /= 1024
-    return f"{n:.{digits}f} TiB"
+if TYPE_CHECKING:  # annotations only: compiled.py imports this module for CompiledPlan.__str__
+    from planc.compiler.compiled import CompiledPlan, ExpertsAssignment
 
 
-def _group_experts(compiled: CompiledPlan) -> list[tuple[str, int, object]]:
+def _group_experts(compiled: CompiledPlan) -> list[tuple[str, int, ExpertsAssignment]]:
     """Experts modules folded by (generic path, strategy, sizes): one line per kind, not per layer."""
-    groups: dict[tuple, list] = {}
+    groups: dict[tuple[object, ...], tuple[int, ExpertsAssignment]] = {}
     for e in compiled.experts:
         key = (generic_path(e.fqn), e.mode, e.strategy, e.num_experts, e.num_local_experts)
-        groups.setdefault(key, [0, e])[0] += 1
-    return [(k[0], n, e) for k, (n, e) in groups.items()]
+        n, first = groups.get(key, (0, e))
+        groups[key] = (n + 1, first)
+    return [(str(k[0]), n, e) for k, (n, e) in groups.items()]
 
 
 def training_text(compiled: CompiledPlan) -> str:
@@ -114,7 +111,7 @@ def render_text(compiled: CompiledPlan) -> str:
     return "\n".join(lines)
 
 
-def json_data(compiled: CompiledPlan) -> dict:
+def json_data(compiled: CompiledPlan) -> dict[str, Any]:
     """The canonical form plus the explain-only numbers (coverage, replicated groups, warnings), for `--format json`."""
     data = compiled.to_json()
     data["fingerprint"] = compiled.fingerprint

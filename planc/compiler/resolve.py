@@ -7,29 +7,31 @@ the concrete module paths, and reported together in one CompileError whose probl
 the plan line and what to write instead. Reads the model by duck typing (see `walk.py`); no torch.
 
 `Resolver.run` is the whole pipeline, read top to bottom; each pass lives in its own module:
-`match` (patterns -> targets, order, inheritance), `checks` (model-aware refusals), `layout` (the
-activation layouts through each block), `bytes` (bytes per rank, coverage, warnings).
+`match` (patterns -> targets, order, inheritance), `checks` (model-aware refusals, one module per
+concern), `experts_assignments` (the EP strategy and each experts module), `layout` (the activation
+layouts through each block), `accounting` (bytes per rank, coverage, warnings).
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from planc.compiler import bytes as accounting
-from planc.compiler import checks, layout, match
+from planc.compiler import accounting, layout, match
+from planc.compiler.checks import forwards, shards, targets
+from planc.compiler.experts_assignments import experts_assignments, resolve_strategy
 from planc.compiler.compiled import CompiledPlan
-from planc.compiler.context import *  # noqa: F401,F403 - the problem codes, re-exported for callers and tests
 from planc.compiler.context import PlanRule, Problems, key_where
 from planc.compiler.walk import ModelWalk, walk_model
 from planc.errors import CompileError
 from planc.lint.diagnostic import Diagnostic
+from planc.spec.load import LoadedPlan
 from planc.spec.sizes import Sizes, sizes_hint, solve_sizes
 
 
 class Resolver:
     """The state the passes share: the loaded plan, the model walk, the rules, the problems."""
 
-    def __init__(self, loaded, walk: ModelWalk, *, suggest_sizes: bool = True):
+    def __init__(self, loaded: LoadedPlan, walk: ModelWalk, *, suggest_sizes: bool = True) -> None:
         self.loaded = loaded
         self.plan = loaded.plan
         self.walk = walk
@@ -40,6 +42,7 @@ class Resolver:
         self.problems = Problems()
         self.warnings: list[Diagnostic] = []
         self.rules: list[PlanRule] = []
+        self.by_dtype: dict[str, int] = {}  # filled by the accounting pass
         self._suggest = suggest_sizes
         self._hint: Optional[str] = None
 
@@ -55,7 +58,7 @@ class Resolver:
 
     def _solve(self, world: int, need_ep: bool, limit: int = 3) -> list[Sizes]:
         p = self.parallel
-        experts = [m.experts.num_experts for m in self.walk.experts]
+        experts = [m.experts.num_experts for m in self.walk.experts if m.experts is not None]
         current = Sizes(p.tp_size, p.ep_size, p.dp_size)
         return solve_sizes(
             world,
@@ -89,24 +92,24 @@ class Resolver:
         return f"no expert-parallel sizes on {world} ranks pass the other checks; " + ", or ".join(parts)
 
     def run(self) -> CompiledPlan:
-        checks.check_sizes(self)
+        targets.check_sizes(self)
         if self.problems:  # sizes that do not fit make every later problem moot: report them alone
             raise CompileError(self.problems.build())
-        checks.check_model_type(self)
+        targets.check_model_type(self)
         match.collect_rules(self)
         match.match_rules(self)
         maps = match.table_maps(self)
         ep_experts = match.find_ep_experts(self, maps)
         assignments, final = match.expand(self, maps, ep_experts)
-        checks.check_tied(self, final)
-        checks.check_shards(self, assignments, final)
-        checks.check_block_grid(self, assignments, final)
-        checks.check_bare_parameters(self, assignments, final)
-        checks.check_dense_experts(self, final)
-        checks.check_experts_implementation(self, key_where(self.loaded, ("experts", "implementation")))
+        targets.check_tied(self, final)
+        shards.check_shards(self, assignments, final)
+        shards.check_block_grid(self, assignments, final)
+        forwards.check_bare_parameters(self, assignments, final)
+        forwards.check_dense_experts(self, final)
+        forwards.check_experts_implementation(self, key_where(self.loaded, ("experts", "implementation")))
         layout.check_layouts(self, assignments, final)
-        strategy = checks.resolve_strategy(self, ep_experts)
-        experts = checks.experts_assignments(self, final, strategy)
+        strategy = resolve_strategy(self, ep_experts)
+        experts = experts_assignments(self, final, strategy)
         total, sharded, replicated, per_rule_bytes, replicated_groups = accounting.account(self, final)
         if self.problems:
             raise CompileError(self.problems.build())
@@ -131,7 +134,7 @@ class Resolver:
         )
 
 
-def with_sizes(loaded, sizes: Sizes):
+def with_sizes(loaded: LoadedPlan, sizes: Sizes) -> LoadedPlan:
     """`loaded` with its `parallel` replaced (positions kept): what the plan would be under other sizes."""
     import dataclasses
 
@@ -155,7 +158,7 @@ def sizes_for_world(plan: Any, model: Any, world: int, limit: int = 3) -> list[S
     loaded = _load(plan)
     r = Resolver(loaded, walk_model(model), suggest_sizes=False)
     p = r.parallel
-    experts = [m.experts.num_experts for m in r.walk.experts]
+    experts = [m.experts.num_experts for m in r.walk.experts if m.experts is not None]
     need_ep = p.ep_size > 1 and bool(r.plan.ep_plan)
     return solve_sizes(
         world,
@@ -167,7 +170,7 @@ def sizes_for_world(plan: Any, model: Any, world: int, limit: int = 3) -> list[S
     )
 
 
-def _load(plan):
+def _load(plan: Any) -> LoadedPlan:
     from planc.lint.load import load_plan
     from planc.spec.load import LoadedPlan
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 import re
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional
+from typing import Any, Literal, NamedTuple, Optional, Union
 
 _NUMERIC = re.compile(r"^\d+$")
 
@@ -36,6 +36,10 @@ class ParamInfo(NamedTuple):  # NamedTuple: thousands per walk, 3x cheaper to bu
     tensor_id: int  # identity of the tensor, to find tied parameters (never stored in the CompiledPlan)
 
 
+# How an experts module's forward takes its tokens (see ExpertsInfo.dispatch).
+Dispatch = Literal["routed", "dense"]
+
+
 @dataclass(frozen=True)
 class ExpertsInfo:
     """An experts module under transformers' experts contract."""
@@ -49,7 +53,7 @@ class ExpertsInfo:
     top_k: Optional[int]
     # "routed": forward(hidden_states, top_k_index, top_k_weights), transformers' contract. "dense": forward(hidden_states)
     # on every token pre-scaled by its router score, each expert on all tokens (Llama 4): TP only, no EP dispatch.
-    dispatch: str = "routed"
+    dispatch: Dispatch = "routed"
 
 
 class ModuleInfo(NamedTuple):
@@ -60,7 +64,7 @@ class ModuleInfo(NamedTuple):
     generic: str = ""  # `model.layers.*.mlp`
     # (head_dim, v_head_dim) read from the module itself (attention modules): per-layer configs (gemma4)
     # have no single global head_dim, and MLA attention has a v_head_dim of its own.
-    head_dims: Optional[tuple] = None
+    head_dims: Optional[tuple[Optional[int], Optional[int]]] = None
 
 
 @dataclass
@@ -82,10 +86,10 @@ class ModelWalk:
         return [m for m in self.modules.values() if m.experts is not None]
 
 
-_DTYPE_NAMES: dict = {}
+_DTYPE_NAMES: dict[Any, str] = {}
 
 
-def _dtype_name(p) -> str:
+def _dtype_name(p: Any) -> str:
     dtype = getattr(p, "dtype", "unknown")
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
@@ -93,7 +97,7 @@ def _dtype_name(p) -> str:
     return name
 
 
-def _nbytes(p) -> int:
+def _nbytes(p: Any) -> int:
     numel = int(p.numel())
     size = getattr(p, "element_size", None)
     if callable(size):
@@ -101,48 +105,51 @@ def _nbytes(p) -> int:
     return numel * int(getattr(getattr(p, "dtype", None), "itemsize", 4))
 
 
-_CONTRACT_CACHE: dict[type, bool] = {}
+_CONTRACT_CACHE: dict[type, Union[Dispatch, Literal[False]]] = {}
 
 
-def _has_experts_forward(module):
+def _has_experts_forward(module: Any) -> Union[Dispatch, Literal[False]]:
     """"routed" for `forward(hidden_states, top_k_index, top_k_weights)` (three positional inputs after self;
     gpt_oss names the last two `router_indices`/`routing_weights`, so their names are not checked), "dense" for
     `forward(hidden_states)` alone, else False.
     """
     cls = type(module)
-    hit = _CONTRACT_CACHE.get(cls)
-    if hit is None:
-        hit = False
-        fwd = getattr(cls, "forward", None)
-        if fwd is not None:
-            try:
-                sig = inspect.signature(fwd)
-            except (TypeError, ValueError):
-                sig = None
-            if sig is not None:
-                names = [
-                    n
-                    for n, p in sig.parameters.items()
-                    if n != "self" and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-                ]
-                if names and names[0] == "hidden_states":
-                    hit = "routed" if len(names) >= 3 else ("dense" if len(names) == 1 else False)
-        _CONTRACT_CACHE[cls] = hit
+    cached = _CONTRACT_CACHE.get(cls)
+    if cached is not None:
+        return cached
+    hit: Union[Dispatch, Literal[False]] = False
+    fwd = getattr(cls, "forward", None)
+    try:
+        sig = inspect.signature(fwd) if fwd is not None else None
+    except (TypeError, ValueError):
+        sig = None
+    if sig is not None:
+        names = [
+            n for n, p in sig.parameters.items() if n != "self" and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        if names and names[0] == "hidden_states":
+            hit = "routed" if len(names) >= 3 else ("dense" if len(names) == 1 else False)
+    _CONTRACT_CACHE[cls] = hit
     return hit
 
 
-def _config_int(config, *names) -> Optional[int]:
+def config_attr(config: Any, name: str) -> Any:
+    """getattr that tolerates per-layer configs, which raise for a global attribute (gemma4)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - such configs raise their own error type
+        return None
+
+
+def _config_int(config: Any, *names: str) -> Optional[int]:
     for n in names:
-        try:
-            v = getattr(config, n, None)
-        except Exception:  # noqa: BLE001 - per-layer configs raise for global attributes (gemma4)
-            continue
+        v = config_attr(config, n)
         if isinstance(v, int) and not isinstance(v, bool):
             return v
     return None
 
 
-def _experts_info(module, own: dict[str, ParamInfo], config) -> Optional[ExpertsInfo]:
+def _experts_info(module: Any, own: dict[str, ParamInfo], config: Any) -> Optional[ExpertsInfo]:
     local = {p.name: p for p in own.values()}
     if "down_proj" not in local or not ("gate_up_proj" in local or "up_proj" in local):
         return None
@@ -179,7 +186,7 @@ def _experts_info(module, own: dict[str, ParamInfo], config) -> Optional[Experts
     )
 
 
-def _head_dims(module) -> Optional[tuple]:
+def _head_dims(module: Any) -> Optional[tuple[Optional[int], Optional[int]]]:
     """(head_dim, v_head_dim) of an attention module (one with a q_proj or q_b_proj child), from the module."""
     children = getattr(module, "_modules", None)
     if not isinstance(children, dict) or not ({"q_proj", "q_b_proj", "o_proj"} & set(children)):
@@ -191,7 +198,7 @@ def _head_dims(module) -> Optional[tuple]:
     return (hd, vd) if hd or vd else None
 
 
-def can_switch_experts(model_class) -> Optional[bool]:
+def can_switch_experts(model_class: Any) -> Optional[bool]:
     """transformers' `_can_set_experts_implementation()` of a model class: whether its experts class takes the
     kernels (`grouped_mm`, Mega MoE) or runs only its own forward. None when the class has no such method."""
     can = getattr(model_class, "_can_set_experts_implementation", None)
@@ -203,7 +210,7 @@ def can_switch_experts(model_class) -> Optional[bool]:
         return False
 
 
-def walk_model(model) -> ModelWalk:
+def walk_model(model: Any) -> ModelWalk:
     """Snapshot `model` (an nn.Module or anything with the methods listed above); reads only."""
     if not all(callable(getattr(model, m, None)) for m in ("named_modules", "named_parameters")):
         raise TypeError(

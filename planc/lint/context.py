@@ -11,7 +11,7 @@ from typing import Any, Iterator, Optional
 
 from planc.lint.diagnostic import Diagnostic
 from planc.spec.patterns import MAX_ALTERNATIVES, Pattern, PatternError, try_pattern
-from planc.spec.source import Position, nearest_key_position
+from planc.spec.source import KeyPath, Position, nearest_key_position
 
 TABLES = ("tp_plan", "ep_plan")
 
@@ -22,26 +22,28 @@ MAX_PLAN_ALTERNATIVES = 4 * MAX_ALTERNATIVES
 
 @dataclass
 class LintContext:
-    data: dict  # merged document (extends resolved), plain data
+    data: dict[str, Any]  # merged document (extends resolved), plain data
     plan: Any  # planc.spec.model.Plan, or None when validation failed
     path: Optional[str]
-    key_positions: dict
-    value_positions: dict
-    _patterns: Optional[dict] = field(default=None, repr=False, compare=False)
+    key_positions: dict[KeyPath, Position]
+    value_positions: dict[KeyPath, Position]
+    _patterns: Optional[dict[tuple[str, str], "Pattern | PatternError"]] = field(default=None, repr=False, compare=False)
 
-    def position(self, keypath) -> Position:
+    def position(self, keypath: KeyPath) -> Position:
         """Position of a key, else of the nearest enclosing key, else the top of the file."""
         return nearest_key_position(self.key_positions, keypath, self.path)
 
-    def value_position(self, keypath) -> Position:
+    def value_position(self, keypath: KeyPath) -> Position:
         pos = self.value_positions.get(tuple(keypath))
         return pos if pos is not None and tuple(keypath) in self.key_positions else self.position(keypath)
 
-    def written(self, keypath) -> bool:
+    def written(self, keypath: KeyPath) -> bool:
         """Whether the key is written in the plan (or a parent it extends), not just a default."""
         return tuple(keypath) in self.key_positions
 
-    def diag(self, code: str, message: str, hint: str, keypath=(), *, at_value: bool = False) -> Diagnostic:
+    def diag(
+        self, code: str, message: str, hint: str, keypath: KeyPath = (), *, at_value: bool = False
+    ) -> Diagnostic:
         from planc.lint.registry import severity_of
 
         pos = self.value_position(keypath) if at_value else self.position(keypath)

@@ -9,7 +9,7 @@ print the same thing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from planc.spec.source import Position
 
@@ -63,7 +63,7 @@ class Diagnostic:
             text += f"\n    module: {one_line(self.module)}"
         return f"{text}\n    hint: {one_line(self.hint)}" if self.hint else text
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "path": self.path,
             "line": self.line,
@@ -75,7 +75,7 @@ class Diagnostic:
             **({"module": self.module} if self.module else {}),
         }
 
-    def sort_key(self) -> tuple:
+    def sort_key(self) -> tuple[str, int, int, str, str]:
         return (self.path or "", self.line, self.col, self.code, self.message)
 
     def __str__(self) -> str:

@@ -12,9 +12,16 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 from planc.lint.diagnostic import ERROR
+
+if TYPE_CHECKING:
+    from planc.lint.context import LintContext
+    from planc.lint.diagnostic import Diagnostic
+
+# A rule's check: the diagnostics it finds in one plan.
+Check = Callable[["LintContext"], Iterable["Diagnostic"]]
 
 # Families, in the order `planc rules` lists them: loader and lint rules, then the rules the compiler
 # emits (`compile`, `layout`; documented and exampled here, checked in planc.compiler).
@@ -35,21 +42,21 @@ class Rule:
     name: str  # kebab-case, stable too (`planc rules NAME` works as well)
     title: str  # one line
     doc: str  # why it matters and what to write instead
-    check: Optional[Callable] = None  # (LintContext) -> Iterable[Diagnostic]; None: emitted by the loader
+    check: Optional[Check] = None  # None: emitted by the loader
     severity: str = ERROR
     family: str = ""
     needs_plan: bool = True  # skip when the document does not validate (the check reads ctx.plan)
     bad: Optional[str] = None  # example plan that triggers the rule
     good: Optional[str] = None  # the same plan, fixed
     # compile rules: config overrides of the tiny model of the example's `model.type` (tests compile against it)
-    config: Optional[dict] = None
+    config: Optional[dict[str, Any]] = None
 
 
 def rule(code: str, name: str, title: str, *, severity: str = ERROR, needs_plan: bool = True,
-         bad: Optional[str] = None, good: Optional[str] = None, doc: Optional[str] = None):
+         bad: Optional[str] = None, good: Optional[str] = None, doc: Optional[str] = None) -> Callable[[Check], Check]:
     """Register a check function (its docstring is the rule's doc)."""
 
-    def deco(fn: Callable) -> Callable:
+    def deco(fn: Check) -> Check:
         register(Rule(code, name, title, doc or _dedent(fn.__doc__ or ""), fn, severity,
                       fn.__module__.rsplit("rules_", 1)[-1], needs_plan, bad, good))
         return fn

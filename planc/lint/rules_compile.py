@@ -2,13 +2,15 @@
 
 These rules have no lint check: the compiler emits them (`planc.compiler`), because they need the
 model. They live in the one registry so `planc rules PLC601` and docs/lint.md know them, and each
-carries a failing and a passing plan that `tests/compile/test_rule_examples.py` compiles against the
+carries a failing and a passing plan that `tests/compiler/test_rule_examples.py` compiles against the
 tiny random model of the plan's `model.type` (with `config` overrides where the rule needs them).
 Codes are stable: PLC604, PLC614, PLC618, PLC619 and PLC620 are retired, because the plans that
 reached them now go through lint (PLC406, PLC400-402, PLC311/312, PLC300, PLC500/501) first.
 """
 
 from __future__ import annotations
+
+from typing import Any, Optional
 
 from planc.lint.diagnostic import WARNING
 from planc.lint.registry import Rule, register
@@ -65,7 +67,18 @@ _V4 = "version: 1\nmodel: {type: deepseek_v4}\nparallel: {tp_size: 2, ep_size: 2
 _V4_EP = _EP + "experts:\n  implementation: deepgemm_megamoe\n  megamoe: {backend: reference, quantize: fp4}\n"
 
 
-def _compile_rule(code, name, title, doc, bad, good, *, family="compile", severity="error", config=None):
+def _compile_rule(
+    code: str,
+    name: str,
+    title: str,
+    doc: str,
+    bad: str,
+    good: str,
+    *,
+    family: str = "compile",
+    severity: str = "error",
+    config: Optional[dict[str, Any]] = None,
+) -> None:
     register(Rule(code, name, title, doc, None, severity, family, True, bad, good, config=config))
 
 
@@ -305,6 +318,6 @@ register(Rule(
     DEVICE_MEMORY, "shard-exceeds-device-memory", "each rank's parameters alone exceed the device memory",
     "With a device memory budget (`planc explain --device-memory 141GiB`, or `planc.load`, which knows its "
     "device), the compiler refuses a plan whose per-rank parameters cannot fit, and names sizes or FP8 weights "
-    "that would. It needs the budget, so its examples are the explain runs of tests/compile/test_memory_budget.py.",
+    "that would. It needs the budget, so its examples are the explain runs of tests/compiler/test_memory_budget.py.",
     family="compile",
 ))

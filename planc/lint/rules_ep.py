@@ -6,9 +6,15 @@ and `planc.compile` accept and reject exactly the same settings, with the same m
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Iterator, Optional
+
+from planc.lint.context import LintContext
+from planc.lint.diagnostic import WARNING, Diagnostic
 from planc.lint.registry import rule
-from planc.lint.diagnostic import WARNING
-from planc.spec.patterns import PatternError
+from planc.spec.patterns import Pattern, PatternError
+
+if TYPE_CHECKING:
+    from planc.spec.ep import EPResolutionError
 
 MEGAMOE_OTHER_EP = "PLC400"
 MEGAMOE_EP_OTHER_EXPERTS = "PLC401"
@@ -25,7 +31,7 @@ _EP = (
 )
 
 
-def _resolution(ctx):
+def _resolution(ctx: LintContext) -> Optional[tuple[str, EPResolutionError]]:
     """(code, EPResolutionError) when resolve_ep refuses the plan's experts settings, else None."""
     from planc.spec.ep import EPResolutionError, resolve_ep
 
@@ -41,7 +47,7 @@ def _resolution(ctx):
     return None
 
 
-def _emit(ctx, code):
+def _emit(ctx: LintContext, code: str) -> Iterator[Diagnostic]:
     found = _resolution(ctx)
     if found is None or found[0] != code:
         return
@@ -59,7 +65,7 @@ def _emit(ctx, code):
     good=_TOP + "parallel: {tp_size: 8, ep_size: 8}\n"
     "experts: {implementation: deepgemm_megamoe, ep_implementation: auto}\n" + _EP,
 )
-def check_megamoe_other_ep(ctx):
+def check_megamoe_other_ep(ctx: LintContext) -> Iterator[Diagnostic]:
     """`experts.implementation: deepgemm_megamoe` is a fused kernel that does its own dispatch and
     combine over the EP group; it runs only under the MegaMoeEP strategy. Write
     `ep_implementation: auto` (which resolves to it) or `deepgemm_megamoe`."""
@@ -74,7 +80,7 @@ def check_megamoe_other_ep(ctx):
     good=_TOP + "parallel: {tp_size: 8, ep_size: 8}\n"
     "experts: {implementation: deepgemm_megamoe, ep_implementation: deepgemm_megamoe}\n" + _EP,
 )
-def check_megamoe_ep_other_experts(ctx):
+def check_megamoe_ep_other_experts(ctx: LintContext) -> Iterator[Diagnostic]:
     """The MegaMoeEP strategy calls the Mega MoE kernel: it needs
     `experts.implementation: deepgemm_megamoe`. For other experts pick `auto`, `all_to_all` or
     `all_reduce`."""
@@ -89,7 +95,7 @@ def check_megamoe_ep_other_experts(ctx):
     good=_TOP + "parallel: {tp_size: 4, ep_size: 8, dp_size: 2}\n"
     "experts: {implementation: grouped_mm, ep_implementation: all_to_all}\n" + _EP,
 )
-def check_shared_batch(ctx):
+def check_shared_batch(ctx: LintContext) -> Iterator[Diagnostic]:
     """`all_reduce` and `deepgemm_megamoe` (written, or what `auto` resolves to for Mega MoE experts)
     need every rank of the EP group to hold the same batch, which is the case only when the EP group
     is the TP group (`ep_size == tp_size`). Otherwise use `all_to_all` (or `auto`, which then picks
@@ -104,7 +110,7 @@ def check_shared_batch(ctx):
     good=_TOP + "parallel: {tp_size: 8, ep_size: 8}\n"
     "experts:\n  implementation: deepgemm_megamoe\n  megamoe: {backend: reference}\n" + _EP,
 )
-def check_megamoe_block(ctx):
+def check_megamoe_block(ctx: LintContext) -> Iterator[Diagnostic]:
     """The `experts.megamoe` settings (backend, buffer size, clamp, quantization) only apply to
     `implementation: deepgemm_megamoe`; with other experts they would be ignored silently."""
     experts = ctx.plan.experts
@@ -117,7 +123,7 @@ def check_megamoe_block(ctx):
         )
 
 
-def _dispatch_rules(ctx):
+def _dispatch_rules(ctx: LintContext) -> list[str]:
     return [p for p, s in ctx.table("ep_plan") if s == "ep_dispatch_experts"]
 
 
@@ -127,7 +133,7 @@ def _dispatch_rules(ctx):
     "ep_plan:\n  model.layers.*.mlp.experts.{gate_up_proj,down_proj}: grouped_gemm\n",
     good=_TOP + "parallel: {tp_size: 2, ep_size: 2}\n" + _EP,
 )
-def check_missing_dispatch(ctx):
+def check_missing_dispatch(ctx: LintContext) -> Iterator[Diagnostic]:
     """With `ep_size > 1` each rank holds only its slice of the experts, so the experts forward must
     be replaced by the EP implementation (`ep_dispatch_experts` on the experts module). Without it
     tokens would be routed to experts the rank does not have."""
@@ -148,7 +154,7 @@ def check_missing_dispatch(ctx):
     bad=_TOP + "parallel: {tp_size: 2}\nep_plan:\n  model.layers.*.mlp.experts: ep_dispatch_experts\n",
     good=_TOP + "parallel: {tp_size: 2, ep_size: 2}\n" + _EP,
 )
-def check_dispatch_without_ep(ctx):
+def check_dispatch_without_ep(ctx: LintContext) -> Iterator[Diagnostic]:
     """With `ep_size: 1` there is no EP group: the rule installs a dispatch over one rank, which
     only costs time. Set `parallel.ep_size`, or remove the rule. A warning: `--strict` fails on it."""
     if ctx.plan.parallel.ep_size == 1:
@@ -161,11 +167,11 @@ def check_dispatch_without_ep(ctx):
             )
 
 
-def _alternatives(parsed):
+def _alternatives(parsed: Pattern | PatternError) -> tuple[tuple[str, ...], ...]:
     return () if isinstance(parsed, PatternError) else parsed.alternatives  # errors: reported by PLC300
 
 
-def _unify(a, b) -> bool:
+def _unify(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
     return len(a) == len(b) and all(x == "*" or y == "*" or x == y for x, y in zip(a, b))
 
 
@@ -176,7 +182,7 @@ def _unify(a, b) -> bool:
     good=_TOP + "parallel: {tp_size: 2, ep_size: 2}\n"
     "tp_plan:\n  model.layers.*.mlp.shared_experts.gate_proj: colwise\n" + _EP,
 )
-def check_tp_on_ep_experts(ctx):
+def check_tp_on_ep_experts(ctx: LintContext) -> Iterator[Diagnostic]:
     """With `ep_size > 1` the experts module named by an `ep_dispatch_experts` rule, and every
     parameter and submodule below it, is sharded over the EP group by `ep_plan`. A `tp_plan` rule
     that can match the same module or one of its parameters would shard it a second time. Remove the

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from planc.lint.context import TABLES
+from typing import Iterator
+
+from planc.lint.context import TABLES, LintContext
+from planc.lint.diagnostic import Diagnostic
 from planc.lint.registry import rule
 from planc.spec.patterns import PatternError
 
@@ -17,7 +20,7 @@ INVALID_PATTERN = "PLC300"
     bad=_HEAD + "  model.layers.*.self_attn.{q,k,v_proj: colwise\n",
     good=_HEAD + "  model.layers.*.self_attn.{q,k,v}_proj: colwise\n",
 )
-def check_patterns(ctx):
+def check_patterns(ctx: LintContext) -> Iterator[Diagnostic]:
     """A pattern is dot-separated segments: `*` is one whole segment, `{a,b}` lists alternatives inside
     a segment. Empty segments (`a..b`), unbalanced or nested braces, `*` inside a name (`q*`) and
     regex or glob characters can never match a module path, so the rule would silently do nothing.

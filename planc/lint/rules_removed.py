@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from planc.lint.context import TABLES
+from typing import Iterator
+
+from planc.lint.context import TABLES, LintContext
+from planc.lint.diagnostic import Diagnostic
 from planc.lint.registry import rule
 from planc.spec.styles import REMOVED_STYLES
 
@@ -24,7 +27,7 @@ _HEAD = "version: 1\nmodel: {type: deepseek_v4}\nparallel: {tp_size: 2, ep_size:
     good=_HEAD + "experts: {implementation: deepgemm_megamoe}\nep_plan:\n"
     "  model.layers.*.mlp.experts: ep_dispatch_experts\n",
 )
-def check_removed(ctx):
+def check_removed(ctx: LintContext) -> Iterator[Diagnostic]:
     """Older plans selected Mega MoE and EP routing through styles. Now the experts rule is always
     `ep_dispatch_experts`, no router rule is needed (the EP implementation remaps expert ids
     itself, and Mega MoE takes global ids), and `experts.implementation: deepgemm_megamoe` selects

@@ -8,12 +8,18 @@ type, bad enum value, out of range) and say what to write instead, with a did-yo
 from __future__ import annotations
 
 import typing
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 
-from planc.lint.context import TABLES
+from planc.lint.context import TABLES, LintContext
 from planc.lint.diagnostic import Diagnostic
 from planc.lint.registry import Rule, register, rule
 from planc.lint.suggest import did_you_mean
+
+if TYPE_CHECKING:  # pydantic is imported when a plan fails validation, not by `import planc.lint`
+    from pydantic import ValidationError
+    from pydantic_core import ErrorDetails
+
+Loc = tuple[Union[int, str], ...]  # a pydantic error location: keys and list indices
 
 MISSING = "PLC100"
 UNKNOWN_KEY = "PLC101"
@@ -78,7 +84,7 @@ _RANGE_TYPES = {"greater_than_equal", "greater_than", "less_than", "less_than_eq
 _KINDS = {int: "a whole number", float: "a number", str: "a string"}  # scalar field types, in words
 
 
-def _where(loc: tuple) -> str:
+def _where(loc: Loc) -> str:
     """`experts.megamoe.backend`, or `tp_plan['model.x']` inside a rule table."""
     out = ""
     for i, part in enumerate(loc):
@@ -91,7 +97,7 @@ def _where(loc: tuple) -> str:
     return out or "the plan"
 
 
-def _unwrap(annotation):
+def _unwrap(annotation: Any) -> Any:
     """Optional[X] -> X."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if typing.get_origin(annotation) is typing.Union and len(args) == 1:
@@ -99,7 +105,7 @@ def _unwrap(annotation):
     return annotation
 
 
-def _model_at(loc: tuple):
+def _model_at(loc: Loc) -> Any:
     """The pydantic model class a location points into (None inside rule tables or scalars)."""
     from pydantic import BaseModel
 
@@ -116,14 +122,14 @@ def _model_at(loc: tuple):
     return model
 
 
-def _field(loc: tuple):
+def _field(loc: Loc) -> Any:
     parent = _model_at(loc[:-1]) if loc else None
     if parent is None or not loc or loc[-1] not in parent.model_fields:
         return None
     return parent.model_fields[loc[-1]]
 
 
-def _choices(loc: tuple) -> Optional[list]:
+def _choices(loc: Loc) -> Optional[list[Any]]:
     info = _field(loc)
     if info is None:
         return None
@@ -136,7 +142,7 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def from_validation(err, ctx) -> list[Diagnostic]:
+def from_validation(err: ValidationError, ctx: LintContext) -> list[Diagnostic]:
     """Diagnostics for a pydantic ValidationError; `ctx` gives positions (a LintContext)."""
     out = []
     for e in err.errors(include_url=False):
@@ -184,7 +190,7 @@ def from_validation(err, ctx) -> list[Diagnostic]:
     return out
 
 
-def _range_hint(loc: tuple, e: dict) -> str:
+def _range_hint(loc: Loc, e: ErrorDetails) -> str:
     if loc and loc[-1] in ("tp_size", "ep_size", "dp_size"):
         return f"write `{loc[-1]}: 1` or more"
     if e.get("type") == "string_too_short":
@@ -193,13 +199,13 @@ def _range_hint(loc: tuple, e: dict) -> str:
     return f"write a value >= {limit}" if limit is not None else "write a value in range"
 
 
-def _type_hint(loc: tuple) -> str:
+def _type_hint(loc: Loc) -> str:
     if len(loc) >= 2 and loc[0] in TABLES:
         return "write `pattern: style` with the style as a plain string, e.g. `model.layers.*.mlp.down_proj: rowwise`"
     if len(loc) == 1 and loc[0] in (*TABLES, "experts", "parallel", "model"):
         return f"`{loc[0]}` is a mapping of keys to values (see docs/plan-format.md)"
     info = _field(loc)
-    ann = _unwrap(info.annotation) if info is not None else None
+    ann: Any = _unwrap(info.annotation) if info is not None else None
     if hasattr(ann, "model_fields"):
         return f"`{_where(loc)}` is a mapping with the keys: {', '.join(ann.model_fields)}"
     if ann in _KINDS:
@@ -212,7 +218,7 @@ def _type_hint(loc: tuple) -> str:
     bad=_BASE + "parallel: {tp_size: \"8\"}\n",
     good=_BASE + "parallel: {tp_size: 8}\n",
 )
-def check_strict_types(ctx):
+def check_strict_types(ctx: LintContext) -> Iterator[Diagnostic]:
     """Sizes are integers, names are strings, `experts`, `parallel`, `tp_plan` and `ep_plan` are
     mappings, `version` is the integer 1. pydantic alone would quietly accept `tp_size: "8"`,
     `tp_size: true` or `version: true` (lax mode); planc rejects them like the JSON Schema does, so
@@ -223,7 +229,7 @@ def check_strict_types(ctx):
     yield from _strict(ctx, Plan, ctx.data, ())
 
 
-def _strict(ctx, model, data, prefix):
+def _strict(ctx: LintContext, model: Any, data: Any, prefix: Loc) -> Iterator[Diagnostic]:
     if not isinstance(data, dict):
         return
     for name, info in model.model_fields.items():

@@ -7,6 +7,10 @@ problems in the file.
 
 from __future__ import annotations
 
+from typing import Iterator
+
+from planc.lint.context import LintContext
+from planc.lint.diagnostic import Diagnostic
 from planc.lint.registry import Rule, register, rule
 from planc.spec.sizes import (
     EP_NOT_DIVIDING_WORLD,
@@ -24,7 +28,7 @@ _EP = (
 )
 
 
-def _problems(ctx, code):
+def _problems(ctx: LintContext, code: str) -> Iterator[Diagnostic]:
     p = ctx.plan.parallel
     for problem in check_sizes(p.tp_size, p.ep_size, p.dp_size):
         if problem.code == code:
@@ -36,7 +40,7 @@ def _problems(ctx, code):
     bad=_TOP + "parallel: {tp_size: 4, ep_size: 6, dp_size: 3}\nexperts: {ep_implementation: all_to_all}\n" + _EP,
     good=_TOP + "parallel: {tp_size: 4, ep_size: 4, dp_size: 3}\nexperts: {ep_implementation: all_to_all}\n" + _EP,
 )
-def check_multiple_of_tp(ctx):
+def check_multiple_of_tp(ctx: LintContext) -> Iterator[Diagnostic]:
     """An EP group is `ep_size` consecutive ranks and must be made of whole TP groups, so that
     every rank of a TP group sees the same experts. `ep_size: 1` (no EP) is always fine."""
     yield from _problems(ctx, EP_NOT_MULTIPLE_OF_TP)
@@ -47,7 +51,7 @@ def check_multiple_of_tp(ctx):
     bad=_TOP + "parallel: {tp_size: 2, ep_size: 4, dp_size: 3}\nexperts: {ep_implementation: all_to_all}\n" + _EP,
     good=_TOP + "parallel: {tp_size: 2, ep_size: 4, dp_size: 4}\nexperts: {ep_implementation: all_to_all}\n" + _EP,
 )
-def check_divides_world(ctx):
+def check_divides_world(ctx: LintContext) -> Iterator[Diagnostic]:
     """The world (`tp_size * dp_size` ranks) is cut into EP groups of `ep_size` ranks; a remainder
     would leave ranks without an EP group."""
     yield from _problems(ctx, EP_NOT_DIVIDING_WORLD)
@@ -58,7 +62,7 @@ def check_divides_world(ctx):
     bad=_TOP + "parallel: {tp_size: 8, ep_size: 8, dp_size: 100000000000}\n" + _EP,
     good=_TOP + "parallel: {tp_size: 8, ep_size: 8, dp_size: 16}\n" + _EP,
 )
-def check_world_size(ctx):
+def check_world_size(ctx: LintContext) -> Iterator[Diagnostic]:
     """`tp_size`, `ep_size`, `dp_size` and the world `tp_size * dp_size` are at most 2**20 (1,048,576)
     ranks, an order of magnitude above the largest clusters: a larger value is a typo. The other size
     rules skip such a plan, so their hints are always computed over a bounded range."""

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Iterator
+
+from planc.lint.context import LintContext
+from planc.lint.diagnostic import Diagnostic
 from planc.lint.registry import rule
 from planc.lint.suggest import did_you_mean
 from planc.spec.styles import ALL_STYLES, EP_STYLES, REMOVED_STYLES, TP_STYLES
@@ -29,7 +33,7 @@ def _known(style: str) -> bool:
     bad=_HEAD + "tp_plan:\n  model.layers.*.self_attn.o_proj: row_wise\n" + _EP,
     good=_HEAD + "tp_plan:\n  model.layers.*.self_attn.o_proj: rowwise\n" + _EP,
 )
-def check_unknown(ctx):
+def check_unknown(ctx: LintContext) -> Iterator[Diagnostic]:
     """Styles are transformers' vocabulary (>= 5.23): `colwise`, `rowwise`, `packed_colwise`,
     `embedding_rowwise`, `grouped_gemm`, `ep_dispatch_experts`, ... (`planc rules PLC310` and
     docs/plan-format.md list them). The hint suggests the closest style valid in that table."""
@@ -48,7 +52,7 @@ def check_unknown(ctx):
     "ep_plan:\n  model.layers.*.mlp.experts.{gate_up_proj,down_proj}: grouped_gemm\n",
     good=_HEAD + _EP,
 )
-def check_ep_in_tp(ctx):
+def check_ep_in_tp(ctx: LintContext) -> Iterator[Diagnostic]:
     """`grouped_gemm` and `ep_dispatch_experts` shard over the EP group, which only `ep_plan` rules
     use. In `tp_plan` they would be sharded over the TP group with the wrong size."""
     for pattern, style in ctx.table("tp_plan"):
@@ -66,7 +70,7 @@ def check_ep_in_tp(ctx):
     good=_HEAD + "tp_plan:\n  model.layers.*.self_attn.{q,k,v}_proj: colwise\n"
     "  model.layers.*.self_attn.o_proj: rowwise\n" + _EP,
 )
-def check_tp_in_ep(ctx):
+def check_tp_in_ep(ctx: LintContext) -> Iterator[Diagnostic]:
     """`ep_plan` takes `grouped_gemm` (experts parameters), `ep_dispatch_experts` (the experts
     module) and `replicate`. Tensor-parallel styles shard over the TP group and belong in `tp_plan`.
     (`moe_tp_experts` in ep_plan is reported by PLC320 with its migration.)"""

@@ -11,21 +11,30 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Union
 
 from planc.lint.context import LintContext
 from planc.lint.diagnostic import ERROR, Diagnostic
 from planc.spec.source import UNREADABLE, Position, SourceDoc, SourceError, parse_yaml, read_text
 
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
+    from planc.spec.load import LoadedPlan
+
 PLAN_SUFFIXES = (".yaml", ".yml")
+
+
+# One path, or several (files and directories).
+PathsArg = Union[str, "os.PathLike[str]", Iterable[Union[str, "os.PathLike[str]"]]]
 
 
 @dataclass
 class CheckResult:
     """Diagnostics of one plan, and the LoadedPlan when it validated (load_plan uses it)."""
 
-    diagnostics: list = field(default_factory=list)
-    loaded: object = None  # planc.spec.load.LoadedPlan | None
+    diagnostics: list[Diagnostic] = field(default_factory=list)
+    loaded: Optional[LoadedPlan] = None
 
 
 def _from_source_error(e: SourceError) -> Diagnostic:
@@ -63,11 +72,11 @@ def check_context(ctx: LintContext) -> CheckResult:
     """All checks over already-merged data (`load_plan(..., parallel=...)` re-checks a plan at other sizes)."""
     try:
         return _check_context(ctx, [])
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - linting never raises: a bug in a check becomes a diagnostic
         return CheckResult([_internal(exc, ctx.path)])
 
 
-def _check_context(ctx: LintContext, diags: list) -> CheckResult:
+def _check_context(ctx: LintContext, diags: list[Diagnostic]) -> CheckResult:
     from pydantic import ValidationError
 
     from planc.lint.registry import checks
@@ -79,11 +88,11 @@ def _check_context(ctx: LintContext, diags: list) -> CheckResult:
     except ValidationError as err:
         diags += from_validation(err, ctx)
     for r in checks():  # schema-family checks come first (registry order)
-        if r.needs_plan and ctx.plan is None:
+        if r.check is None or (r.needs_plan and ctx.plan is None):
             continue
         try:
             found = list(r.check(ctx))
-        except Exception as exc:  # a bug in one check must not hide the others' findings
+        except Exception as exc:  # noqa: BLE001 - a bug in one check must not hide the others' findings
             found = [_internal(exc, ctx.path)]
         diags += found
         if r.family == "schema" and found:  # the Plan holds coerced values: semantic rules would mislead
@@ -105,7 +114,7 @@ def _check_source(
         except SourceError as e:
             return CheckResult([_from_source_error(e)])
         return check_doc(doc, root_dir)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - linting never raises: a bug in a check becomes a diagnostic
         return CheckResult([_internal(exc, path)])
 
 
@@ -118,11 +127,11 @@ def check_text(text: str, path: Optional[str] = None) -> CheckResult:
     return _check_source(lambda: parse_yaml(text, path), path)
 
 
-def check_data(data: dict) -> CheckResult:
+def check_data(data: Mapping[str, Any]) -> CheckResult:
     """Lint a plan given as a mapping (no positions, no `extends` resolution)."""
     try:
         return _check_context(LintContext(dict(data), None, None, {}, {}), [])
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - linting never raises: a bug in a check becomes a diagnostic
         return CheckResult([_internal(exc, None)])
 
 
@@ -134,7 +143,7 @@ def lint_text(text: str, path: Optional[str] = None) -> list[Diagnostic]:
     return check_text(text, path).diagnostics
 
 
-def diagnostics_from_validation(err, path: Optional[str], positions) -> list[Diagnostic]:
+def diagnostics_from_validation(err: ValidationError, path: Optional[str], positions: Any) -> list[Diagnostic]:
     """Diagnostics for a pydantic ValidationError of a Plan.
 
     `positions` is a mapping of key path -> Position (key positions), or anything with
@@ -176,12 +185,12 @@ def expand_paths(paths: Iterable[str]) -> tuple[list[str], list[Diagnostic]]:
     return files, diags
 
 
-def lint_paths(paths, strict: bool = False) -> list[Diagnostic]:
+def lint_paths(paths: PathsArg, strict: bool = False) -> list[Diagnostic]:
     """Lint files and directories; `strict` reports warnings as errors. Never raises on bad input."""
     return check_paths(paths, strict)[1]
 
 
-def check_paths(paths, strict: bool = False) -> tuple[list[str], list[Diagnostic]]:
+def check_paths(paths: PathsArg, strict: bool = False) -> tuple[list[str], list[Diagnostic]]:
     """`lint_paths`, plus the plan files that were linted (each once): `planc lint` counts them."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]

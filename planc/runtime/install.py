@@ -24,22 +24,24 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from planc.compiler.walk import _has_experts_forward
 from planc.errors import ApplyError
-from planc.runtime.checkpoint.guards import guard_applied_model
 from planc.runtime.ep import EP_RUNTIMES
 from planc.runtime.ep.base import install_ep_forward, shard_expert_tensor
 from planc.runtime.ep.dense import install_dense_ep_forward
+from planc.runtime.guards import guard_applied_model
 from planc.runtime.mesh import Groups, build_groups, rank_device
 from planc.runtime.snapshot import Snapshot
 from planc.runtime.tp_styles import tp_style
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Experts kernels that need a CUDA GPU of at least this compute capability.
 _GPU_KERNELS = {"deepgemm": (9, 0), "sonicmoe": (9, 0)}
@@ -75,26 +77,30 @@ def require_distributed(what: str) -> None:
 # ---- 2. compile and local checks ---------------------------------------------------------------------------
 
 
-def compile_and_check(model, plan, mesh, *, device: Optional[torch.device] = None, parallel=None):
+def compile_and_check(model, plan, mesh, *, device: Optional[torch.device] = None, parallel=None,
+                      launched: bool = True):
     """The CompiledPlan (or None) and the list of problems found on this rank, without any communication.
 
     A world that does not fit the plan's sizes is reported first and alone: every other problem
     (heads split, experts uneven) would be about sizes that are not the ones launched. `device`: where
-    the model will run (planc.load builds it on `meta` first); default: where it lives.
+    the model will run (planc.load builds it on `meta` first); default: where it lives. `launched=False`
+    (`planc explain --checkpoint`): no world is running, so the world size and the kernels' device are not checked.
     """
     try:
         loaded = _load(plan, parallel)
-        if mesh is None:
+        if mesh is None and launched:
             sizes = _world_problem(model, loaded)
             if sizes:
                 return None, [sizes]
         compiled = _compile(model, loaded)
     except Exception as e:  # noqa: BLE001 - reported on every rank by agree_across_ranks instead of hanging them
         return None, [f"{type(e).__name__}: {e}"]
+    if not launched:
+        return compiled, []
     problems = []
     try:
         problems += _local_checks(model, compiled, mesh, device)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - reported on every rank by agree_across_ranks instead of hanging them
         problems.append(f"{type(e).__name__}: {e}")
     return compiled, problems
 
@@ -223,22 +229,37 @@ def _all_agree(ok: bool, digest: int = 0) -> bool:
     return not any_failed and max_digest == -neg_min_digest
 
 
-def agree_across_ranks(compiled, problems: list[str], *, what: str = "planc.apply") -> None:
-    """Raise the same ApplyError on every rank if any rank has problems or another fingerprint.
+def agree_across_ranks(
+    compiled, problems: list[str], *, what: str = "planc.apply", decisions: Optional[Mapping[str, str]] = None
+) -> None:
+    """Raise the same ApplyError on every rank if any rank has problems, another fingerprint or other decisions.
 
-    The common case (all agree) costs one small all-reduce; the messages are gathered only when
-    some rank disagrees, and then every rank builds the same error from them.
+    `decisions`: every choice a rank made on its own that leads to different collectives later (planc.load: the
+    checkpoint route, DCP or safetensors; the quantization mode; which checkpoint it sees), `{name: value}`. They
+    are agreed here, with the fingerprint, so that ranks that chose differently fail together instead of entering
+    different collectives and hanging. The common case (all agree) costs one small all-reduce; the messages are
+    gathered only when some rank disagrees, and then every rank builds the same error from them.
     """
     fingerprint = compiled.fingerprint if compiled is not None else None
-    if _all_agree(not problems and fingerprint is not None, _digest(fingerprint)):
+    decisions = dict(decisions or {})
+    agreed = None if fingerprint is None else f"{fingerprint} {sorted(decisions.items())}"
+    if _all_agree(not problems and fingerprint is not None, _digest(agreed)):
         return
-    mine = (fingerprint, problems)
+    mine = (fingerprint, problems, decisions)
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    failed = [(rank, p) for rank, (_, ps) in enumerate(everyone) for p in ps]
+    failed = [(rank, p) for rank, (_, ps, _) in enumerate(everyone) for p in ps]
     if failed:
         raise ApplyError(f"{what}: nothing was installed:\n" + _by_message(failed))
-    fingerprints = {rank: fp for rank, (fp, _) in enumerate(everyone)}
+    for name in dict.fromkeys(n for _, _, d in everyone for n in d):  # in the order the ranks decided them
+        chosen = [(rank, f"{name}: {d.get(name, '(not decided)')}") for rank, (_, _, d) in enumerate(everyone)]
+        if len({c for _, c in chosen}) > 1:
+            raise ApplyError(
+                f"{what}: the ranks decided `{name}` differently, so they would enter different collectives and hang; "
+                f"nothing was installed:\n{_by_message(chosen)}\nEvery rank must see the same inputs (one shared "
+                "path: the same checkpoint directory, device kind and options on every rank)."
+            )
+    fingerprints = {rank: fp for rank, (fp, _, _) in enumerate(everyone)}
     if len(set(fingerprints.values())) > 1:
         by_fp: dict[str, list[int]] = {}
         for rank, fp in fingerprints.items():
@@ -299,7 +320,7 @@ def step_set_experts_implementation(state: InstallState) -> None:
             f"planc.runtime.install: {type(state.model).__name__} is not a transformers PreTrainedModel, so its "
             f"experts implementation cannot be set to `{impl}`. Apply the plan to a transformers model."
         )
-    state.model.set_experts_implementation(impl)
+    cast("PreTrainedModel", state.model).set_experts_implementation(impl)
 
 
 def step_shard_parameters(state: InstallState) -> None:
@@ -347,7 +368,7 @@ def _rope_dim(state: InstallState, fqn: str):
         if isinstance(value, int):
             return value
     config = getattr(state.model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
     return getattr(text, "qk_rope_head_dim", None)
 
 
@@ -380,7 +401,7 @@ def step_install_ep_forwards(state: InstallState) -> None:
             continue
         module = state.module(e.fqn)
         module._planc_fqn = e.fqn
-        if _has_experts_forward(module) == "dense":  # every token pre-scaled (Llama 4): no routed pairs
+        if e.dispatch == "dense":  # every token pre-scaled (Llama 4): no routed pairs
             install_dense_ep_forward(module, e.strategy, state.groups, e.num_experts)
             continue
         runtime = EP_RUNTIMES[e.strategy.name](module, e.strategy, state.groups)
@@ -398,9 +419,9 @@ def step_mark_applied(state: InstallState) -> None:
     """Mark the model (double apply is refused) and the touched modules (other tools see them as hooked)."""
     for a in state.compiled.assignments:
         if a.target == "module":
-            state.module(a.fqn)._is_hooked = True
+            state.module(a.fqn)._is_hooked = True  # type: ignore[assignment]  # plain flags and records (torch types
     state.model._planc_plan = state.compiled
-    state.model._planc_groups = state.groups
+    state.model._planc_groups = state.groups  # type: ignore[assignment]  # module attributes as tensors or modules)
     guard_applied_model(state.model)  # save_pretrained / deepcopy refuse with what to call instead
 
 

@@ -15,6 +15,7 @@ import pickle
 import socket
 import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -60,13 +61,30 @@ def _port_taken(error: Exception) -> bool:
     return "EADDRINUSE" in text or "address already in use" in text.lower()
 
 
-def run_local_world(fn, world_size: int, *args, retries: int = 5) -> list:
-    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks and return the results by rank."""
+def _join(context, timeout: float | None) -> None:
+    """Wait for every rank; past `timeout` seconds, kill them all and raise TimeoutError (a hang fails fast)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not context.join(None if deadline is None else max(0.0, deadline - time.monotonic())):
+        if deadline is not None and time.monotonic() >= deadline:
+            for p in context.processes:
+                if p.is_alive():
+                    p.kill()
+            for p in context.processes:
+                p.join()
+            raise TimeoutError(f"the {len(context.processes)}-rank world did not finish within {timeout:g} s (killed)")
+
+
+def run_local_world(fn, world_size: int, *args, retries: int = 5, timeout: float | None = None) -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks and return the results by rank.
+
+    `timeout`: seconds before every rank is killed and TimeoutError raised (tests bound a world that could hang)."""
     last_error = None
     for _ in range(retries):
         with tempfile.TemporaryDirectory() as result_dir:
             try:
-                mp.spawn(_worker, args=(world_size, free_port(), result_dir, fn, args), nprocs=world_size, join=True)
+                context = mp.spawn(_worker, args=(world_size, free_port(), result_dir, fn, args), nprocs=world_size,
+                                   join=False)
+                _join(context, timeout)
             except mp.ProcessRaisedException as e:
                 if _port_taken(e):
                     last_error = e

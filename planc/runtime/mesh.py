@@ -98,6 +98,42 @@ def rank_device(device: Union[None, str, torch.device] = None) -> torch.device:
     return torch.device("cpu")
 
 
+_AT_EXIT = False
+
+
+def destroy_groups_at_exit() -> None:
+    """Destroy the process groups when the interpreter exits, if the program has not (registered once).
+
+    A torchrun job that finished its work without calling `destroy_process_group` sometimes exited 1
+    (2 gloo ranks, torch 2.13; a load then an export, measured with torchrun --nproc-per-node 2): in the
+    interpreter's teardown one rank aborted with `terminate called without an active exception` (SIGABRT), a gloo
+    thread destroyed while joinable, and torchrun reported the job failed although every rank had printed success.
+    `atexit` hooks run before that teardown; destroying the groups at the end of a program is what torch asks of
+    programs (planc made some of them: the mesh's subgroups). Measured on the 2-core dev box, 2026-12-04: without it
+    2 runs in 10 aborted; with it 0 in 22 (12 plain, 10 under gdb); but an explicit destroy_process_group() at the
+    end of the script still aborted once in 8, and the unpatched code later ran 22 times clean: the abort is rare
+    and load-dependent, and this hook is the part planc can do (tests/checkpoint/test_torchrun_exit.py).
+    """
+    global _AT_EXIT
+    if _AT_EXIT:
+        return
+    import atexit
+
+    atexit.register(_destroy_groups)
+    _AT_EXIT = True
+
+
+def _destroy_groups() -> None:
+    """gloo worlds only: NCCL's shutdown may wait on peers that already failed, and torch warns about it itself."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if dist.get_backend() == "gloo":
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - at exit nothing is left to report to; the job's work is done
+        pass
+
+
 def build_groups(parallel, mesh: Optional[DeviceMesh] = None) -> Groups:
     """The `Groups` of `parallel` (a `planc.spec.model.Parallel`) on this world, or on the caller's `mesh`.
 
@@ -111,6 +147,7 @@ def build_groups(parallel, mesh: Optional[DeviceMesh] = None) -> Groups:
     problems = check_sizes(tp, ep, dp, world if mesh is None else None)
     if problems:
         raise ApplyError(f"planc.runtime.mesh: {problems[0].message}. {problems[0].hint}.")
+    destroy_groups_at_exit()
     sizes, names = mesh_dims(tp, ep, dp)
     if mesh is None:
         root = init_device_mesh(device_type(), sizes, mesh_dim_names=names)

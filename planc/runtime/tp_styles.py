@@ -17,12 +17,12 @@ untouched), so `planc.runtime.install` can undo it by restoring the module's `__
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from planc.errors import ApplyError
@@ -58,7 +58,7 @@ def _shard_sizes(module: nn.Module, dim: int, fallback: int, mesh) -> list[int]:
     return shard_sizes(size, mesh.size())
 
 
-def _is_plain(module: nn.Module, cls: type) -> bool:
+def _is_plain(module: nn.Module, cls: type[nn.Module]) -> bool:
     """The module runs `cls`'s own forward (no subclass forward to honour): call the functional op directly."""
     return type(module).forward is cls.forward
 
@@ -85,8 +85,10 @@ def local_parameters(module: nn.Module, recurse: bool = False, grad_scale: Optio
     so the gradients still land on the DTensor parameters. `grad_scale`: those gradients are multiplied
     by it (identity forward; the experts' data-parallel rule, planc.runtime.data_parallel).
     """
-    originals = [(m, {n: p for n, p in m._parameters.items() if isinstance(p, DTensor)})
-                 for m in (module.modules() if recurse else (module,))]
+    originals: list[tuple[nn.Module, dict[str, Any]]] = [  # the DTensor parameters of each module
+        (m, {n: p for n, p in m._parameters.items() if isinstance(p, DTensor)})
+        for m in (module.modules() if recurse else (module,))
+    ]
     scale = grad_scale is not None and grad_scale != 1 and torch.is_grad_enabled()
     for m, params in originals:
         for name, p in params.items():
@@ -118,7 +120,9 @@ class TPStyle:
         if not spec.shards:
             return
         p = module._parameters[name]
+        assert p is not None, f"{name} is a parameter of {type(module).__name__}"  # the compiler matched it
         dim = spec.placement(p.ndim)
+        placement: Placement
         if dim is None:
             placement = Replicate()
         elif spec.packed:
@@ -136,7 +140,7 @@ class TPStyle:
         def tp_forward(*args, **kwargs):
             return forward(original, *args, **kwargs)
 
-        tp_forward.planc_style = self.name
+        tp_forward.planc_style = self.name  # type: ignore[attr-defined]  # a function attribute: which style wrapped it
         module.forward = tp_forward
 
     def _shard_own_params(self, module: nn.Module, mesh) -> None:
@@ -498,7 +502,7 @@ class MoeTPExperts(TPStyle):
 
 # The runtime registry, keyed by the table's names: every `runtime` TP row has exactly one object here
 # (tests/runtime/test_styles_table.py checks both directions and each object's placements).
-TP_STYLES: dict[str, TPStyle] = {
+TP_RUNTIMES: dict[str, TPStyle] = {
     style.name: style
     for style in (
         Colwise(),
@@ -522,9 +526,9 @@ TP_STYLES: dict[str, TPStyle] = {
 def _check_registry() -> None:
     """Fail at import if the registry and the table drift apart (a row marked `runtime` with no object)."""
     want = {s.name for s in STYLES if s.runtime and s.section == "tp"}
-    if set(TP_STYLES) != want:
+    if set(TP_RUNTIMES) != want:
         raise ImportError(
-            f"planc.runtime.tp_styles: runtime TP styles {sorted(set(TP_STYLES) ^ want)} differ from "
+            f"planc.runtime.tp_styles: runtime TP styles {sorted(set(TP_RUNTIMES) ^ want)} differ from "
             "planc.spec.styles.STYLES; add the object or fix the row's `runtime` flag"
         )
 
@@ -535,12 +539,12 @@ _check_registry()
 def tp_style(name: str, where: Optional[str] = None) -> TPStyle:
     """The style object for a plan's style name; a name the runtime does not implement is an error."""
     try:
-        return TP_STYLES[name]
+        return TP_RUNTIMES[name]
     except KeyError:
         raise ApplyError(
             f"planc.runtime.tp_styles: style `{name}`{f' at {where}' if where else ''} has no runtime "
-            f"implementation; implemented: {', '.join(sorted(TP_STYLES))}. Pick one of those, or `replicate`."
+            f"implementation; implemented: {', '.join(sorted(TP_RUNTIMES))}. Pick one of those, or `replicate`."
         ) from None
 
 
-__all__ = ["TPStyle", "TP_STYLES", "tp_style", "local_parameters", "module_path"]
+__all__ = ["TPStyle", "TP_RUNTIMES", "tp_style", "local_parameters", "module_path"]

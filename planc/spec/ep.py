@@ -32,7 +32,7 @@ class EPStrategy:
     def describe(self) -> str:
         return f"{type(self).__name__}: {self.reason}"
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, str]:
         return {"strategy": type(self).__name__, "name": self.name, "reason": self.reason}
 
 
@@ -96,7 +96,7 @@ def resolve_ep(experts: Experts, parallel: Parallel) -> EPStrategy:
                 "experts.ep_implementation",
                 EPResolutionError.MEGAMOE_OTHER_EP,
             )
-        strategy = MegaMoeEP(
+        strategy: EPStrategy = MegaMoeEP(
             reason="experts.implementation is deepgemm_megamoe: the fused kernel does its own dispatch and combine"
             if ep == "auto"
             else "ep_implementation: deepgemm_megamoe"

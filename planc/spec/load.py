@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from planc.spec.source import (
     NOT_A_MAPPING,
+    KeyPath,
     Position,
     SourceDoc,
     SourceError,
@@ -23,6 +24,9 @@ from planc.spec.source import (
     parse_yaml,
     read_text,
 )
+
+if TYPE_CHECKING:
+    from planc.spec.model import Plan
 
 # Codes (documented in planc.lint.rules_extends).
 EXTENDS_OUTSIDE = "PLC200"
@@ -38,18 +42,18 @@ class LoadedPlan:
 
     plan: Any  # planc.spec.model.Plan
     path: Optional[str]
-    docs: list = field(default_factory=list)  # SourceDocs, child first
-    key_positions: dict = field(default_factory=dict)
-    value_positions: dict = field(default_factory=dict)
-    diagnostics: list = field(default_factory=list)  # warnings the linter found (errors raise instead)
+    docs: list[SourceDoc] = field(default_factory=list)  # child first
+    key_positions: dict[KeyPath, Position] = field(default_factory=dict)
+    value_positions: dict[KeyPath, Position] = field(default_factory=dict)
+    diagnostics: list[Any] = field(default_factory=list)  # planc.lint Diagnostics: a layer up  # warnings the linter found (errors raise instead)
 
-    def position(self, keypath) -> Optional[Position]:
+    def position(self, keypath: KeyPath) -> Optional[Position]:
         """Position of a key, else of the nearest enclosing key, else the top of the file."""
         if not self.key_positions and not self.path:
             return None  # built from a mapping or a Plan: there is no source to point at
         return nearest_key_position(self.key_positions, keypath, self.path)
 
-    def value_position(self, keypath) -> Optional[Position]:
+    def value_position(self, keypath: KeyPath) -> Optional[Position]:
         return self.value_positions.get(tuple(keypath)) or self.position(keypath)
 
 
@@ -57,12 +61,12 @@ class LoadedPlan:
 class MergedSource:
     """A document with its `extends` chain merged in, before validation."""
 
-    data: dict
+    data: dict[str, Any]
     path: Optional[str]
-    docs: list  # SourceDocs, child first
-    key_positions: dict
-    value_positions: dict
-    problems: list  # non-fatal SourceErrors of every document in the chain
+    docs: list[SourceDoc]  # child first
+    key_positions: dict[KeyPath, Position]
+    value_positions: dict[KeyPath, Position]
+    problems: list[SourceError]  # non-fatal SourceErrors of every document in the chain
 
 
 def _real_dir(doc: SourceDoc) -> str:
@@ -78,7 +82,7 @@ def resolve_extends(doc: SourceDoc, root_dir: Optional[str] = None) -> MergedSou
     return _collect(doc, os.path.realpath(root_dir), seen)
 
 
-def _collect(doc: SourceDoc, root_dir: str, seen: tuple) -> MergedSource:
+def _collect(doc: SourceDoc, root_dir: str, seen: tuple[str, ...]) -> MergedSource:
     data = doc.data
     if not isinstance(data, dict):
         kind = "empty" if data is None else f"a {type(data).__name__}, not a mapping"
@@ -92,6 +96,7 @@ def _collect(doc: SourceDoc, root_dir: str, seen: tuple) -> MergedSource:
     if not isinstance(ext, str):  # absent, or a wrong type that validation reports
         return MergedSource(data, doc.path, [doc], dict(doc.key_positions), dict(doc.value_positions), list(doc.problems))
     parent = _parent_doc(doc, ext, root_dir, seen)
+    assert parent.path is not None  # read from a file
     merged = _collect(parent, root_dir, seen + (os.path.realpath(parent.path),))
     return _merge(merged, doc)
 
@@ -99,7 +104,7 @@ def _collect(doc: SourceDoc, root_dir: str, seen: tuple) -> MergedSource:
 _NUL_SHOWN = "\\0"
 
 
-def _parent_doc(doc: SourceDoc, ext: str, root_dir: str, seen: tuple) -> SourceDoc:
+def _parent_doc(doc: SourceDoc, ext: str, root_dir: str, seen: tuple[str, ...]) -> SourceDoc:
     where = doc.value_position(("extends",)) or Position(doc.path, 1, 1)
     if not ext.isprintable():  # NUL makes every os.path call raise; other control characters are typos too
         bad = sorted({repr(c)[1:-1] for c in ext if not c.isprintable()})
@@ -153,9 +158,9 @@ def _parent_doc(doc: SourceDoc, ext: str, root_dir: str, seen: tuple) -> SourceD
 
 def _merge(parent: MergedSource, child: SourceDoc) -> MergedSource:
     """Child over parent: mappings merge key by key, anything else is replaced (with its positions)."""
-    replaced: set = set()  # key paths where the child's value replaced the parent's subtree
+    replaced: set[KeyPath] = set()  # key paths where the child's value replaced the parent's subtree
 
-    def merge(p: dict, c: dict, prefix: tuple) -> dict:
+    def merge(p: dict[str, Any], c: dict[str, Any], prefix: KeyPath) -> dict[str, Any]:
         out = dict(p)
         for k, v in c.items():
             kp = prefix + (k,)
@@ -169,7 +174,7 @@ def _merge(parent: MergedSource, child: SourceDoc) -> MergedSource:
 
     data = merge({k: v for k, v in parent.data.items() if k != "extends"}, child.data, ())
 
-    def keep(kp: tuple) -> bool:
+    def keep(kp: KeyPath) -> bool:
         return not any(kp[:i] in replaced for i in range(1, len(kp) + 1))
 
     keys = {kp: pos for kp, pos in parent.key_positions.items() if keep(kp) and kp != ("extends",)}
@@ -181,7 +186,7 @@ def _merge(parent: MergedSource, child: SourceDoc) -> MergedSource:
     )
 
 
-def validate(data: Mapping[str, Any]):
+def validate(data: Mapping[str, Any]) -> Plan:
     """The pydantic Plan of merged data; raises pydantic.ValidationError."""
     from planc.spec.model import Plan
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from planc.errors import PlancError
-from planc.spec.source import SourceDoc, parse_yaml
+from planc.spec.source import Position, SourceDoc, parse_yaml
 
 ROUTER_STYLES = ("megamoe_router", "ep_router")
 MEGAMOE_STYLES = ("megamoe_router", "megamoe_experts")
@@ -116,6 +116,12 @@ class _Editor:
         return text
 
 
+def _at(position: Optional[Position]) -> Position:
+    """The position of a key this migration read from the document (so it was written there)."""
+    assert position is not None
+    return position
+
+
 def _rules(doc: SourceDoc, table: str) -> list[tuple[str, str]]:
     data = doc.data.get(table) if isinstance(doc.data, dict) else None
     return list(data.items()) if isinstance(data, dict) else []
@@ -147,13 +153,13 @@ def migrate_text(text: str, path: Optional[str] = None) -> Migration:
     dropped_ep_router = False
     moves: dict[str, list[str]] = {"tp_plan": [], "ep_plan": []}
 
-    def lineno(table, pattern) -> int:
-        return doc.key_position((table, pattern)).line - 1
+    def lineno(table: str, pattern: str) -> int:
+        return _at(doc.key_position((table, pattern))).line - 1
 
     for table, rules in (("tp_plan", tp_rules), ("ep_plan", ep_rules)):
         for pattern, style in rules:
             i = lineno(table, pattern)
-            vpos = doc.value_position((table, pattern))
+            vpos = _at(doc.value_position((table, pattern)))
             line = ed.lines[i]
             if style in ROUTER_STYLES:
                 comment = _trailing_comment(line, vpos.col)
@@ -197,7 +203,7 @@ def migrate_text(text: str, path: Optional[str] = None) -> Migration:
     for table, rules in (("tp_plan", tp_rules), ("ep_plan", ep_rules)):
         emptied = rules and all(ed.replace.get(lineno(table, p)) == [] for p, _ in rules)
         if emptied and not moves[table]:  # `table:` with nothing under it is null, which does not validate
-            i = doc.key_position((table,)).line - 1
+            i = _at(doc.key_position((table,))).line - 1
             head = ed.line(i).rstrip("\r\n")
             m = re.match(r"^(\s*\S+:)(\s*#.*)?$", head)
             if m:
@@ -205,28 +211,28 @@ def migrate_text(text: str, path: Optional[str] = None) -> Migration:
     return Migration(text, ed.result(), changes)
 
 
-def _set_experts_key(ed: _Editor, doc: SourceDoc, key: str, value: str, changes: list, only_if_absent=False) -> None:
+def _set_experts_key(
+    ed: _Editor, doc: SourceDoc, key: str, value: str, changes: list[str], only_if_absent: bool = False
+) -> None:
     experts = doc.data.get("experts")
     if isinstance(experts, dict) and key in experts:
         if only_if_absent or experts[key] == value:
             return
-        vpos = doc.value_position(("experts", key))
+        vpos = _at(doc.value_position(("experts", key)))
         i = vpos.line - 1
         ed.set(i, [_replace_value(ed.line(i), vpos.col, str(experts[key]), value)])
         changes.append(f"experts.{key}: {experts[key]} -> {value}")
         return
     if isinstance(experts, dict):
-        kpos = doc.key_position(("experts",))
-        children = [doc.key_position(("experts", k)) for k in experts]
-        children = [c for c in children if c is not None]
+        kpos = _at(doc.key_position(("experts",)))
+        children = [c for c in (doc.key_position(("experts", k)) for k in experts) if c is not None]
         if children and children[0].line == kpos.line:
             raise MigrateError("`experts` is written in flow style `{...}`: add `" + key + ": " + value + "` yourself")
         indent = " " * ((children[0].col - 1) if children else kpos.col + 1)
         ed.add_after(kpos.line - 1, [f"{indent}{key}: {value}{ed.nl}"])
     else:
         # no experts block: put one before the first rule table (or at the end)
-        firsts = [doc.key_position((t,)) for t in ("tp_plan", "ep_plan") if t in doc.data]
-        firsts = [f for f in firsts if f is not None]
+        firsts = [f for f in (doc.key_position((t,)) for t in ("tp_plan", "ep_plan") if t in doc.data) if f is not None]
         block = [f"experts:{ed.nl}", f"  {key}: {value}{ed.nl}"]
         if firsts:
             ed.add_after(min(f.line for f in firsts) - 2, block)  # -1 inserts before the first line
@@ -238,8 +244,8 @@ def _set_experts_key(ed: _Editor, doc: SourceDoc, key: str, value: str, changes:
 def _append_rules(ed: _Editor, doc: SourceDoc, table: str, new_lines: list[str]) -> None:
     rules = _rules(doc, table)
     if rules:
-        last = max(doc.key_position((table, p)).line for p, _ in rules) - 1
-        indent = " " * (doc.key_position((table, rules[0][0])).col - 1)
+        last = max(_at(doc.key_position((table, p))).line for p, _ in rules) - 1
+        indent = " " * (_at(doc.key_position((table, rules[0][0]))).col - 1)
         ed.add_after(last, [indent + ln for ln in new_lines])
         return
     tpos = doc.key_position((table,))

@@ -119,7 +119,9 @@ class Pattern:
 
 def _split_top_level(text: str) -> list[str]:
     """Split on dots that are not inside braces (`{a.b}` is rejected later as a bad segment)."""
-    out, depth, cur = [], 0, []
+    out: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for c in text:
         if c == "{":
             depth += 1

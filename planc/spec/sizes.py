@@ -47,7 +47,7 @@ class SizeProblem:
     """A sizes problem: its code, the plan key it is about (`parallel.ep_size`), what and what instead."""
 
     code: str
-    key: tuple
+    key: tuple[str, ...]
     message: str
     hint: str
 
@@ -70,7 +70,7 @@ def solve_sizes(
     check of a candidate (the compiler passes "this plan compiles under these sizes").
     """
     tp_divides = [d for d in tp_divides if d]
-    out = []
+    out: list[Sizes] = []
     if world < 1 or world > MAX_WORLD_SIZE:
         return out
     for tp in divisors(world):
@@ -88,7 +88,7 @@ def solve_sizes(
     else:
         out.sort(key=lambda s: (-s.ep, -s.tp))
     if accept is not None:
-        picked = []
+        picked: list[Sizes] = []
         for s in out:
             if len(picked) >= limit:
                 break

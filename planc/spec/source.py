@@ -40,7 +40,10 @@ NOT_A_MAPPING = "PLC009"
 AMBIGUOUS_SCALAR = "PLC011"
 KEY_NOT_STRING = "PLC012"
 
-_BaseLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: 10x faster, caps nesting in C
+try:  # libyaml: 10x faster, caps nesting in C
+    from yaml import CSafeLoader as _BaseLoader
+except ImportError:  # a PyYAML built without libyaml
+    from yaml import SafeLoader as _BaseLoader  # type: ignore[assignment]
 
 _TAG = "tag:yaml.org,2002:"
 _PLAIN_TAGS = {_TAG + t for t in ("str", "int", "float", "bool", "null", "timestamp")}
@@ -55,7 +58,7 @@ _CORE_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?|[
 _DECIMAL_INT = re.compile(r"[-+]?(0|[1-9][0-9]*)")
 
 
-def core_scalar(text: str):
+def core_scalar(text: str) -> Any:
     """The YAML 1.2 core-schema value of a plain scalar."""
     if _CORE_NULL.fullmatch(text):
         return None
@@ -80,7 +83,7 @@ _CONSTRUCT_11 = {
 }
 
 
-def yaml11_scalar(text: str):
+def yaml11_scalar(text: str) -> Any:
     """What PyYAML (YAML 1.1, and most Python tools) makes of the same plain scalar."""
     construct = _CONSTRUCT_11.get(_RESOLVER_11.resolve(yaml.ScalarNode, text, (True, False)).rsplit(":", 1)[-1])
     if construct is None:
@@ -91,7 +94,7 @@ def yaml11_scalar(text: str):
         return text
 
 
-def _same(a, b) -> bool:
+def _same(a: Any, b: Any) -> bool:
     if type(a) is not type(b):
         return False
     return a == b or (isinstance(a, float) and a != a and b != b)
@@ -122,7 +125,7 @@ def ambiguity(text: str) -> Optional[tuple[str, str]]:
     return message, hint
 
 
-def _describe(v) -> str:
+def _describe(v: Any) -> str:
     if v is None:
         return "null"
     if isinstance(v, bool):
@@ -140,14 +143,15 @@ class _Loader(_BaseLoader):
     """libyaml's parser with YAML 1.2 core resolution of plain scalars; a plain scalar that YAML 1.1
     reads differently gets the private `_AMBIGUOUS` tag, which the converter reports (PLC011)."""
 
-    def resolve(self, kind, value, implicit):
+    def resolve(self, kind: type, value: str, implicit: tuple[bool, bool]) -> str:
         if kind is yaml.ScalarNode and implicit[0] and value != "<<":  # `<<`: merge key in 1.1 tools, refused
             if ambiguity(value) is not None:
                 return _AMBIGUOUS
             v = core_scalar(value)
             return _TAG + ("null" if v is None else "bool" if isinstance(v, bool) else "int" if isinstance(v, int)
                            else "float" if isinstance(v, float) else "str")
-        return super().resolve(kind, value, implicit)
+        resolved: str = yaml.resolver.Resolver.resolve(self, kind, value, implicit)  # super(), typed
+        return resolved
 
 
 @dataclass(frozen=True)
@@ -160,7 +164,7 @@ class Position:
         return f"{self.path or '<string>'}:{self.line}:{self.col}"
 
 
-KeyPath = tuple  # e.g. ("experts", "ep_implementation") or ("tp_plan", "model.layers.*.q_proj")
+KeyPath = tuple[Any, ...]  # e.g. ("experts", "ep_implementation") or ("tp_plan", "model.layers.*.q_proj")
 
 
 class SourceError(PlancError):
@@ -181,9 +185,9 @@ class SourceDoc:
     data: Any
     path: Optional[str]
     text: str
-    key_positions: dict = field(default_factory=dict)  # KeyPath -> Position of the key
-    value_positions: dict = field(default_factory=dict)  # KeyPath -> Position of the value
-    problems: list = field(default_factory=list)  # non-fatal SourceErrors (duplicate keys)
+    key_positions: dict[KeyPath, Position] = field(default_factory=dict)  # Position of the key
+    value_positions: dict[KeyPath, Position] = field(default_factory=dict)  # Position of the value
+    problems: list[SourceError] = field(default_factory=list)  # non-fatal SourceErrors (duplicate keys)
 
     def key_position(self, keypath: KeyPath) -> Optional[Position]:
         return self.key_positions.get(tuple(keypath))
@@ -196,7 +200,7 @@ class SourceDoc:
         return nearest_key_position(self.key_positions, keypath, self.path)
 
 
-def nearest_key_position(key_positions: dict, keypath: KeyPath, path: Optional[str]) -> Position:
+def nearest_key_position(key_positions: dict[KeyPath, Position], keypath: KeyPath, path: Optional[str]) -> Position:
     """Position of a key, else of the nearest enclosing key that was written, else the top of the file."""
     keypath = tuple(keypath)
     while keypath:
@@ -359,10 +363,10 @@ class _Converter:
         self.chars = 0
         self.active: set[int] = set()  # ids of collections being converted (a recursive alias loops)
 
-    def pos(self, node) -> Position:
+    def pos(self, node: yaml.Node) -> Position:
         return Position(self.doc.path, node.start_mark.line + 1, node.start_mark.column + 1)
 
-    def convert(self, node, keypath: tuple, depth: int):
+    def convert(self, node: yaml.Node, keypath: KeyPath, depth: int) -> Any:
         self.nodes += 1
         if self.nodes > MAX_NODES:
             raise SourceError(
@@ -392,8 +396,8 @@ class _Converter:
         finally:
             self.active.discard(id(node))
 
-    def mapping(self, node, keypath: tuple, depth: int) -> dict:
-        out: dict = {}
+    def mapping(self, node: yaml.MappingNode, keypath: KeyPath, depth: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
         for key_node, value_node in node.value:
             if isinstance(key_node, yaml.ScalarNode) and key_node.tag == _TAG + "merge":
                 raise SourceError(
@@ -439,11 +443,11 @@ class _Converter:
             out[key] = self.convert(value_node, kp, depth + 1)
         return out
 
-    def check_tag(self, node, kind: str) -> None:
+    def check_tag(self, node: yaml.Node, kind: str) -> None:
         if node.tag != _TAG + kind:
             raise self.tag_error(node)
 
-    def tag_error(self, node) -> SourceError:
+    def tag_error(self, node: yaml.Node) -> SourceError:
         return SourceError(
             UNSAFE_TAG,
             f"YAML tag {node.tag!r} is not allowed: plans hold plain strings, numbers, mappings and lists",
@@ -451,7 +455,7 @@ class _Converter:
             self.pos(node),
         )
 
-    def scalar(self, node):
+    def scalar(self, node: yaml.ScalarNode) -> Any:
         tag = node.tag
         if tag == _AMBIGUOUS:
             tag = _TAG + "int"  # any non-str tag: the ambiguity is reported below

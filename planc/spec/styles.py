@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 # Activation layouts at a module boundary (the last dim, features, is the one TP splits).
-REPLICATED = "replicated"  # every rank holds the whole tensor
-SHARDED = "sharded"  # each rank holds its slice of the last dim (e.g. its attention heads)
 Layout = Literal["replicated", "sharded"]
+REPLICATED: Layout = "replicated"  # every rank holds the whole tensor
+SHARDED: Layout = "sharded"  # each rank holds its slice of the last dim (e.g. its attention heads)
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ PARAMETER_STYLES = frozenset(s.name for s in STYLES if s.target == "parameter")
 # The styles planc's runtime installs. The compiler refuses the others instead of skipping them.
 RUNTIME_STYLES = frozenset(s.name for s in STYLES if s.runtime)
 # Module styles that hook an experts module: style -> experts mode.
-EXPERTS_MODULE_STYLES: dict[str, str] = {s.name: s.experts_mode for s in STYLES if s.experts_mode}
+EXPERTS_MODULE_STYLES: dict[str, Literal["ep", "tp"]] = {s.name: s.experts_mode for s in STYLES if s.experts_mode}
 
 # Removed styles -> what to write instead (used by lint hints and `planc migrate`).
 REMOVED_STYLES: dict[str, str] = {

@@ -9,8 +9,8 @@ import torch
 from planc.runtime.checkpoint.conversion import shard_aware
 
 pytest.importorskip("transformers")
-from transformers.conversion_mapping import get_checkpoint_conversion_mapping  # noqa: E402
-from transformers.core_model_loading import (  # noqa: E402
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+from transformers.core_model_loading import (
     Chunk,
     Concatenate,
     MergeModulelist,

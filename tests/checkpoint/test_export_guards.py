@@ -19,7 +19,7 @@ TOL = 1e-5
 def test_export_loads_with_plain_from_pretrained(tmp_path):
     from transformers import AutoConfig
 
-    from planc.runtime.models import model_class_for
+    from planc.models.build import model_class_for
 
     results = run_distributed(export_world, 2, str(tmp_path))
     failures = []
@@ -61,7 +61,7 @@ def test_export_loads_with_plain_from_pretrained(tmp_path):
 @pytest.mark.distributed
 def test_guards_and_interrupted_saves(tmp_path):
     results = run_distributed(guards_world, 2, str(tmp_path))
-    for rank, res in enumerate(results):
+    for res in results:
         assert res["save_unapplied"].startswith("CheckpointError") and "no plan installed" in res["save_unapplied"]
         assert res["save_pretrained"].startswith("CheckpointError") and "planc.export(model, dir)" in res["save_pretrained"]
         assert res["save_pretrained_wrote"] is False

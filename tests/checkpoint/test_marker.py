@@ -8,7 +8,7 @@ import yaml
 from planc import compile as planc_compile
 from planc.errors import CheckpointError
 from planc.runtime.checkpoint.marker import is_planc_checkpoint, plan_mapping, read_marker
-from planc.runtime.models import build_tiny_model
+from planc.models.build import build_tiny_model
 from tests.checkpoint.workers import plan_for
 
 

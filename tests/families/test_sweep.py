@@ -1,6 +1,6 @@
 """Every MoE family of the installed transformers: init -> lint -> explain -> apply on 2 gloo ranks.
 
-The families are found at test time (`planc.runtime.families.moe_families`), each on a tiny config
+The families are found at test time (`planc.models.families.moe_families`), each on a tiny config
 derived from its own config class. One sweep (one spawned 2-rank world for every family and every
 shipped plan) is shared by all tests here through a module fixture; they are marked `sweep` and
 grouped (`xdist_group`, with `--dist loadgroup` in pyproject.toml) so that under `pytest -n 2` the
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from planc.compiler.resolve import compile_plan
-from planc.runtime.families import family, moe_families
-from planc.runtime.family_sweep import family_status, render_models_md, run_sweep
-from planc.runtime.models import build_meta_model
+from planc.models.families import family, moe_families
+from planc.models.build import build_meta_model
+from tests.families.sweep import family_status, render_models_md, run_sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ["qwen3_vl_moe", "glm4_moe", "minimax_m2", "llama4", "qwen3_next", "deepseek_v2"]
@@ -38,7 +38,7 @@ REFUSAL_REASONS = {
 
 # Causes outside planc a family may be reported with (status `transformers`): a top model that only generates
 # and holds no submodule built from the family's config with a forward of its own (none in transformers 5.24:
-# the Qwen3 Omni MoE talker family is compared on its talker, see test_tiny.py).
+# the Qwen3 Omni MoE talker family is compared on its talker, see tests/models/test_tiny.py).
 OUTSIDE_PLANC = [re.compile(r"has no forward of its own \(it only generates\)")]
 
 # Families transformers' default configs could not build a tiny model of until the derivation filled in
@@ -145,7 +145,7 @@ def test_models_md_is_current(sweep):
     records, _ = sweep
     want = render_models_md(records, transformers.__version__)
     have = (ROOT / "docs" / "models.md").read_text()
-    assert have == want, "docs/models.md is stale: run `python -m planc.runtime.family_sweep --write docs/models.md`"
+    assert have == want, "docs/models.md is stale: run `python -m tests.families.sweep --write docs/models.md`"
 
 
 @pytest.mark.parametrize("name", SHIPPED)

@@ -14,7 +14,7 @@ from planc.spec.styles import REMOVED_STYLES
 from .helpers import GOOD, codes
 
 RULES = all_rules()
-# Compile rules' examples are compiled in tests/compile/test_rule_examples.py; here they must lint clean.
+# Compile rules' examples are compiled in tests/compiler/test_rule_examples.py; here they must lint clean.
 EXAMPLES = [r for r in RULES if r.bad is not None and r.family not in COMPILE_FAMILIES]
 COMPILE_EXAMPLES = [r for r in RULES if r.family in COMPILE_FAMILIES and r.bad]
 

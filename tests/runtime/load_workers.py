@@ -26,7 +26,7 @@ def write_checkpoints(root: Path, model_types, *, seed: int = 0) -> None:
     w1/w2/w3), sharded over several files with an index. `model`: the model's in-memory layout (fused
     gate_up_proj), one file.
     """
-    from planc.runtime.models import build_tiny_model
+    from planc.models.build import build_tiny_model
 
     for model_type in model_types:
         model = build_tiny_model(model_type, seed=seed, **FOUR_RANK_HEADS.get(model_type, {}))
@@ -106,7 +106,7 @@ def write_transposed_experts_checkpoint(path: Path, *, seed: int = 0) -> None:
     them at load). H 64, I 16: no dim pair is square, so the transpose is visible in every shape."""
     from safetensors.torch import load_file, save_file
 
-    from planc.runtime.models import build_tiny_model
+    from planc.models.build import build_tiny_model
 
     model = build_tiny_model("qwen3_vl_moe", seed=seed, moe_intermediate_size=16)
     model.save_pretrained(path, save_original_format=False)
@@ -134,7 +134,7 @@ def error_world(rank, world, cases):
         try:
             load(path, shipped_plan(model_type, tp=world), dtype=torch.float32)
             out[name] = "loaded"
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - the test reads the type and message
             out[name] = f"{type(e).__name__}: {e}"
     return out
 
@@ -147,7 +147,7 @@ def everything_world(rank, world, root, case_names, layouts, tied_path, error_ca
     if transposed_path is not None:
         try:
             out["transposed"] = transposed_world(rank, world, transposed_path)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - report every case
             out["transposed"] = traceback.format_exc()
     if error_cases:
         out["errors"] = error_world(rank, world, error_cases)

@@ -30,7 +30,7 @@ ep_plan:
 def mla_world(rank, world_size):
     """{style: (|loss diff|, max |grad diff| of kv_a_proj_with_mqa, max |grad diff| of every parameter)}."""
     from planc import apply
-    from planc.runtime.models import build_tiny_model
+    from planc.models.build import build_tiny_model
 
     out = {}
     base = build_tiny_model("deepseek_v2", seed=3)
@@ -63,9 +63,9 @@ def _init_plan(model_type: str, world_size: int) -> dict:
     """The plan `planc init --from-transformers MODEL_TYPE` writes for the family's tiny config at this world size."""
     import yaml
 
-    from planc.commands.init import init_plan
-    from planc.runtime.families import family
-    from planc.runtime.models import tiny_config
+    from planc.models.synthesis import init_plan
+    from planc.models.families import family
+    from planc.models.build import tiny_config
 
     fam = family(model_type)
     return yaml.safe_load(init_plan(fam.model_type, tiny_config(fam).to_dict(), sizes=(world_size,)))
@@ -95,7 +95,7 @@ def _each_strategy(base, plan: dict, strategies, local_experts) -> dict:
 def dense_ep_world(rank, world_size):
     """Llama 4 (experts take every token pre-scaled) under the plan `planc init` writes, EP over the TP group:
     {strategy: (max |logits diff|, |loss diff|, max |grad diff|), "experts per rank": int}."""
-    from planc.runtime.models import build_tiny_model
+    from planc.models.build import build_tiny_model
 
     plan = _init_plan("llama4_text", world_size)
     base = build_tiny_model("llama4_text", seed=5)
@@ -111,7 +111,7 @@ def own_forward_ep_world(rank, world_size):
     diffs}, "experts per rank", "zero experts hit" (routes to the parameter-free experts in the batch)."""
     import torch
 
-    from planc.runtime.models import build_tiny_model
+    from planc.models.build import build_tiny_model
 
     plan = _init_plan("longcat_flash", world_size)
     base = build_tiny_model("longcat_flash", seed=5)

@@ -12,6 +12,8 @@ def test_demo_prints_table_and_matches_unsharded(capsys):
     assert main(["demo"]) == 0
     out = capsys.readouterr().out
     assert "model.layers.*.mlp.experts" in out  # the explain table lists the plan's rules
+    assert "run at tp_size=2 ep_size=2 dp_size=1 (the plan's own sizes: tp_size=8 ep_size=8 dp_size=1, 8 ranks" in out
+    assert "tiny random mixtral (hidden " in out and "experts 8" in out
     match = re.search(r"max \|logits - unsharded logits\| on 2 ranks: (\S+)", out)
     assert match, out
     assert float(match.group(1)) <= 1e-5

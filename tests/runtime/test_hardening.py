@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from planc.runtime.snapshot import Snapshot
-from planc.runtime.models import build_tiny_model
+from planc.models.build import build_tiny_model
 from tests.distributed import run_distributed
 from tests.lint.helpers import plan_text
 from tests.runtime.workers import _failing_after, batch, shipped_plan
@@ -109,7 +109,7 @@ QWEN2_MOE_PLAN = plan_text("qwen2_moe", 8, 8)
 
 
 def test_tiny_config_is_derived_from_the_familys_own_config_class():
-    from planc.runtime.models import TINY_CONFIGS, tiny_config
+    from planc.models.build import TINY_CONFIGS, tiny_config
 
     assert "qwen2_moe" not in TINY_CONFIGS
     config = tiny_config("qwen2_moe")

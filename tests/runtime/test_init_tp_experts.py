@@ -1,7 +1,7 @@
 """Experts `planc init` plans tensor-parallel (an expert count no size divides), 2 gloo ranks.
 
 From transformers 5.25 the configs declare only EP rules on their experts (`moe_tp_experts` is deprecated);
-init derives the TP rules from the experts' layout (planc.commands.init). Logits, loss and every gradient of a
+init derives the TP rules from the experts' layout (planc.models.synthesis). Logits, loss and every gradient of a
 training step under the plan it writes must match the unsharded model, for each layout: gate|up fused,
 transposed ([E, H, 2I]: aria_text), and no gate (nemotron_h).
 """
@@ -24,9 +24,9 @@ def tp_experts_world(rank, world_size):
     import yaml
 
     from planc import apply
-    from planc.commands.init import init_plan
-    from planc.runtime.families import family
-    from planc.runtime.models import build_tiny_model, tiny_config
+    from planc.models.synthesis import init_plan
+    from planc.models.families import family
+    from planc.models.build import build_tiny_model, tiny_config
     from tests.runtime.workers import batch, logits_diff, train_step_diff
 
     out = {}

@@ -78,7 +78,7 @@ def test_unknown_style_is_refused_by_name():
 
 
 def test_meta_model_builds_full_size_without_memory():
-    from planc.runtime.models import build_meta_model
+    from planc.models.build import build_meta_model
 
     model = build_meta_model("mixtral", {"num_hidden_layers": 2})
     assert {p.device.type for p in model.parameters()} == {"meta"}

@@ -26,7 +26,7 @@ FAMILIES = sorted({c[1] for c in CASES})
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("checkpoints")
     write_checkpoints(root, FAMILIES)
-    from planc.runtime.models import build_tiny_model
+    from planc.models.build import build_tiny_model
 
     build_tiny_model("mixtral", tie_word_embeddings=True).save_pretrained(root / "tied")
     write_transposed_experts_checkpoint(root / "transposed")

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from planc.runtime.checkpoint.files import CheckpointFiles, MappedSlice
-from planc.runtime.checkpoint.load import _own_copies
+from planc.runtime.checkpoint.fill import _own_copies
 
 
 def _checkpoint(tmp_path):

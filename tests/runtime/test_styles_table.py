@@ -14,11 +14,11 @@ from tests.distributed import run_distributed
 
 
 def test_runtime_registry_is_keyed_by_the_table():
-    from planc.runtime.tp_styles import TP_STYLES
+    from planc.runtime.tp_styles import TP_RUNTIMES
 
     want = {s.name for s in STYLES if s.runtime and s.section == "tp"}
-    assert set(TP_STYLES) == want
-    assert all(TP_STYLES[name].spec.name == name for name in want)
+    assert set(TP_RUNTIMES) == want
+    assert all(TP_RUNTIMES[name].spec.name == name for name in want)
 
 
 def shard_world(rank, world_size):
@@ -27,11 +27,11 @@ def shard_world(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from planc.runtime.tp_styles import TP_STYLES
+    from planc.runtime.tp_styles import TP_RUNTIMES
 
     mesh = init_device_mesh("cpu", (world_size,))
     out = {}
-    for name, style in TP_STYLES.items():
+    for name, style in TP_RUNTIMES.items():
         module = nn.Linear(8, 12, bias=True)
         module.scale = nn.Parameter(torch.ones(8))  # a 1-D parameter that is not a bias
         for pname in ("weight", "bias", "scale"):

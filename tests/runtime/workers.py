@@ -52,7 +52,7 @@ def shipped_case_plan(name: str, *, tp: int, ep: int | None = None) -> dict:
 
 def tiny_for_case(name: str, seed: int = 0, **overrides):
     """The tiny random model a shipped plan's tests use (4 KV heads where 4-rank TP needs them)."""
-    from planc.runtime.models import build_tiny_model
+    from planc.models.build import build_tiny_model
 
     model_type = SHIPPED[name][0]
     return build_tiny_model(model_type, seed=seed, **{**FOUR_RANK_HEADS.get(model_type, {}), **overrides})
@@ -121,7 +121,7 @@ def train_step_diff(model, ref, ids, *, only=None) -> tuple[float, float]:
 
 def fresh(model_type: str, impl: str | None = None, **overrides):
     """A tiny model and an unsharded copy of it (running the same experts implementation)."""
-    from planc.runtime.models import build_tiny_model
+    from planc.models.build import build_tiny_model
 
     model = build_tiny_model(model_type, **overrides)
     ref = copy.deepcopy(model)
@@ -279,7 +279,7 @@ def _transformers_peer(model_type, world_size):
         try:
             apply(theirs, plan)
             out["refuses_transformers_sharded"] = "applied"
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - the test reads the type and message
             out["refuses_transformers_sharded"] = f"{type(e).__name__}: {e}"
     return out
 
@@ -419,7 +419,7 @@ def errors_world(rank, world_size):
     attempt("deepgemm_on_cpu", model, shipped_plan("mixtral", tp=world_size, implementation="deepgemm"))
     attempt("sonicmoe_on_cpu", model, shipped_plan("mixtral", tp=world_size, implementation="sonicmoe"))
     # (Mega MoE `backend: auto` on CPU is no refusal: it runs the reference with a RuntimeWarning,
-    # tests/megamoe/test_deep_gemm_binding.py::test_auto_falls_back_to_the_reference_with_a_warning_naming_why.)
+    # tests/kernels/megamoe/test_deep_gemm_binding.py::test_auto_falls_back_to_the_reference_with_a_warning_naming_why.)
     from torch.distributed.device_mesh import init_device_mesh
 
     wrong_mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp", "tp"))

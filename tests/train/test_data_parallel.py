@@ -42,7 +42,7 @@ def test_training_equals_single_process_on_the_global_batch(world_size, tmp_path
     assert len(grid) == (18 if world_size == 2 else 24)
     hub_dirs = {}
     if world_size == 2:  # generate() after planc.load: what users do first (the 2-rank world runs it too)
-        from planc.runtime.models import build_tiny_model
+        from planc.models.build import build_tiny_model
 
         for m in MODELS:
             build_tiny_model(m, seed=0).save_pretrained(tmp_path / m)

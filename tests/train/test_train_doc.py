@@ -51,7 +51,7 @@ def torchrun(tmp: Path, nproc: int, *args: str) -> list[tuple[int, float, float]
 def test_train_md_script_trains_checkpoints_and_resumes_at_another_size(tmp_path):
     if not hasattr(planc, "load_optimizer"):
         pytest.skip("planc.load_optimizer (optimizer state in planc.save) is not in this tree yet")
-    from planc.runtime.models import build_tiny_model
+    from planc.models.build import build_tiny_model
 
     (tmp_path / "train.py").write_text(script_text(), encoding="utf-8")
     (tmp_path / "plan.yaml").write_text(PLAN, encoding="utf-8")

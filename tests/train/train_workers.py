@@ -33,7 +33,7 @@ def reference(model_type: str, dp: int, seed: int = 0) -> dict:
     (the same for every (tp, ep, mode, strategy), so one world computes it once per model and dp)."""
     key = (model_type, dp, seed)
     if key not in _REFERENCE:
-        from planc.runtime.models import build_tiny_model
+        from planc.models.build import build_tiny_model
 
         ref = build_tiny_model(model_type, seed=seed)
         impl = shipped_plan(model_type, tp=1)["experts"]["implementation"]
@@ -58,7 +58,7 @@ def train_case(model_type: str, tp: int, ep: int, dp: int, data_parallel: str, s
     """Worst loss, clip-norm and parameter differences of planc training against the single-process reference,
     and a digest of the full parameters (equal on every rank when the replicas are bit-identical)."""
     import planc
-    from planc.runtime.models import build_tiny_model
+    from planc.models.build import build_tiny_model
 
     ref = reference(model_type, dp, seed)
     model = build_tiny_model(model_type, seed=seed)
@@ -107,7 +107,7 @@ def api_checks(rank: int, world_size: int) -> dict:
 
     import planc
     from planc.errors import ApplyError, PlancError
-    from planc.runtime.models import build_tiny_model
+    from planc.models.build import build_tiny_model
 
     out = {}
     model = build_tiny_model("mixtral", seed=1)

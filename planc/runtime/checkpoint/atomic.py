@@ -120,7 +120,7 @@ def atomic_directory(target, what: str, replaceable: Callable[[Path], bool]) -> 
     if rank0:
         try:
             _swap(partial, target)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - every rank learns of it through agree()
             error = e
     agree(error, f"{what}: renaming {partial} to {target}")
 

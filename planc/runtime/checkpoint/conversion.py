@@ -20,6 +20,8 @@ ops (save, export) are transformers' own, inherited.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -118,7 +120,7 @@ def shard_aware(mapping: list) -> list:
         if not ops:
             out.append(transform)
             continue
-        new = []
+        new: list[Any] = []
         for op in ops:
             if type(op) is Transpose and op.check_dims:
                 transpose_cls = transpose_cls or _shard_aware_transpose_cls()

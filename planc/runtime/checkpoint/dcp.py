@@ -11,7 +11,10 @@ survives); non-persistent buffers come from the checkpoint, where planc.save sto
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -21,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from planc.errors import CheckpointError
 from planc.runtime.checkpoint.atomic import agree
+from planc.runtime.checkpoint.keys import last_line
 from planc.runtime.checkpoint.marker import is_planc_checkpoint, read_marker
 from planc.runtime.mesh import rank_device
 from planc.runtime.checkpoint.state import (
@@ -45,7 +49,8 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
     modules (tied weights) gets one new tensor, assigned to all of them."""
     new: dict[int, torch.Tensor] = {}
     for module in model.modules():
-        for table in (module._parameters, module._buffers):
+        tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+        for table in tables:
             for name, t in list(table.items()):
                 if t is None or not t.is_meta:
                     continue
@@ -56,6 +61,50 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
                         fresh.__dict__.update(t.__dict__)
                     new[id(t)] = fresh
                 table[name] = new[id(t)]
+
+
+@contextlib.contextmanager
+def dcp_failures(what: str):
+    """torch.distributed.checkpoint's `CheckpointException` (a BaseException: `except Exception` misses it) as a
+    CheckpointError naming each failed rank and the last line of its cause, never DCP's tracebacks. DCP gathers
+    every rank's failure before raising, so every rank raises this together; the callers clean up and agree."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        lines = []
+        for rank, failure in sorted(e.failures.items()):
+            exc = failure[0] if isinstance(failure, tuple) else failure
+            lines.append(f"rank {rank}: {type(exc).__name__}: {last_line(str(exc)) or exc}")
+        short = any("unexpected pos" in line or "No space" in line or "too large" in line for line in lines)
+        hint = (
+            " A file write stopped short: the disk is full, a quota was reached or a file size limit (`ulimit -f`) "
+            "applies on that rank; free space or raise the limit, then run it again." if short else ""
+        )
+        failed = "; ".join(lines)
+        raise CheckpointError(f"{what}: torch.distributed.checkpoint failed: {failed}.{hint}") from None
+
+
+def _storage_problems(metadata, directory: Path) -> list[str]:
+    """Every `__<rank>_0.distcp` the metadata points into: present, and long enough for every range read from it
+    (a missing or truncated rank file is refused here, naming it, before DCP reads a byte)."""
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        path, end = getattr(info, "relative_path", None), getattr(info, "offset", 0) + getattr(info, "length", 0)
+        if path is not None:
+            ends[path] = max(ends.get(path, 0), end)
+    problems = []
+    for name, end in sorted(ends.items()):
+        f = directory / name
+        if not f.is_file():
+            problems.append(f"{f}: missing (the checkpoint's .metadata places tensors in it); copy the whole directory")
+        elif f.stat().st_size < end:
+            problems.append(
+                f"{f}: {f.stat().st_size} bytes, but the checkpoint's .metadata reads up to byte {end}: it is "
+                "truncated; copy it again"
+            )
+    return problems
 
 
 def _targets(model: nn.Module, compiled, groups, saved_non_persistent) -> dict[str, torch.Tensor]:
@@ -117,7 +166,17 @@ def fill_from_dcp(
     try:
         marker = read_marker(directory)
         saved_np = set(marker.get("non_persistent_buffers", ()))
-        metadata = dcp.FileSystemReader(str(directory)).read_metadata()
+        try:
+            metadata = dcp.FileSystemReader(str(directory)).read_metadata()
+        except Exception as e:  # noqa: BLE001 - a damaged .metadata raises pickle's or the filesystem's errors
+            raise CheckpointError(
+                f"{directory / '.metadata'}: unreadable ({type(e).__name__}: {last_line(str(e))}); the checkpoint is "
+                "damaged: save it again, or copy it again."
+            ) from None
+        files = _storage_problems(metadata, directory)
+        if files:
+            raise CheckpointError(f"{directory}: {len(files)} file(s) of the checkpoint are damaged:\n    "
+                                  + "\n    ".join(files))
         problems = _check(_targets(model, compiled, groups, saved_np), metadata, directory, model, saved_np)
         if problems:
             raise CheckpointError(
@@ -133,12 +192,15 @@ def fill_from_dcp(
 
     _materialize(model, device)
     targets = _targets(model, compiled, groups, saved_np)
-    strided = {k: t for k, t in targets.items() if has_strided(t)}
-    load_state = {k: (dcp_layout(t.detach()) if k in strided else t) for k, t in targets.items()}
-    dcp.load(load_state, checkpoint_id=str(directory))
+    strided: dict[str, DTensor] = {k: t for k, t in targets.items() if has_strided(t)}
+    load_state = {k: (dcp_layout(cast(DTensor, strided[k].detach())) if k in strided else t) for k, t in targets.items()}
+    with dcp_failures(what):
+        dcp.load(load_state, checkpoint_id=str(directory))
     with torch.no_grad():
         for key, t in strided.items():
-            t.to_local().copy_(load_state[key].redistribute(placements=t.placements).to_local())
+            loaded = load_state[key]
+            assert isinstance(loaded, DTensor)  # dcp_layout's
+            t.to_local().copy_(loaded.redistribute(placements=t.placements).to_local())
 
 
-__all__ = ["fill_from_dcp", "is_planc_checkpoint", "read_marker"]
+__all__ = ["dcp_failures", "fill_from_dcp", "is_planc_checkpoint", "read_marker"]

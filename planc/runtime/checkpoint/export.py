@@ -26,7 +26,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, BinaryIO, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,9 @@ from planc.errors import CheckpointError
 from planc.runtime.checkpoint.atomic import agree, atomic_directory
 from planc.runtime.checkpoint.save import applied_plan
 from planc.runtime.checkpoint.state import ep_buffer_dtensor, expert_sharded_buffers, refuse_unsavable
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -85,7 +88,7 @@ def _group_keys(keys) -> list[list[str]]:
 def _revert(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     from transformers.core_model_loading import revert_weight_conversion
 
-    return revert_weight_conversion(model, tensors)
+    return revert_weight_conversion(cast("PreTrainedModel", model), tensors)
 
 
 @dataclass
@@ -125,7 +128,7 @@ def _plan(model: nn.Module, state: dict, key_groups: list[list[str]], max_shard_
         size += nbytes
     count = file_index + 1
     files = [SINGLE_FILE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
-    remaining = [set() for _ in files]
+    remaining: list[set[str]] = [set() for _ in files]
     for name, i in assignment.items():
         remaining[i].add(name)
     return _Layout(files, assignment, meta, remaining)
@@ -154,8 +157,8 @@ class _ShardWriter:
         self.directory, self.layout = directory, layout
         self.offsets: dict[str, tuple[int, int]] = {}
         self.data_start: list[int] = []
-        self.current: Optional[tuple[int, object]] = None  # (file index, open file)
-        for i, names in enumerate(self._names_by_file()):
+        self.current: Optional[tuple[int, BinaryIO]] = None  # (file index, open file)
+        for names in self._names_by_file():
             header: dict = {"__metadata__": {"format": "pt"}}
             pos = 0
             for name in names:
@@ -203,7 +206,7 @@ class _ShardWriter:
             f = self._file(i)
             f.seek(self.data_start[i] + offset)
             data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-            f.write(memoryview(data.numpy()) if nbytes else b"")  # no copy of the bytes
+            f.write(data.numpy().data if nbytes else b"")  # a memoryview: no copy of the bytes
             self.layout.remaining[i].discard(name)
 
     def finish(self) -> None:
@@ -280,6 +283,7 @@ def export(model: nn.Module, directory, *, max_shard_size="5GB") -> Path:
     agree(error, what)
     rank0 = dist.get_rank() == 0
     with atomic_directory(directory, what, replaceable=is_export_dir) as partial:
+        assert layout is not None  # agree() raised otherwise
         writer = _ShardWriter(partial, layout) if rank0 else None
         failure: Optional[BaseException] = None
         for keys in key_groups:

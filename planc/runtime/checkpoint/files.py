@@ -66,12 +66,12 @@ class CheckpointFiles:
     def open(cls, path: str | os.PathLike) -> "CheckpointFiles":
         root = Path(path)
         if not root.is_dir():
-            raise CheckpointError(
-                f"{root}: not a checkpoint directory. planc.load takes a local directory holding config.json and "
-                f"{SINGLE_NAME} (or {INDEX_NAME} with its shards), as save_pretrained writes it."
-            )
+            raise CheckpointError(missing_directory(root))
         if not (root / CONFIG_NAME).is_file():
-            raise CheckpointError(f"{root}: no {CONFIG_NAME}; the model is built from it. Copy it beside the weights.")
+            raise CheckpointError(
+                _dangling(root / CONFIG_NAME)
+                or f"{root}: no {CONFIG_NAME}; the model is built from it. Copy it beside the weights."
+            )
         files = _weight_files(root)
         tensors: dict[str, TensorInfo] = {}
         for name, expected in files.items():
@@ -93,6 +93,13 @@ class CheckpointFiles:
                     )
                 tensors[key] = info
         return cls(root, tensors)
+
+    def digest(self) -> str:
+        """A short hash of every tensor's key, file, dtype and shape: ranks that see different checkpoints differ."""
+        import hashlib
+
+        text = "\n".join(f"{k} {i.file} {i.dtype} {list(i.shape)}" for k, i in sorted(self.tensors.items()))
+        return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
     @property
     def config_path(self) -> Path:
@@ -138,7 +145,12 @@ class CheckpointFiles:
 
 
 class MappedSlice:
-    """A safetensors `mmap` slice that records the storage of every tensor it returns (a view of the mapped file)."""
+    """A safetensors `mmap` slice that records the storage of every tensor it returns (a view of the mapped file).
+
+    `MappedSlice.reads` counts the slices indexed in this process: a load refused before reading leaves it as it was
+    (the tests check every refusal so)."""
+
+    reads = 0
 
     def __init__(self, source, storages: set[int]):
         self.source = source
@@ -152,6 +164,7 @@ class MappedSlice:
 
     def __getitem__(self, index):
         tensor = self.source[index]
+        MappedSlice.reads += 1
         self.storages.add(tensor.untyped_storage().data_ptr())
         return tensor
 
@@ -173,16 +186,53 @@ def _weight_files(root: Path) -> dict[str, set[str] | None]:
             if not (root / name).is_file():
                 raise CheckpointError(
                     f"{index}: names shard {name} (for `{sorted(files[name])[0]}` and {len(files[name]) - 1} more "
-                    f"tensors), which is missing from {root}. Copy the whole checkpoint."
+                    f"tensors), which is missing from {root}"
+                    + (f" ({_dangling(root / name)})" if _dangling(root / name) else "")
+                    + ". Copy the whole checkpoint."
                 )
         return files  # type: ignore[return-value]
     if (root / SINGLE_NAME).is_file():
         return {SINGLE_NAME: None}
+    dangling = _dangling(root / SINGLE_NAME) or _dangling(index)
+    if dangling:
+        raise CheckpointError(dangling)
     others = sorted(p.name for p in root.glob("*.safetensors"))
     raise CheckpointError(
         f"{root}: no {SINGLE_NAME} and no {INDEX_NAME}"
         + (f" (found {', '.join(others[:3])} without an index)" if others else "")
         + ". planc.load reads safetensors checkpoints as save_pretrained writes them."
+    )
+
+
+def missing_directory(root: Path) -> str:
+    """The message for a checkpoint path that is not a directory: where an interrupted save left the previous one."""
+    from planc.runtime.checkpoint.atomic import OLD_SUFFIX, PARTIAL_SUFFIX, sibling
+
+    old, partial = sibling(root, OLD_SUFFIX), sibling(root, PARTIAL_SUFFIX)
+    if old.is_dir():
+        return (
+            f"{root}: missing, but {old} holds the checkpoint that was there: a planc.save/export was interrupted "
+            f"while swapping the new checkpoint in. Rename it back (`mv {old} {root}`; the next planc.save or "
+            f"planc.export to {root} does it itself), then load {root}."
+        )
+    link = _dangling(root)
+    if link:
+        return link
+    return (
+        f"{root}: not a checkpoint directory"
+        + (f" ({partial} is an unfinished save, not a checkpoint)" if partial.exists() else "")
+        + f". planc.load takes a local directory holding config.json and {SINGLE_NAME} (or {INDEX_NAME} with its "
+        "shards), as save_pretrained writes it, or a planc.save directory."
+    )
+
+
+def _dangling(path: Path) -> str | None:
+    """The message for a symbolic link whose target is missing, else None."""
+    if not path.is_symlink() or path.exists():
+        return None
+    return (
+        f"{path} is a symbolic link to {os.readlink(path)}, which does not exist. Restore the file it points to "
+        "(or copy the file itself beside config.json)."
     )
 
 
@@ -193,10 +243,42 @@ def _safe_open(path: Path, backend: str = "mmap"):
         handle = safe_open(str(path), framework="pt", device="cpu", backend=backend)
         handle.__enter__()
     except (SafetensorError, OSError) as e:
-        raise CheckpointError(
-            f"{path}: not a readable safetensors file ({e}); it is truncated or damaged. Re-copy it."
-        ) from None
+        detail = _header_problem(path) or f"not a readable safetensors file ({e})"
+        raise CheckpointError(f"{path}: {detail}; it is truncated or damaged. Re-copy it.") from None
     return handle
+
+
+def _header_problem(path: Path) -> str | None:
+    """The tensor a damaged header describes wrongly (dtype x shape vs its byte range, a range past the end), read
+    from the header itself: safetensors' own message does not name the tensor."""
+    import struct
+
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            size = os.fstat(f.fileno()).st_size
+            if n > size - 8:
+                return None
+            header = json.loads(f.read(n))
+        data = size - 8 - n
+        for key, entry in header.items():
+            if key == "__metadata__" or not isinstance(entry, dict):
+                continue
+            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            count = 1
+            for d in shape:
+                count *= d
+            want = count * _DTYPE_BYTES.get(dtype, 0)
+            if dtype in _DTYPE_BYTES and want != end - begin:
+                return (
+                    f"tensor `{key}`: its header says {dtype} {list(shape)} ({want} bytes), but its byte range "
+                    f"[{begin}, {end}) holds {end - begin} bytes"
+                )
+            if end > data:
+                return f"tensor `{key}`: its byte range [{begin}, {end}) ends past the data ({data} bytes)"
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+    return None
 
 
 def _read_header(path: Path) -> dict[str, TensorInfo]:
@@ -212,4 +294,6 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
         handle.__exit__(None, None, None)
 
 
-__all__ = ["CheckpointFiles", "MappedSlice", "TensorInfo", "INDEX_NAME", "SINGLE_NAME", "CONFIG_NAME"]
+__all__ = [
+    "CheckpointFiles", "MappedSlice", "TensorInfo", "INDEX_NAME", "SINGLE_NAME", "CONFIG_NAME", "missing_directory",
+]

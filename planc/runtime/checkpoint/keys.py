@@ -15,9 +15,16 @@ the per-expert `w1`/`w3` merge into `gate_up_proj`), and drop what transformers 
 
 from __future__ import annotations
 
+import re
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
 from torch import nn
 
 from planc.runtime.checkpoint.files import CheckpointFiles
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 _MAX_LISTED = 5
 _NON_FLOAT = {"I8", "U8", "I16", "U16", "I32", "U32", "I64", "U64", "BOOL", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4"}
@@ -34,7 +41,7 @@ def _mapping(model: nn.Module):
     return renamings, converters
 
 
-def checkpoint_problems(model: nn.Module, files: CheckpointFiles) -> list[str]:
+def checkpoint_problems(model: PreTrainedModel, files: CheckpointFiles) -> list[str]:
     """Every key, shape and dtype problem visible in the headers, each naming the file and the tensor."""
     from transformers.core_model_loading import rename_source_key
     from transformers.utils.loading_report import LoadStateDictInfo
@@ -49,6 +56,7 @@ def checkpoint_problems(model: nn.Module, files: CheckpointFiles) -> list[str]:
     targeted: set[str] = set()
     fused_modules: set[str] = set()  # modules filled by a one-to-many converter: their keys are not checked one by one
     unexpected: dict[str, str] = {}
+    sources: dict[tuple[str, int], tuple[Any, list[tuple[str, str]]]] = {}  # a converter's target -> its keys
     for key, info in files.tensors.items():
         renamed, pattern = rename_source_key(key, renamings, converters, prefix, model_keys)
         if renamed not in model_keys and key in model_keys:
@@ -57,40 +65,34 @@ def checkpoint_problems(model: nn.Module, files: CheckpointFiles) -> list[str]:
             unexpected[renamed] = key
             continue
         targeted.add(renamed)
-        if pattern is not None:
-            if len(by_pattern[pattern].target_patterns) > 1:
-                fused_modules.add(renamed.rpartition(".")[0])
-            continue  # a converted tensor's shape is checked by the loader after conversion
         expected = model_keys[renamed]
-        if tuple(expected.shape) != info.shape:
+        if pattern is not None:
+            converter = by_pattern[pattern]
+            if len(converter.target_patterns) > 1:
+                fused_modules.add(renamed.rpartition(".")[0])
+            sources.setdefault((renamed, id(converter)), (converter, []))[1].append((key, pattern))
+        elif tuple(expected.shape) != info.shape:
             problems.append(
                 f"{files.where(key)} has shape {list(info.shape)}, but the model's `{renamed}` is "
                 f"{list(expected.shape)}. The checkpoint and config.json disagree: use the config saved with these weights."
             )
-        elif not quantized and expected.is_floating_point() and info.dtype in _NON_FLOAT:
-            problems.append(
-                f"{files.where(key)} is stored as {info.dtype}, but the model's `{renamed}` is {expected.dtype} and "
-                "config.json has no `quantization_config`: a quantized checkpoint needs its quantization_config "
-                "(planc.load supports what transformers' quantizers load)."
-            )
-        elif not expected.is_floating_point() and info.dtype not in _NON_FLOAT:
-            problems.append(
-                f"{files.where(key)} is stored as {info.dtype}, but the model's `{renamed}` is {expected.dtype}: "
-                "the checkpoint does not match this model."
-            )
+            continue
+        problems += _dtype_problems(files, key, renamed, expected, quantized)
+    for (target, _), (converter, keys) in sources.items():
+        problems += converter_problems(files, target, model_keys[target], converter, keys, quantized)
 
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
     missing = {
         k for k in model_keys
         if k not in targeted and k not in tied and k.rpartition(".")[0] not in fused_modules
     }
-    info = LoadStateDictInfo(
+    report = LoadStateDictInfo(
         missing_keys=missing, unexpected_keys=set(unexpected), mismatched_keys=set(), error_msgs=[],
         conversion_errors={}, skipped_pp_keys=set(),
     )
-    model._adjust_missing_and_unexpected_keys(info)
-    if info.unexpected_keys:
-        keys = sorted(info.unexpected_keys)
+    model._adjust_missing_and_unexpected_keys(report)
+    if report.unexpected_keys:
+        keys = sorted(report.unexpected_keys)
         listed = ", ".join(f"`{unexpected[k]}`" for k in keys[:_MAX_LISTED])
         problems.append(
             f"{files.root}: {len(keys)} checkpoint tensor(s) have no place in the "
@@ -98,8 +100,8 @@ def checkpoint_problems(model: nn.Module, files: CheckpointFiles) -> list[str]:
             f"first in {files.tensors[unexpected[keys[0]]].file}). The checkpoint is not for this model or config: "
             "check config.json (model_type, num_hidden_layers, the experts count)."
         )
-    if info.missing_keys:
-        keys = sorted(info.missing_keys)
+    if report.missing_keys:
+        keys = sorted(report.missing_keys)
         listed = ", ".join(f"`{k}`" for k in keys[:_MAX_LISTED])
         problems.append(
             f"{files.root}: {len(keys)} tensor(s) of the model are in no checkpoint file ({listed}"
@@ -107,6 +109,152 @@ def checkpoint_problems(model: nn.Module, files: CheckpointFiles) -> list[str]:
             "use the complete checkpoint saved with this config."
         )
     return problems
+
+
+def _dtype_problems(files: CheckpointFiles, key: str, renamed: str, expected, quantized: bool) -> list[str]:
+    """An integer/float8 tensor where the model holds unquantized floats (or the reverse): same byte length or not,
+    reading it would give wrong numbers, so every checkpoint key is checked, a converter's sources too."""
+    info = files.tensors[key]
+    if not quantized and expected.is_floating_point() and info.dtype in _NON_FLOAT:
+        return [
+            f"{files.where(key)} is stored as {info.dtype}, but the model's `{renamed}` is {expected.dtype} and "
+            "config.json has no `quantization_config`: a quantized checkpoint needs its quantization_config "
+            "(planc.load supports what transformers' quantizers load)."
+        ]
+    if not expected.is_floating_point() and info.dtype not in _NON_FLOAT:
+        return [
+            f"{files.where(key)} is stored as {info.dtype}, but the model's `{renamed}` is {expected.dtype}: "
+            "the checkpoint does not match this model."
+        ]
+    return []
+
+
+def _index_regex(pattern: str):
+    """transformers' source pattern (a regex in which `*.` stands for one module index: `.experts.*.w1.weight`,
+    `\\.experts.*.w1.weight`) as a regex capturing that index; None if the pattern has no index."""
+    if "*." not in pattern:
+        return None
+    try:
+        return re.compile(pattern.replace("*.", r"(\d+)\.", 1))
+    except re.error:
+        return None
+
+
+def converter_problems(files: CheckpointFiles, target: str, expected, converter, keys, quantized: bool) -> list[str]:
+    """What a converter would fail on (or silently get wrong), from the headers of the keys that feed `target`.
+
+    For a per-expert merge (transformers' `MergeModulelist`, e.g. Mixtral's `experts.*.w1` + `w3` ->
+    `gate_up_proj`): every source pattern present, expert indices exactly `range(num_experts)`, one shape and dtype
+    for all of them, and the merged (and concatenated) shape equal to the model's. Each problem names the key and
+    its file: after reading, the same mistake is a `torch.stack`/`torch.cat` size error deep in the conversion.
+    """
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    ops = list(getattr(converter, "operations", None) or [])
+    merge = next((op for op in ops if isinstance(op, MergeModulelist)), None)
+    concat = next((op for op in ops if isinstance(op, Concatenate)), None)
+    fix = "The checkpoint and config.json disagree (or the checkpoint is incomplete): use the files saved together."
+    infos = {k: files.tensors[k] for k, _ in keys}
+    problems: list[str] = []
+
+    for pattern in converter.source_patterns:  # one dtype per source pattern (a weight and its scales differ)
+        mine = {k: infos[k] for k, p in keys if p == pattern}
+        dtypes = Counter(i.dtype for i in mine.values())
+        if len(dtypes) > 1:
+            common = dtypes.most_common(1)[0][0]
+            odd = sorted(k for k, i in mine.items() if i.dtype != common)
+            reported = not quantized and expected.is_floating_point() and mine[odd[0]].dtype in _NON_FLOAT
+            problems += [] if reported else [
+                f"{files.where(odd[0])} is stored as {mine[odd[0]].dtype}, but the other tensors of `{pattern}` "
+                f"merged into the model's `{target}` are {common}{_more(odd)}. {fix}"
+            ]
+    if merge is None:
+        return problems
+
+    num = expected.shape[merge.dim] if expected.dim() > merge.dim else None
+    by_pattern: dict[str, dict[int, str]] = {p: {} for p in converter.source_patterns}
+    for key, pattern in keys:
+        regex = _index_regex(pattern)
+        m = regex.search(key) if regex is not None else None
+        if m is not None:
+            by_pattern[pattern][int(m.group(1))] = key
+    present = {p: idx for p, idx in by_pattern.items() if idx}
+    example = next(iter(next(iter(present.values())).values())) if present else keys[0][0]
+    for pattern, indices in by_pattern.items():
+        if _index_regex(pattern) is None:
+            continue
+        if not indices:
+            if quantized:  # a quantizer's patterns include optional ones (activation scales)
+                continue
+            problems.append(
+                f"{files.root}: no checkpoint tensor matches `{pattern}` for the model's `{target}` (its other sources "
+                f"are there, e.g. {files.where(example)}). {fix}"
+            )
+            continue
+        wanted = range(num) if num is not None else range(max(indices) + 1)
+        extra = sorted(set(indices) - set(wanted))
+        missing = sorted(set(wanted) - set(indices))
+        if extra:
+            problems.append(
+                f"{files.where(indices[extra[0]])}: expert index {extra[0]} is beyond the model's {len(wanted)} "
+                f"experts of `{target}`{_more([indices[i] for i in extra])}. config.json's experts count and the "
+                "checkpoint disagree: use the config saved with these weights."
+            )
+        if missing:
+            some = indices[min(indices)]
+            name = _with_index(some, pattern, missing[0])
+            problems.append(
+                f"{files.root}: `{name}` is missing: the model's `{target}` merges {len(wanted)} experts, and "
+                f"{len(missing)} of them are in no checkpoint file (indices {missing[:8]}"
+                f"{' ...' if len(missing) > 8 else ''}"
+                f"; its siblings are in {files.tensors[some].file}). {fix}"
+            )
+    per_pattern = {}
+    for pattern, indices in present.items():
+        pshapes = Counter(infos[k].shape for k in indices.values())
+        if len(pshapes) > 1:
+            common = pshapes.most_common(1)[0][0]
+            odd = sorted(k for k in indices.values() if infos[k].shape != common)
+            problems.append(
+                f"{files.where(odd[0])} has shape {list(infos[odd[0]].shape)}, but the other experts' tensors of "
+                f"`{pattern}` are {list(common)}{_more(odd)}. {fix}"
+            )
+        per_pattern[pattern] = pshapes.most_common(1)[0][0]
+    if problems or quantized or any(not isinstance(op, (MergeModulelist, Concatenate)) for op in ops):
+        return problems
+    if num is None or not per_pattern:
+        return problems
+    stacked = [list(s[: merge.dim]) + [num] + list(s[merge.dim:]) for s in per_pattern.values()]
+    if len({len(s) for s in stacked}) > 1:
+        keys_named = ", ".join(f"`{next(iter(i.values()))}` {list(per_pattern[p])}" for p, i in present.items())
+        return [f"{files.root}: the tensors merged into the model's `{target}` have different ranks: {keys_named}. "
+                f"{fix}"]
+    merged = stacked[0]
+    if concat is not None:
+        d = concat.dim
+        rest = {tuple(s[:d] + s[d + 1:]) for s in stacked}
+        if len(rest) > 1 or any(d >= len(s) for s in stacked):
+            keys_named = ", ".join(f"`{next(iter(i.values()))}` {list(per_pattern[p])}" for p, i in present.items())
+            return [f"{files.root}: the tensors concatenated into the model's `{target}` disagree beyond dim "
+                    f"{d - merge.dim - 1 if d > merge.dim else d}: {keys_named}. {fix}"]
+        merged = merged[:d] + [sum(s[d] for s in stacked)] + merged[d + 1:]
+    if merged != list(expected.shape):
+        keys_named = ", ".join(f"`{next(iter(i.values()))}` {list(per_pattern[p])}" for p, i in present.items())
+        problems.append(
+            f"{files.where(example)}: the model's `{target}` is {list(expected.shape)}, but its {num} experts' "
+            f"tensors ({keys_named}) merge to {merged}. {fix}"
+        )
+    return problems
+
+
+def _with_index(key: str, pattern: str, index: int) -> str:
+    regex = _index_regex(pattern)
+    m = regex.search(key) if regex is not None else None
+    return key[: m.start(1)] + str(index) + key[m.end(1):] if m else key
+
+
+def _more(keys: list[str]) -> str:
+    return f" ({len(keys) - 1} more such key(s), e.g. `{keys[1]}`)" if len(keys) > 1 else ""
 
 
 def target_reads(model: nn.Module, files: CheckpointFiles) -> list[tuple[str, str, tuple, int]]:
@@ -138,8 +286,17 @@ def loading_problems(model: nn.Module, info, files: CheckpointFiles) -> list[str
             f"{files.root}: `{key}` read from the checkpoint has this rank's shape {list(got)}, but the sharded "
             f"model expects {list(want)}. The checkpoint and config.json disagree: use the config saved with these weights."
         )
+    if info.conversion_errors:
+        feeders = _sources_of(model, files)
     for key, error in sorted(info.conversion_errors.items()):
-        problems.append(f"{files.root}: converting `{key}` from the checkpoint layout failed: {error}")
+        fed = feeders.get(key, [])
+        listed = ", ".join(f"`{k}`" for k in fed[:_MAX_LISTED]) + (" ..." if len(fed) > _MAX_LISTED else "")
+        where = (f" from {len(fed)} checkpoint tensor(s) ({listed}; first in {files.tensors[fed[0]].file})"
+                 if fed else "")
+        problems.append(
+            f"{files.root}: converting the model's `{key}`{where} failed: {last_line(error)}. The checkpoint's "
+            "tensors do not fit this model's layout: use the config.json saved with these weights."
+        )
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
     missing = sorted(set(info.missing_keys) - tied)
     if missing:
@@ -153,4 +310,27 @@ def loading_problems(model: nn.Module, info, files: CheckpointFiles) -> list[str
     return problems
 
 
-__all__ = ["checkpoint_problems", "loading_problems", "target_reads"]
+def _sources_of(model: nn.Module, files: CheckpointFiles) -> dict[str, list[str]]:
+    """model key -> the checkpoint keys that feed it (through the conversion mapping)."""
+    from transformers.core_model_loading import rename_source_key
+
+    renamings, converters = _mapping(model)
+    model_keys = model.state_dict()
+    out: dict[str, list[str]] = {}
+    for key in sorted(files.tensors):
+        renamed, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, model_keys)
+        out.setdefault(renamed, []).append(key)
+    return out
+
+
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*)(?:Error|Exception|Exit|Interrupt)\b.*")
+
+
+def last_line(text: str) -> str:
+    """The cause of a failure without its traceback: the last `SomeError: ...` line (else the last line)."""
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    causes = [line for line in lines if _EXCEPTION_LINE.match(line) and not line.startswith("Error")]
+    return causes[-1] if causes else (lines[-1] if lines else "")
+
+
+__all__ = ["checkpoint_problems", "converter_problems", "last_line", "loading_problems", "target_reads"]

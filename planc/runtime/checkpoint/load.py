@@ -12,7 +12,7 @@ Read top to bottom, `load` is the whole story:
    same as `apply`): a bad plan or checkpoint raises the same error on every rank.
 3. Install exactly as `apply` does (`planc.runtime.install`), with one difference: the parameters are
    sharded while still on `meta` (DTensors with the plan's placements and no storage), and the fill
-   step between sharding and forwards hands the model to transformers' loader
+   step between sharding and forwards (fill.py) hands the model to transformers' loader
    (`convert_and_load_state_dict_in_model`), which derives each rank's byte ranges from those
    placements (`DtensorShardOperation`: a column slice, a `_StridedShard` gate|up half, or only the
    experts this rank owns in a per-expert hub checkpoint) and reads just them. Then transformers'
@@ -27,27 +27,23 @@ whose parameters carry planc's placements.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
 
 from planc.errors import ApplyError, CheckpointError, PlancError
 from planc.runtime.checkpoint.files import CheckpointFiles
-from planc.runtime.checkpoint.keys import checkpoint_problems, loading_problems
-from planc.runtime.checkpoint.quantized import (
-    block_size,
-    conversion_mapping,
-    dequantizing,
-    prepare_meta_model,
-    quantizer_for,
-    wrap_scales,
-)
+from planc.runtime.checkpoint.fill import SafetensorsFill
+from planc.runtime.checkpoint.keys import checkpoint_problems, last_line
+from planc.runtime.checkpoint.quantized import prepare_meta_model, quantizer_for
 from planc.runtime.mesh import rank_device
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def load(
@@ -77,51 +73,93 @@ def load(
 
     install.require_distributed("planc.load")
     device = rank_device(device)
-    model = compiled = files = dcp_dir = None
-    problems: list[str] = []
+    checked = check_checkpoint(source, plan, dtype=dtype, device=device, mesh=mesh, parallel=parallel,
+                               dequantize=dequantize)
     try:
-        dcp_dir = _dcp_checkpoint(source)
-        if dcp_dir is None:
-            files = CheckpointFiles.open(source)
-            config = _config(files.config_path.parent, dtype)
-        else:
-            config = _config(dcp_dir, dtype)
-        config_path = files.config_path if files else Path(dcp_dir) / "config.json"
-        loaded = _plan_for(plan, config, config_path)
-        megamoe = loaded.plan.experts.implementation == "deepgemm_megamoe"
-        quantizer = _quantizer(config, config_path, device, dequantize, dcp=dcp_dir is not None, megamoe=megamoe)
-        model = _meta_model(config, dtype)
-        if quantizer is not None:
-            _check_fp8_kept_plan(quantizer, loaded, config_path)
-            prepare_meta_model(model, quantizer)
-        compiled, problems = install.compile_and_check(model, loaded, mesh, device=device, parallel=parallel)
-        if compiled is not None and files is not None:
-            problems += checkpoint_problems(model, files)
-        if compiled is not None and device.type == "cuda":
-            problems += _memory_problems(compiled, device, source)
-    except PlancError as e:
-        problems.append(str(e))
-    except Exception as e:  # noqa: BLE001 - reported on every rank by the agreement instead of hanging them
-        problems.append(f"{type(e).__name__}: {e}")
-    try:
-        install.agree_across_ranks(compiled, problems, what="planc.load")
+        install.agree_across_ranks(checked.compiled, checked.problems, what="planc.load", decisions=checked.decisions)
     except ApplyError:
-        if files is not None:
-            files.close()
+        checked.close()
         raise
 
+    model, compiled = checked.model, checked.compiled
     groups = build_groups(compiled.parallel, mesh)
     state = install.InstallState(model=model, compiled=compiled, groups=groups)
-    if dcp_dir is None:
-        fill = _SafetensorsFill(files, device)
+    if checked.dcp_dir is None:
+        fill = SafetensorsFill(checked.files, device)
     else:
-        fill = _DcpFill(dcp_dir, device)
+        fill = _DcpFill(checked.dcp_dir, device)
     try:
         install.install_atomically(state, after_sharding=fill, what="planc.load")
     finally:
-        if files is not None:
-            files.close()
+        checked.close()
     return model
+
+
+@dataclass
+class Checked:
+    """What `check_checkpoint` found: the meta model and its CompiledPlan (None when compiling failed), the open
+    safetensors files or the DCP directory, every problem (each a message naming file/key and the fix), and the
+    decisions the ranks must agree on before their collectives diverge (install.agree_across_ranks)."""
+
+    model: Optional[nn.Module] = None
+    compiled: Any = None
+    files: Optional[CheckpointFiles] = None
+    dcp_dir: Optional[str] = None
+    problems: list[str] = field(default_factory=list)
+    decisions: dict[str, str] = field(default_factory=dict)
+
+    def close(self) -> None:
+        if self.files is not None:
+            self.files.close()
+
+
+def check_checkpoint(
+    source, plan, *, dtype=None, device=None, mesh=None, parallel=None, dequantize=None, launched: bool = True
+) -> Checked:
+    """Every check planc.load runs before a byte of a tensor is read, on this rank alone (no communication).
+
+    `planc.load` calls it on every rank and agrees on the outcome; `planc explain --checkpoint` calls it with
+    `launched=False` (no world: the world size and the kernels' device are not checked) and prints the problems.
+    One function, so explain refuses exactly what load refuses.
+    """
+    from planc.runtime import install
+
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    out = Checked()
+    try:
+        out.dcp_dir = _dcp_checkpoint(source)
+        route = "planc.save (torch.distributed.checkpoint)" if out.dcp_dir else "safetensors"
+        out.decisions["checkpoint route"] = route
+        if out.dcp_dir is None:
+            out.files = CheckpointFiles.open(source)
+            out.decisions["checkpoint"] = f"{len(out.files.tensors)} tensors, headers {out.files.digest()}"
+            config = _config(out.files.config_path.parent, dtype)
+        else:
+            config = _config(out.dcp_dir, dtype)
+        config_path = out.files.config_path if out.files else Path(out.dcp_dir) / "config.json"
+        loaded = _plan_for(plan, config, config_path)
+        megamoe = loaded.plan.experts.implementation == "deepgemm_megamoe"
+        quantizer = _quantizer(config, config_path, device, dequantize, dcp=out.dcp_dir is not None, megamoe=megamoe)
+        out.decisions["quantization"] = (
+            "none" if quantizer is None
+            else "dequantized" if getattr(quantizer.quantization_config, "dequantize", False) else "kept"
+        )
+        model = out.model = _meta_model(config, dtype)
+        if quantizer is not None:
+            _check_fp8_kept_plan(quantizer, loaded, config_path)
+            prepare_meta_model(model, quantizer)
+        out.compiled, problems = install.compile_and_check(model, loaded, mesh, device=device, parallel=parallel,
+                                                           launched=launched)
+        out.problems += problems
+        if out.compiled is not None and out.files is not None:
+            out.problems += checkpoint_problems(model, out.files)
+        if out.compiled is not None and device.type == "cuda":
+            out.problems += _memory_problems(out.compiled, device, source)
+    except PlancError as e:
+        out.problems.append(str(e))
+    except Exception as e:  # noqa: BLE001 - reported on every rank by the agreement instead of hanging them
+        out.problems.append(f"{type(e).__name__}: {last_line(str(e)) or e}")
+    return out
 
 
 def _memory_problems(compiled, device, source) -> list[str]:
@@ -136,12 +174,33 @@ def _memory_problems(compiled, device, source) -> list[str]:
 
 
 def _dcp_checkpoint(source) -> Optional[str]:
-    """`source` if it holds a planc DCP checkpoint (written by `planc.save`), else None."""
-    try:
-        from planc.runtime.checkpoint.dcp import is_planc_checkpoint
-    except ImportError:  # the DCP half is not installed in this build
+    """`source` if it holds a planc DCP checkpoint (written by `planc.save`), None for a safetensors directory.
+
+    A `planc.json` that cannot be read means a damaged planc checkpoint, said as such (not "no model.safetensors"):
+    planc.save writes it last, so it is damaged only when something changed the directory afterwards.
+    """
+    import json
+
+    from planc.runtime.checkpoint.files import missing_directory
+    from planc.runtime.checkpoint.marker import FORMAT, MARKER, read_marker
+
+    root = Path(source)
+    if not root.is_dir():
+        raise CheckpointError(missing_directory(root))
+    marker = root / MARKER
+    if not (marker.exists() or marker.is_symlink()):
         return None
-    return str(source) if is_planc_checkpoint(source) else None
+    try:
+        data = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(
+            f"{marker}: unreadable ({type(e).__name__}: {e}), so {root} is a damaged planc.save checkpoint (planc.json "
+            "names its format and plan; nothing was read). Save it again, or restore planc.json from a copy."
+        ) from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        return None  # someone else's planc.json beside a safetensors checkpoint
+    read_marker(root)  # its format_version, with the fix when this planc cannot read it
+    return str(source)
 
 
 def _resolve_dtype(dtype, config) -> torch.dtype:
@@ -219,7 +278,7 @@ def _model_class(config):
     the config (`model_class_for`: the family's top model, e.g. a multimodal MoE, else its *ForCausalLM)."""
     import transformers
 
-    from planc.runtime.models import model_class_for
+    from planc.models.build import model_class_for
 
     for name in getattr(config, "architectures", None) or []:
         cls = getattr(transformers, name, None)
@@ -228,217 +287,13 @@ def _model_class(config):
     return model_class_for(config)
 
 
-def _meta_model(config, dtype) -> nn.Module:
-    cls = _model_class(config)
-    with torch.device("meta"):
-        if hasattr(cls, "_from_config"):
-            model = cls._from_config(config, dtype=config.dtype)
-        else:
-            model = cls.from_config(config, dtype=config.dtype)
-    return model.eval()
+def _meta_model(config, dtype) -> PreTrainedModel:
+    from planc.models.build import meta_model
+
+    return meta_model(config, model_class=_model_class(config), dtype=config.dtype).eval()
 
 
 # ---- 3. the fill step ------------------------------------------------------------------------------------
-
-
-class _SafetensorsFill:
-    """Between sharding and forwards: transformers' loader reads this rank's byte ranges into the meta-sharded model.
-
-    It runs once per decoder layer (the keys without a layer index first): after each layer, what the model holds
-    as a view of the mapped files is copied and the files are unmapped (files.py says why mmap), and for a Mega MoE
-    plan with `quantize: fp4` the layer's local experts are quantized as soon as they arrive, so no rank ever holds
-    more than one layer of unquantized experts.
-    """
-
-    def __init__(self, files: CheckpointFiles, device: torch.device):
-        self.files = files
-        self.device = device
-
-    def __call__(self, state) -> None:
-        from transformers.modeling_utils import LoadStateDictConfig
-
-        model = state.model
-        mapping = conversion_mapping(model)
-        quantizer = getattr(model, "hf_quantizer", None)
-        config = LoadStateDictConfig(
-            pretrained_model_name_or_path=str(self.files.root),
-            dtype=model.config.dtype,
-            device_map={"": self.device},
-            weight_mapping=mapping,
-            hf_quantizer=quantizer,
-        )
-        quantize = _experts_to_quantize(state)
-        infos, used = [], {}
-        # One loader call per decoder layer: the mapped pages of a layer leave the RSS (`unmap`) before the next
-        # layer is read, and Mega MoE experts are quantized as soon as their layer is complete.
-        with _no_progress_bars(), _shard_offsets_once():  # no progress bar per layer per rank
-            for keys in _by_layer(self.files.tensors):
-                infos.append(self._fill_layer(model, keys, config))
-                used.update((id(c), c) for c in getattr(model, "_weight_conversions", None) or [])
-                for fqn in [f for f in quantize if _filled(state.module(f))]:
-                    _quantize_experts(state.module(fqn))
-                    quantize.remove(fqn)
-        # What save/export reverse later: every conversion any layer used (transformers keeps the last call's).
-        model._weight_conversions = [c for c in mapping if id(c) in used]
-        info = _merged(infos)
-        model._adjust_missing_and_unexpected_keys(info)
-        problems = loading_problems(model, info, self.files)
-        if problems:
-            raise CheckpointError("\n".join(problems))
-        # transformers' own finalisation: non-persistent buffers off meta and recomputed (rotary inv_freq), ties.
-        type(model)._finalize_model_loading(model, config, info)
-        if quantizer is not None:  # as from_pretrained ends: FP8 scale views, or the quantization config dropped
-            quantizer.postprocess_model(model)
-        _move_buffers(model, self.device)
-        left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
-        if left:
-            raise CheckpointError(
-                f"{self.files.root}: after loading, {len(left)} tensor(s) were never read (first: `{left[0]}`): the "
-                "checkpoint lacks them. Use a checkpoint saved from this model type and config."
-            )
-
-    def _fill_layer(self, model: nn.Module, keys: list[str], config):
-        """One loader call over `keys` (one decoder layer's), then the mapped views copied or dropped and unmapped."""
-        from transformers.core_model_loading import convert_and_load_state_dict_in_model
-
-        slices = self.files.slices(keys)
-        if dequantizing(model):  # each rank reads only the scale blocks of its own rows/columns (quantized.py)
-            slices = wrap_scales(slices, self.files.tensors, block_size(model))
-        info, _ = convert_and_load_state_dict_in_model(model, slices, config)
-        _own_copies(model, self.files.mapped_storages)
-        self.files.unmap()
-        return info
-
-
-def _quantize_experts(experts: nn.Module) -> None:
-    from planc.runtime.megamoe.experts import quantize_to_fp4
-
-    quantize_to_fp4(experts)
-    for p in experts.parameters(recurse=False):
-        p._is_hf_initialized = True  # loaded, not to be re-initialised by transformers' finalisation
-
-
-def _own_copies(model: nn.Module, mapped: set[int]) -> None:
-    """Copy any parameter or buffer still holding a view of the mmap'd checkpoint into memory of its own.
-
-    A converter that stacks, concatenates or dequantizes makes new tensors, but a tensor passed through (an
-    attention shard) or a view a converter returns (a split of a fused tensor) would keep the whole mapped tensor,
-    and the file, alive in the model. Checked by storage identity after each layer, for every family."""
-    if not mapped:
-        return
-    from torch.distributed.tensor import DTensor
-
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for name, t in list(table.items()):
-                if t is None or t.is_meta:
-                    continue
-                local = t._local_tensor if isinstance(t, DTensor) else t
-                if local.untyped_storage().data_ptr() not in mapped:
-                    continue
-                copy = local.detach().clone()
-                if isinstance(t, DTensor):
-                    copy = DTensor.from_local(copy, t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                                              stride=tuple(t.stride()))
-                if table is module._parameters:
-                    copy = nn.Parameter(copy, requires_grad=t.requires_grad)
-                # `_is_hf_initialized` and the like: without it transformers' finalisation would re-initialise the
-                # tensor (a loaded buffer such as DeepSeek's e_score_correction_bias came back as zeros)
-                copy.__dict__.update(t.__dict__)
-                table[name] = copy
-
-
-_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
-
-
-@contextlib.contextmanager
-def _no_progress_bars():
-    from transformers.utils import logging
-
-    was = logging.is_progress_bar_enabled()
-    logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was:
-            logging.enable_progress_bar()
-
-
-@contextlib.contextmanager
-def _shard_offsets_once():
-    """Each parameter's local shape and offsets computed once per loader call, not once per checkpoint key.
-
-    transformers' loader builds a `DtensorShardOperation` for every checkpoint key it reads into a DTensor (one per
-    expert of a per-expert hub checkpoint), and each asks torch's `compute_local_shape_and_global_offset`, which builds
-    an index tensor per sharded dim (~1 ms a call; 0.43 s of a 2-rank FP8 DeepSeek-V3 load, 314 calls). The answer
-    depends only on (global shape, mesh, placements), so torch's own function is memoized for the call: torch stays
-    the one source of truth for shard shapes, it is just not asked the same question twice."""
-    from transformers.distributed import sharding_utils
-
-    original = getattr(sharding_utils, "compute_local_shape_and_global_offset", None)
-    if original is None:  # another transformers layout: nothing to memoize
-        yield
-        return
-    answers: dict = {}
-
-    def memoized(global_shape, mesh, placements, *args, **kwargs):
-        key = (tuple(global_shape), mesh, tuple(placements), args, tuple(sorted(kwargs.items())))
-        if key not in answers:
-            answers[key] = original(global_shape, mesh, placements, *args, **kwargs)
-        return answers[key]
-
-    sharding_utils.compute_local_shape_and_global_offset = memoized
-    try:
-        yield
-    finally:
-        sharding_utils.compute_local_shape_and_global_offset = original
-
-
-def _by_layer(keys) -> list[list[str]]:
-    """Checkpoint keys grouped by decoder layer index (keys of no layer first): one loader call per group.
-
-    A converter's inputs (e.g. one layer's per-expert w1/w3) always share a layer index, so every
-    group is complete for the conversions it feeds.
-    """
-    groups: dict[int, list[str]] = {}
-    for key in keys:
-        m = _LAYER.search(key)
-        groups.setdefault(int(m.group(1)) if m else -1, []).append(key)
-    return [groups[i] for i in sorted(groups)]
-
-
-def _merged(infos):
-    """One LoadStateDictInfo for all the per-layer loader calls (a key is missing only if no call filled it)."""
-    from transformers.utils.loading_report import LoadStateDictInfo
-
-    missing = set.intersection(*(set(i.missing_keys) for i in infos)) if infos else set()
-    return LoadStateDictInfo(
-        missing_keys=missing,
-        unexpected_keys=set().union(*(i.unexpected_keys for i in infos)),
-        mismatched_keys=set().union(*(i.mismatched_keys for i in infos)),
-        error_msgs=[m for i in infos for m in i.error_msgs],
-        conversion_errors={k: v for i in infos for k, v in i.conversion_errors.items()},
-        skipped_pp_keys=set(),
-    )
-
-
-def _experts_to_quantize(state) -> list[str]:
-    """The experts modules a Mega MoE plan quantizes to FP4 (`megamoe.quantize: fp4`) that hold floats."""
-    settings = state.compiled.experts_settings
-    if settings.implementation != "deepgemm_megamoe" or settings.megamoe is None or settings.megamoe.quantize != "fp4":
-        return []
-    out = []
-    for e in state.compiled.experts:
-        p = state.module(e.fqn)._parameters.get("gate_up_proj")
-        if p is not None and p.is_floating_point():
-            out.append(e.fqn)
-    return out
-
-
-def _filled(experts: nn.Module) -> bool:
-    return all(
-        (p := experts._parameters.get(n)) is not None and not p.is_meta for n in ("gate_up_proj", "down_proj")
-    )
 
 
 class _DcpFill:
@@ -455,14 +310,6 @@ class _DcpFill:
         quantizer = getattr(state.model, "hf_quantizer", None)
         if quantizer is not None:  # FP8 kept: as after a safetensors load (the config keeps its quantization_config)
             quantizer.postprocess_model(state.model)
-
-
-def _move_buffers(model: nn.Module, device: torch.device) -> None:
-    """Buffers built on the CPU by the model's constructor (none are sharded) follow the shards' device."""
-    for module in model.modules():
-        for name, b in module._buffers.items():
-            if b is not None and not b.is_meta and b.device != device:
-                module._buffers[name] = b.to(device)
 
 
 __all__ = ["load"]

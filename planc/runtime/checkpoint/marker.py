@@ -8,7 +8,8 @@ rebuilt from the CompiledPlan, so `planc lint` and `planc.load` read it like any
     {"format": "planc-dcp", "format_version": 1, "fingerprint": ..., "parallel": {...},
      "world_size": 2, "model_type": "mixtral", "model_class": "MixtralForCausalLM", "dtype": "float32",
      "plan": {...}, "plan_name": ..., "plan_path": ..., "non_persistent_buffers": [...],
-     "planc_version": ..., "torch_version": ..., "transformers_version": ...}
+     "planc_version": ..., "torch_version": ..., "transformers_version": ...,
+     "optimizer": {"class": "torch.optim.adamw.AdamW", "path": "optimizer"}}   # only with planc.save(optimizer=)
 
 `planc.load` detects one with `is_planc_checkpoint(dir)` and reports what it was saved under with
 `read_marker(dir)`.
@@ -51,7 +52,7 @@ def marker_data(model, compiled, non_persistent_buffers: list[str]) -> dict[str,
     import torch
     import transformers
 
-    import planc
+    from planc.version import __version__
 
     dtype = next((p.dtype for p in model.parameters()), torch.float32)
     return {
@@ -67,7 +68,7 @@ def marker_data(model, compiled, non_persistent_buffers: list[str]) -> dict[str,
         "plan_name": compiled.plan_name,
         "plan_path": str(compiled.plan_path) if compiled.plan_path else None,
         "non_persistent_buffers": sorted(non_persistent_buffers),
-        "planc_version": planc.__version__,
+        "planc_version": __version__,
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
     }

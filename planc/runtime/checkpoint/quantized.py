@@ -111,7 +111,7 @@ def _fp4_experts_on_meta(model) -> list[str]:
     int8 `gate_up_proj [E, 2I, H/2]`, `down_proj [E, H, I/2]`, UE8M0 `*_scale_inv` per 32. The loader then reads the
     checkpoint's FP4 bytes and scales into them as they are (the quantizer's scale converters), never in bf16."""
     from planc.runtime.megamoe.experts import set_fp4_parameters
-    from planc.runtime.megamoe.quant import GRAN, SCALE_DTYPE
+    from planc.kernels.megamoe.quant import GRAN, SCALE_DTYPE
 
     names = []
     for name, module in model.named_modules():
@@ -240,7 +240,7 @@ class BlockScaleSlice:
         lead, (rows, cols) = spans[:-2], spans[-2:]
         grid = []
         aligned = True
-        for (start, stop), b, size in zip((rows, cols), self.block, self.weight_shape[-2:]):
+        for (start, stop), b in zip((rows, cols), self.block):
             grid.append((start // b, -(-stop // b)))
             aligned &= start % b == 0 and (stop - start) % b == 0
         scale = self.source[tuple(slice(a, z) for a, z in lead) + tuple(slice(a, z) for a, z in grid)]

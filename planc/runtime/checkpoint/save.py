@@ -19,6 +19,8 @@ from torch import nn
 from planc.errors import CheckpointError
 from planc.runtime.checkpoint.atomic import agree, atomic_directory
 from planc.runtime.checkpoint.marker import MARKER, is_planc_checkpoint, marker_data, write_marker
+from planc.runtime.checkpoint.optimizer import marker_entry as optimizer_marker
+from planc.runtime.checkpoint.optimizer import optimizer_state, refuse_unsavable_optimizer, write_optimizer
 from planc.runtime.checkpoint.state import refuse_unsavable, save_state
 
 
@@ -41,10 +43,13 @@ def applied_plan(model: nn.Module, what: str):
 
 def _write_shards(state: dict, directory: Path) -> None:
     """DCP writes every rank's shards and the coordinator's `.metadata` (a collective)."""
-    dcp.save(state, checkpoint_id=str(directory))
+    from planc.runtime.checkpoint.dcp import dcp_failures
+
+    with dcp_failures(f"writing {directory}"):
+        dcp.save(state, checkpoint_id=str(directory))
 
 
-def _write_metadata(model: nn.Module, compiled, directory: Path, non_persistent: list[str]) -> None:
+def _write_metadata(model: nn.Module, compiled, directory: Path, non_persistent: list[str], optimizer=None) -> None:
     """Rank 0: config.json, generation_config.json, plan.yaml, then planc.json."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
@@ -52,29 +57,38 @@ def _write_metadata(model: nn.Module, compiled, directory: Path, non_persistent:
     generation = getattr(model, "generation_config", None)
     if generation is not None and hasattr(generation, "save_pretrained"):
         generation.save_pretrained(directory)
-    write_marker(directory, marker_data(model, compiled, non_persistent))
+    data = marker_data(model, compiled, non_persistent)
+    if optimizer is not None:
+        data["optimizer"] = optimizer_marker(optimizer)
+    write_marker(directory, data)
 
 
-def save(model: nn.Module, directory) -> Path:
+def save(model: nn.Module, directory, *, optimizer=None) -> Path:
     """Write `model` (applied by planc.apply or planc.load) as a sharded DCP checkpoint to `directory`.
 
     Every rank of the model's world must call it. `directory` is replaced only once the new checkpoint
     is complete on every rank; an existing directory that is not a planc checkpoint is never replaced.
-    Returns the absolute path.
+    `optimizer`: its state is written too, sharded like the model (`optimizer.py`), for
+    `planc.load_optimizer`. Returns the absolute path.
     """
     what = f"planc.save({str(directory)!r})"
     compiled, groups = applied_plan(model, what)  # the same answer on every rank of an applied world
     error = None
     try:
         refuse_unsavable(model, compiled, what)
+        if optimizer is not None:
+            refuse_unsavable_optimizer(model, optimizer, what)
     except CheckpointError as e:
         error = e
     agree(error, what)  # every rank refuses together rather than some entering a collective alone
     state, non_persistent = save_state(model, compiled, groups)
+    optimizer_sd = optimizer_state(model, optimizer) if optimizer is not None else None
     with atomic_directory(directory, what, replaceable=is_planc_checkpoint) as partial:
         _write_shards(state, partial)
+        if optimizer is not None:
+            write_optimizer(optimizer_sd, partial)
         if dist.get_rank() == 0:
-            _write_metadata(model, compiled, partial, non_persistent)
+            _write_metadata(model, compiled, partial, non_persistent, optimizer)
             if not (partial / MARKER).is_file():
                 raise CheckpointError(f"{what}: {MARKER} was not written to {partial}")
     return Path(directory).absolute()

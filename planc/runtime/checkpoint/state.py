@@ -14,7 +14,7 @@ Three things make an applied model's `state_dict()` unfit for DCP as is:
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Optional, TypeGuard
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from planc.errors import CheckpointError
 
 
-def has_strided(t) -> bool:
+def has_strided(t: object) -> TypeGuard[DTensor]:
     return isinstance(t, DTensor) and any(isinstance(p, _StridedShard) for p in t.placements)
 
 
@@ -49,9 +49,10 @@ def expert_sharded_buffers(model: nn.Module, compiled, groups) -> dict[str, tupl
     return out
 
 
-def ep_buffer_dtensor(local: torch.Tensor, groups) -> DTensor:
+def ep_buffer_dtensor(local: Optional[torch.Tensor], groups) -> DTensor:
     """A plain local expert slice as the DTensor `Shard(0)` over the EP mesh it was cut from."""
-    shape = (local.shape[0] * groups.ep_size, *local.shape[1:])
+    assert local is not None  # a buffer `expert_sharded_buffers` found
+    shape = torch.Size((local.shape[0] * groups.ep_size, *local.shape[1:]))
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(local, groups.ep_mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
 

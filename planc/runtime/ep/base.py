@@ -9,6 +9,8 @@ biases, FP8/FP4 scales. The experts module then holds `num_experts = E/ep` and t
 
 from __future__ import annotations
 
+from typing import Optional, cast
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -27,7 +29,7 @@ def shard_expert_tensor(module: nn.Module, name: str, groups, num_experts=None, 
     `experts_module` False: a per-expert tensor of a module inside the experts (ergo's `post_expert_norm.weight`),
     sliced the same way; that module is not marked expert-parallel (its experts module is)."""
     ep = groups.ep_size
-    tensor = module._parameters.get(name)
+    tensor: Optional[torch.Tensor] = module._parameters.get(name)
     is_param = tensor is not None
     if not is_param:
         tensor = module._buffers.get(name)
@@ -61,7 +63,7 @@ def shard_expert_tensor(module: nn.Module, name: str, groups, num_experts=None, 
         module._buffers[name] = tensor.chunk(ep, dim=0)[groups.ep_rank].clone()
     if experts_module:
         module.num_experts = num // ep
-        module._is_expert_parallel = True
+        module._is_expert_parallel = True  # type: ignore[assignment]  # a plain flag (torch types attributes as tensors or modules)
 
 
 class EPRuntime:
@@ -92,7 +94,7 @@ class EPRuntime:
         # slot there (twice the experts' work on the receiving rank, for such models only).
         self.pad_top1 = not dispatches_experts_implementation(experts_module)
         local = getattr(experts_module, "num_experts", None)
-        self.num_local_experts = int(local) if local is not None else int(experts_module.gate_up_proj.shape[0])
+        self.num_local_experts = int(local) if local is not None else int(cast(torch.Tensor, experts_module.gate_up_proj).shape[0])
         if self.needs_shared_batch and not groups.shares_batch:
             raise ApplyError(
                 f"planc.runtime.ep: {type(self).__name__} on {module_path(experts_module)} needs every rank of the EP "
@@ -137,8 +139,8 @@ def install_ep_forward(module: nn.Module, runtime) -> None:
             output = runtime(hidden_states, top_k_index, top_k_weights)
         return output.to(hidden_states.dtype)
 
-    ep_forward.strategy = runtime.strategy
-    ep_forward.runtime = runtime
+    ep_forward.strategy = runtime.strategy  # type: ignore[attr-defined]  # function attributes: what runs, for explain
+    ep_forward.runtime = runtime  # type: ignore[attr-defined]
     module.forward = ep_forward
 
 

@@ -43,7 +43,7 @@ def install_dense_ep_forward(module: nn.Module, strategy, groups, num_experts: i
             out = original(mine, *args, **kwargs)
         return all_gather_dim(out, group, [local * rows] * ep, dim=0)
 
-    dense_ep_forward.strategy = strategy
+    dense_ep_forward.strategy = strategy  # type: ignore[attr-defined]  # a function attribute, read by explain
     module.forward = dense_ep_forward
 
 

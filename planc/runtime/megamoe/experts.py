@@ -14,34 +14,34 @@ from __future__ import annotations
 
 import types
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
-from planc.runtime.megamoe import deep_gemm_backend, triton_backend
-from planc.runtime.megamoe.quant import SCALE_DTYPE, quantize_experts_fp4
-from planc.runtime.megamoe.reference import DequantizedExperts, compute_dtype_for, reference_mega_moe
+from planc.kernels.megamoe import deep_gemm
+from planc.kernels.megamoe.quant import quantize_experts_fp4
+from planc.kernels.megamoe.triton import layout, target
+from planc.runtime.megamoe.runners import (
+    FP4_PARAMS,
+    DeepGemmRunner,
+    ReferenceRunner,
+    TritonRunner,
+    describe_experts,
+)
 from planc.runtime.mesh import to_local
 from planc.runtime.snapshot import Snapshot
 
 BACKENDS = ("auto", "deep_gemm", "triton", "reference")
 _STATE = "_planc_megamoe"
-_FP4_PARAMS = ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv")
-
-
-def _describe(experts: nn.Module) -> str:
-    """The experts module for error messages: its path in the model (set by `planc.apply`) and its class."""
-    fqn = getattr(experts, "_planc_fqn", None)
-    return f"{fqn} ({type(experts).__name__})" if fqn else type(experts).__name__
 
 
 def _triton_problem(device, sizes) -> str | None:
     """Why the Triton backend cannot run these experts here (no Triton or GPU for it, or sizes it does not tile)."""
-    reason = triton_backend.triton_unavailable_reason(device)
+    reason = target.triton_unavailable_reason(device)
     if reason is None and sizes is not None:
-        reason = triton_backend.size_problem(*sizes)
+        reason = layout.size_problem(*sizes)
     return reason
 
 
@@ -55,8 +55,8 @@ def choose_backend(backend: str, device: torch.device | None = None, sizes: tupl
     if backend == "reference":
         return backend, "`experts.megamoe.backend: reference` in the plan"
     if backend == "deep_gemm":
-        deep_gemm_backend.check_device(device)
-        deep_gemm_backend.load_deep_gemm()
+        deep_gemm.check_device(device)
+        deep_gemm.load_deep_gemm()
         return backend, "`experts.megamoe.backend: deep_gemm` in the plan"
     if backend == "triton":
         reason = _triton_problem(device, sizes)
@@ -66,9 +66,9 @@ def choose_backend(backend: str, device: torch.device | None = None, sizes: tupl
                 "(pure PyTorch) on this machine."
             )
         return backend, "`experts.megamoe.backend: triton` in the plan"
-    no_deep_gemm = deep_gemm_backend.deep_gemm_unavailable_reason(device)
+    no_deep_gemm = deep_gemm.deep_gemm_unavailable_reason(device)
     if no_deep_gemm is None and sizes is not None:
-        no_deep_gemm = deep_gemm_backend.kernel_size_problem(*sizes)
+        no_deep_gemm = deep_gemm.kernel_size_problem(*sizes)
     if no_deep_gemm is None:
         return "deep_gemm", "auto: deep_gemm imports with the pinned API and the GPU is SM100"
     no_triton = _triton_problem(device, sizes)
@@ -87,16 +87,6 @@ def choose_backend(backend: str, device: torch.device | None = None, sizes: tupl
     return "reference", reason
 
 
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    """`cuda` and `cuda:0` are one device when 0 is the current one."""
-    if a.type != b.type:
-        return False
-    if a.type != "cuda":
-        return True
-    current = torch.cuda.current_device()
-    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
-
-
 def _capability(device: torch.device | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device) if torch.cuda.is_available() else (0, 0)
 
@@ -104,108 +94,6 @@ def _capability(device: torch.device | None) -> tuple[int, int]:
 def resolve_backend(backend: str, device: torch.device | None = None) -> str:
     """The backend name `choose_backend` picks (raises where an explicitly named backend cannot run)."""
     return choose_backend(backend, device)[0]
-
-
-@dataclass
-class _StagedRunner:
-    """One module's Mega MoE call through the reference staging, dispatch and combine; the backends differ
-    only in the weights they hand it (`weights`) and the local experts computation (`_local_forward`)."""
-
-    module: nn.Module
-    num_experts: int
-    activation_clamp: float | None
-    max_tokens_per_rank: int | None
-
-    def weights(self, device: torch.device):
-        raise NotImplementedError
-
-    def _local_forward(self) -> dict:
-        return {}
-
-    def __call__(self, hidden_states, top_k_index, top_k_weights, process_group):
-        return reference_mega_moe(
-            hidden_states, top_k_index, top_k_weights, self.weights(hidden_states.device),
-            num_experts=self.num_experts,
-            group=process_group,
-            activation_clamp=self.activation_clamp,
-            max_tokens_per_rank=self.max_tokens_per_rank,
-            **self._local_forward(),
-        )
-
-
-@dataclass
-class ReferenceRunner(_StagedRunner):
-    """The reference backend for one module: dequantizes its FP4 weights once (per device) and runs."""
-
-    _cache: DequantizedExperts | None = field(default=None, repr=False)
-
-    def weights(self, device: torch.device) -> DequantizedExperts:
-        if self._cache is None or self._cache.gate_up.device != device:
-            self._cache = None  # free the old copy first
-            m = self.module
-            p = {name: to_local(getattr(m, name)).detach().to(device) for name in _FP4_PARAMS}
-            self._cache = DequantizedExperts.from_fp4(
-                p["gate_up_proj"], p["gate_up_proj_scale_inv"], p["down_proj"], p["down_proj_scale_inv"],
-                compute_dtype_for(device),
-            )
-        return self._cache
-
-
-TRITON_LAYOUT = "triton"  # `module._planc_megamoe_weight_layout` once its FP4 parameters hold the Triton layout
-
-
-@dataclass
-class TritonRunner(_StagedRunner):
-    """The Triton backend for one module: on its first forward, the module's FP4 parameters are put into the kernels'
-    layout (`triton_backend.shuffle_fp4`: the same e2m1 and UE8M0 bytes in MMA-fragment order, same dtypes and
-    shapes, so no copy stays); the kernels then read them where they are."""
-
-    _cache: tuple | None = field(default=None, repr=False)
-
-    def _local_forward(self) -> dict:
-        return dict(local_forward=triton_backend.triton_local_experts_forward, backend="triton",
-                    combine_fn=triton_backend.combine, stage_fn=triton_backend.stage)
-
-    def _shuffle_module(self) -> bool:
-        """Replace the module's FP4 parameters by the same bytes in the kernels' layout; returns `large_scales`.
-        One host read (any scale byte above 128?): the first forward is not capturable, like Triton's compile."""
-        m = self.module
-        p = {name: to_local(getattr(m, name)).detach() for name in _FP4_PARAMS}
-        w1, s1 = triton_backend.shuffle_fp4(p["gate_up_proj"].contiguous().view(torch.uint8),
-                                            triton_backend._exponent_bytes(p["gate_up_proj_scale_inv"]))
-        w2, s2 = triton_backend.shuffle_fp4(p["down_proj"].contiguous().view(torch.uint8),
-                                            triton_backend._exponent_bytes(p["down_proj_scale_inv"]))
-        large = triton_backend.has_large_scales(s1, s2)
-        scale_dtype = SCALE_DTYPE if SCALE_DTYPE != torch.float32 else torch.uint8
-        for name, tensor in (("gate_up_proj", w1.view(torch.int8)), ("gate_up_proj_scale_inv", s1.view(scale_dtype)),
-                             ("down_proj", w2.view(torch.int8)), ("down_proj_scale_inv", s2.view(scale_dtype))):
-            setattr(m, name, nn.Parameter(tensor, requires_grad=False))
-        m._planc_megamoe_weight_layout = TRITON_LAYOUT
-        m._planc_megamoe_large_scales = large
-        return large
-
-    def weights(self, device: torch.device) -> triton_backend.PackedExperts:
-        m = self.module
-        self._check_device(device)
-        if getattr(m, "_planc_megamoe_weight_layout", None) != TRITON_LAYOUT:
-            self._shuffle_module()
-        p = [to_local(getattr(m, name)).detach() for name in _FP4_PARAMS]
-        key = tuple(t.data_ptr() for t in p)
-        if self._cache is None or self._cache[0] != key:  # views of the parameters, rebuilt if they move
-            w1, s1, w2, s2 = p
-            self._cache = (key, triton_backend.PackedExperts(
-                w1.view(torch.int32), s1.view(torch.uint8), w2.view(torch.int32), s2.view(torch.uint8),
-                bool(getattr(m, "_planc_megamoe_large_scales", True)),
-            ))
-        return self._cache[1]
-
-    def _check_device(self, device: torch.device) -> None:
-        w = to_local(self.module.gate_up_proj)
-        if not _same_device(w.device, torch.device(device)):
-            raise ValueError(
-                f"the FP4 experts of {_describe(self.module)} are on {w.device} but the tokens on {device}: the Triton "
-                "backend reads the weights where they are (no copy); move the model to the tokens' device"
-            )
 
 
 @dataclass
@@ -275,7 +163,7 @@ def install_megamoe_forward(
     The returned `uninstall()` holds the original parameters: drop it once the install is committed so
     quantized-away bf16 weights are freed.
     """
-    where = _describe(experts)
+    where = describe_experts(experts)
     if getattr(experts, _STATE, None) is not None:
         raise RuntimeError(f"{where} already has the Mega MoE forward installed")
     for attr in ("gate_up_proj", "down_proj"):
@@ -319,7 +207,7 @@ def install_megamoe_forward(
         if gate_up.is_meta:
             raise ValueError("cannot quantize experts on the meta device: load the weights first")
         q = quantize_experts_fp4(gate_up, to_local(experts.down_proj))
-        new_params = {name: getattr(q, name) for name in _FP4_PARAMS}
+        new_params = {name: getattr(q, name) for name in FP4_PARAMS}
     else:
         raise NotImplementedError(
             f"Mega MoE runs FP4 experts (int8 `gate_up_proj` with UE8M0 scales), but "
@@ -349,11 +237,9 @@ def install_megamoe_forward(
     snapshot = Snapshot(experts)
     try:
         set_fp4_parameters(experts, new_params)
+        runner: DeepGemmRunner | TritonRunner | ReferenceRunner
         if resolved == "deep_gemm":
-            runner = deep_gemm_backend.DeepGemmMegaMoe(
-                experts, num_experts=num_global_experts, activation_clamp=activation_clamp,
-                max_tokens_per_rank=max_tokens_per_rank,
-            )
+            runner = DeepGemmRunner(experts, num_global_experts, activation_clamp, max_tokens_per_rank)
         elif resolved == "triton":
             runner = TritonRunner(experts, num_global_experts, activation_clamp, max_tokens_per_rank)
         else:
@@ -369,7 +255,7 @@ def install_megamoe_forward(
 
 
 def set_fp4_parameters(experts: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Put FP4 experts tensors (`_FP4_PARAMS` names, this rank's experts) on the module in place of its own."""
+    """Put FP4 experts tensors (`FP4_PARAMS` names, this rank's experts) on the module in place of its own."""
     for name, tensor in tensors.items():
         if name in experts._parameters:
             del experts._parameters[name]
@@ -382,7 +268,7 @@ def quantize_to_fp4(experts: nn.Module) -> None:
     """Replace bf16/fp32 `gate_up_proj`/`down_proj` (local shards) by FP4 ones; planc.load calls it per layer as
     the layer's weights arrive, so no rank ever holds more than one layer's unquantized experts."""
     q = quantize_experts_fp4(to_local(experts.gate_up_proj).detach(), to_local(experts.down_proj).detach())
-    set_fp4_parameters(experts, {name: getattr(q, name) for name in _FP4_PARAMS})
+    set_fp4_parameters(experts, {name: getattr(q, name) for name in FP4_PARAMS})
 
 
 def megamoe_state(experts: nn.Module) -> MegaMoeState | None:

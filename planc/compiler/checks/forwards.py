@@ -1,0 +1,81 @@
+"""Forwards that must take the sharded parameters (issue 13).
+
+A TP style on a parameter makes it a DTensor slice. Only the forwards planc wraps (styles with
+`local_forward` in the styles table) compute on local shards; any other forward would mix the DTensor
+with plain tensors at the first call. A model class that cannot switch its experts kernel
+(transformers' `_can_set_experts_implementation()`) runs only its own forward, and experts that take
+every token pre-scaled (`forward(hidden_states)`, Llama 4) have no routed ids to dispatch.
+"""
+
+from __future__ import annotations
+
+from planc.compiler.context import BARE_PARAM_UNWRAPPED, EXPERTS_IMPL_FIXED, WRONG_TARGET, PlanRule, Resolution
+from planc.compiler.compiled import Assignment
+from planc.compiler.walk import generic_path
+from planc.spec.styles import STYLE
+
+
+def check_bare_parameters(c: Resolution, assignments: list[Assignment], final: dict[str, PlanRule]) -> None:
+    """PLC623: a sharded parameter whose module's forward planc does not wrap."""
+    if not c.active["tp"]:
+        return
+    walk = c.walk
+    module_style = {a.fqn: a.style for a in assignments if a.target == "module"}
+    for a in assignments:
+        spec = STYLE.get(a.style)
+        if a.target != "parameter" or spec is None or spec.mesh != "tp" or not spec.shards:
+            continue
+        owner = walk.params[a.fqn].owner
+        owner_spec = STYLE.get(module_style.get(owner, ""))
+        if owner_spec is not None and owner_spec.local_forward:
+            continue
+        info = walk.modules[owner]
+        gowner = generic_path(owner)
+        rule = final[a.fqn]
+        c.problems.add(
+            BARE_PARAM_UNWRAPPED,
+            f"`{a.style}` makes {generic_path(a.fqn)} a sharded DTensor, but its module {gowner} ({info.class_name}) "
+            "gets no style whose forward runs on local shards: its own forward would mix the DTensor with plain "
+            "tensors at the first call",
+            rule.source.where,
+            f"add `{gowner}: local_params` to tp_plan when its children already reduce the output (per-head "
+            f"parameters such as attention sinks, sharded with their heads), or `{gowner}: all_reduce` when the "
+            f"module's output is a partial sum; or delete `{rule.pattern_text}` to keep the parameter whole",
+            a.fqn,
+        )
+
+
+def check_experts_implementation(c: Resolution, where_impl: str) -> None:
+    """PLC624: an experts kernel the model class cannot switch to."""
+    walk, impl = c.walk, c.plan.experts.implementation
+    if walk.can_switch_experts is not False or impl in ("eager", "deepgemm_megamoe") or not walk.experts:
+        return
+    c.problems.add(
+        EXPERTS_IMPL_FIXED,
+        f"{walk.model_class} cannot switch its experts implementation (transformers: "
+        f"`{walk.model_class} does not support setting experts implementation`), so `{impl}` cannot be installed",
+        where_impl,
+        "write `experts: {implementation: eager}`: the model's own experts forward runs, and the EP strategies "
+        "and TP styles wrap it",
+    )
+
+
+def check_dense_experts(c: Resolution, final: dict[str, PlanRule]) -> None:
+    """PLC613: ep_dispatch_experts on experts that take every token pre-scaled (Llama 4) when the EP group does not
+    hold one batch. Such experts have no routed (token, expert) pairs to dispatch: each rank runs its own experts
+    on every token of the batch its EP group shares and the outputs are gathered, so ep_size must equal tp_size."""
+    for m in c.walk.experts:
+        rule = final.get(m.fqn)
+        if m.experts is None or m.experts.dispatch != "dense" or rule is None or rule.style != "ep_dispatch_experts" or c.ep == c.tp:
+            continue
+        c.problems.add(
+            WRONG_TARGET,
+            f"{generic_path(m.fqn)} ({m.class_name}) runs forward(hidden_states) on every token pre-scaled by its "
+            f"router score; with no routed pairs to dispatch, expert parallelism runs each rank's experts on the "
+            f"batch its EP group shares, which needs ep_size == tp_size (got ep_size {c.ep}, tp_size {c.tp})",
+            rule.source.where,
+            f"set `ep_size: {c.tp}`, or shard these experts tensor-parallel in tp_plan: "
+            f"`{generic_path(m.fqn)}.gate_up_proj: packed_rowwise`, `{generic_path(m.fqn)}.down_proj: colwise`, "
+            f"`{generic_path(m.fqn)}: moe_tp_experts`, with `ep_size: 1`",
+            m.fqn,
+        )

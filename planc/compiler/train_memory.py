@@ -1,0 +1,223 @@
+"""Training memory per rank: parameters, gradients and AdamW state at the plan's sizes and `data_parallel` mode.
+
+What one rank holds after `optimizer.step()` and before `zero_grad()` (what `planc explain --train` prints), as
+torch holds it once `planc.load`/`planc.apply` installed the plan (`planc.runtime.data_parallel`):
+
+- parameters: the TP/EP shard of each (the placement of its style, `shard_divisor`: the compiler's byte
+  accounting). `replicate` keeps that shard whole on every dp replica. `fsdp` (FSDP2 `fully_shard`) splits dim 0
+  of that local tensor once more over the unit's mesh: `dp` for dense parameters and the root, `efsdp`
+  (world / ep_size: the ranks holding the same experts) for an experts module sharded by EP. Rank 0 holds
+  ceil(rows / n) rows, the most any rank holds (torch.chunk's split; FSDP2 pads the rest to that size).
+- gradients: one per parameter, its local size and dtype (FSDP2 reduce-scatters in `reduce_dtype`, then keeps the
+  sharded gradient in the parameter's dtype).
+- AdamW state: `exp_avg` and `exp_avg_sq` like the parameter (dtype included), and `step`, a float32 scalar per
+  parameter (torch's default, `capturable=False`).
+- mixed precision (`fsdp` only): the sharded parameters, gradients and AdamW state stay in the model's dtype (the
+  fp32 master copy); FSDP2 casts a unit's parameters to `param_dtype` when it all-gathers them for forward and
+  backward and frees them when it reshards (after forward for every layer but the last; after backward for all,
+  the root included). Those copies exist only while units run: `gathered` reports them (the root's, and the
+  largest layer's), outside the held total.
+
+Pure Python over the compiler's model walk, like every byte count of the compiler.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from planc.compiler.accounting import shard_divisor
+from planc.compiler.render import human_bytes
+from planc.spec.styles import STYLE
+
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+STEP_BYTES = 4  # AdamW's `step`: a float32 scalar tensor per parameter
+_LAYER = re.compile(r"^(?P<list>.+)\.(?P<index>\d+)$")
+
+
+@dataclass(frozen=True)
+class TrainMemory:
+    """Bytes one rank holds while training (the most any rank holds): `planc explain --train`."""
+
+    data_parallel: str  # replicate | fsdp
+    dp_size: int
+    efsdp_size: int  # ranks holding the same experts (world / ep_size): the experts' FSDP mesh
+    parameters: tuple[tuple[str, int], ...]  # (dtype, bytes) largest first
+    gradients: int
+    optimizer: int  # AdamW: exp_avg + exp_avg_sq + step
+    tensors: int  # parameters that get a gradient and AdamW state
+    experts_sharded: bool = False  # EP-sharded experts modules, FSDP units of their own over efsdp
+    local_experts: int = 0  # fsdp: the fewest experts a rank holds after EP (dim 0 FSDP2 splits over efsdp)
+    param_dtype: Optional[str] = None  # fsdp mixed precision
+    reduce_dtype: Optional[str] = None
+    gathered_root: int = 0  # fsdp: the root unit's parameters all-gathered (param_dtype), forward to backward
+    gathered_layer: int = 0  # fsdp: the largest decoder layer's, while it runs
+
+    @property
+    def parameter_bytes(self) -> int:
+        return sum(n for _, n in self.parameters)
+
+    @property
+    def total(self) -> int:
+        return self.parameter_bytes + self.gradients + self.optimizer
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "data_parallel": self.data_parallel,
+            "dp_size": self.dp_size,
+            "efsdp_size": self.efsdp_size,
+            "mixed_precision": (
+                {"param_dtype": self.param_dtype, "reduce_dtype": self.reduce_dtype} if self.param_dtype else None
+            ),
+            "parameters_per_rank": self.parameter_bytes,
+            "parameters_by_dtype": dict(self.parameters),
+            "gradients_per_rank": self.gradients,
+            "optimizer_per_rank": self.optimizer,
+            "total_per_rank": self.total,
+            "tensors": self.tensors,
+            "gathered_root": self.gathered_root if self.data_parallel == "fsdp" else None,
+            "gathered_layer": self.gathered_layer if self.data_parallel == "fsdp" else None,
+        }
+
+    def render(self) -> str:
+        how = f"{self.data_parallel} over dp_size={self.dp_size}"
+        if self.data_parallel == "fsdp" and self.experts_sharded:
+            how += f" (EP experts over efsdp={self.efsdp_size})"
+            if self.param_dtype:
+                how += f", mixed precision {self.param_dtype} (reduce in {self.reduce_dtype})"
+        parts = ", ".join(f"{dtype} {human_bytes(n, 1)}" for dtype, n in self.parameters)
+        lines = [
+            f"training memory ({how}; AdamW), per rank after a step:",
+            f"  parameters:      {human_bytes(self.parameter_bytes, 2)} ({parts})",
+            f"  gradients:       {human_bytes(self.gradients, 2)}",
+            f"  AdamW state:     {human_bytes(self.optimizer, 2)} (exp_avg, exp_avg_sq, step; {self.tensors} tensors)",
+            f"  total:           {human_bytes(self.total, 2)}",
+        ]
+        if self.data_parallel == "fsdp":
+            dtype = self.param_dtype or "the parameters' dtype"
+            lines.append(
+                f"  all-gathered while units run ({dtype}, not in the total): root {human_bytes(self.gathered_root, 1)}"
+                f" from forward to backward, largest layer {human_bytes(self.gathered_layer, 1)}"
+            )
+            if self.experts_sharded and 0 < self.local_experts < self.efsdp_size:
+                lines.append(
+                    f"  note: FSDP2 splits dim 0 of the experts' tensors, {self.local_experts} expert(s) per EP rank, "
+                    f"over efsdp={self.efsdp_size} ranks: it pads, so every rank holds a whole expert's bytes. The "
+                    "split is even when the model has at least as many experts as the world has ranks"
+                )
+        lines.append("  activations are not counted")
+        return "\n".join(lines)
+
+
+def _local_shape(shape: tuple, style: Optional[str], tp: int, ep: int, rows: Optional[int]) -> tuple:
+    """The shape rank 0 holds after TP/EP sharding (`rows`: an expert tensor cut to its experts with weights)."""
+    dims = list(shape)
+    spec = STYLE.get(style) if style is not None else None
+    if spec is None:
+        return tuple(dims)
+    if rows is not None and spec.mesh == "ep":
+        dims[0] = rows
+    dim = spec.placement(len(dims))
+    div = shard_divisor(style, tuple(dims), tp, ep)
+    if div > 1 and dim is not None:
+        dims[dim] = -(-dims[dim] // div)
+    return tuple(dims)
+
+
+def _decoder_layers(walk, experts_fqns) -> set[str]:
+    """Paths of the decoder layers: every item of each list holding an experts module's layer (as
+    `planc.runtime.data_parallel.decoder_layers` wraps them)."""
+    lists = set()
+    for fqn in experts_fqns:
+        parts = fqn.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            parent = ".".join(parts[:i])
+            module = walk.modules.get(parent)
+            if parts[i].isdigit() and module is not None and module.class_name == "ModuleList":
+                lists.add(parent)
+                break
+    return {f for f in walk.modules if (m := _LAYER.match(f)) and m.group("list") in lists}
+
+
+def _mesh_of(fqn: str, ep_experts: list[str]) -> str:
+    """The mesh of the FSDP unit that owns parameter `fqn`: "efsdp" inside an EP-sharded experts module, else "dp"."""
+    return "efsdp" if any(fqn.startswith(e + ".") for e in ep_experts) else "dp"
+
+
+def _layer_of(fqn: str, layers: set[str]) -> str:
+    """The decoder layer holding parameter `fqn`, "" for the root's own parameters (embeddings, final norm, head)."""
+    parts = fqn.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in layers:
+            return prefix
+    return ""
+
+
+def train_memory(compiled, model_or_walk, *, data_parallel: Optional[str] = None) -> TrainMemory:
+    """What a rank holds training `model_or_walk` (a model, real or on meta, or its `ModelWalk`) under `compiled`.
+
+    `data_parallel` overrides the plan's mode (e.g. to compare replicate with fsdp). The plan's mixed precision
+    applies under `fsdp` only (the `training:` rules refuse it with replicate).
+    """
+    from planc.compiler.walk import ModelWalk, walk_model
+
+    walk = model_or_walk if isinstance(model_or_walk, ModelWalk) else walk_model(model_or_walk)
+    p = compiled.parallel
+    tp, ep, dp = p.tp_size, p.ep_size, p.dp_size
+    world = tp * dp
+    efsdp = world // ep
+    mode = data_parallel or compiled.data_parallel
+    mp = compiled.training.mixed_precision if compiled.training is not None and mode == "fsdp" else None
+    styles = {a.fqn: a.style for a in compiled.assignments if a.target == "parameter"}
+    ep_experts = [e.fqn for e in compiled.experts if e.mode == "ep" and ep > 1]
+    layers = _decoder_layers(walk, [e.fqn for e in compiled.experts])
+
+    params: dict[str, int] = {}
+    grads = optim = tensors = 0
+    gathered: dict[str, int] = {}
+    seen: set[int] = set()
+    for info in walk.params.values():
+        if info.tensor_id in seen:
+            continue
+        seen.add(info.tensor_id)
+        experts = walk.modules[info.owner].experts
+        rows = experts.num_experts if experts is not None and info.shape and 0 < experts.num_experts < info.shape[0] else None
+        shape = _local_shape(info.shape, styles.get(info.fqn), tp, ep, rows)
+        itemsize = info.nbytes // info.numel if info.numel else ITEMSIZE.get(info.dtype, 4)
+        mesh = _mesh_of(info.fqn, ep_experts)
+        n = (efsdp if mesh == "efsdp" else dp) if mode == "fsdp" else 1
+        if shape and n > 1:
+            held_shape = (-(-shape[0] // n), *shape[1:])
+        else:
+            held_shape = shape
+        held = math.prod(held_shape) * itemsize
+        params[info.dtype] = params.get(info.dtype, 0) + held
+        grads += held
+        optim += 2 * held + STEP_BYTES
+        tensors += 1
+        if mode == "fsdp":
+            gathered_itemsize = ITEMSIZE[mp.param_dtype] if mp is not None else itemsize
+            layer = _layer_of(info.fqn, layers)  # a layer's EP experts unit is gathered inside the layer's forward
+            gathered[layer] = gathered.get(layer, 0) + math.prod(shape) * gathered_itemsize
+    root = gathered.pop("", 0)
+    return TrainMemory(
+        data_parallel=mode,
+        dp_size=dp,
+        efsdp_size=efsdp,
+        parameters=tuple(sorted(params.items(), key=lambda kv: -kv[1])),
+        gradients=grads,
+        optimizer=optim,
+        tensors=tensors,
+        experts_sharded=bool(ep_experts),
+        local_experts=min((e.num_local_experts for e in compiled.experts if e.fqn in ep_experts), default=0),
+        param_dtype=mp.param_dtype if mp is not None else None,
+        reduce_dtype=mp.reduce_dtype if mp is not None else None,
+        gathered_root=root,
+        gathered_layer=max(gathered.values(), default=0),
+    )
+
+
+__all__ = ["TrainMemory", "train_memory"]

@@ -1,0 +1,172 @@
+"""Tile configs of the Triton kernels (`KernelConfig`) and the table tuned on an H200 (`pick_config`): what a
+batch runs from its shapes and the device's SM count alone, with no device read."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+from planc.kernels.megamoe.triton import target
+from planc.kernels.megamoe.triton.target import TUNED_SMS
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes: `block_t` rows (token slots) of one expert per block; N and K tiles of each GEMM."""
+
+    block_t: int = 16
+    l1_n: int = 64  # gate columns per program (and as many up columns); multiple of 32 (requant groups)
+    l1_k: int = 128
+    l2_n: int = 64
+    l2_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+    l1_split: int = 1  # L1 split-K: hidden slices per (block, N tile), a power of two
+    # Registers per thread for the L1 and L2 kernels (0: ptxas's choice). ptxas does not weigh how many programs
+    # fit on an SM; a cap that it can meet without spilling buys more of them (`bench/megamoe_gpu.py --sweep`).
+    maxnreg: int = 0
+    # Stream the weights by register prefetch where Triton lowers it well (`REGISTER_PREFETCH`), else through
+    # Triton's cp.async pipeline (then `num_stages` buffers); 0 forces the pipeline.
+    prefetch: int = 1
+    # 1: the Hopper kernels in Gluon (`hopper_prefill`: async wgmma, blocks of 80 or 96 rows, `num_stages` cp.async
+    # stages, l1_n = l2_n = 16 * num_warps, K tiles of 64). `pick_config` picks them only on sm_90. 2: the same L1,
+    # and L2 with its copies in a producer warp (`hopper_prefill_ws`: TMA, mbarriers, `num_stages` stages).
+    gluon: int = 0
+    # L2's register cap where it is not `maxnreg` (0: the same). The warp-specialized L2 runs 8 warps per program
+    # (4 MMA warps and the producer's warpgroup at 24): 64 fits four programs per SM, the MMA warps getting 104.
+    l2_maxnreg: int = 0
+
+    # The block sizes the Gluon kernels have loop bodies for: a 64-row MMA and up to one (80) or two (96) 16-row MMAs;
+    # 80-row blocks compile without the two-tail body, in fewer registers (see `GLUON_CONFIGS`).
+    GLUON_BLOCK_ROWS: ClassVar[tuple[int, ...]] = (80, 96)
+
+    def gluon_fits(self, hidden: int, inter: int) -> bool:
+        """Whether the Gluon kernels run these tiles on these shapes as they are (they do not shrink them): N tiles
+        that divide, and L2's K tiles of 64 in pairs."""
+        return not (inter % self.l1_n or hidden % self.l2_n or inter % 128)
+
+    def launch_registers(self, layer: str = "L1") -> dict:
+        """The launch's register cap, where the config sets one and the kernels are compiled (not interpreted)."""
+        cap = self.l2_maxnreg if layer == "L2" and self.l2_maxnreg else self.maxnreg
+        return {"maxnreg": cap} if cap and not target.interpreting() else {}
+
+    def fit(self, hidden: int, inter: int) -> "KernelConfig":
+        """The same config with each tile shrunk to a power of two that divides its dimension (K tiles: 64 or
+        more, the weight layout's K block; N tiles: 32 or more, the requantization groups)."""
+        if hidden % 64 or inter % 64:
+            raise ValueError(
+                f"the Triton Mega MoE backend needs hidden and intermediate sizes divisible by 64 (its weight "
+                f"layout), got hidden={hidden}, intermediate={inter}: use `experts.megamoe.backend: reference`"
+            )
+
+        def div(tile, dim, floor):
+            tile = max(tile, floor)
+            while tile > floor and dim % tile:
+                tile //= 2
+            return tile
+
+        l1_k = div(self.l1_k, hidden, 64)
+        split = self.l1_split
+        while split > 1 and hidden % (l1_k * split):
+            split //= 2
+        if self.gluon:
+            if not self.gluon_fits(hidden, inter):
+                raise ValueError(f"the Gluon kernels' tiles ({self.l1_n}, {self.l2_n}) do not divide intermediate "
+                                 f"{inter} and hidden {hidden}, or L2's K tiles do not pair (intermediate % 128): "
+                                 f"`pick_config` picks them only where they do")
+            if self.block_t not in self.GLUON_BLOCK_ROWS:
+                raise ValueError(f"the Gluon kernels take blocks of {' or '.join(map(str, self.GLUON_BLOCK_ROWS))} "
+                                 f"rows, not block_t={self.block_t}: set KernelConfig(block_t=...) to one of them")
+            return self
+        return dataclasses.replace(self, l1_n=div(self.l1_n, inter, 32), l1_k=l1_k, l2_n=div(self.l2_n, hidden, 32),
+                                   l2_k=div(self.l2_k, inter, 64), l1_split=split)
+
+    def cp_async_l2(self) -> "KernelConfig":
+        """This Gluon config with the cp.async L2 (`hopper_prefill`) in place of the warp-specialized one, under L1's
+        register cap: where this Triton cannot build the latter (`hopper_prefill_ws.unavailable_reason`)."""
+        return dataclasses.replace(self, gluon=1, l2_maxnreg=0)
+
+
+# Tuned on an H200 with `bench/megamoe_gpu.py --sweep` on the DeepSeek-V4 and the mid-size layer under Triton 3.6
+# and 3.7.1 (docs/benchmarks.md has the sweeps), keyed by the average (token, slot) rows per local expert, a function
+# of the shapes only. K tiles of 64 everywhere: under Triton 3.7.1 a K-128 program holds ~125 registers and runs V4
+# at 16 tokens ~1.5x slower.
+CONFIGS = (
+    # (up to this many rows per local expert on average, config)
+    (16, KernelConfig(block_t=16, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=4)),
+    # 32-row blocks only while one block holds an average expert: at 40 rows per expert 64-row blocks are ~1.3x
+    # faster on V4 and ~1.1x on the mid-size layer.
+    (32, KernelConfig(block_t=32, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=5)),
+    # 64-row blocks: ptxas gives L1 175-191 registers, one program of 8 warps per SM; capped at 128 (no spill) two fit
+    # (V4 at 4096 tokens 9-14% faster).
+    (64, KernelConfig(block_t=64, l1_n=128, l1_k=64, l2_n=128, l2_k=64, num_warps=8, num_stages=4, maxnreg=128)),
+    # Above 64 rows per expert 128-row blocks pad no more than 64-row ones and expand each weight half as often
+    # (V4 14-19% faster at 80-96 rows, the mid-size layer 6-16%). Through the pipeline: with register prefetch L2
+    # holds 148 registers instead of 123 (L1 255 either way) and the mid-size layer at 4096 tokens runs ~1.26x slower.
+    (None, KernelConfig(block_t=128, l1_n=128, l1_k=64, l2_n=128, l2_k=64, num_warps=8, num_stages=4, prefetch=0)),
+)
+
+
+# On Hopper, where the Gluon kernels run (`hopper_prefill`), they take the batches of 45-80 rows per local expert
+# from the Triton kernels: blocks of 80 rows up to 68 rows per expert, 96 above (an average expert no longer fits 80
+# rows), 1.05-1.2x faster than the best Triton config from 48 to 80 rows on V4; below 48 rows the bound sits halfway
+# to 40, where the 96-row kernel lost by 1.09x. 4 warps with 64-column tiles and 4 stages beat 8 warps with 128 and 6
+# stages. Registers: L1 holds 214 with the two-tail body of 96-row blocks (two programs per SM), 191 without it
+# (80-row blocks); capped at 168, three fit (spills outside the K loops only, which the compile test checks): ptxas
+# then serializes the 96-row L1's wgmma and keeps the 80-row L1's async, and both run 3-14% faster than uncapped.
+# L2 is the warp-specialized one (`hopper_prefill_ws`): at 4096 tokens with 80-row blocks ~5% faster than the
+# cp.async L2 with four programs per SM (64 registers, 104 for the MMA warps), ahead of three (80) and two (96);
+# 6 stages are slower. 96-row blocks: 80 registers (three programs; ptxas serializes the wgmma at 136) beat 96 (two).
+GLUON_CONFIGS = (
+    (44, None),
+    (68, KernelConfig(block_t=80, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=4, maxnreg=168, gluon=2,
+                      l2_maxnreg=64)),
+    (80, KernelConfig(block_t=96, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=4, maxnreg=168, gluon=2,
+                      l2_maxnreg=80)),
+)
+
+
+# L1 splits its hidden dimension (`l1_split`) until there are ~8 L1 programs per SM, keeping at least 4 pipeline
+# depths of K tiles per slice. One program streams weights at only a few GB/s (it waits on its loads and MMAs), so
+# a 1-token batch (6 experts x I / l1_n programs) needs several per SM: V4 at 1 token (288 programs) is fastest in 4
+# slices, the mid-size layer (132 programs, 32 K tiles) in 2.
+_L1_PROGRAMS_PER_SM = 8
+_L1_MIN_SLICE_STAGES = 4
+# 16-row blocks take L2 N tiles of 128 (half the programs, each expanding twice the weight rows per activation tile)
+# where that still leaves at least this many L2 programs per SM: V4 at 16-256 tokens (41-163 such programs per SM)
+# runs up to 5% faster; at 1 token (2.5 per SM) and the mid-size layer at 16 tokens (7.8 per SM) 3-6% slower.
+_L2_WIDE_PROGRAMS_PER_SM = 16
+
+
+def pick_config(
+    num_rows: int, num_local_experts: int, hidden: int, inter: int, num_sms: int = TUNED_SMS, gluon: bool = False,
+    warp_specialized: bool = True,
+) -> KernelConfig:
+    """The tuned config for a batch of `num_rows` (token, slot) pairs (shapes and SM count only: no device read);
+    `gluon`: the Hopper Gluon kernels can run (`hopper_prefill.gluon_unavailable_reason`); `warp_specialized`: and
+    this Triton builds the warp-specialized L2 (`hopper_prefill_ws.unavailable_reason`), else the cp.async L2 runs
+    under L1's register cap."""
+    per_expert = num_rows / max(num_local_experts, 1)
+    if gluon:
+        for bound, config in GLUON_CONFIGS:
+            if per_expert <= bound:
+                if config is not None and config.gluon_fits(hidden, inter):
+                    return config if warp_specialized else config.cp_async_l2()
+                break
+    # The last bound is None: some config always matches.
+    config = next(c for b, c in CONFIGS if b is None or per_expert <= b).fit(hidden, inter)
+    # L1 programs: row blocks (at least one per expert that gets rows) times N tiles. A prefill batch (blocks of 64
+    # rows and more) must not split, even with few programs: the mid-size layer at 56-80 rows per expert (704
+    # programs of 64-row blocks) runs 9-13% slower split in 2.
+    blocks = max(min(num_rows, num_local_experts), -(-num_rows // config.block_t))
+    programs = blocks * max(inter // config.l1_n, 1)
+    k_tiles = hidden // config.l1_k
+    split = 1
+    while (config.block_t < 64 and split < 8 and programs * split < _L1_PROGRAMS_PER_SM * num_sms
+           and k_tiles // (2 * split) >= _L1_MIN_SLICE_STAGES * config.num_stages):
+        split *= 2
+    l2_n = config.l2_n
+    if config.block_t == 16 and hidden % 128 == 0 and blocks * (hidden // 128) >= _L2_WIDE_PROGRAMS_PER_SM * num_sms:
+        l2_n = 128
+    return dataclasses.replace(config, l1_split=split, l2_n=l2_n).fit(hidden, inter)

@@ -1,0 +1,77 @@
+"""Routing for the Triton kernels: (token, slot) pairs sorted by local expert and cut into row blocks of one
+expert, on the device with static shapes (CUDA-graph capturable)."""
+
+from __future__ import annotations
+
+import torch
+
+from planc.kernels.megamoe.triton import jit, target
+from planc.kernels.megamoe.triton.target import triton
+
+
+def max_blocks(num_slots: int, num_local_experts: int, block_t: int) -> int:
+    """Upper bound of row blocks: every expert that gets rows adds at most one partial block."""
+    return -(-num_slots // block_t) + min(num_local_experts, num_slots)
+
+
+# One program does the whole routing (`route_kernel`) up to this many (token, slot) pairs: at decode the ~30 small
+# torch ops of `route_torch` cost more than the GEMMs.
+FUSED_ROUTE_MAX_SLOTS = 2048
+
+
+def route(topk_idx: torch.Tensor, *, first_expert: int, num_local_experts: int, block_t: int):
+    """Sort (token, slot) pairs by local expert and cut them into blocks of `block_t` rows of one expert.
+
+    All on the device with static shapes. Returns ``(sorted_slots int32 [S], block_expert, block_row,
+    block_end)``, the block arrays int32 of length `max_blocks(S, E_loc, block_t)`: block b covers sorted
+    rows ``[block_row[b], block_end[b])`` of local expert ``block_expert[b]`` (``== E_loc``: no block).
+    Small batches on a GPU (or under the interpreter) take one Triton program, others torch ops; same result.
+    """
+    num_slots = topk_idx.numel()
+    if triton is not None and 0 < num_slots <= FUSED_ROUTE_MAX_SLOTS and (topk_idx.is_cuda or target.interpreting()):
+        return route_fused(topk_idx, first_expert=first_expert, num_local_experts=num_local_experts, block_t=block_t)
+    return route_torch(topk_idx, first_expert=first_expert, num_local_experts=num_local_experts, block_t=block_t)
+
+
+def route_fused(topk_idx: torch.Tensor, *, first_expert: int, num_local_experts: int, block_t: int):
+    device = topk_idx.device
+    num_slots = topk_idx.numel()
+    nb = max_blocks(num_slots, num_local_experts, block_t)
+    sorted_slots = torch.empty(num_slots, dtype=torch.int32, device=device)
+    blocks = torch.empty((3, nb), dtype=torch.int32, device=device)
+    be = triton.next_power_of_2(num_local_experts + 1)
+    scratch = torch.empty((3, be), dtype=torch.int32, device=device)
+    jit.route_kernel[(1,)](
+        topk_idx.reshape(-1), sorted_slots, blocks, scratch, num_slots, first_expert, num_local_experts, nb,
+        BS=triton.next_power_of_2(num_slots), BE=be, BB=triton.next_power_of_2(nb), BT=block_t,
+        LOG_BE=be.bit_length() - 1, num_warps=4,
+    )
+    return sorted_slots, blocks[0], blocks[1], blocks[2]
+
+
+def route_torch(topk_idx: torch.Tensor, *, first_expert: int, num_local_experts: int, block_t: int):
+    """`route` in torch ops (any size, any device)."""
+    device = topk_idx.device
+    e = topk_idx.reshape(-1)
+    num_slots = e.numel()
+    local = (e >= first_expert) & (e < first_expert + num_local_experts)
+    local_id = torch.where(local, e - first_expert, num_local_experts)
+    sorted_slots = torch.argsort(local_id, stable=True).to(torch.int32)
+    counts = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, local_id, torch.ones_like(local_id))
+    counts = counts[:num_local_experts]
+    starts = torch.cumsum(counts, 0) - counts
+    blocks = (counts + block_t - 1) // block_t
+    block_end_cum = torch.cumsum(blocks, 0)
+    b = torch.arange(max_blocks(num_slots, num_local_experts, block_t), device=device)
+    expert = torch.searchsorted(block_end_cum, b, right=True)
+    valid = expert < num_local_experts
+    ec = expert.clamp(max=num_local_experts - 1)
+    row = starts[ec] + (b - (block_end_cum[ec] - blocks[ec])) * block_t
+    end = starts[ec] + counts[ec]
+    return (
+        sorted_slots,
+        torch.where(valid, expert, num_local_experts).to(torch.int32),
+        row.to(torch.int32),
+        end.to(torch.int32),
+    )

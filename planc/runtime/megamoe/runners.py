@@ -1,0 +1,177 @@
+"""How each Mega MoE backend runs one experts module: which kernels it calls and how it binds the module's FP4
+parameters to them (the reference dequantizes a copy once, Triton and deep_gemm put the parameters into their
+kernels' layout in place on the first forward). `experts.install_megamoe_forward` picks one and installs it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from planc.kernels.megamoe import deep_gemm
+from planc.kernels.megamoe.quant import SCALE_DTYPE
+from planc.kernels.megamoe.reference import DequantizedExperts, compute_dtype_for, reference_mega_moe
+from planc.kernels.megamoe.triton import forward, layout
+from planc.runtime.mesh import to_local
+
+FP4_PARAMS = ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv")
+
+
+def describe_experts(experts: nn.Module) -> str:
+    """The experts module for error messages: its path in the model (set by `planc.apply`) and its class."""
+    fqn = getattr(experts, "_planc_fqn", None)
+    return f"{fqn} ({type(experts).__name__})" if fqn else type(experts).__name__
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """`cuda` and `cuda:0` are one device when 0 is the current one."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    current = torch.cuda.current_device()
+    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+
+
+@dataclass
+class _StagedRunner:
+    """One module's Mega MoE call through the reference staging, dispatch and combine; the backends differ
+    only in the weights they hand it (`weights`) and the local experts computation (`_local_forward`)."""
+
+    module: nn.Module
+    num_experts: int
+    activation_clamp: float | None
+    max_tokens_per_rank: int | None
+
+    def weights(self, device: torch.device):
+        raise NotImplementedError
+
+    def _local_forward(self) -> dict:
+        return {}
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights, process_group):
+        return reference_mega_moe(
+            hidden_states, top_k_index, top_k_weights, self.weights(hidden_states.device),
+            num_experts=self.num_experts,
+            group=process_group,
+            activation_clamp=self.activation_clamp,
+            max_tokens_per_rank=self.max_tokens_per_rank,
+            **self._local_forward(),
+        )
+
+
+@dataclass
+class ReferenceRunner(_StagedRunner):
+    """The reference backend for one module: dequantizes its FP4 weights once (per device) and runs."""
+
+    _cache: DequantizedExperts | None = field(default=None, repr=False)
+
+    def weights(self, device: torch.device) -> DequantizedExperts:
+        if self._cache is None or self._cache.gate_up.device != device:
+            self._cache = None  # free the old copy first
+            m = self.module
+            p = {name: to_local(getattr(m, name)).detach().to(device) for name in FP4_PARAMS}
+            self._cache = DequantizedExperts.from_fp4(
+                p["gate_up_proj"], p["gate_up_proj_scale_inv"], p["down_proj"], p["down_proj_scale_inv"],
+                compute_dtype_for(device),
+            )
+        return self._cache
+
+
+# Marks on an experts module, kept in its __dict__: `nn.Module.__setattr__` is typed for tensors and modules only.
+WEIGHT_LAYOUT = "_planc_megamoe_weight_layout"  # which kernels' layout its FP4 parameters hold, once transformed
+LARGE_SCALES = "_planc_megamoe_large_scales"  # Triton layout: whether a scale byte is above 128
+TRITON_LAYOUT = "triton"  # `module.<WEIGHT_LAYOUT>` once its FP4 parameters hold the Triton layout
+
+
+@dataclass
+class TritonRunner(_StagedRunner):
+    """The Triton backend for one module: on its first forward, the module's FP4 parameters are put into the kernels'
+    layout (`layout.shuffle_fp4`: the same e2m1 and UE8M0 bytes in MMA-fragment order, same dtypes and
+    shapes, so no copy stays); the kernels then read them where they are."""
+
+    _cache: tuple | None = field(default=None, repr=False)
+
+    def _local_forward(self) -> dict:
+        return dict(local_forward=forward.triton_local_experts_forward, backend="triton",
+                    combine_fn=forward.combine, stage_fn=forward.stage)
+
+    def _shuffle_module(self) -> bool:
+        """Replace the module's FP4 parameters by the same bytes in the kernels' layout; returns `large_scales`.
+        One host read (any scale byte above 128?): the first forward is not capturable, like Triton's compile."""
+        m = self.module
+        p = {name: to_local(getattr(m, name)).detach() for name in FP4_PARAMS}
+        w1, s1 = layout.shuffle_fp4(p["gate_up_proj"].contiguous().view(torch.uint8),
+                                    layout.exponent_bytes(p["gate_up_proj_scale_inv"]))
+        w2, s2 = layout.shuffle_fp4(p["down_proj"].contiguous().view(torch.uint8),
+                                    layout.exponent_bytes(p["down_proj_scale_inv"]))
+        large = layout.has_large_scales(s1, s2)
+        scale_dtype = SCALE_DTYPE if SCALE_DTYPE != torch.float32 else torch.uint8
+        for name, tensor in (("gate_up_proj", w1.view(torch.int8)), ("gate_up_proj_scale_inv", s1.view(scale_dtype)),
+                             ("down_proj", w2.view(torch.int8)), ("down_proj_scale_inv", s2.view(scale_dtype))):
+            setattr(m, name, nn.Parameter(tensor, requires_grad=False))
+        m.__dict__[WEIGHT_LAYOUT] = TRITON_LAYOUT
+        m.__dict__[LARGE_SCALES] = large
+        return large
+
+    def weights(self, device: torch.device) -> layout.PackedExperts:
+        m = self.module
+        self._check_device(device)
+        if getattr(m, WEIGHT_LAYOUT, None) != TRITON_LAYOUT:
+            self._shuffle_module()
+        p = [to_local(getattr(m, name)).detach() for name in FP4_PARAMS]
+        key = tuple(t.data_ptr() for t in p)
+        if self._cache is None or self._cache[0] != key:  # views of the parameters, rebuilt if they move
+            w1, s1, w2, s2 = p
+            self._cache = (key, layout.PackedExperts(
+                w1.view(torch.int32), s1.view(torch.uint8), w2.view(torch.int32), s2.view(torch.uint8),
+                bool(getattr(m, LARGE_SCALES, True)),
+            ))
+        return self._cache[1]
+
+    def _check_device(self, device: torch.device) -> None:
+        w = to_local(self.module.gate_up_proj)
+        if not _same_device(w.device, torch.device(device)):
+            raise ValueError(
+                f"the FP4 experts of {describe_experts(self.module)} are on {w.device} but the tokens on {device}: the "
+                "Triton backend reads the weights where they are (no copy); move the model to the tokens' device"
+            )
+
+
+class DeepGemmRunner:
+    """The deep_gemm backend for one module: on its first forward the module's FP4 parameters are replaced by the
+    kernel-layout tensors (`deep_gemm.transform_weights`), as transformers does, so the weights are not held twice."""
+
+    def __init__(self, module: nn.Module, num_experts: int, activation_clamp, max_tokens_per_rank):
+        self.module = module
+        self.num_experts = num_experts
+        self.activation_clamp = activation_clamp
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.dg = deep_gemm.load_deep_gemm()
+        two_i, half_h = to_local(module.gate_up_proj).shape[1:]
+        self.intermediate, self.hidden = two_i // 2, 2 * half_h
+        problem = deep_gemm.kernel_size_problem(self.hidden, self.intermediate)
+        if problem is not None:
+            raise ValueError(f"{problem}; use `experts.megamoe.backend: triton` (or `reference`)")
+        # The kernel-layout (weights, scales) pairs of L1 and L2, once `transform_weights` ran.
+        self.l1: tuple | None = None
+        self.l2: tuple | None = None
+
+    def transform_weights(self) -> None:
+        """FP4 weights -> the kernel's layout, once; the module's parameters then hold that layout."""
+        m = self.module
+        self.l1, self.l2 = deep_gemm.transform_weights(
+            self.dg, *(to_local(getattr(m, name)) for name in FP4_PARAMS))
+        for name, tensor in zip(FP4_PARAMS, (*self.l1, *self.l2)):
+            setattr(m, name, nn.Parameter(tensor, requires_grad=False))
+        m.__dict__[WEIGHT_LAYOUT] = "deep_gemm"
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights, process_group) -> torch.Tensor:
+        if self.l1 is None:
+            self.transform_weights()
+        return deep_gemm.mega_moe(
+            self.dg, self.l1, self.l2, hidden_states, top_k_index, top_k_weights, process_group,
+            num_experts=self.num_experts, intermediate=self.intermediate, activation_clamp=self.activation_clamp,
+            max_tokens_per_rank=self.max_tokens_per_rank,
+        )

@@ -1,0 +1,55 @@
+"""A job that worked exits 0 under real torchrun (issue 31, item 7): a load through a symbolic link to a file outside
+the directory, and a load followed by an export into the source directory, each on 2 gloo ranks."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.distributed]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+            "tests.checkpoint.torchrun_job"]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _torchrun(*args):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([*TORCHRUN, *map(str, args)], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from planc.models.build import build_tiny_model
+
+    root = tmp_path_factory.mktemp("torchrun")
+    build_tiny_model("mixtral", seed=0).save_pretrained(root / "src")
+    return root
+
+
+def _ok(r):
+    assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-4000:])
+    assert "rank 0: done" in r.stdout and "rank 1: done" in r.stdout, r.stdout
+    assert "terminate called" not in r.stderr, r.stderr[-4000:]
+
+
+def test_load_through_a_link_to_a_file_outside_the_directory_exits_0(checkpoint):
+    linked, outside = checkpoint / "linked", checkpoint / "outside"
+    linked.mkdir()
+    outside.mkdir()
+    os.replace(checkpoint / "src" / "config.json", linked / "config.json")
+    os.replace(checkpoint / "src" / "model.safetensors", outside / "model.safetensors")
+    os.symlink(outside / "model.safetensors", linked / "model.safetensors")
+    try:
+        _ok(_torchrun(linked))
+    finally:
+        os.remove(linked / "model.safetensors")
+        os.replace(outside / "model.safetensors", checkpoint / "src" / "model.safetensors")
+        os.replace(linked / "config.json", checkpoint / "src" / "config.json")
+
+
+def test_load_then_export_into_the_source_directory_exits_0(checkpoint):
+    for _ in range(3):  # the teardown abort it guards against came one run in five
+        _ok(_torchrun(checkpoint / "src", checkpoint / "src"))

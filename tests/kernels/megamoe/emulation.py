@@ -1,0 +1,120 @@
+"""An independent float64 emulation of the Mega MoE kernel, written from the kernel description
+(docs/megamoe.md, DeepGEMM `sm100_fp8_fp4_mega_moe.cuh`), one token and one slot at a time.
+
+It shares no code with `planc.kernels.megamoe` or `planc.runtime.megamoe`: its own e4m3 / e2m1 decoding and
+rounding, its own UE8M0 scales, float64 GEMMs. Only for tests (slow by design).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """float64 -> nearest bfloat16 value (ties to even), as float64, without going through float32."""
+    m, e = torch.frexp(x)  # x = m * 2**e, 0.5 <= |m| < 1
+    step = torch.ldexp(torch.ones_like(x), e - 8)  # 8 significant bits
+    return torch.where(x == 0, x, torch.round(x / step) * step)
+
+
+def round_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """float64 -> nearest e4m3fn value (ties to even, saturating at 448), as float64."""
+    ax = x.abs().clamp(max=448.0)
+    e = torch.floor(torch.log2(ax.clamp(min=2.0**-9))).clamp(min=-6)  # subnormals share exponent -6
+    step = torch.pow(2.0, e - 3)
+    r = torch.round(ax / step) * step
+    return torch.sign(x) * r.clamp(max=448.0)
+
+
+def pow2_ceil(v: float) -> float:
+    """Smallest power of two >= v (v > 0)."""
+    m, e = math.frexp(v)  # v = m * 2**e, 0.5 <= m < 1
+    return 2.0 ** (e - 1) if m == 0.5 else 2.0**e
+
+
+def fp8_quant_act(x: torch.Tensor) -> torch.Tensor:
+    """Activation cast (1e-4 floor on amax), returns the dequantized float64 values."""
+    out = torch.empty_like(x)
+    for g in range(x.shape[-1] // 32):
+        chunk = x[..., g * 32:(g + 1) * 32]
+        amax = max(float(chunk.abs().max()), 1e-4)
+        sf = pow2_ceil(float(torch.tensor(amax, dtype=torch.float32) / torch.tensor(448.0, dtype=torch.float32)))
+        out[..., g * 32:(g + 1) * 32] = round_e4m3(chunk / sf) * sf
+    return out
+
+
+def fp8_requant(a: torch.Tensor) -> torch.Tensor:
+    """The kernel's requant of the SwiGLU output: no floor, amax 0 -> zeros."""
+    out = torch.zeros_like(a)
+    for g in range(a.shape[-1] // 32):
+        chunk = a[..., g * 32:(g + 1) * 32]
+        amax = float(chunk.abs().max())
+        if amax == 0:
+            continue
+        scaled = float(torch.tensor(amax, dtype=torch.float32) * torch.tensor(1 / 448.0, dtype=torch.float32))
+        sf = pow2_ceil(scaled)
+        out[..., g * 32:(g + 1) * 32] = round_e4m3(chunk / sf) * sf
+    return out
+
+
+def decode_fp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K/2] (low nibble = even k) + scales [N, K/32] (any dtype holding powers of two) -> float64."""
+    b = packed.view(torch.uint8).long()
+    codes = torch.stack([b & 15, b >> 4], dim=-1).reshape(packed.shape[0], -1)
+    mag = torch.tensor(E2M1, dtype=torch.float64)[codes & 7]
+    vals = torch.where(codes >= 8, -mag, mag)
+    s = scales.float().double().repeat_interleave(32, dim=-1)
+    return vals * s
+
+
+def emulate(x, idx, weights, w1, w2, *, clamp=None, weight_after_requant=False):
+    """x [T, H] (any float), idx [T, K] global ids (-1 skip), weights [T, K]; w1 [E, 2I, H], w2 [E, H, I] float64
+    (already FP4-dequantized). Returns float64 [T, H] holding BF16 values."""
+    T, K = idx.shape
+    inter = w2.shape[2]
+    xq = fp8_quant_act(x.double())
+    y = torch.zeros(T, w2.shape[1], dtype=torch.float64)
+    for t in range(T):
+        acc = torch.zeros(w2.shape[1], dtype=torch.float64)
+        for j in range(K):
+            e = int(idx[t, j])
+            if e < 0:
+                continue
+            h = round_bf16(w1[e] @ xq[t])
+            gate, up = h[:inter], h[inter:]
+            if clamp is not None:
+                c = float(round_bf16(torch.tensor(float(clamp), dtype=torch.float64)))
+                gate, up = gate.clamp(max=c), up.clamp(min=-c, max=c)
+            w = float(torch.tensor(float(weights[t, j]), dtype=torch.float32))
+            a = gate / (1 + torch.exp(-gate)) * up
+            if not weight_after_requant:
+                a = a * w
+            o = round_bf16(w2[e] @ fp8_requant(a.unsqueeze(0))[0])
+            if weight_after_requant:
+                o = round_bf16(o * w)
+            acc = acc + o
+        y[t] = round_bf16(acc)
+    return y
+
+
+def moe_float64(x, idx, weights, w1, w2, *, clamp=None):
+    """The plain (unquantized) SwiGLU MoE in float64: the accuracy yardstick for calc_diff."""
+    T, K = idx.shape
+    inter = w2.shape[2]
+    x = x.double()
+    y = torch.zeros(T, w2.shape[1], dtype=torch.float64)
+    for t in range(T):
+        for j in range(K):
+            e = int(idx[t, j])
+            if e < 0:
+                continue
+            h = w1[e].double() @ x[t]
+            gate, up = h[:inter], h[inter:]
+            if clamp is not None:
+                gate, up = gate.clamp(max=clamp), up.clamp(min=-clamp, max=clamp)
+            y[t] += float(weights[t, j]) * (w2[e].double() @ (gate * torch.sigmoid(gate) * up))
+    return y

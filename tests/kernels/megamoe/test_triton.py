@@ -1,0 +1,295 @@
+"""The Triton backend: its kernels (under Triton's CPU interpreter here, compiled on a GPU) against the reference.
+
+The reference's numerics are the contract (docs/megamoe.md): only the order of FP32 sums may differ, so
+calc_diff < 1e-4 everywhere. On CPU both sides sum exact products in FP32 and agree to the last bit on
+these shapes, which the element check below would notice if a rounding step were off.
+"""
+
+import dataclasses
+import types
+
+import pytest
+import torch
+
+from planc.kernels.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_experts_fp4, quantize_fp8
+from planc.kernels.megamoe.reference import DequantizedExperts, ReferenceBuffer, local_experts_forward
+from planc.kernels.megamoe.reference import combine as reference_combine
+from planc.kernels.megamoe.reference import stage as reference_stage
+from planc.kernels.megamoe.triton import target
+from planc.kernels.megamoe.triton.config import KernelConfig, pick_config
+from planc.kernels.megamoe.triton.forward import combine, dequantize_x, stage, triton_local_experts_forward
+from planc.kernels.megamoe.triton.layout import PackedExperts, shuffle_fp4
+from planc.kernels.megamoe.triton.routing import max_blocks, route, route_fused, route_torch
+from planc.runtime.ep.megamoe import MegaMoeEPRuntime
+from planc.runtime.megamoe import install_megamoe_forward, megamoe_state
+from tests.kernels.megamoe.common import full_weights, mixtral_experts, routing
+
+pytestmark = pytest.mark.skipif(
+    not target.interpreting(),
+    reason="CPU tensors need Triton's interpreter; on a GPU, test_triton_gpu.py runs the kernels",
+)
+
+TINY = KernelConfig(block_t=16, l1_n=32, l1_k=64, l2_n=32, l2_k=64)
+
+
+@pytest.fixture(scope="module")
+def experts():
+    w1, w2 = full_weights(0)
+    q = quantize_experts_fp4(w1, w2)
+    params = (q.gate_up_proj, q.gate_up_proj_scale_inv, q.down_proj, q.down_proj_scale_inv)
+    return PackedExperts.from_params(*params), DequantizedExperts.from_fp4(*params)
+
+
+def staged(num_tokens, seed, **kw):
+    x, idx, w = routing(num_tokens, seed, **kw)
+    q, sf = quantize_fp8(x)
+    return q, float_to_ue8m0_bytes(sf), idx, w
+
+
+def assert_matches(out, ref):
+    assert out.shape == ref.shape and out.dtype == ref.dtype == torch.bfloat16
+    assert calc_diff(out.float(), ref.float()) < 1e-4
+    assert (out != ref).sum() <= 0.01 * out.numel()  # FP32 sum order may flip a rare BF16 rounding, never more
+
+
+def test_route_cuts_sorted_slots_into_blocks_of_one_expert():
+    idx = torch.tensor([[3, -1, 5], [5, 3, 0], [9, 3, 3]])  # 9: another rank's expert
+    slots, expert, row, end = route(idx, first_expert=0, num_local_experts=8, block_t=2)
+    assert expert.numel() == max_blocks(9, 8, 2) == 5 + 8
+    e = idx.reshape(-1)
+    valid = expert < 8
+    assert valid.sum() == 4  # expert 0: 1 row (1 block), 3: 4 rows (2), 5: 2 rows (1)
+    for b in range(int(valid.sum())):
+        rows = slots[row[b]:min(row[b] + 2, end[b])].long()
+        assert len(rows) >= 1 and bool((e[rows] == expert[b]).all())
+    assert sorted(slots[:7].tolist()) == sorted(int(i) for i in torch.nonzero((e >= 0) & (e < 8)).flatten())
+
+
+def test_fused_route_equals_the_torch_route():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(12):
+        e_loc, t, k = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((1, 300), (1, 120), (1, 8)))
+        first = int(torch.randint(0, 3, (1,), generator=g)) * e_loc
+        idx = torch.randint(-1, 3 * e_loc, (t, k), generator=g)
+        kw = dict(first_expert=first, num_local_experts=e_loc, block_t=(16, 32, 64)[trial % 3])
+        fused, ref = route_fused(idx, **kw), route_torch(idx, **kw)
+        valid = ref[1] < e_loc  # rows of the unused blocks are not read
+        assert torch.equal(fused[0], ref[0]) and torch.equal(fused[1], ref[1])
+        assert torch.equal(fused[2][valid], ref[2][valid]) and torch.equal(fused[3][valid], ref[3][valid])
+
+
+def test_combine_kernel_is_the_reference_combine():
+    g = torch.Generator().manual_seed(1)
+    slots = (torch.randn(5, 6, 96, generator=g) * torch.logspace(-3, 3, 96)).bfloat16()
+    assert torch.equal(combine(slots), reference_combine(slots))
+    assert torch.equal(combine(slots[:2]), reference_combine(slots[:2])) and combine(slots[:0]).shape == (0, 96)
+
+
+@pytest.mark.parametrize("num_tokens,rows", [(3, 3), (5, 8), (0, 2)])
+def test_stage_kernel_writes_the_reference_bytes(num_tokens, rows):
+    """The one-kernel staging: the same FP8 bytes (zero groups, -0.0, subnormals), scales, routing and padding."""
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(num_tokens, 1536, generator=g) * torch.logspace(-6, 3, 1536)).bfloat16()
+    if num_tokens:
+        x[0, :32], x[-1, 32:64] = 0.0, -0.0
+    idx = torch.randint(-1, 8, (num_tokens, 3), generator=g)
+    w = torch.rand(num_tokens, 3, generator=g)
+    bufs = ReferenceBuffer(8, 1536, 3, torch.device("cpu")), ReferenceBuffer(8, 1536, 3, torch.device("cpu"))
+    for buf in bufs:
+        for t in (buf.x.view(torch.uint8), buf.x_sf, buf.topk_idx, buf.topk_weights):
+            t.fill_(77)  # poison: every row below `rows` must be written
+    reference_stage(bufs[0], x, idx, w, rows)
+    stage(bufs[1], x, idx, w, rows)
+    ref, out = ((b.x[:rows].view(torch.uint8), b.x_sf[:rows], b.topk_idx[:rows], b.topk_weights[:rows]) for b in bufs)
+    assert all(torch.equal(a, b) for a, b in zip(ref, out))
+    scales = (ref[1].to(torch.int32) << 23).view(torch.float32).bfloat16().repeat_interleave(32, 1)
+    assert torch.equal(dequantize_x(bufs[1].x[:rows], out[1]), bufs[0].x[:rows].bfloat16() * scales)
+
+
+def test_weight_layout_holds_every_code_and_scale_once():
+    """shuffle_fp4 only reorders bits and bytes: the same multiset of scale bytes, the same count of set bits."""
+    g = torch.Generator().manual_seed(2)
+    packed = torch.randint(0, 256, (2, 32, 64), generator=g, dtype=torch.uint8)
+    scales = torch.randint(100, 140, (2, 32, 4), generator=g, dtype=torch.uint8)
+    words, sbytes = shuffle_fp4(packed, scales)
+    assert words.shape == (2, 32, 16) and words.dtype == torch.int32 and sbytes.shape == scales.shape
+    assert torch.equal(sbytes.flatten(1).sort(1).values, scales.flatten(1).sort(1).values)
+    bits = lambda t: sum(int(((t.view(torch.uint8).to(torch.int32) >> b) & 1).sum()) for b in range(8))  # noqa: E731 - a one-line bit count
+    assert bits(words) == bits(packed)
+
+
+@pytest.fixture(params=[True, False], ids=["register_prefetch", "cp_async_pipeline"])
+def weight_stream(request, monkeypatch):
+    """Both ways the GEMM loops stream the weights (`REGISTER_PREFETCH`: Triton >= 3.5, or the pipeline)."""
+    monkeypatch.setattr(target, "REGISTER_PREFETCH", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("num_tokens,clamp,masked", [(1, None, 0.0), (3, 0.5, 0.3), (7, 0.5, 0.0), (29, None, 0.2)])
+def test_kernels_match_the_reference(experts, weight_stream, num_tokens, clamp, masked):
+    packed, deq = experts
+    q, sf, idx, w = staged(num_tokens, num_tokens, masked=masked)
+    ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=clamp)
+    assert_matches(triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=clamp,
+                                                config=TINY), ref)
+
+
+@pytest.mark.parametrize("split", [2, 4])
+def test_split_k_l1_matches_the_reference(experts, weight_stream, split):
+    """L1 over hidden slices (`l1_split`, for 1-2 token batches), summed in `_l1_reduce_kernel` before the epilogue."""
+    packed, deq = experts
+    q, sf, idx, w = staged(3, 11, masked=0.3)
+    cfg = dataclasses.replace(TINY, l1_split=split)
+    assert cfg.fit(packed.hidden, packed.intermediate).l1_split == min(split, packed.hidden // TINY.l1_k)
+    ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=0.5)
+    assert_matches(triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=0.5,
+                                                config=cfg), ref)
+
+
+def test_l2_n_tiles_of_128_match_the_reference(experts, weight_stream):
+    """16-row blocks with L2 N tiles of 128, which `pick_config` gives wide decode batches."""
+    packed, deq = experts
+    q, sf, idx, w = staged(7, 5, masked=0.2)
+    cfg = dataclasses.replace(TINY, l2_n=128)
+    assert cfg.fit(packed.hidden, packed.intermediate).l2_n == 128
+    ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=0.5)
+    assert_matches(triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=0.5,
+                                                config=cfg), ref)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [TINY, dataclasses.replace(TINY, l1_k=128, l2_k=128), dataclasses.replace(TINY, l1_split=2)],
+    ids=["k64", "k128", "split2"],
+)
+def test_both_weight_streams_give_the_same_bits(experts, monkeypatch, config):
+    """The register-prefetch loop and the cp.async pipeline run the same MMAs in the same K order."""
+    packed, _ = experts
+    q, sf, idx, w = staged(13, 4, masked=0.2)
+    outs = []
+    for triton_prefetches, cfg in ((True, config), (True, dataclasses.replace(config, prefetch=0)), (False, config)):
+        monkeypatch.setattr(target, "REGISTER_PREFETCH", triton_prefetches)
+        outs.append(triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=0.5,
+                                                 config=cfg))
+    assert outs[0].any() and torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_all_routes_to_one_expert_span_several_blocks(experts):
+    packed, deq = experts
+    q, sf, idx, w = staged(20, 5)
+    idx = torch.full_like(idx, 6)
+    idx[:, 1] = -1  # padding slots are skipped
+    ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=0.5)
+    out = triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=0.5, config=TINY)
+    assert_matches(out, ref)
+    assert not out[:, 1].any()
+
+
+def test_local_expert_range_and_no_local_expert(experts):
+    """Global ids: this rank owns [4, 8) of 8 experts; slots of other ranks' experts give zeros."""
+    packed, deq = experts
+    half_packed = PackedExperts(*(t[4:] for t in (packed.w1, packed.s1, packed.w2, packed.s2)))
+    half_deq = DequantizedExperts(deq.gate_up[4:], deq.down[4:])
+    q, sf, idx, w = staged(9, 2)
+    ref = local_experts_forward(q, sf, idx, w, half_deq, first_expert=4, activation_clamp=None)
+    assert_matches(triton_local_experts_forward(q, sf, idx, w, half_packed, first_expert=4, activation_clamp=None,
+                                                config=TINY), ref)
+    none_local = idx % 4  # every id below 4: nothing for this rank
+    out = triton_local_experts_forward(q, sf, none_local, w, half_packed, first_expert=4, activation_clamp=None,
+                                       config=TINY)
+    assert out.shape == (9, idx.shape[1], packed.hidden) and not out.any()
+
+
+def test_picked_config_fits_the_shapes():
+    cfg = pick_config(6, 384, 7168, 3072)
+    assert 7168 % cfg.l1_k == 0 and 3072 % cfg.l1_n == 0 and 3072 % cfg.l2_k == 0 and 7168 % cfg.l2_n == 0
+    assert cfg.l1_split == 4 and 7168 % (cfg.l1_k * cfg.l1_split) == 0  # 1 token: 6 x 48 L1 programs, split in 4
+    assert pick_config(6, 384, 7168, 3072, num_sms=66).l1_split == 2  # half the SMs: half the programs needed
+    assert pick_config(6, 64, 2048, 1408).l1_split == 2  # mid-size: 32 K tiles, each slice keeps 4 pipeline depths
+    v4_prefill = pick_config(4096 * 6, 384, 7168, 3072)  # 64 rows per expert, registers capped: 2 programs per SM
+    assert v4_prefill.block_t == 64 and v4_prefill.maxnreg == 128
+    prefill = pick_config(4096 * 6, 64, 2048, 1408)  # mid-size prefill: 384 rows per expert, 192 row blocks
+    assert prefill.block_t == 128 and prefill.l1_split == 1  # blocks fill the GPU: no split-K
+    assert prefill.prefetch == 0 and v4_prefill.prefetch == 1  # 128-row blocks stream through the pipeline
+    assert pick_config(96, 384, 7168, 3072).l1_split == 1  # 16 tokens fill the GPU unsplit
+    # L2 N tiles of 128 for 16-row blocks only with >= 16 such L2 programs per SM
+    assert [pick_config(t * 6, 384, 7168, 3072).l2_n for t in (1, 16, 64, 256)] == [64, 128, 128, 128]
+    assert [pick_config(t * 6, 64, 2048, 1408).l2_n for t in (1, 16, 64)] == [64, 64, 64]  # 0.7 / 7.8 / 7.8 per SM
+    assert pick_config(96, 384, 7168, 3072, num_sms=528).l2_n == 64  # 4x the SMs: 10 per SM
+    assert pick_config(597 * 6, 64, 2048, 1408).l1_split == 1  # 704 programs of 64-row blocks: prefill, no split
+    assert [pick_config(t * 6, 384, 7168, 3072).block_t for t in (256, 2048, 2560, 4096, 5120)] == [16, 32, 64, 64, 128]
+    small = pick_config(24576, 8, 128, 64)
+    assert 64 % small.l1_n == 0 and 128 % small.l1_k == 0 and small.l1_n % 32 == 0
+    assert KernelConfig(l1_k=256, maxnreg=56, prefetch=0).fit(128, 64) == KernelConfig(l1_k=128, l2_k=64, maxnreg=56,
+                                                                                      prefetch=0)
+    with pytest.raises(ValueError, match="divisible by 64.*backend: reference"):
+        KernelConfig().fit(128, 48)
+    # Where the Hopper Gluon kernels can run they take 45-80 rows per expert: blocks of 80 rows up to 68 (V4 at 4096
+    # tokens: 64), of 96 above.
+    gluon = pick_config(4096 * 6, 384, 7168, 3072, gluon=True)
+    assert gluon.gluon and gluon.block_t == 80 and gluon.l1_n == gluon.l2_n == 16 * gluon.num_warps
+    # With the warp-specialized L2 (its own register cap), or where this Triton cannot build it the cp.async L2.
+    assert (gluon.gluon, gluon.l2_maxnreg) == (2, 64)
+    plain = pick_config(4096 * 6, 384, 7168, 3072, gluon=True, warp_specialized=False)
+    assert (plain.gluon, plain.l2_maxnreg, plain.maxnreg, plain.block_t) == (1, 0, 168, 80)
+    assert not pick_config(256 * 6, 384, 7168, 3072, gluon=True).gluon  # decode: the Triton kernels
+    assert not pick_config(4096 * 6, 64, 2048, 1408, gluon=True).gluon  # 384 rows per expert: Triton's 128-row blocks
+    assert not pick_config(4096 * 6, 384, 7168, 3072 - 64, gluon=True).gluon  # L2's K tiles do not pair: 3008 % 128
+    assert pick_config(3072 * 6, 384, 7168, 3072, gluon=True).block_t == 80  # 48 rows per expert
+    assert not pick_config(2560 * 6, 384, 7168, 3072, gluon=True).gluon  # 40 rows: Triton's 64-row blocks
+    assert pick_config(4608 * 6, 384, 7168, 3072, gluon=True).block_t == 96  # 72 rows: an expert fits 96 rows, not 80
+    assert pick_config(5120 * 6, 384, 7168, 3072, gluon=True).block_t == 96  # 80 rows: one 96-row block per expert
+    assert pick_config(6144 * 6, 384, 7168, 3072, gluon=True).block_t == 128  # 96 rows: Triton's 128-row blocks
+    with pytest.raises(ValueError, match="blocks of 80 or 96 rows, not block_t=64"):
+        dataclasses.replace(gluon, block_t=64).fit(7168, 3072)  # the kernels have no loop body for it
+
+
+def test_installed_backend_equals_the_reference_backend_and_keeps_fp4_only(world1):
+    w1, w2 = full_weights(3)
+    ref_m, tri_m = mixtral_experts(w1, w2), mixtral_experts(w1, w2)
+    install_megamoe_forward(ref_m, backend="reference", quantize="fp4", activation_clamp=0.5)
+    install_megamoe_forward(tri_m, backend="triton", quantize="fp4", activation_clamp=0.5)
+    state = megamoe_state(tri_m)
+    assert state.backend == "triton" and "triton" in state.reason
+    groups = types.SimpleNamespace(ep_group=world1, ep_rank=0, ep_size=1, tp_group=world1, tp_size=1, shares_batch=True)
+    strategy = types.SimpleNamespace(name="deepgemm_megamoe", settings=None)
+    ref_layer, tri_layer = MegaMoeEPRuntime(ref_m, strategy, groups), MegaMoeEPRuntime(tri_m, strategy, groups)
+    with torch.no_grad():
+        for t in (0, 3, 17):
+            x, idx, w = routing(t, t, masked=0.2)
+            y = tri_layer(x, idx, w)
+            assert y.shape == (t, x.shape[1]) and y.dtype == x.dtype
+            assert_matches(y, ref_layer(x, idx, w))
+    # The backend's weights are views of the module's FP4 parameters: no dequantized copy exists.
+    packed = state.runner.weights(torch.device("cpu"))
+    assert packed.w1.data_ptr() == tri_m.gate_up_proj.data_ptr()
+    assert packed.s2.data_ptr() == tri_m.down_proj_scale_inv.data_ptr()
+    assert packed.nbytes == sum(getattr(tri_m, n).nbytes for n in
+                                ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv"))
+
+
+def test_a_rocm_torch_is_refused_by_name(monkeypatch):
+    """A ROCm torch reports `cuda` devices (MI300: capability (9, 4)): the PTX kernels, Triton's and Gluon's, must
+    not be picked there, and an explicit `backend: triton` must say why."""
+    from planc.kernels.megamoe.triton import hopper_prefill
+
+    monkeypatch.setattr(target, "interpreting", lambda: False)  # what a GPU machine's import gives
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133")
+    reason = target.triton_unavailable_reason(torch.device("cuda"))
+    assert reason is not None and "ROCm" in reason and "6.2.41133" in reason
+    if hopper_prefill.gluon is not None:
+        assert hopper_prefill.gluon_unavailable_reason(torch.device("cuda")) == reason
+    m = mixtral_experts(*full_weights(0))
+    with pytest.raises(RuntimeError, match="ROCm.*backend: reference"):
+        install_megamoe_forward(m, backend="triton", quantize="fp4")
+
+
+def test_explicit_triton_where_it_cannot_run_names_the_reason(monkeypatch):
+    from planc.runtime.megamoe import experts as experts_mod
+
+    monkeypatch.setattr(experts_mod.target, "triton_unavailable_reason", lambda device: "no triton here")
+    m = mixtral_experts(*full_weights(0))
+    with pytest.raises(RuntimeError, match="no triton here.*backend: reference"):
+        install_megamoe_forward(m, backend="triton", quantize="fp4")
+    assert megamoe_state(m) is None and m.gate_up_proj.dtype == torch.bfloat16
+

@@ -1,0 +1,169 @@
+"""The Triton backend compiled on a real GPU, at real tile sizes, against the reference backend on the same GPU.
+
+Run on a CUDA machine: ``python -m pytest -m gpu tests/kernels/megamoe/test_triton_gpu.py``.
+"""
+
+import dataclasses
+import types
+
+import pytest
+import torch
+
+from planc.kernels.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_experts_fp4, quantize_fp8
+from planc.kernels.megamoe.reference import DequantizedExperts, local_experts_forward
+from planc.kernels.megamoe.triton.config import KernelConfig
+from planc.kernels.megamoe.triton.forward import triton_local_experts_forward
+from planc.kernels.megamoe.triton.hopper_prefill import gluon_unavailable_reason
+from planc.kernels.megamoe.triton.layout import PackedExperts
+from planc.runtime.ep.megamoe import MegaMoeEPRuntime
+from planc.runtime.megamoe import install_megamoe_forward, megamoe_state
+from tests.kernels.megamoe.common import CP_ASYNC, CP_ASYNC_80_ROWS, GLUON, GLUON_80_ROWS, mixtral_experts, routing
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+NE, NH, NI, NK = 32, 2048, 1024, 6  # 32 experts, hidden 2048, intermediate 1024, top-6
+
+
+def gpu_weights(seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w1 = torch.randn(NE, 2 * NI, NH, generator=g, device="cuda").bfloat16() * NH**-0.5
+    w2 = torch.randn(NE, NH, NI, generator=g, device="cuda").bfloat16() * NI**-0.5
+    return w1, w2
+
+
+@pytest.fixture(scope="module")
+def experts():
+    q = quantize_experts_fp4(*gpu_weights())
+    params = (q.gate_up_proj, q.gate_up_proj_scale_inv, q.down_proj, q.down_proj_scale_inv)
+    return PackedExperts.from_params(*params), DequantizedExperts.from_fp4(*params)
+
+
+def staged(num_tokens, seed, **kw):
+    x, idx, w = (t.cuda() for t in routing(num_tokens, seed, num_experts=NE, topk=NK, hidden=NH, **kw))
+    q, sf = quantize_fp8(x)
+    return q, float_to_ue8m0_bytes(sf), idx, w
+
+
+def check(out, ref):
+    assert out.shape == ref.shape
+    assert calc_diff(out.float(), ref.float()) < 1e-4
+
+
+# The decode config as `pick_config` widens it for V4-sized batches (L2 N tiles of 128); these shapes pick 64.
+WIDE_L2 = KernelConfig(block_t=16, l1_n=64, l1_k=64, l2_n=128, l2_k=64, num_warps=4, num_stages=4)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 7, 129, 600])
+@pytest.mark.parametrize("clamp", [None, 0.05])  # 0.05: active on most gate/up values here
+@pytest.mark.parametrize("config", [None, WIDE_L2], ids=["picked", "l2n128"])
+def test_ragged_batches_match_the_reference(experts, num_tokens, clamp, config):
+    packed, deq = experts
+    q, sf, idx, w = staged(num_tokens, num_tokens, masked=0.1)  # -1 padding slots included
+    ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=clamp)
+    check(triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=clamp, config=config),
+          ref)
+
+
+def test_all_routes_to_one_expert(experts):
+    packed, deq = experts
+    q, sf, idx, w = staged(300, 1)
+    idx = torch.full_like(idx, 5)
+    ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=10.0)
+    check(triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=10.0), ref)
+
+
+def test_rank_slice_and_no_local_expert(experts):
+    packed, deq = experts
+    lo = NE // 2
+    half = PackedExperts(*(t[lo:] for t in (packed.w1, packed.s1, packed.w2, packed.s2)))
+    half_deq = DequantizedExperts(deq.gate_up[lo:], deq.down[lo:])
+    q, sf, idx, w = staged(64, 2)
+    ref = local_experts_forward(q, sf, idx, w, half_deq, first_expert=lo, activation_clamp=None)
+    check(triton_local_experts_forward(q, sf, idx, w, half, first_expert=lo, activation_clamp=None), ref)
+    out = triton_local_experts_forward(q, sf, idx % lo, w, half, first_expert=lo, activation_clamp=None)
+    assert not out.any()
+
+
+# The Hopper Gluon kernels (`hopper_prefill`) against the Triton kernels' 64-row blocks: the same bits.
+TRITON_64 = KernelConfig(block_t=64, l1_n=128, l1_k=64, l2_n=128, l2_k=64, num_warps=8, num_stages=4, maxnreg=128)
+needs_gluon = pytest.mark.skipif(
+    torch.cuda.is_available() and gluon_unavailable_reason(torch.device("cuda")) is not None,
+    reason="the Gluon kernels run on Hopper only")
+
+
+@needs_gluon
+@pytest.mark.parametrize("config", [GLUON, GLUON_80_ROWS, CP_ASYNC, CP_ASYNC_80_ROWS,
+                                    dataclasses.replace(CP_ASYNC, l1_n=128, l2_n=128, num_warps=8, num_stages=6,
+                                                        maxnreg=0),
+                                    dataclasses.replace(GLUON, l2_maxnreg=96)],  # the async wgmma of 96-row blocks
+                         ids=["shipped", "80rows", "cpasync", "cpasync80", "8warps", "ws96async"])
+@pytest.mark.parametrize("num_tokens", [1, 3, 7, 129, 300, 400, 600])  # up to 112 rows per expert: 0-2 tail MMAs
+@pytest.mark.parametrize("clamp", [None, 0.05])
+def test_gluon_kernels_give_the_triton_kernels_bits(experts, config, num_tokens, clamp):
+    packed, deq = experts
+    q, sf, idx, w = staged(num_tokens, num_tokens, masked=0.1)
+    out = triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=clamp, config=config)
+    assert torch.equal(out, triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0,
+                                                         activation_clamp=clamp, config=TRITON_64))
+    check(out, local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=clamp))
+
+
+@needs_gluon
+@pytest.mark.parametrize("config", [GLUON, CP_ASYNC], ids=["shipped", "cpasync"])
+def test_gluon_kernels_on_one_expert_a_rank_slice_and_large_scales(experts, config):
+    packed, deq = experts
+    q, sf, idx, w = staged(300, 1)
+    one = torch.full_like(idx, 5)  # 1800 rows of one expert: 18 full blocks and a tail
+    ref = local_experts_forward(q, sf, one, w, deq, first_expert=0, activation_clamp=10.0)
+    check(triton_local_experts_forward(q, sf, one, w, packed, first_expert=0, activation_clamp=10.0,
+                                       config=config), ref)
+    lo = NE // 2
+    half = PackedExperts(*(t[lo:] for t in (packed.w1, packed.s1, packed.w2, packed.s2)))
+    out = triton_local_experts_forward(q, sf, idx, w, half, first_expert=lo, activation_clamp=None, config=config)
+    ref = local_experts_forward(q, sf, idx, w, DequantizedExperts(deq.gate_up[lo:], deq.down[lo:]), first_expert=lo,
+                                activation_clamp=None)
+    check(out, ref)
+    assert not triton_local_experts_forward(q, sf, idx % lo, w, half, first_expert=lo, activation_clamp=None,
+                                            config=config).any()
+    w1, w2 = gpu_weights(2)
+    big = quantize_experts_fp4(w1 * 2.0**10, w2 * 2.0**10)  # UE8M0 bytes above 128: the two-multiply expansion
+    params = (big.gate_up_proj, big.gate_up_proj_scale_inv, big.down_proj, big.down_proj_scale_inv)
+    large = PackedExperts.from_params(*params)
+    assert large.large_scales
+    out = triton_local_experts_forward(q, sf, idx, w, large, first_expert=0, activation_clamp=None, config=config)
+    assert torch.equal(out, triton_local_experts_forward(q, sf, idx, w, large, first_expert=0,
+                                                         activation_clamp=None, config=TRITON_64))
+    check(out, local_experts_forward(q, sf, idx, w, DequantizedExperts.from_fp4(*params), first_expert=0,
+                                     activation_clamp=None))
+
+
+def test_installed_layer_graph_capture_without_host_sync(world1):
+    w1, w2 = gpu_weights(1)
+    ref_m, tri_m = mixtral_experts(w1, w2), mixtral_experts(w1, w2)
+    install_megamoe_forward(ref_m, backend="reference", quantize="fp4", activation_clamp=10.0)
+    install_megamoe_forward(tri_m, backend="auto" if torch.cuda.get_device_capability()[0] == 9 else "triton",
+                            quantize="fp4", activation_clamp=10.0)
+    assert megamoe_state(tri_m).backend == "triton"
+    groups = types.SimpleNamespace(ep_group=world1, ep_rank=0, ep_size=1, tp_group=world1, tp_size=1, shares_batch=True)
+    strategy = types.SimpleNamespace(name="deepgemm_megamoe", settings=None)
+    layer, ref_layer = MegaMoeEPRuntime(tri_m, strategy, groups), MegaMoeEPRuntime(ref_m, strategy, groups)
+    with torch.no_grad():
+        for t in (1, 16, 129, 400):  # 400 tokens: 75 rows per expert, the Gluon kernels on Hopper
+            x, idx, w = (a.cuda() for a in routing(t, t, num_experts=NE, topk=NK, hidden=NH, masked=0.1))
+            layer(x, idx, w)  # compile outside the capture
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")  # a host sync in the forward raises
+            try:
+                y = layer(x, idx, w)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            graph = torch.cuda.CUDAGraph()  # a capture fails on any sync too
+            with torch.cuda.graph(graph):
+                y_graph = layer(x, idx, w)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y_graph, y)
+            check(y, ref_layer(x, idx, w))
