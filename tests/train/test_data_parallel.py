@@ -2,6 +2,9 @@
 training on the global batch, for every (tp, ep, dp) of the acceptance grid the size rules allow, both modes and
 both EP strategies that train, on tiny fp32 Mixtral, Qwen3-MoE and DeepSeek-V3 (2 layers).
 
+The 2-rank world also runs generate() right after planc.load (default and static cache, a left-padded
+batch; every EP strategy, TP-only, and dp replicas) against the unsharded model, token for token.
+
 One spawned world per world size runs every case in sequence (a rank's start, importing torch and
 transformers, costs more than a case); the single-process reference runs once per model and dp.
 """
@@ -34,16 +37,27 @@ def cases(world: int) -> list[tuple]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_training_equals_single_process_on_the_global_batch(world_size):
+def test_training_equals_single_process_on_the_global_batch(world_size, tmp_path):
     grid = cases(world_size)
     assert len(grid) == (18 if world_size == 2 else 24)
-    results = run_distributed(train_world, world_size, grid)
+    hub_dirs = {}
+    if world_size == 2:  # generate() after planc.load: what users do first (the 2-rank world runs it too)
+        from planc.models.build import build_tiny_model
+
+        for m in MODELS:
+            build_tiny_model(m, seed=0).save_pretrained(tmp_path / m)
+            hub_dirs[m] = str(tmp_path / m)
+    results = run_distributed(train_world, world_size, grid, hub_dirs)
     failures = []
     for case in grid:
         per_rank = [r[case] for r in results]
         first = per_rank[0]
         if first["mode"] != case[4]:
             failures.append(f"{case}: installed {first['mode']}")
+        # dp > 1: each decoder layer is a unit of torch's replicate (an FSDPModule too) or of fully_shard
+        want = ([] if case[3] == 1 else ["FSDPModule", "ReplicateModule"] if case[4] == "replicate" else ["FSDPModule"])
+        if first["wrapped"] != want:
+            failures.append(f"{case}: decoder layers wrapped by {first['wrapped']}, expected {want}")
         if first["loss"] > LOSS_TOL:
             failures.append(f"{case}: loss off by {first['loss']:.3g}")
         if first["norm_rel"] > NORM_REL:
@@ -54,6 +68,10 @@ def test_training_equals_single_process_on_the_global_batch(world_size):
             failures.append(f"{case}: the full parameters differ between ranks (replicas drifted)")
     if world_size == 2:
         failures += api_failures([r["api"] for r in results])
+        for rank, r in enumerate(results):
+            assert len(r["generate"]) == 30  # 3 models x 5 layouts x 2 caches
+            failures += [f"rank {rank}: generate() {key} differs from the unsharded model"
+                         for key, same in r["generate"].items() if not same]
     assert not failures, "\n".join(failures)
 
 
@@ -70,6 +88,9 @@ def api_failures(per_rank: list[dict]) -> list[str]:
         for key in ("norm_inf", "norm_1.0", "norm_2.0"):
             if api[key] > NORM_REL:
                 failures.append(f"rank {rank}: {key} off by {api[key]:.3g} (relative)")
+        if api["mp_dtypes"] != ("torch.bfloat16", "torch.float32", "torch.float32") or api["mp_loss"] > 2e-2:
+            failures.append(f"rank {rank}: mixed precision: forward/param/grad dtypes {api['mp_dtypes']}, "
+                            f"loss off by {api['mp_loss']:.3g} (bf16 compute)")
         if "mesh passed to planc.apply" not in api["wrong_mesh"]:
             failures.append(f"rank {rank}: a wrong mesh gave {api['wrong_mesh']}")
     return failures

@@ -69,7 +69,9 @@ def train_case(model_type: str, tp: int, ep: int, dp: int, data_parallel: str, s
     assert dp_rank == dist.get_rank() // tp  # the ("dp", "tp") layout: replica of this rank
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     model.train()
-    out = {"loss": 0.0, "norm_rel": 0.0, "mode": compiled.data_parallel}
+    # what wraps a decoder layer: torch's replicate (FSDP2-based DDP) or fully_shard, bucketed per unit
+    wrappers = {c.__name__ for c in type(model.model.layers[0]).__mro__} & {"ReplicateModule", "FSDPModule"}
+    out = {"loss": 0.0, "norm_rel": 0.0, "mode": compiled.data_parallel, "wrapped": sorted(wrappers)}
     for step in range(STEPS):
         ids = global_batch(step, dp)
         micro = ids[dp_rank * MICRO_ROWS:(dp_rank + 1) * MICRO_ROWS]
@@ -101,10 +103,11 @@ def run_cases(rank: int, world_size: int, cases: list) -> dict:
 
 def api_checks(rank: int, world_size: int) -> dict:
     """planc.clip_grad_norm_ (inf norm, torch's clip refused with the planc name), the root mesh and a caller's mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     import planc
     from planc.errors import ApplyError, PlancError
     from planc.models.build import build_tiny_model
-    from torch.distributed.device_mesh import init_device_mesh
 
     out = {}
     model = build_tiny_model("mixtral", seed=1)
@@ -127,6 +130,22 @@ def api_checks(rank: int, world_size: int) -> dict:
         got = planc.clip_grad_norm_(model, 1e9, norm_type).item()
         want = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()], norm_type).item()
         out[f"norm_{norm_type}"] = abs(got - want) / want
+    # mixed precision (fsdp): the forward computes in bf16, the sharded parameters and the step stay fp32
+    mp_plan = shipped_plan("mixtral", tp=1, ep=world_size, dp=world_size, ep_implementation="all_to_all")
+    mp_plan["training"] = {"data_parallel": "fsdp", "mixed_precision": {"param_dtype": "bfloat16"}}
+    mp_model = build_tiny_model("mixtral", seed=0)
+    planc.apply(mp_model, mp_plan)
+    seen = []
+    q_proj = mp_model.model.layers[0].self_attn.q_proj
+    q_proj.register_forward_pre_hook(lambda m, args: seen.append(m.weight.dtype))
+    ref_loss = reference("mixtral", world_size)["losses"][0]
+    ids = global_batch(0, world_size)[rank * MICRO_ROWS:(rank + 1) * MICRO_ROWS]
+    loss = mp_model(ids, labels=ids).loss
+    loss.backward()
+    mean = loss.detach().float().clone()
+    dist.all_reduce(mean)
+    out["mp_loss"] = abs(mean.item() / world_size - ref_loss)
+    out["mp_dtypes"] = (str(seen[0]), str(q_proj.weight.dtype), str(q_proj.weight.grad.dtype))
     # a caller's mesh: the root planc builds is accepted, a wrong one refused before anything changes
     right = init_device_mesh("cpu", compiled.mesh_dims[0], mesh_dim_names=compiled.mesh_dims[1])
     planc.apply(build_tiny_model("mixtral", seed=1), plan, mesh=right)
@@ -140,9 +159,49 @@ def api_checks(rank: int, world_size: int) -> dict:
     return out
 
 
-def train_world(rank: int, world_size: int, cases: list) -> dict:
-    """Every training case, then (2 ranks) the API checks: one world for all of them."""
+def train_world(rank: int, world_size: int, cases: list, hub_dirs: dict | None = None) -> dict:
+    """Every training case, then (2 ranks) the API checks and generate(): one world for all of them."""
     out = run_cases(rank, world_size, cases)
     if world_size == 2:
         out["api"] = api_checks(rank, world_size)
+    if hub_dirs:
+        out["generate"] = generate_checks(rank, world_size, hub_dirs)
+    return out
+
+
+def generate_checks(rank: int, world_size: int, hub_dirs: dict) -> dict:
+    """generate() right after planc.load (default and static cache, a left-padded batch) against the unsharded
+    model, for every EP strategy, TP-only, and dp replicas (each feeding its own batch): tokens identical."""
+    from transformers import AutoModelForCausalLM
+
+    import planc
+
+    out = {}
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0  # left padding
+    for model_type, hub in hub_dirs.items():
+        ref = AutoModelForCausalLM.from_pretrained(hub, dtype=torch.float32)
+        ref.set_experts_implementation("grouped_mm")
+        layouts = {f"tp{world_size}/ep{world_size}/{s}": ((world_size, world_size, 1), s)
+                   for s in ("all_to_all", "all_reduce", "auto")}
+        layouts[f"tp{world_size}/ep1"] = ((world_size, 1, 1), "auto")
+        layouts[f"tp1/ep{world_size}/dp{world_size}"] = ((1, world_size, world_size), "all_to_all")
+        for name, ((tp, ep, dp), strategy) in layouts.items():
+            plan = shipped_plan(model_type, tp=tp, ep=ep, dp=dp, ep_implementation=strategy)
+            if ep == 1:  # TP-only: the experts tensor-parallel
+                plan["ep_plan"] = {}
+                plan["tp_plan"].update({"model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+                                        "model.layers.*.mlp.experts.down_proj": "rowwise",
+                                        "model.layers.*.mlp.experts": "moe_tp_experts"})
+            model = planc.load(hub, plan)
+            batch_ids, batch_mask = (ids, mask) if dp == 1 else (ids[rank:rank + 1], mask[rank:rank + 1])
+            for cache in (None, "static"):
+                kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+                if cache:
+                    kwargs["cache_implementation"] = cache
+                with torch.no_grad():
+                    got = model.generate(batch_ids, attention_mask=batch_mask, **kwargs)
+                    want = ref.generate(batch_ids, attention_mask=batch_mask, **kwargs)
+                out[f"{model_type}/{name}/{cache or 'dynamic'}"] = bool(torch.equal(got, want))
     return out
