@@ -211,6 +211,7 @@ def check_checkpoint(directory: str, plan_path: str, dtype: str, parallel, compi
             return 1, None
         if checked.files is None:  # a planc.save checkpoint: DCP reads each rank's overlap, not a fixed byte count
             return 0, None
+        assert checked.model is not None  # no problems: the meta model was built
         return 0, read_per_rank(compiled, target_reads(checked.model, checked.files))
     finally:
         checked.close()

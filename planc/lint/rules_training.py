@@ -6,6 +6,10 @@ experts whose kernel has no backward, and FSDP mixed precision without FSDP.
 
 from __future__ import annotations
 
+from typing import Iterator
+
+from planc.lint.context import LintContext
+from planc.lint.diagnostic import Diagnostic
 from planc.lint.registry import rule
 
 TRAINING_INFERENCE_ONLY = "PLC700"
@@ -25,7 +29,7 @@ _EP = (
     good=_TOP + "experts: {implementation: grouped_mm, ep_implementation: all_to_all}\n"
     "training: {data_parallel: fsdp}\n" + _EP,
 )
-def check_training_inference_only(ctx):
+def check_training_inference_only(ctx: LintContext) -> Iterator[Diagnostic]:
     """The Mega MoE kernel (`experts.implementation: deepgemm_megamoe`) is inference-only: its forward
     refuses autograd, so a plan that declares `training:` could never take a step. Train with
     `grouped_mm` experts and `ep_implementation: all_to_all` (or `all_reduce`), and keep the Mega MoE
@@ -49,7 +53,7 @@ def check_training_inference_only(ctx):
     good=_TOP + "experts: {ep_implementation: all_to_all}\n"
     "training:\n  data_parallel: fsdp\n  mixed_precision: {param_dtype: bfloat16}\n" + _EP,
 )
-def check_mixed_precision_without_fsdp(ctx):
+def check_mixed_precision_without_fsdp(ctx: LintContext) -> Iterator[Diagnostic]:
     """`training.mixed_precision` is FSDP2's `MixedPrecisionPolicy`: parameters all-gathered in
     `param_dtype`, gradients reduced in `reduce_dtype`. With `data_parallel: replicate` (the default)
     nothing would apply it. Write `data_parallel: fsdp`, or drop `mixed_precision` and load the model

@@ -82,9 +82,12 @@ def load(
         raise
 
     model, compiled = checked.model, checked.compiled
+    assert model is not None  # the ranks agreed on no problems, so the meta model was built
     groups = build_groups(compiled.parallel, mesh)
     state = install.InstallState(model=model, compiled=compiled, groups=groups)
+    fill: SafetensorsFill | _DcpFill
     if checked.dcp_dir is None:
+        assert checked.files is not None  # not a planc.save checkpoint: the safetensors files are open
         fill = SafetensorsFill(checked.files, device)
     else:
         fill = _DcpFill(checked.dcp_dir, device)
@@ -101,7 +104,7 @@ class Checked:
     safetensors files or the DCP directory, every problem (each a message naming file/key and the fix), and the
     decisions the ranks must agree on before their collectives diverge (install.agree_across_ranks)."""
 
-    model: Optional[nn.Module] = None
+    model: Optional[PreTrainedModel] = None
     compiled: Any = None
     files: Optional[CheckpointFiles] = None
     dcp_dir: Optional[str] = None
@@ -134,9 +137,10 @@ def check_checkpoint(
             out.files = CheckpointFiles.open(source)
             out.decisions["checkpoint"] = f"{len(out.files.tensors)} tensors, headers {out.files.digest()}"
             config = _config(out.files.config_path.parent, dtype)
+            config_path = out.files.config_path
         else:
             config = _config(out.dcp_dir, dtype)
-        config_path = out.files.config_path if out.files else Path(out.dcp_dir) / "config.json"
+            config_path = Path(out.dcp_dir) / "config.json"
         loaded = _plan_for(plan, config, config_path)
         megamoe = loaded.plan.experts.implementation == "deepgemm_megamoe"
         quantizer = _quantizer(config, config_path, device, dequantize, dcp=out.dcp_dir is not None, megamoe=megamoe)

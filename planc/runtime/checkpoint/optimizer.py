@@ -22,7 +22,7 @@ which are then overwritten.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from planc.errors import CheckpointError
 from planc.runtime.checkpoint.atomic import agree
@@ -68,7 +69,7 @@ def refuse_foreign_parameters(model: nn.Module, optimizer, what: str) -> None:
 
 def _dcp_view(state: dict[str, Any]) -> dict[str, Any]:
     """The state as DCP must see it: `_StridedShard` DTensors as the `Shard` of the same dim (a collective)."""
-    return {k: (dcp_layout(v.detach()) if has_strided(v) else v) for k, v in state.items()}
+    return {k: (dcp_layout(cast(DTensor, v.detach())) if has_strided(v) else v) for k, v in state.items()}
 
 
 def refuse_unsavable_optimizer(model: nn.Module, optimizer, what: str) -> None:

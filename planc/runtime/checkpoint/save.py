@@ -85,7 +85,7 @@ def save(model: nn.Module, directory, *, optimizer=None) -> Path:
     optimizer_sd = optimizer_state(model, optimizer) if optimizer is not None else None
     with atomic_directory(directory, what, replaceable=is_planc_checkpoint) as partial:
         _write_shards(state, partial)
-        if optimizer is not None:
+        if optimizer_sd is not None:
             write_optimizer(optimizer_sd, partial)
         if dist.get_rank() == 0:
             _write_metadata(model, compiled, partial, non_persistent, optimizer)
