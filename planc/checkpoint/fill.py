@@ -16,10 +16,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from planc.checkpoint.files import CheckpointFiles
+from planc.checkpoint.keys import loading_problems
+from planc.checkpoint.quantized import (
+    block_size,
+    conversion_mapping,
+    dequantizing,
+    wrap_scales,
+)
 from planc.errors import CheckpointError
-from planc.runtime.checkpoint.files import CheckpointFiles
-from planc.runtime.checkpoint.keys import loading_problems
-from planc.runtime.checkpoint.quantized import block_size, conversion_mapping, dequantizing, wrap_scales
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

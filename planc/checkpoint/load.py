@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
+from planc.checkpoint.files import CheckpointFiles
+from planc.checkpoint.fill import SafetensorsFill
+from planc.checkpoint.keys import checkpoint_problems, last_line
+from planc.checkpoint.quantized import prepare_meta_model, quantizer_for
 from planc.errors import ApplyError, CheckpointError, PlancError
-from planc.runtime.checkpoint.files import CheckpointFiles
-from planc.runtime.checkpoint.fill import SafetensorsFill
-from planc.runtime.checkpoint.keys import checkpoint_problems, last_line
-from planc.runtime.checkpoint.quantized import prepare_meta_model, quantizer_for
 from planc.runtime.mesh import rank_device
 
 if TYPE_CHECKING:
@@ -185,8 +185,8 @@ def _dcp_checkpoint(source) -> Optional[str]:
     """
     import json
 
-    from planc.runtime.checkpoint.files import missing_directory
-    from planc.runtime.checkpoint.marker import FORMAT, MARKER, read_marker
+    from planc.checkpoint.files import missing_directory
+    from planc.checkpoint.marker import FORMAT, MARKER, read_marker
 
     root = Path(source)
     if not root.is_dir():
@@ -308,7 +308,7 @@ class _DcpFill:
         self.device = device
 
     def __call__(self, state) -> None:
-        from planc.runtime.checkpoint.dcp import fill_from_dcp
+        from planc.checkpoint.dcp import fill_from_dcp
 
         fill_from_dcp(state.model, self.path, device=self.device, compiled=state.compiled, groups=state.groups)
         quantizer = getattr(state.model, "hf_quantizer", None)

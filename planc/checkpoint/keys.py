@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from planc.runtime.checkpoint.files import CheckpointFiles
+from planc.checkpoint.files import CheckpointFiles
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -33,7 +33,7 @@ _NON_FLOAT = {"I8", "U8", "I16", "U16", "I32", "U32", "I64", "U64", "BOOL", "F8_
 def _mapping(model: nn.Module):
     from transformers.core_model_loading import WeightConverter, WeightRenaming
 
-    from planc.runtime.checkpoint.quantized import conversion_mapping
+    from planc.checkpoint.quantized import conversion_mapping
 
     mapping = conversion_mapping(model)  # with a quantizer's scale keys for a pre-quantized checkpoint
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]

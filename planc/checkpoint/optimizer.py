@@ -35,10 +35,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from planc.checkpoint.applied import applied_plan
+from planc.checkpoint.atomic import agree
+from planc.checkpoint.marker import read_marker
+from planc.checkpoint.state import dcp_layout, has_strided
 from planc.errors import CheckpointError
-from planc.runtime.checkpoint.atomic import agree
-from planc.runtime.checkpoint.marker import read_marker
-from planc.runtime.checkpoint.state import dcp_layout, has_strided
 
 OPTIMIZER_DIR = "optimizer"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -160,8 +161,6 @@ def load_optimizer(model: nn.Module, optimizer, directory) -> None:
     the checkpoint holds no optimizer state, holds another optimizer class's, or is of another model or
     parameter set (each mismatched key named).
     """
-    from planc.runtime.checkpoint.save import applied_plan
-
     directory = Path(directory)
     what = f"planc.load_optimizer({str(directory)!r})"
     compiled, _ = applied_plan(model, what)
