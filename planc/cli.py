@@ -16,6 +16,7 @@ COMMANDS = {
     "explain": "Resolve a plan against a model built on the meta device and print what it does.",
     "migrate": "Rewrite removed styles in a plan into their current form.",
     "init": "Write a starting plan from transformers' own plans for a model type.",
+    "lsp": "Language server: every planc diagnostic in the editor as you type (needs planc[lsp]).",
     "demo": "Apply a shipped plan on CPU ranks to a tiny model and compare with the unsharded model.",
 }
 

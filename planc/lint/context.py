@@ -42,12 +42,15 @@ class LintContext:
         return tuple(keypath) in self.key_positions
 
     def diag(
-        self, code: str, message: str, hint: str, keypath: KeyPath = (), *, at_value: bool = False
+        self, code: str, message: str, hint: str, keypath: KeyPath = (), *, at_value: bool = False,
+        fix: Optional[str] = None,
     ) -> Diagnostic:
+        """`fix`: the text that replaces the key (or the value, `at_value`) when the hint is that sure of it."""
         from planc.lint.registry import severity_of
 
         pos = self.value_position(keypath) if at_value else self.position(keypath)
-        return Diagnostic(code, severity_of(code), message, hint, pos)
+        exact = tuple(keypath) in (self.value_positions if at_value else self.key_positions)
+        return Diagnostic(code, severity_of(code), message, hint, pos, fix=fix if exact else None)
 
     def table(self, name: str) -> Iterator[tuple[str, str]]:
         """(pattern, style) entries of a rule table as written, skipping entries of the wrong type."""

@@ -8,7 +8,7 @@ print the same thing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from planc.spec.source import Position
@@ -33,6 +33,8 @@ class Diagnostic:
     position: Optional[Position] = None  # where; None only for problems with no file (a mapping plan)
     module: Optional[str] = None  # compile diagnostics: the module/parameter path (generic with a count when many)
     key: Optional[str] = None  # where, when there is no position: `tp_plan['lm_head']` for a plan built in code
+    # the text that replaces the node at `position` (a did-you-mean sure enough to offer): editors' quick fix
+    fix: Optional[str] = field(default=None, compare=False)
 
     @property
     def where(self) -> str:
@@ -51,6 +53,14 @@ class Diagnostic:
     def col(self) -> int:
         return self.position.col if self.position else 1
 
+    @property
+    def end(self) -> tuple[int, int]:
+        """(line, col) just past the offending node; the start itself when the parser gave no end."""
+        p = self.position
+        if p is None or p.end_line is None or p.end_col is None:
+            return self.line, self.col
+        return p.end_line, p.end_col
+
     def location(self) -> str:
         return f"{self.path or '<string>'}:{self.line}:{self.col}"
 
@@ -68,11 +78,14 @@ class Diagnostic:
             "path": self.path,
             "line": self.line,
             "col": self.col,
+            "end_line": self.end[0],
+            "end_col": self.end[1],
             "code": self.code,
             "severity": self.severity,
             "message": self.message,
             "hint": self.hint,
             **({"module": self.module} if self.module else {}),
+            **({"fix": self.fix} if self.fix is not None else {}),
         }
 
     def sort_key(self) -> tuple[str, int, int, str, str]:

@@ -11,15 +11,16 @@ from typing import TYPE_CHECKING, Iterator, Optional
 from planc.lint.context import LintContext
 from planc.lint.diagnostic import WARNING, Diagnostic
 from planc.lint.registry import rule
+from planc.spec.pairings import MEGAMOE_EP_EXPERTS, MEGAMOE_EXPERTS_EP, MEGAMOE_SETTINGS
 from planc.spec.patterns import Pattern, PatternError
 
 if TYPE_CHECKING:
     from planc.spec.ep import EPResolutionError
 
-MEGAMOE_OTHER_EP = "PLC400"
-MEGAMOE_EP_OTHER_EXPERTS = "PLC401"
+MEGAMOE_OTHER_EP = MEGAMOE_EXPERTS_EP.code  # PLC400
+MEGAMOE_EP_OTHER_EXPERTS = MEGAMOE_EP_EXPERTS.code  # PLC401
 SHARED_BATCH = "PLC402"
-MEGAMOE_BLOCK = "PLC403"
+MEGAMOE_BLOCK = MEGAMOE_SETTINGS.code  # PLC403
 MISSING_DISPATCH = "PLC404"
 DISPATCH_WITHOUT_EP = "PLC405"
 TP_ON_EP_EXPERTS = "PLC406"
@@ -114,12 +115,12 @@ def check_megamoe_block(ctx: LintContext) -> Iterator[Diagnostic]:
     """The `experts.megamoe` settings (backend, buffer size, clamp, quantization) only apply to
     `implementation: deepgemm_megamoe`; with other experts they would be ignored silently."""
     experts = ctx.plan.experts
-    if experts.megamoe is not None and experts.implementation != "deepgemm_megamoe":
+    if MEGAMOE_SETTINGS.violated(ctx.plan.model_dump(exclude_none=True)):
         yield ctx.diag(
             MEGAMOE_BLOCK,
             f"`experts.megamoe` settings have no effect with implementation `{experts.implementation}`",
             "set `experts.implementation: deepgemm_megamoe`, or delete the `megamoe:` block",
-            ("experts", "megamoe"),
+            MEGAMOE_SETTINGS.key, at_value=True,  # where the schema reports it too
         )
 
 

@@ -169,7 +169,7 @@ def from_validation(err: ValidationError, ctx: LintContext) -> list[Diagnostic]:
             hint = f"did you mean `{guess}`? " if guess else ""
             hint += f"{parent} takes: {', '.join(valid)}" if valid else "remove it"
             where_key = f"in {parent}" if len(loc) > 1 else "at the top level of the plan"
-            out.append(ctx.diag(UNKNOWN_KEY, f"unknown key `{loc[-1]}` {where_key}", hint, loc))
+            out.append(ctx.diag(UNKNOWN_KEY, f"unknown key `{loc[-1]}` {where_key}", hint, loc, fix=guess))
         elif typ == "literal_error" and loc == ("version",):
             out.append(ctx.diag(VERSION, f"unsupported plan format version {_show(value)}",
                                 "write `version: 1` (planc reads format v1 only)", loc, at_value=True))
@@ -178,7 +178,8 @@ def from_validation(err: ValidationError, ctx: LintContext) -> list[Diagnostic]:
             guess = did_you_mean(str(value), [str(c) for c in choices])
             listed = ", ".join(f"`{c}`" for c in choices)
             hint = f"did you mean `{guess}`? one of: {listed}" if guess else f"write one of: {listed}"
-            out.append(ctx.diag(BAD_VALUE, f"`{where}` is {_show(value)}, not an allowed value", hint, loc, at_value=True))
+            out.append(ctx.diag(BAD_VALUE, f"`{where}` is {_show(value)}, not an allowed value", hint, loc, at_value=True,
+                                fix=guess))
         elif typ in _RANGE_TYPES:
             out.append(ctx.diag(OUT_OF_RANGE, f"`{where}`: {e['msg']}, got {_show(value)}",
                                 _range_hint(loc, e), keypath, at_value=True))

@@ -8,7 +8,7 @@ from planc.lint.context import LintContext
 from planc.lint.diagnostic import Diagnostic
 from planc.lint.registry import rule
 from planc.lint.suggest import did_you_mean
-from planc.spec.styles import ALL_STYLES, EP_STYLES, REMOVED_STYLES, TP_STYLES
+from planc.spec.styles import ALL_STYLES, EP_STYLES, REMOVED_STYLES, TABLE_STYLES, TP_STYLES
 
 UNKNOWN_STYLE = "PLC310"
 EP_STYLE_IN_TP = "PLC311"
@@ -19,8 +19,8 @@ _EP = (
     "ep_plan:\n  model.layers.*.mlp.experts.{gate_up_proj,down_proj}: grouped_gemm\n"
     "  model.layers.*.mlp.experts: ep_dispatch_experts\n"
 )
-TP_TABLE_STYLES = sorted(TP_STYLES)
-EP_TABLE_STYLES = sorted([*EP_STYLES, "replicate"])
+TP_TABLE_STYLES = list(TABLE_STYLES["tp_plan"])
+EP_TABLE_STYLES = list(TABLE_STYLES["ep_plan"])
 
 
 def _known(style: str) -> bool:
@@ -43,7 +43,8 @@ def check_unknown(ctx: LintContext) -> Iterator[Diagnostic]:
                 continue
             guess = did_you_mean(style, valid) or did_you_mean(style, ALL_STYLES)
             hint = f"did you mean `{guess}`?" if guess else f"{table} styles: {', '.join(valid)}"
-            yield ctx.diag(UNKNOWN_STYLE, f"unknown style `{style}` in {table}", hint, (table, pattern), at_value=True)
+            yield ctx.diag(UNKNOWN_STYLE, f"unknown style `{style}` in {table}", hint, (table, pattern), at_value=True,
+                           fix=guess if guess in valid else None)
 
 
 @rule(

@@ -11,9 +11,10 @@ from typing import Iterator
 from planc.lint.context import LintContext
 from planc.lint.diagnostic import Diagnostic
 from planc.lint.registry import rule
+from planc.spec.pairings import MIXED_PRECISION_FSDP, TRAINING_EXPERTS
 
-TRAINING_INFERENCE_ONLY = "PLC700"
-MIXED_PRECISION_WITHOUT_FSDP = "PLC701"
+TRAINING_INFERENCE_ONLY = TRAINING_EXPERTS.code  # PLC700
+MIXED_PRECISION_WITHOUT_FSDP = MIXED_PRECISION_FSDP.code  # PLC701
 
 _TOP = "version: 1\nmodel: {type: deepseek_v4}\nparallel: {tp_size: 2, ep_size: 2, dp_size: 2}\n"
 _EP = (
@@ -34,14 +35,14 @@ def check_training_inference_only(ctx: LintContext) -> Iterator[Diagnostic]:
     refuses autograd, so a plan that declares `training:` could never take a step. Train with
     `grouped_mm` experts and `ep_implementation: all_to_all` (or `all_reduce`), and keep the Mega MoE
     plan for serving: `planc.save` writes a checkpoint that loads under either plan."""
-    if ctx.plan.training is not None and ctx.plan.experts.implementation == "deepgemm_megamoe":
+    if ctx.plan.training is not None and TRAINING_EXPERTS.violated(ctx.plan.model_dump(exclude_none=True)):
         yield ctx.diag(
             TRAINING_INFERENCE_ONLY,
             "experts.implementation `deepgemm_megamoe` is inference-only (its kernel has no backward) "
             "but the plan declares `training:`",
             "train with `experts: {implementation: grouped_mm, ep_implementation: all_to_all}`, or remove "
             "the `training:` section from this serving plan",
-            ("training",),
+            TRAINING_EXPERTS.key, at_value=True,  # where the schema reports it too
         )
 
 
@@ -59,10 +60,10 @@ def check_mixed_precision_without_fsdp(ctx: LintContext) -> Iterator[Diagnostic]
     nothing would apply it. Write `data_parallel: fsdp`, or drop `mixed_precision` and load the model
     in the dtype it should train in (`planc.load(..., dtype=torch.bfloat16)`)."""
     training = ctx.plan.training
-    if training is not None and training.mixed_precision is not None and training.data_parallel != "fsdp":
+    if training is not None and MIXED_PRECISION_FSDP.violated(ctx.plan.model_dump(exclude_none=True)):
         yield ctx.diag(
             MIXED_PRECISION_WITHOUT_FSDP,
             f"`training.mixed_precision` applies only with `data_parallel: fsdp`, got `{training.data_parallel}`",
             "write `data_parallel: fsdp`, or remove `mixed_precision` (load the model in the dtype to train in)",
-            ("training", "mixed_precision"),
+            MIXED_PRECISION_FSDP.key, at_value=True,  # where the schema reports it too
         )

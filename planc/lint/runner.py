@@ -37,13 +37,13 @@ class CheckResult:
     loaded: Optional[LoadedPlan] = None
 
 
-def _from_source_error(e: SourceError) -> Diagnostic:
+def from_source_error(e: SourceError) -> Diagnostic:
     from planc.lint.registry import severity_of
 
     return Diagnostic(e.code, severity_of(e.code), e.message, e.hint, e.position)
 
 
-def _internal(exc: BaseException, path: Optional[str]) -> Diagnostic:
+def internal_error(exc: BaseException, path: Optional[str]) -> Diagnostic:
     from planc.lint.rules_source import INTERNAL
 
     return Diagnostic(
@@ -59,8 +59,8 @@ def check_doc(doc: SourceDoc, root_dir: Optional[str] = None) -> CheckResult:
     try:
         merged = resolve_extends(doc, root_dir)
     except SourceError as e:
-        return CheckResult([_from_source_error(p) for p in doc.problems] + [_from_source_error(e)])
-    diags = [_from_source_error(p) for p in merged.problems]
+        return CheckResult([from_source_error(p) for p in doc.problems] + [from_source_error(e)])
+    diags = [from_source_error(p) for p in merged.problems]
     ctx = LintContext(merged.data, None, doc.path, merged.key_positions, merged.value_positions)
     result = _check_context(ctx, diags)
     if result.loaded is not None:
@@ -73,7 +73,7 @@ def check_context(ctx: LintContext) -> CheckResult:
     try:
         return _check_context(ctx, [])
     except Exception as exc:  # noqa: BLE001 - linting never raises: a bug in a check becomes a diagnostic
-        return CheckResult([_internal(exc, ctx.path)])
+        return CheckResult([internal_error(exc, ctx.path)])
 
 
 def _check_context(ctx: LintContext, diags: list[Diagnostic]) -> CheckResult:
@@ -93,7 +93,7 @@ def _check_context(ctx: LintContext, diags: list[Diagnostic]) -> CheckResult:
         try:
             found = list(r.check(ctx))
         except Exception as exc:  # noqa: BLE001 - a bug in one check must not hide the others' findings
-            found = [_internal(exc, ctx.path)]
+            found = [internal_error(exc, ctx.path)]
         diags += found
         if r.family == "schema" and found:  # the Plan holds coerced values: semantic rules would mislead
             ctx.plan = None
@@ -112,10 +112,10 @@ def _check_source(
         try:
             doc = parse()
         except SourceError as e:
-            return CheckResult([_from_source_error(e)])
+            return CheckResult([from_source_error(e)])
         return check_doc(doc, root_dir)
     except Exception as exc:  # noqa: BLE001 - linting never raises: a bug in a check becomes a diagnostic
-        return CheckResult([_internal(exc, path)])
+        return CheckResult([internal_error(exc, path)])
 
 
 def check_file(path: str, root_dir: Optional[str] = None) -> CheckResult:
@@ -132,7 +132,7 @@ def check_data(data: Mapping[str, Any]) -> CheckResult:
     try:
         return _check_context(LintContext(dict(data), None, None, {}, {}), [])
     except Exception as exc:  # noqa: BLE001 - linting never raises: a bug in a check becomes a diagnostic
-        return CheckResult([_internal(exc, None)])
+        return CheckResult([internal_error(exc, None)])
 
 
 def lint_file(path: str) -> list[Diagnostic]:

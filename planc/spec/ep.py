@@ -15,6 +15,7 @@ from typing import ClassVar
 
 from planc.errors import PlancError
 from planc.spec.model import Experts, Parallel
+from planc.spec.pairings import MEGAMOE_EP_EXPERTS, MEGAMOE_EXPERTS_EP
 
 
 @dataclass(frozen=True)
@@ -87,13 +88,14 @@ def resolve_ep(experts: Experts, parallel: Parallel) -> EPStrategy:
     """Pick the EP strategy object for a plan's experts settings, or raise EPResolutionError."""
     impl, ep = experts.implementation, experts.ep_implementation
     shares_batch = parallel.ep_size == parallel.tp_size
-    if impl == "deepgemm_megamoe":
-        if ep not in ("auto", "deepgemm_megamoe"):
+    # which pairs exclude each other is the pairing table's (the JSON Schema is written from it too)
+    if impl == MEGAMOE_EXPERTS_EP.value:
+        if ep not in MEGAMOE_EXPERTS_EP.allowed:
             raise EPResolutionError(
                 f"experts.implementation `deepgemm_megamoe` runs only with the MegaMoeEP strategy, "
                 f"got ep_implementation `{ep}`",
                 "write `ep_implementation: auto` (or `deepgemm_megamoe`), or choose other experts",
-                "experts.ep_implementation",
+                ".".join(MEGAMOE_EXPERTS_EP.key),
                 EPResolutionError.MEGAMOE_OTHER_EP,
             )
         strategy: EPStrategy = MegaMoeEP(
@@ -101,11 +103,11 @@ def resolve_ep(experts: Experts, parallel: Parallel) -> EPStrategy:
             if ep == "auto"
             else "ep_implementation: deepgemm_megamoe"
         )
-    elif ep == "deepgemm_megamoe":
+    elif ep == MEGAMOE_EP_EXPERTS.value and impl not in MEGAMOE_EP_EXPERTS.allowed:
         raise EPResolutionError(
             f"ep_implementation `deepgemm_megamoe` needs experts.implementation `deepgemm_megamoe`, got `{impl}`",
             "write `implementation: deepgemm_megamoe`, or pick `ep_implementation: auto`",
-            "experts.ep_implementation",
+            ".".join(MEGAMOE_EP_EXPERTS.key),
             EPResolutionError.MEGAMOE_EP_OTHER_EXPERTS,
         )
     elif ep == "all_to_all":

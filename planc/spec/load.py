@@ -10,6 +10,7 @@ the same plans with exactly the same diagnostics.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional
@@ -152,7 +153,7 @@ def _parent_doc(doc: SourceDoc, ext: str, root_dir: str, seen: tuple[str, ...]) 
         return parse_yaml(read_text(real), shown)
     except SourceError as e:
         if e.position.path is None or e.position.path == real:
-            e.position = Position(shown, e.position.line, e.position.col)
+            e.position = dataclasses.replace(e.position, path=shown)
         raise
 
 

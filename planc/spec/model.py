@@ -7,29 +7,40 @@ linter can tell a removed style, with its migration, from a typo, with its did-y
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planc.spec.styles import ALL_STYLES
+from planc.spec.patterns import PATTERN_SYNTAX
+from planc.spec.styles import TABLE_STYLES
 
 ExpertsImplementation = Literal["eager", "batched_mm", "grouped_mm", "deepgemm", "sonicmoe", "deepgemm_megamoe"]
 EPImplementation = Literal["auto", "all_to_all", "all_reduce", "deepgemm_megamoe"]
 MegaMoeBackend = Literal["auto", "deep_gemm", "triton", "reference"]
 TrainDtype = Literal["float32", "bfloat16", "float16"]
 
-StyleName = Annotated[
-    str,
-    Field(
-        description="A parallel style (transformers' vocabulary).",
-        json_schema_extra={"enum": sorted(ALL_STYLES)},
-    ),
-]
+
+
+def _styles(table: str, what: str) -> Any:
+    """The field of a style in one rule table: the schema lists only the styles legal there, each with its own doc
+    (editors show it on completion and hover). The type stays `str` for pydantic, so that lint tells a removed
+    style (PLC320) or a style of the other table (PLC311/312) from a typo (PLC310)."""
+    styles = TABLE_STYLES[table]
+    return Field(
+        # editors show this on hover over the value and over its key: both halves of `pattern: style`
+        description=f"A {what} style (transformers' vocabulary): what the modules the pattern (the key) matches "
+        f"become. The pattern: {PATTERN_SYNTAX}",
+        json_schema_extra={"enum": list(styles), "enumDescriptions": list(styles.values())},
+    )
+
+
+TpStyle = Annotated[str, _styles("tp_plan", "tensor-parallel")]
+EpStyle = Annotated[str, _styles("ep_plan", "expert-parallel")]
 PatternText = Annotated[
     str,
     Field(
         min_length=1,
-        description="Dot-separated module/parameter path; '*' matches one segment, '{a,b}' alternatives.",
+        description=PATTERN_SYNTAX,
     ),
 ]
 
@@ -122,8 +133,15 @@ class Plan(_Strict):
     model: ModelRef
     parallel: Parallel
     experts: Experts = Field(default_factory=Experts)
-    tp_plan: dict[PatternText, StyleName] = Field(default_factory=dict)
-    ep_plan: dict[PatternText, StyleName] = Field(default_factory=dict)
+    tp_plan: dict[PatternText, TpStyle] = Field(
+        default_factory=dict,
+        description="Tensor-parallel rules, `pattern: style`. " + PATTERN_SYNTAX,
+    )
+    ep_plan: dict[PatternText, EpStyle] = Field(
+        default_factory=dict,
+        description="Expert-parallel rules, `pattern: style`: `grouped_gemm` on the experts parameters, "
+        "`ep_dispatch_experts` on the experts module. " + PATTERN_SYNTAX,
+    )
     training: Optional[Training] = Field(
         default=None, description="How the model trains over the dp replicas; absent: `data_parallel: replicate`."
     )

@@ -18,6 +18,16 @@ from planc.errors import PlancError
 _SEGMENT_CHAR = r"[A-Za-z0-9_*{},\-]"  # module-name characters plus the pattern syntax
 _SEGMENT_OK = re.compile(f"{_SEGMENT_CHAR}+")
 
+# The pattern grammar as one regular expression (ECMAScript and Python alike): the JSON Schema gives it to
+# editors for rule-table keys. It accepts exactly the patterns `Pattern` parses, up to the alternatives cap.
+_NAME = r"[A-Za-z0-9_\-]+"
+_SEGMENT = rf"(\*|({_NAME}|\{{{_NAME}(,{_NAME})*\}})+)"
+PATTERN_REGEX = rf"^{_SEGMENT}(\.{_SEGMENT})*$"
+PATTERN_SYNTAX = (
+    "A module or parameter path: dot-separated segments, `*` a whole segment (any name), `{a,b}` alternatives "
+    "inside a segment (`self_attn.{q,k,v}_proj`). No other glob or regex syntax."
+)
+
 # A real rule lists a handful of alternatives (`{q,k,v}_proj`); brace groups multiply, so 22 groups
 # of two would be 4 million. The count is computed before anything is expanded, so a hostile plan
 # costs parsing time only (lint, compile and apply all go through Pattern).

@@ -156,9 +156,14 @@ class _Loader(_BaseLoader):
 
 @dataclass(frozen=True)
 class Position:
+    """Where a key or value starts (1-based), and where it ends when the parser knows (editors underline the
+    whole node); the end takes no part in equality, so a position built from `file:line:col` alone still matches."""
+
     path: Optional[str]
     line: int  # 1-based
     col: int  # 1-based
+    end_line: Optional[int] = field(default=None, compare=False)  # 1-based, of the character after the node
+    end_col: Optional[int] = field(default=None, compare=False)
 
     def __str__(self) -> str:
         return f"{self.path or '<string>'}:{self.line}:{self.col}"
@@ -364,7 +369,8 @@ class _Converter:
         self.active: set[int] = set()  # ids of collections being converted (a recursive alias loops)
 
     def pos(self, node: yaml.Node) -> Position:
-        return Position(self.doc.path, node.start_mark.line + 1, node.start_mark.column + 1)
+        start, end = node.start_mark, node.end_mark
+        return Position(self.doc.path, start.line + 1, start.column + 1, end.line + 1, end.column + 1)
 
     def convert(self, node: yaml.Node, keypath: KeyPath, depth: int) -> Any:
         self.nodes += 1

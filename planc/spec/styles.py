@@ -111,6 +111,12 @@ EP_STYLES: dict[str, str] = {s.name: s.doc for s in STYLES if s.section == "ep"}
 # PLC312): EP styles and `replicate` in ep_plan, TP styles in tp_plan.
 ALL_STYLES: dict[str, str] = {**TP_STYLES, **EP_STYLES}
 EP_TABLE_STYLES = frozenset(EP_STYLES) | {"replicate"}
+# The styles each rule table takes, sorted, each with its doc: the lint hints and the JSON Schema's per-table
+# enums (completion and hover in editors) read this one view.
+TABLE_STYLES: dict[str, dict[str, str]] = {
+    "tp_plan": dict(sorted(TP_STYLES.items())),
+    "ep_plan": {name: ALL_STYLES[name] for name in sorted(EP_TABLE_STYLES)},
+}
 # Styles whose target is a parameter rather than a module.
 PARAMETER_STYLES = frozenset(s.name for s in STYLES if s.target == "parameter")
 # The styles planc's runtime installs. The compiler refuses the others instead of skipping them.

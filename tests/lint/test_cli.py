@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 
-from .helpers import GOOD, REPO, planc
+from .helpers import GOOD, REPO, env, planc
 
 BAD = GOOD.replace("ep_size: 2}", "ep_size: 2, ep_szie: 2}").replace("o_proj: rowwise", "o_proj: rowwize")
 WARN = GOOD.replace("ep_size: 2", "ep_size: 1")
@@ -80,8 +82,28 @@ def test_json_format(plans):
     doc = json.loads(r.stdout)
     assert doc["files"] == 3 and doc["errors"] == 2 and doc["warnings"] == 1
     d = doc["diagnostics"][0]
-    assert set(d) == {"path", "line", "col", "code", "severity", "message", "hint"}
+    assert set(d) - {"fix"} == {"path", "line", "col", "end_line", "end_col", "code", "severity", "message", "hint"}
+    assert all(x["fix"] for x in doc["diagnostics"] if "fix" in x)  # a fix, when given, is text to write
     assert {x["code"] for x in doc["diagnostics"]} == {"PLC101", "PLC310", "PLC405"}
+
+
+def _lint_stdin(text: str, *args: str, cwd=REPO):
+    return subprocess.run([sys.executable, "-m", "planc", "lint", *args], input=text, cwd=cwd, env=env(),
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_stdin_filename_lints_the_buffer_not_the_file(tmp_path):
+    """An editor's unsaved buffer: the text on stdin is linted under PATH, whatever PATH holds on disk."""
+    (tmp_path / "base.yaml").write_text(GOOD)
+    on_disk = tmp_path / "child.yaml"
+    on_disk.write_text(GOOD)  # clean on disk; the buffer is not
+    r = _lint_stdin("extends: base.yaml\nparallel: {ep_size: 3}\n", "--stdin-filename", str(on_disk))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"{on_disk}:2:" in r.stdout and "PLC500" in r.stdout  # `extends` resolved next to PATH
+    assert _lint_stdin(GOOD, "-").returncode == 0
+    bad = _lint_stdin("a: [\n", "-")
+    assert bad.returncode == 1 and bad.stdout.startswith("<stdin>:2:1: PLC001")
+    assert _lint_stdin(GOOD, "--stdin-filename", "x.yaml", "plans/").returncode == 2
 
 
 def test_github_format(plans):

@@ -26,9 +26,22 @@ def test_text_summary():
 def test_json_roundtrip():
     doc = json.loads(render([D], "json", 1))
     assert doc["diagnostics"][0] == {
-        "path": "p, q.yaml", "line": 3, "col": 7, "code": "PLC310", "severity": "error",
+        "path": "p, q.yaml", "line": 3, "col": 7, "end_line": 3, "end_col": 7, "code": "PLC310", "severity": "error",
         "message": "unknown style `a,b: c`", "hint": "did you mean `x`?\n50% sure",
     }
+
+
+def test_json_end_positions_cover_the_node():
+    """The JSON names where the offending node ends too (editors underline it): the value `row_wise`."""
+    from planc.lint.runner import lint_text
+
+    from .helpers import GOOD
+
+    text = GOOD.replace("o_proj: rowwise", "o_proj: row_wise")
+    (d,) = json.loads(render(lint_text(text, "p.yaml"), "json", 1))["diagnostics"]
+    line = text.splitlines()[d["line"] - 1]
+    assert d["code"] == "PLC310" and d["end_line"] == d["line"]
+    assert line[d["col"] - 1 : d["end_col"] - 1] == "row_wise"
 
 
 def test_github_escapes_properties_and_data():

@@ -1,0 +1,80 @@
+"""Settings that exclude each other across keys: one table that the lint rules and the JSON Schema both read.
+
+Each row says: when `when` holds (a key has a value, or a section is written at all), the setting at
+`key` may take only `allowed`. The linter checks the merged plan against the rows (PLC400 and PLC401
+through `planc.spec.ep.resolve_ep`, which the compiler calls too; PLC403 in `planc.lint.rules_ep`; PLC700
+and PLC701 in `planc.lint.rules_training`),
+and `planc schema` writes each row as an `if`/`then` fragment, so an editor with only the schema
+(yaml-language-server) reports the same pairings on the value that breaks them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, get_args
+
+from planc.spec.model import ExpertsImplementation
+
+MEGAMOE = "deepgemm_megamoe"
+
+
+@dataclass(frozen=True)
+class Pairing:
+    code: str  # the lint rule that reports it
+    when: tuple[str, ...]  # key path of the setting that constrains
+    value: Optional[str]  # the value there that constrains; None: the key being written at all
+    key: tuple[str, ...]  # key path of the constrained setting
+    allowed: tuple[str, ...]  # what `key` may be then
+    default: str  # what `key` is when not written (pydantic's default)
+    why: str  # one line, for the schema's error message
+
+    def applies(self, data: Any) -> bool:
+        """Whether `when` holds in plain plan data."""
+        found = _get(data, self.when)
+        return found is not _ABSENT and (self.value is None or found == self.value)
+
+    def violated(self, data: Any) -> bool:
+        """Whether plain plan data (merged, extends resolved) breaks the pairing; defaults count as written."""
+        if not self.applies(data):
+            return False
+        found = _get(data, self.key)
+        return (self.default if found is _ABSENT or found is None else found) not in self.allowed
+
+
+_ABSENT = object()
+
+
+def _get(data: Any, path: tuple[str, ...]) -> Any:
+    for part in path:
+        if not isinstance(data, dict) or part not in data:
+            return _ABSENT
+        data = data[part]
+    return data
+
+
+MEGAMOE_EXPERTS_EP = Pairing(
+    "PLC400", ("experts", "implementation"), MEGAMOE, ("experts", "ep_implementation"), ("auto", MEGAMOE), "auto",
+    "Mega MoE experts do their own dispatch and combine: they run only under the MegaMoeEP strategy",
+)
+MEGAMOE_EP_EXPERTS = Pairing(
+    "PLC401", ("experts", "ep_implementation"), MEGAMOE, ("experts", "implementation"), (MEGAMOE,), "grouped_mm",
+    "the MegaMoeEP strategy calls the Mega MoE kernel: it needs Mega MoE experts",
+)
+TRAINING_EXPERTS = Pairing(
+    "PLC700", ("training",), None, ("experts", "implementation"),
+    tuple(i for i in get_args(ExpertsImplementation) if i != MEGAMOE), "grouped_mm",
+    "the Mega MoE kernel has no backward: a plan with `training:` cannot use it",
+)
+
+MEGAMOE_SETTINGS = Pairing(
+    "PLC403", ("experts", "megamoe"), None, ("experts", "implementation"), (MEGAMOE,), "grouped_mm",
+    "the `megamoe:` settings apply only to Mega MoE experts",
+)
+MIXED_PRECISION_FSDP = Pairing(
+    "PLC701", ("training", "mixed_precision"), None, ("training", "data_parallel"), ("fsdp",), "replicate",
+    "`mixed_precision` is FSDP2's policy: it applies only with `data_parallel: fsdp`",
+)
+
+PAIRINGS: tuple[Pairing, ...] = (
+    MEGAMOE_EXPERTS_EP, MEGAMOE_EP_EXPERTS, MEGAMOE_SETTINGS, TRAINING_EXPERTS, MIXED_PRECISION_FSDP,
+)
