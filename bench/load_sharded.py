@@ -148,7 +148,7 @@ def _warm_imports(model_type: str) -> None:
 
     for module in (f"transformers.models.{model_type}.modeling_{model_type}", "torch.distributed.tensor",
                    "transformers.integrations.finegrained_fp8", "transformers.quantizers.auto",
-                   "transformers.generation.utils", "planc.runtime.install", "planc.runtime.checkpoint.load"):
+                   "transformers.generation.utils", "planc.runtime.install", "planc.checkpoint.load"):
         importlib.import_module(module)
 
 
@@ -208,7 +208,7 @@ def route_world(rank, world, route, path, name="mixtral", profile=None):
 
 
 def largest_tensor_mib(path: Path) -> float:
-    from planc.runtime.checkpoint.files import CheckpointFiles
+    from planc.checkpoint.files import CheckpointFiles
 
     files = CheckpointFiles.open(path)
     try:

@@ -71,7 +71,7 @@ def load(source: "Union[str, os.PathLike[str]]", plan: "PlanSource", *, dtype: O
     `parallel` runs the plan at other sizes, as for `apply`. `dequantize` (FP8 block-scaled checkpoints): keep
     FP8 (False) or dequantize each shard as it is read (True); default: as transformers decides (docs/load.md).
     """
-    from planc.runtime.checkpoint.load import load as _load
+    from planc.checkpoint.load import load as _load
 
     return _load(source, plan, dtype=dtype, device=device, mesh=mesh, parallel=parallel, dequantize=dequantize)
 
@@ -81,7 +81,7 @@ def save(model: nn.Module, directory: Union[str, os.PathLike[str]], *, optimizer
     with its plan beside it; `planc.load` reads it back under any plan or sizes. Call on every rank.
     `optimizer`: its state is saved too, sharded like the model, for `planc.load_optimizer`.
     The directory is replaced only once the new checkpoint is complete."""
-    from planc.runtime.checkpoint.save import save as _save
+    from planc.checkpoint.save import save as _save
 
     return _save(model, directory, optimizer=optimizer)
 
@@ -89,7 +89,7 @@ def save(model: nn.Module, directory: Union[str, os.PathLike[str]], *, optimizer
 def load_optimizer(model: nn.Module, optimizer: Any, directory: Union[str, os.PathLike[str]]) -> None:
     """Restore `optimizer` (built over `model`'s parameters) from a checkpoint `planc.save(..., optimizer=)` wrote,
     under any plan or sizes (`model` from `planc.load` of that checkpoint). Call on every rank."""
-    from planc.runtime.checkpoint.optimizer import load_optimizer as _load_optimizer
+    from planc.checkpoint.optimizer import load_optimizer as _load_optimizer
 
     _load_optimizer(model, optimizer, directory)
 
@@ -97,7 +97,7 @@ def load_optimizer(model: nn.Module, optimizer: Any, directory: Union[str, os.Pa
 def export(model: nn.Module, directory: Union[str, os.PathLike[str]], *, max_shard_size: Union[int, str] = "5GB") -> Path:
     """Write an applied model as consolidated hub-layout safetensors (transformers' reverse weight conversion),
     one tensor group at a time, that plain `from_pretrained(directory)` loads. Call on every rank."""
-    from planc.runtime.checkpoint.export import export as _export
+    from planc.checkpoint.export import export as _export
 
     return _export(model, directory, max_shard_size=max_shard_size)
 

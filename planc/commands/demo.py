@@ -36,7 +36,7 @@ def _plan_for_two_ranks(path: str) -> dict:
     return data
 
 
-def _rank(rank: int, world: int, plan: dict, seed: int) -> str:
+def _rank(rank: int, world: int, plan: dict, seed: int) -> dict[str, str]:
     """One rank of the demo (a gloo process group is already up): apply, compare; returns the report."""
     import torch
 

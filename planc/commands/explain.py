@@ -194,10 +194,10 @@ def _budget_json(b) -> dict:
 
 def check_checkpoint(directory: str, plan_path: str, dtype: str, parallel, compiled):
     """(exit status, bytes each rank reads by checkpoint dtype or None): every check planc.load runs before reading
-    (`planc.runtime.checkpoint.load.check_checkpoint`, the same function), its problems on stderr."""
+    (`planc.checkpoint.load.check_checkpoint`, the same function), its problems on stderr."""
     from planc.compiler.memory import read_per_rank
-    from planc.runtime.checkpoint.keys import target_reads
-    from planc.runtime.checkpoint.load import check_checkpoint as load_checks
+    from planc.checkpoint.keys import target_reads
+    from planc.checkpoint.load import check_checkpoint as load_checks
 
     checked = load_checks(directory, plan_path, dtype=None if dtype == "config" else dtype, parallel=parallel,
                           launched=False)
@@ -211,6 +211,7 @@ def check_checkpoint(directory: str, plan_path: str, dtype: str, parallel, compi
             return 1, None
         if checked.files is None:  # a planc.save checkpoint: DCP reads each rank's overlap, not a fixed byte count
             return 0, None
+        assert checked.model is not None  # no problems: the meta model was built
         return 0, read_per_rank(compiled, target_reads(checked.model, checked.files))
     finally:
         checked.close()

@@ -26,11 +26,15 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from planc.compiler.accounting import shard_divisor
-from planc.compiler.render import human_bytes
+from planc.compiler.units import human_bytes
 from planc.spec.styles import STYLE
+
+if TYPE_CHECKING:
+    from planc.compiler.compiled import CompiledPlan
+    from planc.compiler.walk import ModelWalk
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 STEP_BYTES = 4  # AdamW's `step`: a float32 scalar tensor per parameter
@@ -111,7 +115,9 @@ class TrainMemory:
         return "\n".join(lines)
 
 
-def _local_shape(shape: tuple, style: Optional[str], tp: int, ep: int, rows: Optional[int]) -> tuple:
+def _local_shape(
+    shape: tuple[int, ...], style: Optional[str], tp: int, ep: int, rows: Optional[int]
+) -> tuple[int, ...]:
     """The shape rank 0 holds after TP/EP sharding (`rows`: an expert tensor cut to its experts with weights)."""
     dims = list(shape)
     spec = STYLE.get(style) if style is not None else None
@@ -126,7 +132,7 @@ def _local_shape(shape: tuple, style: Optional[str], tp: int, ep: int, rows: Opt
     return tuple(dims)
 
 
-def _decoder_layers(walk, experts_fqns) -> set[str]:
+def _decoder_layers(walk: ModelWalk, experts_fqns: Iterable[str]) -> set[str]:
     """Paths of the decoder layers: every item of each list holding an experts module's layer (as
     `planc.runtime.data_parallel.decoder_layers` wraps them)."""
     lists = set()
@@ -156,7 +162,7 @@ def _layer_of(fqn: str, layers: set[str]) -> str:
     return ""
 
 
-def train_memory(compiled, model_or_walk, *, data_parallel: Optional[str] = None) -> TrainMemory:
+def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: Optional[str] = None) -> TrainMemory:
     """What a rank holds training `model_or_walk` (a model, real or on meta, or its `ModelWalk`) under `compiled`.
 
     `data_parallel` overrides the plan's mode (e.g. to compare replicate with fsdp). The plan's mixed precision

@@ -92,8 +92,8 @@ def _header_dtype_lies(d: Path) -> None:
 
 
 def _outcome(fn) -> dict:
+    from planc.checkpoint.files import MappedSlice
     from planc.errors import PlancError
-    from planc.runtime.checkpoint.files import MappedSlice
 
     before = MappedSlice.reads
     try:

@@ -151,12 +151,16 @@ def test_a_conversion_that_still_fails_is_summarized_without_its_traceback(tmp_p
     # checkpoint keys that fed it and the last line of the cause. The failure here is a real torch.stack of experts of
     # two shapes, recorded by transformers' own log_conversion_errors.
     import torch
-    from transformers.core_model_loading import MergeModulelist, SkipParameters, log_conversion_errors
+    from transformers.core_model_loading import (
+        MergeModulelist,
+        SkipParameters,
+        log_conversion_errors,
+    )
     from transformers.utils.loading_report import LoadStateDictInfo
 
-    from planc.runtime.checkpoint.files import CheckpointFiles
-    from planc.runtime.checkpoint.keys import loading_problems
-    from planc.runtime.checkpoint.load import _config, _meta_model
+    from planc.checkpoint.files import CheckpointFiles
+    from planc.checkpoint.keys import loading_problems
+    from planc.checkpoint.load import _config, _meta_model
 
     write_good(tmp_path / "good")
     info = LoadStateDictInfo(missing_keys=set(), unexpected_keys=set(), mismatched_keys=set(), error_msgs=[],

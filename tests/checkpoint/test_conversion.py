@@ -1,4 +1,4 @@
-"""planc's replacements for transformers' conversion ops (planc/runtime/checkpoint/conversion.py) compute what
+"""planc's replacements for transformers' conversion ops (planc/checkpoint/conversion.py) compute what
 transformers' own ops compute, bit for bit, and keep their reverse ops (save and export use them)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from planc.runtime.checkpoint.conversion import shard_aware
+from planc.checkpoint.conversion import shard_aware
 
 pytest.importorskip("transformers")
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping

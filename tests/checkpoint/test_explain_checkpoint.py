@@ -68,7 +68,7 @@ def test_good_checkpoint_explains_clean(checkpoints):
     ("norm_missing", ["model.norm.weight", "shape [63]", "[64]"]),
 ])
 def test_explain_refuses_what_load_refuses(checkpoints, name, needles):
-    from planc.runtime.checkpoint.load import check_checkpoint
+    from planc.checkpoint.load import check_checkpoint
 
     r = _explain(PLAN, "--parallel", SIZES, "--checkpoint", str(checkpoints / name))
     assert r.returncode == 1, (r.returncode, r.stderr)

@@ -9,7 +9,14 @@ import json
 
 import pytest
 
-from tests.checkpoint.workers import CASES, REFUSAL, REFUSED, export_world, guards_world, logits
+from tests.checkpoint.workers import (
+    CASES,
+    REFUSAL,
+    REFUSED,
+    export_world,
+    guards_world,
+    logits,
+)
 from tests.distributed import run_distributed
 
 TOL = 1e-5

@@ -6,8 +6,8 @@ import pytest
 import yaml
 
 from planc import compile as planc_compile
+from planc.checkpoint.marker import is_planc_checkpoint, plan_mapping, read_marker
 from planc.errors import CheckpointError
-from planc.runtime.checkpoint.marker import is_planc_checkpoint, plan_mapping, read_marker
 from planc.models.build import build_tiny_model
 from tests.checkpoint.workers import plan_for
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from tests.runtime.workers import SHIPPED, batch, shipped_case_plan, tiny_for_case
 
+
 def plan_for(kind: str, name: str, world_size: int) -> dict:
     """`ep`: the shipped plan `plans/<name>.yaml` at tp = ep = world; `packed`: mixtral with experts
     tensor-parallel (`packed_colwise` gate_up: a `_StridedShard`, the DCP caveat), ep 1; `tied`: the shipped plan
@@ -64,8 +65,8 @@ def load_on_meta(directory, plan, *, dtype=torch.float32, **config_overrides):
     from transformers import AutoConfig
 
     from planc import compile as planc_compile
+    from planc.checkpoint.dcp import fill_from_dcp
     from planc.runtime import install
-    from planc.runtime.checkpoint.dcp import fill_from_dcp
     from planc.runtime.mesh import build_groups
 
     config = AutoConfig.from_pretrained(directory)
@@ -199,7 +200,7 @@ def guards_world(rank, world_size, root):
     """save_pretrained and deepcopy refused; interrupted saves keep the old checkpoint; planc never replaces a
     directory it did not write."""
     import planc
-    from planc.runtime.checkpoint import save as save_module
+    from planc.checkpoint import save as save_module
     from planc.models.build import build_tiny_model
 
     root = Path(root)

@@ -1,4 +1,4 @@
-"""planc's CPU FP8 block dequantization (planc/runtime/checkpoint/fp8.py) against transformers' `Fp8Dequantize`.
+"""planc's CPU FP8 block dequantization (planc/checkpoint/fp8.py) against transformers' `Fp8Dequantize`.
 
 planc.load hands transformers' loader its own dequantize op because torch's float8 -> float32 cast is slow on the CPU;
 the results must be the same bits as transformers' op (the reference of every FP8 load test): on every one of the
@@ -12,8 +12,8 @@ import copy
 import pytest
 import torch
 
-from planc.runtime.checkpoint import fp8
-from planc.runtime.checkpoint.fp8 import dequantize_fp8_blocks, fast_path, fp8_e4m3_table, with_fast_dequantize
+from planc.checkpoint import fp8
+from planc.checkpoint.fp8 import dequantize_fp8_blocks, fast_path, fp8_e4m3_table, with_fast_dequantize
 from tests.runtime.load_fp8_workers import quantize_blocks
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}

@@ -72,7 +72,7 @@ def test_load_four_ranks_every_family_both_layouts(checkpoints):
 def test_experts_stored_transposed_as_on_the_hub(two_ranks):
     # Qwen3-VL-MoE's hub experts are [E, H, 2I] / [E, I, H]; transformers transposes them when their shape is not
     # the parameter's. Each rank reads its 4 of 8 experts, whose shape is never the global one: planc's converter
-    # compares with the rank's local shape (planc/runtime/checkpoint/conversion.py).
+    # compares with the rank's local shape (planc/checkpoint/conversion.py).
     for rank, res in enumerate(two_ranks[0]):
         assert res["transposed"] == {"logits": True, "down_proj": [4, 64, 16]}, (rank, res["transposed"])
 

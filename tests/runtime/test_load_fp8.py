@@ -99,8 +99,8 @@ def test_block_scale_slice_reads_weight_coordinates(fp8_checkpoints):
     """A scale indexed with its weight's shard reads only that shard's blocks; off the grid, one factor per element."""
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
-    from planc.runtime.checkpoint.files import CheckpointFiles
-    from planc.runtime.checkpoint.quantized import BlockScaleSlice
+    from planc.checkpoint.files import CheckpointFiles
+    from planc.checkpoint.quantized import BlockScaleSlice
 
     files = CheckpointFiles.open(fp8_checkpoints / "deepseek_v3")
     try:
@@ -142,7 +142,7 @@ def test_off_grid_plan_is_refused_at_compile_time(fp8_checkpoints):
 
     import planc
     from planc.errors import CompileError
-    from planc.runtime.checkpoint.quantized import prepare_meta_model, quantizer_for
+    from planc.checkpoint.quantized import prepare_meta_model, quantizer_for
     from tests.runtime.workers import shipped_plan
 
     path = fp8_checkpoints / "deepseek_v3"

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from planc.runtime.checkpoint.files import CheckpointFiles, MappedSlice
-from planc.runtime.checkpoint.fill import _own_copies
+from planc.checkpoint.files import CheckpointFiles, MappedSlice
+from planc.checkpoint.fill import _own_copies
 
 
 def _checkpoint(tmp_path):

@@ -4,7 +4,7 @@ The state goes through `torch.distributed.checkpoint.save` (DCP: each rank write
 with its local shards, replicated tensors once, the coordinator writes `.metadata` describing global
 shapes and offsets), so a later `fill_from_dcp` can read it into a model sharded under any plan or
 sizes: DCP reshards on load. Beside it go `config.json` (and `generation_config.json`), `plan.yaml`
-and `planc.json` (`planc.runtime.checkpoint.marker`). The directory is written under a temporary
+and `planc.json` (`planc.checkpoint.marker`). The directory is written under a temporary
 sibling name and renamed into place only after every rank finished (`atomic.py`).
 """
 
@@ -16,34 +16,27 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from planc.checkpoint.applied import applied_plan
+from planc.checkpoint.atomic import agree, atomic_directory
+from planc.checkpoint.marker import (
+    MARKER,
+    is_planc_checkpoint,
+    marker_data,
+    write_marker,
+)
+from planc.checkpoint.optimizer import marker_entry as optimizer_marker
+from planc.checkpoint.optimizer import (
+    optimizer_state,
+    refuse_unsavable_optimizer,
+    write_optimizer,
+)
+from planc.checkpoint.state import refuse_unsavable, save_state
 from planc.errors import CheckpointError
-from planc.runtime.checkpoint.atomic import agree, atomic_directory
-from planc.runtime.checkpoint.marker import MARKER, is_planc_checkpoint, marker_data, write_marker
-from planc.runtime.checkpoint.optimizer import marker_entry as optimizer_marker
-from planc.runtime.checkpoint.optimizer import optimizer_state, refuse_unsavable_optimizer, write_optimizer
-from planc.runtime.checkpoint.state import refuse_unsavable, save_state
-
-
-def applied_plan(model: nn.Module, what: str):
-    """(CompiledPlan, Groups) of a model planc.apply installed a plan on; a clear error otherwise."""
-    compiled = getattr(model, "_planc_plan", None)
-    groups = getattr(model, "_planc_groups", None)
-    if not (dist.is_available() and dist.is_initialized()):
-        raise CheckpointError(
-            f"{what}: torch.distributed is not initialized; call it on every rank of the world the model was "
-            "applied in (torchrun, or init_process_group)."
-        )
-    if compiled is None or groups is None:
-        raise CheckpointError(
-            f"{what}: {type(model).__name__} has no plan installed (no `_planc_plan`). planc.save and planc.export "
-            "write models that planc.apply or planc.load sharded; save an unsharded model with save_pretrained."
-        )
-    return compiled, groups
 
 
 def _write_shards(state: dict, directory: Path) -> None:
     """DCP writes every rank's shards and the coordinator's `.metadata` (a collective)."""
-    from planc.runtime.checkpoint.dcp import dcp_failures
+    from planc.checkpoint.dcp import dcp_failures
 
     with dcp_failures(f"writing {directory}"):
         dcp.save(state, checkpoint_id=str(directory))
@@ -85,7 +78,7 @@ def save(model: nn.Module, directory, *, optimizer=None) -> Path:
     optimizer_sd = optimizer_state(model, optimizer) if optimizer is not None else None
     with atomic_directory(directory, what, replaceable=is_planc_checkpoint) as partial:
         _write_shards(state, partial)
-        if optimizer is not None:
+        if optimizer_sd is not None:
             write_optimizer(optimizer_sd, partial)
         if dist.get_rank() == 0:
             _write_metadata(model, compiled, partial, non_persistent, optimizer)
@@ -94,4 +87,4 @@ def save(model: nn.Module, directory, *, optimizer=None) -> Path:
     return Path(directory).absolute()
 
 
-__all__ = ["save", "applied_plan"]
+__all__ = ["save"]

@@ -110,8 +110,8 @@ def _fp4_experts_on_meta(model) -> list[str]:
     """Give every experts module planc's (and transformers' `FP8Experts(expert_dtype="fp4")`) FP4 storage on `meta`:
     int8 `gate_up_proj [E, 2I, H/2]`, `down_proj [E, H, I/2]`, UE8M0 `*_scale_inv` per 32. The loader then reads the
     checkpoint's FP4 bytes and scales into them as they are (the quantizer's scale converters), never in bf16."""
-    from planc.runtime.megamoe.experts import set_fp4_parameters
     from planc.kernels.megamoe.quant import GRAN, SCALE_DTYPE
+    from planc.runtime.megamoe.experts import set_fp4_parameters
 
     names = []
     for name, module in model.named_modules():
@@ -163,11 +163,11 @@ def conversion_mapping(model):
     `Fp8Dequantize` ops computing on the CPU through planc's table (fp8.py: the same bits, faster)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
 
-    from planc.runtime.checkpoint.conversion import shard_aware
+    from planc.checkpoint.conversion import shard_aware
 
     mapping = shard_aware(get_model_conversion_mapping(model, None, getattr(model, "hf_quantizer", None)))
     if dequantizing(model):
-        from planc.runtime.checkpoint.fp8 import with_fast_dequantize
+        from planc.checkpoint.fp8 import with_fast_dequantize
 
         mapping = with_fast_dequantize(mapping)
     return mapping

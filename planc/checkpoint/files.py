@@ -206,7 +206,7 @@ def _weight_files(root: Path) -> dict[str, set[str] | None]:
 
 def missing_directory(root: Path) -> str:
     """The message for a checkpoint path that is not a directory: where an interrupted save left the previous one."""
-    from planc.runtime.checkpoint.atomic import OLD_SUFFIX, PARTIAL_SUFFIX, sibling
+    from planc.checkpoint.atomic import OLD_SUFFIX, PARTIAL_SUFFIX, sibling
 
     old, partial = sibling(root, OLD_SUFFIX), sibling(root, PARTIAL_SUFFIX)
     if old.is_dir():

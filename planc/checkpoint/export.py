@@ -33,10 +33,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from planc.checkpoint.applied import applied_plan
+from planc.checkpoint.atomic import agree, atomic_directory
+from planc.checkpoint.state import (
+    ep_buffer_dtensor,
+    expert_sharded_buffers,
+    refuse_unsavable,
+)
 from planc.errors import CheckpointError
-from planc.runtime.checkpoint.atomic import agree, atomic_directory
-from planc.runtime.checkpoint.save import applied_plan
-from planc.runtime.checkpoint.state import ep_buffer_dtensor, expert_sharded_buffers, refuse_unsavable
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

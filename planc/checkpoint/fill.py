@@ -11,14 +11,25 @@ from __future__ import annotations
 
 import contextlib
 import re
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from planc.checkpoint.files import CheckpointFiles
+from planc.checkpoint.keys import loading_problems
+from planc.checkpoint.quantized import (
+    block_size,
+    conversion_mapping,
+    dequantizing,
+    wrap_scales,
+)
 from planc.errors import CheckpointError
-from planc.runtime.checkpoint.files import CheckpointFiles
-from planc.runtime.checkpoint.keys import loading_problems
-from planc.runtime.checkpoint.quantized import block_size, conversion_mapping, dequantizing, wrap_scales
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+    from transformers.modeling_utils import LoadStateDictConfig
+    from transformers.utils.loading_report import LoadStateDictInfo
 
 
 class SafetensorsFill:
@@ -48,7 +59,8 @@ class SafetensorsFill:
             hf_quantizer=quantizer,
         )
         quantize = _experts_to_quantize(state)
-        infos, used = [], {}
+        infos: list[LoadStateDictInfo] = []
+        used: dict[int, Any] = {}  # id -> a conversion some layer used
         # One loader call per decoder layer: the mapped pages of a layer leave the RSS (`unmap`) before the next
         # layer is read, and Mega MoE experts are quantized as soon as their layer is complete.
         with _no_progress_bars(), _shard_offsets_once():  # no progress bar per layer per rank
@@ -77,13 +89,14 @@ class SafetensorsFill:
                 "checkpoint lacks them. Use a checkpoint saved from this model type and config."
             )
 
-    def _fill_layer(self, model: nn.Module, keys: list[str], config):
+    def _fill_layer(self, model: PreTrainedModel, keys: list[str], config: LoadStateDictConfig) -> LoadStateDictInfo:
         """One loader call over `keys` (one decoder layer's), then the mapped views copied or dropped and unmapped."""
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
 
         slices = self.files.slices(keys)
-        if dequantizing(model):  # each rank reads only the scale blocks of its own rows/columns (quantized.py)
-            slices = wrap_scales(slices, self.files.tensors, block_size(model))
+        block = block_size(model)
+        if dequantizing(model) and block is not None:  # each rank reads only its rows/columns' scale blocks
+            slices = wrap_scales(slices, self.files.tensors, block)
         info, _ = convert_and_load_state_dict_in_model(model, slices, config)
         _own_copies(model, self.files.mapped_storages)
         self.files.unmap()
@@ -95,7 +108,7 @@ def _quantize_experts(experts: nn.Module) -> None:
 
     quantize_to_fp4(experts)
     for p in experts.parameters(recurse=False):
-        p._is_hf_initialized = True  # loaded, not to be re-initialised by transformers' finalisation
+        p._is_hf_initialized = True  # type: ignore[attr-defined]  # transformers' flag: loaded, not to be re-initialised by transformers' finalisation
 
 
 def _own_copies(model: nn.Module, mapped: set[int]) -> None:
@@ -109,7 +122,8 @@ def _own_copies(model: nn.Module, mapped: set[int]) -> None:
     from torch.distributed.tensor import DTensor
 
     for module in model.modules():
-        for table in (module._parameters, module._buffers):
+        tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+        for table in tables:
             for name, t in list(table.items()):
                 if t is None or t.is_meta:
                     continue

@@ -111,7 +111,12 @@ def shard_aware(mapping: list) -> list:
     """`mapping` (transformers' WeightRenaming/WeightConverter list) with shape-checking ops that compare against
     this rank's shard, and each merge-then-concatenate pair writing once; other converters are returned as they
     are."""
-    from transformers.core_model_loading import Concatenate, MergeModulelist, Transpose, WeightConverter
+    from transformers.core_model_loading import (
+        Concatenate,
+        MergeModulelist,
+        Transpose,
+        WeightConverter,
+    )
 
     transpose_cls = merge_classes = None
     out = []

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-
 from typing import Any, cast
 
 import torch
@@ -22,18 +21,18 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from planc.errors import CheckpointError
-from planc.runtime.checkpoint.atomic import agree
-from planc.runtime.checkpoint.keys import last_line
-from planc.runtime.checkpoint.marker import is_planc_checkpoint, read_marker
-from planc.runtime.mesh import rank_device
-from planc.runtime.checkpoint.state import (
+from planc.checkpoint.atomic import agree
+from planc.checkpoint.keys import last_line
+from planc.checkpoint.marker import is_planc_checkpoint, read_marker
+from planc.checkpoint.state import (
     dcp_layout,
     ep_buffer_dtensor,
     expert_sharded_buffers,
     has_strided,
     named_non_persistent_buffers,
 )
+from planc.errors import CheckpointError
+from planc.runtime.mesh import rank_device
 
 
 def _empty_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
+from planc.checkpoint.files import CheckpointFiles
+from planc.checkpoint.fill import SafetensorsFill
+from planc.checkpoint.keys import checkpoint_problems, last_line
+from planc.checkpoint.quantized import prepare_meta_model, quantizer_for
 from planc.errors import ApplyError, CheckpointError, PlancError
-from planc.runtime.checkpoint.files import CheckpointFiles
-from planc.runtime.checkpoint.fill import SafetensorsFill
-from planc.runtime.checkpoint.keys import checkpoint_problems, last_line
-from planc.runtime.checkpoint.quantized import prepare_meta_model, quantizer_for
 from planc.runtime.mesh import rank_device
 
 if TYPE_CHECKING:
@@ -82,9 +82,12 @@ def load(
         raise
 
     model, compiled = checked.model, checked.compiled
+    assert model is not None  # the ranks agreed on no problems, so the meta model was built
     groups = build_groups(compiled.parallel, mesh)
     state = install.InstallState(model=model, compiled=compiled, groups=groups)
+    fill: SafetensorsFill | _DcpFill
     if checked.dcp_dir is None:
+        assert checked.files is not None  # not a planc.save checkpoint: the safetensors files are open
         fill = SafetensorsFill(checked.files, device)
     else:
         fill = _DcpFill(checked.dcp_dir, device)
@@ -101,7 +104,7 @@ class Checked:
     safetensors files or the DCP directory, every problem (each a message naming file/key and the fix), and the
     decisions the ranks must agree on before their collectives diverge (install.agree_across_ranks)."""
 
-    model: Optional[nn.Module] = None
+    model: Optional[PreTrainedModel] = None
     compiled: Any = None
     files: Optional[CheckpointFiles] = None
     dcp_dir: Optional[str] = None
@@ -134,9 +137,10 @@ def check_checkpoint(
             out.files = CheckpointFiles.open(source)
             out.decisions["checkpoint"] = f"{len(out.files.tensors)} tensors, headers {out.files.digest()}"
             config = _config(out.files.config_path.parent, dtype)
+            config_path = out.files.config_path
         else:
             config = _config(out.dcp_dir, dtype)
-        config_path = out.files.config_path if out.files else Path(out.dcp_dir) / "config.json"
+            config_path = Path(out.dcp_dir) / "config.json"
         loaded = _plan_for(plan, config, config_path)
         megamoe = loaded.plan.experts.implementation == "deepgemm_megamoe"
         quantizer = _quantizer(config, config_path, device, dequantize, dcp=out.dcp_dir is not None, megamoe=megamoe)
@@ -181,8 +185,8 @@ def _dcp_checkpoint(source) -> Optional[str]:
     """
     import json
 
-    from planc.runtime.checkpoint.files import missing_directory
-    from planc.runtime.checkpoint.marker import FORMAT, MARKER, read_marker
+    from planc.checkpoint.files import missing_directory
+    from planc.checkpoint.marker import FORMAT, MARKER, read_marker
 
     root = Path(source)
     if not root.is_dir():
@@ -304,7 +308,7 @@ class _DcpFill:
         self.device = device
 
     def __call__(self, state) -> None:
-        from planc.runtime.checkpoint.dcp import fill_from_dcp
+        from planc.checkpoint.dcp import fill_from_dcp
 
         fill_from_dcp(state.model, self.path, device=self.device, compiled=state.compiled, groups=state.groups)
         quantizer = getattr(state.model, "hf_quantizer", None)

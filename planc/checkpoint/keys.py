@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from planc.runtime.checkpoint.files import CheckpointFiles
+from planc.checkpoint.files import CheckpointFiles
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -33,7 +33,7 @@ _NON_FLOAT = {"I8", "U8", "I16", "U16", "I32", "U32", "I64", "U64", "BOOL", "F8_
 def _mapping(model: nn.Module):
     from transformers.core_model_loading import WeightConverter, WeightRenaming
 
-    from planc.runtime.checkpoint.quantized import conversion_mapping
+    from planc.checkpoint.quantized import conversion_mapping
 
     mapping = conversion_mapping(model)  # with a quantizer's scale keys for a pre-quantized checkpoint
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
@@ -92,20 +92,20 @@ def checkpoint_problems(model: PreTrainedModel, files: CheckpointFiles) -> list[
     )
     model._adjust_missing_and_unexpected_keys(report)
     if report.unexpected_keys:
-        keys = sorted(report.unexpected_keys)
-        listed = ", ".join(f"`{unexpected[k]}`" for k in keys[:_MAX_LISTED])
+        extra = sorted(report.unexpected_keys)
+        listed = ", ".join(f"`{unexpected[k]}`" for k in extra[:_MAX_LISTED])
         problems.append(
-            f"{files.root}: {len(keys)} checkpoint tensor(s) have no place in the "
-            f"{type(model).__name__} built from config.json ({listed}{' ...' if len(keys) > _MAX_LISTED else ''}, "
-            f"first in {files.tensors[unexpected[keys[0]]].file}). The checkpoint is not for this model or config: "
+            f"{files.root}: {len(extra)} checkpoint tensor(s) have no place in the "
+            f"{type(model).__name__} built from config.json ({listed}{' ...' if len(extra) > _MAX_LISTED else ''}, "
+            f"first in {files.tensors[unexpected[extra[0]]].file}). The checkpoint is not for this model or config: "
             "check config.json (model_type, num_hidden_layers, the experts count)."
         )
     if report.missing_keys:
-        keys = sorted(report.missing_keys)
-        listed = ", ".join(f"`{k}`" for k in keys[:_MAX_LISTED])
+        absent = sorted(report.missing_keys)
+        listed = ", ".join(f"`{k}`" for k in absent[:_MAX_LISTED])
         problems.append(
-            f"{files.root}: {len(keys)} tensor(s) of the model are in no checkpoint file ({listed}"
-            f"{' ...' if len(keys) > _MAX_LISTED else ''}). planc.load never initialises weights at random: "
+            f"{files.root}: {len(absent)} tensor(s) of the model are in no checkpoint file ({listed}"
+            f"{' ...' if len(absent) > _MAX_LISTED else ''}). planc.load never initialises weights at random: "
             "use the complete checkpoint saved with this config."
         )
     return problems
@@ -213,11 +213,11 @@ def converter_problems(files: CheckpointFiles, target: str, expected, converter,
     for pattern, indices in present.items():
         pshapes = Counter(infos[k].shape for k in indices.values())
         if len(pshapes) > 1:
-            common = pshapes.most_common(1)[0][0]
-            odd = sorted(k for k in indices.values() if infos[k].shape != common)
+            usual = pshapes.most_common(1)[0][0]
+            odd = sorted(k for k in indices.values() if infos[k].shape != usual)
             problems.append(
                 f"{files.where(odd[0])} has shape {list(infos[odd[0]].shape)}, but the other experts' tensors of "
-                f"`{pattern}` are {list(common)}{_more(odd)}. {fix}"
+                f"`{pattern}` are {list(usual)}{_more(odd)}. {fix}"
             )
         per_pattern[pattern] = pshapes.most_common(1)[0][0]
     if problems or quantized or any(not isinstance(op, (MergeModulelist, Concatenate)) for op in ops):
@@ -257,7 +257,7 @@ def _more(keys: list[str]) -> str:
     return f" ({len(keys) - 1} more such key(s), e.g. `{keys[1]}`)" if len(keys) > 1 else ""
 
 
-def target_reads(model: nn.Module, files: CheckpointFiles) -> list[tuple[str, str, tuple, int]]:
+def target_reads(model: PreTrainedModel, files: CheckpointFiles) -> list[tuple[str, str, tuple, int]]:
     """`(model parameter, checkpoint dtype, parameter shape, bytes)` for every checkpoint tensor the model takes."""
     from transformers.core_model_loading import rename_source_key
 
@@ -278,7 +278,7 @@ _DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3
                 "I32": "int32", "F64": "float64", "BOOL": "bool"}
 
 
-def loading_problems(model: nn.Module, info, files: CheckpointFiles) -> list[str]:
+def loading_problems(model: PreTrainedModel, info, files: CheckpointFiles) -> list[str]:
     """What transformers' loader reported (after `_adjust_missing_and_unexpected_keys`), as planc errors."""
     problems = []
     for key, got, want in sorted(info.mismatched_keys, key=lambda t: t[0]):
@@ -310,7 +310,7 @@ def loading_problems(model: nn.Module, info, files: CheckpointFiles) -> list[str
     return problems
 
 
-def _sources_of(model: nn.Module, files: CheckpointFiles) -> dict[str, list[str]]:
+def _sources_of(model: PreTrainedModel, files: CheckpointFiles) -> dict[str, list[str]]:
     """model key -> the checkpoint keys that feed it (through the conversion mapping)."""
     from transformers.core_model_loading import rename_source_key
 

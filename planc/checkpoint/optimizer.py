@@ -22,7 +22,7 @@ which are then overwritten.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -33,11 +33,13 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
+from planc.checkpoint.applied import applied_plan
+from planc.checkpoint.atomic import agree
+from planc.checkpoint.marker import read_marker
+from planc.checkpoint.state import dcp_layout, has_strided
 from planc.errors import CheckpointError
-from planc.runtime.checkpoint.atomic import agree
-from planc.runtime.checkpoint.marker import read_marker
-from planc.runtime.checkpoint.state import dcp_layout, has_strided
 
 OPTIMIZER_DIR = "optimizer"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -68,7 +70,7 @@ def refuse_foreign_parameters(model: nn.Module, optimizer, what: str) -> None:
 
 def _dcp_view(state: dict[str, Any]) -> dict[str, Any]:
     """The state as DCP must see it: `_StridedShard` DTensors as the `Shard` of the same dim (a collective)."""
-    return {k: (dcp_layout(v.detach()) if has_strided(v) else v) for k, v in state.items()}
+    return {k: (dcp_layout(cast(DTensor, v.detach())) if has_strided(v) else v) for k, v in state.items()}
 
 
 def refuse_unsavable_optimizer(model: nn.Module, optimizer, what: str) -> None:
@@ -159,8 +161,6 @@ def load_optimizer(model: nn.Module, optimizer, directory) -> None:
     the checkpoint holds no optimizer state, holds another optimizer class's, or is of another model or
     parameter set (each mismatched key named).
     """
-    from planc.runtime.checkpoint.save import applied_plan
-
     directory = Path(directory)
     what = f"planc.load_optimizer({str(directory)!r})"
     compiled, _ = applied_plan(model, what)
