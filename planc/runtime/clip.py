@@ -111,7 +111,7 @@ def guard_torch_clip_grad_norm() -> None:
                 ) from None
             raise
 
-    clip_grad_norm_guarded._planc_guard = True
+    clip_grad_norm_guarded._planc_guard = True  # type: ignore[attr-defined]  # a mark on the function, as ep/base does
     clip_grad.clip_grad_norm_ = clip_grad_norm_guarded
     utils.clip_grad_norm_ = clip_grad_norm_guarded
 

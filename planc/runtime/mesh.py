@@ -54,12 +54,13 @@ class Groups:
     def view(self, name: str) -> DeviceMesh:
         """A named view of the root: `dp`, `tp`, `ep` or `efsdp` (`planc.device_mesh(model, name)`)."""
         views = {"dp": self.dp_mesh, "tp": self.tp_mesh, "ep": self.ep_mesh, "efsdp": self.efsdp_mesh}
-        if name not in views or views[name] is None:
+        view = views.get(name)
+        if view is None:
             raise ApplyError(
                 f"planc.device_mesh: no `{name}` view at these sizes; the views are "
                 f"{', '.join(k for k, v in views.items() if v is not None)} (efsdp only with ep_size > 1)."
             )
-        return views[name]
+        return view
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -198,7 +199,9 @@ def _single_rank_mesh(root: DeviceMesh) -> DeviceMesh:
     views = root.__dict__.setdefault("_planc_views", {})
     if "ep" not in views:
         # the dim by index: torch 2.11's _unflatten rejects a dim given by name
-        tp_dim = root.mesh_dim_names.index("tp")
+        names = root.mesh_dim_names
+        assert names is not None  # build_groups names every dim of the root
+        tp_dim = names.index("tp")
         views["ep"] = root._unflatten(tp_dim, (root["tp"].size(), 1), ("tp_", "ep"))["ep"]
     return views["ep"]
 
