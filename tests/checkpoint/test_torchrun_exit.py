@@ -59,3 +59,12 @@ def test_load_through_a_link_to_a_file_outside_the_directory_exits_0(checkpoint)
 def test_load_then_export_into_the_source_directory_exits_0(checkpoint):
     for _ in range(RUNS):
         _ok(_torchrun(checkpoint / "src", checkpoint / "src"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="the exit drain reads Linux /proc thread states")
+def test_exit_drain_finds_the_gloo_workers_and_waits_until_they_sleep():
+    from tests.checkpoint.workers import gloo_workers_after_drain
+    from tests.distributed import run_distributed
+
+    for workers, asleep in run_distributed(gloo_workers_after_drain, 2):
+        assert workers >= 2 and asleep, (workers, asleep)
