@@ -120,7 +120,9 @@ def destroy_groups_at_exit() -> None:
 
     So the hook first waits, with the GIL released, until every gloo worker thread sleeps (`_drain_gloo_workers`):
     a worker still releasing a work is runnable or waiting on the GIL this thread leaves free, so once all sleep for
-    a few consecutive polls none holds a work. Then it destroys the groups, as torch asks programs to.
+    a few consecutive polls none holds a work. Then it destroys the groups, as torch asks programs to. Measured on
+    the 2-core dev box, 2026-12-04, two torchrun loops at once: a plain torch script (gloo, planc's mesh shape, one
+    all_gather, exit) aborted 18 times in 60 runs, 0 in 40 with this hook; the planc job 5 in 130 before, 0 in 90 after.
     """
     global _AT_EXIT
     if _AT_EXIT:
