@@ -47,10 +47,10 @@ def _worker(rank, world_size, port, result_dir, fn, args):
     with open(os.path.join(result_dir, f"{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
     # The rank's work is done and its result is on disk: leave without the interpreter's teardown. A spawned child
-    # otherwise ends in sys.exit, which runs C++ static destructors (c10d, gloo) that can find a thread still
-    # joinable, and libstdc++ then aborts ("terminate called without an active exception": rank 0 of a 2-rank gloo
-    # test, once in CI, not reproduced in 15 runs here; its moment is not known). From here on nothing is left that
-    # such an abort could lose. An exception in `fn` still propagates above, as before.
+    # otherwise ends in the interpreter's teardown, where a gloo worker thread still releasing a finished work can
+    # abort the process ("terminate called without an active exception"; the cause and planc's exit drain for user
+    # programs: planc.runtime.mesh.destroy_groups_at_exit). From here on nothing is left that such an abort could
+    # lose. An exception in `fn` still propagates above, as before.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

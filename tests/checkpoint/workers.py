@@ -317,3 +317,16 @@ def fp8_kept_world(rank, world_size, root):
     except Exception:  # noqa: BLE001 - report the traceback to the test
         out["error"] = traceback.format_exc()
     return out
+
+
+def gloo_workers_after_drain(rank: int, world_size: int) -> tuple[int, bool]:
+    """An all_reduce, then planc's exit drain: how many gloo worker threads the drain watched, and whether they all
+    sleep after it (the drain finds them by torch's thread name; a rename would make it watch nothing)."""
+    import os
+
+    from planc.runtime.mesh import _GLOO_WORKER, _drain_gloo_workers, _gloo_workers_asleep
+
+    dist.all_reduce(torch.ones(4))
+    _drain_gloo_workers()
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    return names.count(_GLOO_WORKER), bool(_gloo_workers_asleep())
