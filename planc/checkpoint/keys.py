@@ -93,19 +93,17 @@ def checkpoint_problems(model: PreTrainedModel, files: CheckpointFiles) -> list[
     model._adjust_missing_and_unexpected_keys(report)
     if report.unexpected_keys:
         extra = sorted(report.unexpected_keys)
-        listed = ", ".join(f"`{unexpected[k]}`" for k in extra[:_MAX_LISTED])
         problems.append(
             f"{files.root}: {len(extra)} checkpoint tensor(s) have no place in the "
-            f"{type(model).__name__} built from config.json ({listed}{' ...' if len(extra) > _MAX_LISTED else ''}, "
+            f"{type(model).__name__} built from config.json ({_listed([unexpected[k] for k in extra])}, "
             f"first in {files.tensors[unexpected[extra[0]]].file}). The checkpoint is not for this model or config: "
             "check config.json (model_type, num_hidden_layers, the experts count)."
         )
     if report.missing_keys:
         absent = sorted(report.missing_keys)
-        listed = ", ".join(f"`{k}`" for k in absent[:_MAX_LISTED])
         problems.append(
-            f"{files.root}: {len(absent)} tensor(s) of the model are in no checkpoint file ({listed}"
-            f"{' ...' if len(absent) > _MAX_LISTED else ''}). planc.load never initialises weights at random: "
+            f"{files.root}: {len(absent)} tensor(s) of the model are in no checkpoint file ({_listed(absent)}). "
+            "planc.load never initialises weights at random: "
             "use the complete checkpoint saved with this config."
         )
     return problems
@@ -253,6 +251,11 @@ def _with_index(key: str, pattern: str, index: int) -> str:
     return key[: m.start(1)] + str(index) + key[m.end(1):] if m else key
 
 
+def _listed(keys: list[str]) -> str:
+    """The first `_MAX_LISTED` keys, quoted, and ` ...` when there are more (every list a message prints)."""
+    return ", ".join(f"`{k}`" for k in keys[:_MAX_LISTED]) + (" ..." if len(keys) > _MAX_LISTED else "")
+
+
 def _more(keys: list[str]) -> str:
     return f" ({len(keys) - 1} more such key(s), e.g. `{keys[1]}`)" if len(keys) > 1 else ""
 
@@ -290,7 +293,7 @@ def loading_problems(model: PreTrainedModel, info, files: CheckpointFiles) -> li
         feeders = _sources_of(model, files)
     for key, error in sorted(info.conversion_errors.items()):
         fed = feeders.get(key, [])
-        listed = ", ".join(f"`{k}`" for k in fed[:_MAX_LISTED]) + (" ..." if len(fed) > _MAX_LISTED else "")
+        listed = _listed(fed)
         where = (f" from {len(fed)} checkpoint tensor(s) ({listed}; first in {files.tensors[fed[0]].file})"
                  if fed else "")
         problems.append(

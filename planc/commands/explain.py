@@ -134,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
     from planc.compiler.render import json_data, render_text
 
     from planc.compiler.memory import budget, budget_problems, parse_size
+    from planc.compiler.train_memory import train_memory
 
     try:
         overrides = parse_overrides(args.overrides)
@@ -146,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     status, compiled, budgets, trains = 0, [], [], []
     for path in args.plans:
-        rc, c = explain_one(path, config, overrides, args.dtype, parallel)
+        rc, c, model = explain_one(path, config, overrides, args.dtype, parallel)
         status = max(status, rc)
         if c is None:
             continue
@@ -160,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
             status = max(status, 1)
         compiled.append(c)
         budgets.append(budget(c, device_memory, reads))
-        trains.append(_train_memory(c, config, overrides, args.dtype) if args.train else None)
+        trains.append(train_memory(c, model) if args.train else None)
     if args.format == "json":
         data = [
             {**json_data(c), "memory": _budget_json(b), **({"train": t.to_json()} if t is not None else {})}
@@ -174,14 +175,6 @@ def run(args: argparse.Namespace) -> int:
         ]
         sys.stdout.write("\n\n".join(text) + ("\n" if compiled else ""))
     return status
-
-
-def _train_memory(compiled, config: dict, overrides: dict, dtype: str):
-    """`--train`: what each rank holds training with AdamW under the plan (planc.compiler.train_memory)."""
-    from planc.compiler.train_memory import train_memory
-
-    model = _meta_model_at(config.get("model_type") or compiled.model_type, {**config, **overrides}, dtype)
-    return train_memory(compiled, model)
 
 
 def _budget_json(b) -> dict:
@@ -218,7 +211,8 @@ def check_checkpoint(directory: str, plan_path: str, dtype: str, parallel, compi
 
 
 def explain_one(path: str, config: dict, overrides: dict, dtype: str, parallel=None):
-    """(exit status, CompiledPlan or None) for one plan file; the problems go to stderr."""
+    """(exit status, CompiledPlan or None, the meta model it resolved against or None) for one plan file; the
+    problems go to stderr. `--train` counts on that same model rather than building it again."""
     from planc.compiler.resolve import compile_plan
     from planc.errors import CompileError, ModelBuildError, PlanError
     from planc.lint.load import load_plan
@@ -229,24 +223,24 @@ def explain_one(path: str, config: dict, overrides: dict, dtype: str, parallel=N
     except PlanError as e:
         if any(d.code in UNREADABLE_CODES for d in e.diagnostics):  # like `planc lint`: unreadable input is 2
             sys.stderr.write(f"planc explain: cannot read {path}:\n{e}\n")
-            return 2, None
+            return 2, None, None
         sys.stderr.write(f"planc explain: {path} does not lint clean:\n{e}\n")
-        return 1, None
+        return 1, None, None
     except (OSError, TypeError) as e:
         sys.stderr.write(f"planc explain: cannot read {path}: {e}\n")
-        return 2, None
+        return 2, None, None
     model_type = config.get("model_type") or loaded.plan.model.type
     try:
         model = _meta_model_at(model_type, {**config, **overrides}, dtype)
     except ModelBuildError as e:  # one line that names the model type (planc.models.build)
         sys.stderr.write(f"planc explain: {e}\n")
-        return 2, None
+        return 2, None, None
     except (ValueError, TypeError, AttributeError) as e:  # a --dtype the config names that torch does not have
         sys.stderr.write(f"planc explain: cannot build a `{model_type}` model: {e}\n")
-        return 2, None
+        return 2, None, None
     try:
         compiled = compile_plan(model, loaded)
     except CompileError as e:
         sys.stderr.write(f"planc explain: {path} does not resolve against {type(model).__name__}:\n{e}\n")
-        return 1, None
-    return 0, compiled
+        return 1, None, None
+    return 0, compiled, model
