@@ -14,6 +14,7 @@ from planc.lint.context import TABLES, LintContext
 from planc.lint.diagnostic import Diagnostic
 from planc.lint.registry import Rule, register, rule
 from planc.lint.suggest import did_you_mean
+from planc.spec.model import Choice
 
 if TYPE_CHECKING:  # pydantic is imported when a plan fails validation, not by `import planc.lint`
     from pydantic import ValidationError
@@ -133,6 +134,9 @@ def _choices(loc: Loc) -> Optional[list[Any]]:
     info = _field(loc)
     if info is None:
         return None
+    choice = next((m for m in info.metadata if isinstance(m, Choice)), None)
+    if choice is not None:  # a table of planc.spec.choices, read now
+        return list(choice.names)
     ann = _unwrap(info.annotation)
     return list(typing.get_args(ann)) if typing.get_origin(ann) is typing.Literal else None
 

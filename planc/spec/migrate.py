@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from planc.errors import PlancError
+from planc.spec.pairings import MEGAMOE_EXPERTS_EP
 from planc.spec.source import Position, SourceDoc, parse_yaml
 
 ROUTER_STYLES = ("megamoe_router", "ep_router")
 MEGAMOE_STYLES = ("megamoe_router", "megamoe_experts")
-_EXPERTS_OK_EP = ("auto", "deepgemm_megamoe")
+_EXPERTS_OK_EP = MEGAMOE_EXPERTS_EP.allowed  # what Mega MoE experts run under: `auto` or their own strategy
 
 
 class MigrateError(PlancError, ValueError):
@@ -192,7 +193,7 @@ def migrate_text(text: str, path: Optional[str] = None) -> Migration:
     if dropped_ep_router and "moe_tp_experts" in {s for _, s in ep_rules}:
         _set_experts_key(ed, doc, "ep_implementation", "all_reduce", changes, only_if_absent=True)
     if styles & set(MEGAMOE_STYLES):
-        _set_experts_key(ed, doc, "implementation", "deepgemm_megamoe", changes)
+        _set_experts_key(ed, doc, "implementation", MEGAMOE_EXPERTS_EP.value or "", changes)
         experts = doc.data.get("experts")
         ep = experts.get("ep_implementation") if isinstance(experts, dict) else None
         if ep is not None and ep not in _EXPERTS_OK_EP:

@@ -9,16 +9,48 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator
+from pydantic_core import PydanticCustomError
 
+from planc.spec import choices
 from planc.spec.patterns import PATTERN_SYNTAX
 from planc.spec.styles import TABLE_STYLES
 
-ExpertsImplementation = Literal["eager", "batched_mm", "grouped_mm", "deepgemm", "sonicmoe", "deepgemm_megamoe"]
-EPImplementation = Literal["auto", "all_to_all", "all_reduce", "deepgemm_megamoe"]
-MegaMoeBackend = Literal["auto", "deep_gemm", "triton", "reference"]
 TrainDtype = Literal["float32", "bfloat16", "float16"]
 
+
+class Choice:
+    """A field whose values are the names of one table of `planc.spec.choices`, read when a plan is validated
+    and when the schema is written (so a row added to the table is a valid value everywhere at once). A bad
+    value is pydantic's `literal_error`, worded as pydantic words it, so lint reports it like any enum."""
+
+    def __init__(self, table: dict[str, Any]) -> None:
+        self.table = table
+        self.validator = PlainValidator(self.validate, json_schema_input_type=str)
+        self.field = Field(json_schema_extra=self.schema)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.table)
+
+    def validate(self, value: Any) -> str:
+        if isinstance(value, str) and value in self.table:
+            return value
+        *most, last = (repr(n) for n in self.table)
+        expected = f"{', '.join(most)} or {last}" if most else last
+        raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
+
+    def schema(self, schema: dict[str, Any]) -> None:
+        schema["enum"] = self.names
+        schema["enumDescriptions"] = [row.doc for row in self.table.values()]
+
+
+_IMPL, _EP, _BACKEND, _DP = (Choice(t) for t in (
+    choices.EXPERTS_IMPLEMENTATIONS, choices.EP_STRATEGIES, choices.MEGAMOE_BACKENDS, choices.DATA_PARALLEL_MODES))
+ExpertsImplementationName = Annotated[str, _IMPL.validator, _IMPL.field, _IMPL]
+EPImplementationName = Annotated[str, _EP.validator, _EP.field, _EP]
+MegaMoeBackendName = Annotated[str, _BACKEND.validator, _BACKEND.field, _BACKEND]
+DataParallelName = Annotated[str, _DP.validator, _DP.field, _DP]
 
 
 def _styles(table: str, what: str) -> Any:
@@ -70,7 +102,7 @@ class Parallel(_Strict):
 class MegaMoe(_Strict):
     """Settings of the DeepGEMM Mega MoE experts (only with `implementation: deepgemm_megamoe`)."""
 
-    backend: MegaMoeBackend = Field(
+    backend: MegaMoeBackendName = Field(
         default="auto",
         description="`deep_gemm` (SM100 kernel), `triton` (FP4 kept packed; any CUDA GPU), `reference` (PyTorch) or "
         "`auto` (deep_gemm on SM100, triton on SM90+, else the reference with a warning).",
@@ -85,13 +117,28 @@ class MegaMoe(_Strict):
         default="none", description="`fp4`: quantize bf16 experts to FP4 when the plan is applied."
     )
 
+    @property
+    def backend_row(self) -> choices.MegaMoeBackend:
+        """The row of `backend` in `planc.spec.choices.MEGAMOE_BACKENDS`."""
+        return choices.MEGAMOE_BACKENDS[self.backend]
+
 
 class Experts(_Strict):
     """How the experts compute (`implementation`) and how they are spread over ranks (`ep_implementation`)."""
 
-    implementation: ExpertsImplementation = Field(default="grouped_mm", description="Experts kernel.")
-    ep_implementation: EPImplementation = Field(default="auto", description="Expert-parallel strategy.")
+    implementation: ExpertsImplementationName = Field(default="grouped_mm", description="Experts kernel.")
+    ep_implementation: EPImplementationName = Field(default="auto", description="Expert-parallel strategy.")
     megamoe: Optional[MegaMoe] = None
+
+    @property
+    def implementation_row(self) -> choices.ExpertsImplementation:
+        """The row of `implementation` in `planc.spec.choices.EXPERTS_IMPLEMENTATIONS`."""
+        return choices.EXPERTS_IMPLEMENTATIONS[self.implementation]
+
+    @property
+    def ep_implementation_row(self) -> choices.EPStrategyRow:
+        """The row of `ep_implementation` in `planc.spec.choices.EP_STRATEGIES`."""
+        return choices.EP_STRATEGIES[self.ep_implementation]
 
 
 class MixedPrecision(_Strict):
@@ -106,7 +153,7 @@ class Training(_Strict):
     """How the plan's `dp_size` replicas train: gradients synchronised (`replicate`) or parameters,
     gradients and optimizer state sharded over them (`fsdp`, torch FSDP2)."""
 
-    data_parallel: Literal["replicate", "fsdp"] = Field(
+    data_parallel: DataParallelName = Field(
         default="replicate",
         description="`replicate`: every dp replica holds the model, gradients averaged over the global batch "
         "during backward; `fsdp`: FSDP2 `fully_shard` per decoder layer and on the root.",
@@ -114,6 +161,11 @@ class Training(_Strict):
     mixed_precision: Optional[MixedPrecision] = Field(
         default=None, description="FSDP2 mixed precision; only with `data_parallel: fsdp`."
     )
+
+    @property
+    def data_parallel_row(self) -> choices.DataParallelMode:
+        """The row of `data_parallel` in `planc.spec.choices.DATA_PARALLEL_MODES`."""
+        return choices.DATA_PARALLEL_MODES[self.data_parallel]
 
 
 class Plan(_Strict):

@@ -11,11 +11,9 @@ and `planc schema` writes each row as an `if`/`then` fragment, so an editor with
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, get_args
+from typing import Any, Optional
 
-from planc.spec.model import ExpertsImplementation
-
-MEGAMOE = "deepgemm_megamoe"
+from planc.spec.choices import DATA_PARALLEL_MODES, EP_STRATEGIES, EXPERTS_IMPLEMENTATIONS
 
 
 @dataclass(frozen=True)
@@ -52,26 +50,35 @@ def _get(data: Any, path: tuple[str, ...]) -> Any:
     return data
 
 
+# Written from the rows of planc.spec.choices: the experts that run under one EP strategy only (Mega MoE), the
+# strategy that needs its experts, the kernels without a backward, the settings block and the sharding modes.
+_FUSED = next(i for i in EXPERTS_IMPLEMENTATIONS.values() if i.ep_strategy)
+_FUSED_EP = EP_STRATEGIES[_FUSED.ep_strategy or ""]
+_MEGAMOE = tuple(i.name for i in EXPERTS_IMPLEMENTATIONS.values() if i.megamoe)
+_SHARDING = tuple(m.name for m in DATA_PARALLEL_MODES.values() if m.shards_parameters)
+
 MEGAMOE_EXPERTS_EP = Pairing(
-    "PLC400", ("experts", "implementation"), MEGAMOE, ("experts", "ep_implementation"), ("auto", MEGAMOE), "auto",
-    "Mega MoE experts do their own dispatch and combine: they run only under the MegaMoeEP strategy",
+    "PLC400", ("experts", "implementation"), _FUSED.name, ("experts", "ep_implementation"),
+    tuple(r.name for r in EP_STRATEGIES.values() if r.per_call) + (_FUSED_EP.name,), "auto",
+    f"Mega MoE experts do their own dispatch and combine: they run only under the {_FUSED_EP.title} strategy",
 )
 MEGAMOE_EP_EXPERTS = Pairing(
-    "PLC401", ("experts", "ep_implementation"), MEGAMOE, ("experts", "implementation"), (MEGAMOE,), "grouped_mm",
-    "the MegaMoeEP strategy calls the Mega MoE kernel: it needs Mega MoE experts",
+    "PLC401", ("experts", "ep_implementation"), _FUSED_EP.name, ("experts", "implementation"),
+    (_FUSED_EP.experts or "",), "grouped_mm",
+    f"the {_FUSED_EP.title} strategy calls the Mega MoE kernel: it needs Mega MoE experts",
 )
 TRAINING_EXPERTS = Pairing(
     "PLC700", ("training",), None, ("experts", "implementation"),
-    tuple(i for i in get_args(ExpertsImplementation) if i != MEGAMOE), "grouped_mm",
+    tuple(i.name for i in EXPERTS_IMPLEMENTATIONS.values() if not i.inference_only), "grouped_mm",
     "the Mega MoE kernel has no backward: a plan with `training:` cannot use it",
 )
 
 MEGAMOE_SETTINGS = Pairing(
-    "PLC403", ("experts", "megamoe"), None, ("experts", "implementation"), (MEGAMOE,), "grouped_mm",
+    "PLC403", ("experts", "megamoe"), None, ("experts", "implementation"), _MEGAMOE, "grouped_mm",
     "the `megamoe:` settings apply only to Mega MoE experts",
 )
 MIXED_PRECISION_FSDP = Pairing(
-    "PLC701", ("training", "mixed_precision"), None, ("training", "data_parallel"), ("fsdp",), "replicate",
+    "PLC701", ("training", "mixed_precision"), None, ("training", "data_parallel"), _SHARDING, "replicate",
     "`mixed_precision` is FSDP2's policy: it applies only with `data_parallel: fsdp`",
 )
 

@@ -1,0 +1,140 @@
+"""The plan's other choices, one row each, like the style table: experts kernels, EP strategies, Mega MoE backends
+and data-parallel modes.
+
+Every layer that needs to know what a choice means asks its row: the plan model validates the names against
+these tables and the JSON Schema lists them with their docs (`planc.spec.model`), the cross-key pairings are
+written from the rows (`planc.spec.pairings`), `resolve_ep` builds the strategy from them (`planc.spec.ep`),
+the compiler and the runtime read their properties (`CompiledPlan.experts_implementation`,
+`CompiledPlan.data_parallel_mode`), and the runtime registries are keyed by their names with an import-time
+drift check (`planc.runtime.ep.EP_RUNTIMES`, `planc.runtime.megamoe.runners.RUNNERS`). Adding an EP strategy is
+one row here plus one runtime object (docs/architecture.md shows it). No torch here.
+
+The tables are dicts keyed by name, in the order the schema and the lint hints list them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, TypeVar
+
+
+@dataclass(frozen=True)
+class ExpertsImplementation:
+    """One experts kernel (`experts.implementation`).
+
+    `min_capability`: the CUDA compute capability its kernels need (None: runs anywhere). `package`: the Python
+    package it imports. `ep_strategy`: the one EP strategy it runs under (a fused kernel that does its own
+    dispatch and combine); `ep_implementation: auto` resolves to it. `inference_only`: no backward, so a plan
+    with `training:` cannot use it. `megamoe`: the Mega MoE kernel: it reads `experts.megamoe` and planc installs
+    its forward itself (transformers' experts dispatch is not switched to it). `class_forward`: the model class's
+    own experts forward, so it runs also where the class refuses to switch its experts implementation.
+    """
+
+    name: str
+    doc: str
+    min_capability: Optional[tuple[int, int]] = None
+    package: Optional[str] = None
+    ep_strategy: Optional[str] = None
+    inference_only: bool = False
+    megamoe: bool = False
+    class_forward: bool = False
+
+
+@dataclass(frozen=True)
+class EPStrategyRow:
+    """One EP strategy (`experts.ep_implementation`): what the experts do across the EP group.
+
+    `title`: the name of its strategy object (`explain`, the fingerprint, docs/ep.md). `needs_shared_batch`:
+    every rank of the EP group must hold the same batch (ep_size == tp_size). `inference_only`: the kernel has no
+    backward. `experts`: the experts implementation it needs (None: any). `per_call`: picks between strategies on
+    each call (`auto`), so the compiler records whether the EP group shares the batch instead of one strategy.
+    """
+
+    name: str
+    title: str
+    doc: str
+    needs_shared_batch: bool = False
+    inference_only: bool = False
+    experts: Optional[str] = None
+    per_call: bool = False
+
+
+@dataclass(frozen=True)
+class MegaMoeBackend:
+    """One Mega MoE backend (`experts.megamoe.backend`). `min_capability`: the CUDA compute capability it needs
+    (None: any device). `per_device`: chooses among the others where the plan is applied (`auto`)."""
+
+    name: str
+    doc: str
+    min_capability: Optional[tuple[int, int]] = None
+    per_device: bool = False
+
+
+@dataclass(frozen=True)
+class DataParallelMode:
+    """One way the dp replicas train (`training.data_parallel`).
+
+    `shards_parameters`: parameters, gradients and optimizer state are sharded over the replicas (FSDP2's
+    `fully_shard`; `mixed_precision` is its policy), else every replica holds them whole. `mesh_dims`: the
+    submeshes it reduces over (planc.runtime.mesh): `dp` for dense weights, `efsdp` for EP-sharded experts.
+    """
+
+    name: str
+    doc: str
+    shards_parameters: bool = False
+    mesh_dims: tuple[str, ...] = ("dp", "efsdp")
+
+
+Row = TypeVar("Row", ExpertsImplementation, EPStrategyRow, MegaMoeBackend, DataParallelMode)
+
+
+def _table(*rows: Row) -> dict[str, Row]:
+    return {r.name: r for r in rows}
+
+
+EXPERTS_IMPLEMENTATIONS: dict[str, ExpertsImplementation] = _table(
+    ExpertsImplementation("eager", "the model class's own experts forward, a loop over the experts",
+                          class_forward=True),
+    ExpertsImplementation("batched_mm", "one batched GEMM over the experts (transformers' kernel)"),
+    ExpertsImplementation("grouped_mm", "torch grouped GEMM over the experts (transformers' default kernel)"),
+    ExpertsImplementation("deepgemm", "DeepGEMM's grouped GEMM (transformers' kernel; CUDA sm_90+)",
+                          min_capability=(9, 0)),
+    ExpertsImplementation("sonicmoe", "SonicMoE's kernels (transformers' kernel; CUDA sm_90+, the `sonicmoe` package)",
+                          min_capability=(9, 0), package="sonicmoe"),
+    ExpertsImplementation("deepgemm_megamoe", "DeepGEMM Mega MoE: dispatch, FP8xFP4 GEMMs and combine in one kernel "
+                          "(inference only; settings in `experts.megamoe`)",
+                          ep_strategy="deepgemm_megamoe", inference_only=True, megamoe=True),
+)
+
+EP_STRATEGIES: dict[str, EPStrategyRow] = _table(
+    EPStrategyRow("auto", "AutoEP", "all_reduce when the EP group shares the batch and no gradient flows, else "
+                  "all_to_all (per call); the fused strategy of experts that have one", per_call=True),
+    EPStrategyRow("all_to_all", "AllToAllEP", "only routed tokens move: counts exchange, token all-to-all, local "
+                  "experts, reverse all-to-all (any layout)"),
+    EPStrategyRow("all_reduce", "AllReduceEP", "every rank runs its experts over the whole batch (off-rank slots "
+                  "masked), outputs all-reduced (ep_size == tp_size)", needs_shared_batch=True),
+    EPStrategyRow("deepgemm_megamoe", "MegaMoeEP", "DeepGEMM Mega MoE: equal batch slice per rank, fused "
+                  "dispatch+GEMMs+combine, outputs all-gathered (Mega MoE experts only)",
+                  needs_shared_batch=True, inference_only=True, experts="deepgemm_megamoe"),
+)
+
+MEGAMOE_BACKENDS: dict[str, MegaMoeBackend] = _table(
+    MegaMoeBackend("auto", "deep_gemm on SM100, triton on SM90+, else the reference with a warning", per_device=True),
+    MegaMoeBackend("deep_gemm", "DeepGEMM's SM100 kernel", min_capability=(10, 0)),
+    MegaMoeBackend("triton", "the Triton backend: FP4 kept packed (a CUDA GPU of sm_90 or newer)",
+                   min_capability=(9, 0)),
+    MegaMoeBackend("reference", "the PyTorch reference of the kernel's computation (any device; slow)"),
+)
+
+DATA_PARALLEL_MODES: dict[str, DataParallelMode] = _table(
+    DataParallelMode("replicate", "every dp replica holds the model, gradients averaged over the global batch "
+                     "during backward"),
+    DataParallelMode("fsdp", "FSDP2 `fully_shard` per decoder layer and on the root: parameters, gradients and "
+                     "optimizer state sharded over the replicas", shards_parameters=True),
+)
+
+
+__all__ = [
+    "DATA_PARALLEL_MODES", "EP_STRATEGIES", "EXPERTS_IMPLEMENTATIONS", "MEGAMOE_BACKENDS", "DataParallelMode",
+    "EPStrategyRow", "ExpertsImplementation", "MegaMoeBackend",
+]
