@@ -1,10 +1,11 @@
-"""The EP runtimes, keyed by the strategy names of `planc.spec.ep` (one registry, like the TP styles')."""
+"""The EP runtimes, keyed by the rows of `planc.spec.choices.EP_STRATEGIES` (one registry, like the TP styles')."""
 
 from planc.runtime.ep.all_reduce import AllReduceEPRuntime
 from planc.runtime.ep.all_to_all import AllToAllEPRuntime
 from planc.runtime.ep.auto import AutoEPRuntime
 from planc.runtime.ep.base import EPRuntime
 from planc.runtime.ep.megamoe import MegaMoeEPRuntime
+from planc.spec.choices import EP_STRATEGIES
 
 EP_RUNTIMES: dict[str, type[EPRuntime]] = {
     "all_to_all": AllToAllEPRuntime,
@@ -12,5 +13,17 @@ EP_RUNTIMES: dict[str, type[EPRuntime]] = {
     "auto": AutoEPRuntime,
     "deepgemm_megamoe": MegaMoeEPRuntime,
 }
+
+
+def _check_registry() -> None:
+    """Fail at import if the registry and the table drift apart (a strategy row with no runtime, or the reverse)."""
+    if set(EP_RUNTIMES) != set(EP_STRATEGIES):
+        raise ImportError(
+            f"planc.runtime.ep: EP runtimes {sorted(set(EP_RUNTIMES) ^ set(EP_STRATEGIES))} differ from "
+            "planc.spec.choices.EP_STRATEGIES; add the runtime object or the row"
+        )
+
+
+_check_registry()
 
 __all__ = ["EP_RUNTIMES", "EPRuntime", "AllReduceEPRuntime", "AllToAllEPRuntime", "AutoEPRuntime", "MegaMoeEPRuntime"]

@@ -18,8 +18,6 @@ from planc.runtime.mesh import all_reduce_grad, all_reduce_sum
 
 
 class AllReduceEPRuntime(EPRuntime):
-    needs_shared_batch = True
-
     def __init__(self, experts_module, strategy, groups):
         super().__init__(experts_module, strategy, groups)
         # GPT-OSS eager cannot take the sentinel: park off-rank slots on local expert 0 with weight 0 instead.

@@ -81,8 +81,6 @@ class EPRuntime:
     gradients). Subclasses implement `forward`.
     """
 
-    needs_shared_batch = False
-
     def __init__(self, experts_module: nn.Module, strategy, groups):
         self.experts = experts_module
         self.strategy = strategy
@@ -95,7 +93,7 @@ class EPRuntime:
         self.pad_top1 = not dispatches_experts_implementation(experts_module)
         local = getattr(experts_module, "num_experts", None)
         self.num_local_experts = int(local) if local is not None else int(cast(torch.Tensor, experts_module.gate_up_proj).shape[0])
-        if self.needs_shared_batch and not groups.shares_batch:
+        if strategy.needs_shared_batch and not groups.shares_batch:
             raise ApplyError(
                 f"planc.runtime.ep: {type(self).__name__} on {module_path(experts_module)} needs every rank of the EP "
                 f"group to hold the same batch (ep_size == tp_size), got ep_size={groups.ep_size}, "
@@ -109,7 +107,7 @@ class EPRuntime:
             )
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
-        if getattr(self.strategy, "inference_only", False) and needs_grad(hidden_states):
+        if self.strategy.inference_only and needs_grad(hidden_states):
             raise RuntimeError(
                 f"planc.runtime.ep: the {self.strategy.name} EP implementation on {module_path(self.experts)} is "
                 "inference only (the kernel has no backward): run under `torch.no_grad()` / "

@@ -43,8 +43,6 @@ class MegaMoeEPRuntime(EPRuntime):
     strategy is inference only (`MegaMoeEP.inference_only`), which the base enforces.
     """
 
-    needs_shared_batch = True
-
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         num_tokens, hidden = hidden_states.shape
         x, idx, w = slice_for_rank(hidden_states, top_k_index, top_k_weights, self.ep_rank, self.ep_size)
