@@ -219,7 +219,7 @@ def _merged(infos):
 def _experts_to_quantize(state) -> list[str]:
     """The experts modules a Mega MoE plan quantizes to FP4 (`megamoe.quantize: fp4`) that hold floats."""
     settings = state.compiled.experts_settings
-    if settings.implementation != "deepgemm_megamoe" or settings.megamoe is None or settings.megamoe.quantize != "fp4":
+    if not settings.implementation_row.megamoe or settings.megamoe is None or settings.megamoe.quantize != "fp4":
         return []
     out = []
     for e in state.compiled.experts:

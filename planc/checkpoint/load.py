@@ -142,7 +142,7 @@ def check_checkpoint(
             config = _config(out.dcp_dir, dtype)
             config_path = Path(out.dcp_dir) / "config.json"
         loaded = _plan_for(plan, config, config_path)
-        megamoe = loaded.plan.experts.implementation == "deepgemm_megamoe"
+        megamoe = loaded.plan.experts.implementation_row.megamoe
         quantizer = _quantizer(config, config_path, device, dequantize, dcp=out.dcp_dir is not None, megamoe=megamoe)
         out.decisions["quantization"] = (
             "none" if quantizer is None
@@ -253,7 +253,7 @@ def _quantizer(config, config_path, device, dequantize, *, dcp: bool, megamoe: b
 def _check_fp8_kept_plan(quantizer, loaded, config_path) -> None:
     """Mega MoE takes bf16 experts (quantized to FP4 at load) or FP4 ones, not transformers' FP8Experts."""
     qc = quantizer.quantization_config
-    if qc.dequantize or qc.expert_dtype == "fp4" or loaded.plan.experts.implementation != "deepgemm_megamoe":
+    if qc.dequantize or qc.expert_dtype == "fp4" or not loaded.plan.experts.implementation_row.megamoe:
         return
     raise CheckpointError(
         f"{config_path}: an FP8 checkpoint kept in FP8 cannot feed a `deepgemm_megamoe` plan (its kernel takes FP4 "

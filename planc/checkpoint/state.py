@@ -69,7 +69,7 @@ def named_non_persistent_buffers(model: nn.Module) -> Iterator[tuple[str, nn.Mod
 def refuse_unsavable(model: nn.Module, compiled, what: str) -> None:
     """Layouts planc cannot write yet, refused before anything is written."""
     megamoe = compiled.experts_settings.megamoe
-    if compiled.experts_settings.implementation == "deepgemm_megamoe" and megamoe and megamoe.quantize == "fp4":
+    if compiled.experts_implementation.megamoe and megamoe and megamoe.quantize == "fp4":
         raise CheckpointError(
             f"{what}: the plan quantizes the experts to FP4 at apply time (`experts.megamoe.quantize: fp4`), so "
             "the model holds per-rank FP4 tensors planc cannot describe to a checkpoint yet. Save the model "

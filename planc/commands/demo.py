@@ -12,6 +12,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from planc.spec.choices import EXPERTS_IMPLEMENTATIONS, MEGAMOE_BACKENDS
+
 DEFAULT_PLAN = Path(__file__).resolve().parents[2] / "plans" / "mixtral.yaml"
 WORLD = 2
 
@@ -31,7 +33,8 @@ def _plan_for_two_ranks(path: str) -> dict:
     data["extends"] = None  # merged already
     data["_own_sizes"] = f"tp_size={own.tp_size} ep_size={own.ep_size} dp_size={own.dp_size}, {own.world_size} ranks"
     megamoe = data["experts"].get("megamoe")
-    if data["experts"]["implementation"] == "deepgemm_megamoe" and megamoe and megamoe["backend"] == "auto":
+    if EXPERTS_IMPLEMENTATIONS[data["experts"]["implementation"]].megamoe and megamoe and MEGAMOE_BACKENDS[
+            megamoe["backend"]].per_device:
         megamoe["backend"] = "reference"  # the demo runs on CPU: the explicit pure-PyTorch backend
     return data
 
@@ -45,7 +48,7 @@ def _rank(rank: int, world: int, plan: dict, seed: int) -> dict[str, str]:
 
     model = build_tiny_model(plan["model"]["type"], seed=seed)
     reference = clone_model(model)
-    megamoe = plan["experts"]["implementation"] == "deepgemm_megamoe"
+    megamoe = EXPERTS_IMPLEMENTATIONS[plan["experts"]["implementation"]].megamoe
     if not megamoe:
         reference.set_experts_implementation(plan["experts"]["implementation"])
     compiled = apply(model, plan)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from planc.lint.diagnostic import ERROR, WARNING, Diagnostic
+from planc.spec.choices import DATA_PARALLEL_MODES, DataParallelMode, ExpertsImplementation
 from planc.spec.ep import EPStrategy
 from planc.spec.model import Experts, Parallel, Training
 from planc.spec.source import Position
@@ -64,7 +65,8 @@ class ExpertsAssignment:
 
     fqn: str
     # None when the experts are tensor-parallel (moe_tp_experts) or replicated, except under Mega MoE:
-    # deepgemm_megamoe experts always carry MegaMoeEP, also at ep_size 1 (the kernel needs its process group)
+    # experts with an EP strategy of their own (Mega MoE) always carry it, also at ep_size 1 (the kernel needs
+    # its process group)
     strategy: Optional[EPStrategy]
     num_experts: int
     num_local_experts: int
@@ -162,7 +164,19 @@ class CompiledPlan:
     @property
     def data_parallel(self) -> str:
         """How the dp replicas train: the plan's `training.data_parallel`, `replicate` when not declared."""
-        return self.training.data_parallel if self.training is not None else "replicate"
+        return self.data_parallel_mode.name
+
+    @property
+    def data_parallel_mode(self) -> DataParallelMode:
+        """The row of `data_parallel` (planc.spec.choices): what installs and the training bytes ask of it."""
+        if self.training is not None:
+            return self.training.data_parallel_row
+        return DATA_PARALLEL_MODES[Training.model_fields["data_parallel"].default]
+
+    @property
+    def experts_implementation(self) -> ExpertsImplementation:
+        """The row of `experts.implementation` (planc.spec.choices): what install and checkpoint ask of the kernel."""
+        return self.experts_settings.implementation_row
 
     def __post_init__(self) -> None:
         if not self.fingerprint:

@@ -38,7 +38,7 @@ class Resolver:
         self.parallel = self.plan.parallel
         self.tp, self.ep = self.parallel.tp_size, self.parallel.ep_size
         self.active = {"tp": self.tp > 1, "ep": self.ep > 1}
-        self.megamoe = self.plan.experts.implementation == "deepgemm_megamoe"
+        self.megamoe = self.plan.experts.implementation_row.megamoe
         self.problems = Problems()
         self.warnings: list[Diagnostic] = []
         self.rules: list[PlanRule] = []

@@ -66,7 +66,7 @@ def install_data_parallel(model: nn.Module, compiled, groups) -> Optional[str]:
     scale = expert_grad_scale(groups)
     for experts in ep_experts:
         experts._planc_grad_scale = scale
-    mode = compiled.data_parallel
+    mode, shards = compiled.data_parallel, compiled.data_parallel_mode.shards_parameters
     holders = groups.efsdp_mesh.size() if groups.efsdp_mesh is not None else 1
     mixed = compiled.training is not None and compiled.training.mixed_precision is not None
     if groups.dp_size == 1 and holders == 1 and not mixed:
@@ -81,12 +81,12 @@ def install_data_parallel(model: nn.Module, compiled, groups) -> Optional[str]:
     wrapped = []
     for i, layer in enumerate(layers):
         layer_kwargs = dict(kwargs)
-        if mode == "fsdp":  # torchtitan's "default" policy: the last layer's parameters stay for backward
+        if shards:  # torchtitan's "default" policy: the last layer's parameters stay for backward
             layer_kwargs["reshard_after_forward"] = i < len(layers) - 1
         for experts in (m for m in layer.modules() if m in ep_experts):
             wrapped.append(wrap(experts, mesh=groups.efsdp_mesh, **layer_kwargs))
         wrapped.append(wrap(layer, mesh=groups.dp_mesh, **layer_kwargs))
-    root_kwargs = dict(kwargs, reshard_after_forward=False) if mode == "fsdp" else kwargs
+    root_kwargs = dict(kwargs, reshard_after_forward=False) if shards else kwargs
     wrapped.append(wrap(model, mesh=groups.dp_mesh, **root_kwargs))
     if groups.dp_mesh.device_type == "cpu":
         # gloo has no AVG / PREMUL_SUM reductions: sum, then FSDP divides by the group size itself
@@ -98,7 +98,7 @@ def install_data_parallel(model: nn.Module, compiled, groups) -> Optional[str]:
 def _wrapper(compiled):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if compiled.data_parallel == "replicate":
+    if not compiled.data_parallel_mode.shards_parameters:
         try:
             from torch.distributed._composable.replicate_with_fsdp import replicate
         except ImportError:

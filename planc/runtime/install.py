@@ -43,10 +43,6 @@ from planc.runtime.tp_styles import tp_style
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-# Experts kernels that need a CUDA GPU of at least this compute capability.
-_GPU_KERNELS = {"deepgemm": (9, 0), "sonicmoe": (9, 0)}
-
-
 def apply(model: nn.Module, plan: Any, *, mesh: Optional[Any] = None,
           parallel: Optional[Mapping[str, int]] = None) -> Any:
     """Compile `plan` against `model`, then shard and install it on every rank (all or nothing).
@@ -176,10 +172,10 @@ def _model_device(model: nn.Module) -> torch.device:
 
 def _unrunnable_experts(model: nn.Module, compiled, device: Optional[torch.device] = None) -> list[str]:
     """Experts kernels that cannot run where the model lives, found before anything is installed."""
-    impl = compiled.experts_settings.implementation
+    impl, row = compiled.experts_settings.implementation, compiled.experts_implementation
     device = device if device is not None else _model_device(model)
-    if impl in _GPU_KERNELS:
-        need = _GPU_KERNELS[impl]
+    if row.min_capability is not None:
+        need = row.min_capability
         if device.type != "cuda" or not torch.cuda.is_available():
             return [
                 f"experts.implementation `{impl}` runs CUDA kernels (compute capability >= {need[0]}.{need[1]}), "
@@ -192,15 +188,15 @@ def _unrunnable_experts(model: nn.Module, compiled, device: Optional[torch.devic
                 f"experts.implementation `{impl}` needs compute capability >= {need[0]}.{need[1]}, but "
                 f"{torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]}. Use `grouped_mm` on this GPU."
             ]
-        if impl == "sonicmoe" and importlib.util.find_spec("sonicmoe") is None:
-            return ["experts.implementation `sonicmoe` needs the `sonicmoe` package; install it or use `grouped_mm`."]
-    if impl == "deepgemm_megamoe":
+    if row.package is not None and importlib.util.find_spec(row.package) is None:
+        return [f"experts.implementation `{impl}` needs the `{row.package}` package; install it or use `grouped_mm`."]
+    if row.megamoe:
         try:
             from planc.runtime.megamoe import resolve_backend
 
             resolve_backend(_megamoe_settings(compiled).backend, device if device.type == "cuda" else None)
         except (RuntimeError, ValueError, ImportError, OSError) as e:
-            return [f"experts.implementation `deepgemm_megamoe` cannot run here: {e}"]
+            return [f"experts.implementation `{impl}` cannot run here: {e}"]
     return []
 
 
@@ -309,11 +305,11 @@ class InstallState:
 
 def step_set_experts_implementation(state: InstallState) -> None:
     """transformers' experts dispatch reads `config._experts_implementation`: set it its own way."""
-    impl = state.compiled.experts_settings.implementation
-    if impl == "deepgemm_megamoe" or not state.compiled.experts:
+    impl, row = state.compiled.experts_settings.implementation, state.compiled.experts_implementation
+    if row.megamoe or not state.compiled.experts:
         return  # Mega MoE gets an instance forward (step_install_megamoe); transformers refuses a runtime switch to it
     can = getattr(type(state.model), "_can_set_experts_implementation", None)
-    if impl == "eager" and callable(can) and not can():
+    if row.class_forward and callable(can) and not can():
         return  # the class runs its own experts forward and refuses any switch (the compiler checked: PLC624)
     if not hasattr(state.model, "set_experts_implementation"):
         raise ApplyError(
@@ -373,8 +369,8 @@ def _rope_dim(state: InstallState, fqn: str):
 
 
 def step_install_megamoe(state: InstallState) -> None:
-    """`deepgemm_megamoe`: the Mega MoE experts forward (quantizing to FP4 when the plan says so)."""
-    if state.compiled.experts_settings.implementation != "deepgemm_megamoe":
+    """Mega MoE experts (`deepgemm_megamoe`): their forward (quantizing to FP4 when the plan says so)."""
+    if not state.compiled.experts_implementation.megamoe:
         return
     from planc.runtime.megamoe import install_megamoe_forward
 

@@ -47,8 +47,9 @@ def check_bare_parameters(c: Resolution, assignments: list[Assignment], final: d
 
 def check_experts_implementation(c: Resolution, where_impl: str) -> None:
     """PLC624: an experts kernel the model class cannot switch to."""
-    walk, impl = c.walk, c.plan.experts.implementation
-    if walk.can_switch_experts is not False or impl in ("eager", "deepgemm_megamoe") or not walk.experts:
+    walk, impl, row = c.walk, c.plan.experts.implementation, c.plan.experts.implementation_row
+    # the class's own forward needs no switch; Mega MoE gets planc's own forward, no switch either
+    if walk.can_switch_experts is not False or row.class_forward or row.megamoe or not walk.experts:
         return
     c.problems.add(
         EXPERTS_IMPL_FIXED,

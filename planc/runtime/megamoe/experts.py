@@ -32,8 +32,9 @@ from planc.runtime.megamoe.runners import (
 )
 from planc.runtime.mesh import to_local
 from planc.runtime.snapshot import Snapshot
+from planc.spec.choices import MEGAMOE_BACKENDS
 
-BACKENDS = ("auto", "deep_gemm", "triton", "reference")
+BACKENDS = tuple(MEGAMOE_BACKENDS)  # the names of the table's rows: `auto` first, then the backends it picks from
 _STATE = "_planc_megamoe"
 
 
@@ -72,7 +73,8 @@ def choose_backend(backend: str, device: torch.device | None = None, sizes: tupl
     if no_deep_gemm is None:
         return "deep_gemm", "auto: deep_gemm imports with the pinned API and the GPU is SM100"
     no_triton = _triton_problem(device, sizes)
-    if no_triton is None and (device is None or device.type == "cuda") and _capability(device) >= (9, 0):
+    triton_needs = MEGAMOE_BACKENDS["triton"].min_capability or (0, 0)
+    if no_triton is None and (device is None or device.type == "cuda") and _capability(device) >= triton_needs:
         return "triton", f"auto: no deep_gemm ({no_deep_gemm}); Triton on sm_90+ keeps the FP4 weights packed"
     if no_triton is None:
         no_triton = ("no CUDA device" if not torch.cuda.is_available() or (device is not None and device.type != "cuda")
