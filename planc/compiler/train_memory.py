@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from planc.compiler.accounting import shard_divisor
 from planc.compiler.units import human_bytes
+from planc.spec.choices import DATA_PARALLEL_MODES
 from planc.spec.styles import STYLE
 
 if TYPE_CHECKING:
@@ -67,6 +68,11 @@ class TrainMemory:
     def total(self) -> int:
         return self.parameter_bytes + self.gradients + self.optimizer
 
+    @property
+    def shards(self) -> bool:
+        """Whether the mode shards parameters over the replicas (its row in planc.spec.choices)."""
+        return DATA_PARALLEL_MODES[self.data_parallel].shards_parameters
+
     def to_json(self) -> dict[str, Any]:
         return {
             "data_parallel": self.data_parallel,
@@ -81,13 +87,13 @@ class TrainMemory:
             "optimizer_per_rank": self.optimizer,
             "total_per_rank": self.total,
             "tensors": self.tensors,
-            "gathered_root": self.gathered_root if self.data_parallel == "fsdp" else None,
-            "gathered_layer": self.gathered_layer if self.data_parallel == "fsdp" else None,
+            "gathered_root": self.gathered_root if self.shards else None,
+            "gathered_layer": self.gathered_layer if self.shards else None,
         }
 
     def render(self) -> str:
         how = f"{self.data_parallel} over dp_size={self.dp_size}"
-        if self.data_parallel == "fsdp" and self.experts_sharded:
+        if self.shards and self.experts_sharded:
             how += f" (EP experts over efsdp={self.efsdp_size})"
             if self.param_dtype:
                 how += f", mixed precision {self.param_dtype} (reduce in {self.reduce_dtype})"
@@ -99,7 +105,7 @@ class TrainMemory:
             f"  AdamW state:     {human_bytes(self.optimizer, 2)} (exp_avg, exp_avg_sq, step; {self.tensors} tensors)",
             f"  total:           {human_bytes(self.total, 2)}",
         ]
-        if self.data_parallel == "fsdp":
+        if self.shards:
             dtype = self.param_dtype or "the parameters' dtype"
             lines.append(
                 f"  all-gathered while units run ({dtype}, not in the total): root {human_bytes(self.gathered_root, 1)}"
@@ -176,7 +182,8 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
     world = tp * dp
     efsdp = world // ep
     mode = data_parallel or compiled.data_parallel
-    mp = compiled.training.mixed_precision if compiled.training is not None and mode == "fsdp" else None
+    shards = DATA_PARALLEL_MODES[mode].shards_parameters
+    mp = compiled.training.mixed_precision if compiled.training is not None and shards else None
     styles = {a.fqn: a.style for a in compiled.assignments if a.target == "parameter"}
     ep_experts = [e.fqn for e in compiled.experts if e.mode == "ep" and ep > 1]
     layers = _decoder_layers(walk, [e.fqn for e in compiled.experts])
@@ -194,7 +201,7 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
         shape = _local_shape(info.shape, styles.get(info.fqn), tp, ep, rows)
         itemsize = info.nbytes // info.numel if info.numel else ITEMSIZE.get(info.dtype, 4)
         mesh = _mesh_of(info.fqn, ep_experts)
-        n = (efsdp if mesh == "efsdp" else dp) if mode == "fsdp" else 1
+        n = (efsdp if mesh == "efsdp" else dp) if shards else 1
         if shape and n > 1:
             held_shape = (-(-shape[0] // n), *shape[1:])
         else:
@@ -204,7 +211,7 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
         grads += held
         optim += 2 * held + STEP_BYTES
         tensors += 1
-        if mode == "fsdp":
+        if shards:
             gathered_itemsize = ITEMSIZE[mp.param_dtype] if mp is not None else itemsize
             layer = _layer_of(info.fqn, layers)  # a layer's EP experts unit is gathered inside the layer's forward
             gathered[layer] = gathered.get(layer, 0) + math.prod(shape) * gathered_itemsize
