@@ -59,7 +59,7 @@ def test_experts_kernel_the_class_cannot_switch_is_refused():
 
 
 def test_head_check_uses_v_head_dim_for_v_and_o_proj():
-    # MiMo-V2-Flash: head_dim 192 for q/k, v_head_dim 128 for v/o; 4 ranks hold whole heads of both
+    # MiMo-V2-Flash: head_dim 192 for q/k, v_head_dim 128 for v/o (4 KV heads: v_proj 512 features)
     model = build_meta_model("mimo_v2_flash", {"num_hidden_layers": 2})
     plan = {"version": 1, "model": {"type": "mimo_v2_flash"}, "parallel": {"tp_size": 4},
             "tp_plan": {**_attention(), "model.layers.*.self_attn.sinks": "colwise",
@@ -69,21 +69,31 @@ def test_head_check_uses_v_head_dim_for_v_and_o_proj():
                         "model.layers.*.mlp.experts": "moe_tp_experts",
                         "model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
                         "model.layers.*.mlp.down_proj": "rowwise"}}
-    compiled = compile_plan(model, plan)
-    assert compiled.parallel.tp_size == 4
+    # 4 ranks: 128 features of v_proj each, one whole v head (a check reading head_dim 192 would refuse them)
+    v_proj = next(c for c in compile_plan(model, plan).coverage if c.rule.pattern.endswith("v_proj"))
+    assert v_proj.bytes_per_rank * 4 == v_proj.bytes_total > 0
+    # 8 ranks split the 4 KV heads: k_proj is measured in 192-wide heads, v_proj in 128-wide ones
+    plan["parallel"]["tp_size"] = 8
+    split = {p.message.split(" features of ")[1].split(".weight")[0]: p.message for p in _codes(plan, model)
+             if p.code == "PLC617"}
+    assert "96 features" in split["model.layers.*.self_attn.k_proj"] and "(head_dim 192)" in split[
+        "model.layers.*.self_attn.k_proj"]
+    assert "64 features" in split["model.layers.*.self_attn.v_proj"] and "(head_dim 128)" in split[
+        "model.layers.*.self_attn.v_proj"]
 
 
-def test_per_layer_config_does_not_crash_the_head_check():
+def test_per_layer_config_gives_the_head_check_each_layers_head_dim():
+    # Gemma 4: a per-layer config with no global head_dim (sliding layers 256 wide, full-attention layers 512)
     model = build_meta_model("gemma4_text", {"num_hidden_layers": 2})
-    plan = {"version": 1, "model": {"type": "gemma4_text"}, "parallel": {"tp_size": 2},
-            "tp_plan": {**_attention(), "model.layers.*.experts.gate_up_proj": "packed_colwise",
-                        "model.layers.*.experts.down_proj": "rowwise", "model.layers.*.experts": "moe_tp_experts",
-                        "model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
+    plan = {"version": 1, "model": {"type": "gemma4_text"}, "parallel": {"tp_size": 4},
+            "tp_plan": {**_attention(), "model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
                         "model.layers.*.mlp.down_proj": "rowwise"}}
-    try:
-        compile_plan(model, plan)
-    except CompileError as e:  # a real problem is fine; the per-layer attribute error is not
-        assert all(p.code.startswith("PLC") for p in e.problems)
+    compiled = compile_plan(model, plan)  # 4 KV heads of each width: one whole head per rank
+    assert compiled.bytes_per_rank < compiled.bytes_total
+    plan["parallel"]["tp_size"] = 8
+    widths = {(p.message.split(" features of ")[0].rsplit(" ", 1)[1], p.message.rsplit("head_dim ", 1)[1].split(")")[0])
+              for p in _codes(plan, model) if p.code == "PLC617" and "v_proj" in p.message}
+    assert widths == {("128", "256"), ("256", "512")}  # each layer's v_proj in its own head width
 
 
 def test_llama4_experts_take_ep_dispatch_only_over_one_batch():

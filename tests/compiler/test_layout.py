@@ -115,7 +115,15 @@ def test_qwen3_per_head_norms_are_fine():
     # q_norm/k_norm of Qwen3 normalize each head_dim slice, so colwise q/k/v may feed them
     from planc.lint.load import load_plan
 
-    compile_plan(build_meta_model("qwen3_moe", {"num_hidden_layers": 2}), load_plan("plans/qwen3_moe.yaml"))
+    model = build_meta_model("qwen3_moe", {"num_hidden_layers": 2})
+    compiled = compile_plan(model, load_plan("plans/qwen3_moe.yaml"))
+    styles = {a.fqn: a.style for a in compiled.assignments}
+    attn = "model.layers.0.self_attn"
+    assert styles[f"{attn}.q_proj"] == styles[f"{attn}.k_proj"] == "colwise"  # sharded heads feed the norms
+    assert styles[f"{attn}.q_norm"] == "replicated_with_grad_allreduce"  # the norm stays whole on every rank
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    assert dict(model.named_parameters())[f"{attn}.q_norm.weight"].shape == (head_dim,)  # one head wide
+    assert not [w for w in compiled.warnings if w.code.startswith("PLC63")]  # no layout warning either
 
 
 def test_coverage_is_never_full_without_experts(capsys):
