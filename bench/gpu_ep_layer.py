@@ -1,4 +1,4 @@
-"""Benchmark 3 of issue 6 (AllReduceEP part): one DeepSeek-V4 MoE layer on one rank over NCCL.
+"""AllReduceEP on one DeepSeek-V4 MoE layer on one rank over NCCL.
 
 Why one rank: it isolates what planc adds around the experts kernel. With a world of one the all-reduce
 sums nothing, so the EP forward's time minus the bare experts call's time is the wrapper: masking of the
@@ -132,7 +132,7 @@ def install_planc(model):
 def install_planc_wrapper(model):
     """planc's AllReduceEP wrapper bound the way `planc.apply` binds it at ep_size > 1 (expert tensors sharded
     into DTensors, runtime, installed forward), forced onto the one-rank group so its cost can be measured."""
-    from planc.compiler.ep import AllReduceEP
+    from planc.spec.ep import AllReduceEP
     from planc.runtime.ep.all_reduce import AllReduceEPRuntime
     from planc.runtime.ep.base import install_ep_forward, shard_expert_tensor
     from planc.runtime.mesh import build_groups

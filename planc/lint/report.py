@@ -7,9 +7,6 @@ from typing import Sequence
 
 from planc.lint.diagnostic import ERROR, WARNING, Diagnostic
 
-FORMATS = ("text", "json", "github")
-
-
 def counts(diags: Sequence[Diagnostic]) -> tuple[int, int]:
     errors = sum(d.severity == ERROR for d in diags)
     return errors, sum(d.severity == WARNING for d in diags)

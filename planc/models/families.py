@@ -225,9 +225,3 @@ def base_model_paths(model, text_config_cls) -> list[str]:
         if found:
             return found
     return found
-
-
-def base_model_path(model, text_config_cls) -> Optional[str]:
-    """The first of `base_model_paths` (None when no module carries the family's config)."""
-    paths = base_model_paths(model, text_config_cls)
-    return paths[0] if paths else None

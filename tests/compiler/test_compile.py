@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from planc.compiler.ep import AllReduceEP, AllToAllEP, AutoEP, MegaMoeEP
+from planc.spec.ep import AllReduceEP, AllToAllEP, AutoEP, MegaMoeEP
 from planc.compiler.resolve import compile_plan
 from planc.spec.model import Plan
 from tests.compiler.fakes import fake_moe, fake_plan

@@ -120,9 +120,3 @@ def buffer_stats() -> BufferStats:
         live_buffers=len(_BUFFERS),
         live_bytes=sum(e.nbytes for e in _BUFFERS.values()),
     )
-
-
-def buffer_capacity(key: BufferKey) -> int | None:
-    """Tokens per rank of the live buffer for `key`, or None."""
-    entry = _BUFFERS.get(key)
-    return None if entry is None else entry.capacity
