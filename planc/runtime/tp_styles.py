@@ -7,7 +7,7 @@ communication), and its `install(module, mesh)` wraps the module's forward with 
 its neighbours expect. Forwards see plain local tensors at module boundaries, as transformers
 models expect. Parameters stay DTensors (state dicts, checkpoints and `full_tensor()` see the real
 layout), but the forwards compute on their local shards (`to_local()`, differentiable) with plain
-collectives: no DTensor dispatch per call. The autograd collectives of `planc.runtime.mesh` make the
+collectives: no DTensor dispatch per call. The autograd collectives of `planc.runtime.collectives` make the
 backward right (summed input gradients before a colwise, all-gathered gradients after a split).
 
 Every forward this module installs is an instance attribute `module.forward` (the class forward is
@@ -27,7 +27,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from planc.errors import ApplyError
 from planc.spec.styles import STYLE, STYLES, Style
-from planc.runtime.mesh import (
+from planc.runtime.collectives import (
     all_gather_dim,
     all_reduce_grad,
     all_reduce_sum,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from planc.runtime.ep.base import EPRuntime, sentinel_safe
-from planc.runtime.mesh import all_reduce_grad, all_reduce_sum
+from planc.runtime.collectives import all_reduce_grad, all_reduce_sum
 
 
 class AllReduceEPRuntime(EPRuntime):

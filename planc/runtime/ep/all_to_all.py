@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from planc.runtime.ep.base import EPRuntime
-from planc.runtime.mesh import all_gather_dim, all_to_all, shard_sizes, split_dim
+from planc.runtime.collectives import all_gather_dim, all_to_all, shard_sizes, split_dim
 
 
 class AllToAllEPRuntime(EPRuntime):

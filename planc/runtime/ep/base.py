@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from planc.errors import ApplyError
-from planc.runtime.mesh import needs_grad, to_local
+from planc.runtime.collectives import needs_grad, to_local
 from planc.runtime.tp_styles import local_parameters, module_path
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import nn
 
 from planc.errors import ApplyError
-from planc.runtime.mesh import all_gather_dim, all_reduce_grad, to_local
+from planc.runtime.collectives import all_gather_dim, all_reduce_grad, to_local
 from planc.runtime.tp_styles import local_parameters, module_path
 
 

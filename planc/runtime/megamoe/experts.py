@@ -30,7 +30,7 @@ from planc.runtime.megamoe.runners import (
     TritonRunner,
     describe_experts,
 )
-from planc.runtime.mesh import to_local
+from planc.runtime.collectives import to_local
 from planc.runtime.snapshot import Snapshot
 from planc.spec.choices import MEGAMOE_BACKENDS
 

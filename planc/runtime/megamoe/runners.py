@@ -13,7 +13,7 @@ from planc.kernels.megamoe import deep_gemm
 from planc.kernels.megamoe.quant import SCALE_DTYPE
 from planc.kernels.megamoe.reference import DequantizedExperts, compute_dtype_for, reference_mega_moe
 from planc.kernels.megamoe.triton import forward, layout
-from planc.runtime.mesh import to_local
+from planc.runtime.collectives import to_local
 
 FP4_PARAMS = ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv")
 
