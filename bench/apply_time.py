@@ -1,4 +1,4 @@
-"""Benchmark 2 of issue 6: how long planc.apply takes against transformers' own install, and compile time.
+"""How long planc.apply takes against transformers' own install, and compile time.
 
 Why: apply runs once per process start, on every rank; it must not be the slow part of bringing a
 model up. Each repetition installs onto a fresh deep copy of the same seeded tiny model (the copy is not

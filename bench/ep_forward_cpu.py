@@ -1,4 +1,4 @@
-"""Benchmark 1 of issue 6: planc's EP forward against transformers' own, on CPU over gloo.
+"""planc's EP forward against transformers' own, on CPU over gloo.
 
 Why this shape of measurement: a user picks planc only if it is at least as fast as what they already
 run, so each cell times planc and transformers' `AllToAllEP` / `AllReduceEP` in the same processes, on

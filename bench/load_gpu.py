@@ -1,4 +1,4 @@
-"""Issue 10 on the GPU: `planc.load` of a full-width DeepSeek-V4 layer stack straight to the GPU, FP4 experts.
+"""`planc.load` on the GPU of a full-width DeepSeek-V4 layer stack straight to the GPU, FP4 experts.
 
 The checkpoint is bf16 at transformers' default DeepSeek-V4 widths (hidden 4096, 256 experts of
 intermediate 2048, top-6, vocabulary 129280) with `--layers` decoder layers, random weights, written

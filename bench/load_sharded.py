@@ -1,4 +1,4 @@
-"""Benchmark of issue 10: sharded loading. planc.load against transformers' own sharded from_pretrained
+"""Sharded loading: planc.load against transformers' own sharded from_pretrained
 and against today's route (full from_pretrained on every rank, then planc.apply), in one run.
 
 Two checkpoints (`--checkpoint`), both in the hub's per-expert layout (what `save_pretrained` writes:
@@ -19,7 +19,7 @@ Each route runs in its own fresh gloo world (peak RSS is a per-process high-wate
 Per rank: the process baseline (RSS after importing torch/transformers and joining the group), the
 peak RSS over the load (the kernel's high-water mark VmHWM, reset right before the load) minus that baseline, the bytes the rank holds afterwards, the
 largest single checkpoint tensor, and the load's wall time (the slowest rank's). Logits of planc.load
-are compared with full + apply bit for bit. The issue's bars: peak <= 1.1 x transformers' and <= local
+are compared with full + apply bit for bit. The bars it is held to: peak <= 1.1 x transformers' and <= local
 shard bytes + largest tensor + 400 MiB; time ratio planc / transformers <= 1.0.
 
     python bench/load_sharded.py --workdir /tmp/planc-load-bench --world-sizes 2 4 --json load.json

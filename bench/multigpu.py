@@ -1,4 +1,4 @@
-"""Issue 7: every EP implementation over N ranks (NCCL on GPUs, gloo on CPU), in one torchrun job.
+"""Every EP implementation over N ranks (NCCL on GPUs, gloo on CPU), in one torchrun job.
 
 Why one script: the multi-GPU machines are lent rarely and briefly, so one launch must produce the whole
 record: correctness of every shipped plan against the unsharded model, per-layer speed against

@@ -1,4 +1,4 @@
-"""Rank code and damaged checkpoints for tests/checkpoint/test_bad_checkpoints.py (issue 31).
+"""Rank code and damaged checkpoints for tests/checkpoint/test_bad_checkpoints.py.
 
 Every damaged checkpoint is a copy of one tiny Mixtral written by `save_pretrained` (hub layout: per-expert
 `block_sparse_moe.experts.N.w1/w2/w3`, sharded with an index), damaged the way users' checkpoints break.

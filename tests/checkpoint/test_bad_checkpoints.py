@@ -1,4 +1,4 @@
-"""Checkpoints that lie (issue 31): each refused on every rank before a tensor byte is read, within a bounded time,
+"""Checkpoints that lie: each refused on every rank before a tensor byte is read, within a bounded time,
 as a PlancError naming the key or file and the fix, with nothing written or destroyed and no traceback text."""
 
 import pytest

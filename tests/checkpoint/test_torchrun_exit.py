@@ -1,4 +1,4 @@
-"""A job that worked exits 0 under real torchrun (issue 31, item 7): a load through a symbolic link to a file outside
+"""A job that worked exits 0 under real torchrun (no gloo worker left to abort it): a load through a symbolic link to a file outside
 the directory, and a load followed by an export into the source directory, each on 2 gloo ranks.
 
 The exit abort it guards against (a gloo worker releasing a finished work's tensors after the interpreter began

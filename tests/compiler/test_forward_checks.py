@@ -1,4 +1,4 @@
-"""Compiler checks added for every family (issue 13), on real transformers models on the meta device."""
+"""Compiler checks that every family needs, on real transformers models on the meta device."""
 
 from __future__ import annotations
 

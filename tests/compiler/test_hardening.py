@@ -1,4 +1,4 @@
-"""Issue 12: the CLI never loses a file, and refuses clearly (exit 2, one line) what it cannot write."""
+"""The CLI never loses a file, and refuses clearly (exit 2, one line) what it cannot write."""
 
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ def test_explain_set_values_are_read_as_yaml_1_2(capsys):
 
 
 def test_a_family_transformers_cannot_build_is_one_line(tmp_path):
-    # `planc init --from-transformers dbrx` now stops earlier (transformers declares no EP plan for dbrx, issue 13);
+    # `planc init --from-transformers dbrx` now stops earlier (transformers declares no EP plan for dbrx);
     # building the model is reached through explain, which shares the one model-building path with init and demo.
     plan = tmp_path / "dbrx.yaml"
     plan.write_text("version: 1\nmodel: {type: dbrx}\nparallel: {tp_size: 2}\ntp_plan:\n  lm_head: colwise_gather_output\n")

@@ -1,4 +1,4 @@
-"""The layout pass and the size hints: each plan of issue 11 that lint passed and apply then crashed on
+"""The layout pass and the size hints: each plan that lint once passed and apply then crashed on
 is refused by the compiler, before anything is installed, with the module, the plan line and a fix."""
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def _apply_hint(plan: dict, hint: str) -> list[dict]:
 
 
 def test_every_suggested_size_compiles_60_experts_at_tp8():
-    # issue 11: PLC606 suggested ep 4 at tp 8, which PLC500 then refused. The hint now solves jointly.
+    # PLC606 once suggested ep 4 at tp 8, which PLC500 then refused. The hint now solves jointly.
     model = build_meta_model("mixtral", {"num_hidden_layers": 2, "num_local_experts": 60})
     plan = {
         "version": 1, "model": {"type": "mixtral"}, "parallel": {"tp_size": 8, "ep_size": 8},

@@ -42,7 +42,7 @@ REFUSAL_REASONS = {
 OUTSIDE_PLANC = [re.compile(r"has no forward of its own \(it only generates\)")]
 
 # Families transformers' default configs could not build a tiny model of until the derivation filled in
-# what the defaults leave None or inconsistent (issue 13): each must now pass every step, or be reported
+# what the defaults leave None or inconsistent: each must now pass every step, or be reported
 # with a cause outside planc.
 FORMERLY_NOT_BUILT = [
     "deepseek_ocr2_text", "diffusion_gemma_text", "dots1", "dots3_note_text", "dots3_note_vision_encoder",
@@ -52,7 +52,7 @@ FORMERLY_NOT_BUILT = [
 ]
 
 
-# Families that once got no expert parallelism from the sweep (issue 13): longcat_flash runs its own experts
+# Families that once got no expert parallelism from the sweep: longcat_flash runs its own experts
 # forward with parameter-free experts, gemma4_text's experts are behind `enable_moe_block`, flint's first layers
 # are dense, hunyuan_v1_moe's default has 1 expert. Each must now run every EP strategy.
 EP_REQUIRED = ["longcat_flash", "gemma4_text", "flint", "hunyuan_v1_moe"]

@@ -1,6 +1,6 @@
-"""Issue 12: adversarial and first-time input gets a clear diagnostic in bounded time and memory.
+"""Adversarial and first-time input gets a clear diagnostic in bounded time and memory.
 
-Each test names the item of issue 12 it holds to. Work is bounded by counting (alternatives, peak
+Work is bounded by counting (alternatives, peak
 memory), never by timing.
 """
 

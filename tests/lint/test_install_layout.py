@@ -1,4 +1,4 @@
-"""Issue 12, item 18: an editable install is not shadowed by a clone checked out as a folder named `planc`.
+"""An editable install is not shadowed by a clone checked out as a folder named `planc`.
 
 The check installs this checkout for real (`pip install -e`, no dependencies, into a temporary prefix),
 puts a `planc` symlink to the checkout in an empty directory, and imports planc from there with only

@@ -52,7 +52,7 @@ class Case:
 MEGAMOE = ("implementation: grouped_mm", "implementation: deepgemm_megamoe")
 ALL_TO_ALL = ("ep_implementation: auto", "ep_implementation: all_to_all")
 CASES = [
-    # the 20 of issue 33
+    # twenty ways a buffer breaks while being typed, each with the codes planc reports for it
     Case("megamoe_with_all_to_all", edit(MEGAMOE, ALL_TO_ALL), frozenset({"PLC400"}), True),
     Case("unclosed_brace", edit(("{q,k,v}_proj", "{q,k,v_proj")), frozenset({"PLC300"}), True),
     Case("hex_size", edit(("tp_size: 8", "tp_size: 0x10")), frozenset({"PLC011"}), False),

@@ -135,7 +135,7 @@ def test_merge_keys_are_refused():
 
 
 def test_dates_stay_text_and_a_plain_date_is_ambiguous():
-    # YAML 1.2 reads a plain date as text, PyYAML (YAML 1.1) as a date: quote it (issue 12, item 7)
+    # YAML 1.2 reads a plain date as text, PyYAML (YAML 1.1) as a date: quote it
     assert lint_text(GOOD + "name: '2024-01-01'\n") == []
     assert [d.code for d in lint_text(GOOD + "name: 2024-01-01\n")] == ["PLC011"]
     assert parse_yaml("a: 2024-01-01\n").data == {"a": "2024-01-01"}

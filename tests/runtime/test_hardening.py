@@ -1,4 +1,4 @@
-"""Issue 12, runtime side: rollback restores the very objects hook handles point at."""
+"""Rollback restores the very objects hook handles point at."""
 
 from __future__ import annotations
 

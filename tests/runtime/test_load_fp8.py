@@ -1,4 +1,4 @@
-"""planc.load of DeepSeek-V3-style FP8 block-scaled checkpoints (issue 10, item 3), on 2 gloo ranks.
+"""planc.load of DeepSeek-V3-style FP8 block-scaled checkpoints, on 2 gloo ranks.
 
 On this CPU-only machine transformers dequantizes an FP8 checkpoint as it loads (its quantizer's rule: FP8 kernels
 need a CUDA GPU of compute capability >= 8.9), so the reference is exactly that: an unsharded `from_pretrained` of the

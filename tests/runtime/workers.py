@@ -409,7 +409,7 @@ def errors_world(rank, world_size):
         bad["tp_plan"]["lm_head"] = "colwise_gather_outputs"
     attempt("rank1_invalid_plan", model, bad)
     attempt("world_size", model, shipped_plan("mixtral", tp=2 * world_size))
-    # issue 11: plans that used to install and then crash at the first forward
+    # plans that used to install and then crash at the first forward
     lm_head = shipped_plan("mixtral", tp=world_size)
     lm_head["tp_plan"]["lm_head"] = "colwise"
     attempt("lm_head_colwise", model, lm_head)

@@ -1,4 +1,4 @@
-"""Forwards that must take the sharded parameters (issue 13).
+"""Forwards that must take the sharded parameters.
 
 A TP style on a parameter makes it a DTensor slice. Only the forwards planc wraps (styles with
 `local_forward` in the styles table) compute on local shards; any other forward would mix the DTensor
