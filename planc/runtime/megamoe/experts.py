@@ -23,13 +23,7 @@ import torch.nn as nn
 from planc.kernels.megamoe import deep_gemm
 from planc.kernels.megamoe.quant import quantize_experts_fp4
 from planc.kernels.megamoe.triton import layout, target
-from planc.runtime.megamoe.runners import (
-    FP4_PARAMS,
-    DeepGemmRunner,
-    ReferenceRunner,
-    TritonRunner,
-    describe_experts,
-)
+from planc.runtime.megamoe.runners import FP4_PARAMS, RUNNERS, describe_experts
 from planc.runtime.collectives import to_local
 from planc.runtime.snapshot import Snapshot
 from planc.spec.choices import MEGAMOE_BACKENDS
@@ -239,13 +233,7 @@ def install_megamoe_forward(
     snapshot = Snapshot(experts)
     try:
         set_fp4_parameters(experts, new_params)
-        runner: DeepGemmRunner | TritonRunner | ReferenceRunner
-        if resolved == "deep_gemm":
-            runner = DeepGemmRunner(experts, num_global_experts, activation_clamp, max_tokens_per_rank)
-        elif resolved == "triton":
-            runner = TritonRunner(experts, num_global_experts, activation_clamp, max_tokens_per_rank)
-        else:
-            runner = ReferenceRunner(experts, num_global_experts, activation_clamp, max_tokens_per_rank)
+        runner = RUNNERS[resolved](experts, num_global_experts, activation_clamp, max_tokens_per_rank)
         experts.__dict__[_STATE] = MegaMoeState(
             resolved, num_global_experts, ep_rank, ep_size, activation_clamp, runner, reason
         )

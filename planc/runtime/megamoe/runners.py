@@ -14,6 +14,7 @@ from planc.kernels.megamoe.quant import SCALE_DTYPE
 from planc.kernels.megamoe.reference import DequantizedExperts, compute_dtype_for, reference_mega_moe
 from planc.kernels.megamoe.triton import forward, layout
 from planc.runtime.collectives import to_local
+from planc.spec.choices import MEGAMOE_BACKENDS
 
 FP4_PARAMS = ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv")
 
@@ -175,3 +176,24 @@ class DeepGemmRunner:
             num_experts=self.num_experts, intermediate=self.intermediate, activation_clamp=self.activation_clamp,
             max_tokens_per_rank=self.max_tokens_per_rank,
         )
+
+
+# One runner per backend row of planc.spec.choices.MEGAMOE_BACKENDS (the `per_device` row, `auto`, picks one of them).
+RUNNERS: dict[str, type[ReferenceRunner] | type[TritonRunner] | type[DeepGemmRunner]] = {
+    "deep_gemm": DeepGemmRunner,
+    "triton": TritonRunner,
+    "reference": ReferenceRunner,
+}
+
+
+def _check_registry() -> None:
+    """Fail at import if the runners and the backend rows drift apart (a backend with no runner, or the reverse)."""
+    want = {b.name for b in MEGAMOE_BACKENDS.values() if not b.per_device}
+    if set(RUNNERS) != want:
+        raise ImportError(
+            f"planc.runtime.megamoe.runners: runners {sorted(set(RUNNERS) ^ want)} differ from "
+            "planc.spec.choices.MEGAMOE_BACKENDS; add the runner or the row"
+        )
+
+
+_check_registry()
