@@ -58,7 +58,7 @@ def run(repeats: int) -> list[dict]:
 
     from planc.compiler.resolve import compile_plan
     from planc.models.build import build_meta_model
-    from planc.lint.load import load_plan
+    from planc.lint.plan_loader import load_plan
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     rows = []

@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 
     from planc.compiler.compiled import CompiledPlan
     from planc.lint.diagnostic import Diagnostic
-    from planc.lint.load import PlanSource
-    from planc.spec.load import LoadedPlan
+    from planc.lint.plan_loader import PlanSource
+    from planc.spec.loaded_plan import LoadedPlan
 
 from planc.version import __version__
 
@@ -31,7 +31,7 @@ __all__ = [
 def load_plan(source: "PlanSource", *, parallel: "Optional[Mapping[str, int]]" = None) -> "LoadedPlan":
     """Load, lint and validate a plan (path, YAML string, mapping, Plan or LoadedPlan); PlanError if it is invalid.
     `parallel` runs it at other sizes, e.g. `{"tp_size": 2, "ep_size": 2}`, linted again at those sizes."""
-    from planc.lint.load import load_plan as _load
+    from planc.lint.plan_loader import load_plan as _load
 
     return _load(source, parallel=parallel)
 

@@ -264,7 +264,7 @@ def _check_fp8_kept_plan(quantizer, loaded, config_path) -> None:
 
 def _plan_for(plan, config, config_path):
     """The plan, loaded and validated, after checking that it is for this checkpoint's model type."""
-    from planc.lint.load import load_plan
+    from planc.lint.plan_loader import load_plan
 
     loaded = load_plan(plan)
     plan_type = loaded.plan.model.type if loaded.plan.model is not None else None

@@ -26,7 +26,7 @@ def add_arguments(parser) -> None:
 
 
 def _plan_for_two_ranks(path: str) -> dict:
-    from planc.lint.load import load_plan
+    from planc.lint.plan_loader import load_plan
 
     own = load_plan(path).plan.parallel
     data = load_plan(path, parallel={"tp_size": WORLD, "ep_size": WORLD, "dp_size": 1}).plan.model_dump()

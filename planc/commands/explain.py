@@ -215,7 +215,7 @@ def explain_one(path: str, config: dict, overrides: dict, dtype: str, parallel=N
     problems go to stderr. `--train` counts on that same model rather than building it again."""
     from planc.compiler.resolve import compile_plan
     from planc.errors import CompileError, ModelBuildError, PlanError
-    from planc.lint.load import load_plan
+    from planc.lint.plan_loader import load_plan
     from planc.lint.rules_source import UNREADABLE_CODES
 
     try:

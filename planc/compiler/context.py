@@ -18,7 +18,7 @@ from planc.compiler.walk import ModelWalk, generic_path
 from planc.spec.patterns import Pattern
 
 if TYPE_CHECKING:
-    from planc.spec.load import LoadedPlan
+    from planc.spec.loaded_plan import LoadedPlan
     from planc.spec.model import Parallel
 
 # The codes the compiler emits: defined, documented and exampled in the one registry (planc.lint.rules_compile).

@@ -24,7 +24,7 @@ from planc.compiler.context import PlanRule, Problems, key_where
 from planc.compiler.walk import ModelWalk, walk_model
 from planc.errors import CompileError
 from planc.lint.diagnostic import Diagnostic
-from planc.spec.load import LoadedPlan
+from planc.spec.loaded_plan import LoadedPlan
 from planc.spec.sizes import Sizes, sizes_hint, solve_sizes
 
 
@@ -171,8 +171,8 @@ def sizes_for_world(plan: Any, model: Any, world: int, limit: int = 3) -> list[S
 
 
 def _load(plan: Any) -> LoadedPlan:
-    from planc.lint.load import load_plan
-    from planc.spec.load import LoadedPlan
+    from planc.lint.plan_loader import load_plan
+    from planc.spec.loaded_plan import LoadedPlan
 
     return plan if isinstance(plan, LoadedPlan) else load_plan(plan)
 

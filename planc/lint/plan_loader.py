@@ -14,7 +14,7 @@ from planc.errors import PlanError
 from planc.lint import runner
 from planc.lint.context import LintContext
 from planc.lint.diagnostic import ERROR, Diagnostic
-from planc.spec.load import LoadedPlan
+from planc.spec.loaded_plan import LoadedPlan
 from planc.spec.model import Plan
 from planc.spec.source import UNREADABLE, Position
 

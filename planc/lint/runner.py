@@ -20,7 +20,7 @@ from planc.spec.source import UNREADABLE, Position, SourceDoc, SourceError, pars
 if TYPE_CHECKING:
     from pydantic import ValidationError
 
-    from planc.spec.load import LoadedPlan
+    from planc.spec.loaded_plan import LoadedPlan
 
 PLAN_SUFFIXES = (".yaml", ".yml")
 
@@ -54,7 +54,7 @@ def internal_error(exc: BaseException, path: Optional[str]) -> Diagnostic:
 
 def check_doc(doc: SourceDoc, root_dir: Optional[str] = None) -> CheckResult:
     """All checks of one parsed document (its `extends` resolved inside `root_dir`)."""
-    from planc.spec.load import resolve_extends
+    from planc.spec.loaded_plan import resolve_extends
 
     try:
         merged = resolve_extends(doc, root_dir)
@@ -81,7 +81,7 @@ def _check_context(ctx: LintContext, diags: list[Diagnostic]) -> CheckResult:
 
     from planc.lint.registry import checks
     from planc.lint.rules_schema import from_validation
-    from planc.spec.load import LoadedPlan, validate
+    from planc.spec.loaded_plan import LoadedPlan, validate
 
     try:
         ctx.plan = validate(ctx.data)

@@ -205,7 +205,7 @@ def _attempt(model_type, model, size: int, ep_on: bool, base: _Draft, impl: str,
     from planc.compiler.layout import narrowed_pattern
     from planc.compiler.resolve import compile_plan
     from planc.errors import CompileError, PlanError
-    from planc.lint.load import load_plan
+    from planc.lint.plan_loader import load_plan
     from planc.spec.model import Plan
 
     draft = _Draft(dict(base.tp), dict(base.ep), list(base.notes))

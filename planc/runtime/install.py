@@ -102,7 +102,7 @@ def compile_and_check(model, plan, mesh, *, device: Optional[torch.device] = Non
 
 
 def _load(plan, parallel: Optional[Mapping[str, int]] = None):
-    from planc.lint.load import load_plan
+    from planc.lint.plan_loader import load_plan
 
     return load_plan(plan, parallel=parallel)
 

@@ -4,7 +4,7 @@
 positions point at whichever file the winning key came from. A parent must live inside the directory
 tree of the plan that was loaded first, so a plan in a repository cannot make the linter read
 `/etc/passwd` or a file outside the checkout. `load_plan` itself lives one layer up, in
-`planc.lint.load`: loading goes through the linter, so `load_plan` and `planc lint` reject exactly
+`planc.lint.plan_loader`: loading goes through the linter, so `load_plan` and `planc lint` reject exactly
 the same plans with exactly the same diagnostics.
 """
 

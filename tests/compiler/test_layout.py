@@ -113,7 +113,7 @@ def test_mla_low_rank_projection_feeds_a_norm(tmp_path):
 
 def test_qwen3_per_head_norms_are_fine():
     # q_norm/k_norm of Qwen3 normalize each head_dim slice, so colwise q/k/v may feed them
-    from planc.lint.load import load_plan
+    from planc.lint.plan_loader import load_plan
 
     model = build_meta_model("qwen3_moe", {"num_hidden_layers": 2})
     compiled = compile_plan(model, load_plan("plans/qwen3_moe.yaml"))
@@ -148,7 +148,7 @@ def test_llama4_experts_are_found_and_must_be_sharded():
 
 def test_sizes_problem_is_reported_alone(tmp_path, mixtral):
     from planc.errors import PlanError
-    from planc.spec.load import LoadedPlan
+    from planc.spec.loaded_plan import LoadedPlan
     from planc.spec.model import Plan
 
     data = {

@@ -41,7 +41,7 @@ def test_checkpoint_reads_per_rank(tmp_path):
     import json
 
     from planc.models.build import build_tiny_model
-    from planc.lint.load import load_plan
+    from planc.lint.plan_loader import load_plan
 
     build_tiny_model("mixtral").save_pretrained(tmp_path / "ckpt", max_shard_size="40KB")
     plan = load_plan("plans/mixtral.yaml").plan.model_dump(mode="json", exclude_none=True)

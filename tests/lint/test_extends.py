@@ -8,8 +8,8 @@ import pytest
 
 from planc.errors import PlanError
 from planc.lint.runner import lint_file, lint_paths
-from planc.lint.load import load_plan
-from planc.spec.load import LoadedPlan
+from planc.lint.plan_loader import load_plan
+from planc.spec.loaded_plan import LoadedPlan
 
 from .helpers import GOOD, codes
 

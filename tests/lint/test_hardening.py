@@ -56,7 +56,7 @@ def test_plan_wide_alternatives_budget():
 
 def test_compile_and_load_reject_the_bomb_too():
     from planc.errors import PlanError
-    from planc.lint.load import load_plan
+    from planc.lint.plan_loader import load_plan
 
     with pytest.raises(PlanError, match="PLC300"):
         load_plan(HEAD + "tp_plan:\n  model." + "{a,b}" * 30 + ": colwise\n")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from planc.compiler.resolve import compile_plan
-from planc.lint.load import load_plan
+from planc.lint.plan_loader import load_plan
 from planc.models.build import build_meta_model
 from planc.models.synthesis import init_plan
 from planc.spec.source import parse_yaml

@@ -29,7 +29,7 @@ def _shipped_cases() -> dict[str, tuple[str, str, dict]]:
     """{plan name: (model type, plan file, extra experts settings)} for every plan in plans/, found on disk (a new
     plan is covered by the load/save/export tests without editing them). Mega MoE plans run the reference backend
     (no SM100 GPU here)."""
-    from planc.lint.load import load_plan
+    from planc.lint.plan_loader import load_plan
 
     cases = {}
     for path in sorted(PLANS.glob("*.yaml")):
@@ -63,7 +63,7 @@ def tiny_for_case(name: str, seed: int = 0, **overrides):
 
 def shipped_plan(model_type: str, *, tp: int, ep: int | None = None, dp: int = 1, file: str | None = None, **experts):
     """A shipped plan as a mapping, sizes overridden (and `experts` settings, e.g. ep_implementation)."""
-    from planc.lint.load import load_plan
+    from planc.lint.plan_loader import load_plan
 
     data = load_plan(str(PLANS / (file or PLAN_FILES[model_type]))).plan.model_dump()
     data["extends"] = None  # already merged
