@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -33,6 +33,9 @@ from planc.checkpoint.state import (
 )
 from planc.errors import CheckpointError
 from planc.runtime.mesh import rank_device
+
+if TYPE_CHECKING:
+    from planc.compiler.compiled import CompiledPlan
 
 
 def _empty_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -106,7 +109,7 @@ def _storage_problems(metadata, directory: Path) -> list[str]:
     return problems
 
 
-def _targets(model: nn.Module, compiled, groups, saved_non_persistent) -> dict[str, torch.Tensor]:
+def _targets(model: nn.Module, compiled: CompiledPlan, groups, saved_non_persistent) -> dict[str, torch.Tensor]:
     """key -> the tensor DCP loads into, in the layout DCP can describe (see state.py)."""
     state = model.state_dict()
     for fqn, (module, name) in expert_sharded_buffers(model, compiled, groups).items():

@@ -43,6 +43,7 @@ from planc.checkpoint.state import (
 from planc.errors import CheckpointError
 
 if TYPE_CHECKING:
+    from planc.compiler.compiled import CompiledPlan
     from transformers import PreTrainedModel
 
 SINGLE_FILE = "model.safetensors"
@@ -57,7 +58,7 @@ def is_export_dir(path: Path) -> bool:
     return all(p.name in _EXPORT_FILES or _SHARD_NAME.fullmatch(p.name) for p in path.iterdir())
 
 
-def _export_state(model: nn.Module, compiled, groups) -> dict[str, torch.Tensor]:
+def _export_state(model: nn.Module, compiled: CompiledPlan, groups) -> dict[str, torch.Tensor]:
     """key -> tensor (DTensor or plain) of everything the hub checkpoint holds, tied weights once."""
     live = model.state_dict(keep_vars=True)
     for fqn, (module, name) in expert_sharded_buffers(model, compiled, groups).items():

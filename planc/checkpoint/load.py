@@ -43,6 +43,7 @@ from planc.errors import ApplyError, CheckpointError, PlancError
 from planc.runtime.mesh import rank_device
 
 if TYPE_CHECKING:
+    from planc.compiler.compiled import CompiledPlan
     from transformers import PreTrainedModel
 
 
@@ -82,7 +83,7 @@ def load(
         raise
 
     model, compiled = checked.model, checked.compiled
-    assert model is not None  # the ranks agreed on no problems, so the meta model was built
+    assert model is not None and compiled is not None  # the ranks agreed on no problems: both were built
     groups = build_groups(compiled.parallel, mesh)
     state = install.InstallState(model=model, compiled=compiled, groups=groups)
     fill: SafetensorsFill | _DcpFill
@@ -105,7 +106,7 @@ class Checked:
     decisions the ranks must agree on before their collectives diverge (install.agree_across_ranks)."""
 
     model: Optional[PreTrainedModel] = None
-    compiled: Any = None
+    compiled: Optional[CompiledPlan] = None
     files: Optional[CheckpointFiles] = None
     dcp_dir: Optional[str] = None
     problems: list[str] = field(default_factory=list)
@@ -166,7 +167,7 @@ def check_checkpoint(
     return out
 
 
-def _memory_problems(compiled, device, source) -> list[str]:
+def _memory_problems(compiled: CompiledPlan, device, source) -> list[str]:
     """PLC660 before any read when this rank's shard alone cannot fit its GPU."""
     from planc.compiler.memory import budget_problems
 

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from planc.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from planc.compiler.compiled import CompiledPlan
 
 MARKER = "planc.json"
 PLAN_FILE = "plan.yaml"
@@ -29,7 +32,7 @@ FORMAT = "planc-dcp"
 FORMAT_VERSION = 1
 
 
-def plan_mapping(compiled) -> dict[str, Any]:
+def plan_mapping(compiled: CompiledPlan) -> dict[str, Any]:
     """The plan a CompiledPlan was compiled from, as a plan-format mapping (every rule, in plan order).
 
     The CompiledPlan keeps every rule (its coverage lists each one, matched or not) with its table,
@@ -48,7 +51,7 @@ def plan_mapping(compiled) -> dict[str, Any]:
     return data
 
 
-def marker_data(model, compiled, non_persistent_buffers: list[str]) -> dict[str, Any]:
+def marker_data(model, compiled: CompiledPlan, non_persistent_buffers: list[str]) -> dict[str, Any]:
     import torch
     import transformers
 

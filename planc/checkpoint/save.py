@@ -11,6 +11,7 @@ sibling name and renamed into place only after every rank finished (`atomic.py`)
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -33,6 +34,9 @@ from planc.checkpoint.optimizer import (
 from planc.checkpoint.state import refuse_unsavable, save_state
 from planc.errors import CheckpointError
 
+if TYPE_CHECKING:
+    from planc.compiler.compiled import CompiledPlan
+
 
 def _write_shards(state: dict, directory: Path) -> None:
     """DCP writes every rank's shards and the coordinator's `.metadata` (a collective)."""
@@ -42,7 +46,7 @@ def _write_shards(state: dict, directory: Path) -> None:
         dcp.save(state, checkpoint_id=str(directory))
 
 
-def _write_metadata(model: nn.Module, compiled, directory: Path, non_persistent: list[str], optimizer=None) -> None:
+def _write_metadata(model: nn.Module, compiled: CompiledPlan, directory: Path, non_persistent: list[str], optimizer=None) -> None:
     """Rank 0: config.json, generation_config.json, plan.yaml, then planc.json."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):

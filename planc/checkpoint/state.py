@@ -14,7 +14,7 @@ Three things make an applied model's `state_dict()` unfit for DCP as is:
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, TypeGuard
+from typing import TYPE_CHECKING, Iterator, Optional, TypeGuard
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from planc.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from planc.compiler.compiled import CompiledPlan
 
 
 def has_strided(t: object) -> TypeGuard[DTensor]:
@@ -34,7 +37,7 @@ def dcp_layout(t: DTensor) -> DTensor:
     return t.redistribute(placements=placements)
 
 
-def expert_sharded_buffers(model: nn.Module, compiled, groups) -> dict[str, tuple[nn.Module, str]]:
+def expert_sharded_buffers(model: nn.Module, compiled: CompiledPlan, groups) -> dict[str, tuple[nn.Module, str]]:
     """fqn -> (module, name) of the buffers `grouped_gemm` sharded by expert (plain local slices)."""
     if compiled is None or groups is None or groups.ep_size == 1:
         return {}
@@ -66,7 +69,7 @@ def named_non_persistent_buffers(model: nn.Module) -> Iterator[tuple[str, nn.Mod
                 yield (f"{prefix}.{name}" if prefix else name), module, name, t
 
 
-def refuse_unsavable(model: nn.Module, compiled, what: str) -> None:
+def refuse_unsavable(model: nn.Module, compiled: CompiledPlan, what: str) -> None:
     """Layouts planc cannot write yet, refused before anything is written."""
     megamoe = compiled.experts_settings.megamoe
     if compiled.experts_implementation.megamoe and megamoe and megamoe.quantize == "fp4":
@@ -83,7 +86,7 @@ def refuse_unsavable(model: nn.Module, compiled, what: str) -> None:
             )
 
 
-def save_state(model: nn.Module, compiled, groups) -> tuple[dict[str, torch.Tensor], list[str]]:
+def save_state(model: nn.Module, compiled: CompiledPlan, groups) -> tuple[dict[str, torch.Tensor], list[str]]:
     """The tensors planc.save writes (a collective: strided shards are redistributed) and the keys of the
     non-persistent buffers among them."""
     state = model.state_dict()

@@ -41,6 +41,7 @@ from planc.runtime.snapshot import Snapshot
 from planc.runtime.tp_styles import tp_style
 
 if TYPE_CHECKING:
+    from planc.compiler.compiled import CompiledPlan
     from transformers import PreTrainedModel
 
 def apply(model: nn.Module, plan: Any, *, mesh: Optional[Any] = None,
@@ -127,7 +128,7 @@ def _world_problem(model, loaded) -> Optional[str]:
     )
 
 
-def _local_checks(model, compiled, mesh, device=None) -> list[str]:
+def _local_checks(model, compiled: CompiledPlan, mesh, device=None) -> list[str]:
     problems = []
     problems += _already_sharded(model)
     problems += _unrunnable_experts(model, compiled, device)
@@ -170,7 +171,7 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _unrunnable_experts(model: nn.Module, compiled, device: Optional[torch.device] = None) -> list[str]:
+def _unrunnable_experts(model: nn.Module, compiled: CompiledPlan, device: Optional[torch.device] = None) -> list[str]:
     """Experts kernels that cannot run where the model lives, found before anything is installed."""
     impl, row = compiled.experts_settings.implementation, compiled.experts_implementation
     device = device if device is not None else _model_device(model)
@@ -200,7 +201,7 @@ def _unrunnable_experts(model: nn.Module, compiled, device: Optional[torch.devic
     return []
 
 
-def _megamoe_settings(compiled):
+def _megamoe_settings(compiled: CompiledPlan):
     """The plan's `experts.megamoe` settings, or their defaults when the plan leaves them out."""
     from planc.spec.model import MegaMoe
 
@@ -286,7 +287,7 @@ class InstallState:
     """What the steps share: the model, the compiled plan, the groups, and the modules by name."""
 
     model: nn.Module
-    compiled: Any
+    compiled: CompiledPlan
     groups: Groups
     modules: dict = field(default_factory=dict)
 
@@ -327,7 +328,7 @@ def step_shard_parameters(state: InstallState) -> None:
             continue
         owner_name, _, pname = a.fqn.rpartition(".")
         owner = state.module(owner_name)
-        owner._planc_fqn = owner_name
+        owner._planc_fqn = owner_name  # type: ignore[assignment]  # plain attributes; torch types them as tensors or modules
         if a.style == "grouped_gemm":
             # a parameter of a module inside the experts (a per-expert norm) is sliced alike; its owner is not the experts
             shard_expert_tensor(owner, pname, state.groups, num_experts.get(owner_name),
@@ -350,7 +351,7 @@ def step_install_tp_forwards(state: InstallState) -> None:
         if a.target != "module" or a.style in ("ep_dispatch_experts", "grouped_gemm"):
             continue
         module = state.module(a.fqn)
-        module._planc_fqn = a.fqn
+        module._planc_fqn = a.fqn  # type: ignore[assignment]  # plain attributes; torch types them as tensors or modules
         if a.style == "mla_kv_a_proj":
             module._planc_rope_dim = _rope_dim(state, a.fqn)
         tp_style(a.style, a.rule.where).install(module, state.groups.tp_mesh)
@@ -377,7 +378,7 @@ def step_install_megamoe(state: InstallState) -> None:
     settings = _megamoe_settings(state.compiled)
     for e in state.compiled.experts:
         module = state.module(e.fqn)
-        module._planc_fqn = e.fqn
+        module._planc_fqn = e.fqn  # type: ignore[assignment]  # plain attributes; torch types them as tensors or modules
         install_megamoe_forward(
             module,
             backend=settings.backend,
@@ -396,7 +397,7 @@ def step_install_ep_forwards(state: InstallState) -> None:
         if e.strategy is None:
             continue
         module = state.module(e.fqn)
-        module._planc_fqn = e.fqn
+        module._planc_fqn = e.fqn  # type: ignore[assignment]  # plain attributes; torch types them as tensors or modules
         if e.dispatch == "dense":  # every token pre-scaled (Llama 4): no routed pairs
             install_dense_ep_forward(module, e.strategy, state.groups, e.num_experts)
             continue
@@ -416,7 +417,7 @@ def step_mark_applied(state: InstallState) -> None:
     for a in state.compiled.assignments:
         if a.target == "module":
             state.module(a.fqn)._is_hooked = True  # type: ignore[assignment]  # plain flags and records (torch types
-    state.model._planc_plan = state.compiled
+    state.model._planc_plan = state.compiled  # type: ignore[assignment]  # plain attributes; torch types them as tensors or modules
     state.model._planc_groups = state.groups  # type: ignore[assignment]  # module attributes as tensors or modules)
     guard_applied_model(state.model)  # save_pretrained / deepcopy refuse with what to call instead
 
