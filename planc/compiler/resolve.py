@@ -184,7 +184,8 @@ def is_model(obj: Any) -> bool:
 
 def model_and_plan(first: Any, second: Any, caller: str) -> tuple[Any, Any]:
     """`(model, plan)` from a call in the one argument order, or in the old `(plan, model)` order of
-    `planc.compile` with a DeprecationWarning (a model is never a plan source, so the order is unambiguous)."""
+    `planc.compile` with a DeprecationWarning (a model is never a plan source, so the order is unambiguous).
+    Only the public face calls it: inside planc the order is always (model, plan)."""
     if is_model(first) or not is_model(second):
         return first, second
     import warnings
@@ -200,9 +201,8 @@ def model_and_plan(first: Any, second: Any, caller: str) -> tuple[Any, Any]:
 def compile_plan(model: Any, plan: Any) -> CompiledPlan:
     """Resolve `plan` (path, YAML text, mapping, Plan or LoadedPlan) against `model`; never changes the model.
 
-    Raises CompileError listing every problem found (each with module path, plan position and hint).
-    `compile_plan(plan, model)`, the old order, still works with a DeprecationWarning.
+    Raises CompileError listing every problem found (each with module path, plan position and hint). The old
+    `(plan, model)` order is accepted at the public face only (`planc.compile`, through `model_and_plan`).
     """
-    model, plan = model_and_plan(model, plan, "compile_plan")
     loaded = _load(plan)
     return Resolver(loaded, walk_model(model)).run()
