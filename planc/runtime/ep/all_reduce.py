@@ -11,19 +11,27 @@ inputs (hidden states, routing weights) are partial and get summed over the grou
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+from torch import nn
 
 from planc.runtime.ep.base import EPRuntime, sentinel_safe
 from planc.runtime.collectives import all_reduce_grad, all_reduce_sum
 
+if TYPE_CHECKING:
+    from planc.runtime.mesh import Groups
+    from planc.spec.ep import EPStrategy
+
 
 class AllReduceEPRuntime(EPRuntime):
-    def __init__(self, experts_module, strategy, groups):
+    def __init__(self, experts_module: nn.Module, strategy: EPStrategy, groups: Groups) -> None:
         super().__init__(experts_module, strategy, groups)
         # GPT-OSS eager cannot take the sentinel: park off-rank slots on local expert 0 with weight 0 instead.
         self.sentinel = self.num_local_experts if sentinel_safe(experts_module) else 0
 
-    def forward(self, hidden_states, top_k_index, top_k_weights):
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                ) -> torch.Tensor:
         g = self.groups
         hidden_states = all_reduce_grad(hidden_states, g.ep_group)
         top_k_weights = all_reduce_grad(top_k_weights, g.ep_group)

@@ -21,7 +21,8 @@ from planc.runtime.collectives import all_gather_dim, all_to_all, shard_sizes, s
 
 
 class AllToAllEPRuntime(EPRuntime):
-    def forward(self, hidden_states, top_k_index, top_k_weights):
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                ) -> torch.Tensor:
         g = self.groups
         num_tokens, hidden = hidden_states.shape
         if g.tp_size > 1:

@@ -9,18 +9,23 @@ biases, FP8/FP4 scales. The experts module then holds `num_experts = E/ep` and t
 
 from __future__ import annotations
 
-from typing import Optional, cast
+from typing import TYPE_CHECKING, Any, Callable, Optional, cast
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from planc.errors import ApplyError
 from planc.runtime.collectives import needs_grad, to_local
 from planc.runtime.tp_styles import local_parameters, module_path
 
+if TYPE_CHECKING:
+    from planc.runtime.mesh import Groups
+    from planc.spec.ep import EPStrategy
 
-def shard_expert_tensor(module: nn.Module, name: str, groups, num_experts=None, experts_module: bool = True) -> None:
+
+def shard_expert_tensor(module: nn.Module, name: str, groups: Groups, num_experts: Optional[int] = None,
+                        experts_module: bool = True) -> None:
     """`grouped_gemm`: keep this rank's slice of the leading (expert) dim of parameter or buffer `name`.
 
     `num_experts` (the compiler's count of experts with weights): a tensor allocated with more leading rows
@@ -62,7 +67,7 @@ def shard_expert_tensor(module: nn.Module, name: str, groups, num_experts=None, 
         # Buffers (e.g. FP4 scales stored as buffers) stay plain tensors: the local slice.
         module._buffers[name] = tensor.chunk(ep, dim=0)[groups.ep_rank].clone()
     if experts_module:
-        module.num_experts = num // ep
+        module.num_experts = num // ep  # type: ignore[assignment]  # a plain int (torch types attributes as tensors)
         module._is_expert_parallel = True  # type: ignore[assignment]  # a plain flag (torch types attributes as tensors or modules)
 
 
@@ -81,7 +86,7 @@ class EPRuntime:
     gradients). Subclasses implement `forward`.
     """
 
-    def __init__(self, experts_module: nn.Module, strategy, groups):
+    def __init__(self, experts_module: nn.Module, strategy: EPStrategy, groups: Groups) -> None:
         self.experts = experts_module
         self.strategy = strategy
         self.groups = groups
@@ -106,7 +111,7 @@ class EPRuntime:
                 "(and biases, scales) to ep_plan; they must come before the `ep_dispatch_experts` rule."
             )
 
-    def __call__(self, hidden_states, top_k_index, top_k_weights):
+    def __call__(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         if self.strategy.inference_only and needs_grad(hidden_states):
             raise RuntimeError(
                 f"planc.runtime.ep: the {self.strategy.name} EP implementation on {module_path(self.experts)} is "
@@ -115,10 +120,10 @@ class EPRuntime:
             )
         return self.forward(hidden_states, top_k_index, top_k_weights)
 
-    def forward(self, hidden_states, top_k_index, top_k_weights):
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         raise NotImplementedError
 
-    def top1_forward(self, tokens, expert_ids, weights):
+    def top1_forward(self, tokens: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
         """The experts' forward on rows of one (token, expert) slot each: ids and weights [N, 1]."""
         if self.pad_top1:
             expert_ids = torch.cat([expert_ids, expert_ids], dim=-1)
@@ -126,10 +131,10 @@ class EPRuntime:
         return empty_safe_forward(self.experts_forward, tokens, expert_ids, weights)
 
 
-def install_ep_forward(module: nn.Module, runtime) -> None:
+def install_ep_forward(module: nn.Module, runtime: EPRuntime) -> None:
     """Replace the experts forward with `runtime` (an instance attribute, undone by restoring `__dict__`)."""
 
-    def ep_forward(hidden_states, top_k_index, top_k_weights, **kwargs):
+    def ep_forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, **kwargs: Any) -> Tensor:
         hidden_states, top_k_weights = to_local(hidden_states), to_local(top_k_weights)
         # the experts' own tensors and the per-expert tensors of modules inside them (a per-expert norm)
         # the experts' data-parallel gradient rule (planc.runtime.data_parallel); None until a plan trains over dp
@@ -163,7 +168,8 @@ def sentinel_safe(module: nn.Module) -> bool:
     return not (impl in (None, "eager") and type(module).__name__ == "GptOssExperts")
 
 
-def empty_safe_forward(experts_forward, tokens, expert_ids, weights):
+def empty_safe_forward(experts_forward: Callable[..., Tensor], tokens: Tensor, expert_ids: Tensor, weights: Tensor
+                       ) -> Tensor:
     """Run the experts on rows that may be empty, keeping the empty result connected to autograd."""
     if tokens.shape[0]:
         return experts_forward(tokens, expert_ids, weights)

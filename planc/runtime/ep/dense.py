@@ -12,14 +12,21 @@ the group (`all_reduce_grad`); the gather keeps this rank's slice of the output 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+import torch
 from torch import nn
 
 from planc.errors import ApplyError
 from planc.runtime.collectives import all_gather_dim, all_reduce_grad, to_local
 from planc.runtime.tp_styles import local_parameters, module_path
 
+if TYPE_CHECKING:
+    from planc.runtime.mesh import Groups
+    from planc.spec.ep import EPStrategy
 
-def install_dense_ep_forward(module: nn.Module, strategy, groups, num_experts: int) -> None:
+
+def install_dense_ep_forward(module: nn.Module, strategy: EPStrategy, groups: Groups, num_experts: int) -> None:
     """Replace the experts forward (an instance attribute, undone by restoring `__dict__`)."""
     if not groups.shares_batch:
         raise ApplyError(
@@ -35,7 +42,7 @@ def install_dense_ep_forward(module: nn.Module, strategy, groups, num_experts: i
         )
     original = module.forward
 
-    def dense_ep_forward(hidden_states, *args, **kwargs):
+    def dense_ep_forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         x = all_reduce_grad(to_local(hidden_states), group)
         rows = x.shape[0] // num_experts  # tokens per expert
         mine = x[rank * local * rows:(rank + 1) * local * rows]

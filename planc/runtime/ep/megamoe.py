@@ -20,7 +20,8 @@ from planc.runtime.ep.base import EPRuntime
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def slice_for_rank(hidden_states, top_k_index, top_k_weights, ep_rank: int, ep_size: int):
+def slice_for_rank(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, ep_rank: int,
+                   ep_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's equal slice of the shared batch, padded to ``ceil(T / ep_size)`` rows."""
     num_tokens = hidden_states.shape[0]
     rows = -(-num_tokens // ep_size)
@@ -43,10 +44,11 @@ class MegaMoeEPRuntime(EPRuntime):
     strategy is inference only (`MegaMoeEP.inference_only`), which the base enforces.
     """
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                ) -> torch.Tensor:
         num_tokens, hidden = hidden_states.shape
         x, idx, w = slice_for_rank(hidden_states, top_k_index, top_k_weights, self.ep_rank, self.ep_size)
-        y = self.experts_forward(x, idx, w, process_group=self.ep_group)
+        y: torch.Tensor = self.experts_forward(x, idx, w, process_group=self.ep_group)
         if self.ep_size == 1:
             return y[:num_tokens]
         gathered = torch.empty((self.ep_size * x.shape[0], hidden), dtype=y.dtype, device=y.device)
