@@ -157,7 +157,7 @@ def test_compile_names_the_missing_suffix_the_directory_and_a_missing_model():
     from planc.models.build import build_meta_model
 
     model = build_meta_model("mixtral")
-    with pytest.raises(PlanError, match=r"PLC002.*no such plan file: `.*plans/mixtral`") as e:
+    with pytest.raises(PlanError, match=r"PLC002.*no such plan file or directory: `.*plans/mixtral`") as e:
         planc.compile(model, str(REPO / "plans" / "mixtral"))
     assert "did you mean" in str(e.value) and "mixtral.yaml" in str(e.value)
     with pytest.raises(PlanError, match="is a directory; a plan is one YAML file"):
