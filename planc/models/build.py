@@ -237,7 +237,7 @@ def check_override_keys(model_type: str, overrides: dict) -> None:
     import difflib
 
     for key in overrides:
-        cls, path = config_class(model_type), []
+        cls, path = config_class(model_type), list[str]()
         for part in key.split("."):
             known = _config_keys(cls)
             if known is None:  # not a dataclass config: nothing to compare against
