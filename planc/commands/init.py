@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         text = init_plan(args.model_type, config, overrides)
     except ModelBuildError as e:
         if "cannot build" in str(e):  # transformers rejected the config: say what to pass
-            sys.stderr.write(f"planc init: {one_line(e)}\n    hint: {_build_hint(args)}\n")
+            sys.stderr.write(f"planc init: {one_line(e)}\n    hint: {_build_hint(args, e)}\n")
         else:  # an unknown type or a --set key the config lacks: the message names the fix
             sys.stderr.write(f"planc init: {one_line(e)}\n")
         return 2
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(f"planc init: {e}\n")
         return 2
     except Exception as e:  # noqa: BLE001 - a config transformers cannot build: one line, not a traceback
-        sys.stderr.write(f"planc init: {type(e).__name__}: {one_line(e)}\n    hint: {_build_hint(args)}\n")
+        sys.stderr.write(f"planc init: {type(e).__name__}: {one_line(e)}\n    hint: {_build_hint(args, e)}\n")
         return 2
     if args.output:
         try:
@@ -66,21 +66,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _build_hint(args: argparse.Namespace) -> str:
+def _build_hint(args: argparse.Namespace, error: BaseException) -> str:
     """What to pass when transformers cannot build the model: the model's own config.json, or the values its
     default config leaves unset (named, with the `--set` spelling)."""
     if args.config or args.overrides:
         return "check the values given with --config/--set against the model's own config.json"
-    unset: list[str] = []
-    try:
-        from planc.models.build import build_config, unset_config_values
+    from planc.models.build import config_gaps
 
-        unset = unset_config_values(build_config(args.model_type))
-    except Exception:  # noqa: BLE001 - the hint is best effort; the error above stands on its own
-        pass
-    example = " ".join(f"--set {k}=..." for k in unset[:3])
-    named = (f"; its default config leaves {', '.join(f'`{k}`' for k in unset)} unset (None); set values with "
-             f"`--set KEY=VALUE`, e.g. `planc init --from-transformers {args.model_type} {example}`") if unset else ""
+    gaps = config_gaps(args.model_type, error)
+    if gaps and " (read from " in gaps[0]:  # a value the config class has no field for: --set cannot give it
+        inner = gaps[0].split(" (", 1)[1][:-1].replace("read ", "", 1)
+        named = f"; the model reads `{gaps[0].split()[0]}` {inner}: only --config can give it"
+    elif gaps:
+        example = " ".join(f"--set {k}=..." for k in gaps[:3])
+        named = (f"; its default config leaves {', '.join(f'`{k}`' for k in gaps)} unset (None); set values with "
+                 f"`--set KEY=VALUE`, e.g. `planc init --from-transformers {args.model_type} {example}`")
+    else:
+        named = ""
     return (f"transformers' default `{args.model_type}` config does not describe a buildable model. Pass the model's "
             f"own config: `planc init --from-transformers {args.model_type} --config path/to/config.json` (the "
             f"config.json of its checkpoint){named}")

@@ -254,6 +254,20 @@ def check_override_keys(model_type: str, overrides: dict) -> None:
                 break
 
 
+def config_gaps(model_type: str, error: BaseException, limit: int = 6) -> list[str]:
+    """The values transformers' default `model_type` config lacks, as the build `error` shows them: a config attribute
+    the model reads but the config class never sets, else the keys the default leaves None (unset_config_values)."""
+    import re
+
+    found = re.search(r"'(\w+Config)' object has no attribute '(\w+)'", str(error))
+    if found:
+        return [f"{found.group(2)} (read from {found.group(1)}, which has no such value)"]
+    try:
+        return unset_config_values(build_config(model_type), limit)
+    except Exception:  # noqa: BLE001 - the config itself does not build: the error says why
+        return []
+
+
 def unset_config_values(config, limit: int = 6) -> list[str]:
     """Keys of `config` (dotted into sub-configs) that its model type declares but leaves None, e.g. sizes transformers'
     default config has no value for; PretrainedConfig's own fields (token ids, dtype, ...) excepted."""
