@@ -223,7 +223,19 @@ def missing_directory(root: Path) -> str:
         + (f" ({partial} is an unfinished save, not a checkpoint)" if partial.exists() else "")
         + f". planc.load takes a local directory holding config.json and {SINGLE_NAME} (or {INDEX_NAME} with its "
         "shards), as save_pretrained writes it, or a planc.save directory."
+        + _hub_id_hint(root)
     )
+
+
+def _hub_id_hint(root: Path) -> str:
+    """For a path that reads as a hub id (`org/name`, nothing of it on disk): how to download it first."""
+    text = str(root)
+    parts = text.split("/")
+    if len(parts) != 2 or not all(parts) or text.startswith((".", "~")) or Path(parts[0]).exists():
+        return ""
+    return (f" `{text}` looks like a Hugging Face hub id: planc.load reads local files only, so download it first, "
+            f"`hf download {text} --local-dir {parts[1]}` (or huggingface_hub.snapshot_download(\"{text}\")), "
+            f"then planc.load(\"{parts[1]}\", ...).")
 
 
 def _dangling(path: Path) -> str | None:

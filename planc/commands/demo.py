@@ -10,11 +10,11 @@ explain table and the max abs logits difference. Needs torch and transformers, n
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from planc.spec.choices import EXPERTS_IMPLEMENTATIONS, MEGAMOE_BACKENDS
+from planc.spec.shipped import shipped_plan
 
-DEFAULT_PLAN = Path(__file__).resolve().parents[2] / "plans" / "mixtral.yaml"
+DEFAULT_PLAN = shipped_plan("mixtral")  # package data: there in a wheel too
 WORLD = 2
 
 

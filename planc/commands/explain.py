@@ -15,6 +15,7 @@ would refuse the checkpoint (every problem listed), 2 usage errors (unreadable -
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 DTYPES = ("config", "float32", "bfloat16", "float16")
@@ -136,6 +137,13 @@ def run(args: argparse.Namespace) -> int:
     from planc.compiler.memory import budget, budget_problems, parse_size
     from planc.compiler.train_memory import train_memory
 
+    if args.checkpoint and not os.path.isdir(args.checkpoint):  # before reading its config.json: say what it is
+        from pathlib import Path
+
+        from planc.checkpoint.files import missing_directory
+
+        sys.stderr.write(f"planc explain: {missing_directory(Path(args.checkpoint))}\n")
+        return 2
     try:
         overrides = parse_overrides(args.overrides)
         config_path = args.config or (f"{args.checkpoint}/config.json" if args.checkpoint else None)
@@ -217,6 +225,7 @@ def explain_one(path: str, config: dict, overrides: dict, dtype: str, parallel=N
     from planc.errors import CompileError, ModelBuildError, PlanError
     from planc.lint.plan_loader import load_plan
     from planc.lint.rules_source import UNREADABLE_CODES
+    from planc.models.build import check_override_keys
 
     try:
         loaded = load_plan(path, parallel=parallel)
@@ -231,6 +240,7 @@ def explain_one(path: str, config: dict, overrides: dict, dtype: str, parallel=N
         return 2, None, None
     model_type = config.get("model_type") or loaded.plan.model.type
     try:
+        check_override_keys(model_type, overrides)
         model = _meta_model_at(model_type, {**config, **overrides}, dtype)
     except ModelBuildError as e:  # one line that names the model type (planc.models.build)
         sys.stderr.write(f"planc explain: {e}\n")

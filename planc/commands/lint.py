@@ -16,8 +16,17 @@ import argparse
 DEFAULT_PATHS = ["plans/"]
 
 
+def default_paths() -> list[str]:
+    """`plans/` of the current directory (a checkout, a project with plans), else the plans planc ships."""
+    import os
+
+    from planc.spec.shipped import PLANS_DIR
+
+    return DEFAULT_PATHS if os.path.isdir(DEFAULT_PATHS[0]) else [str(PLANS_DIR)]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("paths", nargs="*", metavar="PATH", help="plan files or directories (default: plans/)")
+    parser.add_argument("paths", nargs="*", metavar="PATH", help="plan files or directories (default: plans/, else the shipped plans)")
     parser.add_argument("--format", choices=("text", "json", "github"), default="text", help="output format")
     parser.add_argument("--strict", action="store_true", help="treat warnings as errors")
     parser.add_argument(
@@ -42,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         files, diags = _check_stdin(args.stdin_filename or "<stdin>", args.strict)
     else:
-        files, diags = check_paths(args.paths or DEFAULT_PATHS, strict=args.strict)
+        files, diags = check_paths(args.paths or default_paths(), strict=args.strict)
     # missing paths and directories without plans are diagnostics, not files: counted apart in the summary
     no_plans = len({d.path for d in diags if d.code == NO_PLANS or (d.code == UNREADABLE and d.path not in files)})
     sys.stdout.write(render(diags, args.format, len(files), no_plans))

@@ -78,9 +78,7 @@ def _not_a_plan_file(path: str) -> Optional[Diagnostic]:
             return Diagnostic(UNREADABLE, ERROR, f"`{path}` is a directory; a plan is one YAML file",
                               f"pass one plan file, e.g. {example}", where)
         if not os.path.exists(path):
-            near = [path + s for s in (".yaml", ".yml") if os.path.isfile(path + s)]
-            hint = f"did you mean `{near[0]}`?" if near else "pass the path of a .yaml plan file, YAML text, a mapping or a Plan"
-            return Diagnostic(UNREADABLE, ERROR, f"no such plan file: `{path}`", hint, where)
+            return runner.missing_path(path)
     except (ValueError, OSError):  # a NUL byte, a path too long: read_text reports it
         return None
     return None

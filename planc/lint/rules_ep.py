@@ -138,7 +138,10 @@ def check_missing_dispatch(ctx: LintContext) -> Iterator[Diagnostic]:
     """With `ep_size > 1` each rank holds only its slice of the experts, so the experts forward must
     be replaced by the EP implementation (`ep_dispatch_experts` on the experts module). Without it
     tokens would be routed to experts the rank does not have."""
-    if ctx.plan.parallel.ep_size > 1 and not _dispatch_rules(ctx):
+    from planc.lint.rules_removed import has_removed_ep_styles
+
+    # a plan with removed styles gets PLC320, whose fix (`planc migrate`) writes the dispatch rule: not reported twice
+    if ctx.plan.parallel.ep_size > 1 and not _dispatch_rules(ctx) and not has_removed_ep_styles(ctx):
         params = [p for p, s in ctx.table("ep_plan") if s == "grouped_gemm" and "." in p]
         module = params[0].rsplit(".", 1)[0] if params else "model.layers.*.mlp.experts"
         yield ctx.diag(

@@ -172,6 +172,10 @@ def from_validation(err: ValidationError, ctx: LintContext) -> list[Diagnostic]:
             guess = did_you_mean(str(loc[-1]), valid)
             hint = f"did you mean `{guess}`? " if guess else ""
             hint += f"{parent} takes: {', '.join(valid)}" if valid else "remove it"
+            table = _table_above(ctx, loc) if len(loc) == 1 else None
+            if table is not None:  # a rule that lost its indentation: it is read as a top-level key
+                guess, hint = None, (f"this is a rule: indent it two spaces under `{table[0]}:` (line {table[1]}), "
+                                     f"like `  {loc[-1]}: ...`")
             where_key = f"in {parent}" if len(loc) > 1 else "at the top level of the plan"
             out.append(ctx.diag(UNKNOWN_KEY, f"unknown key `{loc[-1]}` {where_key}", hint, loc, fix=guess))
         elif typ == "literal_error" and loc == ("version",):
@@ -187,12 +191,28 @@ def from_validation(err: ValidationError, ctx: LintContext) -> list[Diagnostic]:
         elif typ in _RANGE_TYPES:
             out.append(ctx.diag(OUT_OF_RANGE, f"`{where}`: {e['msg']}, got {_show(value)}",
                                 _range_hint(loc, e), keypath, at_value=True))
+        elif typ == "dict_type" and value is None and loc in (("tp_plan",), ("ep_plan",)):
+            out.append(ctx.diag(WRONG_TYPE, f"`{where}:` has no rules under it",
+                                f"indent each rule two spaces under `{where}:`, e.g. `  model.layers.*.mlp.gate: ...`; "
+                                f"or remove the empty `{where}:`", keypath))
         elif typ.endswith(("_type", "_parsing")) or typ in ("int_from_float", "finite_number"):
             out.append(ctx.diag(WRONG_TYPE, f"`{where}`: {e['msg']}, got {_show(value)}",
                                 _type_hint(loc), keypath, at_value=True))
         else:
             out.append(ctx.diag(OTHER, f"`{where}`: {e['msg']}", "see docs/plan-format.md", keypath, at_value=True))
     return out
+
+
+def _table_above(ctx: LintContext, loc: Loc) -> Optional[tuple[str, int]]:
+    """(table, line) when the unknown top-level key `loc` is a module pattern written below an empty `tp_plan:` or
+    `ep_plan:` key: a rule whose indentation was lost."""
+    key = str(loc[-1])
+    if not any(c in key for c in ".*{"):
+        return None
+    here = ctx.key_positions.get(tuple(loc))
+    above = [(str(t), p.line) for (t,), p in ((k, p) for k, p in ctx.key_positions.items() if len(k) == 1)
+             if t in ("tp_plan", "ep_plan") and here is not None and p.line < here.line and ctx.data.get(t) is None]
+    return max(above, key=lambda a: a[1]) if above else None
 
 
 def _range_hint(loc: Loc, e: ErrorDetails) -> str:

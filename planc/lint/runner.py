@@ -179,10 +179,38 @@ def expand_paths(paths: Iterable[str]) -> tuple[list[str], list[Diagnostic]]:
         elif os.path.exists(path):
             files.append(path)
         else:
-            diags.append(Diagnostic(
-                UNREADABLE, ERROR, f"no such file or directory: `{path}`", "check the path", Position(path, 1, 1),
-            ))
+            diags.append(missing_path(path))
     return files, diags
+
+
+def missing_path(path: str) -> Diagnostic:
+    """PLC002 for a plan path that does not exist (`planc lint`, `planc explain`, `load_plan` all say the same):
+    the name it may mean (the path with `.yaml`, a close name beside it, the shipped plan of that name)."""
+    from planc.lint.suggest import did_you_mean
+    from planc.spec.shipped import shipped_plans
+
+    directory, name = os.path.split(path)
+    near = [path + s for s in PLAN_SUFFIXES if os.path.isfile(path + s)]
+    if not near and name:
+        try:
+            siblings = [n for n in os.listdir(directory or ".") if n.endswith(PLAN_SUFFIXES) or
+                        os.path.isdir(os.path.join(directory or ".", n))]
+        except OSError:
+            siblings = []
+        close = did_you_mean(name, siblings)
+        near = [os.path.join(directory, close)] if close else []
+    shipped = {p.name: p for p in shipped_plans()}
+    stem = name if name.endswith(PLAN_SUFFIXES) else name + ".yaml"
+    if near:
+        hint = f"did you mean `{near[0]}`?"
+    elif stem in shipped or did_you_mean(stem, shipped):
+        match = shipped[stem] if stem in shipped else shipped[did_you_mean(stem, shipped) or stem]
+        hint = f"planc ships a plan of that name: `{match}` (`planc lint` with no path lints the shipped plans)"
+    elif not os.path.isdir(directory or "."):
+        hint = f"directory `{directory}` does not exist either; pass the path of a .yaml plan file"
+    else:
+        hint = "pass the path of a .yaml plan file (`planc init --from-transformers TYPE -o plan.yaml` writes one)"
+    return Diagnostic(UNREADABLE, ERROR, f"no such plan file or directory: `{path}`", hint, Position(path, 1, 1))
 
 
 def lint_paths(paths: PathsArg, strict: bool = False) -> list[Diagnostic]:

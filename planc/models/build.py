@@ -231,6 +231,82 @@ def _instantiate(cls, config, **kwargs):
         ) from e
 
 
+def check_override_keys(model_type: str, overrides: dict) -> None:
+    """ModelBuildError when an override (`--set KEY=VALUE`; dotted keys reach sub-configs) names a key the config
+    class does not have: transformers would store it as a new attribute and build the default model unchanged."""
+    import difflib
+
+    for key in overrides:
+        cls, path = config_class(model_type), list[str]()
+        for part in key.split("."):
+            known = _config_keys(cls)
+            if known is None:  # not a dataclass config: nothing to compare against
+                break
+            if part not in known:
+                close = [".".join([*path, c]) for c in difflib.get_close_matches(part, sorted(known), n=3, cutoff=0.6)]
+                hint = (f"did you mean {', '.join(f'`{c}`' for c in close)}?" if close
+                        else f"list its keys with `python -c 'import transformers; print(transformers.{cls.__name__}())'`")
+                raise ModelBuildError(f"--set `{key}`: {cls.__name__} has no key `{part}`, so it would change nothing; "
+                                      f"{hint}")
+            path.append(part)
+            cls = (getattr(cls, "sub_configs", None) or {}).get(part)
+            if cls is None:
+                break
+
+
+def config_gaps(model_type: str, error: BaseException, limit: int = 6) -> list[str]:
+    """The values transformers' default `model_type` config lacks, as the build `error` shows them: a config attribute
+    the model reads but the config class never sets, else the keys the default leaves None (unset_config_values)."""
+    import re
+
+    found = re.search(r"'(\w+Config)' object has no attribute '(\w+)'", str(error))
+    if found:
+        return [f"{found.group(2)} (read from {found.group(1)}, which has no such value)"]
+    try:
+        return unset_config_values(build_config(model_type), limit)
+    except Exception:  # noqa: BLE001 - the config itself does not build: the error says why
+        return []
+
+
+def unset_config_values(config, limit: int = 6) -> list[str]:
+    """Keys of `config` (dotted into sub-configs) that its model type declares but leaves None, e.g. sizes transformers'
+    default config has no value for; PretrainedConfig's own fields (token ids, dtype, ...) excepted."""
+    import dataclasses
+
+    from transformers import PretrainedConfig
+
+    common = {f.name for f in dataclasses.fields(PretrainedConfig)} if dataclasses.is_dataclass(PretrainedConfig) else set()
+    common |= {"pad_token_id", "bos_token_id", "eos_token_id", "sliding_window", "rope_scaling", "rope_parameters"}
+    found: list[str] = []
+
+    def visit(cfg, prefix: str) -> None:
+        if not dataclasses.is_dataclass(cfg):
+            return
+        for f in dataclasses.fields(cfg):
+            if f.name in common:
+                continue
+            try:
+                value = getattr(cfg, f.name)
+            except Exception:  # noqa: BLE001 - per-layer attributes refuse a global read; not a value to report
+                continue
+            if value is None:
+                found.append(prefix + f.name)
+            elif isinstance(value, PretrainedConfig):
+                visit(value, f"{prefix}{f.name}.")
+
+    visit(config, "")
+    return found[:limit]
+
+
+def _config_keys(cls) -> Optional[set]:
+    """The keys a config class takes: its dataclass fields and `attribute_map` aliases (None: not a dataclass)."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(cls):
+        return None
+    return {f.name for f in dataclasses.fields(cls)} | set(getattr(cls, "attribute_map", {}) or {})
+
+
 def _nest(flat: dict) -> dict:
     """`{"text_config.num_hidden_layers": 4}` -> `{"text_config": {"num_hidden_layers": 4}}` (sub-config overrides)."""
     out: dict = {}

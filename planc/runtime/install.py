@@ -2,7 +2,8 @@
 
 Read top to bottom, `apply` is the whole story:
 
-1. torch.distributed must be initialized (torchrun, or the caller's own `init_process_group`).
+1. torch.distributed must be initialized: by the caller's own `init_process_group`, or here from torchrun's
+   environment (planc.runtime.process_group).
 2. Compile the plan against the model (`planc.compiler.resolve.compile_plan`; changes nothing) and
    run the checks that need no communication: world size, a model applied twice or sharded by
    another tool, experts kernels that cannot run where the model lives.
@@ -63,12 +64,11 @@ def apply(model: nn.Module, plan: Any, *, mesh: Optional[Any] = None,
 
 
 def require_distributed(what: str) -> None:
-    """1. `what` (planc.apply, planc.load) runs on every rank of an initialized process group."""
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ApplyError(
-            "planc.runtime.install: torch.distributed is not initialized. Launch with torchrun (or call "
-            f"torch.distributed.init_process_group) before {what}."
-        )
+    """1. `what` (planc.apply, planc.load) runs on every rank of a process group: one torchrun's environment
+    describes is started here (planc.runtime.process_group)."""
+    from planc.runtime.process_group import ensure_process_group
+
+    ensure_process_group(what)
 
 
 # ---- 2. compile and local checks ---------------------------------------------------------------------------

@@ -74,6 +74,16 @@ def _join(context, timeout: float | None) -> None:
             raise TimeoutError(f"the {len(context.processes)}-rank world did not finish within {timeout:g} s (killed)")
 
 
+def _remove_error_files(context) -> None:
+    """torch.multiprocessing writes a failing rank's traceback to a file in the temporary directory
+    (`pytorch-errorfile-*.pickle`) and leaves it there once read; remove them."""
+    for path in getattr(context, "error_files", ()):
+        try:
+            os.unlink(path)
+        except (OSError, TypeError):
+            pass
+
+
 def run_local_world(fn, world_size: int, *args, retries: int = 5, timeout: float | None = None) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks and return the results by rank.
 
@@ -81,15 +91,17 @@ def run_local_world(fn, world_size: int, *args, retries: int = 5, timeout: float
     last_error = None
     for _ in range(retries):
         with tempfile.TemporaryDirectory() as result_dir:
+            context = mp.spawn(_worker, args=(world_size, free_port(), result_dir, fn, args), nprocs=world_size,
+                               join=False)
             try:
-                context = mp.spawn(_worker, args=(world_size, free_port(), result_dir, fn, args), nprocs=world_size,
-                                   join=False)
                 _join(context, timeout)
             except mp.ProcessRaisedException as e:
                 if _port_taken(e):
                     last_error = e
                     continue
                 raise
+            finally:
+                _remove_error_files(context)
             results = []
             for rank in range(world_size):
                 with open(os.path.join(result_dir, f"{rank}.pkl"), "rb") as f:

@@ -356,7 +356,49 @@ def _syntax_error(text: str, path: Optional[str], e: yaml.MarkedYAMLError) -> So
         )
     problem = (e.problem or str(e)).strip()
     context = f" ({e.context.strip()})" if e.context and e.problem else ""
+    indent = _indentation_mistake(text, pos.line)
+    if indent is not None:
+        line, hint = indent
+        return SourceError(YAML_SYNTAX, f"invalid YAML: line {line} is not indented like the lines around it "
+                           f"({problem})", hint, Position(path, line, 1))
     return SourceError(YAML_SYNTAX, f"invalid YAML: {problem}{context}", "fix the YAML syntax at this position", pos)
+
+
+def _indentation_mistake(text: str, line: int) -> Optional[tuple[int, str]]:
+    """(line, hint) when the syntax error at `line` (1-based) comes from a `key: value` line indented unlike its
+    neighbours: deeper than the entry above (not under a `key:` that opens a table), or between two levels.
+    PyYAML reports such a line itself or the line after it."""
+    lines = text.splitlines()
+
+    def indent_of(s: str) -> int:
+        return len(s) - len(s.lstrip(" "))
+
+    def entry(i: int) -> bool:  # a `key: value` or `key:` line (not blank, not a comment)
+        s = lines[i].strip() if 0 <= i < len(lines) else ""
+        return bool(s) and not s.startswith("#") and ":" in s
+
+    for i in (line - 1, line - 2):
+        if not entry(i):
+            continue
+        above = next((j for j in range(i - 1, -1, -1) if entry(j)), None)
+        if above is None:
+            return None
+        here, prev = indent_of(lines[i]), indent_of(lines[above])
+        opens = lines[above].split("#")[0].rstrip().endswith(":")
+        levels = sorted({indent_of(lines[j]) for j in range(above + 1) if entry(j)})
+        if here > prev and not opens:
+            want = prev
+        elif here < prev and here not in levels:
+            want = max((lv for lv in levels if lv < here), default=0)
+            want = prev if prev - here <= 1 else want
+        else:
+            continue
+        table = next((lines[j].strip().split(":")[0] for j in range(i - 1, -1, -1)
+                      if entry(j) and indent_of(lines[j]) < want), None) if want else None
+        under = f" (a rule of `{table}:`)" if table else ""
+        return i + 1, (f"indent line {i + 1} by {want} space{'s' if want != 1 else ''}, like line {above + 1}{under}; "
+                       "the entries of one table line up, each level two spaces deeper than its `key:` line")
+    return None
 
 
 class _Converter:

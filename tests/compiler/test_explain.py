@@ -24,12 +24,13 @@ def plan(name):
     return os.path.join(ROOT, "plans", name)
 
 
-@pytest.mark.parametrize("name", sorted(SHIPPED))
+@pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(ROOT, "plans"))))
 def test_shipped_plan_has_full_coverage_on_the_full_size_model(name, capsys):
+    """Every shipped plan (docs/compile.md says so); the experts counts of the families checked by number."""
     assert main(["explain", plan(name), "--format", "json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["full_coverage"] is True
-    assert data["experts_covered"] == len(data["experts"]) == SHIPPED[name]
+    assert data["experts_covered"] == len(data["experts"]) == SHIPPED.get(name, len(data["experts"])) > 0
     assert all(c["modules"] + c["parameters"] > 0 for c in data["coverage"])
     assert data["bytes_per_rank"] < data["bytes_total"]
     strategy = data["experts"][0]["strategy"]

@@ -47,6 +47,27 @@ def outcome_of_error(e: BaseException) -> str:
     return f"fail: {type(e).__name__}: {one_line(text, 300)}"
 
 
+_DEFAULT_CONFIG: dict[str, str] = {}
+
+
+def default_config_outcome(model_type: str) -> str:
+    """What `planc init --from-transformers TYPE` meets without --config: `pass` when transformers' default
+    (full-size) config builds a model on meta, else the values that default leaves unset (`planc init` names them)."""
+    if model_type not in _DEFAULT_CONFIG:
+        from planc.models.build import build_meta_model, config_gaps
+
+        try:
+            build_meta_model(model_type)
+            _DEFAULT_CONFIG[model_type] = "pass"
+        except Exception as e:  # noqa: BLE001 - recorded: the default config does not build
+            gaps = config_gaps(model_type, e, limit=3)
+            _DEFAULT_CONFIG[model_type] = (
+                f"needs --config: `{gaps[0].split()[0]}` {gaps[0].split(' (', 1)[1][:-1]}" if gaps and " (read from " in gaps[0]
+                else f"needs --config or --set: {', '.join(f'`{k}`' for k in gaps)} unset" if gaps
+                else f"needs --config: {one_line(e, 100)}")
+    return _DEFAULT_CONFIG[model_type]
+
+
 def prepare(fam) -> dict:
     """Steps 1-2 in this process: {'init', 'lint', 'explain', 'plan' (text or None), 'ep'}."""
     import torch
@@ -57,6 +78,7 @@ def prepare(fam) -> dict:
     from planc.models.synthesis import init_plan
 
     rec: dict = {"text_type": fam.text_type, "model_type": fam.model_type, "multimodal": fam.multimodal}
+    rec["default_config"] = default_config_outcome(fam.model_type)
     try:
         config = tiny_config(fam)
         meta = meta_model(config, model_class=fam.model_class(config), dtype=torch.float32)
@@ -263,6 +285,9 @@ def render_models_md(records: dict, transformers_version: str) -> str:
         f"unsharded logits (fp32, <= {TOL:g}) with each EP strategy. `tp` = a plan without expert parallelism",
         "(experts tensor-parallel); `refused PLCxxx` = planc declined with that rule code (see `planc rules`",
         "and docs/compile.md); Mega MoE needs an SM100 GPU and gated, untransposed experts (PLC608), not run here.",
+        "`default config` = `planc init --from-transformers TYPE` with transformers' default (full-size) config and",
+        "no `--config`: `pass`, or the values that default leaves unset: pass the model's own config.json with",
+        "`--config`, or the values with `--set KEY=VALUE` (`planc init` names them too).",
         "",
         f"{len(records)} families: {counts['pass']} pass every step, {counts['refused']} refused by planc, "
         f"{counts['fail']} fail, {counts['not built']} not built (transformers rejects the tiny config derived",
@@ -270,9 +295,9 @@ def render_models_md(records: dict, transformers_version: str) -> str:
         "init, lint and explain pass, but transformers' own unsharded model cannot run the comparison (the",
         "cause, outside planc, is in the init column).",
         "",
-        "| family | model type | status | init | TP | EP | all_to_all | all_reduce | auto "
+        "| family | model type | status | init | default config | TP | EP | all_to_all | all_reduce | auto "
         "| rules dropped or changed (codes) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for t in sorted(records):
         rec = records[t]
@@ -291,7 +316,7 @@ def render_models_md(records: dict, transformers_version: str) -> str:
 
         lines.append(
             f"| {t} | {rec['model_type']} | {family_status(rec)} | {_md(first_bad or rec.get('init', '-'))} | "
-            f"{'yes' if rec.get('tp') else '-'} | {'yes' if rec.get('ep') else '-'} | "
+            f"{_md(rec.get('default_config', '-'))} | {'yes' if rec.get('tp') else '-'} | {'yes' if rec.get('ep') else '-'} | "
             f"{cell('all_to_all')} | {cell('all_reduce')} | {cell('auto')} | {', '.join(rec.get('dropped', [])) or '-'} |"
         )
     return "\n".join(lines) + "\n"

@@ -1,5 +1,6 @@
 """planc.apply's contract: rank agreement, all-or-nothing install, clear refusals."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,10 @@ def test_apply_needs_initialized_process_group():
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert "torch.distributed is not initialized" in done.stdout and "torchrun" in done.stdout, done
+    # what is missing, by name, when some of torchrun's environment is there
+    partial = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "RANK": "0", "WORLD_SIZE": "2"})
+    assert "MASTER_ADDR, MASTER_PORT are not set (found RANK, WORLD_SIZE)" in partial.stdout, partial
 
 
 @pytest.mark.distributed

@@ -1,5 +1,8 @@
 """The gloo harness itself: results by rank, a rank's exception with its traceback, and a clean exit."""
 
+import os
+import tempfile
+
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -25,9 +28,13 @@ def test_results_come_back_by_rank():
     assert run_local_world(_report, 2, "x") == [(0, 2, 0, 2, "x"), (1, 2, 1, 2, "x")]
 
 
-def test_a_rank_exception_is_raised_with_its_traceback():
+def test_a_rank_exception_is_raised_with_its_traceback_and_leaves_no_file(tmp_path, monkeypatch):
+    """torch.multiprocessing leaves each failed rank's `pytorch-errorfile-*.pickle` in the temporary directory;
+    the harness removes them (and its results directory)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with pytest.raises(mp.ProcessRaisedException, match=r"ValueError: rank [01] refuses"):
         run_local_world(_fail_on_every_rank, 2)
+    assert sorted(os.listdir(tmp_path)) == []
 
 
 def test_one_failing_rank_fails_the_world():
