@@ -434,6 +434,13 @@ def step_data_parallel(state: InstallState) -> None:
     guard_torch_clip_grad_norm()
 
 
+def step_declare_to_trainers(state: InstallState) -> None:
+    """Describe the model as transformers describes one it sharded itself: Trainer and Accelerate leave it to planc."""
+    from planc.runtime.trainers import declare_to_trainers
+
+    declare_to_trainers(state.model, state.compiled)
+
+
 INSTALL_STEPS: list[Callable[[InstallState], None]] = [
     step_set_experts_implementation,
     step_shard_parameters,
@@ -442,6 +449,7 @@ INSTALL_STEPS: list[Callable[[InstallState], None]] = [
     step_install_ep_forwards,
     step_mark_applied,
     step_data_parallel,
+    step_declare_to_trainers,
 ]
 
 
