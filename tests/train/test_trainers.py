@@ -1,0 +1,73 @@
+"""transformers' Trainer, TRL's SFTTrainer and an Accelerate loop on planc models, on 2 gloo ranks.
+
+planc.apply / planc.load describe the model as transformers describes one it sharded itself
+(planc.runtime.trainers), so these clients take it without a second wrap and train it with the plan's data
+parallelism: 3 optimizer steps of 2 accumulated micro-batches with max_grad_norm equal the unsharded model
+trained on the same global batches. One spawned world runs every case (a rank's start costs more than a case);
+the full grid (3 families x (tp, ep, dp) x fsdp/replicate x client, 2 and 4 ranks) is
+`python -m tests.train.trainers_grid`.
+
+On CPU, Trainer refuses tp > 1 upstream: transformers hands accelerate a ParallelismConfig(tp_size=...), and
+accelerate's ParallelismConfig._validate_accelerator accepts it only under FSDP2, a multi-device launch or
+DeepSpeed ("ParallelismConfig is only compatible DistributedType.FSDP (version 2) or
+DistributedType.Multi{Device} or DistributedType.DEEPSPEED, but got DistributedType.MULTI_CPU"). The
+Accelerate loop covers tp 2 here.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import run_distributed
+from tests.train.trainers_workers import trainers_world
+
+LOSS_TOL, PARAM_TOL, NORM_REL = 1e-5, 1e-4, 1e-5
+
+# (model, tp, ep, dp, data_parallel, client): every family, both modes, both clients, tp 1 and tp 2
+CI_CASES = [
+    ("mixtral", 1, 2, 2, "fsdp", "trainer"),
+    ("deepseek_v3", 1, 2, 2, "replicate", "trainer"),
+    ("qwen3_moe", 2, 2, 1, "fsdp", "accelerate"),
+    ("deepseek_v3", 2, 2, 1, "replicate", "accelerate"),
+]
+
+
+def failures(cases: list, results: list) -> list[str]:
+    out = []
+    for case in cases:
+        per_rank = [r[case] for r in results]
+        first = per_rank[0]
+        if "error" in first:
+            out.append(f"{case}: {first['error']}")
+            continue
+        tp, dp = case[1], case[3]
+        if first["described"] != (True, tp, dp):
+            out.append(f"{case}: described to transformers as {first['described']}")
+        if first["wrapped_by"] is not None:
+            out.append(f"{case}: wrapped again by {first['wrapped_by']}")
+        if first["steps"] != 3:
+            out.append(f"{case}: {first['steps']} optimizer steps logged")
+        if first["loss"] > LOSS_TOL:
+            out.append(f"{case}: loss off by {first['loss']:.3g}")
+        if first["norm_rel"] > NORM_REL:
+            out.append(f"{case}: clip norm off by {first['norm_rel']:.3g} (relative)")
+        if first["params"] > PARAM_TOL:
+            out.append(f"{case}: {first['worst']} off by {first['params']:.3g}")
+        if len({r["digest"] for r in per_rank}) != 1:
+            out.append(f"{case}: the full parameters differ between ranks")
+    return out
+
+
+@pytest.mark.distributed
+def test_trainer_and_accelerate_train_planc_models_as_the_unsharded_model():
+    results = run_distributed(trainers_world, 2, CI_CASES, {})
+    problems = failures(CI_CASES, results)
+    for rank, r in enumerate(results):
+        refused = r["refusals"]
+        if "ParallelismConfig is only compatible" not in refused["tp"]:
+            problems.append(f"rank {rank}: Trainer at tp 2 on CPU: {refused['tp']}")
+        if "Resuming is not supported for models sharded at load time" not in refused["save_strategy"]:
+            problems.append(f"rank {rank}: save_strategy='steps': {refused['save_strategy']}")
+        if "planc.save(model, dir)" not in refused["save_model"] or refused["save_model_wrote"]:
+            problems.append(f"rank {rank}: save_model: {refused['save_model']} wrote {refused['save_model_wrote']}")
+    assert not problems, "\n".join(problems)

@@ -1,0 +1,239 @@
+"""Rank code of the trainer-integration tests: one spawned world runs every (model, layout, mode, client) case.
+
+Each case: a tiny fp32 model planc-applied at (tp, ep, dp) with `training.data_parallel`, trained 3 optimizer
+steps of 2 accumulated micro-batches with gradient clipping by a real client (transformers' Trainer, TRL's
+SFTTrainer, an Accelerate loop), against the unsharded model trained in this process on the same global
+batches (computed once per model and dp).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from tests.runtime.workers import full, shipped_plan
+
+STEPS, ACCUM = 3, 2
+LR = 1e-3
+MAX_NORM = 0.5  # below the tiny models' gradient norms: the clip scales every step
+MICRO_ROWS, COLS, VOCAB = 2, 8, 128
+
+
+def rows(dp: int) -> torch.Tensor:
+    """Every row the run reads, in order: optimizer step s reads rows [s * ACCUM * dp * MICRO_ROWS, +ACCUM * dp * MICRO_ROWS)."""
+    g = torch.Generator().manual_seed(2024)
+    return torch.randint(3, VOCAB, (STEPS * ACCUM * dp * MICRO_ROWS, COLS), generator=g)
+
+
+def step_rows(dp: int, step: int) -> torch.Tensor:
+    n = ACCUM * dp * MICRO_ROWS
+    return rows(dp)[step * n:(step + 1) * n]
+
+
+_REFERENCE: dict = {}
+
+
+def reference(model_type: str, dp: int) -> dict:
+    """The unsharded model trained on each step's global batch (every micro-batch of every replica at once)."""
+    key = (model_type, dp)
+    if key not in _REFERENCE:
+        from planc.models.build import build_tiny_model
+
+        ref = build_tiny_model(model_type, seed=0)
+        ref.set_experts_implementation(shipped_plan(model_type, tp=1)["experts"]["implementation"])
+        ref.train()
+        opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0)
+        losses, norms = [], []
+        for step in range(STEPS):
+            ids = step_rows(dp, step)
+            loss = ref(ids, labels=ids).loss
+            loss.backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM).item())
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        _REFERENCE[key] = {"losses": losses, "norms": norms,
+                           "params": {n: p.detach().clone() for n, p in ref.named_parameters()}}
+    return _REFERENCE[key]
+
+
+def sft_reference(model_type: str, dp: int) -> dict:
+    """TRL's SFTTrainer on the unsharded model in a process without torch.distributed, one device reading each
+    step's global batch (dp micro-batches at once). Not `reference`: TRL computes the loss its own way (a chunked
+    log-prob LM head), which differs from the model's loss by ~1e-4 (measured, on the unsharded model alone)."""
+    from planc.models.build import build_tiny_model
+
+    assert not dist.is_initialized()
+    model = build_tiny_model(model_type, seed=0)
+    model.set_experts_implementation(shipped_plan(model_type, tp=1)["experts"]["implementation"])
+    with tempfile.TemporaryDirectory() as tmp:
+        losses, norms, _ = run_sft(model, dp, tmp, rows_per_device=dp * MICRO_ROWS)
+    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def planc_model(model_type: str, tp: int, ep: int, dp: int, mode: str):
+    import planc
+    from planc.models.build import build_tiny_model
+
+    model = build_tiny_model(model_type, seed=0)
+    plan = shipped_plan(model_type, tp=tp, ep=ep, dp=dp, ep_implementation="all_to_all")
+    plan["training"] = {"data_parallel": mode}
+    planc.apply(model, plan)
+    return model
+
+
+def dataset(dp: int):
+    from datasets import Dataset
+
+    ids = rows(dp).tolist()
+    return Dataset.from_dict({"input_ids": ids, "labels": ids})
+
+
+def trainer_args(output_dir: str, rows_per_device: int = MICRO_ROWS, **extra) -> dict:
+    """TrainingArguments (SFTConfig) of every Trainer case: constant lr, plain AdamW, the data in order."""
+    return dict(
+        output_dir=output_dir, per_device_train_batch_size=rows_per_device, gradient_accumulation_steps=ACCUM,
+        max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", optim="adamw_torch", weight_decay=0.0,
+        max_grad_norm=MAX_NORM, train_sampling_strategy="sequential", logging_steps=1, save_strategy="no",
+        report_to=[], use_cpu=True, seed=0, disable_tqdm=True, **extra)
+
+
+def run_trainer(model, dp: int, output_dir: str) -> tuple[list, list, object]:
+    """transformers' Trainer as users run it; the logged per-step losses and gradient norms."""
+    from transformers import Trainer, TrainingArguments
+
+    trainer = Trainer(model=model, args=TrainingArguments(**trainer_args(output_dir)), train_dataset=dataset(dp))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return [h["loss"] for h in logs], [h["grad_norm"] for h in logs], trainer.model_wrapped
+
+
+def tokenizer():
+    """A word-level tokenizer over the tiny models' vocabulary (TRL's SFTTrainer asks for one: its pad token)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "</s>": 1, "<s>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<pad>")),
+                                   pad_token="<pad>", eos_token="</s>", bos_token="<s>")
+
+
+def run_sft(model, dp: int, output_dir: str, rows_per_device: int = MICRO_ROWS) -> tuple[list, list, object]:
+    """TRL's SFTTrainer on a tokenized dataset (input_ids only: SFTTrainer builds the labels)."""
+    from trl import SFTConfig, SFTTrainer
+
+    # the reference has no router aux loss (the tiny configs do not output router logits); TRL would turn it on
+    config = SFTConfig(**trainer_args(output_dir, rows_per_device), router_aux_loss_coef=0.0)
+    trainer = SFTTrainer(model=model, args=config, train_dataset=dataset(dp).remove_columns("labels"),
+                         processing_class=tokenizer())
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return [h["loss"] for h in logs], [h["grad_norm"] for h in logs], trainer.model_wrapped
+
+
+def run_accelerate(model, dp: int) -> tuple[list, list, object]:
+    """Accelerate's loop: prepare (the model as Trainer prepares a model sharded at load time), accumulate,
+    backward, clip_grad_norm_, step; each dp replica reads its micro-batches (TP ranks read the same ones)."""
+    import planc
+    from accelerate import Accelerator
+
+    acc = Accelerator(gradient_accumulation_steps=ACCUM, cpu=True)
+    model = acc.prepare_model(model, evaluation_mode=True)
+    opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0))
+    dp_rank = planc.device_mesh(model, "dp").get_local_rank()
+    batches = rows(dp).split(MICRO_ROWS)[dp_rank::dp]  # micro-batch i of the run: replica i % dp
+    model.train()
+    losses, norms, window = [], [], []
+    for batch in batches:
+        with acc.accumulate(model):
+            loss = model(batch, labels=batch).loss
+            acc.backward(loss)
+            window.append(loss.detach())
+            if acc.sync_gradients:
+                norms.append(acc.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+            opt.step()
+            opt.zero_grad()
+        if acc.sync_gradients:
+            mean = torch.stack(window).mean()
+            losses.append(acc.reduce(mean, reduction="mean").item())  # TP ranks hold their replica's loss
+            window = []
+    return losses, norms, model
+
+
+CLIENTS = {"trainer": run_trainer, "sft": run_sft}
+
+
+def client_case(model_type: str, tp: int, ep: int, dp: int, mode: str, client: str, sft_refs: dict) -> dict:
+    """Worst loss / grad-norm / parameter difference against the unsharded reference, and what wraps the model."""
+    ref = sft_refs[model_type, dp] if client == "sft" else reference(model_type, dp)
+    model = planc_model(model_type, tp, ep, dp, mode)
+    described = (model.is_distributed_loading_by_transformers, model.tp_size, model.config.distributed_config.dp_size)
+    with tempfile.TemporaryDirectory() as tmp:
+        out_dir = os.path.join(tmp, "out")
+        if client == "accelerate":
+            losses, norms, wrapped = run_accelerate(model, dp)
+        else:
+            losses, norms, wrapped = CLIENTS[client](model, dp, out_dir)
+    out = {"wrapped_by": type(wrapped).__name__ if wrapped is not model else None, "steps": len(losses),
+           "described": described,
+           "loss": max((abs(a - b) for a, b in zip(losses, ref["losses"])), default=float("inf")),
+           "norm_rel": max((abs(a - b) / b for a, b in zip(norms, ref["norms"])), default=float("inf"))}
+    worst, worst_name, digest = 0.0, "", hashlib.sha256()
+    for name, p in model.named_parameters():
+        f = full(p.detach())
+        diff = (f - ref["params"][name]).abs().max().item()
+        if diff > worst:
+            worst, worst_name = diff, name
+        digest.update(name.encode() + f.contiguous().numpy().tobytes())
+    out["params"], out["worst"], out["digest"] = worst, worst_name, digest.hexdigest()
+    return out
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def refusals(rank: int, world_size: int) -> dict:
+    """What Trainer refuses on a planc model, on every rank: tp > 1 on CPU (accelerate's ParallelismConfig check),
+    its own checkpoints (save_strategy), save_model (planc's save_pretrained guard, nothing written)."""
+    from transformers import Trainer, TrainingArguments
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tp_model = planc_model("mixtral", world_size, world_size, 1, "fsdp")
+        out["tp"] = _error(lambda: Trainer(model=tp_model, args=TrainingArguments(**trainer_args(tmp)),
+                                           train_dataset=dataset(1)).train())
+        model = planc_model("mixtral", 1, world_size, world_size, "fsdp")
+        steps = {**trainer_args(tmp), "save_strategy": "steps", "save_steps": 1}
+        out["save_strategy"] = _error(lambda: Trainer(model=model, args=TrainingArguments(**steps),
+                                                      train_dataset=dataset(world_size)))
+        trainer = Trainer(model=model, args=TrainingArguments(**trainer_args(tmp)), train_dataset=dataset(world_size))
+        target = os.path.join(tmp, "saved")
+        out["save_model"] = _error(lambda: trainer.save_model(target))
+        dist.barrier()
+        out["save_model_wrote"] = sorted(os.listdir(target)) if os.path.isdir(target) else []
+    return out
+
+
+def trainers_world(rank: int, world_size: int, cases: list, sft_refs: dict) -> dict:
+    """Every case in this one world (`sft_refs`: sft_reference per (model, dp), computed before the world)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    out = {}
+    for case in cases:
+        try:
+            out[case] = client_case(*case, sft_refs)
+        except Exception as e:  # noqa: BLE001 - reported per case by the test, with its traceback's last line
+            out[case] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+        dist.barrier()
+    out["refusals"] = refusals(rank, world_size)
+    return out
