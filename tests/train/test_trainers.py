@@ -3,7 +3,8 @@
 planc.apply / planc.load describe the model as transformers describes one it sharded itself
 (planc.runtime.trainers), so these clients take it without a second wrap and train it with the plan's data
 parallelism: 3 optimizer steps of 2 accumulated micro-batches with max_grad_norm equal the unsharded model
-trained on the same global batches. One spawned world runs every case (a rank's start costs more than a case);
+trained on the same global batches; 2 Trainer steps, planc.save, planc.load + load_optimizer and 2 more steps
+equal 4 uninterrupted ones. One spawned world runs every case (a rank's start costs more than a case);
 the full grid (3 families x (tp, ep, dp) x fsdp/replicate x client, 2 and 4 ranks) is
 `python -m tests.train.trainers_grid`.
 
@@ -70,4 +71,7 @@ def test_trainer_and_accelerate_train_planc_models_as_the_unsharded_model():
             problems.append(f"rank {rank}: save_strategy='steps': {refused['save_strategy']}")
         if "planc.save(model, dir)" not in refused["save_model"] or refused["save_model_wrote"]:
             problems.append(f"rank {rank}: save_model: {refused['save_model']} wrote {refused['save_model_wrote']}")
+        if r["resume"]["params"] > PARAM_TOL:
+            problems.append(f"rank {rank}: Trainer resumed through planc.save/load_optimizer is off by "
+                            f"{r['resume']['params']:.3g} from the uninterrupted run")
     assert not problems, "\n".join(problems)

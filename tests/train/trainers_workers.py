@@ -75,6 +75,45 @@ def sft_reference(model_type: str, dp: int) -> dict:
     return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
+LORA_TARGETS = ["q_proj", "v_proj", "o_proj"]
+
+
+def lora(model):
+    """PEFT LoRA on the attention projections (B zero-initialised by peft: made nonzero so that A trains at step 0)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(7)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, lora_dropout=0.0,
+                                                  init_lora_weights="gaussian"))
+    return peft_model
+
+
+def lora_reference(model_type: str, dp: int) -> dict:
+    """The unsharded LoRA run on the same global batches: the adapters after 3 steps."""
+    key = ("lora", model_type, dp)
+    if key not in _REFERENCE:
+        from planc.models.build import build_tiny_model
+
+        ref = build_tiny_model(model_type, seed=0)
+        ref.set_experts_implementation(shipped_plan(model_type, tp=1)["experts"]["implementation"])
+        ref = lora(ref)
+        ref.train()
+        trainable = [p for p in ref.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.0)
+        losses, norms = [], []
+        for step in range(STEPS):
+            ids = step_rows(dp, step)
+            loss = ref(input_ids=ids, labels=ids).loss
+            loss.backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(trainable, MAX_NORM).item())
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        _REFERENCE[key] = {"losses": losses, "norms": norms,
+                           "params": {n: p.detach().clone() for n, p in ref.named_parameters() if p.requires_grad}}
+    return _REFERENCE[key]
+
+
 def planc_model(model_type: str, tp: int, ep: int, dp: int, mode: str):
     import planc
     from planc.models.build import build_tiny_model
@@ -193,6 +232,49 @@ def client_case(model_type: str, tp: int, ep: int, dp: int, mode: str, client: s
     return out
 
 
+def resume_check(rank: int, world_size: int, mode: str = "fsdp") -> dict:
+    """Trainer for 2 steps, planc.save (model + optimizer), planc.load + load_optimizer, Trainer for 2 more steps:
+    equal to 4 uninterrupted steps. The optimizer is the user's, handed to Trainer (`optimizers=`)."""
+    import planc
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    dp = world_size
+    per_step = ACCUM * dp * MICRO_ROWS
+    ids = torch.randint(3, VOCAB, (4 * per_step, COLS), generator=torch.Generator().manual_seed(5))
+    plan = shipped_plan("mixtral", tp=1, ep=world_size, dp=dp, ep_implementation="all_to_all")
+    plan["training"] = {"data_parallel": mode}
+
+    def train(model, first: int, steps: int, tmp: str):
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+        return opt, lambda: Trainer(
+            model=model, optimizers=(opt, None),
+            args=TrainingArguments(**{**trainer_args(os.path.join(tmp, "out")), "max_steps": steps}),
+            train_dataset=Dataset.from_dict({"input_ids": ids[first * per_step:(first + steps) * per_step].tolist(),
+                                             "labels": ids[first * per_step:(first + steps) * per_step].tolist()}),
+        ).train()
+
+    with tempfile.TemporaryDirectory() as tmp0:
+        tmp = [tmp0]
+        dist.broadcast_object_list(tmp)  # one checkpoint dir for every rank
+        whole = planc_model("mixtral", 1, world_size, dp, mode)
+        _, run = train(whole, 0, 4, tmp[0])
+        run()
+        first = planc_model("mixtral", 1, world_size, dp, mode)
+        opt, run = train(first, 0, 2, tmp[0])
+        run()
+        ckpt = os.path.join(tmp[0], "ckpt")
+        planc.save(first, ckpt, optimizer=opt)
+        resumed = planc.load(ckpt, plan)
+        opt, run = train(resumed, 2, 2, tmp[0])
+        planc.load_optimizer(resumed, opt, ckpt)
+        run()
+        mine = dict(resumed.named_parameters())
+        diff = max((full(p.detach()) - full(mine[n].detach())).abs().max().item() for n, p in whole.named_parameters())
+        dist.barrier()
+    return {"params": diff}
+
+
 def _error(fn) -> str:
     try:
         fn()
@@ -236,4 +318,5 @@ def trainers_world(rank: int, world_size: int, cases: list, sft_refs: dict) -> d
             out[case] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
         dist.barrier()
     out["refusals"] = refusals(rank, world_size)
+    out["resume"] = resume_check(rank, world_size)
     return out
