@@ -86,6 +86,11 @@ def compile_and_check(model, plan, mesh, *, device: Optional[torch.device] = Non
     the model will run (planc.load builds it on `meta` first); default: where it lives. `launched=False`
     (`planc explain --checkpoint`): no world is running, so the world size and the kernels' device are not checked.
     """
+    from planc.runtime.trainers import peft_model_problem
+
+    peft = peft_model_problem(model)
+    if peft:
+        return None, [peft]
     try:
         loaded = _load(plan, parallel)
         if mesh is None and launched:

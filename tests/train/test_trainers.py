@@ -4,7 +4,9 @@ planc.apply / planc.load describe the model as transformers describes one it sha
 (planc.runtime.trainers), so these clients take it without a second wrap and train it with the plan's data
 parallelism: 3 optimizer steps of 2 accumulated micro-batches with max_grad_norm equal the unsharded model
 trained on the same global batches; 2 Trainer steps, planc.save, planc.load + load_optimizer and 2 more steps
-equal 4 uninterrupted ones. One spawned world runs every case (a rank's start costs more than a case);
+equal 4 uninterrupted ones. PEFT LoRA after planc.apply (tp 1, replicate) trains only the adapters, equal on every
+replica and to the unsharded LoRA run, and save_pretrained writes the unsharded run's adapter file; adapters on
+TP or FSDP-sharded layers, and planc.apply on a PeftModel, are refused with the order that works. One spawned world runs every case (a rank's start costs more than a case);
 the full grid (3 families x (tp, ep, dp) x fsdp/replicate x client, 2 and 4 ranks) is
 `python -m tests.train.trainers_grid`.
 
@@ -71,6 +73,13 @@ def test_trainer_and_accelerate_train_planc_models_as_the_unsharded_model():
             problems.append(f"rank {rank}: save_strategy='steps': {refused['save_strategy']}")
         if "planc.save(model, dir)" not in refused["save_model"] or refused["save_model_wrote"]:
             problems.append(f"rank {rank}: save_model: {refused['save_model']} wrote {refused['save_model_wrote']}")
+        for case, lora in r["lora"].items():
+            if not (lora["names"] and lora["optimizer_holds_only_adapters"]) or lora["adapters"] > PARAM_TOL \
+                    or lora["file"] > PARAM_TOL or lora["digest"] != results[0]["lora"][case]["digest"]:
+                problems.append(f"rank {rank}: LoRA {case}: {lora}")
+        for name, message in r["lora_refusals"].items():
+            if "ApplyError" not in message or "get_peft_model on the applied model" not in message:
+                problems.append(f"rank {rank}: LoRA {name}: {message}")
         if r["resume"]["params"] > PARAM_TOL:
             problems.append(f"rank {rank}: Trainer resumed through planc.save/load_optimizer is off by "
                             f"{r['resume']['params']:.3g} from the uninterrupted run")

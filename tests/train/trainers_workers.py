@@ -76,6 +76,7 @@ def sft_reference(model_type: str, dp: int) -> dict:
 
 
 LORA_TARGETS = ["q_proj", "v_proj", "o_proj"]
+LORA_CASES = [("mixtral", 1, 2, 2, "replicate"), ("deepseek_v3", 1, 2, 2, "replicate")]
 
 
 def lora(model):
@@ -109,7 +110,12 @@ def lora_reference(model_type: str, dp: int) -> dict:
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
-        _REFERENCE[key] = {"losses": losses, "norms": norms,
+        with tempfile.TemporaryDirectory() as tmp:
+            ref.save_pretrained(tmp, is_main_process=True)
+            from safetensors.torch import load_file
+
+            file = load_file(os.path.join(tmp, "adapter_model.safetensors"))
+        _REFERENCE[key] = {"losses": losses, "norms": norms, "file": file,
                            "params": {n: p.detach().clone() for n, p in ref.named_parameters() if p.requires_grad}}
     return _REFERENCE[key]
 
@@ -275,6 +281,57 @@ def resume_check(rank: int, world_size: int, mode: str = "fsdp") -> dict:
     return {"params": diff}
 
 
+def lora_case(model_type: str, tp: int, ep: int, dp: int, mode: str) -> dict:
+    """PEFT LoRA (get_peft_model after planc.apply) trained by Trainer against the unsharded LoRA run: the adapters
+    after 3 steps, the optimizer's parameters, and the adapter file save_pretrained writes."""
+    from safetensors.torch import load_file
+    from transformers import Trainer, TrainingArguments
+
+    ref = lora_reference(model_type, dp)
+    model = lora(planc_model(model_type, tp, ep, dp, mode))
+    with tempfile.TemporaryDirectory() as tmp0:
+        tmp = [tmp0]
+        dist.broadcast_object_list(tmp)
+        trainer = Trainer(model=model, args=TrainingArguments(**trainer_args(os.path.join(tmp[0], "out"))),
+                          train_dataset=dataset(dp))
+        trainer.train()
+        adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        in_optimizer = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+        saved = os.path.join(tmp[0], "adapter")
+        model.save_pretrained(saved, is_main_process=dist.get_rank() == 0)
+        dist.barrier()
+        written = load_file(os.path.join(saved, "adapter_model.safetensors"))
+        dist.barrier()
+    file_diff = max((written[k] - ref["file"][k]).abs().max().item() for k in ref["file"]) \
+        if set(written) == set(ref["file"]) else float("inf")
+    return {
+        "adapters": max((full(p.detach()) - ref["params"][n]).abs().max().item() for n, p in adapters.items()),
+        "names": sorted(adapters) == sorted(ref["params"]),
+        "optimizer_holds_only_adapters": in_optimizer == {id(p) for p in adapters.values()},
+        "file": file_diff,
+        "digest": hashlib.sha256(b"".join(full(p.detach()).numpy().tobytes() for p in adapters.values())).hexdigest(),
+    }
+
+
+def lora_refusals(rank: int, world_size: int) -> dict:
+    """What planc refuses with PEFT: adapters on FSDP-sharded or tensor-parallel layers (at the first forward) and
+    planc.apply on a PeftModel (before anything changes)."""
+    from planc.models.build import build_tiny_model
+
+    out = {}
+    for name, (tp, ep, dp, mode) in {"fsdp": (1, world_size, world_size, "fsdp"),
+                                     "tp": (world_size, world_size, 1, "replicate")}.items():
+        model = lora(planc_model("mixtral", tp, ep, dp, mode))
+        ids = rows(dp)[:MICRO_ROWS]
+        out[name] = _error(lambda: model(input_ids=ids, labels=ids))
+    import planc
+
+    peft_first = lora(build_tiny_model("mixtral", seed=0))
+    out["apply_on_peft"] = _error(lambda: planc.apply(
+        peft_first, shipped_plan("mixtral", tp=1, ep=world_size, dp=world_size, ep_implementation="all_to_all")))
+    return out
+
+
 def _error(fn) -> str:
     try:
         fn()
@@ -319,4 +376,6 @@ def trainers_world(rank: int, world_size: int, cases: list, sft_refs: dict) -> d
         dist.barrier()
     out["refusals"] = refusals(rank, world_size)
     out["resume"] = resume_check(rank, world_size)
+    out["lora"] = {case: lora_case(*case) for case in LORA_CASES}
+    out["lora_refusals"] = lora_refusals(rank, world_size)
     return out
