@@ -323,7 +323,7 @@ def lora_refusals(rank: int, world_size: int) -> dict:
                                      "tp": (world_size, world_size, 1, "replicate")}.items():
         model = lora(planc_model("mixtral", tp, ep, dp, mode))
         ids = rows(dp)[:MICRO_ROWS]
-        out[name] = _error(lambda: model(input_ids=ids, labels=ids))
+        out[name] = _error(lambda model=model, ids=ids: model(input_ids=ids, labels=ids))
     import planc
 
     peft_first = lora(build_tiny_model("mixtral", seed=0))
