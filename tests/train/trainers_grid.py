@@ -23,9 +23,12 @@ LAYOUTS = ((1, 2, 2), (2, 2, 1), (2, 2, 2), (1, 4, 4))
 
 def grid(world: int, sft: bool) -> list[tuple]:
     clients = ("trainer", "accelerate") + (("sft",) if sft else ())
-    return [(m, tp, ep, dp, mode, client) for tp, ep, dp in LAYOUTS if tp * dp == world
-            for client in clients if not (client != "accelerate" and tp > 1)
-            for mode in ("fsdp", "replicate") for m in MODELS]
+    cases = [(m, tp, ep, dp, mode, client) for tp, ep, dp in LAYOUTS if tp * dp == world
+             for client in clients if not (client != "accelerate" and tp > 1)
+             for mode in ("fsdp", "replicate") for m in MODELS]
+    # SFTTrainer last: an Accelerate loop run after it in the same process was measured off by 2e-3 (cause not
+    # found; process-wide state left by TRL or accelerate is suspected: the same loop alone is exact)
+    return sorted(cases, key=lambda c: c[5] == "sft")
 
 
 def main() -> None:
