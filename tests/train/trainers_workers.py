@@ -62,17 +62,23 @@ def reference(model_type: str, dp: int) -> dict:
 
 
 def sft_reference(model_type: str, dp: int) -> dict:
-    """TRL's SFTTrainer on the unsharded model in a process without torch.distributed, one device reading each
-    step's global batch (dp micro-batches at once). Not `reference`: TRL computes the loss its own way (a chunked
-    log-prob LM head), which differs from the model's loss by ~1e-4 (measured, on the unsharded model alone)."""
-    from planc.models.build import build_tiny_model
+    """TRL's SFTTrainer on the unsharded model, which accelerate wraps in DDP over this world (dp == world size).
+    The peer for SFTTrainer cases, not `reference`: TRL's loss (a chunked log-prob LM head, per-device token
+    counts) differs from one process on the global batch by ~3e-4 under DDP too (measured: DDP and planc give
+    bit-identical results, both that far from TRL's single-process run)."""
+    key = ("sft", model_type, dp)
+    if key not in _REFERENCE:
+        from planc.models.build import build_tiny_model
 
-    assert not dist.is_initialized()
-    model = build_tiny_model(model_type, seed=0)
-    model.set_experts_implementation(shipped_plan(model_type, tp=1)["experts"]["implementation"])
-    with tempfile.TemporaryDirectory() as tmp:
-        losses, norms, _ = run_sft(model, dp, tmp, rows_per_device=dp * MICRO_ROWS)
-    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+        assert dp == dist.get_world_size()
+        model = build_tiny_model(model_type, seed=0)
+        model.set_experts_implementation(shipped_plan(model_type, tp=1)["experts"]["implementation"])
+        with tempfile.TemporaryDirectory() as tmp:
+            losses, norms, wrapped = run_sft(model, dp, tmp)
+        assert type(wrapped).__name__ == "DistributedDataParallel"
+        _REFERENCE[key] = {"losses": losses, "norms": norms,
+                           "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return _REFERENCE[key]
 
 
 LORA_TARGETS = ["q_proj", "v_proj", "o_proj"]
@@ -138,10 +144,10 @@ def dataset(dp: int):
     return Dataset.from_dict({"input_ids": ids, "labels": ids})
 
 
-def trainer_args(output_dir: str, rows_per_device: int = MICRO_ROWS, **extra) -> dict:
+def trainer_args(output_dir: str, **extra) -> dict:
     """TrainingArguments (SFTConfig) of every Trainer case: constant lr, plain AdamW, the data in order."""
     return dict(
-        output_dir=output_dir, per_device_train_batch_size=rows_per_device, gradient_accumulation_steps=ACCUM,
+        output_dir=output_dir, per_device_train_batch_size=MICRO_ROWS, gradient_accumulation_steps=ACCUM,
         max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", optim="adamw_torch", weight_decay=0.0,
         max_grad_norm=MAX_NORM, train_sampling_strategy="sequential", logging_steps=1, save_strategy="no",
         report_to=[], use_cpu=True, seed=0, disable_tqdm=True, **extra)
@@ -167,12 +173,12 @@ def tokenizer():
                                    pad_token="<pad>", eos_token="</s>", bos_token="<s>")
 
 
-def run_sft(model, dp: int, output_dir: str, rows_per_device: int = MICRO_ROWS) -> tuple[list, list, object]:
+def run_sft(model, dp: int, output_dir: str) -> tuple[list, list, object]:
     """TRL's SFTTrainer on a tokenized dataset (input_ids only: SFTTrainer builds the labels)."""
     from trl import SFTConfig, SFTTrainer
 
     # the reference has no router aux loss (the tiny configs do not output router logits); TRL would turn it on
-    config = SFTConfig(**trainer_args(output_dir, rows_per_device), router_aux_loss_coef=0.0)
+    config = SFTConfig(**trainer_args(output_dir), router_aux_loss_coef=0.0)
     trainer = SFTTrainer(model=model, args=config, train_dataset=dataset(dp).remove_columns("labels"),
                          processing_class=tokenizer())
     trainer.train()
@@ -212,9 +218,9 @@ def run_accelerate(model, dp: int) -> tuple[list, list, object]:
 CLIENTS = {"trainer": run_trainer, "sft": run_sft}
 
 
-def client_case(model_type: str, tp: int, ep: int, dp: int, mode: str, client: str, sft_refs: dict) -> dict:
+def client_case(model_type: str, tp: int, ep: int, dp: int, mode: str, client: str) -> dict:
     """Worst loss / grad-norm / parameter difference against the unsharded reference, and what wraps the model."""
-    ref = sft_refs[model_type, dp] if client == "sft" else reference(model_type, dp)
+    ref = sft_reference(model_type, dp) if client == "sft" else reference(model_type, dp)
     model = planc_model(model_type, tp, ep, dp, mode)
     described = (model.is_distributed_loading_by_transformers, model.tp_size, model.config.distributed_config.dp_size)
     with tempfile.TemporaryDirectory() as tmp:
@@ -362,20 +368,21 @@ def refusals(rank: int, world_size: int) -> dict:
     return out
 
 
-def trainers_world(rank: int, world_size: int, cases: list, sft_refs: dict) -> dict:
-    """Every case in this one world (`sft_refs`: sft_reference per (model, dp), computed before the world)."""
+def trainers_world(rank: int, world_size: int, cases: list, extras: bool = True) -> dict:
+    """Every case in this one world; `extras`: Trainer's refusals, resume, LoRA (test_trainers.py)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     out = {}
     for case in cases:
         try:
-            out[case] = client_case(*case, sft_refs)
+            out[case] = client_case(*case)
         except Exception as e:  # noqa: BLE001 - reported per case by the test, with its traceback's last line
             out[case] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
         dist.barrier()
-    out["refusals"] = refusals(rank, world_size)
-    out["resume"] = resume_check(rank, world_size)
-    out["lora"] = {case: lora_case(*case) for case in LORA_CASES}
-    out["lora_refusals"] = lora_refusals(rank, world_size)
+    if extras:
+        out["refusals"] = refusals(rank, world_size)
+        out["resume"] = resume_check(rank, world_size)
+        out["lora"] = {case: lora_case(*case) for case in LORA_CASES}
+        out["lora_refusals"] = lora_refusals(rank, world_size)
     return out
