@@ -61,8 +61,11 @@ def peft_model_problem(model: nn.Module) -> Optional[str]:
 
 
 def _refuse_sharded_adapters(model: nn.Module, args) -> None:
-    """Before each forward of a model sharded by TP or FSDP: peft sizes a LoRA adapter for the local shard of a base
-    weight whose mesh is not named "fsdp" (peft's _get_in_out_features), which computes wrong results here."""
+    """Before each training forward of a model sharded by TP or FSDP: peft sizes a LoRA adapter for the local shard of
+    a base weight whose mesh is not named "fsdp" (peft's _get_in_out_features), which computes wrong results here.
+    Eval forwards (generate) skip the walk over the modules."""
+    if not model.training:
+        return
     for path, module in model.named_modules():
         base = getattr(module, "base_layer", None)
         if base is not None and hasattr(module, "lora_A") and isinstance(getattr(base, "weight", None), DTensor):

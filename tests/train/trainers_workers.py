@@ -320,7 +320,7 @@ def lora_case(model_type: str, tp: int, ep: int, dp: int, mode: str) -> dict:
 
 
 def lora_refusals(rank: int, world_size: int) -> dict:
-    """What planc refuses with PEFT: adapters on FSDP-sharded or tensor-parallel layers (at the first forward) and
+    """What planc refuses with PEFT: adapters on FSDP-sharded or tensor-parallel layers (at a training forward) and
     planc.apply on a PeftModel (before anything changes)."""
     from planc.models.build import build_tiny_model
 
@@ -328,6 +328,7 @@ def lora_refusals(rank: int, world_size: int) -> dict:
     for name, (tp, ep, dp, mode) in {"fsdp": (1, world_size, world_size, "fsdp"),
                                      "tp": (world_size, world_size, 1, "replicate")}.items():
         model = lora(planc_model("mixtral", tp, ep, dp, mode))
+        model.train()  # as Trainer does: the check runs on training forwards
         ids = rows(dp)[:MICRO_ROWS]
         out[name] = _error(lambda model=model, ids=ids: model(input_ids=ids, labels=ids))
     import planc
