@@ -83,6 +83,11 @@ def compile_and_check(model, plan, mesh, *, device: Optional[torch.device] = Non
     the model will run (planc.load builds it on `meta` first); default: where it lives. `launched=False`
     (`planc explain --checkpoint`): no world is running, so the world size and the kernels' device are not checked.
     """
+    from planc.runtime.trainers import peft_model_problem
+
+    peft = peft_model_problem(model)
+    if peft:
+        return None, [peft]
     try:
         loaded = _load(plan, parallel)
         if mesh is None and launched:
@@ -431,6 +436,13 @@ def step_data_parallel(state: InstallState) -> None:
     guard_torch_clip_grad_norm()
 
 
+def step_declare_to_trainers(state: InstallState) -> None:
+    """Describe the model as transformers describes one it sharded itself: Trainer and Accelerate leave it to planc."""
+    from planc.runtime.trainers import declare_to_trainers
+
+    declare_to_trainers(state.model, state.compiled)
+
+
 INSTALL_STEPS: list[Callable[[InstallState], None]] = [
     step_set_experts_implementation,
     step_shard_parameters,
@@ -439,6 +451,7 @@ INSTALL_STEPS: list[Callable[[InstallState], None]] = [
     step_install_ep_forwards,
     step_mark_applied,
     step_data_parallel,
+    step_declare_to_trainers,
 ]
 
 

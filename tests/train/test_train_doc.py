@@ -29,20 +29,22 @@ ep_plan:
 """
 
 
-def script_text() -> str:
+def script_text(name: str = "train.py") -> str:
     text = (ROOT / "docs" / "train.md").read_text(encoding="utf-8")
-    found = re.search(r"<!-- train\.py -->\n```python\n(.*?)```", text, re.DOTALL)
-    assert found, "docs/train.md lost its `<!-- train.py -->` block"
+    found = re.search(rf"<!-- {re.escape(name)} -->\n```python\n(.*?)```", text, re.DOTALL)
+    assert found, f"docs/train.md lost its `<!-- {name} -->` block"
     return found.group(1)
 
 
-def torchrun(tmp: Path, nproc: int, *args: str) -> list[tuple[int, float, float]]:
+def torchrun(tmp: Path, nproc: int, *args: str, script: str = "train.py") -> list[tuple[int, float, float]]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(tmp / "train.py"), "--plan", str(tmp / "plan.yaml"), *args]
+           str(tmp / script), "--plan", str(tmp / "plan.yaml"), *args]
     run = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=600, check=False)
     assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
+    if script != "train.py":
+        return [(int(s), float(loss), 0.0) for s, loss in re.findall(r"step (\d+) loss ([\d.]+)", run.stdout)]
     return [(int(s), float(loss), float(norm)) for s, loss, norm in
             re.findall(r"step (\d+) loss ([\d.]+) grad_norm ([\d.]+)", run.stdout)]
 
@@ -65,3 +67,41 @@ def test_train_md_script_trains_checkpoints_and_resumes_at_another_size(tmp_path
     for (s, loss, norm), (_, loss2, norm2) in zip(whole, first + resumed):
         assert abs(loss - loss2) <= 1e-5, f"step {s}: loss {loss2} after resuming, {loss} uninterrupted"
         assert abs(norm - norm2) <= 1e-5 * norm, f"step {s}: grad norm {norm2} after resuming, {norm} uninterrupted"
+
+
+@pytest.mark.distributed
+def test_hf_train_md_script_trains_with_trainer_and_accelerate_as_the_unsharded_model(tmp_path):
+    """docs/train.md's Trainer and Accelerate recipe on 2 ranks (tp 1, ep 2, dp 2, fsdp) against the unsharded
+    model trained in this process on the same global batches (accumulation 2, clipping at 0.5)."""
+    import importlib.util
+
+    import torch
+
+    from planc.models.build import build_tiny_model
+
+    (tmp_path / "hf_train.py").write_text(script_text("hf_train.py"), encoding="utf-8")
+    (tmp_path / "plan.yaml").write_text(PLAN.replace("tp_size: 2, ep_size: 2, dp_size: 2",
+                                                     "tp_size: 1, ep_size: 2, dp_size: 2"), encoding="utf-8")
+    ref = build_tiny_model("mixtral", seed=0)
+    ref.save_pretrained(tmp_path / "hub")
+    spec = importlib.util.spec_from_file_location("hf_train", tmp_path / "hf_train.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    rows = recipe.all_rows(2, ref.config.vocab_size)
+    ref.set_experts_implementation("grouped_mm")
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.0)
+    per_step = recipe.ACCUM * 2 * recipe.MICRO
+    want = []
+    for step in range(recipe.STEPS):
+        ids = rows[step * per_step:(step + 1) * per_step]
+        loss = ref(ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    for client in ("trainer", "accelerate"):
+        got = torchrun(tmp_path, 2, "--model", str(tmp_path / "hub"), "--client", client, script="hf_train.py")
+        assert [s for s, *_ in got] == [0, 1, 2], f"{client}: {got}"
+        for (s, loss, _), w in zip(got, want):
+            assert abs(loss - w) <= 1e-5, f"{client} step {s}: loss {loss}, unsharded {w}"

@@ -1,0 +1,79 @@
+"""What Hugging Face Trainer (TRL's SFTTrainer too) and Accelerate read to leave a planc model's distribution to planc.
+
+transformers shards a model itself with `from_pretrained(distributed_config=DistributedConfig(...))` and
+marks it so that its `Trainer` does not wrap it again: `model.is_distributed_loading_by_transformers`
+(Trainer then prepares it with `accelerator.prepare_model(model, evaluation_mode=True)`: no DDP, no
+device move; reshards FSDP2 units before building the optimizer; defers FSDP2's gradient reduction over
+accumulation micro-batches with `set_requires_gradient_sync`), `model.tp_size` (its data-parallel world
+is `world // tp_size`; above 1 it hands accelerate a `ParallelismConfig`) and
+`model.config.distributed_config` (`dp_size`, `dp_replicate_size`). A planc model is sharded by its plan
+in the same sense, so `planc.apply` / `planc.load` describe it the same way, as their last install step:
+nothing for users to set. `tests/train/test_trainers.py` pins this contract against the installed
+transformers and accelerate.
+
+The description: `tp_size` the plan's, `ep_size` the plan's, and every data-parallel replica one FSDP
+rank (`fsdp_size = dp_size`, `dp_replicate_size = 1`): planc's `replicate` and `fsdp` both reduce over
+the dp ranks as one group, and both answer `set_requires_gradient_sync` (torch's `replicate` is FSDP2
+based). Trainer's own checkpoints of such a model are refused upstream ("Resuming is not supported for
+models sharded at load time"); planc's checkpoints go through `planc.save` (docs/train.md).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from planc.errors import ApplyError
+
+_LORA_WORKS = ("LoRA with PEFT works on planc models at tp_size 1 with `training: {data_parallel: replicate}`: "
+               "call get_peft_model on the applied model (Trainer keeps the adapters equal across replicas, "
+               "docs/train.md).")
+
+
+def declare_to_trainers(model: nn.Module, compiled) -> None:
+    """Mark `model` as transformers marks a model it sharded at load time (see the module doc)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "is_distributed_loading_by_transformers"):
+        return  # not a transformers PreTrainedModel of a version with this contract: nothing reads it
+    from transformers.distributed import DistributedConfig
+
+    p = compiled.parallel
+    # the attributes DistributedMixin.maybe_distribute_model sets on a model transformers shards itself
+    model.__dict__["_is_distributed_loading_by_transformers"] = True
+    model.__dict__["_tp_size"] = p.tp_size
+    config.distributed_config = DistributedConfig(tp_size=p.tp_size, fsdp_size=p.dp_size, dp_replicate_size=1,
+                                                  ep_size=p.ep_size)
+    if p.tp_size > 1 or (compiled.data_parallel == "fsdp" and p.dp_size > 1):
+        model.register_forward_pre_hook(_refuse_sharded_adapters)
+
+
+def peft_model_problem(model: nn.Module) -> Optional[str]:
+    """planc.apply / planc.load on a PeftModel: the plan names the base model's modules, and peft's layers would be
+    sharded as if they were the base layers. One message naming the order that works."""
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+        return (f"planc: {type(model).__name__} is a PEFT model (get_peft_model ran before planc): the plan names "
+                "the base model's modules and peft's adapter layers are not in it. Apply the plan to the base model "
+                "first (planc.apply(model, plan) or planc.load), then call get_peft_model on the applied model. "
+                + _LORA_WORKS)
+    return None
+
+
+def _refuse_sharded_adapters(model: nn.Module, args) -> None:
+    """Before each training forward of a model sharded by TP or FSDP: peft sizes a LoRA adapter for the local shard of
+    a base weight whose mesh is not named "fsdp" (peft's _get_in_out_features), which computes wrong results here.
+    Eval forwards (generate) skip the walk over the modules."""
+    if not model.training:
+        return
+    for path, module in model.named_modules():
+        base = getattr(module, "base_layer", None)
+        if base is not None and hasattr(module, "lora_A") and isinstance(getattr(base, "weight", None), DTensor):
+            raise ApplyError(
+                f"planc: a PEFT LoRA layer wraps {path}, which planc shards (tensor parallel, or FSDP over the dp "
+                "ranks): peft sizes the adapter for the local shard and trains it as a replicated tensor, so the "
+                f"model would compute and train wrongly. {_LORA_WORKS} Adapters on tensor-parallel or FSDP-sharded "
+                "layers are not supported yet.")
+
+
+__all__ = ["declare_to_trainers"]

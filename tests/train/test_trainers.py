@@ -1,0 +1,88 @@
+"""transformers' Trainer, TRL's SFTTrainer and an Accelerate loop on planc models, on 2 gloo ranks.
+
+planc.apply / planc.load describe the model as transformers describes one it sharded itself
+(planc.runtime.trainers), so these clients take it without a second wrap and train it with the plan's data
+parallelism: 3 optimizer steps of 2 accumulated micro-batches with max_grad_norm equal the unsharded model
+trained on the same global batches (SFTTrainer: equal to SFTTrainer on the unsharded model under DDP, since
+TRL's loss under DDP is itself ~3e-4 from one process on the global batch); 2 Trainer steps, planc.save, planc.load + load_optimizer and 2 more steps
+equal 4 uninterrupted ones. PEFT LoRA after planc.apply (tp 1, replicate) trains only the adapters, equal on every
+replica and to the unsharded LoRA run, and save_pretrained writes the unsharded run's adapter file; adapters on
+TP or FSDP-sharded layers, and planc.apply on a PeftModel, are refused with the order that works. One spawned world runs every case (a rank's start costs more than a case);
+the full grid (3 families x (tp, ep, dp) x fsdp/replicate x client, 2 and 4 ranks) is
+`python -m tests.train.trainers_grid`.
+
+On CPU, Trainer refuses tp > 1 upstream: transformers hands accelerate a ParallelismConfig(tp_size=...), and
+accelerate's ParallelismConfig._validate_accelerator accepts it only under FSDP2, a multi-device launch or
+DeepSpeed ("ParallelismConfig is only compatible DistributedType.FSDP (version 2) or
+DistributedType.Multi{Device} or DistributedType.DEEPSPEED, but got DistributedType.MULTI_CPU"). The
+Accelerate loop covers tp 2 here.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import run_distributed
+from tests.train.trainers_workers import trainers_world
+
+LOSS_TOL, PARAM_TOL, NORM_REL = 1e-5, 1e-4, 1e-5
+
+# (model, tp, ep, dp, data_parallel, client): every family, both modes, both clients, tp 1 and tp 2
+CI_CASES = [
+    ("mixtral", 1, 2, 2, "fsdp", "trainer"),
+    ("deepseek_v3", 1, 2, 2, "replicate", "trainer"),
+    ("qwen3_moe", 2, 2, 1, "fsdp", "accelerate"),
+    ("deepseek_v3", 2, 2, 1, "replicate", "accelerate"),
+    ("qwen3_moe", 1, 2, 2, "fsdp", "sft"),  # against SFTTrainer on the unsharded model under DDP
+]
+
+
+def failures(cases: list, results: list) -> list[str]:
+    out = []
+    for case in cases:
+        per_rank = [r[case] for r in results]
+        first = per_rank[0]
+        if "error" in first:
+            out.append(f"{case}: {first['error']}")
+            continue
+        tp, dp = case[1], case[3]
+        if first["described"] != (True, tp, dp):
+            out.append(f"{case}: described to transformers as {first['described']}")
+        if first["wrapped_by"] is not None:
+            out.append(f"{case}: wrapped again by {first['wrapped_by']}")
+        if first["steps"] != 3:
+            out.append(f"{case}: {first['steps']} optimizer steps logged")
+        if first["loss"] > LOSS_TOL:
+            out.append(f"{case}: loss off by {first['loss']:.3g}")
+        if first["norm_rel"] > NORM_REL:
+            out.append(f"{case}: clip norm off by {first['norm_rel']:.3g} (relative)")
+        if first["params"] > PARAM_TOL:
+            out.append(f"{case}: {first['worst']} off by {first['params']:.3g}")
+        if len({r["digest"] for r in per_rank}) != 1:
+            out.append(f"{case}: the full parameters differ between ranks")
+    return out
+
+
+@pytest.mark.distributed
+def test_trainer_and_accelerate_train_planc_models_as_the_unsharded_model():
+    results = run_distributed(trainers_world, 2, CI_CASES)
+    problems = failures(CI_CASES, results)
+    for rank, r in enumerate(results):
+        refused = r["refusals"]
+        if "ParallelismConfig is only compatible" not in refused["tp"]:
+            problems.append(f"rank {rank}: Trainer at tp 2 on CPU: {refused['tp']}")
+        if "Resuming is not supported for models sharded at load time" not in refused["save_strategy"]:
+            problems.append(f"rank {rank}: save_strategy='steps': {refused['save_strategy']}")
+        if "planc.save(model, dir)" not in refused["save_model"] or refused["save_model_wrote"]:
+            problems.append(f"rank {rank}: save_model: {refused['save_model']} wrote {refused['save_model_wrote']}")
+        for case, lora in r["lora"].items():
+            if not (lora["names"] and lora["optimizer_holds_only_adapters"]) or lora["adapters"] > PARAM_TOL \
+                    or lora["file"] > PARAM_TOL or lora["digest"] != results[0]["lora"][case]["digest"]:
+                problems.append(f"rank {rank}: LoRA {case}: {lora}")
+        for name, message in r["lora_refusals"].items():
+            if "ApplyError" not in message or "get_peft_model on the applied model" not in message:
+                problems.append(f"rank {rank}: LoRA {name}: {message}")
+        if r["resume"]["params"] > PARAM_TOL:
+            problems.append(f"rank {rank}: Trainer resumed through planc.save/load_optimizer is off by "
+                            f"{r['resume']['params']:.3g} from the uninterrupted run")
+    assert not problems, "\n".join(problems)

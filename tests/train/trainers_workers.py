@@ -1,0 +1,389 @@
+"""Rank code of the trainer-integration tests: one spawned world runs every (model, layout, mode, client) case.
+
+Each case: a tiny fp32 model planc-applied at (tp, ep, dp) with `training.data_parallel`, trained 3 optimizer
+steps of 2 accumulated micro-batches with gradient clipping by a real client (transformers' Trainer, TRL's
+SFTTrainer, an Accelerate loop), against the unsharded model trained in this process on the same global
+batches (computed once per model and dp).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from tests.runtime.workers import full, shipped_plan
+
+STEPS, ACCUM = 3, 2
+LR = 1e-3
+MAX_NORM = 0.5  # below the tiny models' gradient norms: the clip scales every step
+MICRO_ROWS, COLS, VOCAB = 2, 8, 128
+
+
+def rows(dp: int) -> torch.Tensor:
+    """Every row the run reads, in order: optimizer step s reads rows [s * ACCUM * dp * MICRO_ROWS, +ACCUM * dp * MICRO_ROWS)."""
+    g = torch.Generator().manual_seed(2024)
+    return torch.randint(3, VOCAB, (STEPS * ACCUM * dp * MICRO_ROWS, COLS), generator=g)
+
+
+def step_rows(dp: int, step: int) -> torch.Tensor:
+    n = ACCUM * dp * MICRO_ROWS
+    return rows(dp)[step * n:(step + 1) * n]
+
+
+_REFERENCE: dict = {}
+
+
+def reference(model_type: str, dp: int) -> dict:
+    """The unsharded model trained on each step's global batch (every micro-batch of every replica at once)."""
+    key = (model_type, dp)
+    if key not in _REFERENCE:
+        from planc.models.build import build_tiny_model
+
+        ref = build_tiny_model(model_type, seed=0)
+        ref.set_experts_implementation(shipped_plan(model_type, tp=1)["experts"]["implementation"])
+        ref.train()
+        opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0)
+        losses, norms = [], []
+        for step in range(STEPS):
+            ids = step_rows(dp, step)
+            loss = ref(ids, labels=ids).loss
+            loss.backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM).item())
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        _REFERENCE[key] = {"losses": losses, "norms": norms,
+                           "params": {n: p.detach().clone() for n, p in ref.named_parameters()}}
+    return _REFERENCE[key]
+
+
+def sft_reference(model_type: str, dp: int) -> dict:
+    """TRL's SFTTrainer on the unsharded model, which accelerate wraps in DDP over this world (dp == world size).
+    The peer for SFTTrainer cases, not `reference`: TRL's loss (a chunked log-prob LM head, per-device token
+    counts) differs from one process on the global batch by ~3e-4 under DDP too (measured: DDP and planc give
+    bit-identical results, both that far from TRL's single-process run)."""
+    key = ("sft", model_type, dp)
+    if key not in _REFERENCE:
+        from planc.models.build import build_tiny_model
+
+        assert dp == dist.get_world_size()
+        model = build_tiny_model(model_type, seed=0)
+        model.set_experts_implementation(shipped_plan(model_type, tp=1)["experts"]["implementation"])
+        with tempfile.TemporaryDirectory() as tmp:
+            losses, norms, wrapped = run_sft(model, dp, tmp)
+        assert type(wrapped).__name__ == "DistributedDataParallel"
+        _REFERENCE[key] = {"losses": losses, "norms": norms,
+                           "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return _REFERENCE[key]
+
+
+LORA_TARGETS = ["q_proj", "v_proj", "o_proj"]
+LORA_CASES = [("mixtral", 1, 2, 2, "replicate"), ("deepseek_v3", 1, 2, 2, "replicate")]
+
+
+def lora(model):
+    """PEFT LoRA on the attention projections (B zero-initialised by peft: made nonzero so that A trains at step 0)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(7)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, lora_dropout=0.0,
+                                                  init_lora_weights="gaussian"))
+    return peft_model
+
+
+def lora_reference(model_type: str, dp: int) -> dict:
+    """The unsharded LoRA run on the same global batches: the adapters after 3 steps."""
+    key = ("lora", model_type, dp)
+    if key not in _REFERENCE:
+        from planc.models.build import build_tiny_model
+
+        ref = build_tiny_model(model_type, seed=0)
+        ref.set_experts_implementation(shipped_plan(model_type, tp=1)["experts"]["implementation"])
+        ref = lora(ref)
+        ref.train()
+        trainable = [p for p in ref.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.0)
+        losses, norms = [], []
+        for step in range(STEPS):
+            ids = step_rows(dp, step)
+            loss = ref(input_ids=ids, labels=ids).loss
+            loss.backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(trainable, MAX_NORM).item())
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        with tempfile.TemporaryDirectory() as tmp:
+            ref.save_pretrained(tmp, is_main_process=True)
+            from safetensors.torch import load_file
+
+            file = load_file(os.path.join(tmp, "adapter_model.safetensors"))
+        _REFERENCE[key] = {"losses": losses, "norms": norms, "file": file,
+                           "params": {n: p.detach().clone() for n, p in ref.named_parameters() if p.requires_grad}}
+    return _REFERENCE[key]
+
+
+def planc_model(model_type: str, tp: int, ep: int, dp: int, mode: str):
+    import planc
+    from planc.models.build import build_tiny_model
+
+    model = build_tiny_model(model_type, seed=0)
+    plan = shipped_plan(model_type, tp=tp, ep=ep, dp=dp, ep_implementation="all_to_all")
+    plan["training"] = {"data_parallel": mode}
+    planc.apply(model, plan)
+    return model
+
+
+def dataset(dp: int):
+    from datasets import Dataset
+
+    ids = rows(dp).tolist()
+    return Dataset.from_dict({"input_ids": ids, "labels": ids})
+
+
+def trainer_args(output_dir: str, **extra) -> dict:
+    """TrainingArguments (SFTConfig) of every Trainer case: constant lr, plain AdamW, the data in order."""
+    return dict(
+        output_dir=output_dir, per_device_train_batch_size=MICRO_ROWS, gradient_accumulation_steps=ACCUM,
+        max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", optim="adamw_torch", weight_decay=0.0,
+        max_grad_norm=MAX_NORM, train_sampling_strategy="sequential", logging_steps=1, save_strategy="no",
+        report_to=[], use_cpu=True, seed=0, disable_tqdm=True, **extra)
+
+
+def run_trainer(model, dp: int, output_dir: str) -> tuple[list, list, object]:
+    """transformers' Trainer as users run it; the logged per-step losses and gradient norms."""
+    from transformers import Trainer, TrainingArguments
+
+    trainer = Trainer(model=model, args=TrainingArguments(**trainer_args(output_dir)), train_dataset=dataset(dp))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return [h["loss"] for h in logs], [h["grad_norm"] for h in logs], trainer.model_wrapped
+
+
+def tokenizer():
+    """A word-level tokenizer over the tiny models' vocabulary (TRL's SFTTrainer asks for one: its pad token)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "</s>": 1, "<s>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<pad>")),
+                                   pad_token="<pad>", eos_token="</s>", bos_token="<s>")
+
+
+def run_sft(model, dp: int, output_dir: str) -> tuple[list, list, object]:
+    """TRL's SFTTrainer on a tokenized dataset (input_ids only: SFTTrainer builds the labels)."""
+    from trl import SFTConfig, SFTTrainer
+
+    # the reference has no router aux loss (the tiny configs do not output router logits); TRL would turn it on
+    config = SFTConfig(**trainer_args(output_dir), router_aux_loss_coef=0.0)
+    trainer = SFTTrainer(model=model, args=config, train_dataset=dataset(dp).remove_columns("labels"),
+                         processing_class=tokenizer())
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return [h["loss"] for h in logs], [h["grad_norm"] for h in logs], trainer.model_wrapped
+
+
+def run_accelerate(model, dp: int) -> tuple[list, list, object]:
+    """Accelerate's loop: prepare (the model as Trainer prepares a model sharded at load time), accumulate,
+    backward, clip_grad_norm_, step; each dp replica reads its micro-batches (TP ranks read the same ones)."""
+    import planc
+    from accelerate import Accelerator
+
+    acc = Accelerator(gradient_accumulation_steps=ACCUM, cpu=True)
+    model = acc.prepare_model(model, evaluation_mode=True)
+    opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0))
+    dp_rank = planc.device_mesh(model, "dp").get_local_rank()
+    batches = rows(dp).split(MICRO_ROWS)[dp_rank::dp]  # micro-batch i of the run: replica i % dp
+    model.train()
+    losses, norms, window = [], [], []
+    for batch in batches:
+        with acc.accumulate(model):
+            loss = model(batch, labels=batch).loss
+            acc.backward(loss)
+            window.append(loss.detach())
+            if acc.sync_gradients:
+                norms.append(acc.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+            opt.step()
+            opt.zero_grad()
+        if acc.sync_gradients:
+            mean = torch.stack(window).mean()
+            losses.append(acc.reduce(mean, reduction="mean").item())  # TP ranks hold their replica's loss
+            window = []
+    return losses, norms, model
+
+
+CLIENTS = {"trainer": run_trainer, "sft": run_sft}
+
+
+def client_case(model_type: str, tp: int, ep: int, dp: int, mode: str, client: str) -> dict:
+    """Worst loss / grad-norm / parameter difference against the unsharded reference, and what wraps the model."""
+    ref = sft_reference(model_type, dp) if client == "sft" else reference(model_type, dp)
+    model = planc_model(model_type, tp, ep, dp, mode)
+    described = (model.is_distributed_loading_by_transformers, model.tp_size, model.config.distributed_config.dp_size)
+    with tempfile.TemporaryDirectory() as tmp:
+        out_dir = os.path.join(tmp, "out")
+        if client == "accelerate":
+            losses, norms, wrapped = run_accelerate(model, dp)
+        else:
+            losses, norms, wrapped = CLIENTS[client](model, dp, out_dir)
+    out = {"wrapped_by": type(wrapped).__name__ if wrapped is not model else None, "steps": len(losses),
+           "described": described,
+           "loss": max((abs(a - b) for a, b in zip(losses, ref["losses"])), default=float("inf")),
+           "norm_rel": max((abs(a - b) / b for a, b in zip(norms, ref["norms"])), default=float("inf"))}
+    worst, worst_name, digest = 0.0, "", hashlib.sha256()
+    for name, p in model.named_parameters():
+        f = full(p.detach())
+        diff = (f - ref["params"][name]).abs().max().item()
+        if diff > worst:
+            worst, worst_name = diff, name
+        digest.update(name.encode() + f.contiguous().numpy().tobytes())
+    out["params"], out["worst"], out["digest"] = worst, worst_name, digest.hexdigest()
+    return out
+
+
+def resume_check(rank: int, world_size: int, mode: str = "fsdp") -> dict:
+    """Trainer for 2 steps, planc.save (model + optimizer), planc.load + load_optimizer, Trainer for 2 more steps:
+    equal to 4 uninterrupted steps. The optimizer is the user's, handed to Trainer (`optimizers=`)."""
+    import planc
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    dp = world_size
+    per_step = ACCUM * dp * MICRO_ROWS
+    ids = torch.randint(3, VOCAB, (4 * per_step, COLS), generator=torch.Generator().manual_seed(5))
+    plan = shipped_plan("mixtral", tp=1, ep=world_size, dp=dp, ep_implementation="all_to_all")
+    plan["training"] = {"data_parallel": mode}
+
+    def train(model, first: int, steps: int, tmp: str):
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+        return opt, lambda: Trainer(
+            model=model, optimizers=(opt, None),
+            args=TrainingArguments(**{**trainer_args(os.path.join(tmp, "out")), "max_steps": steps}),
+            train_dataset=Dataset.from_dict({"input_ids": ids[first * per_step:(first + steps) * per_step].tolist(),
+                                             "labels": ids[first * per_step:(first + steps) * per_step].tolist()}),
+        ).train()
+
+    with tempfile.TemporaryDirectory() as tmp0:
+        tmp = [tmp0]
+        dist.broadcast_object_list(tmp)  # one checkpoint dir for every rank
+        whole = planc_model("mixtral", 1, world_size, dp, mode)
+        _, run = train(whole, 0, 4, tmp[0])
+        run()
+        first = planc_model("mixtral", 1, world_size, dp, mode)
+        opt, run = train(first, 0, 2, tmp[0])
+        run()
+        ckpt = os.path.join(tmp[0], "ckpt")
+        planc.save(first, ckpt, optimizer=opt)
+        resumed = planc.load(ckpt, plan)
+        opt, run = train(resumed, 2, 2, tmp[0])
+        planc.load_optimizer(resumed, opt, ckpt)
+        run()
+        mine = dict(resumed.named_parameters())
+        diff = max((full(p.detach()) - full(mine[n].detach())).abs().max().item() for n, p in whole.named_parameters())
+        dist.barrier()
+    return {"params": diff}
+
+
+def lora_case(model_type: str, tp: int, ep: int, dp: int, mode: str) -> dict:
+    """PEFT LoRA (get_peft_model after planc.apply) trained by Trainer against the unsharded LoRA run: the adapters
+    after 3 steps, the optimizer's parameters, and the adapter file save_pretrained writes."""
+    from safetensors.torch import load_file
+    from transformers import Trainer, TrainingArguments
+
+    ref = lora_reference(model_type, dp)
+    model = lora(planc_model(model_type, tp, ep, dp, mode))
+    with tempfile.TemporaryDirectory() as tmp0:
+        tmp = [tmp0]
+        dist.broadcast_object_list(tmp)
+        trainer = Trainer(model=model, args=TrainingArguments(**trainer_args(os.path.join(tmp[0], "out"))),
+                          train_dataset=dataset(dp))
+        trainer.train()
+        adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        in_optimizer = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+        saved = os.path.join(tmp[0], "adapter")
+        model.save_pretrained(saved, is_main_process=dist.get_rank() == 0)
+        dist.barrier()
+        written = load_file(os.path.join(saved, "adapter_model.safetensors"))
+        dist.barrier()
+    file_diff = max((written[k] - ref["file"][k]).abs().max().item() for k in ref["file"]) \
+        if set(written) == set(ref["file"]) else float("inf")
+    return {
+        "adapters": max((full(p.detach()) - ref["params"][n]).abs().max().item() for n, p in adapters.items()),
+        "names": sorted(adapters) == sorted(ref["params"]),
+        "optimizer_holds_only_adapters": in_optimizer == {id(p) for p in adapters.values()},
+        "file": file_diff,
+        "digest": hashlib.sha256(b"".join(full(p.detach()).numpy().tobytes() for p in adapters.values())).hexdigest(),
+    }
+
+
+def lora_refusals(rank: int, world_size: int) -> dict:
+    """What planc refuses with PEFT: adapters on FSDP-sharded or tensor-parallel layers (at a training forward) and
+    planc.apply on a PeftModel (before anything changes)."""
+    from planc.models.build import build_tiny_model
+
+    out = {}
+    for name, (tp, ep, dp, mode) in {"fsdp": (1, world_size, world_size, "fsdp"),
+                                     "tp": (world_size, world_size, 1, "replicate")}.items():
+        model = lora(planc_model("mixtral", tp, ep, dp, mode))
+        model.train()  # as Trainer does: the check runs on training forwards
+        ids = rows(dp)[:MICRO_ROWS]
+        out[name] = _error(lambda model=model, ids=ids: model(input_ids=ids, labels=ids))
+    import planc
+
+    peft_first = lora(build_tiny_model("mixtral", seed=0))
+    out["apply_on_peft"] = _error(lambda: planc.apply(
+        peft_first, shipped_plan("mixtral", tp=1, ep=world_size, dp=world_size, ep_implementation="all_to_all")))
+    return out
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def refusals(rank: int, world_size: int) -> dict:
+    """What Trainer refuses on a planc model, on every rank: tp > 1 on CPU (accelerate's ParallelismConfig check),
+    its own checkpoints (save_strategy), save_model (planc's save_pretrained guard, nothing written)."""
+    from transformers import Trainer, TrainingArguments
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tp_model = planc_model("mixtral", world_size, world_size, 1, "fsdp")
+        out["tp"] = _error(lambda: Trainer(model=tp_model, args=TrainingArguments(**trainer_args(tmp)),
+                                           train_dataset=dataset(1)).train())
+        model = planc_model("mixtral", 1, world_size, world_size, "fsdp")
+        steps = {**trainer_args(tmp), "save_strategy": "steps", "save_steps": 1}
+        out["save_strategy"] = _error(lambda: Trainer(model=model, args=TrainingArguments(**steps),
+                                                      train_dataset=dataset(world_size)))
+        trainer = Trainer(model=model, args=TrainingArguments(**trainer_args(tmp)), train_dataset=dataset(world_size))
+        target = os.path.join(tmp, "saved")
+        out["save_model"] = _error(lambda: trainer.save_model(target))
+        dist.barrier()
+        out["save_model_wrote"] = sorted(os.listdir(target)) if os.path.isdir(target) else []
+    return out
+
+
+def trainers_world(rank: int, world_size: int, cases: list, extras: bool = True) -> dict:
+    """Every case in this one world; `extras`: Trainer's refusals, resume, LoRA (test_trainers.py)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    out = {}
+    for case in cases:
+        try:
+            out[case] = client_case(*case)
+        except Exception as e:  # noqa: BLE001 - reported per case by the test, with its traceback's last line
+            out[case] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+        dist.barrier()
+    if extras:
+        out["refusals"] = refusals(rank, world_size)
+        out["resume"] = resume_check(rank, world_size)
+        out["lora"] = {case: lora_case(*case) for case in LORA_CASES}
+        out["lora_refusals"] = lora_refusals(rank, world_size)
+    return out
