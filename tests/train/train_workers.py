@@ -159,9 +159,14 @@ def api_checks(rank: int, world_size: int) -> dict:
     return out
 
 
-def train_world(rank: int, world_size: int, cases: list, hub_dirs: dict | None = None) -> dict:
-    """Every training case, then (2 ranks) the API checks and generate(): one world for all of them."""
+def train_world(rank: int, world_size: int, cases: list, hub_dirs: dict | None = None,
+                bf16_hubs: dict | None = None) -> dict:
+    """Every training case, the engine checks (tests/train/engine_workers.py), then (2 ranks) the API checks and
+    generate(): one world for all of them."""
+    from tests.train.engine_workers import engine_world
+
     out = run_cases(rank, world_size, cases)
+    out["engine"] = engine_world(rank, world_size, bf16_hubs or {})
     if world_size == 2:
         out["api"] = api_checks(rank, world_size)
     if hub_dirs:
