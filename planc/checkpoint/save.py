@@ -52,7 +52,7 @@ def _write_metadata(model: nn.Module, compiled, directory: Path, non_persistent:
         generation.save_pretrained(directory)
     data = marker_data(model, compiled, non_persistent)
     if optimizer is not None:
-        data["optimizer"] = optimizer_marker(optimizer)
+        data["optimizer"] = optimizer_marker(model, optimizer)
     write_marker(directory, data)
 
 
