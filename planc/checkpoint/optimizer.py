@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from planc.checkpoint.applied import applied_plan
 from planc.checkpoint.atomic import agree
-from planc.checkpoint.marker import read_marker
+from planc.checkpoint.marker import read_marker, saved_under
 from planc.checkpoint.state import dcp_layout, has_strided
 from planc.errors import CheckpointError
 
@@ -256,7 +256,7 @@ def load_optimizer(model: nn.Module, optimizer, directory) -> None:
         plan, stateless, problems = _plan_load(target, saved)
         if problems:
             raise CheckpointError(
-                f"{directory} (saved under plan {marker.get('plan_name')!r}, fingerprint {marker.get('fingerprint')}): "
+                f"{directory} ({saved_under(marker)}): "
                 f"its optimizer state does not fit this optimizer over this {type(model).__name__}: "
                 f"{len(problems)} problem(s):\n    " + "\n    ".join(problems[:50])
                 + "\nLoad the model from the same checkpoint (planc.load) and build the optimizer over all of its "
