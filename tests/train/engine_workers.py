@@ -8,15 +8,45 @@
   optimizer holds.
 - accumulation: two micro-batches per step, the first under `planc.no_sync`; equal to the reference, with no
   gradient reduced inside the block; dp 1 (nothing wrapped) included.
+- `clip`: planc.clip_grad_norm_ as every case of the world calls it, counting the warnings torch's DTensor logs
+  inside it (a redistribute over a multi-dim mesh; torch logs each once per mesh, so the whole world is counted).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.distributed as dist
 
 from tests.runtime.workers import full, shipped_plan
 from tests.train.train_workers import LR, MAX_NORM, MICRO_ROWS, STEPS, global_batch, reference
+
+class _ClipWarnings(logging.Handler):
+    """Counts the records torch's DTensor redistribute logs while planc.clip_grad_norm_ runs."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.inside, self.count = False, 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += self.inside
+
+
+CLIP_WARNINGS = _ClipWarnings()
+logging.getLogger("torch.distributed.tensor._redistribute").addHandler(CLIP_WARNINGS)
+
+
+def clip(model, max_norm: float = MAX_NORM) -> torch.Tensor:
+    """planc.clip_grad_norm_, with torch's redistribute warnings inside it counted."""
+    import planc
+
+    CLIP_WARNINGS.inside = True
+    try:
+        return planc.clip_grad_norm_(model, max_norm)
+    finally:
+        CLIP_WARNINGS.inside = False
+
 
 BF16_MODELS = {"deepseek_v3": "deepseek_v3.yaml", "glm4_moe": "glm4_moe.yaml"}
 ROUTER = "mlp.gate.weight"
@@ -89,7 +119,7 @@ def bf16_case(hub: str, model_type: str, tp: int, ep: int, dp: int, mode: str) -
         loss = model(micro, labels=micro).loss
         loss.backward()
         out["router_dtypes"] |= {f"grad {p.grad.dtype}" for p in routers}
-        planc.clip_grad_norm_(model, MAX_NORM)
+        clip(model)
         opt.step()
         opt.zero_grad()
         out["loss"] = max(out["loss"], abs(_mean_loss(loss) - ref["losses"][step]))
@@ -138,7 +168,7 @@ def _train(model, opt, dp: int, *, accumulate: bool = False, between=None) -> tu
         else:
             loss = model(micro, labels=micro).loss
             loss.backward()
-        planc.clip_grad_norm_(model, MAX_NORM)
+        clip(model)
         opt.step()
         opt.zero_grad()
         worst_loss = max(worst_loss, abs(_mean_loss(loss) - ref["losses"][step]))
@@ -198,4 +228,5 @@ def engine_world(rank: int, world_size: int, bf16_hubs: dict) -> dict:
                 out[(kind, tp, ep, dp, mode)] = engine_case(kind, tp, ep, dp, mode)
             if world_size == 2:  # dp 1: nothing wrapped (no_sync has nothing to skip)
                 out[(kind, 2, 2, 1, "replicate")] = engine_case(kind, 2, 2, 1, "replicate")
+    out["clip_warnings"] = CLIP_WARNINGS.count  # over every case of the world (train_case clips through `clip`)
     return out
