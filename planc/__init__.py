@@ -24,7 +24,7 @@ from planc.version import __version__
 
 __all__ = [
     "load_plan", "lint_paths", "compile", "apply", "load", "save", "load_optimizer", "export", "destroy_megamoe_buffers",
-    "clip_grad_norm_", "device_mesh", "__version__",
+    "clip_grad_norm_", "no_sync", "device_mesh", "__version__",
 ]
 
 
@@ -110,6 +110,14 @@ def clip_grad_norm_(model: Any, max_norm: float, norm_type: float = 2.0, *,
     from planc.runtime.clip import clip_grad_norm_ as _clip
 
     return _clip(model, max_norm, norm_type, error_if_nonfinite)
+
+
+def no_sync(model: Any) -> Any:
+    """A context manager for gradient accumulation: backward inside it accumulates local gradients without the
+    data-parallel reduction; the next backward outside reduces them all. Works at every dp size (docs/train.md)."""
+    from planc.runtime.data_parallel import no_sync as _no_sync
+
+    return _no_sync(model)
 
 
 def device_mesh(model: Any, view: Optional[str] = None) -> Any:

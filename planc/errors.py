@@ -10,10 +10,12 @@ class PlancError(Exception):
 
 
 class PlanError(PlancError):
-    """A plan that does not load or validate. `diagnostics` holds every problem found (lint Diagnostics)."""
+    """A plan that does not load or validate. `diagnostics` holds every problem found (lint Diagnostics);
+    `loaded`: the plan as it validated, when only lint rules refused it (the runtime reads its sizes)."""
 
-    def __init__(self, diagnostics: Iterable[Any]) -> None:  # planc.lint Diagnostics (a layer up)
+    def __init__(self, diagnostics: Iterable[Any], loaded: Any = None) -> None:  # planc.lint Diagnostics (a layer up)
         self.diagnostics = list(diagnostics)
+        self.loaded = loaded
         super().__init__("\n".join(d.format() if hasattr(d, "format") else str(d) for d in self.diagnostics))
 
 

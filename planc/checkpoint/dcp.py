@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from planc.checkpoint.atomic import agree
 from planc.checkpoint.keys import last_line
-from planc.checkpoint.marker import is_planc_checkpoint, read_marker
+from planc.checkpoint.marker import is_planc_checkpoint, read_marker, saved_under
 from planc.checkpoint.state import (
     dcp_layout,
     ep_buffer_dtensor,
@@ -182,7 +182,7 @@ def fill_from_dcp(
         problems = _check(_targets(model, compiled, groups, saved_np), metadata, directory, model, saved_np)
         if problems:
             raise CheckpointError(
-                f"{directory} (saved under plan {marker.get('plan_name')!r}, fingerprint {marker.get('fingerprint')}) "
+                f"{directory} ({saved_under(marker)}) "
                 f"does not fit this {type(model).__name__}: {len(problems)} problem(s):\n    "
                 + "\n    ".join(problems[:50])
                 + ("\n    ..." if len(problems) > 50 else "")

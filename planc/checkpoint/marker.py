@@ -121,4 +121,11 @@ def read_marker(directory) -> dict[str, Any]:
     return data
 
 
-__all__ = ["MARKER", "PLAN_FILE", "FORMAT", "is_planc_checkpoint", "read_marker", "plan_mapping"]
+def saved_under(marker: dict[str, Any]) -> str:
+    """How messages name the plan a checkpoint was saved under: its name, else its file, else "an unnamed plan"."""
+    name, path = marker.get("plan_name"), marker.get("plan_path")
+    plan = f"plan {name!r}" if name else f"the plan in {path}" if path else "an unnamed plan"
+    return f"saved under {plan}, fingerprint {marker.get('fingerprint')}"
+
+
+__all__ = ["MARKER", "PLAN_FILE", "FORMAT", "is_planc_checkpoint", "read_marker", "plan_mapping", "saved_under"]

@@ -15,6 +15,12 @@ that overlap this rank's shards, as it does for the model. A fresh optimizer fir
 tensors allocated by torch (`get_optimizer_state_dict` takes one step with zero gradients and lr 0),
 which are then overwritten.
 
+Parameter groups (decay / no-decay, per-layer learning rates) are matched by parameter name: planc.json
+records which parameters each saved group held, and the optimizer resumed into must group them the same
+way (in any order of groups), else load_optimizer refuses it naming the first group that differs. Each
+group then gets back the hyperparameters it was saved with (`lr`, `weight_decay`, `betas`, `eps`, and
+an LR scheduler's `initial_lr`), whatever the fresh optimizer was built with.
+
 `_StridedShard` states (a `packed_colwise` parameter's `exp_avg`) are written and read through the plain
 `Shard` of the same dim, as the model's own tensors are (`state.py` says why).
 """
@@ -37,7 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from planc.checkpoint.applied import applied_plan
 from planc.checkpoint.atomic import agree
-from planc.checkpoint.marker import read_marker
+from planc.checkpoint.marker import read_marker, saved_under
 from planc.checkpoint.state import dcp_layout, has_strided
 from planc.errors import CheckpointError
 
@@ -95,9 +101,55 @@ def write_optimizer(state: dict[str, Any], checkpoint: Path) -> None:
     dcp.save(state, checkpoint_id=str(checkpoint / OPTIMIZER_DIR))
 
 
-def marker_entry(optimizer) -> dict[str, Any]:
-    """What planc.json records of the optimizer state beside the model."""
-    return {"class": optimizer_class(optimizer), "path": OPTIMIZER_DIR}
+def marker_entry(model: nn.Module, optimizer) -> dict[str, Any]:
+    """What planc.json records of the optimizer state beside the model: its class, where, and the parameter
+    names of each param group (what load_optimizer matches groups by)."""
+    return {"class": optimizer_class(optimizer), "path": OPTIMIZER_DIR, "groups": group_names(model, optimizer)}
+
+
+def group_names(model: nn.Module, optimizer) -> list[list[str]]:
+    """The parameter names of each of the optimizer's param groups, in the groups' order."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [[names[id(p)] for p in g["params"] if id(p) in names] for g in optimizer.param_groups]
+
+
+def refuse_regrouped(saved: list[list[str]], current: list[list[str]], directory) -> None:
+    """The optimizer's param groups must be the saved ones (by parameter names, in any order): else a group's
+    hyperparameters would come back from another group's (a no-decay group decaying). CheckpointError naming
+    the first group that differs. Only the parameters both hold are compared: another parameter set is
+    reported by name later, with the state's keys."""
+    ours = {n for names in current for n in names}
+    where = {n: j for j, names in enumerate(saved) for n in names if n in ours}
+    saved = [[n for n in names if n in where] for names in saved]
+    current = [names for names in ([n for n in g if n in where] for g in current) if names]
+
+    def show(names, limit=3):
+        return ", ".join(f"`{n}`" for n in names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+    for i, names in enumerate(current):
+        origins = sorted({where[n] for n in names})
+        if len(origins) == 1 and set(saved[origins[0]]) == set(names):
+            continue
+        if len(origins) > 1:
+            split = "; ".join(
+                f"saved group {j}: {show([n for n in names if where.get(n) == j])}" for j in origins
+            )
+            detail = f"holds parameters of {len(origins)} saved groups ({split})"
+        else:
+            missing = [n for n in saved[origins[0]] if n not in set(names)]
+            detail = f"lacks {show(missing)}, which the checkpoint's group {origins[0]} held with them"
+        raise CheckpointError(
+            f"{directory} holds the state of an optimizer with {len(saved)} param group(s) "
+            f"({'; '.join(f'group {j}: {len(g)} parameter(s), the first `{g[0]}`' for j, g in enumerate(saved) if g)}); "
+            f"this optimizer has {len(current)}, grouped differently: its group {i} ({len(names)} parameter(s)) "
+            f"{detail}. Each group's lr and weight_decay come from the checkpoint, so a regrouped optimizer would "
+            "give some parameters another group's. Build the param groups as they were when saved."
+        )
+    if len(current) != len([g for g in saved if g]):  # the same parameters in fewer groups
+        raise CheckpointError(
+            f"{directory} holds the state of an optimizer with {len(saved)} param group(s); this optimizer has "
+            f"{len(current)}. Build the param groups as they were when saved."
+        )
 
 
 def _param_names(keys, prefix: str = _GROUPS) -> set[str]:
@@ -187,6 +239,8 @@ def load_optimizer(model: nn.Module, optimizer, directory) -> None:
                 f"`{compiled.model_type}` one. Load the model from that checkpoint (planc.load) and resume it."
             )
         refuse_foreign_parameters(model, optimizer, what)
+        if "groups" in entry:  # checkpoints written before planc recorded the grouping cannot be checked
+            refuse_regrouped(entry["groups"], group_names(model, optimizer), directory)
     except Exception as e:  # noqa: BLE001 - reported on every rank before any collective
         error = e
     agree(error, what)
@@ -202,7 +256,7 @@ def load_optimizer(model: nn.Module, optimizer, directory) -> None:
         plan, stateless, problems = _plan_load(target, saved)
         if problems:
             raise CheckpointError(
-                f"{directory} (saved under plan {marker.get('plan_name')!r}, fingerprint {marker.get('fingerprint')}): "
+                f"{directory} ({saved_under(marker)}): "
                 f"its optimizer state does not fit this optimizer over this {type(model).__name__}: "
                 f"{len(problems)} problem(s):\n    " + "\n    ".join(problems[:50])
                 + "\nLoad the model from the same checkpoint (planc.load) and build the optimizer over all of its "
@@ -242,6 +296,7 @@ __all__ = [
     "OPTIMIZER_DIR",
     "load_optimizer",
     "marker_entry",
+    "group_names",
     "optimizer_class",
     "optimizer_state",
     "refuse_foreign_parameters",

@@ -56,7 +56,7 @@ def _write_metadata(model: nn.Module, compiled: CompiledPlan, directory: Path, n
         generation.save_pretrained(directory)
     data = marker_data(model, compiled, non_persistent)
     if optimizer is not None:
-        data["optimizer"] = optimizer_marker(optimizer)
+        data["optimizer"] = optimizer_marker(model, optimizer)
     write_marker(directory, data)
 
 

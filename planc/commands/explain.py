@@ -115,18 +115,23 @@ def read_config(path: str) -> dict:
 
 
 def _meta_model_at(model_type: str, config: dict, dtype: str):
-    """The model users load for `config` on the meta device (planc.models.build.build_meta_model), cast to the
-    dtype the byte counts should use (`config`: the config's own, else bfloat16)."""
+    """The model users load for `config` on the meta device (planc.models.build.build_meta_model) in the dtype the
+    byte counts should use (`config`: the config's own, else bfloat16), built in it as `from_pretrained(dtype=)`
+    builds it: the modules transformers keeps in fp32 (`_keep_in_fp32_modules`, e.g. DeepSeek-V3's router) stay
+    fp32, and the byte counts show them so."""
     import torch
 
-    from planc.models.build import build_meta_model
+    from planc.models.build import meta_model, overridden_config
 
     kwargs = {k: v for k, v in config.items() if k not in _CONFIG_METADATA}
-    model = build_meta_model(model_type, kwargs)
+    built = overridden_config(model_type, kwargs)
     if dtype == "config":
-        name = getattr(model.config, "dtype", None) or kwargs.get("torch_dtype") or "bfloat16"
+        name = getattr(built, "dtype", None) or kwargs.get("torch_dtype") or "bfloat16"
         dtype = str(name).replace("torch.", "")
-    return model.to(getattr(torch, dtype))
+    resolved = getattr(torch, dtype)
+    if not isinstance(resolved, torch.dtype):
+        raise TypeError(f"{dtype!r} is not a torch dtype")
+    return meta_model(built, dtype=resolved)
 
 
 def run(args: argparse.Namespace) -> int:

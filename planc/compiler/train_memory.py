@@ -12,6 +12,8 @@ torch holds it once `planc.load`/`planc.apply` installed the plan (`planc.runtim
   sharded gradient in the parameter's dtype).
 - AdamW state: `exp_avg` and `exp_avg_sq` like the parameter (dtype included), and `step`, a float32 scalar per
   parameter (torch's default, `capturable=False`).
+- experts whose EP strategy is inference-only (Mega MoE): their parameters are held, they get no gradient and no
+  AdamW state (`frozen`).
 - mixed precision (`fsdp` only): the sharded parameters, gradients and AdamW state stay in the model's dtype (the
   fp32 master copy); FSDP2 casts a unit's parameters to `param_dtype` when it all-gathers them for forward and
   backward and frees them when it reshards (after forward for every layer but the last; after backward for all,
@@ -59,6 +61,7 @@ class TrainMemory:
     reduce_dtype: Optional[str] = None
     gathered_root: int = 0  # fsdp: the root unit's parameters all-gathered (param_dtype), forward to backward
     gathered_layer: int = 0  # fsdp: the largest decoder layer's, while it runs
+    frozen: int = 0  # parameter bytes of inference-only experts: held, without gradients or AdamW state
 
     @property
     def parameter_bytes(self) -> int:
@@ -87,6 +90,7 @@ class TrainMemory:
             "optimizer_per_rank": self.optimizer,
             "total_per_rank": self.total,
             "tensors": self.tensors,
+            "inference_only_parameters_per_rank": self.frozen,
             "gathered_root": self.gathered_root if self.shards else None,
             "gathered_layer": self.gathered_layer if self.shards else None,
         }
@@ -105,6 +109,11 @@ class TrainMemory:
             f"  AdamW state:     {human_bytes(self.optimizer, 2)} (exp_avg, exp_avg_sq, step; {self.tensors} tensors)",
             f"  total:           {human_bytes(self.total, 2)}",
         ]
+        if self.frozen:
+            lines.append(
+                f"  note: {human_bytes(self.frozen, 2)} of the parameters are experts of an inference-only EP strategy "
+                "(Mega MoE): held, without gradients or AdamW state"
+            )
         if self.shards:
             dtype = self.param_dtype or "the parameters' dtype"
             lines.append(
@@ -187,9 +196,10 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
     styles = {a.fqn: a.style for a in compiled.assignments if a.target == "parameter"}
     ep_experts = [e.fqn for e in compiled.experts if e.mode == "ep" and ep > 1]
     layers = _decoder_layers(walk, [e.fqn for e in compiled.experts])
+    frozen_experts = [e.fqn for e in compiled.experts if e.strategy is not None and e.strategy.inference_only]
 
     params: dict[str, int] = {}
-    grads = optim = tensors = 0
+    grads = optim = tensors = frozen = 0
     gathered: dict[str, int] = {}
     seen: set[int] = set()
     for info in walk.params.values():
@@ -208,6 +218,9 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
             held_shape = shape
         held = math.prod(held_shape) * itemsize
         params[info.dtype] = params.get(info.dtype, 0) + held
+        if any(info.fqn.startswith(e + ".") for e in frozen_experts):
+            frozen += held
+            continue
         grads += held
         optim += 2 * held + STEP_BYTES
         tensors += 1
@@ -230,6 +243,7 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
         reduce_dtype=mp.reduce_dtype if mp is not None else None,
         gathered_root=root,
         gathered_layer=max(gathered.values(), default=0),
+        frozen=frozen,
     )
 
 

@@ -20,6 +20,11 @@ TABLES = ("tp_plan", "ep_plan")
 MAX_PLAN_ALTERNATIVES = 4 * MAX_ALTERNATIVES
 
 
+def mapping_key(keypath: KeyPath) -> str:
+    """Where a problem is in a plan given as a mapping: `<mapping>['experts']['ep_implementation']`."""
+    return "<mapping>" + "".join(f"[{k!r}]" for k in keypath)
+
+
 @dataclass
 class LintContext:
     data: dict[str, Any]  # merged document (extends resolved), plain data
@@ -48,6 +53,8 @@ class LintContext:
         """`fix`: the text that replaces the key (or the value, `at_value`) when the hint is that sure of it."""
         from planc.lint.registry import severity_of
 
+        if self.path is None and not self.key_positions:  # a plan given as a mapping: no text to point into
+            return Diagnostic(code, severity_of(code), message, hint, None, key=mapping_key(keypath))
         pos = self.value_position(keypath) if at_value else self.position(keypath)
         exact = tuple(keypath) in (self.value_positions if at_value else self.key_positions)
         return Diagnostic(code, severity_of(code), message, hint, pos, fix=fix if exact else None)

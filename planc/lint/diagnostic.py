@@ -38,8 +38,10 @@ class Diagnostic:
 
     @property
     def where(self) -> str:
-        """`file:line:col`, or the plan key for a plan with no file."""
-        return self.location() if self.position is not None or self.key is None else self.key
+        """`file:line:col`, or the plan key for a plan with no file (`<mapping>` when no key is known)."""
+        if self.position is not None:
+            return self.location()
+        return self.key or "<mapping>"
 
     @property
     def path(self) -> Optional[str]:

@@ -105,6 +105,6 @@ def _load(source: PlanSource) -> LoadedPlan:
         )
     errors = [d for d in result.diagnostics if d.severity == ERROR]
     if errors or result.loaded is None:
-        raise PlanError(errors or result.diagnostics)
+        raise PlanError(errors or result.diagnostics, loaded=result.loaded)
     result.loaded.diagnostics = list(result.diagnostics)
     return result.loaded

@@ -217,7 +217,12 @@ def meta_model(config, *, model_class=None, dtype=None):
 def build_meta_model(model_type: str, config_overrides: Optional[dict] = None, *, dtype=None):
     """`meta_model` of `model_type`'s config: transformers' defaults with `config_overrides` (dotted keys reach
     sub-configs, `text_config.num_hidden_layers`); full-size unless the overrides say otherwise."""
-    return meta_model(build_config(model_type, _nest(config_overrides or {})), dtype=dtype)
+    return meta_model(overridden_config(model_type, config_overrides), dtype=dtype)
+
+
+def overridden_config(model_type: str, config_overrides: Optional[dict] = None):
+    """`build_config` with dotted override keys (`text_config.num_hidden_layers`) reaching sub-configs."""
+    return build_config(model_type, _nest(config_overrides or {}))
 
 
 def _instantiate(cls, config, **kwargs):

@@ -3,10 +3,10 @@
 A planc model mixes plain parameters (router, norms: replicated), DTensors on the TP mesh, on the EP
 mesh, and under `training:` on meshes that add the dp dims. torch's `clip_grad_norm_` runs one foreach
 norm over all of them and fails ("got mixed torch.Tensor and DTensor", or meshes that differ). As in
-torchtitan's `dist_utils.clip_grad_norm_`: gradients are grouped by mesh, each group's norm computed
-by `torch.nn.utils.get_total_norm` (a DTensor norm reduces over its shards and counts a replicated
-dim once), made a full tensor, and the groups combined (`sum of norm**p`, then `**(1/p)`; `max` for
-inf). Every rank returns the same norm and scales its local gradients by the same coefficient.
+torchtitan's `dist_utils.clip_grad_norm_`: gradients are grouped by mesh (and the mesh dims they are
+sharded over), each group's norm computed by `torch.nn.utils.get_total_norm` on the local shards and
+reduced over the sharded dims (a replicated dim counted once), and the groups combined (`sum of
+norm**p`, then `**(1/p)`; `max` for inf). Every rank returns the same norm and scales its local gradients by the same coefficient.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import functools
 from typing import Iterable, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from planc.errors import PlancError
 
@@ -33,24 +35,48 @@ def _parameters(model_or_params) -> list[torch.Tensor]:
     return list(model_or_params)
 
 
-def _mesh_key(t: torch.Tensor):
-    return id(t.device_mesh) if isinstance(t, DTensor) else None
+def _sharded(placement) -> bool:
+    """Shard, or `_StridedShard` (packed_colwise under FSDP), which is not a Shard to torch's `is_shard()`."""
+    return placement.is_shard() or isinstance(placement, _StridedShard)
 
 
 def total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """The norm of every gradient together, each counted once over its mesh (a plain tensor, same on every rank)."""
-    groups: dict = {}
+    """The norm of every gradient together, each counted once over its mesh (a plain tensor, same on every rank).
+
+    Gradients are grouped by mesh and by the mesh dims they are sharded over; a group's norm is taken on the local
+    shards and reduced over those dims only (a replicated dim counted once), one scalar all-reduce per dim. This is
+    what a DTensor norm does, without DTensor's redistribute of stacked norms, which logs a warning about
+    sequential collectives on every multi-dim mesh, each call. A gradient placed otherwise (Partial) goes through
+    DTensor's own norm.
+    """
+    inf = norm_type == float("inf")
+    local_groups: dict = {}  # (mesh id, sharded dims) -> (mesh, dims, local tensors)
+    dtensor_groups: dict = {}  # mesh id -> DTensors (placements other than Shard / Replicate)
     for g in grads:
-        groups.setdefault(_mesh_key(g), []).append(g)
+        if not isinstance(g, DTensor):
+            local_groups.setdefault(None, (None, (), []))[2].append(g)
+        elif all(_sharded(p) or p.is_replicate() for p in g.placements):
+            dims = tuple(i for i, p in enumerate(g.placements) if _sharded(p))
+            local_groups.setdefault((id(g.device_mesh), dims), (g.device_mesh, dims, []))[2].append(g.to_local())
+        else:
+            dtensor_groups.setdefault(id(g.device_mesh), []).append(g)
     norms = []
-    for members in groups.values():
+    for mesh, dims, members in local_groups.values():
+        n = torch.nn.utils.get_total_norm(members, norm_type, foreach=None).float()
+        if dims:
+            n = n.clone() if inf else n.pow(norm_type)
+            for dim in dims:
+                dist.all_reduce(n, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=mesh.get_group(dim))
+            n = n if inf else n.pow(1.0 / norm_type)
+        norms.append(n)
+    for members in dtensor_groups.values():
         n = torch.nn.utils.get_total_norm(members, norm_type, foreach=None)
         norms.append((n.full_tensor() if isinstance(n, DTensor) else n).float())
     if not norms:
         return torch.tensor(0.0)
     device = norms[0].device
     stacked = torch.stack([n.to(device) for n in norms])
-    if norm_type == float("inf"):
+    if inf:
         return stacked.max()
     return stacked.pow(norm_type).sum().pow(1.0 / norm_type)
 

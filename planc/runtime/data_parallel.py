@@ -17,11 +17,24 @@ overlapped with backward: `replicate` is `torch.distributed._composable.replicat
 (all-reduce), `fsdp` is `fully_shard` (reduce-scatter; parameters, gradients and optimizer state
 sharded). Units as torchtitan: each experts module over `efsdp` (so that the layer's unit never sees a
 parameter on the EP mesh), each decoder layer over `dp`, then the root over `dp`.
+
+FSDP2 needs one original dtype per unit. transformers keeps some modules in fp32 inside a bf16 model
+(`_keep_in_fp32_modules`: DeepSeek-V3's and GLM-4.5's router weight), so every module whose own
+parameters are of another dtype than the rest of its unit becomes a unit of its own first (as
+torchtitan and VeOmni do), with a mixed-precision policy that leaves its dtype as it is: the fp32
+router stays fp32, in the parameters, the optimizer state and the forward.
+
+A unit that keeps its parameters unsharded after its forward (the root and the last layer under fsdp,
+every unit under replicate: backward needs them) leaves the unsharded tensors registered in the model
+until a backward reshards them. After a forward with autograd off (an eval, `generate()`) no backward
+comes, so each unit reshards itself at the end of such a forward: `model.parameters()` is always the
+sharded set, and an optimizer built after a no-grad forward holds the tensors that receive gradients.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
@@ -78,21 +91,100 @@ def install_data_parallel(model: nn.Module, compiled, groups) -> Optional[str]:
             f"`data_parallel: {mode}` (planc wraps each item of the nn.ModuleList holding the experts' layers)."
         )
     wrap, kwargs = _wrapper(compiled)
-    wrapped = []
+    names = {m: n for n, m in model.named_modules()}
+    wrapped: list = []
+
+    def unit(module: nn.Module, mesh, unit_kwargs: dict) -> None:
+        for odd in dtype_odd_modules(module, names, wrapped):  # their own units first: one dtype per unit
+            wrapped.append(wrap(odd, mesh=mesh, **dict(unit_kwargs, **_keep_dtype(unit_kwargs))))
+        wrapped.append(wrap(module, mesh=mesh, **unit_kwargs))
+
     for i, layer in enumerate(layers):
         layer_kwargs = dict(kwargs)
         if shards:  # torchtitan's "default" policy: the last layer's parameters stay for backward
             layer_kwargs["reshard_after_forward"] = i < len(layers) - 1
         for experts in (m for m in layer.modules() if m in ep_experts):
-            wrapped.append(wrap(experts, mesh=groups.efsdp_mesh, **layer_kwargs))
-        wrapped.append(wrap(layer, mesh=groups.dp_mesh, **layer_kwargs))
+            unit(experts, groups.efsdp_mesh, layer_kwargs)
+        unit(layer, groups.dp_mesh, layer_kwargs)
     root_kwargs = dict(kwargs, reshard_after_forward=False) if shards else kwargs
-    wrapped.append(wrap(model, mesh=groups.dp_mesh, **root_kwargs))
+    unit(model, groups.dp_mesh, root_kwargs)
+    for module in wrapped:
+        module.register_forward_hook(_reshard_outside_autograd)
     if groups.dp_mesh.device_type == "cpu":
         # gloo has no AVG / PREMUL_SUM reductions: sum, then FSDP divides by the group size itself
         for module in wrapped:
             module.set_force_sum_reduction_for_comms(True)
     return mode
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Gradient accumulation: backward inside this block adds to the local gradients without reducing them over
+    the data-parallel replicas; the first backward after it reduces everything accumulated. At every dp size: a
+    model planc did not wrap (one replica) has nothing to reduce, so the block changes nothing there."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if getattr(model, "_planc_groups", None) is None:
+        raise ApplyError(f"planc.no_sync: {type(model).__name__} was not applied by planc.apply or planc.load")
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_requires_gradient_sync(True, recurse=False)
+
+
+def _reshard_outside_autograd(module, args, output) -> None:
+    """After a forward that no backward follows (no_grad, inference_mode: an eval, generate()), put the unit's
+    sharded parameters back (module doc)."""
+    if not torch.is_grad_enabled():
+        module.reshard()
+
+
+def dtype_odd_modules(unit: nn.Module, names: dict, wrapped: list) -> list[nn.Module]:
+    """The modules of `unit` (outside units already `wrapped`) whose own parameters are all of another dtype
+    than the unit's main one (the one holding most elements): each must be a unit of its own. A module
+    whose own parameters mix dtypes cannot be split off: ApplyError naming it."""
+    taken = {id(m) for w in wrapped for m in w.modules()}  # their parameters belong to their own units
+    inside = [m for m in unit.modules() if m is unit or id(m) not in taken]
+    by_dtype: dict = {}
+    for m in inside:
+        for p in m.parameters(recurse=False):
+            by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel()
+    if len(by_dtype) < 2:
+        return []
+    main = max(by_dtype, key=lambda d: by_dtype[d])
+    odd = []
+    for m in inside:
+        dtypes = {p.dtype for p in m.parameters(recurse=False)}
+        if len(dtypes) > 1:
+            raise ApplyError(
+                f"planc.runtime.data_parallel: module `{names.get(m, type(m).__name__)}` holds parameters of "
+                f"{sorted(str(d) for d in dtypes)}; FSDP2 (training.data_parallel) needs one dtype per unit and "
+                "cannot split a module's own parameters. Load the model in one dtype (e.g. dtype=torch.float32), "
+                "or keep that module's parameters in one dtype."
+            )
+        if dtypes and main not in dtypes:
+            odd.append(m)
+    if unit in odd:
+        raise ApplyError(
+            f"planc.runtime.data_parallel: `{names.get(unit, type(unit).__name__)}` holds its own parameters in "
+            f"{sorted(str(d) for d in {p.dtype for p in unit.parameters(recurse=False)})}, its submodules mostly in "
+            f"{main}; FSDP2 needs one dtype per unit. Load the model in one dtype (e.g. dtype=torch.float32)."
+        )
+    return odd
+
+
+def _keep_dtype(kwargs: dict) -> dict:
+    """The kwargs that leave a dtype-odd unit's compute dtype as it is (a plan's `param_dtype` casts the rest)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = kwargs.get("mp_policy")
+    if policy is None or policy.param_dtype is None:
+        return {}
+    return {"mp_policy": MixedPrecisionPolicy(reduce_dtype=policy.reduce_dtype)}
 
 
 def _wrapper(compiled):
@@ -117,4 +209,4 @@ def _wrapper(compiled):
     return fully_shard, {"mp_policy": policy}
 
 
-__all__ = ["decoder_layers", "expert_grad_scale", "install_data_parallel"]
+__all__ = ["decoder_layers", "dtype_odd_modules", "expert_grad_scale", "install_data_parallel", "no_sync"]

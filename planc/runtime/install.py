@@ -32,12 +32,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from planc.errors import ApplyError
+from planc.errors import ApplyError, PlanError
 from planc.runtime.ep import EP_RUNTIMES
 from planc.runtime.ep.base import install_ep_forward, shard_expert_tensor
 from planc.runtime.ep.dense import install_dense_ep_forward
 from planc.runtime.guards import guard_applied_model
-from planc.runtime.mesh import Groups, build_groups, rank_device
+from planc.runtime.mesh import Groups, build_groups, destroy_groups_at_exit, rank_device
 from planc.runtime.snapshot import Snapshot
 from planc.runtime.tp_styles import tp_style
 
@@ -65,10 +65,13 @@ def apply(model: nn.Module, plan: Any, *, mesh: Optional[Any] = None,
 
 def require_distributed(what: str) -> None:
     """1. `what` (planc.apply, planc.load) runs on every rank of a process group: one torchrun's environment
-    describes is started here (planc.runtime.process_group)."""
+    describes is started here (planc.runtime.process_group). From here on planc runs collectives on it, also when
+    `what` then fails and the caller goes on: the exit drain is registered now, not only once planc's own groups
+    exist (`destroy_groups_at_exit` says why a gloo job needs it)."""
     from planc.runtime.process_group import ensure_process_group
 
     ensure_process_group(what)
+    destroy_groups_at_exit()
 
 
 # ---- 2. compile and local checks ---------------------------------------------------------------------------
@@ -89,7 +92,13 @@ def compile_and_check(model, plan, mesh, *, device: Optional[torch.device] = Non
     if peft:
         return None, [peft]
     try:
-        loaded = _load(plan, parallel)
+        try:
+            loaded = _load(plan, parallel)
+        except PlanError as e:  # e.g. PLC501 at the plan's own sizes: if the world does not fit them, that comes first
+            world_first = _world_problem(model, e.loaded) if launched and mesh is None and e.loaded is not None else None
+            if world_first:
+                return None, [world_first]
+            raise
         if mesh is None and launched:
             sizes = _world_problem(model, loaded)
             if sizes:

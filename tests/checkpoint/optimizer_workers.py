@@ -18,10 +18,13 @@ from tests.runtime.workers import FOUR_RANK_HEADS, batch, shipped_plan
 FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
 # case -> family; `mixtral-packed`: experts tensor-parallel (`packed_colwise` gate_up, a `_StridedShard`, whose
 # AdamW states are strided too and go through DCP as the plain `Shard`)
-CASES = {**{f: f for f in FAMILIES}, "mixtral-packed": "mixtral"}
+CASES = {**{f: f for f in FAMILIES}, "mixtral-packed": "mixtral", "mixtral-grouped": "mixtral"}
+# `-grouped`: a decay / no-decay AdamW (norms undecayed, at half the lr); resumed into one built with other values
+GROUPED = "mixtral-grouped"
 STEPS = 4
 SAVE_AFTER = 2
 LR = 1e-2
+SAVED_GROUPS = ((0.1, LR), (0.0, LR / 2))  # (weight_decay, lr) of GROUPED's decay and no-decay group
 
 
 def write_hub_checkpoints(root: Path) -> None:
@@ -51,8 +54,15 @@ def plan(case: str, world: int) -> dict:
     return shipped_plan(CASES[case], tp=world)
 
 
-def optimizer_for(model):
-    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+def optimizer_for(model, case: str = "", groups=SAVED_GROUPS, undecayed=("norm",)):
+    """AdamW over every parameter; GROUPED: `groups` (weight_decay, lr) for the parameters named without /
+    with one of `undecayed`."""
+    if case != GROUPED:
+        return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    named = list(model.named_parameters())
+    split = [[p for n, p in named if not any(u in n for u in undecayed)],
+             [p for n, p in named if any(u in n for u in undecayed)]]
+    return torch.optim.AdamW([{"params": ps, "weight_decay": wd, "lr": lr} for ps, (wd, lr) in zip(split, groups)])
 
 
 def step(model, optimizer, n: int) -> float:
@@ -81,7 +91,7 @@ def train_and_save_world(rank, world_size, root):
     for case, family in CASES.items():
         try:
             model = planc.load(Path(root) / family / "hub", plan(case, world_size))
-            optimizer = optimizer_for(model)
+            optimizer = optimizer_for(model, case)
             losses = []
             for n in range(1, STEPS + 1):
                 losses.append(step(model, optimizer, n))
@@ -113,8 +123,10 @@ def resume_world(rank, world_size, root, bad_inputs: bool):
         try:
             ckpt = Path(root) / case / "ckpt"
             model = planc.load(ckpt, plan(case, world_size))
-            optimizer = optimizer_for(model)
+            # built with other hyperparameters: the resume gives each group back its own
+            optimizer = optimizer_for(model, case, groups=((0.01, 1e-3), (0.01, 1e-3)))
             planc.load_optimizer(model, optimizer, ckpt)
+            out[f"{case}/groups"] = [(g["weight_decay"], g["lr"]) for g in optimizer.param_groups]
             out[f"{case}/step"] = sorted({float(s["step"]) for s in optimizer.state.values()})
             out[case] = [step(model, optimizer, n) for n in range(SAVE_AFTER + 1, STEPS + 1)]
             if case == "mixtral":  # the control: a fresh optimizer (what planc.save alone gave) trains differently
@@ -158,6 +170,10 @@ def resume_world(rank, world_size, root, bad_inputs: bool):
     out["bad/model"] = _attempt(lambda: planc.load_optimizer(other, optimizer_for(other), root / "mixtral" / "ckpt"))
     foreign = torch.optim.AdamW(list(other.parameters()) + [torch.nn.Parameter(torch.zeros(3))], lr=LR)
     out["bad/foreign"] = _attempt(lambda: planc.load_optimizer(other, foreign, root / "qwen3_moe" / "ckpt"))
+    grouped = Path(root) / GROUPED / "ckpt"
+    for name, regrouped in (("one", torch.optim.AdamW(model.parameters(), lr=LR)),
+                            ("moved", optimizer_for(model, GROUPED, undecayed=("norm", "gate.")))):
+        out[f"bad/regrouped_{name}"] = _attempt(lambda o=regrouped: planc.load_optimizer(model, o, grouped))
     fresh = optimizer_for(model)
     out["bad/unstepped"] = _attempt(lambda: planc.save(model, root / "unstepped", optimizer=fresh))
     return out

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from planc import compile as planc_compile
-from planc.checkpoint.marker import is_planc_checkpoint, plan_mapping, read_marker
+from planc.checkpoint.marker import is_planc_checkpoint, plan_mapping, read_marker, saved_under
 from planc.errors import CheckpointError
 from planc.models.build import build_tiny_model
 from tests.checkpoint.workers import plan_for
@@ -33,3 +33,10 @@ def test_marker_detection_and_errors(tmp_path):
     assert is_planc_checkpoint(tmp_path)
     with pytest.raises(CheckpointError, match="format_version 99"):
         read_marker(tmp_path)
+
+
+def test_messages_name_an_unnamed_plan_as_such():
+    assert saved_under({"plan_name": "mixtral-tp2", "fingerprint": "ab"}) == "saved under plan 'mixtral-tp2', fingerprint ab"
+    assert saved_under({"plan_name": None, "plan_path": "p.yaml", "fingerprint": "ab"}).startswith("saved under the plan in p.yaml")
+    assert saved_under({"plan_name": None, "plan_path": None, "fingerprint": "ab"}) == (
+        "saved under an unnamed plan, fingerprint ab")

@@ -1,6 +1,7 @@
 """planc.save(..., optimizer=) at 2 ranks -> planc.load + planc.load_optimizer at 4 and 1 ranks: steps 3-4 of AdamW
 give the losses of the uninterrupted run (tiny fp32 Mixtral, Qwen3-MoE, DeepSeek-V3 from save_pretrained dirs,
-and Mixtral with tensor-parallel packed experts); at 4 ranks also with data parallelism, (tp, ep, dp) = (2, 2, 2)
+Mixtral with tensor-parallel packed experts, and Mixtral with decay / no-decay param groups resumed into
+an optimizer built with other values: each group gets its own back, a regrouped optimizer is refused); at 4 ranks also with data parallelism, (tp, ep, dp) = (2, 2, 2)
 under `fsdp` and `replicate` (each replica half the batch), and the fsdp run saved again after step 3 and resumed
 at 1 rank; every bad input is one CheckpointError on every rank.
 
@@ -13,8 +14,10 @@ import pytest
 from tests.checkpoint.optimizer_workers import (
     CASES,
     DP_CASES,
+    GROUPED,
     RESAVED,
     SAVE_AFTER,
+    SAVED_GROUPS,
     resume_world,
     train_and_save_world,
     write_hub_checkpoints,
@@ -43,6 +46,8 @@ def test_resume_at_4_and_1_ranks_continues_the_run(tmp_path):
         for case in CASES:
             losses = _losses(resumed, case)
             assert all(res[f"{case}/step"] == [float(SAVE_AFTER)] for res in resumed), (case, world_size)
+            if case == GROUPED:
+                assert all(res[f"{case}/groups"] == list(SAVED_GROUPS) for res in resumed), resumed[0][f"{case}/groups"]
             for n, (got, want) in enumerate(zip(losses, uninterrupted[case][SAVE_AFTER:]), start=SAVE_AFTER + 1):
                 assert abs(got - want) <= TOL, f"{case} at {world_size} ranks, step {n}: {got} vs {want}"
         dp_cases = DP_CASES if world_size == 4 else {RESAVED: DP_CASES[RESAVED]}
@@ -64,6 +69,10 @@ def test_resume_at_4_and_1_ranks_continues_the_run(tmp_path):
             "bad/model": "holds the optimizer state of a `mixtral` model, this model is a `qwen3_moe` one",
             "bad/foreign": "1 tensor(s) the AdamW updates are not parameters of this Qwen3MoeForCausalLM",
             "bad/unstepped": "the AdamW has taken no step yet, so it holds no state to save",
+            "bad/regrouped_one": "this optimizer has 1, grouped differently: its group 0 (21 parameter(s)) holds "
+            "parameters of 2 saved groups (saved group 0: `model.embed_tokens.weight`",
+            "bad/regrouped_moved": "its group 0 (14 parameter(s)) lacks `model.layers.0.mlp.gate.weight`, "
+            "`model.layers.1.mlp.gate.weight`, which the checkpoint's group 0 held with them",
         }
         for key, text in expected.items():
             for rank, res in enumerate(resumed):

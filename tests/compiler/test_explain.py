@@ -97,3 +97,23 @@ def test_explain_shows_the_training_mode(tmp_path, capsys):
     }
     assert main(["explain", str(p), "--set", "num_hidden_layers=1"]) == 0
     assert "mixed_precision param_dtype=bfloat16 reduce_dtype=float32" in capsys.readouterr().out
+
+
+def test_train_counts_no_gradients_for_inference_only_experts(capsys):
+    """Mega MoE experts cannot train: `--train` holds their parameters without gradients or AdamW state."""
+    assert main(["explain", plan("deepseek_v4_megamoe.yaml"), "--train", "--format", "json"]) == 0
+    train = json.loads(capsys.readouterr().out)["train"]
+    frozen = train["inference_only_parameters_per_rank"]
+    assert 0 < frozen < train["parameters_per_rank"]
+    assert train["gradients_per_rank"] == train["parameters_per_rank"] - frozen
+    assert train["optimizer_per_rank"] == 2 * train["gradients_per_rank"] + 4 * train["tensors"]
+    assert main(["explain", plan("deepseek_v4_megamoe.yaml"), "--train"]) == 0
+    assert "experts of an inference-only EP strategy (Mega MoE): held, without gradients" in capsys.readouterr().out
+
+
+def test_train_bytes_keep_the_fp32_routers_of_a_bf16_model(capsys):
+    """transformers keeps DeepSeek-V3's router in fp32 inside a bf16 model: explain counts it so."""
+    assert main(["explain", plan("deepseek_v3.yaml"), "--dtype", "bfloat16", "--train", "--format", "json"]) == 0
+    by_dtype = json.loads(capsys.readouterr().out)["train"]["parameters_by_dtype"]
+    # 58 MoE layers' routers (256 x 7168) in fp32, replicated over TP, and the bias kept beside them
+    assert by_dtype["float32"] >= 58 * 256 * 7168 * 4 and by_dtype["bfloat16"] > 100 * by_dtype["float32"]

@@ -15,7 +15,7 @@ W = Diagnostic("PLC405", "warning", "no EP group", "set ep_size", Position("p.ya
 def test_format_shape():
     # each part stays on its line: a newline from the plan is printed escaped
     assert D.format() == "p, q.yaml:3:7: PLC310 error: unknown style `a,b: c`\n    hint: did you mean `x`?\\n50% sure"
-    assert Diagnostic("PLC100", "error", "m", "h", None).format().startswith("<string>:1:1: PLC100 error: m")
+    assert Diagnostic("PLC100", "error", "m", "h", None).format().startswith("<mapping>: PLC100 error: m")
 
 
 def test_text_summary():

@@ -76,8 +76,8 @@ def test_diagnostics_from_validation_accepts_plain_key_positions():
         Plan.model_validate(doc.data)
     [d] = diagnostics_from_validation(err.value, "f.yaml", doc.key_positions)
     assert str(d.position) == "f.yaml:4:1" and d.code == "PLC101"
-    [d] = diagnostics_from_validation(err.value, None, {})
-    assert d.position.line == 1
+    [d] = diagnostics_from_validation(err.value, None, {})  # a plan given as a mapping: located by its key path
+    assert d.position is None and d.where == "<mapping>['bogus']", d.where
 
 
 @pytest.mark.parametrize("value", ["true", '"8"', "'8'"])
@@ -90,3 +90,15 @@ def test_lax_coercions_are_wrong_types(value):
 def test_numbers_where_strings_belong():
     d = diag(GOOD.replace("type: mixtral", "type: 3"))
     assert (d.code, d.line) == ("PLC102", 2)
+
+
+def test_a_mapping_plan_is_located_by_its_key_path():
+    from planc.errors import PlanError
+    from planc.lint.load import load_plan
+
+    data = {"version": 1, "model": {"type": "mixtral"}, "parallel": {"tp_size": 2, "ep_size": 2},
+            "experts": {"ep_implementation": "bogus"}}
+    with pytest.raises(PlanError) as err:
+        load_plan(data)
+    assert str(err.value).startswith("<mapping>['experts']['ep_implementation']: PLC103 error:"), str(err.value)
+    assert "<string>" not in str(err.value)

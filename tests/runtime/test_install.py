@@ -55,6 +55,8 @@ def test_refusals_raise_the_same_error_on_every_rank_and_change_nothing():
         "rank1_invalid_plan": "rank 1:",
         # reported alone, once, with the ranks it happened on, with sizes that fit 2 ranks
         "world_size": "ranks 0, 1: PLC503: the plan needs tp_size * dp_size = 4 * 1 = 4 processes, but the world has 2",
+        "world_size_ep": "ranks 0, 1: PLC503: the plan needs tp_size * dp_size = 1 * 1 = 1 processes, but the "
+        "world has 2",
         "lm_head_colwise": "PLC632",
         "rowwise_without_colwise": "PLC631",
         "deepgemm_on_cpu": "`deepgemm` runs CUDA kernels",
@@ -71,6 +73,8 @@ def test_refusals_raise_the_same_error_on_every_rank_and_change_nothing():
             assert res[name][1] == [], (name, res[name][1])  # nothing changed
     world = results[0]["world_size"][0]
     assert world.count("\n  rank") == 1 and "PLC617" not in world and "tp_size: 2, ep_size: 2, dp_size: 1" in world
+    world_ep = results[0]["world_size_ep"][0]  # not PLC501's "set `ep_size: 1`": 1 rank's sizes, not the world's
+    assert "PLC501" not in world_ep and "tp_size: 1, ep_size: 2, dp_size: 2" in world_ep, world_ep
     for res in results:
         assert res["caller_mesh_logits"] <= 1e-5
 

@@ -409,6 +409,8 @@ def errors_world(rank, world_size):
         bad["tp_plan"]["lm_head"] = "colwise_gather_outputs"
     attempt("rank1_invalid_plan", model, bad)
     attempt("world_size", model, shipped_plan("mixtral", tp=2 * world_size))
+    # sizes that fail lint on their own (PLC501: ep 2 does not divide tp * dp = 1): the world's sizes come first
+    attempt("world_size_ep", model, shipped_plan("mixtral", tp=1, ep=world_size, dp=1))
     # plans that used to install and then crash at the first forward
     lm_head = shipped_plan("mixtral", tp=world_size)
     lm_head["tp_plan"]["lm_head"] = "colwise"

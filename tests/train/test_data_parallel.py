@@ -5,6 +5,11 @@ both EP strategies that train, on tiny fp32 Mixtral, Qwen3-MoE and DeepSeek-V3 (
 The 2-rank world also runs generate() right after planc.load (default and static cache, a left-padded
 batch; every EP strategy, TP-only, and dp replicas) against the unsharded model, token for token.
 
+Both worlds also run the training-engine checks (tests/train/engine_workers.py): DeepSeek-V3 and GLM-4.5 loaded in
+bf16 (fp32 routers) at (1, 2, 2) and (2, 2, 2) under fsdp and replicate against the unsharded bf16 model; a no-grad
+forward, generate() and eval()/train() before the optimizer is built; gradient accumulation with planc.no_sync
+(dp 1 too).
+
 One spawned world per world size runs every case in sequence (a rank's start, importing torch and
 transformers, costs more than a case); the single-process reference runs once per model and dp.
 """
@@ -15,11 +20,16 @@ import pytest
 
 from planc.spec.sizes import check_sizes
 from tests.distributed import run_distributed
+from tests.train.engine_workers import BF16_MODELS
 from tests.train.train_workers import train_world
 
 MODELS = ("mixtral", "qwen3_moe", "deepseek_v3")
 GRID = ((2, 2, 1), (2, 2, 2), (2, 4, 2), (1, 4, 4), (1, 2, 2))
 LOSS_TOL, PARAM_TOL, NORM_REL = 1e-5, 1e-4, 1e-5
+# bf16: the losses of a 4.8-nat model within 1/6 of a bf16 ulp there; an element of a parameter within one ulp at
+# 1.0; the update (trained minus initial) within 10% of the reference's (measured 3-4.5%: rounding; a parameter that
+# does not train shows 100%)
+BF16_LOSS, BF16_PARAM, BF16_UPDATE = 5e-3, 8e-3, 0.1
 
 
 def cases(world: int) -> list[tuple]:
@@ -40,14 +50,17 @@ def cases(world: int) -> list[tuple]:
 def test_training_equals_single_process_on_the_global_batch(world_size, tmp_path):
     grid = cases(world_size)
     assert len(grid) == (18 if world_size == 2 else 24)
-    hub_dirs = {}
-    if world_size == 2:  # generate() after planc.load: what users do first (the 2-rank world runs it too)
-        from planc.models.build import build_tiny_model
+    from planc.models.build import build_tiny_model
 
-        for m in MODELS:
+    def hub(m: str) -> str:
+        if not (tmp_path / m).is_dir():
             build_tiny_model(m, seed=0).save_pretrained(tmp_path / m)
-            hub_dirs[m] = str(tmp_path / m)
-    results = run_distributed(train_world, world_size, grid, hub_dirs)
+        return str(tmp_path / m)
+
+    # generate() after planc.load: what users do first (the 2-rank world runs it); the bf16 checks in both worlds
+    hub_dirs = {m: hub(m) for m in MODELS} if world_size == 2 else {}
+    bf16_hubs = {m: hub(m) for m in BF16_MODELS}
+    results = run_distributed(train_world, world_size, grid, hub_dirs, bf16_hubs)
     failures = []
     for case in grid:
         per_rank = [r[case] for r in results]
@@ -66,6 +79,7 @@ def test_training_equals_single_process_on_the_global_batch(world_size, tmp_path
             failures.append(f"{case}: {first['worst']} off by {first['params']:.3g}")
         if len({r["digest"] for r in per_rank}) != 1:
             failures.append(f"{case}: the full parameters differ between ranks (replicas drifted)")
+    failures += engine_failures(results[0]["engine"], world_size)
     if world_size == 2:
         failures += api_failures([r["api"] for r in results])
         for rank, r in enumerate(results):
@@ -93,4 +107,35 @@ def api_failures(per_rank: list[dict]) -> list[str]:
                             f"loss off by {api['mp_loss']:.3g} (bf16 compute)")
         if "mesh passed to planc.apply" not in api["wrong_mesh"]:
             failures.append(f"rank {rank}: a wrong mesh gave {api['wrong_mesh']}")
+    return failures
+
+
+def engine_failures(engine: dict, world_size: int) -> list[str]:
+    """The engine checks of one world (tests/train/engine_workers.py), read on rank 0 (its losses are the global
+    ones, its parameters the full ones)."""
+    failures = []
+    warned = engine.pop("clip_warnings")
+    if warned:
+        failures.append(f"planc.clip_grad_norm_ made torch log {warned} DTensor warning(s) (a redistribute)")
+    bf16 = [k for k in engine if k[0] == "bf16"]
+    others = [k for k in engine if k[0] != "bf16"]
+    assert len(bf16) == 4 and len(others) == (6 if world_size == 2 else 4), sorted(engine)
+    for key in bf16:
+        r = engine[key]
+        if r["router_dtypes"] != ["grad torch.float32", "param torch.float32", "state torch.float32"] or not r["routers"]:
+            failures.append(f"{key}: routers {r['routers']}, dtypes {r['router_dtypes']} (transformers keeps them fp32)")
+        if r["loss"] > BF16_LOSS:
+            failures.append(f"{key}: loss off the bf16 reference by {r['loss']:.3g}")
+        if r["params"] > BF16_PARAM:
+            failures.append(f"{key}: {r['worst']} off the bf16 reference by {r['params']:.3g}")
+        for part in ("update_rel", "router_update_rel"):
+            if r[part] > BF16_UPDATE:
+                failures.append(f"{key}: {part} {r[part]:.3g} (the update differs from the bf16 reference's)")
+    for key in others:
+        r = engine[key]
+        if not r["same_set"]:
+            failures.append(f"{key}: model.parameters() after no-grad forwards is not the set planc.apply left")
+        if r["loss"] > LOSS_TOL or r["params"] > PARAM_TOL:
+            failures.append(f"{key}: loss off by {r['loss']:.3g}, parameters by {r['params']:.3g} (> 1: a gradient "
+                            "was reduced inside planc.no_sync)")
     return failures

@@ -59,6 +59,7 @@ def train_case(model_type: str, tp: int, ep: int, dp: int, data_parallel: str, s
     and a digest of the full parameters (equal on every rank when the replicas are bit-identical)."""
     import planc
     from planc.models.build import build_tiny_model
+    from tests.train.engine_workers import clip
 
     ref = reference(model_type, dp, seed)
     model = build_tiny_model(model_type, seed=seed)
@@ -77,7 +78,7 @@ def train_case(model_type: str, tp: int, ep: int, dp: int, data_parallel: str, s
         micro = ids[dp_rank * MICRO_ROWS:(dp_rank + 1) * MICRO_ROWS]
         loss = model(micro, labels=micro).loss
         loss.backward()
-        norm = planc.clip_grad_norm_(model, MAX_NORM)
+        norm = clip(model, MAX_NORM)  # planc.clip_grad_norm_, its torch warnings counted
         opt.step()
         opt.zero_grad()
         mean = loss.detach().clone()
@@ -159,9 +160,14 @@ def api_checks(rank: int, world_size: int) -> dict:
     return out
 
 
-def train_world(rank: int, world_size: int, cases: list, hub_dirs: dict | None = None) -> dict:
-    """Every training case, then (2 ranks) the API checks and generate(): one world for all of them."""
+def train_world(rank: int, world_size: int, cases: list, hub_dirs: dict | None = None,
+                bf16_hubs: dict | None = None) -> dict:
+    """Every training case, the engine checks (tests/train/engine_workers.py), then (2 ranks) the API checks and
+    generate(): one world for all of them."""
+    from tests.train.engine_workers import engine_world
+
     out = run_cases(rank, world_size, cases)
+    out["engine"] = engine_world(rank, world_size, bf16_hubs or {})
     if world_size == 2:
         out["api"] = api_checks(rank, world_size)
     if hub_dirs:
