@@ -45,7 +45,7 @@ def declare_to_trainers(model: nn.Module, compiled) -> None:
     model.__dict__["_tp_size"] = p.tp_size
     config.distributed_config = DistributedConfig(tp_size=p.tp_size, fsdp_size=p.dp_size, dp_replicate_size=1,
                                                   ep_size=p.ep_size)
-    if p.tp_size > 1 or (compiled.data_parallel == "fsdp" and p.dp_size > 1):
+    if p.tp_size > 1 or (compiled.data_parallel_mode.shards_parameters and p.dp_size > 1):
         model.register_forward_pre_hook(_refuse_sharded_adapters)
 
 
