@@ -58,6 +58,7 @@ class TrainMemory:
     reduce_dtype: Optional[str] = None
     gathered_root: int = 0  # fsdp: the root unit's parameters all-gathered (param_dtype), forward to backward
     gathered_layer: int = 0  # fsdp: the largest decoder layer's, while it runs
+    largest_tensor: int = 0  # the most bytes one parameter holds on this rank (its gradient's transient copy)
 
     @property
     def parameter_bytes(self) -> int:
@@ -182,7 +183,7 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
     layers = _decoder_layers(walk, [e.fqn for e in compiled.experts])
 
     params: dict[str, int] = {}
-    grads = optim = tensors = 0
+    grads = optim = tensors = largest = 0
     gathered: dict[str, int] = {}
     seen: set[int] = set()
     for info in walk.params.values():
@@ -200,6 +201,7 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
         else:
             held_shape = shape
         held = math.prod(held_shape) * itemsize
+        largest = max(largest, held)
         params[info.dtype] = params.get(info.dtype, 0) + held
         grads += held
         optim += 2 * held + STEP_BYTES
@@ -223,6 +225,7 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
         reduce_dtype=mp.reduce_dtype if mp is not None else None,
         gathered_root=root,
         gathered_layer=max(gathered.values(), default=0),
+        largest_tensor=largest,
     )
 
 

@@ -114,6 +114,11 @@ class Training(_Strict):
     mixed_precision: Optional[MixedPrecision] = Field(
         default=None, description="FSDP2 mixed precision; only with `data_parallel: fsdp`."
     )
+    activation_checkpointing: Literal["none", "full"] = Field(
+        default="none",
+        description="`full`: every decoder layer keeps only its input for backward and recomputes the rest "
+        "(torch's composable `checkpoint` per layer, installed by apply); `none`: every activation is kept.",
+    )
 
 
 class Plan(_Strict):
