@@ -7,6 +7,7 @@ Points run one at a time (each stays under ~6 GiB). Prints one row per point and
 
     python bench/memory_grid.py                 # the full grid (about 30 minutes on 2 cores)
     python bench/memory_grid.py --only mixtral  # one family
+    python bench/memory_grid.py --cache m.json  # measurements kept in m.json: a rerun only predicts again
 """
 
 from __future__ import annotations
@@ -37,12 +38,12 @@ POINTS = {"mixtral": [(1, 1024), (2, 512)], "qwen3_moe": [(1, 1024), (2, 256)], 
 MODES = ("serve", "replicate", "fsdp", "checkpoint")
 
 
-def grid(only=None, modes=MODES):
+def grid(only=None, modes=MODES, points=None):
     for family, overrides in FAMILIES.items():
         if only and family not in only:
             continue
         for mode in modes:
-            for batch, seq in POINTS[family]:
+            for batch, seq in POINTS[family][:points]:
                 extra = TRAIN_OVERRIDES.get(family, {}) if mode != "serve" else {}
                 yield {"family": family, "mode": mode, "batch": batch, "seq": seq, "overrides": {**overrides, **extra},
                        "dp": 2 if mode == "fsdp" else 1}
@@ -87,15 +88,27 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="*")
     parser.add_argument("--modes", nargs="*", default=list(MODES))
+    parser.add_argument("--points", type=int, help="only the first N (batch, seq) points of each family")
+    parser.add_argument("--cache", help="a JSON file of measured points, read and extended")
     args = parser.parse_args()
+    cache = json.loads(Path(args.cache).read_text()) if args.cache and Path(args.cache).exists() else {}
     print(describe())
     print(f"{'family':12s} {'mode':10s} {'batch':>5s} {'seq':>5s} {'predicted':>10s} {'measured':>10s} {'error':>7s}"
           f"  {'moment':s}")
     worst = 0.0
-    for point in grid(args.only, args.modes):
+    for point in grid(args.only, args.modes, args.points):
         t0 = time.perf_counter()
         predicted = predict(point)
-        real = measure(point)
+        key = json.dumps(point, sort_keys=True)
+        if key not in cache:
+            try:
+                cache[key] = measure(point)
+            except RuntimeError as e:
+                print(f"{point['family']:12s} {point['mode']:10s} failed: {str(e)[-300:]}", flush=True)
+                continue
+            if args.cache:
+                Path(args.cache).write_text(json.dumps(cache, indent=1))
+        real = cache[key]
         error = predicted["peak_per_rank"] / real["peak"] - 1
         worst = max(worst, abs(error))
         print(f"{point['family']:12s} {point['mode']:10s} {point['batch']:>5d} {point['seq']:>5d} "

@@ -9,8 +9,10 @@ Training (one AdamW step), the peak is the largest of three moments:
 - `loss backward`: parameters, AdamW state, every layer's saved activations and the loss's three fp32 [tokens,
   vocab] tensors (log-softmax kept for backward, its gradient, the gradient of the logits); gradients were set
   to None by the previous `zero_grad()`;
-- `end of backward`: parameters, gradients, AdamW state, the largest parameter's gradient once more (the local
-  gradient and the one accumulated into `.grad` coexist), plus FSDP2's unsharded root parameters and gradients;
+- `end of backward`: parameters, gradients, AdamW state, and backward's transient: the largest parameter's gradient
+  once more (the local gradient and the one accumulated into `.grad` coexist), or under fsdp the root's unsharded
+  parameters and gradients (reduced last) and one layer's gathered parameters, unsharded gradients and
+  reduce-scatter input;
 - `optimizer step`: parameters, gradients and AdamW state (the per-parameter temporaries of torch's default
   for-loop AdamW are not counted; `foreach=True` would add up to one more copy of a dtype group's parameters).
 Serving (one prefill under `no_grad`, `logits_to_keep=1` as `generate` runs it): parameters, the KV cache of
@@ -372,10 +374,13 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
     loss = 3 * FP32 * tokens * vocab  # log-softmax (kept), its gradient, the logits' gradient: fp32 [tokens, vocab]
     fsdp = train.data_parallel == "fsdp"
     gathered = (train.gathered_root + train.gathered_layer) if fsdp else 0
+    # backward's own transient: under fsdp the root's unsharded parameters and gradients (reduced last) and one
+    # layer's gathered parameters, unsharded gradients and reduce-scatter input; else the largest parameter's
+    # gradient computed on the local shard while the accumulated `.grad` is written
+    backward = 2 * train.gathered_root + 3 * train.gathered_layer if fsdp else train.largest_tensor
     moments = {
         "loss backward (fp32 logits and loss)": params + optim + kept + head + loss + gathered,
-        "end of backward": params + grads + optim + (2 * train.gathered_root + train.gathered_layer if fsdp else 0)
-        + recompute + train.largest_tensor,
+        "end of backward": params + grads + optim + backward + recompute,
         "optimizer step": params + grads + optim,
     }
     moment = max(moments, key=lambda m: moments[m])
@@ -387,10 +392,13 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
         transients.append(("FSDP all-gathered root and layer", gathered))
     if ckpt == "full":
         transients.append(("one layer recomputed (activation checkpointing)", recompute))
-    transients.append(("the largest parameter's gradient, computed then accumulated", train.largest_tensor))
+    if fsdp:
+        transients.append(("FSDP backward: root unsharded, one layer gathered + its gradients reduce-scattered",
+                           backward))
+    else:
+        transients.append(("the largest parameter's gradient, computed then accumulated", backward))
     at = {"loss backward (fp32 logits and loss)": loss + gathered,
-          "end of backward": (2 * train.gathered_root + train.gathered_layer if fsdp else 0) + recompute
-          + train.largest_tensor,
+          "end of backward": backward + recompute,
           "optimizer step": 0}[moment]
     breakdown.append(("transient at the peak", at))
     return _Moment(moment, moments[moment], breakdown, transients, [], list(moments.items()))
