@@ -27,8 +27,8 @@ def install_activation_checkpointing(model: nn.Module, compiled) -> bool:
             f"planc.runtime.activation_checkpointing: {type(model).__name__} does not support gradient checkpointing "
             "in transformers (`supports_gradient_checkpointing` is False). Write `activation_checkpointing: none`."
         )
-    enable = getattr(model, "gradient_checkpointing_enable")  # a PreTrainedModel method (torch types attributes)
-    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.gradient_checkpointing_enable(  # type: ignore[operator]  # a PreTrainedModel method; torch types attributes
+        gradient_checkpointing_kwargs={"use_reentrant": False})
     return True
 
 
