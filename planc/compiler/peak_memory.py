@@ -10,7 +10,7 @@ Training (one AdamW step), the peak is the largest of three moments:
   vocab] tensors (log-softmax kept for backward, its gradient, the gradient of the logits); gradients were set
   to None by the previous `zero_grad()`;
 - `end of backward`: parameters, gradients, AdamW state, and backward's transient: the largest parameter's gradient
-  once more (the local gradient and the one accumulated into `.grad` coexist), or under fsdp the root's unsharded
+  twice more (the local gradient and the one accumulated into `.grad`), or under fsdp the root's unsharded
   parameters and gradients (reduced last) and one layer's gathered parameters, unsharded gradients and
   reduce-scatter input;
 - `optimizer step`: parameters, gradients and AdamW state (the per-parameter temporaries of torch's default
@@ -375,12 +375,13 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
     fsdp = train.data_parallel == "fsdp"
     gathered = (train.gathered_root + train.gathered_layer) if fsdp else 0
     # backward's own transient: under fsdp the root's unsharded parameters and gradients (reduced last) and one
-    # layer's gathered parameters, unsharded gradients and reduce-scatter input; else the largest parameter's
-    # gradient computed on the local shard while the accumulated `.grad` is written
-    backward = 2 * train.gathered_root + 3 * train.gathered_layer if fsdp else train.largest_tensor
+    # layer's gathered parameters, unsharded gradients and reduce-scatter input; else two more copies of the
+    # largest parameter's gradient (the gradient on the local shard and its copy being accumulated into `.grad`:
+    # what the CPU grid measures, docs/memory.md)
+    backward = 2 * train.gathered_root + 3 * train.gathered_layer if fsdp else 2 * train.largest_tensor
     moments = {
         "loss backward (fp32 logits and loss)": params + optim + kept + head + loss + gathered,
-        "end of backward": params + grads + optim + backward + recompute,
+        "end of backward": params + grads + optim + max(backward, recompute),
         "optimizer step": params + grads + optim,
     }
     moment = max(moments, key=lambda m: moments[m])
@@ -398,7 +399,7 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
     else:
         transients.append(("the largest parameter's gradient, computed then accumulated", backward))
     at = {"loss backward (fp32 logits and loss)": loss + gathered,
-          "end of backward": backward + recompute,
+          "end of backward": max(backward, recompute),
           "optimizer step": 0}[moment]
     breakdown.append(("transient at the peak", at))
     return _Moment(moment, moments[moment], breakdown, transients, [], list(moments.items()))
@@ -415,9 +416,10 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
     transients = []
     for s in shapes:
         if s.mlp == "moe":
-            # all_reduce EP at inference: every rank runs its experts over all tokens' top-k slots
+            # all_reduce EP at inference: every rank runs its experts over all tokens' top-k slots: the slots'
+            # gathered rows, the gate/up output and its masked copy (off-rank slots zeroed), the ids
             slots = tokens * s.top_k
-            work = slots * a * (2 * hidden + 3 * s.moe_intermediate) + tokens * 8 * s.top_k * 3
+            work = slots * a * (hidden + 4 * s.moe_intermediate) + tokens * 8 * s.top_k * 3
             transients.append(("EP experts (all_reduce dispatch buffers)", work + tokens * a * hidden * 3))
         else:
             transients.append(("dense MLP", tokens * a * (3 * s.intermediate + 3 * hidden)))

@@ -171,7 +171,11 @@ def _measure_cuda(model, ids, mode: str) -> dict:
     return {"peak": int(torch.cuda.max_memory_allocated()), "by_category": {}}
 
 
-if __name__ == "__main__":  # python -m tests.memory.fake_rank '<json point>': one point, one JSON line
-    point = json.loads(sys.argv[1])
-    print(json.dumps(measure(point["family"], point["mode"], point["batch"], point["seq"], point["overrides"],
-                             dp=point.get("dp", 1), root=point.get("root", "."), device=point.get("device", "cpu"))))
+def measure_point(point: dict) -> dict:
+    return measure(point["family"], point["mode"], point["batch"], point["seq"], point["overrides"],
+                   dp=point.get("dp", 1), root=point.get("root", "."), device=point.get("device", "cpu"))
+
+
+if __name__ == "__main__":  # python -m tests.memory.fake_rank '<json point or list of points of one world size>'
+    arg = json.loads(sys.argv[1])
+    print(json.dumps([measure_point(p) for p in arg] if isinstance(arg, list) else measure_point(arg)))
