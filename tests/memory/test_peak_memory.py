@@ -107,3 +107,14 @@ def test_long_sequence_warns_and_small_device_is_a_verdict():
     rc, _, err = explain(*MIXTRAL, "--train", "--seq", "1024", "--device-memory", "1GiB")
     assert rc == 1 and "PLC660" in err and "Traceback" not in err, err
     assert "not even one sequence fits" in err
+
+
+def test_activation_checkpointing_lints(tmp_path):
+    from planc.lint.runner import lint_paths
+
+    base = (REPO / "plans" / "mixtral.yaml").read_text()
+    for value, codes in (("full", []), ("none", []), ("selective", ["PLC103"])):
+        path = tmp_path / f"{value}.yaml"
+        path.write_text(base + f"training: {{activation_checkpointing: {value}}}\n")
+        found = [d.code for d in lint_paths([str(path)]) if d.severity == "error"]
+        assert found == codes, (value, found)
