@@ -342,6 +342,9 @@ def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], tr
     worst_rows = min(rows * ep, ep * -(-tokens // tp) * top_k) if ep > 1 else rows
     ckpt = compiled.training.activation_checkpointing if compiled.training is not None else "none"
     notes = []
+    # serving with EP over the TP group runs all_reduce (every rank, every slot: no routing assumption); else the
+    # all_to_all moves the routed rows and the balanced-load assumption applies
+    routed = workload == "train" or ep > tp
     if workload == "train":
         if train is None:
             raise ValueError("peak_memory: a training workload needs the model states (train_memory)")
@@ -352,11 +355,15 @@ def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], tr
         best = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, rows, tp, ep)
         worst = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, worst_rows, tp, ep)
         notes.append("KV cache as transformers' DynamicCache holds it after prefill (no paged or quantized cache)")
+        if top_k and not routed:
+            notes.append("EP at inference over the TP group runs all_reduce: each rank runs its experts over every "
+                         "token's top-k slots, whatever the routing")
     moment, total, breakdown, transients, kv, moments = best
     return PeakMemory(
         workload=workload, batch=batch, seq=seq, peak=total, moment=moment, breakdown=tuple(breakdown),
         moments=tuple(moments), transients=tuple(sorted(transients, key=lambda kv: -kv[1])),
-        kv_cache=tuple(kv), routed_rows=rows if top_k else 0, routed_rows_worst=worst_rows if top_k else 0,
+        kv_cache=tuple(kv), routed_rows=rows if top_k and routed else 0,
+        routed_rows_worst=worst_rows if top_k and routed else 0,
         worst_case_peak=worst[1], capacity_factor=capacity_factor, checkpointing=ckpt, notes=tuple(notes),
     )
 
@@ -418,7 +425,7 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
         if s.mlp == "moe":
             # all_reduce EP at inference: every rank runs its experts over all tokens' top-k slots: the slots'
             # gathered rows, the gate/up output and its masked copy (off-rank slots zeroed), the ids
-            slots = tokens * s.top_k
+            slots = rows if ep > tp else tokens * s.top_k  # ep > tp: all_to_all brings the routed rows
             work = slots * a * (hidden + 4 * s.moe_intermediate) + tokens * 8 * s.top_k * 3
             transients.append(("EP experts (all_reduce dispatch buffers)", work + tokens * a * hidden * 3))
         else:
