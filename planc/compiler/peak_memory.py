@@ -352,8 +352,9 @@ def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], tr
         worst = _train_peak(train, shapes, hidden, vocab, a, tokens, worst_rows, tp, ckpt)
     else:
         params = compiled.bytes_per_rank
-        best = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, rows, tp, ep)
-        worst = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, worst_rows, tp, ep)
+        router_fp32 = config.get("n_group") is not None
+        best = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, rows, tp, ep, router_fp32)
+        worst = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, worst_rows, tp, ep, router_fp32)
         notes.append("KV cache as transformers' DynamicCache holds it after prefill (no paged or quantized cache)")
         if top_k and not routed:
             notes.append("EP at inference over the TP group runs all_reduce: each rank runs its experts over every "
@@ -413,7 +414,7 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
 
 
 def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, a: int, batch: int, seq: int,
-                rows: int, tp: int, ep: int) -> _Moment:
+                rows: int, tp: int, ep: int, router_fp32: bool) -> _Moment:
     tokens = batch * seq
     kv: dict[str, int] = {}
     for s in shapes:
@@ -426,7 +427,12 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
             # all_reduce EP at inference: every rank runs its experts over all tokens' top-k slots: the slots'
             # gathered rows, the gate/up output and its masked copy (off-rank slots zeroed), the ids
             slots = rows if ep > tp else tokens * s.top_k  # ep > tp: all_to_all brings the routed rows
-            work = slots * a * (hidden + 4 * s.moe_intermediate) + tokens * 8 * s.top_k * 3
+            # two stages, the larger counts: gate/up (the gathered rows, the gate/up output and its masked copy)
+            # and the output (the rows again, the down output, both weighted in the routing weights' dtype: fp32
+            # for the grouped-top-k routers of DeepSeek-V3 and GLM-4.5, which route in fp32)
+            weight = FP32 if router_fp32 else a
+            work = slots * max(a * (hidden + 4 * s.moe_intermediate), 2 * (a + weight) * hidden)
+            work += tokens * 8 * s.top_k * 3
             transients.append(("EP experts (all_reduce dispatch buffers)", work + tokens * a * hidden * 3))
         else:
             transients.append(("dense MLP", tokens * a * (3 * s.intermediate + 3 * hidden)))
