@@ -58,10 +58,21 @@ def test_peak_json_text_and_max_batch():
     m = memory(*MIXTRAL, "--train", "--batch", "2", "--seq", "2048", "--device-memory", "141GiB")
     assert m["peak_per_rank"] == sum(m["breakdown"].values())
     assert m["fits"] is True and m["max_batch"] >= 2
-    # the search's answer: max_batch fits, one more does not
-    at = memory(*MIXTRAL, "--train", "--batch", str(m["max_batch"]), "--seq", "2048")["peak_per_rank"]
-    over = memory(*MIXTRAL, "--train", "--batch", str(m["max_batch"] + 1), "--seq", "2048")["peak_per_rank"]
-    assert at + m["reserve"] <= 141 * 2**30 < over + m["reserve"]
+    # the search's answer on the same compiled plan: max_batch fits, one more does not
+    from planc.commands.explain import explain_one, workload_peak
+    from planc.compiler.train_memory import train_memory
+
+    rc, compiled, model = explain_one(MIXTRAL[0], {}, {"num_hidden_layers": 1}, "config")
+    train = train_memory(compiled, model)
+
+    def peak(workload: str, batch: int, seq: int) -> int:
+        spec = {"workload": workload, "batch": batch, "seq": seq, "search": "batch", "capacity_factor": 1.0,
+                "reserve": None}
+        return workload_peak(compiled, model, train if workload == "train" else None, spec, None, "plan").peak
+
+    assert peak("train", m["max_batch"], 2048) + m["reserve"] <= 141 * 2**30 < peak("train", m["max_batch"] + 1, 2048)\
+        + m["reserve"]
+    assert peak("train", 2, 2048) == m["peak_per_rank"]
     serve = memory(*MIXTRAL, "--serve", "--batch", "4", "--seq", "4096")
     assert serve["kv_cache"] == {"full attention": 4 * 4096 * 2 * 128 * 2}  # one layer, one KV head of 128 per rank
     rc, text, _ = explain(*MIXTRAL, "--train", "--batch", "1", "--seq", "1024")
