@@ -52,6 +52,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "state at the plan's sizes and `training.data_parallel` (replicate or fsdp, mixed precision)",
     )
     parser.add_argument(
+        "--serve", action="store_true",
+        help="print each rank's peak memory serving one prefill of --batch x --seq (KV cache, transients)",
+    )
+    parser.add_argument("--batch", metavar="B", help="micro-batch per dp replica for the peak memory (default 1)")
+    parser.add_argument(
+        "--seq", metavar="S",
+        help="sequence length for the peak memory; `auto` with --device-memory: the longest that fits",
+    )
+    parser.add_argument(
+        "--capacity-factor", metavar="F", default="1.0",
+        help="EP routing: rows a rank receives relative to a balanced load (default 1.0; the worst case is printed)",
+    )
+    parser.add_argument(
+        "--reserve", metavar="SIZE",
+        help="memory each rank loses outside PyTorch's allocator (CUDA context, NCCL); default 2GiB",
+    )
+    parser.add_argument(
         "--device-memory", metavar="SIZE",
         help="memory of the device each rank loads onto (e.g. 141GiB, 80GB): a plan whose per-rank shard does "
         "not fit is refused (PLC660)",
@@ -150,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(f"planc explain: {missing_directory(Path(args.checkpoint))}\n")
         return 2
     try:
+        workload = parse_workload(args)
         overrides = parse_overrides(args.overrides)
         config_path = args.config or (f"{args.checkpoint}/config.json" if args.checkpoint else None)
         config = read_config(config_path) if config_path else {}
@@ -158,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         sys.stderr.write(f"planc explain: {e}\n")
         return 2
-    status, compiled, budgets, trains = 0, [], [], []
+    status, compiled, budgets, trains, peaks = 0, [], [], [], []
     for path in args.plans:
         rc, c, model = explain_one(path, config, overrides, args.dtype, parallel)
         status = max(status, rc)
@@ -174,20 +192,93 @@ def run(args: argparse.Namespace) -> int:
             status = max(status, 1)
         compiled.append(c)
         budgets.append(budget(c, device_memory, reads))
-        trains.append(train_memory(c, model) if args.train else None)
+        train = train_memory(c, model) if args.train else None
+        trains.append(train)
+        peak = None
+        if workload is not None:
+            peak = workload_peak(c, model, train, workload, device_memory, path)
+            if peak.fits is False:
+                status = max(status, 1)
+        peaks.append(peak)
     if args.format == "json":
         data = [
-            {**json_data(c), "memory": _budget_json(b), **({"train": t.to_json()} if t is not None else {})}
-            for c, b, t in zip(compiled, budgets, trains)
+            {**json_data(c), "memory": {**_budget_json(b), **(m.to_json() if m is not None else {})},
+             **({"train": t.to_json()} if t is not None else {})}
+            for c, b, t, m in zip(compiled, budgets, trains, peaks)
         ]
         sys.stdout.write(json.dumps(data[0] if len(args.plans) == 1 and data else data, indent=2, sort_keys=True) + "\n")
     else:
         text = [
             render_text(c) + "\n" + b.render() + (f"\n{t.render()}" if t is not None else "")
-            for c, b, t in zip(compiled, budgets, trains)
+            + (f"\n{m.render()}" if m is not None else "")
+            for c, b, t, m in zip(compiled, budgets, trains, peaks)
         ]
         sys.stdout.write("\n\n".join(text) + ("\n" if compiled else ""))
     return status
+
+
+def parse_workload(args) -> dict | None:
+    """--train/--serve with --batch/--seq -> the workload of the peak memory, or None (no --batch/--seq/--serve)."""
+    from planc.compiler.memory import parse_size
+
+    if args.serve and args.train:
+        raise ValueError("--serve and --train ask for different peaks: give one of them")
+    if not (args.serve or args.batch is not None or args.seq is not None):
+        return None
+    if not (args.serve or args.train):
+        raise ValueError("--batch/--seq size a workload: add --train (a training step) or --serve (a prefill)")
+
+    def positive(flag: str, text, default: int) -> int:
+        if text is None:
+            return default
+        if not str(text).isdigit() or int(text) < 1:
+            raise ValueError(f"{flag} {text!r}: write a positive integer, e.g. {flag} 4")
+        return int(text)
+
+    auto = args.seq == "auto"
+    if auto and not args.device_memory:
+        raise ValueError("--seq auto searches the longest sequence that fits: give --device-memory too")
+    try:
+        factor = float(args.capacity_factor)
+    except ValueError:
+        factor = 0.0
+    if not factor >= 1.0:
+        raise ValueError(f"--capacity-factor {args.capacity_factor!r}: write a number >= 1.0 (1.0: balanced routing)")
+    return {
+        "workload": "train" if args.train else "serve",
+        "batch": positive("--batch", args.batch, 1),
+        "seq": 1 if auto else positive("--seq", args.seq, 4096),
+        "search": "seq" if auto else "batch",
+        "capacity_factor": factor,
+        "reserve": parse_size(args.reserve) if args.reserve else None,
+    }
+
+
+def workload_peak(compiled, model, train, workload: dict, device_memory, path: str):
+    """The peak per rank (planc.compiler.peak_memory) on the config of the meta model explain resolved against;
+    a sequence past the model's `max_position_embeddings` is a warning on stderr."""
+    from planc.compiler.peak_memory import DEFAULT_RESERVE, peak_memory
+    from planc.compiler.walk import walk_model
+
+    config = model.config.to_dict()
+    limit = config.get("max_position_embeddings")
+    if limit and workload["seq"] > limit:
+        sys.stderr.write(f"planc explain: {path}: warning: --seq {workload['seq']} is beyond the model's "
+                         f"max_position_embeddings {limit}\n")
+    peak = peak_memory(
+        compiled, walk_model(model), config, train, workload=workload["workload"], batch=workload["batch"],
+        seq=workload["seq"], capacity_factor=workload["capacity_factor"], device_memory=device_memory,
+        reserve=workload["reserve"] if workload["reserve"] is not None else DEFAULT_RESERVE,
+        search=workload["search"],
+    )
+    if peak.fits is False:
+        sys.stderr.write(
+            f"planc explain: {path}: PLC660 the peak per rank, {peak.peak / 2**30:.2f} GiB at {peak.moment}, plus the "
+            f"{peak.reserve / 2**30:.1f} GiB reserve does not fit in {device_memory / 2**30:.1f} GiB of device memory"
+            + (f"\n      hint: the largest micro-batch that fits is {peak.max_batch}" if peak.max_batch else
+               "\n      hint: not even one sequence fits: more ranks (tp_size/ep_size, fsdp), a shorter --seq, or "
+               "`training: {activation_checkpointing: full}`") + "\n")
+    return peak
 
 
 def _budget_json(b) -> dict:

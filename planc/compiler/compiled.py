@@ -244,8 +244,11 @@ class CompiledPlan:
             ],
             "bytes_sharded_per_rank": self.bytes_sharded_per_rank,
             "bytes_replicated_per_rank": self.bytes_replicated_per_rank,
-            # only when declared, so the fingerprints of plans without it (and their checkpoints) stay the same
-            **({"training": self.training.model_dump()} if self.training is not None else {}),
+            # only when declared, so the fingerprints of plans without it (and their checkpoints) stay the same;
+            # activation_checkpointing only when on, for the same reason
+            **({"training": self.training.model_dump(exclude={"activation_checkpointing"}
+                                                     if self.training.activation_checkpointing == "none" else None)}
+               if self.training is not None else {}),
         }
 
     def __str__(self) -> str:

@@ -62,6 +62,7 @@ class TrainMemory:
     gathered_root: int = 0  # fsdp: the root unit's parameters all-gathered (param_dtype), forward to backward
     gathered_layer: int = 0  # fsdp: the largest decoder layer's, while it runs
     frozen: int = 0  # parameter bytes of inference-only experts: held, without gradients or AdamW state
+    largest_tensor: int = 0  # the most bytes one parameter holds on this rank (its gradient's transient copy)
 
     @property
     def parameter_bytes(self) -> int:
@@ -126,7 +127,7 @@ class TrainMemory:
                     f"over efsdp={self.efsdp_size} ranks: it pads, so every rank holds a whole expert's bytes. The "
                     "split is even when the model has at least as many experts as the world has ranks"
                 )
-        lines.append("  activations are not counted")
+        lines.append("  activations are not counted here: add --batch B --seq S for the peak per rank")
         return "\n".join(lines)
 
 
@@ -199,7 +200,7 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
     frozen_experts = [e.fqn for e in compiled.experts if e.strategy is not None and e.strategy.inference_only]
 
     params: dict[str, int] = {}
-    grads = optim = tensors = frozen = 0
+    grads = optim = tensors = frozen = largest = 0
     gathered: dict[str, int] = {}
     seen: set[int] = set()
     for info in walk.params.values():
@@ -221,6 +222,7 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
         if any(info.fqn.startswith(e + ".") for e in frozen_experts):
             frozen += held
             continue
+        largest = max(largest, held)  # a gradient's transient copy: inference-only experts have none
         grads += held
         optim += 2 * held + STEP_BYTES
         tensors += 1
@@ -244,6 +246,7 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
         gathered_root=root,
         gathered_layer=max(gathered.values(), default=0),
         frozen=frozen,
+        largest_tensor=largest,
     )
 
 

@@ -436,6 +436,13 @@ def step_mark_applied(state: InstallState) -> None:
     guard_applied_model(state.model)  # save_pretrained / deepcopy refuse with what to call instead
 
 
+def step_activation_checkpointing(state: InstallState) -> None:
+    """`training.activation_checkpointing: full`: each decoder layer recomputed in backward, before the dp wrap."""
+    from planc.runtime.activation_checkpointing import install_activation_checkpointing
+
+    install_activation_checkpointing(state.model, state.compiled)
+
+
 def step_data_parallel(state: InstallState) -> None:
     """`training.data_parallel` over the dp replicas (replicate or FSDP2), after TP/EP: the last step."""
     from planc.runtime.clip import guard_torch_clip_grad_norm
@@ -459,6 +466,7 @@ INSTALL_STEPS: list[Callable[[InstallState], None]] = [
     step_install_megamoe,
     step_install_ep_forwards,
     step_mark_applied,
+    step_activation_checkpointing,
     step_data_parallel,
     step_declare_to_trainers,
 ]

@@ -161,6 +161,11 @@ class Training(_Strict):
     mixed_precision: Optional[MixedPrecision] = Field(
         default=None, description="FSDP2 mixed precision; only with `data_parallel: fsdp`."
     )
+    activation_checkpointing: Literal["none", "full"] = Field(
+        default="none",
+        description="`full`: every decoder layer keeps only its input for backward and recomputes the rest "
+        "(torch's composable `checkpoint` per layer, installed by apply); `none`: every activation is kept.",
+    )
 
     @property
     def data_parallel_row(self) -> choices.DataParallelMode:

@@ -1,6 +1,7 @@
 """`training.data_parallel` on 2 and 4 gloo ranks: 3 AdamW steps with planc.clip_grad_norm_ equal single-process
 training on the global batch, for every (tp, ep, dp) of the acceptance grid the size rules allow, both modes and
-both EP strategies that train, on tiny fp32 Mixtral, Qwen3-MoE and DeepSeek-V3 (2 layers).
+both EP strategies that train, on tiny fp32 Mixtral, Qwen3-MoE and DeepSeek-V3 (2 layers); on 2 ranks also both
+modes with `activation_checkpointing: full` (each layer's forward runs again in backward, gradients unchanged).
 
 The 2-rank world also runs generate() right after planc.load (default and static cache, a left-padded
 batch; every EP strategy, TP-only, and dp replicas) against the unsharded model, token for token.
@@ -42,6 +43,8 @@ def cases(world: int) -> list[tuple]:
                 continue
             for mode in ("replicate", "fsdp"):
                 out += [(m, tp, ep, dp, mode, strategy) for m in MODELS]
+    if world == 2:  # activation checkpointing: the same gradients with every layer recomputed in backward
+        out += [(m, 1, 2, 2, mode, "all_to_all", "full") for m in MODELS for mode in ("replicate", "fsdp")]
     return out
 
 
@@ -49,7 +52,7 @@ def cases(world: int) -> list[tuple]:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_training_equals_single_process_on_the_global_batch(world_size, tmp_path):
     grid = cases(world_size)
-    assert len(grid) == (18 if world_size == 2 else 24)
+    assert len(grid) == 24  # 2 ranks: 18, and 6 with activation checkpointing
     from planc.models.build import build_tiny_model
 
     def hub(m: str) -> str:
@@ -71,6 +74,10 @@ def test_training_equals_single_process_on_the_global_batch(world_size, tmp_path
         want = ([] if case[3] == 1 else ["FSDPModule", "ReplicateModule"] if case[4] == "replicate" else ["FSDPModule"])
         if first["wrapped"] != want:
             failures.append(f"{case}: decoder layers wrapped by {first['wrapped']}, expected {want}")
+        recomputed = 2.0 if len(case) > 6 and case[6] == "full" else 1.0
+        if first["forwards_per_step"] != recomputed:
+            failures.append(f"{case}: the first layer ran {first['forwards_per_step']} forwards per step, expected "
+                            f"{recomputed}")
         if first["loss"] > LOSS_TOL:
             failures.append(f"{case}: loss off by {first['loss']:.3g}")
         if first["norm_rel"] > NORM_REL:

@@ -54,9 +54,11 @@ def reference(model_type: str, dp: int, seed: int = 0) -> dict:
     return _REFERENCE[key]
 
 
-def train_case(model_type: str, tp: int, ep: int, dp: int, data_parallel: str, strategy: str, seed: int = 0) -> dict:
+def train_case(model_type: str, tp: int, ep: int, dp: int, data_parallel: str, strategy: str,
+               checkpointing: str = "none", seed: int = 0) -> dict:
     """Worst loss, clip-norm and parameter differences of planc training against the single-process reference,
-    and a digest of the full parameters (equal on every rank when the replicas are bit-identical)."""
+    a digest of the full parameters (equal on every rank when the replicas are bit-identical), and how many times
+    the first decoder layer's forward ran per step (2 under activation checkpointing: the recompute)."""
     import planc
     from planc.models.build import build_tiny_model
     from tests.train.engine_workers import clip
@@ -64,8 +66,12 @@ def train_case(model_type: str, tp: int, ep: int, dp: int, data_parallel: str, s
     ref = reference(model_type, dp, seed)
     model = build_tiny_model(model_type, seed=seed)
     plan = shipped_plan(model_type, tp=tp, ep=ep, dp=dp, ep_implementation=strategy)
-    plan["training"] = {"data_parallel": data_parallel}
+    plan["training"] = {"data_parallel": data_parallel, "activation_checkpointing": checkpointing}
     compiled = planc.apply(model, plan)
+    forwards = [0]
+    # a module inside the layer: transformers checkpoints the layer's forward body, so the layer's own hooks run once
+    model.model.layers[0].input_layernorm.register_forward_pre_hook(
+        lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
     dp_rank = planc.device_mesh(model, "dp").get_local_rank()
     assert dp_rank == dist.get_rank() // tp  # the ("dp", "tp") layout: replica of this rank
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -94,6 +100,7 @@ def train_case(model_type: str, tp: int, ep: int, dp: int, data_parallel: str, s
             worst, worst_name = diff, name
         digest.update(name.encode() + f.contiguous().numpy().tobytes())
     out["params"], out["worst"] = worst, worst_name
+    out["forwards_per_step"] = forwards[0] / STEPS
     out["digest"] = digest.hexdigest()
     return out
 

@@ -1,0 +1,122 @@
+"""Predicted peak memory per rank (`planc explain --train/--serve`) against rank 0 really running, full width.
+
+Each point runs in its own process (`python -m tests.memory.fake_rank`): rank 0 of the plan at its real tp/ep
+(and dp 2 under fsdp) under torch's fake process group, real CPU tensors, torch's MemTracker/FSDPMemTracker
+(tests/memory/fake_rank.py says what runs). The prediction is `planc.compiler.peak_memory` on the same config.
+Points run one at a time (each stays under ~6 GiB). Prints one row per point and the largest error.
+
+    python bench/memory_grid.py                 # the full grid (about 30 minutes on 2 cores)
+    python bench/memory_grid.py --only mixtral  # one family
+    python bench/memory_grid.py --cache m.json  # measurements kept in m.json: a rerun only predicts again
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from machine import describe  # noqa: E402  (same directory)
+
+# Full hidden width; fewer layers (and, for DeepSeek-V3 training, fewer routed experts: 2 per EP rank) so that a
+# point stays under ~6 GiB on the shared machine.
+FAMILIES = {
+    "mixtral": {"num_hidden_layers": 2},
+    "qwen3_moe": {"num_hidden_layers": 2},
+    "deepseek_v3": {"num_hidden_layers": 2, "first_k_dense_replace": 1},
+}
+TRAIN_OVERRIDES = {"deepseek_v3": {"n_routed_experts": 16}}
+POINTS = {"mixtral": [(1, 1024), (2, 512)], "qwen3_moe": [(1, 1024), (2, 256)], "deepseek_v3": [(1, 512), (2, 128)]}
+MODES = ("serve", "replicate", "fsdp", "checkpoint")
+
+
+def grid(only=None, modes=MODES, points=None):
+    for family, overrides in FAMILIES.items():
+        if only and family not in only:
+            continue
+        for mode in modes:
+            for batch, seq in POINTS[family][:points]:
+                extra = TRAIN_OVERRIDES.get(family, {}) if mode != "serve" else {}
+                yield {"family": family, "mode": mode, "batch": batch, "seq": seq, "overrides": {**overrides, **extra},
+                       "dp": 2 if mode == "fsdp" else 1}
+
+
+def predict(point: dict) -> dict:
+    """`planc explain` on the same plan and config, as users ask."""
+    import contextlib
+    import io
+    import tempfile
+
+    import yaml
+
+    from planc.cli import main
+    from tests.memory.fake_rank import plan_data
+
+    data = plan_data(point["family"], point["mode"], dp=point["dp"], root=str(REPO))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "plan.yaml"
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        args = ["explain", str(path), "--format", "json", "--batch", str(point["batch"]), "--seq", str(point["seq"]),
+                "--train" if point["mode"] != "serve" else "--serve"]
+        for k, v in point["overrides"].items():
+            args += ["--set", f"{k}={v}"]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = main(args)
+        assert rc == 0, out.getvalue()
+    return json.loads(out.getvalue())["memory"]
+
+
+def measure(point: dict) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, "-m", "tests.memory.fake_rank", json.dumps({**point, "root": str(REPO)})],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    if run.returncode:
+        raise RuntimeError(run.stderr[-3000:])
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="*")
+    parser.add_argument("--modes", nargs="*", default=list(MODES))
+    parser.add_argument("--points", type=int, help="only the first N (batch, seq) points of each family")
+    parser.add_argument("--cache", help="a JSON file of measured points, read and extended")
+    args = parser.parse_args()
+    cache = json.loads(Path(args.cache).read_text()) if args.cache and Path(args.cache).exists() else {}
+    print(describe())
+    print(f"{'family':12s} {'mode':10s} {'batch':>5s} {'seq':>5s} {'predicted':>10s} {'measured':>10s} {'error':>7s}"
+          f"  {'moment':s}")
+    worst = 0.0
+    for point in grid(args.only, args.modes, args.points):
+        t0 = time.perf_counter()
+        predicted = predict(point)
+        key = json.dumps(point, sort_keys=True)
+        if key not in cache:
+            try:
+                cache[key] = measure(point)
+            except RuntimeError as e:
+                print(f"{point['family']:12s} {point['mode']:10s} failed: {str(e)[-300:]}", flush=True)
+                continue
+            if args.cache:
+                Path(args.cache).write_text(json.dumps(cache, indent=1))
+        real = cache[key]
+        error = predicted["peak_per_rank"] / real["peak"] - 1
+        worst = max(worst, abs(error))
+        print(f"{point['family']:12s} {point['mode']:10s} {point['batch']:>5d} {point['seq']:>5d} "
+              f"{predicted['peak_per_rank'] / 2**30:>9.3f}G {real['peak'] / 2**30:>9.3f}G {error:>+7.1%}  "
+              f"{predicted['peak_moment']} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print(f"largest error: {worst:.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,453 @@
+"""Peak memory per rank for a workload (`planc explain --train/--serve --batch B --seq S`): what fits before launch.
+
+An analytic model over the compiled plan's shapes (pure Python, milliseconds on a 61-layer model). Every term is
+(rows) x (width) x (bytes), written from the tensors transformers' forward keeps and the ones planc's EP runtimes
+allocate, and checked against rank 0 really running at full width (`tests/memory`, `bench/memory_grid.py`,
+docs/memory.md). Numbers are for rank 0, the most any rank holds under balanced routing.
+
+Training (one AdamW step), the peak is the largest of three moments:
+- `loss backward`: parameters, AdamW state, every layer's saved activations and the loss's three fp32 [tokens,
+  vocab] tensors (log-softmax kept for backward, its gradient, the gradient of the logits); gradients were set
+  to None by the previous `zero_grad()`;
+- `end of backward`: parameters, gradients, AdamW state, and backward's transient: the largest parameter's gradient
+  twice more (the local gradient and the one accumulated into `.grad`), or under fsdp the root's unsharded
+  parameters and gradients (reduced last) and one layer's gathered parameters, unsharded gradients and
+  reduce-scatter input;
+- `optimizer step`: parameters, gradients and AdamW state (the per-parameter temporaries of torch's default
+  for-loop AdamW are not counted; `foreach=True` would add up to one more copy of a dtype group's parameters).
+Serving (one prefill under `no_grad`, `logits_to_keep=1` as `generate` runs it): parameters, the KV cache of
+every layer so far and the largest layer's transient.
+
+Tokens: a rank holds B x S tokens (the TP ranks of a replica share the batch). EP `all_to_all` moves
+(token, expert) rows: a rank receives B*S/tp * top_k * capacity_factor rows, the balanced load (capacity_factor
+1.0); the worst case, every routed row of the EP group landing on one rank, is reported next to it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional
+
+from planc.compiler.train_memory import ITEMSIZE, TrainMemory
+from planc.compiler.units import human_bytes
+
+if TYPE_CHECKING:
+    from planc.compiler.compiled import CompiledPlan
+    from planc.compiler.walk import ModelWalk
+
+# What the CUDA context, cuBLAS/cuDNN workspaces and NCCL's communicators take outside PyTorch's allocator on each
+# rank: about 0.5 GiB for the context and kernels on an H100/H200 (CUDA 12) plus NCCL's buffers (NCCL_BUFFSIZE 4 MiB
+# per channel and peer). 2 GiB is a deliberate round allowance from those published sizes, not a measurement on
+# this machine (it has no GPU); `--reserve` overrides it.
+DEFAULT_RESERVE = 2 * 2**30
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One decoder layer as the model computes it on one rank."""
+
+    attention: str  # gqa | mla
+    mlp: str  # dense | moe
+    q: int  # query width on this rank (heads x head dim)
+    k: int  # key width on this rank
+    v: int  # value width on this rank
+    heads: int  # query heads on this rank
+    cache: int  # bytes per token this layer's KV cache holds (both K and V)
+    cache_kind: str
+    window: Optional[int] = None  # sliding window: the cache keeps at most this many tokens
+    q_lora: int = 0
+    kv_lora: int = 0
+    intermediate: int = 0  # dense MLP width on this rank
+    shared: int = 0  # shared experts' width on this rank
+    moe_intermediate: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+
+
+@dataclass(frozen=True)
+class PeakMemory:
+    """`planc explain --train/--serve`: the peak per rank, its moment, and what is counted at it."""
+
+    workload: str  # train | serve
+    batch: int
+    seq: int
+    peak: int
+    moment: str
+    breakdown: tuple[tuple[str, int], ...]  # name -> bytes at the peak
+    moments: tuple[tuple[str, int], ...]  # every moment considered -> bytes
+    transients: tuple[tuple[str, int], ...]  # cause -> bytes, largest first
+    kv_cache: tuple[tuple[str, int], ...] = ()  # layer kind -> bytes (serve)
+    routed_rows: int = 0
+    routed_rows_worst: int = 0
+    worst_case_peak: int = 0
+    capacity_factor: float = 1.0
+    checkpointing: str = "none"
+    notes: tuple[str, ...] = ()
+    device_memory: Optional[int] = None
+    reserve: int = DEFAULT_RESERVE
+    max_batch: Optional[int] = None
+    max_seq: Optional[int] = None
+
+    @property
+    def fits(self) -> Optional[bool]:
+        return None if self.device_memory is None else self.peak + self.reserve <= self.device_memory
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "workload": self.workload,
+            "batch": self.batch,
+            "seq": self.seq,
+            "peak_per_rank": self.peak,
+            "peak_moment": self.moment,
+            "breakdown": dict(self.breakdown),
+            "moments": dict(self.moments),
+            "transients": dict(self.transients),
+            "kv_cache": dict(self.kv_cache),
+            "activation_checkpointing": self.checkpointing,
+            "routing": {
+                "capacity_factor": self.capacity_factor,
+                "rows_per_rank": self.routed_rows,
+                "rows_per_rank_worst": self.routed_rows_worst,
+                "peak_per_rank_worst": self.worst_case_peak,
+            },
+            "device_memory": self.device_memory,
+            "reserve": self.reserve,
+            "fits": self.fits,
+            "max_batch": self.max_batch,
+            "max_seq": self.max_seq,
+        }
+
+    def render(self) -> str:
+        what = "training step (AdamW)" if self.workload == "train" else "serving prefill"
+        lines = [f"peak memory per rank, {what} at batch {self.batch} x seq {self.seq}:"]
+        for name, n in self.breakdown:
+            lines.append(f"  {name + ':':<34} {human_bytes(n, 2)}")
+        lines.append(f"  {'peak:':<34} {human_bytes(self.peak, 2)} at {self.moment}")
+        if self.transients:
+            lines.append("  transients (the largest sets the peak's moment):")
+            lines.extend(f"    {cause}: {human_bytes(n, 2)}" for cause, n in self.transients)
+        if self.kv_cache:
+            lines.append("  KV cache by layer kind:")
+            lines.extend(f"    {kind}: {human_bytes(n, 2)}" for kind, n in self.kv_cache)
+        if self.routed_rows:
+            lines.append(
+                f"  EP routing: {self.routed_rows} (token, expert) rows per rank and layer assumed (balanced, "
+                f"capacity factor {self.capacity_factor:g}); worst case {self.routed_rows_worst} rows: peak "
+                f"{human_bytes(self.worst_case_peak, 2)}"
+            )
+        if self.device_memory is not None:
+            left = self.device_memory - self.reserve - self.peak
+            verdict = "fits" if left >= 0 else "does NOT fit"
+            lines.append(
+                f"  device memory {human_bytes(self.device_memory, 1)} - reserve {human_bytes(self.reserve, 1)} "
+                f"(CUDA context, NCCL): {verdict} ({'left' if left >= 0 else 'over by'} {human_bytes(abs(left), 2)})"
+            )
+            if self.max_batch is not None:
+                lines.append(f"  largest micro-batch that fits at seq {self.seq}: {self.max_batch}")
+            if self.max_seq is not None:
+                lines.append(f"  longest sequence that fits at batch {self.batch}: {self.max_seq}")
+        lines.extend(f"  note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+
+def _get(config: Mapping[str, Any], *names: str, default: Any = None) -> Any:
+    for n in names:
+        v = config.get(n)
+        if v is not None:
+            return v
+    return default
+
+
+def _layer_kinds(walk: ModelWalk) -> dict[str, tuple[bool, bool, bool]]:
+    """Decoder layer path -> (MLA attention, MoE MLP, shared experts), from the module tree."""
+    out: dict[str, list[bool]] = {}
+    for fqn, m in walk.modules.items():
+        parts = fqn.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            if parts[i].isdigit():
+                layer = ".".join(parts[: i + 1])
+                flags = out.setdefault(layer, [False, False, False])
+                rest = parts[i + 1:]
+                if rest and rest[-1] == "kv_a_proj_with_mqa":
+                    flags[0] = True
+                if m.experts is not None:
+                    flags[1] = True
+                if rest and rest[-1] == "shared_experts":
+                    flags[2] = True
+                break
+    top = {f for f in out if not any(f.startswith(g + ".") for g in out if g != f)}
+    return {f: (v[0], v[1], v[2]) for f, v in out.items() if f in top}
+
+
+def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], itemsize: int) -> list[LayerShape]:
+    """Every decoder layer's widths on rank 0 (TP splits heads and MLP widths when the plan shards them)."""
+    tp = compiled.parallel.tp_size
+    styles = {a.fqn: a.style for a in compiled.assignments}
+    hidden = int(config["hidden_size"])
+    heads = int(_get(config, "num_attention_heads", default=1))
+    kv_heads = int(_get(config, "num_key_value_heads", default=heads))
+    head_dim = int(_get(config, "head_dim", default=0) or hidden // heads)
+    window = _get(config, "sliding_window")
+    layer_types = config.get("layer_types") or []
+    experts_by_layer = {e.fqn: e for e in compiled.experts}
+    shapes = []
+    for index, (layer, (mla, moe, shared)) in enumerate(sorted(_layer_kinds(walk).items(),
+                                                               key=lambda kv: _layer_index(kv[0]))):
+        attn_tp = any(f.startswith(layer + ".") and "attn" in f and s in ("colwise", "colwise_rep")
+                      for f, s in styles.items())
+        split = tp if attn_tp else 1
+        mlp_tp = tp if any(f.startswith(layer + ".mlp.") and s == "colwise" for f, s in styles.items()) else 1
+        kind = layer_types[index] if index < len(layer_types) else "full_attention"
+        experts = next((e for f, e in experts_by_layer.items() if f.startswith(layer + ".")), None)
+        if mla:
+            nope, rope = int(config["qk_nope_head_dim"]), int(config["qk_rope_head_dim"])
+            vdim = int(config["v_head_dim"])
+            h = heads // split
+            q, k, v = h * (nope + rope), h * (nope + rope), h * vdim
+            cache, cache_kind = (k + v) * itemsize, "MLA (transformers caches the expanded K and V)"
+        else:
+            h, kvh = heads // split, max(1, kv_heads // split)
+            q, k, v = h * head_dim, kvh * head_dim, kvh * head_dim
+            cache = (k + v) * itemsize
+            cache_kind = "sliding window" if kind == "sliding_attention" and window else "full attention"
+        inter = int(_get(config, "intermediate_size", default=0) or 0) // mlp_tp
+        moe_inter = experts.intermediate_size if experts is not None and experts.intermediate_size else 0
+        n_shared = int(_get(config, "n_shared_experts", "num_shared_experts", default=0) or 0)
+        shared_w = (moe_inter * n_shared) // mlp_tp if shared else 0
+        shapes.append(LayerShape(
+            attention="mla" if mla else "gqa", mlp="moe" if moe else "dense", q=q, k=k, v=v, heads=h,
+            cache=cache, cache_kind=cache_kind, window=int(window) if cache_kind == "sliding window" else None,
+            q_lora=int(_get(config, "q_lora_rank", default=0) or 0) if mla else 0,
+            kv_lora=int(_get(config, "kv_lora_rank", default=0) or 0) if mla else 0,
+            intermediate=inter, shared=shared_w, moe_intermediate=moe_inter,
+            num_experts=experts.num_experts if experts is not None else 0,
+            top_k=(experts.top_k or int(_get(config, "num_experts_per_tok", default=1))) if experts is not None else 0,
+        ))
+    return shapes
+
+
+def _layer_index(fqn: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in fqn.split(".") if p.isdigit())
+
+
+def _norm(width: int, a: int) -> int:
+    """A transformers RMSNorm in a 16-bit model: the fp32 upcast and the cast back (kept for backward), per token."""
+    return (FP32 + a) * width + FP32
+
+
+def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: int) -> int:
+    """Bytes one layer keeps for backward at `tokens` tokens (`rows` routed rows received, MoE layers)."""
+    t = tokens
+    # attention: input norm + its output (the projections' input)
+    n = t * (_norm(hidden, a) + a * hidden)
+    if s.attention == "mla":
+        # q_a -> norm -> q_b, kv_a -> norm -> kv_b, the rope'd q/k, sdpa's q, k, v, out and logsumexp
+        n += t * (a * s.q_lora + _norm(s.q_lora, a) + a * s.q_lora)
+        n += t * (a * (s.kv_lora + 64) + _norm(s.kv_lora, a) + a * s.kv_lora)
+        n += t * (a * (3 * s.q + 3 * s.k + s.v + 2 * s.v) + FP32 * s.heads)
+    else:
+        n += t * (a * (2 * s.q + 4 * s.k) + FP32 * s.heads)
+    # MLP: its input norm + output
+    n += t * (_norm(hidden, a) + a * hidden)
+    if s.mlp == "dense":
+        n += t * 4 * a * s.intermediate
+    else:
+        e, k = s.num_experts, s.top_k
+        n += t * (FP32 * e + 8 * k + FP32 * k + FP32)  # router softmax, top-k ids and weights
+        per_rank = -(-t // tp)
+        n += rows * a * (hidden + 4 * s.moe_intermediate) + per_rank * k * a * hidden
+        n += t * 4 * a * s.shared
+    return n
+
+
+def routed_rows(tokens: int, tp: int, top_k: int, capacity_factor: float) -> int:
+    return math.ceil(-(-tokens // tp) * top_k * capacity_factor)
+
+
+def peak_memory(
+    compiled: CompiledPlan,
+    walk: ModelWalk,
+    config: Mapping[str, Any],
+    train: Optional[TrainMemory],
+    *,
+    workload: str,
+    batch: int,
+    seq: int,
+    capacity_factor: float = 1.0,
+    device_memory: Optional[int] = None,
+    reserve: int = DEFAULT_RESERVE,
+    search: Optional[str] = None,
+) -> PeakMemory:
+    """The peak for `workload` ("train" needs `train`, the held model states) at `batch` x `seq`; with
+    `device_memory`, the largest batch (`search="batch"`) or sequence (`search="seq"`) that fits."""
+    best = _peak(compiled, walk, config, train, workload, batch, seq, capacity_factor)
+    max_batch = max_seq = None
+    if device_memory is not None:
+        budget = device_memory - reserve
+        if search in ("batch", None):
+            max_batch = _largest(lambda b: _peak(compiled, walk, config, train, workload, b, seq, capacity_factor).peak,
+                                 budget, 1 << 20)
+        if search == "seq":
+            limit = int(_get(config, "max_position_embeddings", default=1 << 20) or 1 << 20)
+            max_seq = _largest(lambda s: _peak(compiled, walk, config, train, workload, batch, s, capacity_factor).peak,
+                               budget, max(limit, 1))
+    return replace(best, device_memory=device_memory, reserve=reserve, max_batch=max_batch, max_seq=max_seq)
+
+
+def _largest(peak_at: Callable[[int], int], budget: int, limit: int) -> int:
+    """The largest n in [1, limit] with peak_at(n) <= budget (peaks grow with n), 0 when even 1 does not fit."""
+    if peak_at(1) > budget:
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and peak_at(hi) <= budget:
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if peak_at(mid) <= budget:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class _Moment(NamedTuple):
+    """The peak moment of one workload: its name, bytes, what is counted, the transients, the KV cache."""
+
+    moment: str
+    total: int
+    breakdown: list[tuple[str, int]]
+    transients: list[tuple[str, int]]
+    kv: list[tuple[str, int]]
+    moments: list[tuple[str, int]]
+
+
+def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], train: Optional[TrainMemory],
+          workload: str, batch: int, seq: int, capacity_factor: float) -> PeakMemory:
+    p = compiled.parallel
+    tp, ep = p.tp_size, p.ep_size
+    dtypes = dict(compiled.bytes_per_rank_by_dtype)
+    dtype = max(dtypes, key=lambda d: dtypes[d]) if dtypes else "bfloat16"
+    if train is not None and train.param_dtype:
+        dtype = train.param_dtype
+    a = ITEMSIZE.get(dtype, 2)
+    hidden = int(config["hidden_size"])
+    vocab = int(config["vocab_size"])
+    shapes = layer_shapes(compiled, walk, config, a)
+    tokens = batch * seq
+    top_k = max((s.top_k for s in shapes), default=0)
+    rows = routed_rows(tokens, tp, top_k, capacity_factor) if ep > 1 else tokens * top_k
+    worst_rows = min(rows * ep, ep * -(-tokens // tp) * top_k) if ep > 1 else rows
+    ckpt = compiled.training.activation_checkpointing if compiled.training is not None else "none"
+    notes = []
+    # serving with EP over the TP group runs all_reduce (every rank, every slot: no routing assumption); else the
+    # all_to_all moves the routed rows and the balanced-load assumption applies
+    routed = workload == "train" or ep > tp
+    if workload == "train":
+        if train is None:
+            raise ValueError("peak_memory: a training workload needs the model states (train_memory)")
+        best = _train_peak(train, shapes, hidden, vocab, a, tokens, rows, tp, ckpt)
+        worst = _train_peak(train, shapes, hidden, vocab, a, tokens, worst_rows, tp, ckpt)
+    else:
+        params = compiled.bytes_per_rank
+        router_fp32 = config.get("n_group") is not None
+        best = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, rows, tp, ep, router_fp32)
+        worst = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, worst_rows, tp, ep, router_fp32)
+        notes.append("KV cache as transformers' DynamicCache holds it after prefill (no paged or quantized cache)")
+        if top_k and not routed:
+            notes.append("EP at inference over the TP group runs all_reduce: each rank runs its experts over every "
+                         "token's top-k slots, whatever the routing")
+    moment, total, breakdown, transients, kv, moments = best
+    return PeakMemory(
+        workload=workload, batch=batch, seq=seq, peak=total, moment=moment, breakdown=tuple(breakdown),
+        moments=tuple(moments), transients=tuple(sorted(transients, key=lambda kv: -kv[1])),
+        kv_cache=tuple(kv), routed_rows=rows if top_k and routed else 0,
+        routed_rows_worst=worst_rows if top_k and routed else 0,
+        worst_case_peak=worst[1], capacity_factor=capacity_factor, checkpointing=ckpt, notes=tuple(notes),
+    )
+
+
+def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab: int, a: int, tokens: int, rows: int,
+                tp: int, ckpt: str) -> _Moment:
+    params, grads, optim = train.parameter_bytes, train.gradients, train.optimizer
+    saved_layers = [layer_saved(s, hidden, a, tokens, rows if s.mlp == "moe" else 0, tp) for s in shapes]
+    if ckpt == "full":
+        kept = tokens * a * hidden * len(shapes)  # each layer's input; the rest is recomputed in backward
+        recompute = max(saved_layers, default=0)
+    else:
+        kept, recompute = sum(saved_layers), 0
+    head = tokens * (_norm(hidden, a) + a * hidden)  # final norm + lm_head input
+    loss = 3 * FP32 * tokens * vocab  # log-softmax (kept), its gradient, the logits' gradient: fp32 [tokens, vocab]
+    fsdp = train.data_parallel == "fsdp"
+    gathered = (train.gathered_root + train.gathered_layer) if fsdp else 0
+    # backward's own transient: under fsdp the root's unsharded parameters and gradients (reduced last) and one
+    # layer's gathered parameters, unsharded gradients and reduce-scatter input; else two more copies of the
+    # largest parameter's gradient (the gradient on the local shard and its copy being accumulated into `.grad`:
+    # what the CPU grid measures, docs/memory.md)
+    backward = 2 * train.gathered_root + 3 * train.gathered_layer if fsdp else 2 * train.largest_tensor
+    moments = {
+        "loss backward (fp32 logits and loss)": params + optim + kept + head + loss + gathered,
+        "end of backward": params + grads + optim + max(backward, recompute),
+        "optimizer step": params + grads + optim,
+    }
+    moment = max(moments, key=lambda m: moments[m])
+    breakdown = [("parameters", params), ("gradients", grads if moment != next(iter(moments)) else 0),
+                 ("optimizer state", optim),
+                 ("activations kept for backward", kept + head if moment == next(iter(moments)) else 0)]
+    transients = [("fp32 logits and loss", loss)]
+    if fsdp:
+        transients.append(("FSDP all-gathered root and layer", gathered))
+    if ckpt == "full":
+        transients.append(("one layer recomputed (activation checkpointing)", recompute))
+    if fsdp:
+        transients.append(("FSDP backward: root unsharded, one layer gathered + its gradients reduce-scattered",
+                           backward))
+    else:
+        transients.append(("the largest parameter's gradient, computed then accumulated", backward))
+    at = {"loss backward (fp32 logits and loss)": loss + gathered,
+          "end of backward": max(backward, recompute),
+          "optimizer step": 0}[moment]
+    breakdown.append(("transient at the peak", at))
+    return _Moment(moment, moments[moment], breakdown, transients, [], list(moments.items()))
+
+
+def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, a: int, batch: int, seq: int,
+                rows: int, tp: int, ep: int, router_fp32: bool) -> _Moment:
+    tokens = batch * seq
+    kv: dict[str, int] = {}
+    for s in shapes:
+        held = min(seq, s.window) if s.window else seq
+        kv[s.cache_kind] = kv.get(s.cache_kind, 0) + batch * held * s.cache
+    cache = sum(kv.values())
+    transients = []
+    for s in shapes:
+        if s.mlp == "moe":
+            # all_reduce EP at inference: every rank runs its experts over all tokens' top-k slots: the slots'
+            # gathered rows, the gate/up output and its masked copy (off-rank slots zeroed), the ids
+            slots = rows if ep > tp else tokens * s.top_k  # ep > tp: all_to_all brings the routed rows
+            # two stages, the larger counts: gate/up (the gathered rows, the gate/up output and its masked copy)
+            # and the output (the rows again, the down output, both weighted in the routing weights' dtype: fp32
+            # for the grouped-top-k routers of DeepSeek-V3 and GLM-4.5, which route in fp32)
+            weight = FP32 if router_fp32 else a
+            work = slots * max(a * (hidden + 4 * s.moe_intermediate), 2 * (a + weight) * hidden)
+            work += tokens * 8 * s.top_k * 3
+            transients.append(("EP experts (all_reduce dispatch buffers)", work + tokens * a * hidden * 3))
+        else:
+            transients.append(("dense MLP", tokens * a * (3 * s.intermediate + 3 * hidden)))
+        attn = tokens * (a * (2 * s.q + 3 * s.k + 2 * s.v) + a * 3 * hidden)
+        transients.append(("attention workspace", attn))
+    transients.append(("logits (last token)", batch * vocab * (a + FP32) * 2))
+    worst = max(transients, key=lambda kv: kv[1]) if transients else ("none", 0)
+    dedup: dict[str, int] = {}
+    for cause, n in transients:
+        dedup[cause] = max(dedup.get(cause, 0), n)
+    total = params + cache + worst[1]
+    breakdown = [("parameters", params), ("KV cache", cache), ("transient at the peak", worst[1])]
+    moment = f"prefill, last layer ({worst[0]})"
+    return _Moment(moment, total, breakdown, list(dedup.items()), sorted(kv.items(), key=lambda kv: -kv[1]),
+                   [(moment, total)])
+
+
+__all__ = ["DEFAULT_RESERVE", "PeakMemory", "layer_saved", "layer_shapes", "peak_memory"]

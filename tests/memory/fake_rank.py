@@ -1,0 +1,181 @@
+"""Rank 0 of a plan at its real sizes, measured: the harness of the memory test suite and `bench/memory_grid.py`.
+
+One process plays rank 0 of a `tp * dp` world under torch's fake process group (`init_process_group("fake")`:
+collectives return at once, their outputs keep the shapes the real ones have), with real CPU tensors. The model
+is built on `meta` from its transformers config at full width (fewer layers), `planc.apply` installs the plan
+exactly as on a real rank (TP/EP sharding, EP forwards, the data-parallel wrap, activation checkpointing), then
+`to_empty` gives this rank's shards real memory. torch's `MemTracker` (`FSDPMemTracker` under `fsdp`) records the
+peak of every live tensor while it runs:
+
+- `serve`: one prefill, `model(ids, use_cache=True, logits_to_keep=1)` under `torch.no_grad()` (what `generate`
+  runs first), the cache kept alive;
+- `train`: two AdamW steps (forward, loss, backward, step, zero_grad): the second sees the optimizer state.
+
+The one thing the fake group cannot hallucinate is the EP all_to_all's count exchange (its output decides the
+shapes that follow): `symmetric_counts` fills it as a world where every rank routes like rank 0 does, the
+uniform-routing assumption the analytic model states (`planc.compiler.peak_memory`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+PLANS = {"mixtral": "plans/mixtral.yaml", "qwen3_moe": "plans/qwen3_moe.yaml", "deepseek_v3": "plans/deepseek_v3.yaml"}
+
+
+@contextlib.contextmanager
+def symmetric_counts():
+    """The EP count exchange (`all_to_all_single` of an int64 [ep, local experts] tensor) answered for a world
+    where rank j routes like rank 0 with the experts rotated by j ranks: peer j sends rank 0 what rank 0 sends
+    rank -j, so rank 0 receives as many rows as it sends (the load is balanced across ranks)."""
+    real = dist.all_to_all_single
+
+    def exchange(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        work = real(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+        if input.dtype == torch.long and output.shape == input.shape and output_split_sizes is None:
+            output.copy_(torch.roll(input.flip(0), 1, 0))  # row j: input[-j mod ep]
+        return work
+
+    dist.all_to_all_single = exchange
+    try:
+        yield
+    finally:
+        dist.all_to_all_single = real
+
+
+def _fill(model, seed: int = 0) -> None:
+    """Real values for the memory `to_empty` gave: small normal weights (routing near uniform), ones for norms,
+    and the rotary buffers recomputed from the config."""
+    from torch.distributed.tensor import DTensor
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            local = p._local_tensor if isinstance(p, DTensor) else p
+            if local.dtype.is_floating_point:
+                if "norm" in name.rsplit(".", 1)[0].rsplit(".", 1)[-1] or local.ndim == 1:
+                    local.fill_(1.0 if "norm" in name else 0.0)
+                else:  # embeddings at unit scale: token-specific hidden states, so routing spreads like a trained model's
+                    std = 1.0 if "embed" in name else 0.02
+                    local.copy_(torch.randn(local.shape, generator=gen, dtype=torch.float32).mul_(std).to(local.dtype))
+        for module in model.modules():
+            init = getattr(module, "rope_init_fn", None)
+            if init is not None and hasattr(module, "inv_freq"):
+                inv_freq, _ = init(module.config, "cpu")
+                module.inv_freq.copy_(inv_freq)
+                if hasattr(module, "original_inv_freq"):
+                    module.original_inv_freq = inv_freq
+            elif hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.zero_()
+
+
+def plan_data(family: str, mode: str, *, dp: int = 1, root: str = ".") -> dict:
+    """The shipped plan at its own tp/ep, with `dp` replicas and the training mode of `mode`."""
+    from planc.lint.load import load_plan
+
+    data = load_plan(f"{root}/{PLANS[family]}").plan.model_dump(exclude_none=True)
+    data.pop("extends", None)
+    data["parallel"]["dp_size"] = dp
+    if mode == "serve":
+        return data
+    training = {"data_parallel": "fsdp" if mode == "fsdp" else "replicate"}
+    if mode == "checkpoint":
+        training["activation_checkpointing"] = "full"
+    data["training"] = training
+    return data
+
+
+def measure(family: str, mode: str, batch: int, seq: int, overrides: dict, *, dp: int = 1, root: str = ".",
+            device: str = "cpu") -> dict:
+    """Rank 0's peak (bytes) and MemTracker's categories at that peak, for one point of the grid. On `cuda` the peak
+    is `torch.cuda.max_memory_allocated` (the allocator's own count) instead."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import planc
+    from planc.models.build import build_meta_model
+
+    data = plan_data(family, mode, dp=dp, root=root)
+    p = data["parallel"]
+    if not dist.is_initialized():
+        dist.init_process_group("fake", rank=0, world_size=p["tp_size"] * p["dp_size"], store=FakeStore())
+    model = build_meta_model(family, dict(overrides)).to(torch.bfloat16)
+    planc.apply(model, data)
+    model.to_empty(device=device)
+    _fill(model)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(device)
+    if device != "cpu":
+        return _measure_cuda(model, ids, mode)
+    out: dict[str, Any] = {}
+    with symmetric_counts():
+        if mode == "serve":
+            model.eval()
+            tracker = MemTracker()
+            tracker.track_external(model)
+            with tracker, torch.no_grad():
+                result = model(ids, use_cache=True, logits_to_keep=1)
+                del result
+        else:
+            model.train()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            fsdp = mode == "fsdp" and p["dp_size"] > 1
+            tracker = FSDPMemTracker(model, optimizer) if fsdp else MemTracker()
+            if not fsdp:
+                tracker.track_external(model, optimizer)
+            with tracker:
+                for _ in range(2):
+                    tracker.reset_mod_stats()  # per-module stats are per iteration; the peak stays
+                    loss = model(ids, labels=ids).loss
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    del loss
+    snapshot = tracker.get_tracker_snapshot("peak")
+    dev = next(iter(snapshot))
+    out["peak"] = int(snapshot[dev]["Total"])
+    out["by_category"] = {str(k): int(v) for k, v in snapshot[dev].items() if k != "Total"}
+    gc.collect()
+    return out
+
+
+def _measure_cuda(model, ids, mode: str) -> dict:
+    """The same steps on a CUDA device, the allocator's high-water mark above what the model held as the peak's
+    activations part (the model's own bytes added back, as MemTracker counts them)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    with symmetric_counts():
+        if mode == "serve":
+            model.eval()
+            with torch.no_grad():
+                result = model(ids, use_cache=True, logits_to_keep=1)
+                del result
+        else:
+            model.train()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            for _ in range(2):
+                loss = model(ids, labels=ids).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                del loss
+    torch.cuda.synchronize()
+    return {"peak": int(torch.cuda.max_memory_allocated()), "by_category": {}}
+
+
+def measure_point(point: dict) -> dict:
+    return measure(point["family"], point["mode"], point["batch"], point["seq"], point["overrides"],
+                   dp=point.get("dp", 1), root=point.get("root", "."), device=point.get("device", "cpu"))
+
+
+if __name__ == "__main__":  # python -m tests.memory.fake_rank '<json point or list of points of one world size>'
+    arg = json.loads(sys.argv[1])
+    print(json.dumps([measure_point(p) for p in arg] if isinstance(arg, list) else measure_point(arg)))

@@ -1,0 +1,131 @@
+"""`planc explain --train/--serve --batch --seq`: the peak per rank against rank 0 really running, and its input.
+
+The measured check: rank 0 of the shipped Mixtral plan (tp 8 / ep 8) at full width, one decoder layer, under the
+fake process group with real CPU tensors and torch's MemTracker (tests/memory/fake_rank.py), serving a prefill and
+training a step; the prediction within 10%. The full grid (three families, four modes, two points each) is
+`bench/memory_grid.py`, its table in docs/memory.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planc.cli import main as planc_main
+
+REPO = Path(__file__).resolve().parents[2]
+TOL = 0.10
+
+
+def explain(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = planc_main(["explain", *args])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def memory(*args: str) -> dict:
+    rc, out, err = explain(*args, "--format", "json")
+    assert rc == 0, err
+    return json.loads(out)["memory"]
+
+
+MIXTRAL = (str(REPO / "plans" / "mixtral.yaml"), "--set", "num_hidden_layers=1")
+
+
+def test_predicted_peak_is_what_rank0_allocates():
+    """One process (one fake world, tp 8): a prefill, then a training step, each its own MemTracker."""
+    points = [{"family": "mixtral", "mode": mode, "batch": 1, "seq": 512, "overrides": {"num_hidden_layers": 1},
+               "root": str(REPO)} for mode in ("serve", "replicate")]
+    run = subprocess.run([sys.executable, "-m", "tests.memory.fake_rank", json.dumps(points)], cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    measured = json.loads(run.stdout.strip().splitlines()[-1])
+    for point, real in zip(points, measured):
+        flag = "--serve" if point["mode"] == "serve" else "--train"
+        predicted = memory(*MIXTRAL, flag, "--batch", "1", "--seq", "512")["peak_per_rank"]
+        assert abs(predicted / real["peak"] - 1) <= TOL, (point["mode"], predicted, real["peak"])
+
+
+def test_peak_json_text_and_max_batch():
+    m = memory(*MIXTRAL, "--train", "--batch", "2", "--seq", "2048", "--device-memory", "141GiB")
+    assert m["peak_per_rank"] == sum(m["breakdown"].values())
+    assert m["fits"] is True and m["max_batch"] >= 2
+    # the search's answer on the same compiled plan: max_batch fits, one more does not
+    from planc.commands.explain import explain_one, workload_peak
+    from planc.compiler.train_memory import train_memory
+
+    rc, compiled, model = explain_one(MIXTRAL[0], {}, {"num_hidden_layers": 1}, "config")
+    train = train_memory(compiled, model)
+
+    def peak(workload: str, batch: int, seq: int) -> int:
+        spec = {"workload": workload, "batch": batch, "seq": seq, "search": "batch", "capacity_factor": 1.0,
+                "reserve": None}
+        return workload_peak(compiled, model, train if workload == "train" else None, spec, None, "plan").peak
+
+    assert peak("train", m["max_batch"], 2048) + m["reserve"] <= 141 * 2**30 < peak("train", m["max_batch"] + 1, 2048)\
+        + m["reserve"]
+    assert peak("train", 2, 2048) == m["peak_per_rank"]
+    serve = memory(*MIXTRAL, "--serve", "--batch", "4", "--seq", "4096")
+    assert serve["kv_cache"] == {"full attention": 4 * 4096 * 2 * 128 * 2}  # one layer, one KV head of 128 per rank
+    rc, text, _ = explain(*MIXTRAL, "--train", "--batch", "1", "--seq", "1024")
+    assert rc == 0 and "peak memory per rank, training step (AdamW) at batch 1 x seq 1024" in text
+    assert "fp32 logits and loss" in text and "EP routing:" in text
+    auto = memory(*MIXTRAL, "--serve", "--seq", "auto", "--device-memory", "80GiB")
+    assert auto["max_seq"] == 131072  # capped at max_position_embeddings
+
+
+def test_checkpointing_lowers_the_predicted_activations(tmp_path):
+    import yaml
+
+    from tests.memory.fake_rank import plan_data
+
+    paths = {}
+    for mode in ("replicate", "checkpoint"):
+        paths[mode] = tmp_path / f"{mode}.yaml"
+        paths[mode].write_text(yaml.safe_dump(plan_data("mixtral", mode, root=str(REPO))))
+    args = ("--set", "num_hidden_layers=4", "--train", "--batch", "8", "--seq", "4096")
+    plain = memory(str(paths["replicate"]), *args)
+    ckpt = memory(str(paths["checkpoint"]), *args)
+    assert ckpt["activation_checkpointing"] == "full"
+    assert ckpt["breakdown"]["activations kept for backward"] < plain["breakdown"]["activations kept for backward"] / 4
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--train", "--serve"), "--serve and --train ask for different peaks"),
+    (("--train", "--batch", "0"), "--batch '0': write a positive integer"),
+    (("--serve", "--seq", "-3"), "--seq '-3': write a positive integer"),
+    (("--serve", "--seq", "lots"), "--seq 'lots': write a positive integer"),
+    (("--batch", "2"), "add --train (a training step) or --serve"),
+    (("--serve", "--seq", "auto"), "--seq auto searches the longest sequence that fits: give --device-memory"),
+    (("--serve", "--capacity-factor", "0.5"), "--capacity-factor '0.5': write a number >= 1.0"),
+])
+def test_bad_workload_is_a_usage_error(args, message):
+    rc, _, err = explain(*MIXTRAL, *args)
+    assert rc == 2 and message in err and "Traceback" not in err, err
+
+
+def test_long_sequence_warns_and_small_device_is_a_verdict():
+    rc, _, err = explain(*MIXTRAL, "--serve", "--seq", "200000")
+    assert rc == 0 and "beyond the model's max_position_embeddings 131072" in err
+    rc, _, err = explain(*MIXTRAL, "--train", "--seq", "1024", "--device-memory", "1GiB")
+    assert rc == 1 and "PLC660" in err and "Traceback" not in err, err
+    assert "not even one sequence fits" in err
+
+
+def test_activation_checkpointing_lints(tmp_path):
+    from planc.lint.runner import lint_paths
+
+    base = (REPO / "plans" / "mixtral.yaml").read_text()
+    for value, codes in (("full", []), ("none", []), ("selective", ["PLC103"])):
+        path = tmp_path / f"{value}.yaml"
+        path.write_text(base + f"training: {{activation_checkpointing: {value}}}\n")
+        found = [d.code for d in lint_paths([str(path)]) if d.severity == "error"]
+        assert found == codes, (value, found)

@@ -1,0 +1,51 @@
+"""On one CUDA GPU (not run on the CPU machine): the grid's points at full width measured by the allocator
+(`torch.cuda.max_memory_allocated`, rank 0 under the fake process group), and the OOM verdict: with
+`torch.cuda.set_per_process_memory_fraction` emulating a smaller device, the predicted `max_batch` runs and
+`max_batch + 1` is refused by the predictor and really runs out of memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bench.memory_grid import grid, predict
+from tests.memory.test_peak_memory import REPO, TOL, memory
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _run(point: dict, fraction: float | None = None) -> subprocess.CompletedProcess:
+    code = "import sys, json, torch\n"
+    if fraction is not None:
+        code += f"torch.cuda.set_per_process_memory_fraction({fraction})\n"
+    code += ("from tests.memory.fake_rank import measure\np = json.loads(sys.argv[1])\n"
+             "print(json.dumps(measure(p['family'], p['mode'], p['batch'], p['seq'], p['overrides'], dp=p['dp'], "
+             "root=p['root'], device='cuda')))\n")
+    return subprocess.run([sys.executable, "-c", code, json.dumps({**point, "root": str(REPO)})], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=1800)
+
+
+@pytest.mark.parametrize("point", list(grid(modes=("serve", "replicate", "fsdp"))), ids=lambda p: json.dumps(p))
+def test_grid_point_on_the_gpu(point):
+    run = _run(point)
+    assert run.returncode == 0, run.stderr[-3000:]
+    measured = json.loads(run.stdout.strip().splitlines()[-1])["peak"]
+    predicted = predict(point)["peak_per_rank"]
+    assert abs(predicted / measured - 1) <= TOL, (point, predicted, measured)
+
+
+def test_max_batch_runs_and_one_more_is_out_of_memory():
+    total = torch.cuda.get_device_properties(0).total_memory
+    device = 24 * 2**30
+    plan = (str(REPO / "plans" / "mixtral.yaml"), "--set", "num_hidden_layers=2")
+    m = memory(*plan, "--train", "--seq", "1024", "--device-memory", str(device), "--reserve", "0")
+    assert m["max_batch"] >= 1
+    point = {"family": "mixtral", "mode": "replicate", "seq": 1024, "overrides": {"num_hidden_layers": 2}, "dp": 1}
+    assert _run({**point, "batch": m["max_batch"]}, device / total).returncode == 0
+    over = _run({**point, "batch": m["max_batch"] + 1}, device / total)
+    assert over.returncode != 0 and "OutOfMemoryError" in over.stderr
