@@ -60,7 +60,11 @@ class TrainMemory:
     param_dtype: Optional[str] = None  # fsdp mixed precision
     reduce_dtype: Optional[str] = None
     gathered_root: int = 0  # fsdp: the root unit's parameters all-gathered (param_dtype), forward to backward
-    gathered_layer: int = 0  # fsdp: the largest decoder layer's, while it runs
+    gathered_layer: int = 0  # fsdp: the largest decoder layer's (all its units), while it runs
+    # fsdp: every FSDP unit planc wraps inside the decoder layers, in parameter order: (unit path, its decoder layer,
+    # bytes all-gathered). A layer is one unit over dp, plus its EP experts module over efsdp and each module kept in
+    # another dtype (the fp32 router) as units of their own (planc.runtime.data_parallel wraps them so).
+    units: tuple[tuple[str, str, int], ...] = ()
     frozen: int = 0  # parameter bytes of inference-only experts: held, without gradients or AdamW state
     largest_tensor: int = 0  # the most bytes one parameter holds on this rank (its gradient's transient copy)
 
@@ -94,6 +98,8 @@ class TrainMemory:
             "inference_only_parameters_per_rank": self.frozen,
             "gathered_root": self.gathered_root if self.shards else None,
             "gathered_layer": self.gathered_layer if self.shards else None,
+            "gathered_unit": max((n for _, _, n in self.units), default=0) if self.shards else None,
+            "gathered_units": {u: n for u, _, n in self.units} if self.shards else None,
         }
 
     def render(self) -> str:
@@ -178,6 +184,31 @@ def _layer_of(fqn: str, layers: set[str]) -> str:
     return ""
 
 
+def _units(walk: ModelWalk, layers: set[str], ep_experts: list[str]) -> dict[str, str]:
+    """Parameter fqn -> the FSDP unit that gathers it, as planc.runtime.data_parallel wraps them: an EP experts
+    module, then a module of its layer whose own parameters are all of another dtype than the rest of that layer
+    (one dtype per unit: the fp32 router of a bf16 model), then the decoder layer; "" for the root."""
+    owner_unit: dict[str, str] = {}
+    for info in walk.params.values():
+        experts = next((e for e in ep_experts if info.fqn.startswith(e + ".")), None)
+        owner_unit[info.fqn] = experts or _layer_of(info.fqn, layers)
+    # one dtype per unit: the dtype holding most elements is the unit's, a module whose own parameters are all of
+    # another dtype becomes a unit of its own (a module of mixed dtypes is refused at apply)
+    by_unit: dict[str, dict[str, int]] = {}
+    for info in walk.params.values():
+        counts = by_unit.setdefault(owner_unit[info.fqn], {})
+        counts[info.dtype] = counts.get(info.dtype, 0) + info.numel
+    main = {u: max(c, key=lambda d: c[d]) for u, c in by_unit.items()}
+    own: dict[str, set[str]] = {}
+    for info in walk.params.values():
+        own.setdefault(info.owner, set()).add(info.dtype)
+    for info in walk.params.values():
+        unit = owner_unit[info.fqn]
+        if main[unit] not in own[info.owner]:
+            owner_unit[info.fqn] = info.owner
+    return owner_unit
+
+
 def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: Optional[str] = None) -> TrainMemory:
     """What a rank holds training `model_or_walk` (a model, real or on meta, or its `ModelWalk`) under `compiled`.
 
@@ -202,6 +233,8 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
     params: dict[str, int] = {}
     grads = optim = tensors = frozen = largest = 0
     gathered: dict[str, int] = {}
+    unit_of = _units(walk, layers, ep_experts)
+    unit_bytes: dict[str, int] = {}
     seen: set[int] = set()
     for info in walk.params.values():
         if info.tensor_id in seen:
@@ -230,6 +263,11 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
             gathered_itemsize = ITEMSIZE[mp.param_dtype] if mp is not None else itemsize
             layer = _layer_of(info.fqn, layers)  # a layer's EP experts unit is gathered inside the layer's forward
             gathered[layer] = gathered.get(layer, 0) + math.prod(shape) * gathered_itemsize
+            # a dtype-odd unit keeps its own dtype (no param_dtype cast)
+            unit = unit_of[info.fqn]
+            odd = unit not in layers and unit not in ep_experts and unit != ""
+            size = math.prod(shape) * (itemsize if odd else gathered_itemsize)
+            unit_bytes[unit] = unit_bytes.get(unit, 0) + size
     root = gathered.pop("", 0)
     return TrainMemory(
         data_parallel=mode,
@@ -247,6 +285,8 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
         gathered_layer=max(gathered.values(), default=0),
         frozen=frozen,
         largest_tensor=largest,
+        units=tuple((u, _layer_of(u + ".x", layers) if u not in layers else u, n) for u, n in unit_bytes.items()
+                    if u),
     )
 
 

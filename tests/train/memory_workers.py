@@ -58,6 +58,20 @@ def watch_gathered(model) -> dict:
     for layer in layers:
         for module in layer.modules():
             module.register_forward_pre_hook(hook(layer))
+    # each FSDP unit inside the layers (the layer, its EP experts, a dtype-odd module): its own parameters gathered,
+    # read in a pre-hook that runs after FSDP2's (fully_shard prepends its own)
+    from torch.distributed.fsdp import FSDPModule
+
+    seen["unit"] = 0
+    units = [m for layer in layers for m in layer.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        nested = {id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule) for p in m.parameters()}
+
+        def record_unit(module, args, nested=nested):
+            own = (p for p in module.parameters() if id(p) not in nested)
+            seen["unit"] = max(seen["unit"], gathered(own))
+
+        unit.register_forward_pre_hook(record_unit)
     return seen
 
 
