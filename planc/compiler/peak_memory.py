@@ -380,37 +380,61 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
         kept, recompute = sum(saved_layers), 0
     head = tokens * (_norm(hidden, a) + a * hidden)  # final norm + lm_head input
     loss = 3 * FP32 * tokens * vocab  # log-softmax (kept), its gradient, the logits' gradient: fp32 [tokens, vocab]
-    fsdp = train.data_parallel == "fsdp"
+    fsdp = train.shards
     gathered = (train.gathered_root + train.gathered_layer) if fsdp else 0
-    # backward's own transient: under fsdp the root's unsharded parameters and gradients (reduced last) and one
-    # layer's gathered parameters, unsharded gradients and reduce-scatter input; else two more copies of the
-    # largest parameter's gradient (the gradient on the local shard and its copy being accumulated into `.grad`:
-    # what the CPU grid measures, docs/memory.md)
-    backward = 2 * train.gathered_root + 3 * train.gathered_layer if fsdp else 2 * train.largest_tensor
+    if fsdp:
+        prefetch, backward = _fsdp_backward(train)
+    else:
+        # two more copies of the largest parameter's gradient (the gradient on the local shard and its copy being
+        # accumulated into `.grad`: what the CPU grid measures, docs/memory.md)
+        prefetch = 0
+        backward = 2 * train.largest_tensor
     moments = {
         "loss backward (fp32 logits and loss)": params + optim + kept + head + loss + gathered,
         "end of backward": params + grads + optim + max(backward, recompute),
         "optimizer step": params + grads + optim,
     }
+    if fsdp:
+        # lm_head's backward: the gradients of the log-softmax and of the logits (fp32) and the logits' gradient cast
+        # to the compute dtype, while FSDP2 all-gathers the next unit to run backward (its buffer: one unit)
+        moments[LAST_LAYER_BACKWARD] = params + optim + kept + head + (2 * FP32 + a) * tokens * vocab + gathered + prefetch
     moment = max(moments, key=lambda m: moments[m])
-    breakdown = [("parameters", params), ("gradients", grads if moment != next(iter(moments)) else 0),
+    forward_side = moment in ("loss backward (fp32 logits and loss)", LAST_LAYER_BACKWARD)
+    breakdown = [("parameters", params), ("gradients", 0 if forward_side else grads),
                  ("optimizer state", optim),
-                 ("activations kept for backward", kept + head if moment == next(iter(moments)) else 0)]
+                 ("activations kept for backward", kept + head if forward_side else 0)]
     transients = [("fp32 logits and loss", loss)]
     if fsdp:
         transients.append(("FSDP all-gathered root and layer", gathered))
     if ckpt == "full":
         transients.append(("one layer recomputed (activation checkpointing)", recompute))
     if fsdp:
-        transients.append(("FSDP backward: root unsharded, one layer gathered + its gradients reduce-scattered",
-                           backward))
+        transients.append(("FSDP lm_head backward: logits' gradients and one unit's all-gather prefetched",
+                           moments[LAST_LAYER_BACKWARD] - params - optim - kept - head))
+        transients.append(("FSDP backward: root, the largest unit gathered, its gradients and a reduce-scatter, "
+                           "the rest of its layer", backward))
     else:
         transients.append(("the largest parameter's gradient, computed then accumulated", backward))
-    at = {"loss backward (fp32 logits and loss)": loss + gathered,
-          "end of backward": max(backward, recompute),
-          "optimizer step": 0}[moment]
+    at = moments[moment] - params - optim - (kept + head if forward_side else grads)
     breakdown.append(("transient at the peak", at))
     return _Moment(moment, moments[moment], breakdown, transients, [], list(moments.items()))
+
+
+LAST_LAYER_BACKWARD = "lm_head backward (FSDP prefetch)"
+
+
+def _fsdp_backward(train: TrainMemory) -> tuple[int, int]:
+    """FSDP2's units in backward (planc.runtime.data_parallel wraps them): (the all-gather buffer of the unit
+    prefetched while the one before it runs: the largest unit, backward's transient at the largest unit). A unit in
+    backward holds its gathered parameters, its unsharded gradients and the reduce-scatter input of one unit (the
+    largest), inside its layer's other units, still gathered; the root stays gathered from forward to the end.
+    A layer of one unit (Mixtral) is three copies of it; a layer split into an attention unit, an EP experts unit
+    over efsdp and an fp32 router unit (DeepSeek-V3) is three copies of its experts only."""
+    if not train.units:  # no decoder layer found: the whole largest layer as one unit
+        return train.gathered_layer, train.gathered_root + 3 * train.gathered_layer
+    name, layer, largest = max(train.units, key=lambda u: u[2])
+    rest = sum(n for u, lay, n in train.units if lay == layer and u != name)
+    return largest, train.gathered_root + 3 * largest + rest
 
 
 def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, a: int, batch: int, seq: int,

@@ -98,6 +98,35 @@ def test_checkpointing_lowers_the_predicted_activations(tmp_path):
     assert ckpt["breakdown"]["activations kept for backward"] < plain["breakdown"]["activations kept for backward"] / 4
 
 
+def test_fsdp_prices_the_units_planc_wraps(tmp_path):
+    """DeepSeek-V3 under fsdp (the grid's two layers: one dense, one MoE): a dense layer is one FSDP unit; the MoE
+    layer is three (the layer over dp, its EP experts over efsdp, the fp32 router kept in its own dtype), and
+    backward's transient counts the largest unit (the experts) three times, not the whole layer (the grid's
+    DeepSeek-V3 fsdp points, docs/memory.md)."""
+    import yaml
+
+    from tests.memory.fake_rank import plan_data
+
+    path = tmp_path / "fsdp.yaml"
+    path.write_text(yaml.safe_dump(plan_data("deepseek_v3", "fsdp", dp=2, root=str(REPO))))
+    rc, out, err = explain(str(path), "--set", "num_hidden_layers=2", "--set", "first_k_dense_replace=1",
+                           "--set", "n_routed_experts=16", "--train", "--batch", "2", "--seq", "128", "--format", "json")
+    assert rc == 0, err
+    data = json.loads(out)
+    train, m = data["train"], data["memory"]
+    units = train["gathered_units"]
+    assert set(units) == {"model.layers.0", "model.layers.1", "model.layers.1.mlp.gate", "model.layers.1.mlp.experts"}
+    assert units["model.layers.1.mlp.gate"] == 16 * 7168 * 4  # the router stays fp32 [experts, hidden], whole
+    experts = units["model.layers.1.mlp.experts"]  # 2 local experts (16 / ep 8), gate_up and down, bf16, TP-whole
+    assert experts == 2 * 3 * 2048 * 7168 * 2 == train["gathered_unit"]
+    assert train["gathered_layer"] == sum(n for u, n in units.items() if u.startswith("model.layers.1"))
+    rest = train["gathered_layer"] - experts
+    backward = m["transients"]["FSDP backward: root, the largest unit gathered, its gradients and a reduce-scatter, "
+                               "the rest of its layer"]
+    assert backward == train["gathered_root"] + 3 * experts + rest
+    assert m["peak_per_rank"] == sum(m["breakdown"].values()) == max(m["moments"].values())
+
+
 @pytest.mark.parametrize("args, message", [
     (("--train", "--serve"), "--serve and --train ask for different peaks"),
     (("--train", "--batch", "0"), "--batch '0': write a positive integer"),
