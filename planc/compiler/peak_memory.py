@@ -5,14 +5,16 @@ An analytic model over the compiled plan's shapes (pure Python, milliseconds on 
 allocate, and checked against rank 0 really running at full width (`tests/memory`, `bench/memory_grid.py`,
 docs/memory.md). Numbers are for rank 0, the most any rank holds under balanced routing.
 
-Training (one AdamW step), the peak is the largest of three moments:
+Training (one AdamW step), the peak is the largest of these moments:
 - `loss backward`: parameters, AdamW state, every layer's saved activations and the loss's three fp32 [tokens,
   vocab] tensors (log-softmax kept for backward, its gradient, the gradient of the logits); gradients were set
   to None by the previous `zero_grad()`;
 - `end of backward`: parameters, gradients, AdamW state, and backward's transient: the largest parameter's gradient
-  twice more (the local gradient and the one accumulated into `.grad`), or under fsdp the root's unsharded
-  parameters and gradients (reduced last) and one layer's gathered parameters, unsharded gradients and
-  reduce-scatter input;
+  twice more (the local gradient and the one accumulated into `.grad`), or under fsdp the root's gathered
+  parameters and, per FSDP unit as planc wraps them (a layer, its EP experts over efsdp, an fp32 router), the
+  largest unit's gathered parameters, unsharded gradients and reduce-scatter input with the rest of its layer;
+- under fsdp, `lm_head backward (FSDP prefetch)`: the loss's gradients (two fp32 [tokens, vocab] and the logits'
+  gradient in the compute dtype) while FSDP2 all-gathers the next unit (one unit's buffer);
 - `optimizer step`: parameters, gradients and AdamW state (the per-parameter temporaries of torch's default
   for-loop AdamW are not counted; `foreach=True` would add up to one more copy of a dtype group's parameters).
 Serving (one prefill under `no_grad`, `logits_to_keep=1` as `generate` runs it): parameters, the KV cache of
