@@ -7,7 +7,8 @@ Points run one at a time (each stays under ~6 GiB). Prints one row per point and
 
     python bench/memory_grid.py                 # the full grid (about 30 minutes on 2 cores)
     python bench/memory_grid.py --only mixtral  # one family
-    python bench/memory_grid.py --cache m.json  # measurements kept in m.json: a rerun only predicts again
+    python bench/memory_grid.py --cache bench/memory_grid_measured.json  # the measured grid of docs/memory.md:
+                                                # a rerun predicts again, measuring only points whose plan changed
 """
 
 from __future__ import annotations
