@@ -17,8 +17,9 @@ torch holds it once `planc.load`/`planc.apply` installed the plan (`planc.runtim
 - mixed precision (`fsdp` only): the sharded parameters, gradients and AdamW state stay in the model's dtype (the
   fp32 master copy); FSDP2 casts a unit's parameters to `param_dtype` when it all-gathers them for forward and
   backward and frees them when it reshards (after forward for every layer but the last; after backward for all,
-  the root included). Those copies exist only while units run: `gathered` reports them (the root's, and the
-  largest layer's), outside the held total.
+  the root included). Those copies exist only while units run: `gathered` reports them (the root's, the largest
+  layer's, and every unit inside the layers: the layer, its EP experts module, a module kept in another dtype),
+  outside the held total.
 
 Pure Python over the compiler's model walk, like every byte count of the compiler.
 """
