@@ -58,7 +58,9 @@ FORMERLY_NOT_BUILT = [
 EP_REQUIRED = ["longcat_flash", "gemma4_text", "flint", "hunyuan_v1_moe"]
 
 
-@pytest.fixture(scope="module")
+# session scope: under xdist a worker may run other modules' tests between these, and a module fixture would be
+# torn down and the whole sweep run again
+@pytest.fixture(scope="session")
 def sweep():
     shipped = {f"plans/{name}.yaml": (ROOT / "plans" / f"{name}.yaml").read_text() for name in SHIPPED}
     return run_sweep(shipped=shipped)

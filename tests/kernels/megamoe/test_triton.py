@@ -23,6 +23,7 @@ from planc.kernels.megamoe.triton.routing import max_blocks, route, route_fused,
 from planc.runtime.ep.megamoe import MegaMoeEPRuntime
 from planc.runtime.megamoe import install_megamoe_forward, megamoe_state
 from tests.kernels.megamoe.common import full_weights, mixtral_experts, routing
+from planc.spec.ep import MegaMoeEP
 
 pytestmark = pytest.mark.skipif(
     not target.interpreting(),
@@ -252,7 +253,7 @@ def test_installed_backend_equals_the_reference_backend_and_keeps_fp4_only(world
     state = megamoe_state(tri_m)
     assert state.backend == "triton" and "triton" in state.reason
     groups = types.SimpleNamespace(ep_group=world1, ep_rank=0, ep_size=1, tp_group=world1, tp_size=1, shares_batch=True)
-    strategy = types.SimpleNamespace(name="deepgemm_megamoe", settings=None)
+    strategy = MegaMoeEP(reason="the Mega MoE experts")
     ref_layer, tri_layer = MegaMoeEPRuntime(ref_m, strategy, groups), MegaMoeEPRuntime(tri_m, strategy, groups)
     with torch.no_grad():
         for t in (0, 3, 17):
