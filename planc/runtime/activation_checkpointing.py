@@ -10,12 +10,17 @@ and checkpoints stay those of the plain model. The same plan line prices it in `
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 
 from planc.errors import ApplyError
 
+if TYPE_CHECKING:
+    from planc.compiler.compiled import CompiledPlan
 
-def install_activation_checkpointing(model: nn.Module, compiled) -> bool:
+
+def install_activation_checkpointing(model: nn.Module, compiled: CompiledPlan) -> bool:
     """Checkpoint every decoder layer for `compiled.training.activation_checkpointing`; True when installed."""
     training = compiled.training
     if training is None or training.activation_checkpointing != "full":

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from planc.errors import ApplyError
 from planc.spec.sizes import check_sizes, mesh_dims
+
+if TYPE_CHECKING:
+    from planc.spec.model import Parallel
 
 
 @dataclass(frozen=True)
@@ -179,7 +182,7 @@ def _destroy_groups() -> None:
         pass
 
 
-def build_groups(parallel, mesh: Optional[DeviceMesh] = None) -> Groups:
+def build_groups(parallel: Parallel, mesh: Optional[DeviceMesh] = None) -> Groups:
     """The `Groups` of `parallel` (a `planc.spec.model.Parallel`) on this world, or on the caller's `mesh`.
 
     Every rank must call this (it creates process groups). A world that does not match the plan's
@@ -234,7 +237,8 @@ def _flattened(root: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh
                 f"planc.runtime.mesh: the mesh passed to planc.apply already has a flattened `{name}` dim planc did "
                 f"not make ({e}); pass the mesh before flattening it, or leave `mesh` out and planc builds it."
             ) from None
-    return views[name]
+    flattened: DeviceMesh = views[name]
+    return flattened
 
 
 def _single_rank_mesh(root: DeviceMesh) -> DeviceMesh:
@@ -247,7 +251,8 @@ def _single_rank_mesh(root: DeviceMesh) -> DeviceMesh:
         assert names is not None  # build_groups names every dim of the root
         tp_dim = names.index("tp")
         views["ep"] = root._unflatten(tp_dim, (root["tp"].size(), 1), ("tp_", "ep"))["ep"]
-    return views["ep"]
+    ep: DeviceMesh = views["ep"]
+    return ep
 
 
 def _check_caller_mesh(mesh: DeviceMesh, tp: int, ep: int, dp: int, world: int) -> DeviceMesh:
