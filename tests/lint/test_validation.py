@@ -94,7 +94,7 @@ def test_numbers_where_strings_belong():
 
 def test_a_mapping_plan_is_located_by_its_key_path():
     from planc.errors import PlanError
-    from planc.lint.load import load_plan
+    from planc.lint.plan_loader import load_plan
 
     data = {"version": 1, "model": {"type": "mixtral"}, "parallel": {"tp_size": 2, "ep_size": 2},
             "experts": {"ep_implementation": "bogus"}}

@@ -78,7 +78,7 @@ def _fill(model, seed: int = 0) -> None:
 
 def plan_data(family: str, mode: str, *, dp: int = 1, root: str = ".") -> dict:
     """The shipped plan at its own tp/ep, with `dp` replicas and the training mode of `mode`."""
-    from planc.lint.load import load_plan
+    from planc.lint.plan_loader import load_plan
 
     data = load_plan(f"{root}/{PLANS[family]}").plan.model_dump(exclude_none=True)
     data.pop("extends", None)
