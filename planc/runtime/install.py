@@ -37,7 +37,8 @@ from planc.runtime.ep import EP_RUNTIMES
 from planc.runtime.ep.base import install_ep_forward, shard_expert_tensor
 from planc.runtime.ep.dense import install_dense_ep_forward
 from planc.runtime.guards import guard_applied_model
-from planc.runtime.mesh import Groups, build_groups, destroy_groups_at_exit, rank_device
+from planc.runtime.exit_drain import destroy_groups_at_exit
+from planc.runtime.mesh import Groups, build_groups, rank_device
 from planc.runtime.snapshot import Snapshot
 from planc.runtime.tp_styles import tp_style
 

@@ -52,7 +52,7 @@ def _worker(rank: int, world_size: int, port: int, result_dir: str, fn: Callable
     # The rank's work is done and its result is on disk: leave without the interpreter's teardown. A spawned child
     # otherwise ends in the interpreter's teardown, where a gloo worker thread still releasing a finished work can
     # abort the process ("terminate called without an active exception"; the cause and planc's exit drain for user
-    # programs: planc.runtime.mesh.destroy_groups_at_exit). From here on nothing is left that such an abort could
+    # programs: planc.runtime.exit_drain.destroy_groups_at_exit). From here on nothing is left that such an abort could
     # lose. An exception in `fn` still propagates above, as before.
     sys.stdout.flush()
     sys.stderr.flush()
