@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch.distributed as dist
 from torch import nn
 
 from planc.errors import CheckpointError
 
+if TYPE_CHECKING:
+    from planc.compiler.compiled import CompiledPlan
+    from planc.runtime.mesh import Groups
 
-def applied_plan(model: nn.Module, what: str):
+
+def applied_plan(model: nn.Module, what: str) -> tuple[CompiledPlan, Groups]:
     """(CompiledPlan, Groups) of a model planc.apply installed a plan on; a clear error otherwise."""
     compiled = getattr(model, "_planc_plan", None)
     groups = getattr(model, "_planc_groups", None)

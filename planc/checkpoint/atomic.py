@@ -90,7 +90,7 @@ def _swap(partial: Path, target: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_directory(target, what: str, replaceable: Callable[[Path], bool]) -> Iterator[Path]:
+def atomic_directory(target: str | os.PathLike[str], what: str, replaceable: Callable[[Path], bool]) -> Iterator[Path]:
     """Yield the partial directory to write into; on exit rename it to `target` if every rank succeeded.
 
     `replaceable(path)` says whether an existing non-empty `target` may be replaced (it is a checkpoint of

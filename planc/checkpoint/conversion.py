@@ -20,19 +20,21 @@ ops (save, export) are transformers' own, inherited.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 
-def _shard_aware_transpose_cls():
+def _shard_aware_transpose_cls() -> type[Any]:
     from transformers.core_model_loading import Transpose
 
     class ShardAwareTranspose(Transpose):
         """`Transpose(check_dims=True)` against this rank's local shape of the parameter it fills."""
 
         @torch.no_grad()
-        def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        def convert(  # type: ignore[override]  # transformers' base is typed through torch.no_grad
+            self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str], **kwargs: Any
+        ) -> dict[str, Any]:
             from torch.distributed.tensor import DTensor
 
             param = kwargs["model"].get_parameter(kwargs["full_layer_name"])
@@ -45,21 +47,23 @@ def _shard_aware_transpose_cls():
             return {target: torch.transpose(tensor, self.dim0, self.dim1).contiguous()}
 
         @property
-        def reverse_op(self):
+        def reverse_op(self) -> Any:
             # Saving and export see whole tensors, where transformers' own check is right.
             return Transpose(dim0=self.dim1, dim1=self.dim0, check_dims=self.check_dims)
 
     return ShardAwareTranspose
 
 
-def _single_copy_merge_classes():
+def _single_copy_merge_classes() -> tuple[type[Any], type[Any]]:
     from transformers.core_model_loading import Concatenate, MergeModulelist
 
     class ListsThrough(MergeModulelist):
         """`MergeModulelist(dim=0)` followed by `StackedConcatenate`: the lists go on unstacked (the next op writes
         them once into the fused tensor); the reverse stays `SplitModulelist`."""
 
-        def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        def convert(  # type: ignore[override]  # transformers' base is typed through torch.no_grad
+            self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str], **kwargs: Any
+        ) -> dict[str, Any]:
             n = len(input_dict)
             return {self.get_target_pattern(n, k, target_patterns): input_dict.pop(k) for k in list(input_dict)}
 
@@ -67,7 +71,9 @@ def _single_copy_merge_classes():
         """`torch.cat([torch.stack(list) for list in sources], dim)` with one allocation and one copy per tensor."""
 
         @torch.no_grad()
-        def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        def convert(  # type: ignore[override]  # transformers' base is typed through torch.no_grad
+            self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str], **kwargs: Any
+        ) -> dict[str, Any]:
             target = self.get_target_pattern(target_patterns)
             groups = [input_dict.pop(p) for p in source_patterns if p in input_dict]
             stacks = [g if isinstance(g, torch.Tensor) else None for g in groups]
@@ -90,7 +96,7 @@ def _single_copy_merge_classes():
                 offset += head.shape[d]
             return {target: out}
 
-        def _fusable(self, groups, stacks) -> bool:
+        def _fusable(self, groups: list[Any], stacks: list[Optional[torch.Tensor]]) -> bool:
             """Equal expert counts, one dtype and device, shapes equal but for the concatenated dim."""
             if self.dim < 1 or not groups or any(len(g) == 0 for g in groups):
                 return False
@@ -107,7 +113,7 @@ def _single_copy_merge_classes():
     return ListsThrough, StackedConcatenate
 
 
-def shard_aware(mapping: list) -> list:
+def shard_aware(mapping: list[Any]) -> list[Any]:
     """`mapping` (transformers' WeightRenaming/WeightConverter list) with shape-checking ops that compare against
     this rank's shard, and each merge-then-concatenate pair writing once; other converters are returned as they
     are."""

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+import os
+from typing import TYPE_CHECKING, Any, Collection, Iterator, Optional, Union, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -35,7 +36,10 @@ from planc.errors import CheckpointError
 from planc.runtime.mesh import rank_device
 
 if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+
     from planc.compiler.compiled import CompiledPlan
+    from planc.runtime.mesh import Groups
 
 
 def _empty_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -66,7 +70,7 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
 
 
 @contextlib.contextmanager
-def dcp_failures(what: str):
+def dcp_failures(what: str) -> Iterator[None]:
     """torch.distributed.checkpoint's `CheckpointException` (a BaseException: `except Exception` misses it) as a
     CheckpointError naming each failed rank and the last line of its cause, never DCP's tracebacks. DCP gathers
     every rank's failure before raising, so every rank raises this together; the callers clean up and agree."""
@@ -88,7 +92,7 @@ def dcp_failures(what: str):
         raise CheckpointError(f"{what}: torch.distributed.checkpoint failed: {failed}.{hint}") from None
 
 
-def _storage_problems(metadata, directory: Path) -> list[str]:
+def _storage_problems(metadata: Metadata, directory: Path) -> list[str]:
     """Every `__<rank>_0.distcp` the metadata points into: present, and long enough for every range read from it
     (a missing or truncated rank file is refused here, naming it, before DCP reads a byte)."""
     ends: dict[str, int] = {}
@@ -96,7 +100,7 @@ def _storage_problems(metadata, directory: Path) -> list[str]:
         path, end = getattr(info, "relative_path", None), getattr(info, "offset", 0) + getattr(info, "length", 0)
         if path is not None:
             ends[path] = max(ends.get(path, 0), end)
-    problems = []
+    problems: list[str] = []
     for name, end in sorted(ends.items()):
         f = directory / name
         if not f.is_file():
@@ -109,10 +113,12 @@ def _storage_problems(metadata, directory: Path) -> list[str]:
     return problems
 
 
-def _targets(model: nn.Module, compiled: CompiledPlan, groups, saved_non_persistent) -> dict[str, torch.Tensor]:
+def _targets(model: nn.Module, compiled: Optional[CompiledPlan], groups: Optional[Groups],
+             saved_non_persistent: Collection[str]) -> dict[str, torch.Tensor]:
     """key -> the tensor DCP loads into, in the layout DCP can describe (see state.py)."""
     state = model.state_dict()
     for fqn, (module, name) in expert_sharded_buffers(model, compiled, groups).items():
+        assert groups is not None  # expert_sharded_buffers finds none without groups
         state[fqn] = ep_buffer_dtensor(module._buffers[name], groups)
     for fqn, _, _, t in named_non_persistent_buffers(model):
         if fqn in saved_non_persistent:
@@ -120,9 +126,10 @@ def _targets(model: nn.Module, compiled: CompiledPlan, groups, saved_non_persist
     return state
 
 
-def _check(targets: dict, metadata, directory: Path, model: nn.Module, saved_non_persistent) -> list[str]:
+def _check(targets: dict[str, torch.Tensor], metadata: Metadata, directory: Path, model: nn.Module,
+           saved_non_persistent: Collection[str]) -> list[str]:
     """Every mismatch between the model and the checkpoint, named by key."""
-    problems = []
+    problems: list[str] = []
     saved = metadata.state_dict_metadata
     for key, t in targets.items():
         meta = saved.get(key)
@@ -145,11 +152,11 @@ def _check(targets: dict, metadata, directory: Path, model: nn.Module, saved_non
 
 def fill_from_dcp(
     model: nn.Module,
-    directory,
+    directory: Union[str, os.PathLike[str]],
     *,
-    device=None,
-    compiled=None,
-    groups=None,
+    device: Union[None, str, torch.device] = None,
+    compiled: Optional[CompiledPlan] = None,
+    groups: Optional[Groups] = None,
 ) -> None:
     """Fill `model` (sharded on meta under any plan) from the planc.save checkpoint in `directory`.
 

@@ -26,7 +26,8 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Optional, cast
+import os
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Optional, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -43,8 +44,10 @@ from planc.checkpoint.state import (
 from planc.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from planc.compiler.compiled import CompiledPlan
     from transformers import PreTrainedModel
+
+    from planc.compiler.compiled import CompiledPlan
+    from planc.runtime.mesh import Groups
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -58,7 +61,7 @@ def is_export_dir(path: Path) -> bool:
     return all(p.name in _EXPORT_FILES or _SHARD_NAME.fullmatch(p.name) for p in path.iterdir())
 
 
-def _export_state(model: nn.Module, compiled: CompiledPlan, groups) -> dict[str, torch.Tensor]:
+def _export_state(model: nn.Module, compiled: CompiledPlan, groups: Groups) -> dict[str, torch.Tensor]:
     """key -> tensor (DTensor or plain) of everything the hub checkpoint holds, tied weights once."""
     live = model.state_dict(keep_vars=True)
     for fqn, (module, name) in expert_sharded_buffers(model, compiled, groups).items():
@@ -81,7 +84,7 @@ def _export_state(model: nn.Module, compiled: CompiledPlan, groups) -> dict[str,
     return {k: (t.detach() if isinstance(t, torch.Tensor) else t) for k, t in live.items()}
 
 
-def _group_keys(keys) -> list[list[str]]:
+def _group_keys(keys: Iterable[str]) -> list[list[str]]:
     """Keys grouped by decoder layer (a reverse conversion may need several tensors of one layer), in order."""
     groups: dict[str, list[str]] = {}
     for key in keys:
@@ -93,7 +96,8 @@ def _group_keys(keys) -> list[list[str]]:
 def _revert(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     from transformers.core_model_loading import revert_weight_conversion
 
-    return revert_weight_conversion(cast("PreTrainedModel", model), tensors)
+    reverted: dict[str, torch.Tensor] = revert_weight_conversion(cast("PreTrainedModel", model), tensors)
+    return reverted
 
 
 @dataclass
@@ -111,7 +115,7 @@ class _Layout:
         return sum(torch.Size(s).numel() * d.itemsize for s, d in self.meta.values())
 
 
-def _plan(model: nn.Module, state: dict, key_groups: list[list[str]], max_shard_size: int) -> _Layout:
+def _plan(model: nn.Module, state: dict[str, torch.Tensor], key_groups: list[list[str]], max_shard_size: int) -> _Layout:
     order, meta = [], {}
     for keys in key_groups:
         fake = {k: torch.empty(state[k].shape, dtype=state[k].dtype, device="meta") for k in keys}
@@ -164,7 +168,7 @@ class _ShardWriter:
         self.data_start: list[int] = []
         self.current: Optional[tuple[int, BinaryIO]] = None  # (file index, open file)
         for names in self._names_by_file():
-            header: dict = {"__metadata__": {"format": "pt"}}
+            header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
             pos = 0
             for name in names:
                 shape, dtype = layout.meta[name]
@@ -188,7 +192,7 @@ class _ShardWriter:
             names[i].append(name)
         return names
 
-    def _file(self, i: int):
+    def _file(self, i: int) -> BinaryIO:
         if self.current is not None and self.current[0] == i:
             return self.current[1]
         if self.current is not None:
@@ -257,16 +261,16 @@ def _write_configs(model: nn.Module, directory: Path) -> None:
         generation.save_pretrained(directory)
 
 
-def _max_shard_bytes(max_shard_size) -> int:
+def _max_shard_bytes(max_shard_size: Union[int, str]) -> int:
     from transformers.utils.hub import convert_file_size_to_int
 
-    size = convert_file_size_to_int(max_shard_size)
+    size: int = convert_file_size_to_int(max_shard_size)
     if size <= 0:
         raise CheckpointError(f"planc.export: max_shard_size must be positive, got {max_shard_size!r}.")
     return size
 
 
-def export(model: nn.Module, directory, *, max_shard_size="5GB") -> Path:
+def export(model: nn.Module, directory: Union[str, os.PathLike[str]], *, max_shard_size: Union[int, str] = "5GB") -> Path:
     """Write `model` (applied) as hub-layout safetensors that `from_pretrained(directory)` loads unsharded.
 
     Every rank must call it (the tensors are gathered one group at a time); rank 0 writes. An existing

@@ -21,9 +21,12 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Collection
+from typing import TYPE_CHECKING, Any, Collection
 
 from planc.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -63,7 +66,7 @@ class CheckpointFiles:
     mapped_storages: set[int] = field(default_factory=set, repr=False)  # data_ptr of every mmap storage handed out
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> "CheckpointFiles":
+    def open(cls, path: str | os.PathLike[str]) -> "CheckpointFiles":
         root = Path(path)
         if not root.is_dir():
             raise CheckpointError(missing_directory(root))
@@ -105,11 +108,12 @@ class CheckpointFiles:
     def config_path(self) -> Path:
         return self.root / CONFIG_NAME
 
-    def read_config(self) -> dict:
+    def read_config(self) -> dict[str, Any]:
         try:
-            return json.loads(self.config_path.read_text(encoding="utf-8"))
+            config: dict[str, Any] = json.loads(self.config_path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{self.config_path}: cannot be read as JSON ({e}).") from None
+        return config
 
     def slices(self, keys: Collection[str] | None = None) -> dict[str, Any]:
         """Every key (or those in `keys`) as a lazy `mmap` slice (nothing is read until it is indexed) that records
@@ -120,7 +124,7 @@ class CheckpointFiles:
             out[key] = MappedSlice(self._mapped(self.tensors[key].file).get_slice(key), self.mapped_storages)
         return out
 
-    def _mapped(self, name: str):
+    def _mapped(self, name: str) -> Any:
         handle = self._mapped_handles.get(name)
         if handle is None:
             handle = _safe_open(self.root / name)
@@ -152,18 +156,20 @@ class MappedSlice:
 
     reads = 0
 
-    def __init__(self, source, storages: set[int]):
+    def __init__(self, source: Any, storages: set[int]) -> None:
         self.source = source
         self.storages = storages
 
-    def get_shape(self):
-        return self.source.get_shape()
+    def get_shape(self) -> list[int]:
+        shape: list[int] = self.source.get_shape()
+        return shape
 
-    def get_dtype(self):
-        return self.source.get_dtype()
+    def get_dtype(self) -> str:
+        dtype: str = self.source.get_dtype()
+        return dtype
 
-    def __getitem__(self, index):
-        tensor = self.source[index]
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        tensor: torch.Tensor = self.source[index]
         MappedSlice.reads += 1
         self.storages.add(tensor.untyped_storage().data_ptr())
         return tensor
@@ -248,11 +254,11 @@ def _dangling(path: Path) -> str | None:
     )
 
 
-def _safe_open(path: Path, backend: str = "mmap"):
+def _safe_open(path: Path, backend: str = "mmap") -> Any:
     from safetensors import SafetensorError, safe_open
 
     try:
-        handle = safe_open(str(path), framework="pt", device="cpu", backend=backend)
+        handle: Any = safe_open(str(path), framework="pt", device="cpu", backend=backend)
         handle.__enter__()
     except (SafetensorError, OSError) as e:
         detail = _header_problem(path) or f"not a readable safetensors file ({e})"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, cast
 
 import torch
 from torch import nn
@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from transformers.modeling_utils import LoadStateDictConfig
     from transformers.utils.loading_report import LoadStateDictInfo
 
+    from planc.runtime.install import InstallState
+
 
 class SafetensorsFill:
     """Between sharding and forwards: transformers' loader reads this rank's byte ranges into the meta-sharded model.
@@ -41,19 +43,19 @@ class SafetensorsFill:
     more than one layer of unquantized experts.
     """
 
-    def __init__(self, files: CheckpointFiles, device: torch.device):
+    def __init__(self, files: CheckpointFiles, device: torch.device) -> None:
         self.files = files
         self.device = device
 
-    def __call__(self, state) -> None:
+    def __call__(self, state: InstallState) -> None:
         from transformers.modeling_utils import LoadStateDictConfig
 
-        model = state.model
+        model = cast("PreTrainedModel", state.model)  # planc.load builds a transformers model
         mapping = conversion_mapping(model)
         quantizer = getattr(model, "hf_quantizer", None)
         config = LoadStateDictConfig(
             pretrained_model_name_or_path=str(self.files.root),
-            dtype=model.config.dtype,
+            dtype=cast(torch.dtype, model.config.dtype),  # resolved to a torch dtype by planc.load's _config
             device_map={"": self.device},
             weight_mapping=mapping,
             hf_quantizer=quantizer,
@@ -71,7 +73,7 @@ class SafetensorsFill:
                     _quantize_experts(state.module(fqn))
                     quantize.remove(fqn)
         # What save/export reverse later: every conversion any layer used (transformers keeps the last call's).
-        model._weight_conversions = [c for c in mapping if id(c) in used]
+        model._weight_conversions = [c for c in mapping if id(c) in used]  # type: ignore[assignment]  # a plain list
         info = _merged(infos)
         model._adjust_missing_and_unexpected_keys(info)
         problems = loading_problems(model, info, self.files)
@@ -97,6 +99,7 @@ class SafetensorsFill:
         block = block_size(model)
         if dequantizing(model) and block is not None:  # each rank reads only its rows/columns' scale blocks
             slices = wrap_scales(slices, self.files.tensors, block)
+        info: LoadStateDictInfo
         info, _ = convert_and_load_state_dict_in_model(model, slices, config)
         _own_copies(model, self.files.mapped_storages)
         self.files.unmap()
@@ -146,20 +149,20 @@ _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 
 
 @contextlib.contextmanager
-def _no_progress_bars():
+def _no_progress_bars() -> Iterator[None]:
     from transformers.utils import logging
 
     was = logging.is_progress_bar_enabled()
-    logging.disable_progress_bar()
+    logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # transformers leaves it untyped
     try:
         yield
     finally:
         if was:
-            logging.enable_progress_bar()
+            logging.enable_progress_bar()  # type: ignore[no-untyped-call]  # transformers leaves it untyped
 
 
 @contextlib.contextmanager
-def _shard_offsets_once():
+def _shard_offsets_once() -> Iterator[None]:
     """Each parameter's local shape and offsets computed once per loader call, not once per checkpoint key.
 
     transformers' loader builds a `DtensorShardOperation` for every checkpoint key it reads into a DTensor (one per
@@ -173,9 +176,10 @@ def _shard_offsets_once():
     if original is None:  # another transformers layout: nothing to memoize
         yield
         return
-    answers: dict = {}
+    answers: dict[tuple[Any, ...], Any] = {}
 
-    def memoized(global_shape, mesh, placements, *args, **kwargs):
+    def memoized(global_shape: Iterable[int], mesh: Any, placements: Iterable[Any], *args: Any,
+                 **kwargs: Any) -> Any:
         key = (tuple(global_shape), mesh, tuple(placements), args, tuple(sorted(kwargs.items())))
         if key not in answers:
             answers[key] = original(global_shape, mesh, placements, *args, **kwargs)
@@ -188,7 +192,7 @@ def _shard_offsets_once():
         sharding_utils.compute_local_shape_and_global_offset = original
 
 
-def _by_layer(keys) -> list[list[str]]:
+def _by_layer(keys: Iterable[str]) -> list[list[str]]:
     """Checkpoint keys grouped by decoder layer index (keys of no layer first): one loader call per group.
 
     A converter's inputs (e.g. one layer's per-expert w1/w3) always share a layer index, so every
@@ -201,7 +205,7 @@ def _by_layer(keys) -> list[list[str]]:
     return [groups[i] for i in sorted(groups)]
 
 
-def _merged(infos):
+def _merged(infos: list[LoadStateDictInfo]) -> LoadStateDictInfo:
     """One LoadStateDictInfo for all the per-layer loader calls (a key is missing only if no call filled it)."""
     from transformers.utils.loading_report import LoadStateDictInfo
 
@@ -216,7 +220,7 @@ def _merged(infos):
     )
 
 
-def _experts_to_quantize(state) -> list[str]:
+def _experts_to_quantize(state: InstallState) -> list[str]:
     """The experts modules a Mega MoE plan quantizes to FP4 (`megamoe.quantize: fp4`) that hold floats."""
     settings = state.compiled.experts_settings
     if not settings.implementation_row.megamoe or settings.megamoe is None or settings.megamoe.quantize != "fp4":

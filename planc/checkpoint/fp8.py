@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -100,7 +100,7 @@ def dequantize_fp8_blocks(quantized: torch.Tensor, scales: torch.Tensor,
     return out.reshape(quantized.shape)
 
 
-def _fast_dequantize_class():
+def _fast_dequantize_class() -> type[Any]:
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
     class CpuFp8Dequantize(Fp8Dequantize):
@@ -109,21 +109,22 @@ def _fast_dequantize_class():
         Also shares its quantizer when transformers' loader deep-copies the converter holding it (once per
         checkpoint key): the op keeps no state of its own, and copying the quantizer each time cost ~0.3 s per load."""
 
-        def _dequantize_one(self, quantized, scales, output_dtype=None):
+        def _dequantize_one(self, quantized: torch.Tensor, scales: torch.Tensor,
+                            output_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
             if fast_path(quantized, scales):
                 return dequantize_fp8_blocks(quantized, scales, output_dtype)
             return super()._dequantize_one(quantized, scales, output_dtype)
 
-        def __deepcopy__(self, memo):
+        def __deepcopy__(self, memo: Any) -> Any:
             return type(self)(self.hf_quantizer)
 
     return CpuFp8Dequantize
 
 
-_FAST_CLASS = None
+_FAST_CLASS: Optional[type[Any]] = None
 
 
-def with_fast_dequantize(mapping: list) -> list:
+def with_fast_dequantize(mapping: list[Any]) -> list[Any]:
     """The conversion mapping with every transformers `Fp8Dequantize` op replaced by the CPU fast one (in place)."""
     from transformers.core_model_loading import WeightConverter
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize

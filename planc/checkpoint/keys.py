@@ -17,20 +17,19 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from typing import TYPE_CHECKING, Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any, Optional
 
 from planc.checkpoint.files import CheckpointFiles
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedModel
 
 _MAX_LISTED = 5
 _NON_FLOAT = {"I8", "U8", "I16", "U16", "I32", "U32", "I64", "U64", "BOOL", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4"}
 
 
-def _mapping(model: nn.Module):
+def _mapping(model: PreTrainedModel) -> tuple[list[Any], list[Any]]:
     from transformers.core_model_loading import WeightConverter, WeightRenaming
 
     from planc.checkpoint.quantized import conversion_mapping
@@ -109,7 +108,8 @@ def checkpoint_problems(model: PreTrainedModel, files: CheckpointFiles) -> list[
     return problems
 
 
-def _dtype_problems(files: CheckpointFiles, key: str, renamed: str, expected, quantized: bool) -> list[str]:
+def _dtype_problems(files: CheckpointFiles, key: str, renamed: str, expected: torch.Tensor,
+                    quantized: bool) -> list[str]:
     """An integer/float8 tensor where the model holds unquantized floats (or the reverse): same byte length or not,
     reading it would give wrong numbers, so every checkpoint key is checked, a converter's sources too."""
     info = files.tensors[key]
@@ -127,7 +127,7 @@ def _dtype_problems(files: CheckpointFiles, key: str, renamed: str, expected, qu
     return []
 
 
-def _index_regex(pattern: str):
+def _index_regex(pattern: str) -> Optional[re.Pattern[str]]:
     """transformers' source pattern (a regex in which `*.` stands for one module index: `.experts.*.w1.weight`,
     `\\.experts.*.w1.weight`) as a regex capturing that index; None if the pattern has no index."""
     if "*." not in pattern:
@@ -138,7 +138,8 @@ def _index_regex(pattern: str):
         return None
 
 
-def converter_problems(files: CheckpointFiles, target: str, expected, converter, keys, quantized: bool) -> list[str]:
+def converter_problems(files: CheckpointFiles, target: str, expected: torch.Tensor, converter: Any,
+                       keys: list[tuple[str, str]], quantized: bool) -> list[str]:
     """What a converter would fail on (or silently get wrong), from the headers of the keys that feed `target`.
 
     For a per-expert merge (transformers' `MergeModulelist`, e.g. Mixtral's `experts.*.w1` + `w3` ->
@@ -260,7 +261,7 @@ def _more(keys: list[str]) -> str:
     return f" ({len(keys) - 1} more such key(s), e.g. `{keys[1]}`)" if len(keys) > 1 else ""
 
 
-def target_reads(model: PreTrainedModel, files: CheckpointFiles) -> list[tuple[str, str, tuple, int]]:
+def target_reads(model: PreTrainedModel, files: CheckpointFiles) -> list[tuple[str, str, tuple[int, ...], int]]:
     """`(model parameter, checkpoint dtype, parameter shape, bytes)` for every checkpoint tensor the model takes."""
     from transformers.core_model_loading import rename_source_key
 
@@ -281,9 +282,9 @@ _DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3
                 "I32": "int32", "F64": "float64", "BOOL": "bool"}
 
 
-def loading_problems(model: PreTrainedModel, info, files: CheckpointFiles) -> list[str]:
+def loading_problems(model: PreTrainedModel, info: Any, files: CheckpointFiles) -> list[str]:
     """What transformers' loader reported (after `_adjust_missing_and_unexpected_keys`), as planc errors."""
-    problems = []
+    problems: list[str] = []
     for key, got, want in sorted(info.mismatched_keys, key=lambda t: t[0]):
         problems.append(
             f"{files.root}: `{key}` read from the checkpoint has this rank's shape {list(got)}, but the sharded "

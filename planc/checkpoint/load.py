@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 from torch import nn
@@ -43,18 +43,21 @@ from planc.errors import ApplyError, CheckpointError, PlancError
 from planc.runtime.mesh import rank_device
 
 if TYPE_CHECKING:
-    from planc.compiler.compiled import CompiledPlan
     from transformers import PreTrainedModel
+
+    from planc.compiler.compiled import CompiledPlan
+    from planc.runtime.install import InstallState
+    from planc.spec.loaded_plan import LoadedPlan
 
 
 def load(
-    source: str | os.PathLike,
+    source: str | os.PathLike[str],
     plan: Any,
     *,
     dtype: Optional[torch.dtype | str] = None,
     device: Optional[torch.device | str] = None,
-    mesh=None,
-    parallel=None,
+    mesh: Any = None,
+    parallel: Optional[Mapping[str, int]] = None,
     dequantize: Optional[bool] = None,
 ) -> nn.Module:
     """Load the checkpoint directory `source` sharded by `plan`; every rank reads only its own shards.
@@ -118,7 +121,9 @@ class Checked:
 
 
 def check_checkpoint(
-    source, plan, *, dtype=None, device=None, mesh=None, parallel=None, dequantize=None, launched: bool = True
+    source: str | os.PathLike[str], plan: Any, *, dtype: Optional[torch.dtype | str] = None,
+    device: Optional[torch.device | str] = None, mesh: Any = None, parallel: Optional[Mapping[str, int]] = None,
+    dequantize: Optional[bool] = None, launched: bool = True
 ) -> Checked:
     """Every check planc.load runs before a byte of a tensor is read, on this rank alone (no communication).
 
@@ -167,7 +172,7 @@ def check_checkpoint(
     return out
 
 
-def _memory_problems(compiled: CompiledPlan, device, source) -> list[str]:
+def _memory_problems(compiled: CompiledPlan, device: torch.device, source: str | os.PathLike[str]) -> list[str]:
     """PLC660 before any read when this rank's shard alone cannot fit its GPU."""
     from planc.compiler.memory import budget_problems
 
@@ -178,7 +183,7 @@ def _memory_problems(compiled: CompiledPlan, device, source) -> list[str]:
 # ---- 1-2. checkpoint, config, plan, meta model -------------------------------------------------------------
 
 
-def _dcp_checkpoint(source) -> Optional[str]:
+def _dcp_checkpoint(source: str | os.PathLike[str]) -> Optional[str]:
     """`source` if it holds a planc DCP checkpoint (written by `planc.save`), None for a safetensors directory.
 
     A `planc.json` that cannot be read means a damaged planc checkpoint, said as such (not "no model.safetensors"):
@@ -208,7 +213,7 @@ def _dcp_checkpoint(source) -> Optional[str]:
     return str(source)
 
 
-def _resolve_dtype(dtype, config) -> torch.dtype:
+def _resolve_dtype(dtype: Optional[torch.dtype | str], config: Any) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     name = dtype if dtype is not None else getattr(config, "dtype", None)
@@ -222,7 +227,7 @@ def _resolve_dtype(dtype, config) -> torch.dtype:
     return resolved
 
 
-def _config(root, dtype):
+def _config(root: str | os.PathLike[str], dtype: Optional[torch.dtype | str]) -> Any:
     from transformers import AutoConfig
 
     try:
@@ -233,7 +238,8 @@ def _config(root, dtype):
     return config
 
 
-def _quantizer(config, config_path, device, dequantize, *, dcp: bool, megamoe: bool):
+def _quantizer(config: Any, config_path: Path, device: torch.device, dequantize: Optional[bool], *, dcp: bool,
+               megamoe: bool) -> Any:
     """transformers' quantizer for a pre-quantized checkpoint (quantized.py), refused before any read if planc
     cannot load it; None for an unquantized one."""
     if getattr(config, "quantization_config", None) is None:
@@ -251,7 +257,7 @@ def _quantizer(config, config_path, device, dequantize, *, dcp: bool, megamoe: b
     return quantizer_for(config, config_path, device, dequantize, megamoe=megamoe)
 
 
-def _check_fp8_kept_plan(quantizer, loaded, config_path) -> None:
+def _check_fp8_kept_plan(quantizer: Any, loaded: LoadedPlan, config_path: Path) -> None:
     """Mega MoE takes bf16 experts (quantized to FP4 at load) or FP4 ones, not transformers' FP8Experts."""
     qc = quantizer.quantization_config
     if qc.dequantize or qc.expert_dtype == "fp4" or not loaded.plan.experts.implementation_row.megamoe:
@@ -263,7 +269,7 @@ def _check_fp8_kept_plan(quantizer, loaded, config_path) -> None:
     )
 
 
-def _plan_for(plan, config, config_path):
+def _plan_for(plan: Any, config: Any, config_path: Path) -> LoadedPlan:
     """The plan, loaded and validated, after checking that it is for this checkpoint's model type."""
     from planc.lint.plan_loader import load_plan
 
@@ -278,7 +284,7 @@ def _plan_for(plan, config, config_path):
     return loaded
 
 
-def _model_class(config):
+def _model_class(config: Any) -> Any:
     """The class named by the config's `architectures` (as `from_pretrained` picks it), else the one users load for
     the config (`model_class_for`: the family's top model, e.g. a multimodal MoE, else its *ForCausalLM)."""
     import transformers
@@ -292,10 +298,11 @@ def _model_class(config):
     return model_class_for(config)
 
 
-def _meta_model(config, dtype) -> PreTrainedModel:
+def _meta_model(config: Any, dtype: Optional[torch.dtype | str]) -> PreTrainedModel:
     from planc.models.build import meta_model
 
-    return meta_model(config, model_class=_model_class(config), dtype=config.dtype).eval()
+    model: PreTrainedModel = meta_model(config, model_class=_model_class(config), dtype=config.dtype).eval()
+    return model
 
 
 # ---- 3. the fill step ------------------------------------------------------------------------------------
@@ -304,11 +311,11 @@ def _meta_model(config, dtype) -> PreTrainedModel:
 class _DcpFill:
     """Between sharding and forwards: `torch.distributed.checkpoint` reshards a planc checkpoint into this plan."""
 
-    def __init__(self, path: str, device: torch.device):
+    def __init__(self, path: str, device: torch.device) -> None:
         self.path = path
         self.device = device
 
-    def __call__(self, state) -> None:
+    def __call__(self, state: InstallState) -> None:
         from planc.checkpoint.dcp import fill_from_dcp
 
         fill_from_dcp(state.model, self.path, device=self.device, compiled=state.compiled, groups=state.groups)

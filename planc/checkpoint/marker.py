@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+import os
 from typing import TYPE_CHECKING, Any
 
 from planc.errors import CheckpointError
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from planc.compiler.compiled import CompiledPlan
 
 MARKER = "planc.json"
@@ -51,7 +54,7 @@ def plan_mapping(compiled: CompiledPlan) -> dict[str, Any]:
     return data
 
 
-def marker_data(model, compiled: CompiledPlan, non_persistent_buffers: list[str]) -> dict[str, Any]:
+def marker_data(model: nn.Module, compiled: CompiledPlan, non_persistent_buffers: list[str]) -> dict[str, Any]:
     import torch
     import transformers
 
@@ -88,22 +91,22 @@ def write_marker(directory: Path, data: dict[str, Any]) -> None:
     (directory / MARKER).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def is_planc_checkpoint(directory) -> bool:
+def is_planc_checkpoint(directory: str | os.PathLike[str]) -> bool:
     """True when `directory` holds a planc.save checkpoint (its `planc.json` says so)."""
     path = Path(directory) / MARKER
     if not path.is_file():
         return False
     try:
-        return json.loads(path.read_text(encoding="utf-8")).get("format") == FORMAT
+        return bool(json.loads(path.read_text(encoding="utf-8")).get("format") == FORMAT)
     except (OSError, ValueError):
         return False
 
 
-def read_marker(directory) -> dict[str, Any]:
+def read_marker(directory: str | os.PathLike[str]) -> dict[str, Any]:
     """The `planc.json` of a planc.save checkpoint; a clear error for anything else."""
     path = Path(directory) / MARKER
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CheckpointError(
             f"{directory} is not a planc checkpoint: it has no {MARKER}. planc.save writes one; a hub-layout "

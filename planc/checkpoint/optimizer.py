@@ -28,11 +28,14 @@ an LR scheduler's `initial_lr`), whatever the fresh optimizer was built with.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, cast
+from typing import Any, Iterable, Optional, cast
+
+import os
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.optim import Optimizer
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -58,7 +61,7 @@ def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def refuse_foreign_parameters(model: nn.Module, optimizer, what: str) -> None:
+def refuse_foreign_parameters(model: nn.Module, optimizer: Optimizer, what: str) -> None:
     """Every tensor the optimizer updates must be a parameter of `model` (state is keyed by parameter name)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise CheckpointError(
@@ -79,7 +82,7 @@ def _dcp_view(state: dict[str, Any]) -> dict[str, Any]:
     return {k: (dcp_layout(cast(DTensor, v.detach())) if has_strided(v) else v) for k, v in state.items()}
 
 
-def refuse_unsavable_optimizer(model: nn.Module, optimizer, what: str) -> None:
+def refuse_unsavable_optimizer(model: nn.Module, optimizer: Optimizer, what: str) -> None:
     """An optimizer planc.save cannot write, refused before anything is written."""
     refuse_foreign_parameters(model, optimizer, what)
     if not optimizer.state:
@@ -91,7 +94,7 @@ def refuse_unsavable_optimizer(model: nn.Module, optimizer, what: str) -> None:
         )
 
 
-def optimizer_state(model: nn.Module, optimizer) -> dict[str, Any]:
+def optimizer_state(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     """The flattened, DCP-ready optimizer state planc.save writes (a collective where states are strided)."""
     return _dcp_view(get_optimizer_state_dict(model, optimizer, options=_OPTIONS))
 
@@ -101,19 +104,19 @@ def write_optimizer(state: dict[str, Any], checkpoint: Path) -> None:
     dcp.save(state, checkpoint_id=str(checkpoint / OPTIMIZER_DIR))
 
 
-def marker_entry(model: nn.Module, optimizer) -> dict[str, Any]:
+def marker_entry(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     """What planc.json records of the optimizer state beside the model: its class, where, and the parameter
     names of each param group (what load_optimizer matches groups by)."""
     return {"class": optimizer_class(optimizer), "path": OPTIMIZER_DIR, "groups": group_names(model, optimizer)}
 
 
-def group_names(model: nn.Module, optimizer) -> list[list[str]]:
+def group_names(model: nn.Module, optimizer: Optimizer) -> list[list[str]]:
     """The parameter names of each of the optimizer's param groups, in the groups' order."""
     names = {id(p): n for n, p in model.named_parameters()}
     return [[names[id(p)] for p in g["params"] if id(p) in names] for g in optimizer.param_groups]
 
 
-def refuse_regrouped(saved: list[list[str]], current: list[list[str]], directory) -> None:
+def refuse_regrouped(saved: list[list[str]], current: list[list[str]], directory: str | os.PathLike[str]) -> None:
     """The optimizer's param groups must be the saved ones (by parameter names, in any order): else a group's
     hyperparameters would come back from another group's (a no-decay group decaying). CheckpointError naming
     the first group that differs. Only the parameters both hold are compared: another parameter set is
@@ -123,7 +126,7 @@ def refuse_regrouped(saved: list[list[str]], current: list[list[str]], directory
     saved = [[n for n in names if n in where] for names in saved]
     current = [names for names in ([n for n in g if n in where] for g in current) if names]
 
-    def show(names, limit=3):
+    def show(names: list[str], limit: int = 3) -> str:
         return ", ".join(f"`{n}`" for n in names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
     for i, names in enumerate(current):
@@ -152,7 +155,7 @@ def refuse_regrouped(saved: list[list[str]], current: list[list[str]], directory
         )
 
 
-def _param_names(keys, prefix: str = _GROUPS) -> set[str]:
+def _param_names(keys: Iterable[str], prefix: str = _GROUPS) -> set[str]:
     """The parameter names in flattened `param_groups.<param>.<hyperparameter>` keys."""
     return {k[len(prefix):].rpartition(".")[0] for k in keys if k.startswith(prefix)}
 
@@ -206,7 +209,7 @@ def _plan_load(target: dict[str, Any], saved: dict[str, Any]) -> tuple[dict[str,
     return plan, names - stateful, problems
 
 
-def load_optimizer(model: nn.Module, optimizer, directory) -> None:
+def load_optimizer(model: nn.Module, optimizer: Optimizer, directory: str | os.PathLike[str]) -> None:
     """Restore `optimizer` (over `model`'s parameters, any plan or sizes) from a planc.save checkpoint.
 
     Every rank calls it. Raises the same `CheckpointError` on every rank, before anything is read, when

@@ -36,11 +36,15 @@ what was found.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence, cast
 
 import torch
+from torch import nn
 
 from planc.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 SCALE_SUFFIX = "_scale_inv"
 SUPPORTED = ("`quant_method: fp8` with `weight_block_size: [n, k]`, fp32 scales (`scale_fmt: float`) and dynamic "
@@ -48,12 +52,12 @@ SUPPORTED = ("`quant_method: fp8` with `weight_block_size: [n, k]`, fp32 scales 
              "a `deepgemm_megamoe` plan")
 
 
-def _get(q: Any, name: str, default=None):
+def _get(q: Any, name: str, default: Any = None) -> Any:
     return q.get(name, default) if isinstance(q, dict) else getattr(q, name, default)
 
 
-def quantizer_for(config, config_path: Path, device: torch.device, dequantize: Optional[bool], *,
-                  megamoe: bool = False):
+def quantizer_for(config: Any, config_path: Path, device: torch.device, dequantize: Optional[bool], *,
+                  megamoe: bool = False) -> Any:
     """transformers' quantizer for this checkpoint (None when it is not quantized); refuses what planc cannot load.
 
     `megamoe`: the plan runs Mega MoE experts, which take DeepSeek-V4's FP4 experts (`expert_dtype: fp4`, UE8M0
@@ -101,12 +105,12 @@ def quantizer_for(config, config_path: Path, device: torch.device, dequantize: O
     return quantizer
 
 
-def fp4_experts(q) -> bool:
+def fp4_experts(q: Any) -> bool:
     """DeepSeek-V4's format: FP4 experts (e2m1 packed, UE8M0 scale per 32) beside FP8 block-scaled linears."""
-    return _get(q, "expert_dtype", "fp8") == "fp4"
+    return bool(_get(q, "expert_dtype", "fp8") == "fp4")
 
 
-def _fp4_experts_on_meta(model) -> list[str]:
+def _fp4_experts_on_meta(model: nn.Module) -> list[str]:
     """Give every experts module planc's (and transformers' `FP8Experts(expert_dtype="fp4")`) FP4 storage on `meta`:
     int8 `gate_up_proj [E, 2I, H/2]`, `down_proj [E, H, I/2]`, UE8M0 `*_scale_inv` per 32. The loader then reads the
     checkpoint's FP4 bytes and scales into them as they are (the quantizer's scale converters), never in bf16."""
@@ -120,7 +124,7 @@ def _fp4_experts_on_meta(model) -> list[str]:
             continue
         (e, two_i, h), i = gate_up.shape, down.shape[2]
 
-        def meta(*shape, dtype):
+        def meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.empty(*shape, dtype=dtype, device="meta")
 
         set_fp4_parameters(module, {
@@ -133,7 +137,7 @@ def _fp4_experts_on_meta(model) -> list[str]:
     return names
 
 
-def _dequantize(qconfig, device: torch.device, requested: Optional[bool]) -> bool:
+def _dequantize(qconfig: Any, device: torch.device, requested: Optional[bool]) -> bool:
     """transformers' own rule (`FineGrainedFP8HfQuantizer.validate_environment`): FP8 kernels need a CUDA GPU of
     compute capability >= 8.9; anywhere else the weights are dequantized as they load. An explicit choice wins."""
     if requested is not None:
@@ -145,7 +149,7 @@ def _dequantize(qconfig, device: torch.device, requested: Optional[bool]) -> boo
     return torch.cuda.get_device_capability(device) < (8, 9)
 
 
-def prepare_meta_model(model, quantizer) -> None:
+def prepare_meta_model(model: Any, quantizer: Any) -> None:
     """What `from_pretrained` does before reading: the quantizer swaps in its FP8 modules (kept mode; a no-op when
     dequantizing). The quantizer rides on the model so the key checks and the loader see its conversions."""
     if fp4_experts(quantizer.quantization_config):
@@ -157,7 +161,7 @@ def prepare_meta_model(model, quantizer) -> None:
     model.hf_quantizer = quantizer
 
 
-def conversion_mapping(model):
+def conversion_mapping(model: PreTrainedModel) -> list[Any]:
     """The family's conversion mapping, extended by the model's quantizer (scale keys) when it has one, with its
     shape-checking ops comparing against this rank's shard (`conversion.shard_aware`) and, when it dequantizes, its
     `Fp8Dequantize` ops computing on the CPU through planc's table (fp8.py: the same bits, faster)."""
@@ -173,18 +177,18 @@ def conversion_mapping(model):
     return mapping
 
 
-def dequantizing(model) -> bool:
+def dequantizing(model: nn.Module) -> bool:
     q = getattr(model, "hf_quantizer", None)
     return q is not None and bool(getattr(q.quantization_config, "dequantize", False))
 
 
-def block_size(model) -> Optional[tuple[int, int]]:
+def block_size(model: nn.Module) -> Optional[tuple[int, int]]:
     q = getattr(model, "hf_quantizer", None)
     block = getattr(q.quantization_config, "weight_block_size", None) if q is not None else None
-    return tuple(block) if block else None
+    return cast("tuple[int, int]", tuple(block)) if block else None  # [n, k], checked by quantizer_for
 
 
-def wrap_scales(slices: dict[str, Any], tensors: dict, block: tuple[int, int]) -> dict[str, Any]:
+def wrap_scales(slices: dict[str, Any], tensors: dict[str, Any], block: tuple[int, int]) -> dict[str, Any]:
     """Dequantize mode: every `X_scale_inv` beside an FP8 `X` becomes a `BlockScaleSlice` in X's coordinates."""
     out = dict(slices)
     for key in slices:
@@ -212,7 +216,8 @@ class BlockScaleSlice:
     `[...]` (a replicated parameter) reads the whole scale, expanded only if the weight ends in a partial block.
     """
 
-    def __init__(self, source, weight_shape, scale_shape, dtype: str, block: tuple[int, int]):
+    def __init__(self, source: Any, weight_shape: Sequence[int], scale_shape: Sequence[int], dtype: str,
+                 block: tuple[int, int]) -> None:
         self.source = source
         self.weight_shape = tuple(weight_shape)
         self.scale_shape = tuple(scale_shape)
@@ -225,7 +230,7 @@ class BlockScaleSlice:
     def get_dtype(self) -> str:
         return self.dtype
 
-    def __getitem__(self, index) -> torch.Tensor:
+    def __getitem__(self, index: Any) -> torch.Tensor:
         if index is Ellipsis or index == (Ellipsis,):
             index = ()  # the whole weight (a replicated parameter)
         index = index if isinstance(index, tuple) else (index,)
@@ -243,7 +248,7 @@ class BlockScaleSlice:
         for (start, stop), b in zip((rows, cols), self.block):
             grid.append((start // b, -(-stop // b)))
             aligned &= start % b == 0 and (stop - start) % b == 0
-        scale = self.source[tuple(slice(a, z) for a, z in lead) + tuple(slice(a, z) for a, z in grid)]
+        scale: torch.Tensor = self.source[tuple(slice(a, z) for a, z in lead) + tuple(slice(a, z) for a, z in grid)]
         if aligned:
             return scale
         for axis, ((start, stop), b, (g0, _)) in enumerate(zip((rows, cols), self.block, grid)):

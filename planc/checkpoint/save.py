@@ -10,12 +10,14 @@ sibling name and renamed into place only after every rank finished (`atomic.py`)
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.optim import Optimizer
 
 from planc.checkpoint.applied import applied_plan
 from planc.checkpoint.atomic import agree, atomic_directory
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
     from planc.compiler.compiled import CompiledPlan
 
 
-def _write_shards(state: dict, directory: Path) -> None:
+def _write_shards(state: dict[str, Any], directory: Path) -> None:
     """DCP writes every rank's shards and the coordinator's `.metadata` (a collective)."""
     from planc.checkpoint.dcp import dcp_failures
 
@@ -46,7 +48,8 @@ def _write_shards(state: dict, directory: Path) -> None:
         dcp.save(state, checkpoint_id=str(directory))
 
 
-def _write_metadata(model: nn.Module, compiled: CompiledPlan, directory: Path, non_persistent: list[str], optimizer=None) -> None:
+def _write_metadata(model: nn.Module, compiled: CompiledPlan, directory: Path, non_persistent: list[str],
+                    optimizer: Optional[Optimizer] = None) -> None:
     """Rank 0: config.json, generation_config.json, plan.yaml, then planc.json."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
@@ -60,7 +63,7 @@ def _write_metadata(model: nn.Module, compiled: CompiledPlan, directory: Path, n
     write_marker(directory, data)
 
 
-def save(model: nn.Module, directory, *, optimizer=None) -> Path:
+def save(model: nn.Module, directory: str | os.PathLike[str], *, optimizer: Optional[Optimizer] = None) -> Path:
     """Write `model` (applied by planc.apply or planc.load) as a sharded DCP checkpoint to `directory`.
 
     Every rank of the model's world must call it. `directory` is replaced only once the new checkpoint
@@ -70,7 +73,7 @@ def save(model: nn.Module, directory, *, optimizer=None) -> Path:
     """
     what = f"planc.save({str(directory)!r})"
     compiled, groups = applied_plan(model, what)  # the same answer on every rank of an applied world
-    error = None
+    error: Optional[CheckpointError] = None
     try:
         refuse_unsavable(model, compiled, what)
         if optimizer is not None:

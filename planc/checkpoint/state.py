@@ -25,6 +25,7 @@ from planc.errors import CheckpointError
 
 if TYPE_CHECKING:
     from planc.compiler.compiled import CompiledPlan
+    from planc.runtime.mesh import Groups
 
 
 def has_strided(t: object) -> TypeGuard[DTensor]:
@@ -37,12 +38,12 @@ def dcp_layout(t: DTensor) -> DTensor:
     return t.redistribute(placements=placements)
 
 
-def expert_sharded_buffers(model: nn.Module, compiled: CompiledPlan, groups) -> dict[str, tuple[nn.Module, str]]:
+def expert_sharded_buffers(model: nn.Module, compiled: Optional[CompiledPlan], groups: Optional[Groups]) -> dict[str, tuple[nn.Module, str]]:
     """fqn -> (module, name) of the buffers `grouped_gemm` sharded by expert (plain local slices)."""
     if compiled is None or groups is None or groups.ep_size == 1:
         return {}
     modules = dict(model.named_modules())
-    out = {}
+    out: dict[str, tuple[nn.Module, str]] = {}
     for a in compiled.assignments:
         if a.target == "parameter" and a.style == "grouped_gemm":
             owner, _, name = a.fqn.rpartition(".")
@@ -52,7 +53,7 @@ def expert_sharded_buffers(model: nn.Module, compiled: CompiledPlan, groups) -> 
     return out
 
 
-def ep_buffer_dtensor(local: Optional[torch.Tensor], groups) -> DTensor:
+def ep_buffer_dtensor(local: Optional[torch.Tensor], groups: Groups) -> DTensor:
     """A plain local expert slice as the DTensor `Shard(0)` over the EP mesh it was cut from."""
     assert local is not None  # a buffer `expert_sharded_buffers` found
     shape = torch.Size((local.shape[0] * groups.ep_size, *local.shape[1:]))
@@ -86,7 +87,7 @@ def refuse_unsavable(model: nn.Module, compiled: CompiledPlan, what: str) -> Non
             )
 
 
-def save_state(model: nn.Module, compiled: CompiledPlan, groups) -> tuple[dict[str, torch.Tensor], list[str]]:
+def save_state(model: nn.Module, compiled: CompiledPlan, groups: Groups) -> tuple[dict[str, torch.Tensor], list[str]]:
     """The tensors planc.save writes (a collective: strided shards are redistributed) and the keys of the
     non-persistent buffers among them."""
     state = model.state_dict()

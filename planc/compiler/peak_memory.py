@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional
 
 from planc.compiler.train_memory import ITEMSIZE, TrainMemory
 from planc.compiler.units import human_bytes
+from planc.spec.choices import ACTIVATION_CHECKPOINTING_MODES
 
 if TYPE_CHECKING:
     from planc.compiler.compiled import CompiledPlan
@@ -373,9 +374,10 @@ def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], tr
 
 def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab: int, a: int, tokens: int, rows: int,
                 tp: int, ckpt: str) -> _Moment:
+    recomputes = ACTIVATION_CHECKPOINTING_MODES[ckpt].recomputes_layers
     params, grads, optim = train.parameter_bytes, train.gradients, train.optimizer
     saved_layers = [layer_saved(s, hidden, a, tokens, rows if s.mlp == "moe" else 0, tp) for s in shapes]
-    if ckpt == "full":
+    if recomputes:
         kept = tokens * a * hidden * len(shapes)  # each layer's input; the rest is recomputed in backward
         recompute = max(saved_layers, default=0)
     else:
@@ -408,7 +410,7 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
     transients = [("fp32 logits and loss", loss)]
     if fsdp:
         transients.append(("FSDP all-gathered root and layer", gathered))
-    if ckpt == "full":
+    if recomputes:
         transients.append(("one layer recomputed (activation checkpointing)", recompute))
     if fsdp:
         transients.append(("FSDP lm_head backward: logits' gradients and one unit's all-gather prefetched",

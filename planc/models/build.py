@@ -201,7 +201,7 @@ def clone_model(model):
     return copy.deepcopy(model)
 
 
-def meta_model(config, *, model_class=None, dtype=None):
+def meta_model(config: Any, *, model_class: Any = None, dtype: Any = None) -> Any:
     """The model of `config` on the meta device (no memory: `planc explain` resolves a plan against a 600B-parameter
     model): `model_class` (default `model_class_for(config)`: the family's top model, else the *ForCausalLM) in
     `dtype` (default: transformers' choice for the config). The one meta-model builder: `planc explain`, `planc init`,
@@ -324,7 +324,7 @@ def _nest(flat: dict) -> dict:
     return out
 
 
-def model_class_for(config):
+def model_class_for(config: Any) -> Any:
     """The class users load for `config`: the family's top model (planc.models.families), else the *ForCausalLM."""
     from planc.models.families import _direct_family
 

@@ -12,7 +12,7 @@ norm**p`, then `**(1/p)`; `max` for inf). Every rank returns the same norm and s
 from __future__ import annotations
 
 import functools
-from typing import Iterable, Union
+from typing import Any, Iterable, Union
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ class ClipGradError(PlancError, RuntimeError):
     """torch.nn.utils.clip_grad_norm_ on parameters it cannot combine (a planc model): use planc.clip_grad_norm_."""
 
 
-def _parameters(model_or_params) -> list[torch.Tensor]:
+def _parameters(model_or_params: Union[nn.Module, torch.Tensor, Iterable[torch.Tensor]]) -> list[torch.Tensor]:
     if isinstance(model_or_params, nn.Module):
         return list(model_or_params.parameters())
     if isinstance(model_or_params, torch.Tensor):
@@ -35,7 +35,7 @@ def _parameters(model_or_params) -> list[torch.Tensor]:
     return list(model_or_params)
 
 
-def _sharded(placement) -> bool:
+def _sharded(placement: Any) -> bool:
     """Shard, or `_StridedShard` (packed_colwise under FSDP), which is not a Shard to torch's `is_shard()`."""
     return placement.is_shard() or isinstance(placement, _StridedShard)
 
@@ -50,8 +50,8 @@ def total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     DTensor's own norm.
     """
     inf = norm_type == float("inf")
-    local_groups: dict = {}  # (mesh id, sharded dims) -> (mesh, dims, local tensors)
-    dtensor_groups: dict = {}  # mesh id -> DTensors (placements other than Shard / Replicate)
+    local_groups: dict[Any, tuple[Any, tuple[int, ...], list[torch.Tensor]]] = {}  # (mesh id, sharded dims) -> (mesh, dims, local tensors)
+    dtensor_groups: dict[int, list[torch.Tensor]] = {}  # mesh id -> DTensors (placements other than Shard / Replicate)
     for g in grads:
         if not isinstance(g, DTensor):
             local_groups.setdefault(None, (None, (), []))[2].append(g)
@@ -99,7 +99,7 @@ def clip_grad_norm_(model_or_params: Union[nn.Module, torch.Tensor, Iterable[tor
             "the step would write NaN/inf into the parameters. Pass error_if_nonfinite=False to clip anyway."
         )
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    by_kind: dict = {}  # one foreach multiply per device and dtype, on the local tensors (as torch's clip does)
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}  # one foreach multiply per device and dtype, on the local tensors (as torch's clip does)
     for g in grads:
         local = g.to_local() if isinstance(g, DTensor) else g
         by_kind.setdefault((local.device, local.dtype), []).append(local)
@@ -123,7 +123,7 @@ def guard_torch_clip_grad_norm() -> None:
         return
 
     @functools.wraps(original)
-    def clip_grad_norm_guarded(parameters, max_norm, *args, **kwargs):
+    def clip_grad_norm_guarded(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> torch.Tensor:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         try:
             return original(params, max_norm, *args, **kwargs)

@@ -34,17 +34,23 @@ sharded set, and an optimizer built after a no-grad forward holds the tensors th
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
 
 from planc.errors import ApplyError
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from planc.compiler.compiled import CompiledPlan
+    from planc.runtime.mesh import Groups
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def decoder_layers(model: nn.Module, compiled) -> list[nn.Module]:
+def decoder_layers(model: nn.Module, compiled: CompiledPlan) -> list[nn.Module]:
     """The decoder layers: every item of each `nn.ModuleList` that holds an experts module's layer (DeepSeek's
     dense first layers too), else the modules of the classes transformers never splits (`_no_split_modules`)."""
     modules = dict(model.named_modules())
@@ -63,13 +69,13 @@ def decoder_layers(model: nn.Module, compiled) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-def expert_grad_scale(groups) -> float:
+def expert_grad_scale(groups: Groups) -> float:
     """efsdp / dp: what turns FSDP's average over the experts' holders into the global-batch mean (module doc)."""
     holders = groups.efsdp_mesh.size() if groups.efsdp_mesh is not None else 1
     return holders / groups.dp_size
 
 
-def install_data_parallel(model: nn.Module, compiled, groups) -> Optional[str]:
+def install_data_parallel(model: nn.Module, compiled: CompiledPlan, groups: Groups) -> Optional[str]:
     """Wrap `model` for `compiled.data_parallel`; returns the mode installed, or None (nothing to do: one
     replica and no mixed precision, or experts that cannot train)."""
     if any(e.strategy is not None and e.strategy.inference_only for e in compiled.experts):
@@ -92,9 +98,9 @@ def install_data_parallel(model: nn.Module, compiled, groups) -> Optional[str]:
         )
     wrap, kwargs = _wrapper(compiled)
     names = {m: n for n, m in model.named_modules()}
-    wrapped: list = []
+    wrapped: list[Any] = []  # FSDPModule: the wrapped modules
 
-    def unit(module: nn.Module, mesh, unit_kwargs: dict) -> None:
+    def unit(module: nn.Module, mesh: Optional[DeviceMesh], unit_kwargs: dict[str, Any]) -> None:
         for odd in dtype_odd_modules(module, names, wrapped):  # their own units first: one dtype per unit
             wrapped.append(wrap(odd, mesh=mesh, **dict(unit_kwargs, **_keep_dtype(unit_kwargs))))
         wrapped.append(wrap(module, mesh=mesh, **unit_kwargs))
@@ -136,20 +142,20 @@ def no_sync(model: nn.Module) -> Iterator[None]:
             unit.set_requires_gradient_sync(True, recurse=False)
 
 
-def _reshard_outside_autograd(module, args, output) -> None:
+def _reshard_outside_autograd(module: Any, args: Any, output: Any) -> None:
     """After a forward that no backward follows (no_grad, inference_mode: an eval, generate()), put the unit's
     sharded parameters back (module doc)."""
     if not torch.is_grad_enabled():
         module.reshard()
 
 
-def dtype_odd_modules(unit: nn.Module, names: dict, wrapped: list) -> list[nn.Module]:
+def dtype_odd_modules(unit: nn.Module, names: dict[nn.Module, str], wrapped: list[Any]) -> list[nn.Module]:
     """The modules of `unit` (outside units already `wrapped`) whose own parameters are all of another dtype
     than the unit's main one (the one holding most elements): each must be a unit of its own. A module
     whose own parameters mix dtypes cannot be split off: ApplyError naming it."""
     taken = {id(m) for w in wrapped for m in w.modules()}  # their parameters belong to their own units
     inside = [m for m in unit.modules() if m is unit or id(m) not in taken]
-    by_dtype: dict = {}
+    by_dtype: dict[torch.dtype, int] = {}
     for m in inside:
         for p in m.parameters(recurse=False):
             by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel()
@@ -177,7 +183,7 @@ def dtype_odd_modules(unit: nn.Module, names: dict, wrapped: list) -> list[nn.Mo
     return odd
 
 
-def _keep_dtype(kwargs: dict) -> dict:
+def _keep_dtype(kwargs: dict[str, Any]) -> dict[str, Any]:
     """The kwargs that leave a dtype-odd unit's compute dtype as it is (a plan's `param_dtype` casts the rest)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -187,7 +193,7 @@ def _keep_dtype(kwargs: dict) -> dict:
     return {"mp_policy": MixedPrecisionPolicy(reduce_dtype=policy.reduce_dtype)}
 
 
-def _wrapper(compiled):
+def _wrapper(compiled: CompiledPlan) -> tuple[Callable[..., Any], dict[str, Any]]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if not compiled.data_parallel_mode.shards_parameters:

@@ -16,13 +16,15 @@ which restores every module's `__dict__`, removes them with the rest of the inst
 
 from __future__ import annotations
 
+from typing import Any, Callable, NoReturn
+
 from torch import nn
 
 from planc.errors import CheckpointError
 
 
-def _refuse_save_pretrained(model: nn.Module):
-    def save_pretrained(*args, **kwargs):
+def _refuse_save_pretrained(model: nn.Module) -> Callable[..., NoReturn]:
+    def save_pretrained(*args: Any, **kwargs: Any) -> NoReturn:
         raise CheckpointError(
             f"{type(model).__name__}.save_pretrained cannot write a model planc sharded: its parameters are "
             "DTensor shards of a plan and transformers' saver would write a folder without correct weights. "
@@ -34,8 +36,8 @@ def _refuse_save_pretrained(model: nn.Module):
     return save_pretrained
 
 
-def _refuse_deepcopy(module: nn.Module, path: str):
-    def __deepcopy__(memo):
+def _refuse_deepcopy(module: nn.Module, path: str) -> Callable[[Any], NoReturn]:
+    def __deepcopy__(memo: Any) -> NoReturn:
         raise CheckpointError(
             f"copy.deepcopy of a module planc installed a plan on ({path or '<model>'}: "
             f"{type(module).__name__}) is not supported: its process groups cannot be copied, and its installed "

@@ -37,16 +37,23 @@ from planc.runtime.ep import EP_RUNTIMES
 from planc.runtime.ep.base import install_ep_forward, shard_expert_tensor
 from planc.runtime.ep.dense import install_dense_ep_forward
 from planc.runtime.guards import guard_applied_model
-from planc.runtime.mesh import Groups, build_groups, destroy_groups_at_exit, rank_device
+from planc.runtime.exit_drain import destroy_groups_at_exit
+from planc.runtime.mesh import Groups, build_groups, rank_device
 from planc.runtime.snapshot import Snapshot
 from planc.runtime.tp_styles import tp_style
 
 if TYPE_CHECKING:
-    from planc.compiler.compiled import CompiledPlan
+    from torch.distributed.device_mesh import DeviceMesh
     from transformers import PreTrainedModel
 
+    from planc.compiler.compiled import CompiledPlan
+    from planc.lint.plan_loader import PlanSource
+    from planc.spec.loaded_plan import LoadedPlan
+    from planc.spec.model import MegaMoe
+
+
 def apply(model: nn.Module, plan: Any, *, mesh: Optional[Any] = None,
-          parallel: Optional[Mapping[str, int]] = None) -> Any:
+          parallel: Optional[Mapping[str, int]] = None) -> CompiledPlan:
     """Compile `plan` against `model`, then shard and install it on every rank (all or nothing).
 
     `plan`: a path, YAML text, mapping, `LoadedPlan` or `Plan`. `mesh`: an optional DeviceMesh, planc's root
@@ -57,6 +64,7 @@ def apply(model: nn.Module, plan: Any, *, mesh: Optional[Any] = None,
     require_distributed("planc.apply")
     compiled, problems = compile_and_check(model, plan, mesh, parallel=parallel)
     agree_across_ranks(compiled, problems)
+    assert compiled is not None  # agree_across_ranks raised on every rank otherwise
     groups = build_groups(compiled.parallel, mesh)
     state = InstallState(model=model, compiled=compiled, groups=groups)
     install_atomically(state)
@@ -77,8 +85,9 @@ def require_distributed(what: str) -> None:
 # ---- 2. compile and local checks ---------------------------------------------------------------------------
 
 
-def compile_and_check(model, plan, mesh, *, device: Optional[torch.device] = None, parallel=None,
-                      launched: bool = True):
+def compile_and_check(model: nn.Module, plan: PlanSource, mesh: Optional[DeviceMesh], *,
+                      device: Optional[torch.device] = None, parallel: Optional[Mapping[str, int]] = None,
+                      launched: bool = True) -> tuple[Optional[CompiledPlan], list[str]]:
     """The CompiledPlan (or None) and the list of problems found on this rank, without any communication.
 
     A world that does not fit the plan's sizes is reported first and alone: every other problem
@@ -108,7 +117,7 @@ def compile_and_check(model, plan, mesh, *, device: Optional[torch.device] = Non
         return None, [f"{type(e).__name__}: {e}"]
     if not launched:
         return compiled, []
-    problems = []
+    problems: list[str] = []
     try:
         problems += _local_checks(model, compiled, mesh, device)
     except Exception as e:  # noqa: BLE001 - reported on every rank by agree_across_ranks instead of hanging them
@@ -116,13 +125,13 @@ def compile_and_check(model, plan, mesh, *, device: Optional[torch.device] = Non
     return compiled, problems
 
 
-def _load(plan, parallel: Optional[Mapping[str, int]] = None):
+def _load(plan: PlanSource, parallel: Optional[Mapping[str, int]] = None) -> LoadedPlan:
     from planc.lint.plan_loader import load_plan
 
     return load_plan(plan, parallel=parallel)
 
 
-def _world_problem(model, loaded) -> Optional[str]:
+def _world_problem(model: nn.Module, loaded: LoadedPlan) -> Optional[str]:
     """The sizes problem of this world (`planc.spec.sizes.check_sizes`), with sizes that fit it and compile."""
     from planc.compiler.resolve import sizes_for_world
     from planc.spec.sizes import check_sizes, sizes_hint
@@ -142,14 +151,15 @@ def _world_problem(model, loaded) -> Optional[str]:
     )
 
 
-def _local_checks(model, compiled: CompiledPlan, mesh, device=None) -> list[str]:
-    problems = []
+def _local_checks(model: nn.Module, compiled: CompiledPlan, mesh: Optional[DeviceMesh],
+                  device: Optional[torch.device] = None) -> list[str]:
+    problems: list[str] = []
     problems += _already_sharded(model)
     problems += _unrunnable_experts(model, compiled, device)
     return problems
 
 
-def _compile(model, loaded):
+def _compile(model: nn.Module, loaded: LoadedPlan) -> CompiledPlan:
     from planc.compiler.resolve import compile_plan
 
     return compile_plan(model, loaded)
@@ -215,7 +225,7 @@ def _unrunnable_experts(model: nn.Module, compiled: CompiledPlan, device: Option
     return []
 
 
-def _megamoe_settings(compiled: CompiledPlan):
+def _megamoe_settings(compiled: CompiledPlan) -> MegaMoe:
     """The plan's `experts.megamoe` settings, or their defaults when the plan leaves them out."""
     from planc.spec.model import MegaMoe
 
@@ -241,7 +251,7 @@ def _all_agree(ok: bool, digest: int = 0) -> bool:
 
 
 def agree_across_ranks(
-    compiled, problems: list[str], *, what: str = "planc.apply", decisions: Optional[Mapping[str, str]] = None
+    compiled: Optional[CompiledPlan], problems: list[str], *, what: str = "planc.apply", decisions: Optional[Mapping[str, str]] = None
 ) -> None:
     """Raise the same ApplyError on every rank if any rank has problems, another fingerprint or other decisions.
 
@@ -303,9 +313,9 @@ class InstallState:
     model: nn.Module
     compiled: CompiledPlan
     groups: Groups
-    modules: dict = field(default_factory=dict)
+    modules: dict[str, nn.Module] = field(default_factory=dict)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.modules = dict(self.model.named_modules())
 
     def module(self, fqn: str) -> nn.Module:
@@ -367,11 +377,11 @@ def step_install_tp_forwards(state: InstallState) -> None:
         module = state.module(a.fqn)
         module._planc_fqn = a.fqn  # type: ignore[assignment]  # plain attributes; torch types them as tensors or modules
         if a.style == "mla_kv_a_proj":
-            module._planc_rope_dim = _rope_dim(state, a.fqn)
+            module._planc_rope_dim = _rope_dim(state, a.fqn)  # type: ignore[assignment]  # as _planc_fqn
         tp_style(a.style, a.rule.where).install(module, state.groups.tp_mesh)
 
 
-def _rope_dim(state: InstallState, fqn: str):
+def _rope_dim(state: InstallState, fqn: str) -> Optional[int]:
     """`qk_rope_head_dim` of the attention module holding `fqn`, else of the config it or the model carries."""
     parent = state.module(fqn.rpartition(".")[0]) if "." in fqn else None
     for source in (parent, getattr(parent, "config", None)):

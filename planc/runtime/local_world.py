@@ -16,6 +16,7 @@ import socket
 import sys
 import tempfile
 import time
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -26,10 +27,12 @@ def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (callers retry when it no longer is)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
-def _worker(rank, world_size, port, result_dir, fn, args):
+def _worker(rank: int, world_size: int, port: int, result_dir: str, fn: Callable[..., Any],
+            args: tuple[Any, ...]) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -49,7 +52,7 @@ def _worker(rank, world_size, port, result_dir, fn, args):
     # The rank's work is done and its result is on disk: leave without the interpreter's teardown. A spawned child
     # otherwise ends in the interpreter's teardown, where a gloo worker thread still releasing a finished work can
     # abort the process ("terminate called without an active exception"; the cause and planc's exit drain for user
-    # programs: planc.runtime.mesh.destroy_groups_at_exit). From here on nothing is left that such an abort could
+    # programs: planc.runtime.exit_drain.destroy_groups_at_exit). From here on nothing is left that such an abort could
     # lose. An exception in `fn` still propagates above, as before.
     sys.stdout.flush()
     sys.stderr.flush()
@@ -61,7 +64,7 @@ def _port_taken(error: Exception) -> bool:
     return "EADDRINUSE" in text or "address already in use" in text.lower()
 
 
-def _join(context, timeout: float | None) -> None:
+def _join(context: mp.ProcessContext, timeout: float | None) -> None:
     """Wait for every rank; past `timeout` seconds, kill them all and raise TimeoutError (a hang fails fast)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while not context.join(None if deadline is None else max(0.0, deadline - time.monotonic())):
@@ -74,7 +77,7 @@ def _join(context, timeout: float | None) -> None:
             raise TimeoutError(f"the {len(context.processes)}-rank world did not finish within {timeout:g} s (killed)")
 
 
-def _remove_error_files(context) -> None:
+def _remove_error_files(context: mp.ProcessContext) -> None:
     """torch.multiprocessing writes a failing rank's traceback to a file in the temporary directory
     (`pytorch-errorfile-*.pickle`) and leaves it there once read; remove them."""
     for path in getattr(context, "error_files", ()):
@@ -84,15 +87,16 @@ def _remove_error_files(context) -> None:
             pass
 
 
-def run_local_world(fn, world_size: int, *args, retries: int = 5, timeout: float | None = None) -> list:
+def run_local_world(fn: Callable[..., Any], world_size: int, *args: Any, retries: int = 5,
+                    timeout: float | None = None) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks and return the results by rank.
 
     `timeout`: seconds before every rank is killed and TimeoutError raised (tests bound a world that could hang)."""
     last_error = None
     for _ in range(retries):
         with tempfile.TemporaryDirectory() as result_dir:
-            context = mp.spawn(_worker, args=(world_size, free_port(), result_dir, fn, args), nprocs=world_size,
-                               join=False)
+            context: mp.ProcessContext = mp.spawn(  # type: ignore[no-untyped-call]  # torch leaves spawn untyped
+                _worker, args=(world_size, free_port(), result_dir, fn, args), nprocs=world_size, join=False)
             try:
                 _join(context, timeout)
             except mp.ProcessRaisedException as e:
@@ -102,7 +106,7 @@ def run_local_world(fn, world_size: int, *args, retries: int = 5, timeout: float
                 raise
             finally:
                 _remove_error_files(context)
-            results = []
+            results: list[Any] = []
             for rank in range(world_size):
                 with open(os.path.join(result_dir, f"{rank}.pkl"), "rb") as f:
                     results.append(pickle.load(f))

@@ -1,5 +1,5 @@
 """Process groups of a plan: one root DeviceMesh and its named submeshes (the collectives on them:
-`planc.runtime.collectives`).
+`planc.runtime.collectives`; the gloo exit drain building them registers: `planc.runtime.exit_drain`).
 
 Every dimension planc uses is a view of one root mesh built once from the plan's sizes (torchtitan's
 `ParallelDims.build_mesh`), so FSDP2 can concatenate any two of them ("Cannot concatenate overlapping
@@ -19,14 +19,18 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from planc.errors import ApplyError
+from planc.runtime.exit_drain import destroy_groups_at_exit
 from planc.spec.sizes import check_sizes, mesh_dims
+
+if TYPE_CHECKING:
+    from planc.spec.model import Parallel
 
 
 @dataclass(frozen=True)
@@ -95,91 +99,7 @@ def rank_device(device: Union[None, str, torch.device] = None) -> torch.device:
     return torch.device("cpu")
 
 
-_AT_EXIT = False
-_GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads
-
-
-def destroy_groups_at_exit() -> None:
-    """Let gloo's worker threads finish, then destroy the process groups, when the interpreter exits (registered once).
-
-    Why: a torchrun job that finished its work sometimes aborted at exit with `terminate called without an active
-    exception` (SIGABRT, one run in 5-15 on 2 loaded cores, torch 2.13, 2 gloo ranks), so torchrun exited 1. Core
-    dumps of the aborting rank (tests/checkpoint/test_torchrun_exit.py's job) show the cause, in torch itself:
-    `ProcessGroupGloo::runLoop` marks a work complete (the caller's `wait()` returns) *before* it drops its own
-    reference to the work; when that drop is the last one, `~AsyncAllgatherWork` / `~AsyncAllreduceWork` releases the
-    caller's tensors on the worker thread, and releasing a tensor that has a Python object takes the GIL
-    (`TensorImpl::decref_pyobject`). If the main thread has meanwhile returned from the script and entered
-    `Py_FinalizeEx`, `take_gil` ends the worker with `pthread_exit` inside that noexcept destructor: the forced
-    unwind calls `std::terminate`. The main thread was in the final `gc` of `Py_FinalizeEx` in every dump.
-    `destroy_process_group` does not prevent it: gloo's backend has no `shutdown`, its workers are only joined by
-    `~ProcessGroupGloo`, which does not run while the model still holds its groups.
-
-    So the hook first waits, with the GIL released, until every gloo worker thread sleeps (`_drain_gloo_workers`):
-    a worker still releasing a work is runnable or waiting on the GIL this thread leaves free, so once all sleep for
-    a few consecutive polls none holds a work. Then it destroys the groups, as torch asks programs to. Measured on
-    the 2-core dev box, 2026-12-04, two torchrun loops at once: a plain torch script (gloo, planc's mesh shape, one
-    all_gather, exit) aborted 18 times in 60 runs, 0 in 40 with this hook; the planc job 5 in 130 before, 0 in 90 after.
-    """
-    global _AT_EXIT
-    if _AT_EXIT:
-        return
-    import atexit
-
-    atexit.register(_destroy_groups)
-    _AT_EXIT = True
-
-
-def _gloo_workers_asleep() -> Optional[bool]:
-    """Every gloo worker thread of this process is asleep (Linux `/proc` thread states); None where unreadable."""
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return None
-    for tid in tasks:
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().strip() != _GLOO_WORKER:
-                    continue
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                state = f.read().rpartition(")")[2].split()[0]
-        except (OSError, IndexError):
-            continue  # the thread ended meanwhile
-        if state != "S":
-            return False
-    return True
-
-
-def _drain_gloo_workers(polls: int = 3, interval: float = 0.005, limit: float = 5.0) -> None:
-    """Sleep (the GIL released) until the gloo workers have slept `polls` polls in a row, at most `limit` seconds.
-
-    A worker that still holds a finished work is running, runnable, or waiting for the GIL, which each sleep here
-    hands over; it sleeps again only on its empty queue. The limit keeps a wedged worker from hanging the exit.
-    """
-    import time
-
-    deadline, quiet = time.monotonic() + limit, 0
-    while quiet < polls and time.monotonic() < deadline:
-        time.sleep(interval)
-        asleep = _gloo_workers_asleep()
-        if asleep is None:
-            return
-        quiet = quiet + 1 if asleep else 0
-
-
-def _destroy_groups() -> None:
-    """Drain gloo's workers (also when the program destroyed its groups itself: their workers outlive that), then
-    destroy gloo worlds only: NCCL's shutdown may wait on peers that already failed, and torch warns about it."""
-    _drain_gloo_workers()
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    try:
-        if dist.get_backend() == "gloo":
-            dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - at exit nothing is left to report to; the job's work is done
-        pass
-
-
-def build_groups(parallel, mesh: Optional[DeviceMesh] = None) -> Groups:
+def build_groups(parallel: Parallel, mesh: Optional[DeviceMesh] = None) -> Groups:
     """The `Groups` of `parallel` (a `planc.spec.model.Parallel`) on this world, or on the caller's `mesh`.
 
     Every rank must call this (it creates process groups). A world that does not match the plan's
@@ -234,7 +154,8 @@ def _flattened(root: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh
                 f"planc.runtime.mesh: the mesh passed to planc.apply already has a flattened `{name}` dim planc did "
                 f"not make ({e}); pass the mesh before flattening it, or leave `mesh` out and planc builds it."
             ) from None
-    return views[name]
+    flattened: DeviceMesh = views[name]
+    return flattened
 
 
 def _single_rank_mesh(root: DeviceMesh) -> DeviceMesh:
@@ -247,7 +168,8 @@ def _single_rank_mesh(root: DeviceMesh) -> DeviceMesh:
         assert names is not None  # build_groups names every dim of the root
         tp_dim = names.index("tp")
         views["ep"] = root._unflatten(tp_dim, (root["tp"].size(), 1), ("tp_", "ep"))["ep"]
-    return views["ep"]
+    ep: DeviceMesh = views["ep"]
+    return ep
 
 
 def _check_caller_mesh(mesh: DeviceMesh, tp: int, ep: int, dp: int, world: int) -> DeviceMesh:

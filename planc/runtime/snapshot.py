@@ -6,25 +6,27 @@ called on its own, takes one over the experts module. Both undo through `Snapsho
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 
 _CONTAINERS = (dict, list, set)
 
 
-def _copy_attrs(obj) -> dict:
+def _copy_attrs(obj: object) -> dict[str, tuple[Any, Any]]:
     """`obj.__dict__` with a copy of the contents of each container (params, buffers, hooks), one level deep.
 
     The containers themselves are kept too: a hook handle taken before `apply` holds a weak reference
     to the very `_forward_hooks` dict, so restore must refill that object, not install a copy.
     """
-    out = {}
+    out: dict[str, tuple[Any, Any]] = {}
     for k, v in obj.__dict__.items():
         out[k] = (v, type(v)(v)) if isinstance(v, _CONTAINERS) else (v, None)
     return out
 
 
-def _restore_attrs(obj, attrs: dict) -> None:
+def _restore_attrs(obj: object, attrs: dict[str, tuple[Any, Any]]) -> None:
     """Put back every attribute as the same object, with the contents each container had."""
     obj.__dict__.clear()
     for k, (v, contents) in attrs.items():
@@ -37,8 +39,9 @@ def _restore_attrs(obj, attrs: dict) -> None:
         obj.__dict__[k] = v
 
 
-def _configs(model: nn.Module) -> list:
-    seen, out = set(), []
+def _configs(model: nn.Module) -> list[Any]:
+    seen: set[int] = set()
+    out: list[Any] = []
     stack = [getattr(m, "config", None) for m in model.modules()]
     while stack:
         c = stack.pop()

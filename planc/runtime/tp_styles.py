@@ -17,11 +17,13 @@ untouched), so `planc.runtime.install` can undo it by restoring the module's `__
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional, cast
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -44,14 +46,14 @@ def module_path(module: nn.Module) -> str:
     return getattr(module, "_planc_fqn", type(module).__name__)
 
 
-def _as_dtensor_param(param: torch.Tensor, mesh, placement) -> nn.Parameter:
+def _as_dtensor_param(param: torch.Tensor, mesh: DeviceMesh, placement: Placement) -> nn.Parameter:
     local = param.detach()
     return nn.Parameter(
         distribute_tensor(local, mesh, [placement], src_data_rank=None), requires_grad=param.requires_grad
     )
 
 
-def _shard_sizes(module: nn.Module, dim: int, fallback: int, mesh) -> list[int]:
+def _shard_sizes(module: nn.Module, dim: int, fallback: int, mesh: DeviceMesh) -> list[int]:
     """Every rank's width of the weight's sharded `dim` (DTensor `Shard` splits torch.chunk-style)."""
     w = module._parameters.get("weight")
     size = w.shape[dim] if w is not None else fallback
@@ -67,17 +69,17 @@ class _ScaleGrad(torch.autograd.Function):
     """Identity forward; the gradient times `scale` backward."""
 
     @staticmethod
-    def forward(ctx, x, scale):
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale = scale
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad * ctx.scale, None
 
 
 @contextlib.contextmanager
-def local_parameters(module: nn.Module, recurse: bool = False, grad_scale: Optional[float] = None):
+def local_parameters(module: nn.Module, recurse: bool = False, grad_scale: Optional[float] = None) -> Iterator[None]:
     """Run the module's own forward on the local shards of its DTensor parameters (`recurse`: and of its
     submodules', such as a per-expert norm inside experts).
 
@@ -93,7 +95,8 @@ def local_parameters(module: nn.Module, recurse: bool = False, grad_scale: Optio
     for m, params in originals:
         for name, p in params.items():
             local = p.to_local()
-            m._parameters[name] = _ScaleGrad.apply(local, grad_scale) if scale and p.requires_grad else local
+            m._parameters[name] = (_ScaleGrad.apply(local, grad_scale)  # type: ignore[no-untyped-call]  # torch leaves apply untyped
+                                  if scale and p.requires_grad else local)
     try:
         yield
     finally:
@@ -114,7 +117,7 @@ class TPStyle:
     def spec(self) -> Style:
         return STYLE[self.name]
 
-    def shard_param(self, module: nn.Module, name: str, mesh) -> None:
+    def shard_param(self, module: nn.Module, name: str, mesh: DeviceMesh) -> None:
         """Replace `module._parameters[name]` with this rank's slice (a DTensor parameter), as the table says."""
         spec = self.spec
         if not spec.shards:
@@ -131,19 +134,19 @@ class TPStyle:
             placement = Shard(dim % p.ndim)
         module._parameters[name] = _as_dtensor_param(p, mesh, placement)
 
-    def install(self, module: nn.Module, mesh) -> None:
+    def install(self, module: nn.Module, mesh: DeviceMesh) -> None:
         """Wrap `module.forward` with this style's input/output layouts."""
 
-    def _wrap(self, module: nn.Module, forward) -> None:
+    def _wrap(self, module: nn.Module, forward: Callable[..., Any]) -> None:
         original = module.forward
 
-        def tp_forward(*args, **kwargs):
+        def tp_forward(*args: Any, **kwargs: Any) -> Any:
             return forward(original, *args, **kwargs)
 
         tp_forward.planc_style = self.name  # type: ignore[attr-defined]  # a function attribute: which style wrapped it
         module.forward = tp_forward
 
-    def _shard_own_params(self, module: nn.Module, mesh) -> None:
+    def _shard_own_params(self, module: nn.Module, mesh: DeviceMesh) -> None:
         """Shard the module's direct parameters the plan did not list on their own (a module-only rule)."""
         for name, p in list(module._parameters.items()):
             if p is not None and not isinstance(p, DTensor):
@@ -156,7 +159,8 @@ class TPStyle:
                 f"linear layer (`{attr}`); put `{self.name}` on an nn.Linear, or `replicate` on this module."
             )
 
-    def _prepare_linear(self, module: nn.Module, mesh, features: str, dim: int):
+    def _prepare_linear(self, module: nn.Module, mesh: DeviceMesh, features: str,
+                        dim: int) -> tuple[dist.ProcessGroup, list[int], bool]:
         """Check and shard a linear layer; return its TP group, every rank's width of weight dim `dim`
         (`features`, e.g. `out_features`, when it has no weight), and whether it is a plain nn.Linear."""
         self._require_linear(module, features)
@@ -167,15 +171,15 @@ class TPStyle:
 class Colwise(TPStyle):
     """Shard output features (weight dim -2, bias dim -1); input replicated; output sharded or gathered."""
 
-    def __init__(self, gather_output: bool = False):
+    def __init__(self, gather_output: bool = False) -> None:
         self.gather_output = gather_output
         self.name = "colwise_gather_output" if gather_output else "colwise"
 
-    def install(self, module, mesh):
+    def install(self, module: nn.Module, mesh: DeviceMesh) -> None:
         group, sizes, plain = self._prepare_linear(module, mesh, "out_features", -2)
         gather = self.gather_output
 
-        def forward(original, x, *args, **kwargs):
+        def forward(original: Callable[..., Any], x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if isinstance(x, DTensor):
                 x = x.redistribute(mesh, [Replicate()]).to_local()
             x = all_reduce_grad(x, group)  # replicated input: each rank's gradient of it is partial
@@ -197,15 +201,15 @@ class Rowwise(TPStyle):
     otherwise it arrives already sharded on the last dim (after a `colwise`).
     """
 
-    def __init__(self, split_input: bool = False):
+    def __init__(self, split_input: bool = False) -> None:
         self.split_input = split_input
         self.name = "rowwise_split_input" if split_input else "rowwise"
 
-    def install(self, module, mesh):
+    def install(self, module: nn.Module, mesh: DeviceMesh) -> None:
         group, sizes, plain = self._prepare_linear(module, mesh, "in_features", -1)
         split = self.split_input
 
-        def forward(original, x, *args, **kwargs):
+        def forward(original: Callable[..., Any], x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if isinstance(x, DTensor):
                 x = x.redistribute(mesh, [Shard(x.ndim - 1)]).to_local()
             elif split:
@@ -219,7 +223,7 @@ class Rowwise(TPStyle):
             else:
                 # A subclass forward may not add the bias last (`(x W^T + b) * s`): DTensor's Partial + Replicate
                 # rules place the bias right, so such a module keeps the DTensor forward.
-                shape = (*x.shape[:-1], sum(sizes))
+                shape = torch.Size((*x.shape[:-1], sum(sizes)))
                 stride = torch.empty(shape, device="meta").stride()
                 x = DTensor.from_local(x, mesh, [Shard(x.ndim - 1)], run_check=False, shape=shape, stride=stride)
                 return original(x, *args, **kwargs).redistribute(mesh, [Replicate()]).to_local()
@@ -239,15 +243,18 @@ class PackedColwise(TPStyle):
 
     name = "packed_colwise"
 
-    def shard_param(self, module, name, mesh):
+    def shard_param(self, module: nn.Module, name: str, mesh: DeviceMesh) -> None:
         p = module._parameters[name]
+        assert p is not None, f"{name} is a parameter of {type(module).__name__}"  # the compiler matched it
         if getattr(module, "is_transposed", False):
             raise ApplyError(
                 f"planc.runtime.tp_styles: `packed_colwise` on {module_path(module)}.{name}: {type(module).__name__} stores "
                 "its experts transposed ([E, H, 2I]); planc shards [E, 2I, H] layouts only. Use expert parallelism "
                 "(`grouped_gemm` + `ep_dispatch_experts` in ep_plan) for these experts."
             )
-        dim = self.spec.placement(p.ndim) % p.ndim
+        placed = self.spec.placement(p.ndim)
+        assert placed is not None, "packed_colwise splits every parameter it holds (spec.styles)"
+        dim = placed % p.ndim
         if getattr(module, "is_concatenated", True) is False:
             raise ApplyError(
                 f"planc.runtime.tp_styles: `packed_colwise` on {module_path(module)}.{name}: gate and up are interleaved, "
@@ -261,12 +268,12 @@ class PackedColwise(TPStyle):
             )
         super().shard_param(module, name, mesh)
 
-    def install(self, module, mesh):
+    def install(self, module: nn.Module, mesh: DeviceMesh) -> None:
         self._require_linear(module, "out_features")
         self._shard_own_params(module, mesh)
         group = mesh.get_group()
 
-        def forward(original, x, *args, **kwargs):
+        def forward(original: Callable[..., Any], x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             x = all_reduce_grad(to_local(x), group)
             with local_parameters(module):
                 return original(x, *args, **kwargs)
@@ -279,7 +286,7 @@ class EmbeddingRowwise(TPStyle):
 
     name = "embedding_rowwise"
 
-    def install(self, module, mesh):
+    def install(self, module: nn.Module, mesh: DeviceMesh) -> None:
         if not hasattr(module, "num_embeddings"):
             raise ApplyError(
                 f"planc.runtime.tp_styles: `embedding_rowwise` on {module_path(module)} ({type(module).__name__}) needs "
@@ -288,11 +295,14 @@ class EmbeddingRowwise(TPStyle):
         self._shard_own_params(module, mesh)
 
         group = mesh.get_group()
-        start, length = shard_bounds(module._parameters["weight"].shape[0], mesh.get_local_rank(), mesh.size())
+        rows = module._parameters["weight"]
+        assert rows is not None, "an embedding holds its weight"  # checked by num_embeddings above
+        start, length = shard_bounds(rows.shape[0], mesh.get_local_rank(), mesh.size())
         end = start + length
         plain = _is_plain(module, nn.Embedding) and getattr(module, "max_norm", None) is None
+        embedding = cast(nn.Embedding, module)  # an nn.Embedding or a module with its attributes (checked above)
 
-        def forward(original, ids, *args, **kwargs):
+        def forward(original: Callable[..., Any], ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if isinstance(ids, DTensor):
                 ids = ids.full_tensor()
             outside = (ids < start) | (ids >= end)
@@ -303,18 +313,18 @@ class EmbeddingRowwise(TPStyle):
             if length == 0:  # this rank holds no rows (a tiny vocabulary over many ranks)
                 out = weight.new_zeros((*ids.shape, weight.shape[-1]))
             elif plain and not args and not kwargs:
-                out = F.embedding(local_ids, weight, local_pad, None, module.norm_type, module.scale_grad_by_freq,
-                                  module.sparse)
+                out = F.embedding(local_ids, weight, local_pad, None, embedding.norm_type,
+                                  embedding.scale_grad_by_freq, embedding.sparse)
             else:
                 has_pad = hasattr(module, "padding_idx")
                 if has_pad:
-                    module.padding_idx = local_pad  # a global padding index means nothing on this rank's rows
+                    embedding.padding_idx = local_pad  # a global padding index means nothing on this rank's rows
                 try:
                     with local_parameters(module):
                         out = original(local_ids, *args, **kwargs)
                 finally:
                     if has_pad:
-                        module.padding_idx = pad
+                        embedding.padding_idx = pad
             mask = outside.unsqueeze(-1)
             out = out.masked_fill(mask, 0) if needs_grad(out) else out.masked_fill_(mask, 0)
             return all_reduce_sum(out, group)  # exactly one rank holds each id's row
@@ -330,14 +340,14 @@ class ReplicatedWithGradAllReduce(TPStyle):
 
     name = "replicated_with_grad_allreduce"
 
-    def install(self, module, mesh):
+    def install(self, module: nn.Module, mesh: DeviceMesh) -> None:
         group = mesh.get_group()
 
-        def forward(original, *args, **kwargs):
+        def forward(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             params = {n: p for n, p in module._parameters.items()
                       if p is not None and not isinstance(p, DTensor) and p.requires_grad}
             for n, p in params.items():
-                module._parameters[n] = all_reduce_grad(p, group)
+                module._parameters[n] = cast(nn.Parameter, all_reduce_grad(p, group))  # a tensor for this forward
             try:
                 return original(*args, **kwargs)
             finally:
@@ -355,7 +365,7 @@ class MlaKvAProj(TPStyle):
 
     name = "mla_kv_a_proj"
 
-    def install(self, module, mesh):
+    def install(self, module: nn.Module, mesh: DeviceMesh) -> None:
         rope = getattr(module, "_planc_rope_dim", None)
         if not isinstance(rope, int) or rope < 0:
             raise ApplyError(
@@ -364,7 +374,7 @@ class MlaKvAProj(TPStyle):
             )
         group = mesh.get_group()
 
-        def forward(original, *args, **kwargs):
+        def forward(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             out = original(*args, **kwargs)
             if not needs_grad(out) or rope == 0:  # NoPE attention (glm5_next): no rope slice
                 return out
@@ -381,8 +391,9 @@ class PackedRowwise(TPStyle):
 
     name = "packed_rowwise"
 
-    def shard_param(self, module, name, mesh):
+    def shard_param(self, module: nn.Module, name: str, mesh: DeviceMesh) -> None:
         p = module._parameters[name]
+        assert p is not None, f"{name} is a parameter of {type(module).__name__}"  # the compiler matched it
         if p.ndim < 2:
             return  # a bias stays whole, as the styles table says (dims (-1, None))
         if p.shape[-1] % (2 * mesh.size()):
@@ -394,12 +405,13 @@ class PackedRowwise(TPStyle):
         module._parameters[name] = _as_dtensor_param(p, mesh, _StridedShard(p.ndim - 1, split_factor=2))
 
 
-def _reduce_input_grads(args: tuple, kwargs: dict, group) -> tuple[tuple, dict]:
+def _reduce_input_grads(args: tuple[Any, ...], kwargs: dict[str, Any],
+                        group: dist.ProcessGroup) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Every floating-point tensor input as a local tensor whose gradient is summed over the group in backward.
 
     A module that computes on its local shards gives each rank only part of the gradient of a replicated input.
     """
-    def one(x):
+    def one(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.is_floating_point():
             return all_reduce_grad(to_local(x), group)
         return x
@@ -414,8 +426,8 @@ class LocalParams(TPStyle):
 
     name = "local_params"
 
-    def install(self, module, mesh):
-        def forward(original, *args, **kwargs):
+    def install(self, module: nn.Module, mesh: DeviceMesh) -> None:
+        def forward(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             with local_parameters(module):
                 return original(*args, **kwargs)
 
@@ -429,10 +441,10 @@ class AllReduce(TPStyle):
 
     name = "all_reduce"
 
-    def install(self, module, mesh):
+    def install(self, module: nn.Module, mesh: DeviceMesh) -> None:
         group = mesh.get_group()
 
-        def forward(original, *args, **kwargs):
+        def forward(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             args, kwargs = _reduce_input_grads(args, kwargs, group)
             with local_parameters(module):
                 out = original(*args, **kwargs)
@@ -452,10 +464,10 @@ class MoeIdentityExpert(TPStyle):
 
     name = "moe_identity_expert"
 
-    def install(self, module, mesh):
+    def install(self, module: nn.Module, mesh: DeviceMesh) -> None:
         size = mesh.size()
 
-        def forward(original, x, *args, **kwargs):
+        def forward(original: Callable[..., Any], x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             return original(x / size, *args, **kwargs)
 
         self._wrap(module, forward)
@@ -472,7 +484,7 @@ class MoeTPExperts(TPStyle):
 
     name = "moe_tp_experts"
 
-    def install(self, module, mesh):
+    def install(self, module: nn.Module, mesh: DeviceMesh) -> None:
         where = module_path(module)
         for pname in ("gate_up_proj", "up_proj", "down_proj"):
             p = module._parameters.get(pname)
@@ -489,7 +501,7 @@ class MoeTPExperts(TPStyle):
             )
         group = mesh.get_group()
 
-        def forward(original, *args, **kwargs):
+        def forward(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             # hidden states and routing weights (or, for experts that see every token pre-scaled, the
             # hidden states alone): replicated inputs whose gradients are partial on each rank
             args, kwargs = _reduce_input_grads(args, kwargs, group)

@@ -20,19 +20,22 @@ models sharded at load time"); planc's checkpoints go through `planc.save` (docs
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from planc.errors import ApplyError
 
+if TYPE_CHECKING:
+    from planc.compiler.compiled import CompiledPlan
+
 _LORA_WORKS = ("LoRA with PEFT works on planc models at tp_size 1 with `training: {data_parallel: replicate}`: "
                "call get_peft_model on the applied model (Trainer keeps the adapters equal across replicas, "
                "docs/train.md).")
 
 
-def declare_to_trainers(model: nn.Module, compiled) -> None:
+def declare_to_trainers(model: nn.Module, compiled: CompiledPlan) -> None:
     """Mark `model` as transformers marks a model it sharded at load time (see the module doc)."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "is_distributed_loading_by_transformers"):
@@ -60,7 +63,7 @@ def peft_model_problem(model: nn.Module) -> Optional[str]:
     return None
 
 
-def _refuse_sharded_adapters(model: nn.Module, args) -> None:
+def _refuse_sharded_adapters(model: nn.Module, args: Any) -> None:
     """Before each training forward of a model sharded by TP or FSDP: peft sizes a LoRA adapter for the local shard of
     a base weight whose mesh is not named "fsdp" (peft's _get_in_out_features), which computes wrong results here.
     Eval forwards (generate) skip the walk over the modules."""

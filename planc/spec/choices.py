@@ -1,12 +1,13 @@
-"""The plan's other choices, one row each, like the style table: experts kernels, EP strategies, Mega MoE backends
-and data-parallel modes.
+"""The plan's other choices, one row each, like the style table: experts kernels, EP strategies, Mega MoE backends,
+data-parallel modes and activation checkpointing modes.
 
 Every layer that needs to know what a choice means asks its row: the plan model validates the names against
 these tables and the JSON Schema lists them with their docs (`planc.spec.model`), the cross-key pairings are
 written from the rows (`planc.spec.pairings`), `resolve_ep` builds the strategy from them (`planc.spec.ep`),
 the compiler and the runtime read their properties (`CompiledPlan.experts_implementation`,
 `CompiledPlan.data_parallel_mode`), and the runtime registries are keyed by their names with an import-time
-drift check (`planc.runtime.ep.EP_RUNTIMES`, `planc.runtime.megamoe.runners.RUNNERS`). Adding an EP strategy is
+drift check (`planc.runtime.ep.EP_RUNTIMES`, `planc.runtime.megamoe.runners.RUNNERS`,
+`planc.runtime.activation_checkpointing.INSTALLERS`). Adding an EP strategy is
 one row here plus one runtime object (docs/architecture.md shows it). No torch here.
 
 The tables are dicts keyed by name, in the order the schema and the lint hints list them.
@@ -85,7 +86,24 @@ class DataParallelMode:
     mesh_dims: tuple[str, ...] = ("dp", "efsdp")
 
 
-Row = TypeVar("Row", ExpertsImplementation, EPStrategyRow, MegaMoeBackend, DataParallelMode)
+@dataclass(frozen=True)
+class ActivationCheckpointingMode:
+    """One way backward gets the activations it needs (`training.activation_checkpointing`).
+
+    `installs`: what `planc.apply` installs for it (planc.runtime.activation_checkpointing). `memory`: what it
+    changes in the training peak (`planc explain --train`, planc.compiler.peak_memory). `recomputes_layers`: each
+    decoder layer keeps only its input for backward and recomputes its forward there.
+    """
+
+    name: str
+    doc: str
+    installs: str
+    memory: str
+    recomputes_layers: bool = False
+
+
+Row = TypeVar("Row", ExpertsImplementation, EPStrategyRow, MegaMoeBackend, DataParallelMode,
+              ActivationCheckpointingMode)
 
 
 def _table(*rows: Row) -> dict[str, Row]:
@@ -133,8 +151,22 @@ DATA_PARALLEL_MODES: dict[str, DataParallelMode] = _table(
                      "optimizer state sharded over the replicas", shards_parameters=True),
 )
 
+ACTIVATION_CHECKPOINTING_MODES: dict[str, ActivationCheckpointingMode] = _table(
+    ActivationCheckpointingMode(
+        "none", "every activation is kept for backward",
+        installs="nothing",
+        memory="none: every layer's activations are held until its backward"),
+    ActivationCheckpointingMode(
+        "full", "every decoder layer keeps only its input for backward and recomputes the rest",
+        installs="transformers' gradient_checkpointing_enable (non-reentrant torch.utils.checkpoint around every "
+        "decoder layer), before the data-parallel wrap",
+        memory="the activations kept for backward shrink to one input per decoder layer; one layer's activations "
+        "are recomputed at a time during backward",
+        recomputes_layers=True),
+)
+
 
 __all__ = [
-    "DATA_PARALLEL_MODES", "EP_STRATEGIES", "EXPERTS_IMPLEMENTATIONS", "MEGAMOE_BACKENDS", "DataParallelMode",
+    "ACTIVATION_CHECKPOINTING_MODES", "ActivationCheckpointingMode", "DATA_PARALLEL_MODES", "EP_STRATEGIES", "EXPERTS_IMPLEMENTATIONS", "MEGAMOE_BACKENDS", "DataParallelMode",
     "EPStrategyRow", "ExpertsImplementation", "MegaMoeBackend",
 ]

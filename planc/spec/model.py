@@ -45,12 +45,14 @@ class Choice:
         schema["enumDescriptions"] = [row.doc for row in self.table.values()]
 
 
-_IMPL, _EP, _BACKEND, _DP = (Choice(t) for t in (
-    choices.EXPERTS_IMPLEMENTATIONS, choices.EP_STRATEGIES, choices.MEGAMOE_BACKENDS, choices.DATA_PARALLEL_MODES))
+_IMPL, _EP, _BACKEND, _DP, _AC = (Choice(t) for t in (
+    choices.EXPERTS_IMPLEMENTATIONS, choices.EP_STRATEGIES, choices.MEGAMOE_BACKENDS, choices.DATA_PARALLEL_MODES,
+    choices.ACTIVATION_CHECKPOINTING_MODES))
 ExpertsImplementationName = Annotated[str, _IMPL.validator, _IMPL.field, _IMPL]
 EPImplementationName = Annotated[str, _EP.validator, _EP.field, _EP]
 MegaMoeBackendName = Annotated[str, _BACKEND.validator, _BACKEND.field, _BACKEND]
 DataParallelName = Annotated[str, _DP.validator, _DP.field, _DP]
+ActivationCheckpointingName = Annotated[str, _AC.validator, _AC.field, _AC]
 
 
 def _styles(table: str, what: str) -> Any:
@@ -161,16 +163,21 @@ class Training(_Strict):
     mixed_precision: Optional[MixedPrecision] = Field(
         default=None, description="FSDP2 mixed precision; only with `data_parallel: fsdp`."
     )
-    activation_checkpointing: Literal["none", "full"] = Field(
+    activation_checkpointing: ActivationCheckpointingName = Field(
         default="none",
-        description="`full`: every decoder layer keeps only its input for backward and recomputes the rest "
-        "(torch's composable `checkpoint` per layer, installed by apply); `none`: every activation is kept.",
+        description="; ".join(f"`{m.name}`: {m.doc}" for m in choices.ACTIVATION_CHECKPOINTING_MODES.values())
+        + " (installed by apply, priced by `planc explain --train`).",
     )
 
     @property
     def data_parallel_row(self) -> choices.DataParallelMode:
         """The row of `data_parallel` in `planc.spec.choices.DATA_PARALLEL_MODES`."""
         return choices.DATA_PARALLEL_MODES[self.data_parallel]
+
+    @property
+    def activation_checkpointing_row(self) -> choices.ActivationCheckpointingMode:
+        """The row of `activation_checkpointing` in `planc.spec.choices.ACTIVATION_CHECKPOINTING_MODES`."""
+        return choices.ACTIVATION_CHECKPOINTING_MODES[self.activation_checkpointing]
 
 
 class Plan(_Strict):

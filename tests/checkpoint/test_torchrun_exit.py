@@ -2,7 +2,7 @@
 the directory, and a load followed by an export into the source directory, each on 2 gloo ranks.
 
 The exit abort it guards against (a gloo worker releasing a finished work's tensors after the interpreter began
-finalizing; see `planc.runtime.mesh.destroy_groups_at_exit`) came in about one run in 5-15 under load, so each case
+finalizing; see `planc.runtime.exit_drain.destroy_groups_at_exit`) came in about one run in 5-15 under load, so each case
 runs RUNS times."""
 
 import os

@@ -324,9 +324,9 @@ def gloo_workers_after_drain(rank: int, world_size: int) -> tuple[int, bool]:
     sleep after it (the drain finds them by torch's thread name; a rename would make it watch nothing)."""
     import os
 
-    from planc.runtime.mesh import _GLOO_WORKER, _drain_gloo_workers, _gloo_workers_asleep
+    from planc.runtime.exit_drain import GLOO_WORKER_THREAD, drain_gloo_workers, gloo_workers_asleep
 
     dist.all_reduce(torch.ones(4))
-    _drain_gloo_workers()
+    drain_gloo_workers()
     names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-    return names.count(_GLOO_WORKER), bool(_gloo_workers_asleep())
+    return names.count(GLOO_WORKER_THREAD), bool(gloo_workers_asleep())

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+from types import ModuleType
 
 import torch
 
@@ -79,7 +80,7 @@ def check_deep_gemm_api(module) -> None:
         )
 
 
-def load_deep_gemm():
+def load_deep_gemm() -> ModuleType:
     """Import `deep_gemm` and check its Mega MoE API."""
     try:
         module = importlib.import_module("deep_gemm")
@@ -127,7 +128,8 @@ def kernel_size_problem(hidden: int, intermediate: int) -> str | None:
             f"(host checks % 128; H/128 even; BLOCK_K {MEGAMOE_KERNEL_BLOCK} at decode), got {', '.join(bad)}")
 
 
-def transform_weights(dg, gate_up, gate_up_scale, down, down_scale) -> tuple[tuple, tuple]:
+def transform_weights(dg: ModuleType, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
+                      down_scale: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """FP4 experts (int8 ``[E, 2I, H/2]`` / ``[E, H, I/2]`` with UE8M0 scales per 32) -> the kernel's
     ``(l1_weights, l2_weights)``, each a (weights, scales) pair in its layout."""
     e, two_i, half_h = gate_up.shape

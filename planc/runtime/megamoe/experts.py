@@ -32,7 +32,7 @@ BACKENDS = tuple(MEGAMOE_BACKENDS)  # the names of the table's rows: `auto` firs
 _STATE = "_planc_megamoe"
 
 
-def _triton_problem(device, sizes) -> str | None:
+def _triton_problem(device: torch.device | None, sizes: tuple[int, int] | None) -> str | None:
     """Why the Triton backend cannot run these experts here (no Triton or GPU for it, or sizes it does not tile)."""
     reason = target.triton_unavailable_reason(device)
     if reason is None and sizes is not None:
@@ -106,7 +106,8 @@ class MegaMoeState:
     reason: str = ""
 
 
-def megamoe_forward(self, hidden_states, top_k_index, top_k_weights, process_group=None):
+def megamoe_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor, process_group: Any = None) -> torch.Tensor:
     """The experts forward planc installs (bound to the experts module)."""
     state: MegaMoeState = getattr(self, _STATE)
     if process_group is None:

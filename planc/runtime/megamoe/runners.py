@@ -5,6 +5,7 @@ kernels' layout in place on the first forward). `experts.install_megamoe_forward
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -45,13 +46,14 @@ class _StagedRunner:
     activation_clamp: float | None
     max_tokens_per_rank: int | None
 
-    def weights(self, device: torch.device):
+    def weights(self, device: torch.device) -> DequantizedExperts | layout.PackedExperts:
         raise NotImplementedError
 
-    def _local_forward(self) -> dict:
+    def _local_forward(self) -> dict[str, Any]:
         return {}
 
-    def __call__(self, hidden_states, top_k_index, top_k_weights, process_group):
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                 process_group: Any) -> torch.Tensor:
         return reference_mega_moe(
             hidden_states, top_k_index, top_k_weights, self.weights(hidden_states.device),
             num_experts=self.num_experts,
@@ -92,9 +94,9 @@ class TritonRunner(_StagedRunner):
     layout (`layout.shuffle_fp4`: the same e2m1 and UE8M0 bytes in MMA-fragment order, same dtypes and
     shapes, so no copy stays); the kernels then read them where they are."""
 
-    _cache: tuple | None = field(default=None, repr=False)
+    _cache: tuple[tuple[int, ...], layout.PackedExperts] | None = field(default=None, repr=False)
 
-    def _local_forward(self) -> dict:
+    def _local_forward(self) -> dict[str, Any]:
         return dict(local_forward=forward.triton_local_experts_forward, backend="triton",
                     combine_fn=forward.combine, stage_fn=forward.stage)
 
@@ -144,7 +146,8 @@ class DeepGemmRunner:
     """The deep_gemm backend for one module: on its first forward the module's FP4 parameters are replaced by the
     kernel-layout tensors (`deep_gemm.transform_weights`), as transformers does, so the weights are not held twice."""
 
-    def __init__(self, module: nn.Module, num_experts: int, activation_clamp, max_tokens_per_rank):
+    def __init__(self, module: nn.Module, num_experts: int, activation_clamp: float | None,
+                 max_tokens_per_rank: int | None) -> None:
         self.module = module
         self.num_experts = num_experts
         self.activation_clamp = activation_clamp
@@ -156,8 +159,8 @@ class DeepGemmRunner:
         if problem is not None:
             raise ValueError(f"{problem}; use `experts.megamoe.backend: triton` (or `reference`)")
         # The kernel-layout (weights, scales) pairs of L1 and L2, once `transform_weights` ran.
-        self.l1: tuple | None = None
-        self.l2: tuple | None = None
+        self.l1: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.l2: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def transform_weights(self) -> None:
         """FP4 weights -> the kernel's layout, once; the module's parameters then hold that layout."""
@@ -168,7 +171,8 @@ class DeepGemmRunner:
             setattr(m, name, nn.Parameter(tensor, requires_grad=False))
         m.__dict__[WEIGHT_LAYOUT] = "deep_gemm"
 
-    def __call__(self, hidden_states, top_k_index, top_k_weights, process_group) -> torch.Tensor:
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                 process_group: Any) -> torch.Tensor:
         if self.l1 is None:
             self.transform_weights()
         return deep_gemm.mega_moe(
