@@ -28,29 +28,32 @@ def global_batch(step: int, dp: int) -> torch.Tensor:
 _REFERENCE: dict = {}
 
 
+def unsharded_run(model_type: str, seed: int, batches: list, weight_decay: float = 0.01) -> dict:
+    """The unsharded model trained one AdamW step (clipped to MAX_NORM) per global batch: the reference every
+    sharded run is compared with (losses, pre-clip norms, parameters after the last step)."""
+    from planc.models.build import build_tiny_model
+
+    ref = build_tiny_model(model_type, seed=seed)
+    ref.set_experts_implementation(shipped_plan(model_type, tp=1)["experts"]["implementation"])
+    ref.train()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=weight_decay)
+    losses, norms = [], []
+    for ids in batches:
+        loss = ref(ids, labels=ids).loss
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in ref.named_parameters()}}
+
+
 def reference(model_type: str, dp: int, seed: int = 0) -> dict:
     """The single-process run on the global batch of `dp` micro-batches: losses, clip norms, final parameters
     (the same for every (tp, ep, mode, strategy), so one world computes it once per model and dp)."""
     key = (model_type, dp, seed)
     if key not in _REFERENCE:
-        from planc.models.build import build_tiny_model
-
-        ref = build_tiny_model(model_type, seed=seed)
-        impl = shipped_plan(model_type, tp=1)["experts"]["implementation"]
-        ref.set_experts_implementation(impl)
-        ref.train()
-        opt = torch.optim.AdamW(ref.parameters(), lr=LR)
-        losses, norms = [], []
-        for step in range(STEPS):
-            ids = global_batch(step, dp)
-            loss = ref(ids, labels=ids).loss
-            loss.backward()
-            norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM).item())
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        _REFERENCE[key] = {"losses": losses, "norms": norms,
-                           "params": {n: p.detach().clone() for n, p in ref.named_parameters()}}
+        _REFERENCE[key] = unsharded_run(model_type, seed, [global_batch(step, dp) for step in range(STEPS)])
     return _REFERENCE[key]
 
 

@@ -16,10 +16,9 @@ import torch
 import torch.distributed as dist
 
 from tests.runtime.workers import full, shipped_plan
+from tests.train.train_workers import LR, MAX_NORM, unsharded_run  # the reference's step, shared
 
 STEPS, ACCUM = 3, 2
-LR = 1e-3
-MAX_NORM = 0.5  # below the tiny models' gradient norms: the clip scales every step
 MICRO_ROWS, COLS, VOCAB = 2, 8, 128
 
 
@@ -40,24 +39,8 @@ _REFERENCE: dict = {}
 def reference(model_type: str, dp: int) -> dict:
     """The unsharded model trained on each step's global batch (every micro-batch of every replica at once)."""
     key = (model_type, dp)
-    if key not in _REFERENCE:
-        from planc.models.build import build_tiny_model
-
-        ref = build_tiny_model(model_type, seed=0)
-        ref.set_experts_implementation(shipped_plan(model_type, tp=1)["experts"]["implementation"])
-        ref.train()
-        opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0)
-        losses, norms = [], []
-        for step in range(STEPS):
-            ids = step_rows(dp, step)
-            loss = ref(ids, labels=ids).loss
-            loss.backward()
-            norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM).item())
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        _REFERENCE[key] = {"losses": losses, "norms": norms,
-                           "params": {n: p.detach().clone() for n, p in ref.named_parameters()}}
+    if key not in _REFERENCE:  # Trainer's default AdamW has no weight decay
+        _REFERENCE[key] = unsharded_run(model_type, 0, [step_rows(dp, step) for step in range(STEPS)], weight_decay=0.0)
     return _REFERENCE[key]
 
 
