@@ -48,6 +48,19 @@ def unsharded_run(model_type: str, seed: int, batches: list, weight_decay: float
     return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in ref.named_parameters()}}
 
 
+def compare_params(model, ref_params: dict) -> tuple[float, str, str]:
+    """The largest elementwise difference of the model's full parameters from the reference's, the parameter it is
+    in, and a digest of the full parameters (equal on every rank when the replicas agree)."""
+    worst, worst_name, digest = 0.0, "", hashlib.sha256()
+    for name, p in model.named_parameters():
+        f = full(p.detach())
+        diff = (f - ref_params[name]).abs().max().item()
+        if diff > worst:
+            worst, worst_name = diff, name
+        digest.update(name.encode() + f.contiguous().numpy().tobytes())
+    return worst, worst_name, digest.hexdigest()
+
+
 def reference(model_type: str, dp: int, seed: int = 0) -> dict:
     """The single-process run on the global batch of `dp` micro-batches: losses, clip norms, final parameters
     (the same for every (tp, ep, mode, strategy), so one world computes it once per model and dp)."""
@@ -95,16 +108,10 @@ def train_case(model_type: str, tp: int, ep: int, dp: int, data_parallel: str, s
         mean /= dist.get_world_size()  # every rank of a replica holds its loss: the mean over ranks is over replicas
         out["loss"] = max(out["loss"], abs(mean.item() - ref["losses"][step]))
         out["norm_rel"] = max(out["norm_rel"], abs(norm.item() - ref["norms"][step]) / ref["norms"][step])
-    worst, worst_name, digest = 0.0, "", hashlib.sha256()
-    for name, p in model.named_parameters():
-        f = full(p.detach())
-        diff = (f - ref["params"][name]).abs().max().item()
-        if diff > worst:
-            worst, worst_name = diff, name
-        digest.update(name.encode() + f.contiguous().numpy().tobytes())
+    worst, worst_name, digest = compare_params(model, ref["params"])
     out["params"], out["worst"] = worst, worst_name
     out["forwards_per_step"] = forwards[0] / STEPS
-    out["digest"] = digest.hexdigest()
+    out["digest"] = digest
     return out
 
 

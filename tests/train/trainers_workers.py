@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tests.runtime.workers import full, shipped_plan
-from tests.train.train_workers import LR, MAX_NORM, unsharded_run  # the reference's step, shared
+from tests.train.train_workers import LR, MAX_NORM, compare_params, unsharded_run  # the reference's step, shared
 
 STEPS, ACCUM = 3, 2
 MICRO_ROWS, COLS, VOCAB = 2, 8, 128
@@ -216,14 +216,7 @@ def client_case(model_type: str, tp: int, ep: int, dp: int, mode: str, client: s
            "described": described,
            "loss": max((abs(a - b) for a, b in zip(losses, ref["losses"])), default=float("inf")),
            "norm_rel": max((abs(a - b) / b for a, b in zip(norms, ref["norms"])), default=float("inf"))}
-    worst, worst_name, digest = 0.0, "", hashlib.sha256()
-    for name, p in model.named_parameters():
-        f = full(p.detach())
-        diff = (f - ref["params"][name]).abs().max().item()
-        if diff > worst:
-            worst, worst_name = diff, name
-        digest.update(name.encode() + f.contiguous().numpy().tobytes())
-    out["params"], out["worst"], out["digest"] = worst, worst_name, digest.hexdigest()
+    out["params"], out["worst"], out["digest"] = compare_params(model, ref["params"])
     return out
 
 
