@@ -49,6 +49,7 @@ from planc.checkpoint.atomic import agree
 from planc.checkpoint.marker import read_marker, saved_under
 from planc.checkpoint.state import dcp_layout, has_strided
 from planc.errors import CheckpointError
+from planc.runtime.data_parallel import settle_sharded
 
 OPTIMIZER_DIR = "optimizer"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -84,6 +85,8 @@ def _dcp_view(state: dict[str, Any]) -> dict[str, Any]:
 
 def refuse_unsavable_optimizer(model: nn.Module, optimizer: Optimizer, what: str) -> None:
     """An optimizer planc.save cannot write, refused before anything is written."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        settle_sharded(model, optimizer)
     refuse_foreign_parameters(model, optimizer, what)
     if not optimizer.state:
         # torch's get_optimizer_state_dict would take a zero step to make some: a resume from it would count a
@@ -219,6 +222,8 @@ def load_optimizer(model: nn.Module, optimizer: Optimizer, directory: str | os.P
     directory = Path(directory)
     what = f"planc.load_optimizer({str(directory)!r})"
     compiled, _ = applied_plan(model, what)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        settle_sharded(model, optimizer)  # an optimizer built after a forward whose backward has not run yet
     error = None
     marker: dict[str, Any] = {}
     entry: dict[str, Any] = {}

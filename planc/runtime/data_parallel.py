@@ -27,13 +27,20 @@ router stays fp32, in the parameters, the optimizer state and the forward.
 A unit that keeps its parameters unsharded after its forward (the root and the last layer under fsdp,
 every unit under replicate: backward needs them) leaves the unsharded tensors registered in the model
 until a backward reshards them. After a forward with autograd off (an eval, `generate()`) no backward
-comes, so each unit reshards itself at the end of such a forward: `model.parameters()` is always the
-sharded set, and an optimizer built after a no-grad forward holds the tensors that receive gradients.
+comes, so each unit reshards itself at the end of such a forward: `model.parameters()` is the sharded
+set again. After a forward with autograd on, the unsharded tensors stay registered for the backward
+(resharding would cost an all-gather in it), so an optimizer built before that backward holds them and
+they never receive a gradient. Each unit remembers, at its first such forward, which sharded parameter
+each of its unsharded tensors stands for (FSDP2 keeps one unsharded tensor per parameter for the model's
+life), and a step pre-hook common to all optimizers (torch's `register_optimizer_step_pre_hook`)
+puts the sharded parameter in the optimizer's place, with its state: every parameter trains whatever
+ran before the optimizer was built.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
@@ -115,7 +122,9 @@ def install_data_parallel(model: nn.Module, compiled: CompiledPlan, groups: Grou
     root_kwargs = dict(kwargs, reshard_after_forward=False) if shards else kwargs
     unit(model, groups.dp_mesh, root_kwargs)
     for module in wrapped:
-        module.register_forward_hook(_reshard_outside_autograd)
+        module._planc_sharded = dict(module.named_parameters())  # every unit is sharded here: nothing ran yet
+        module.register_forward_hook(_after_unit_forward)
+    _swap_in_sharded_on_step()
     if groups.dp_mesh.device_type == "cpu":
         # gloo has no AVG / PREMUL_SUM reductions: sum, then FSDP divides by the group size itself
         for module in wrapped:
@@ -142,11 +151,58 @@ def no_sync(model: nn.Module) -> Iterator[None]:
             unit.set_requires_gradient_sync(True, recurse=False)
 
 
-def _reshard_outside_autograd(module: Any, args: Any, output: Any) -> None:
+_SHARDED_OF: dict[int, nn.Parameter] = {}  # id of an unsharded tensor FSDP2 registers -> the sharded parameter
+_STEP_HOOK: list[Any] = []
+
+
+def _after_unit_forward(module: Any, args: Any, output: Any) -> None:
     """After a forward that no backward follows (no_grad, inference_mode: an eval, generate()), put the unit's
-    sharded parameters back (module doc)."""
+    sharded parameters back; after the first forward with autograd on, remember which sharded parameter each
+    unsharded tensor left registered stands for (module doc)."""
     if not torch.is_grad_enabled():
         module.reshard()
+    elif "_planc_unsharded_seen" not in module.__dict__:
+        module._planc_unsharded_seen = True
+        for name, param in module.named_parameters():
+            sharded = module._planc_sharded.get(name)
+            if sharded is not None and param is not sharded and id(param) not in _SHARDED_OF:
+                _SHARDED_OF[id(param)] = sharded
+                weakref.finalize(param, _SHARDED_OF.pop, id(param), None)  # the id is free before it is reused
+
+
+def sharded_in_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Put each planc model's sharded parameter where `optimizer` holds an unsharded tensor FSDP2 had registered
+    when the optimizer was built (a forward with autograd on and no backward yet), with its state."""
+    if not _SHARDED_OF:
+        return
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for i, param in enumerate(params):
+            sharded = _SHARDED_OF.get(id(param))
+            if sharded is not None:
+                params[i] = sharded
+                if param in optimizer.state:
+                    optimizer.state[sharded] = optimizer.state.pop(param)
+
+
+def settle_sharded(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Before reading or writing optimizer state by parameter name (planc.save, planc.load_optimizer): every unit
+    of `model` sharded (FSDP2's public `reshard`) and `optimizer` over the sharded parameters, whatever forward
+    ran last."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+    sharded_in_optimizer(optimizer)
+
+
+def _swap_in_sharded_on_step() -> None:
+    """One step pre-hook for every optimizer of the process (registered once): `sharded_in_optimizer`."""
+    if not _STEP_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(lambda opt, args, kwargs: sharded_in_optimizer(opt)))
 
 
 def dtype_odd_modules(unit: nn.Module, names: dict[nn.Module, str], wrapped: list[Any]) -> list[nn.Module]:
@@ -215,4 +271,4 @@ def _wrapper(compiled: CompiledPlan) -> tuple[Callable[..., Any], dict[str, Any]
     return fully_shard, {"mp_policy": policy}
 
 
-__all__ = ["decoder_layers", "dtype_odd_modules", "expert_grad_scale", "install_data_parallel", "no_sync"]
+__all__ = ["decoder_layers", "dtype_odd_modules", "expert_grad_scale", "install_data_parallel", "no_sync", "settle_sharded", "sharded_in_optimizer"]

@@ -3,9 +3,10 @@
 - bf16: DeepSeek-V3 and GLM-4.5 loaded as users load them (`dtype=torch.bfloat16`: transformers keeps the
   router weight in fp32) train under fsdp and replicate like the unsharded bf16 model on the global batch,
   the routers fp32 in the parameters, the gradients and the AdamW state.
-- no-grad first: a no-grad forward, generate(), eval()/train() before the optimizer is built and a no-grad
-  eval between steps; the run equals the fp32 reference, and `model.parameters()` stays the set the
-  optimizer holds.
+- no-grad first: a no-grad forward, generate(), eval()/train(), then a forward with autograd on and no
+  backward, before the optimizer is built, and a no-grad eval between steps; the run equals the fp32
+  reference (every parameter trained), `model.parameters()` after the no-grad forwards is the set planc.apply
+  left, and the optimizer holds that set after the steps.
 - accumulation: two micro-batches per step, the first under `planc.no_sync`; equal to the reference, with no
   gradient reduced inside the block; dp 1 (nothing wrapped) included.
 - `clip`: planc.clip_grad_norm_ as every case of the world calls it, counting the warnings torch's DTensor logs
@@ -210,10 +211,13 @@ def engine_case(kind: str, tp: int, ep: int, dp: int, mode: str) -> dict:
     if kind == "no_grad_first":
         _no_grad_first(model)
     same_set = {id(p) for p in model.parameters()} == applied
+    if kind == "no_grad_first":  # then a forward with autograd on and no backward: unsharded tensors stay registered
+        model(global_batch(97, 1)[:1])
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     loss, params = _train(model, opt, dp, accumulate=kind == "accumulate",
                           between=_eval_between if kind == "no_grad_first" else None)
-    return {"loss": loss, "params": params, "same_set": same_set}
+    holds = {id(p) for g in opt.param_groups for p in g["params"]} == applied
+    return {"loss": loss, "params": params, "same_set": same_set, "optimizer_holds_applied": holds}
 
 
 def engine_world(rank: int, world_size: int, bf16_hubs: dict) -> dict:

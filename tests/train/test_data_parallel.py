@@ -8,7 +8,7 @@ batch; every EP strategy, TP-only, and dp replicas) against the unsharded model,
 
 Both worlds also run the training-engine checks (tests/train/engine_workers.py): DeepSeek-V3 and GLM-4.5 loaded in
 bf16 (fp32 routers) at (1, 2, 2) and (2, 2, 2) under fsdp and replicate against the unsharded bf16 model; a no-grad
-forward, generate() and eval()/train() before the optimizer is built; gradient accumulation with planc.no_sync
+forward, generate(), eval()/train() and a forward with autograd on (no backward) before the optimizer is built; gradient accumulation with planc.no_sync
 (dp 1 too).
 
 One spawned world per world size runs every case in sequence (a rank's start, importing torch and
@@ -142,6 +142,9 @@ def engine_failures(engine: dict, world_size: int) -> list[str]:
         r = engine[key]
         if not r["same_set"]:
             failures.append(f"{key}: model.parameters() after no-grad forwards is not the set planc.apply left")
+        if not r["optimizer_holds_applied"]:
+            failures.append(f"{key}: the optimizer built after a forward with autograd on does not hold the "
+                            "parameters planc.apply left")
         if r["loss"] > LOSS_TOL or r["params"] > PARAM_TOL:
             failures.append(f"{key}: loss off by {r['loss']:.3g}, parameters by {r['params']:.3g} (> 1: a gradient "
                             "was reduced inside planc.no_sync)")
