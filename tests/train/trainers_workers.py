@@ -3,7 +3,8 @@
 Each case: a tiny fp32 model planc-applied at (tp, ep, dp) with `training.data_parallel`, trained 3 optimizer
 steps of 2 accumulated micro-batches with gradient clipping by a real client (transformers' Trainer, TRL's
 SFTTrainer, an Accelerate loop), against the unsharded model trained in this process on the same global
-batches (computed once per model and dp).
+batches (computed once per model and dp): one process on the global batch is every client's peer, TRL's
+SFTTrainer's too (fp32: SFTConfig's bf16 default turned off).
 """
 
 from __future__ import annotations
@@ -41,26 +42,6 @@ def reference(model_type: str, dp: int) -> dict:
     key = (model_type, dp)
     if key not in _REFERENCE:  # Trainer's default AdamW has no weight decay
         _REFERENCE[key] = unsharded_run(model_type, 0, [step_rows(dp, step) for step in range(STEPS)], weight_decay=0.0)
-    return _REFERENCE[key]
-
-
-def sft_reference(model_type: str, dp: int) -> dict:
-    """TRL's SFTTrainer on the unsharded model, which accelerate wraps in DDP over this world (dp == world size).
-    The peer for SFTTrainer cases, not `reference`: TRL's loss (a chunked log-prob LM head, per-device token
-    counts) differs from one process on the global batch by ~3e-4 under DDP too (measured: DDP and planc give
-    bit-identical results, both that far from TRL's single-process run)."""
-    key = ("sft", model_type, dp)
-    if key not in _REFERENCE:
-        from planc.models.build import build_tiny_model
-
-        assert dp == dist.get_world_size()
-        model = build_tiny_model(model_type, seed=0)
-        model.set_experts_implementation(shipped_plan(model_type, tp=1)["experts"]["implementation"])
-        with tempfile.TemporaryDirectory() as tmp:
-            losses, norms, wrapped = run_sft(model, dp, tmp)
-        assert type(wrapped).__name__ == "DistributedDataParallel"
-        _REFERENCE[key] = {"losses": losses, "norms": norms,
-                           "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
     return _REFERENCE[key]
 
 
@@ -160,8 +141,9 @@ def run_sft(model, dp: int, output_dir: str) -> tuple[list, list, object]:
     """TRL's SFTTrainer on a tokenized dataset (input_ids only: SFTTrainer builds the labels)."""
     from trl import SFTConfig, SFTTrainer
 
-    # the reference has no router aux loss (the tiny configs do not output router logits); TRL would turn it on
-    config = SFTConfig(**trainer_args(output_dir), router_aux_loss_coef=0.0)
+    # the reference has no router aux loss (the tiny configs do not output router logits); TRL would turn it on.
+    # SFTConfig defaults to bf16=True (autocast) where TrainingArguments does not: the fp32 reference needs fp32
+    config = SFTConfig(**trainer_args(output_dir), router_aux_loss_coef=0.0, bf16=False)
     trainer = SFTTrainer(model=model, args=config, train_dataset=dataset(dp).remove_columns("labels"),
                          processing_class=tokenizer())
     trainer.train()
@@ -175,7 +157,8 @@ def run_accelerate(model, dp: int) -> tuple[list, list, object]:
     import planc
     from accelerate import Accelerator
 
-    acc = Accelerator(gradient_accumulation_steps=ACCUM, cpu=True)
+    # accelerate's state is process-wide: an explicit "no" refuses to run under another client's bf16 left behind
+    acc = Accelerator(gradient_accumulation_steps=ACCUM, cpu=True, mixed_precision="no")
     model = acc.prepare_model(model, evaluation_mode=True)
     opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0))
     dp_rank = planc.device_mesh(model, "dp").get_local_rank()
@@ -203,7 +186,7 @@ CLIENTS = {"trainer": run_trainer, "sft": run_sft}
 
 def client_case(model_type: str, tp: int, ep: int, dp: int, mode: str, client: str) -> dict:
     """Worst loss / grad-norm / parameter difference against the unsharded reference, and what wraps the model."""
-    ref = sft_reference(model_type, dp) if client == "sft" else reference(model_type, dp)
+    ref = reference(model_type, dp)
     model = planc_model(model_type, tp, ep, dp, mode)
     described = (model.is_distributed_loading_by_transformers, model.tp_size, model.config.distributed_config.dp_size)
     with tempfile.TemporaryDirectory() as tmp:
