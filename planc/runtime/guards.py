@@ -4,7 +4,9 @@
   rank 0 after creating the folder: "Attempted to access the data pointer on an invalid python
   storage") and a rank-0-only call would hang a collective gather. It is refused before anything is
   written, pointing to `planc.export` (hub layout) and `planc.save` (sharded). `push_to_hub` goes
-  through `save_pretrained`, so it is refused the same way.
+  through `save_pretrained`, so it is refused the same way, and so are transformers' `Trainer.save_model`
+  and its checkpoints with `save_only_model=True` (on every rank: Trainer calls it on every rank of a
+  model sharded at load time); the message names the Trainer recipe.
 - `copy.deepcopy(model or any of its modules)`: process groups cannot be copied ("cannot pickle
   'ProcessGroup'"), and worse, the installed forwards are closures over the original modules, so a
   copy that did succeed would compute with the original's weights. Refused with the alternatives.
@@ -30,7 +32,10 @@ def _refuse_save_pretrained(model: nn.Module) -> Callable[..., NoReturn]:
             "DTensor shards of a plan and transformers' saver would write a folder without correct weights. "
             "Nothing was written. Call, on every rank, planc.export(model, dir) for hub-layout safetensors that "
             "AutoModelForCausalLM.from_pretrained(dir) loads, or planc.save(model, dir) for a sharded checkpoint "
-            "that planc.load(dir, plan) reads back under any plan or sizes."
+            "that planc.load(dir, plan) reads back under any plan or sizes. Under transformers' Trainer "
+            "(trainer.save_model, save_strategy with save_only_model=True), which cannot resume a model sharded at "
+            "load time: pass save_strategy='no', call planc.save(model, dir, optimizer=trainer.optimizer) on every "
+            "rank, and resume with planc.load + planc.load_optimizer (docs/train.md, \"Hugging Face Trainer\")."
         )
 
     return save_pretrained

@@ -75,6 +75,11 @@ def test_trainer_and_accelerate_train_planc_models_as_the_unsharded_model():
             problems.append(f"rank {rank}: save_strategy='steps': {refused['save_strategy']}")
         if "planc.save(model, dir)" not in refused["save_model"] or refused["save_model_wrote"]:
             problems.append(f"rank {rank}: save_model: {refused['save_model']} wrote {refused['save_model_wrote']}")
+        if "planc.save(model, dir, optimizer=trainer.optimizer)" not in refused["save_only_model"]:
+            problems.append(f"rank {rank}: save_strategy='steps', save_only_model=True: {refused['save_only_model']}")
+        if "Can't find a valid checkpoint" not in r["resume"]["trainer_resume"]:
+            problems.append(f"rank {rank}: Trainer resume_from_checkpoint=<planc checkpoint>: "
+                            f"{r['resume']['trainer_resume']}")
         for case, lora in r["lora"].items():
             if not (lora["names"] and lora["optimizer_holds_only_adapters"]) or lora["adapters"] > PARAM_TOL \
                     or lora["file"] > PARAM_TOL or lora["digest"] != results[0]["lora"][case]["digest"]:

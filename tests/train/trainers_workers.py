@@ -238,12 +238,15 @@ def resume_check(rank: int, world_size: int, mode: str = "fsdp") -> dict:
         planc.save(first, ckpt, optimizer=opt)
         resumed = planc.load(ckpt, plan)
         opt, run = train(resumed, 2, 2, tmp[0])
+        # Trainer's own resume reads hub-layout weights only (upstream): refused before anything is read
+        refused = _error(lambda: Trainer(model=resumed, args=TrainingArguments(**trainer_args(tmp[0])),
+                                         train_dataset=dataset(dp)).train(resume_from_checkpoint=ckpt))
         planc.load_optimizer(resumed, opt, ckpt)
         run()
         mine = dict(resumed.named_parameters())
         diff = max((full(p.detach()) - full(mine[n].detach())).abs().max().item() for n, p in whole.named_parameters())
         dist.barrier()
-    return {"params": diff}
+    return {"params": diff, "trainer_resume": refused}
 
 
 def lora_case(model_type: str, tp: int, ep: int, dp: int, mode: str) -> dict:
@@ -308,7 +311,8 @@ def _error(fn) -> str:
 
 def refusals(rank: int, world_size: int) -> dict:
     """What Trainer refuses on a planc model, on every rank: tp > 1 on CPU (accelerate's ParallelismConfig check),
-    its own checkpoints (save_strategy), save_model (planc's save_pretrained guard, nothing written)."""
+    its own checkpoints (save_strategy: upstream when Trainer is built; with save_only_model=True planc's
+    save_pretrained guard at the first checkpoint), save_model (the guard, nothing written)."""
     from transformers import Trainer, TrainingArguments
 
     out = {}
@@ -320,6 +324,9 @@ def refusals(rank: int, world_size: int) -> dict:
         steps = {**trainer_args(tmp), "save_strategy": "steps", "save_steps": 1}
         out["save_strategy"] = _error(lambda: Trainer(model=model, args=TrainingArguments(**steps),
                                                       train_dataset=dataset(world_size)))
+        only_model = {**steps, "save_only_model": True, "max_steps": 1}  # the check above lets it through
+        out["save_only_model"] = _error(lambda: Trainer(model=model, args=TrainingArguments(**only_model),
+                                                        train_dataset=dataset(world_size)).train())
         trainer = Trainer(model=model, args=TrainingArguments(**trainer_args(tmp)), train_dataset=dataset(world_size))
         target = os.path.join(tmp, "saved")
         out["save_model"] = _error(lambda: trainer.save_model(target))
