@@ -5,7 +5,9 @@ planc.apply / planc.load describe the model as transformers describes one it sha
 parallelism: 3 optimizer steps of 2 accumulated micro-batches with max_grad_norm equal the unsharded model
 trained in one process on the same global batches (SFTTrainer too, with `bf16=False`: SFTConfig defaults to
 bf16 autocast, which TrainingArguments does not); 2 Trainer steps, planc.save, planc.load + load_optimizer and 2 more steps
-equal 4 uninterrupted ones. PEFT LoRA after planc.apply (tp 1, replicate) trains only the adapters, equal on every
+equal 4 uninterrupted ones (a linear LR schedule over the 4, its state saved beside); Trainer's own checkpoints
+(save_strategy, save_only_model, resume_from_checkpoint) are refused on every rank, upstream or by planc naming
+planc's recipe. PEFT LoRA after planc.apply (tp 1, replicate) trains only the adapters, equal on every
 replica and to the unsharded LoRA run, and save_pretrained writes the unsharded run's adapter file; adapters on
 TP or FSDP-sharded layers, and planc.apply on a PeftModel, are refused with the order that works. One spawned world runs every case (a rank's start costs more than a case);
 the full grid (3 families x (tp, ep, dp) x fsdp/replicate x client, 2 and 4 ranks) is

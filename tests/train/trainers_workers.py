@@ -204,11 +204,12 @@ def client_case(model_type: str, tp: int, ep: int, dp: int, mode: str, client: s
 
 
 def resume_check(rank: int, world_size: int, mode: str = "fsdp") -> dict:
-    """Trainer for 2 steps, planc.save (model + optimizer), planc.load + load_optimizer, Trainer for 2 more steps:
-    equal to 4 uninterrupted steps. The optimizer is the user's, handed to Trainer (`optimizers=`)."""
+    """Trainer for 2 steps, planc.save (model + optimizer) and the LR scheduler's state, planc.load + load_optimizer
+    and the scheduler's state, Trainer for 2 more steps: equal to 4 uninterrupted steps. The optimizer and a linear
+    schedule over the 4 steps are the user's, handed to Trainer (`optimizers=`)."""
     import planc
     from datasets import Dataset
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer, TrainingArguments, get_linear_schedule_with_warmup
 
     dp = world_size
     per_step = ACCUM * dp * MICRO_ROWS
@@ -218,8 +219,9 @@ def resume_check(rank: int, world_size: int, mode: str = "fsdp") -> dict:
 
     def train(model, first: int, steps: int, tmp: str):
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-        return opt, lambda: Trainer(
-            model=model, optimizers=(opt, None),
+        schedule = get_linear_schedule_with_warmup(opt, 0, 4)  # over the whole run
+        return opt, schedule, lambda: Trainer(
+            model=model, optimizers=(opt, schedule),
             args=TrainingArguments(**{**trainer_args(os.path.join(tmp, "out")), "max_steps": steps}),
             train_dataset=Dataset.from_dict({"input_ids": ids[first * per_step:(first + steps) * per_step].tolist(),
                                              "labels": ids[first * per_step:(first + steps) * per_step].tolist()}),
@@ -229,19 +231,23 @@ def resume_check(rank: int, world_size: int, mode: str = "fsdp") -> dict:
         tmp = [tmp0]
         dist.broadcast_object_list(tmp)  # one checkpoint dir for every rank
         whole = planc_model("mixtral", 1, world_size, dp, mode)
-        _, run = train(whole, 0, 4, tmp[0])
+        _, _, run = train(whole, 0, 4, tmp[0])
         run()
         first = planc_model("mixtral", 1, world_size, dp, mode)
-        opt, run = train(first, 0, 2, tmp[0])
+        opt, schedule, run = train(first, 0, 2, tmp[0])
         run()
         ckpt = os.path.join(tmp[0], "ckpt")
         planc.save(first, ckpt, optimizer=opt)
+        if rank == 0:
+            torch.save(schedule.state_dict(), os.path.join(ckpt, "scheduler.pt"))
+        dist.barrier()
         resumed = planc.load(ckpt, plan)
-        opt, run = train(resumed, 2, 2, tmp[0])
+        opt, schedule, run = train(resumed, 2, 2, tmp[0])
         # Trainer's own resume reads hub-layout weights only (upstream): refused before anything is read
         refused = _error(lambda: Trainer(model=resumed, args=TrainingArguments(**trainer_args(tmp[0])),
                                          train_dataset=dataset(dp)).train(resume_from_checkpoint=ckpt))
         planc.load_optimizer(resumed, opt, ckpt)
+        schedule.load_state_dict(torch.load(os.path.join(ckpt, "scheduler.pt")))
         run()
         mine = dict(resumed.named_parameters())
         diff = max((full(p.detach()) - full(mine[n].detach())).abs().max().item() for n, p in whole.named_parameters())
