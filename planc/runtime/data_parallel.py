@@ -122,7 +122,7 @@ def install_data_parallel(model: nn.Module, compiled: CompiledPlan, groups: Grou
     root_kwargs = dict(kwargs, reshard_after_forward=False) if shards else kwargs
     unit(model, groups.dp_mesh, root_kwargs)
     for module in wrapped:
-        module._planc_sharded = dict(module.named_parameters())  # every unit is sharded here: nothing ran yet
+        module._planc_sharded = _own_parameters(module)  # every unit is sharded here: nothing ran yet
         module.register_forward_hook(_after_unit_forward)
     _swap_in_sharded_on_step()
     if groups.dp_mesh.device_type == "cpu":
@@ -163,11 +163,17 @@ def _after_unit_forward(module: Any, args: Any, output: Any) -> None:
         module.reshard()
     elif "_planc_unsharded_seen" not in module.__dict__:
         module._planc_unsharded_seen = True
-        for name, param in module.named_parameters():
-            sharded = module._planc_sharded.get(name)
+        for key, param in _own_parameters(module).items():
+            sharded = module._planc_sharded.get(key)
             if sharded is not None and param is not sharded and id(param) not in _SHARDED_OF:
                 _SHARDED_OF[id(param)] = sharded
                 weakref.finalize(param, _SHARDED_OF.pop, id(param), None)  # the id is free before it is reused
+
+
+def _own_parameters(unit: nn.Module) -> dict[tuple[int, str], nn.Parameter]:
+    """Every parameter under `unit`, keyed by (its module, its name there): stable when modules are moved, as PEFT
+    moves a wrapped layer under `base_layer`."""
+    return {(id(m), name): p for m in unit.modules() for name, p in m.named_parameters(recurse=False)}
 
 
 def sharded_in_optimizer(optimizer: torch.optim.Optimizer) -> None:
