@@ -47,10 +47,27 @@ def lint_paths(paths: "Union[str, os.PathLike[str], Iterable[Union[str, os.PathL
 def compile(model: Any, plan: "PlanSource") -> "CompiledPlan":  # shadows the builtin: the verb is the API
     """Resolve `plan` against `model` (never changes it) and return the CompiledPlan; CompileError lists
     every problem. `compile(plan, model)`, the old order, still works with a DeprecationWarning."""
-    from planc.compiler.resolve import compile_plan, model_and_plan
+    from planc.compiler.resolve import compile_plan
+    from planc.lint.plan_loader import load_plan as _load
 
-    model, plan = model_and_plan(model, plan, "planc.compile")
-    return compile_plan(model, plan)
+    model, plan = _model_and_plan(model, plan, "planc.compile")
+    return compile_plan(model, _load(plan))
+
+
+def _model_and_plan(first: Any, second: Any, caller: str) -> tuple[Any, Any]:
+    """`(model, plan)` from a call in the one argument order, or in the old `(plan, model)` order with a
+    DeprecationWarning (a model, anything with `named_modules`, is never a plan source: the order is unambiguous).
+    Only here, at the public face: inside planc the order is always (model, plan)."""
+    if callable(getattr(first, "named_modules", None)) or not callable(getattr(second, "named_modules", None)):
+        return first, second
+    import warnings
+
+    warnings.warn(
+        f"{caller}(plan, model) is deprecated: write {caller}(model, plan), the order planc.apply takes",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return second, first
 
 
 def apply(model: Any, plan: "PlanSource", *, mesh: Optional[Any] = None,
