@@ -74,9 +74,13 @@ def apply(model: Any, plan: "PlanSource", *, mesh: Optional[Any] = None,
           parallel: "Optional[Mapping[str, int]]" = None) -> "CompiledPlan":
     """Compile `plan` against `model`, then shard and install it on every rank (all or nothing);
     `parallel` runs the plan at other sizes (see load_plan)."""
-    from planc.runtime.install import apply as _apply
+    from planc.runtime import install
 
-    return _apply(model, plan, mesh=mesh, parallel=parallel)
+    install.require_distributed("planc.apply")
+    # without a caller's mesh, a plan refused at sizes the launched world does not fit says the world's sizes first
+    loaded = install.load_plan_on_every_rank(plan, parallel=parallel, what="planc.apply",
+                                             world_model=model if mesh is None else None)
+    return install.apply(model, loaded, mesh=mesh)
 
 
 def load(source: "Union[str, os.PathLike[str]]", plan: "PlanSource", *, dtype: Optional[Any] = None,
@@ -89,8 +93,11 @@ def load(source: "Union[str, os.PathLike[str]]", plan: "PlanSource", *, dtype: O
     FP8 (False) or dequantize each shard as it is read (True); default: as transformers decides (docs/load.md).
     """
     from planc.checkpoint.load import load as _load
+    from planc.runtime import install
 
-    return _load(source, plan, dtype=dtype, device=device, mesh=mesh, parallel=parallel, dequantize=dequantize)
+    install.require_distributed("planc.load")
+    loaded = install.load_plan_on_every_rank(plan, parallel=parallel, what="planc.load")
+    return _load(source, loaded, dtype=dtype, device=device, mesh=mesh, dequantize=dequantize)
 
 
 def save(model: nn.Module, directory: Union[str, os.PathLike[str]], *, optimizer: Optional[Any] = None) -> Path:
