@@ -81,14 +81,14 @@ class DataParallelMode:
     """One way the dp replicas train (`training.data_parallel`).
 
     `shards_parameters`: parameters, gradients and optimizer state are sharded over the replicas (FSDP2's
-    `fully_shard`; `mixed_precision` is its policy), else every replica holds them whole. `mesh_dims`: the
-    submeshes it reduces over (planc.runtime.mesh): `dp` for dense weights, `efsdp` for EP-sharded experts.
+    `fully_shard`; `mixed_precision` is its policy), else every replica holds them whole. The meshes are not the
+    mode's: every mode reduces dense weights over `dp` and EP-sharded experts over `efsdp`, the ranks that hold
+    them (planc.runtime.mesh builds both from the plan's sizes).
     """
 
     name: str
     doc: str
     shards_parameters: bool = False
-    mesh_dims: tuple[str, ...] = ("dp", "efsdp")
 
 
 @dataclass(frozen=True)
