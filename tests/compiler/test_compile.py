@@ -213,3 +213,19 @@ def test_planc_compile_stays_callable_after_the_compiler_is_imported():
 
     assert callable(planc.compile)
     assert planc.compile.__module__ == "planc"
+
+
+def test_the_plan_is_loaded_at_the_public_face_only():
+    """planc.compile loads any plan source (and takes the old (plan, model) order, with a warning); the compiler
+    below it takes the LoadedPlan and says where to go with anything else."""
+    from planc.compiler.resolve import compile_plan
+    from planc.lint.plan_loader import load_plan
+
+    data = fake_plan()
+    loaded = load_plan(data)
+    expected = compile_plan(fake_moe(), loaded).fingerprint
+    assert planc.compile(fake_moe(), data).fingerprint == expected
+    with pytest.warns(DeprecationWarning, match=r"planc.compile\(plan, model\) is deprecated"):
+        assert planc.compile(data, fake_moe()).fingerprint == expected
+    with pytest.raises(TypeError, match="takes a LoadedPlan.*planc.compile"):
+        compile_plan(fake_moe(), data)
