@@ -47,19 +47,40 @@ def lint_paths(paths: "Union[str, os.PathLike[str], Iterable[Union[str, os.PathL
 def compile(model: Any, plan: "PlanSource") -> "CompiledPlan":  # shadows the builtin: the verb is the API
     """Resolve `plan` against `model` (never changes it) and return the CompiledPlan; CompileError lists
     every problem. `compile(plan, model)`, the old order, still works with a DeprecationWarning."""
-    from planc.compiler.resolve import compile_plan, model_and_plan
+    from planc.compiler.resolve import compile_plan
+    from planc.lint.plan_loader import load_plan as _load
 
-    model, plan = model_and_plan(model, plan, "planc.compile")
-    return compile_plan(model, plan)
+    model, plan = _model_and_plan(model, plan, "planc.compile")
+    return compile_plan(model, _load(plan))
+
+
+def _model_and_plan(first: Any, second: Any, caller: str) -> tuple[Any, Any]:
+    """`(model, plan)` from a call in the one argument order, or in the old `(plan, model)` order with a
+    DeprecationWarning (a model, anything with `named_modules`, is never a plan source: the order is unambiguous).
+    Only here, at the public face: inside planc the order is always (model, plan)."""
+    if callable(getattr(first, "named_modules", None)) or not callable(getattr(second, "named_modules", None)):
+        return first, second
+    import warnings
+
+    warnings.warn(
+        f"{caller}(plan, model) is deprecated: write {caller}(model, plan), the order planc.apply takes",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return second, first
 
 
 def apply(model: Any, plan: "PlanSource", *, mesh: Optional[Any] = None,
           parallel: "Optional[Mapping[str, int]]" = None) -> "CompiledPlan":
     """Compile `plan` against `model`, then shard and install it on every rank (all or nothing);
     `parallel` runs the plan at other sizes (see load_plan)."""
-    from planc.runtime.install import apply as _apply
+    from planc.runtime import install
 
-    return _apply(model, plan, mesh=mesh, parallel=parallel)
+    install.require_distributed("planc.apply")
+    # without a caller's mesh, a plan refused at sizes the launched world does not fit says the world's sizes first
+    loaded = install.load_plan_on_every_rank(plan, parallel=parallel, what="planc.apply",
+                                             world_model=model if mesh is None else None)
+    return install.apply(model, loaded, mesh=mesh)
 
 
 def load(source: "Union[str, os.PathLike[str]]", plan: "PlanSource", *, dtype: Optional[Any] = None,
@@ -72,8 +93,11 @@ def load(source: "Union[str, os.PathLike[str]]", plan: "PlanSource", *, dtype: O
     FP8 (False) or dequantize each shard as it is read (True); default: as transformers decides (docs/load.md).
     """
     from planc.checkpoint.load import load as _load
+    from planc.runtime import install
 
-    return _load(source, plan, dtype=dtype, device=device, mesh=mesh, parallel=parallel, dequantize=dequantize)
+    install.require_distributed("planc.load")
+    loaded = install.load_plan_on_every_rank(plan, parallel=parallel, what="planc.load")
+    return _load(source, loaded, dtype=dtype, device=device, mesh=mesh, dequantize=dequantize)
 
 
 def save(model: nn.Module, directory: Union[str, os.PathLike[str]], *, optimizer: Optional[Any] = None) -> Path:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
@@ -52,21 +52,20 @@ if TYPE_CHECKING:
 
 def load(
     source: str | os.PathLike[str],
-    plan: Any,
+    loaded: LoadedPlan,
     *,
     dtype: Optional[torch.dtype | str] = None,
     device: Optional[torch.device | str] = None,
     mesh: Any = None,
-    parallel: Optional[Mapping[str, int]] = None,
     dequantize: Optional[bool] = None,
 ) -> nn.Module:
-    """Load the checkpoint directory `source` sharded by `plan`; every rank reads only its own shards.
+    """Load the checkpoint directory `source` sharded by `loaded`; every rank reads only its own shards.
 
-    `plan`: a path, YAML text, mapping, `LoadedPlan` or `Plan` (as for `planc.apply`). `dtype`: the
+    `loaded`: the plan at the sizes it runs at, loaded on every rank by the public face
+    (`planc.runtime.install.load_plan_on_every_rank`). `dtype`: the
     parameters' dtype (default: the checkpoint's `dtype` in config.json, else float32). `device`:
     where this rank's shards live (default: `cuda:LOCAL_RANK` under NCCL, the CPU under gloo).
-    `mesh`: an optional DeviceMesh, as for `apply`. `parallel`: run the plan at other sizes,
-    as for `apply` (`{"tp_size": 2, "ep_size": 2}`, linted again). `dequantize`: for an FP8 block-scaled
+    `mesh`: an optional DeviceMesh, as for `apply`. `dequantize`: for an FP8 block-scaled
     checkpoint, keep the weights FP8 (False; transformers' FP8 modules, CUDA kernels) or dequantize each shard to
     `dtype` as it is read (True); default: as transformers decides (FP8 on a CUDA GPU of compute capability
     >= 8.9, else dequantized). Returns the applied model; its CompiledPlan is `model._planc_plan`, as after
@@ -75,10 +74,8 @@ def load(
     from planc.runtime import install
     from planc.runtime.mesh import build_groups
 
-    install.require_distributed("planc.load")
     device = rank_device(device)
-    checked = check_checkpoint(source, plan, dtype=dtype, device=device, mesh=mesh, parallel=parallel,
-                               dequantize=dequantize)
+    checked = check_checkpoint(source, loaded, dtype=dtype, device=device, mesh=mesh, dequantize=dequantize)
     try:
         install.agree_across_ranks(checked.compiled, checked.problems, what="planc.load", decisions=checked.decisions)
     except ApplyError:
@@ -121,9 +118,9 @@ class Checked:
 
 
 def check_checkpoint(
-    source: str | os.PathLike[str], plan: Any, *, dtype: Optional[torch.dtype | str] = None,
-    device: Optional[torch.device | str] = None, mesh: Any = None, parallel: Optional[Mapping[str, int]] = None,
-    dequantize: Optional[bool] = None, launched: bool = True
+    source: str | os.PathLike[str], loaded: LoadedPlan, *, dtype: Optional[torch.dtype | str] = None,
+    device: Optional[torch.device | str] = None, mesh: Any = None, dequantize: Optional[bool] = None,
+    launched: bool = True
 ) -> Checked:
     """Every check planc.load runs before a byte of a tensor is read, on this rank alone (no communication).
 
@@ -147,7 +144,7 @@ def check_checkpoint(
         else:
             config = _config(out.dcp_dir, dtype)
             config_path = Path(out.dcp_dir) / "config.json"
-        loaded = _plan_for(plan, config, config_path)
+        _check_model_type(loaded, config, config_path)
         megamoe = loaded.plan.experts.implementation_row.megamoe
         quantizer = _quantizer(config, config_path, device, dequantize, dcp=out.dcp_dir is not None, megamoe=megamoe)
         out.decisions["quantization"] = (
@@ -158,8 +155,7 @@ def check_checkpoint(
         if quantizer is not None:
             _check_fp8_kept_plan(quantizer, loaded, config_path)
             prepare_meta_model(model, quantizer)
-        out.compiled, problems = install.compile_and_check(model, loaded, mesh, device=device, parallel=parallel,
-                                                           launched=launched)
+        out.compiled, problems = install.compile_and_check(model, loaded, mesh, device=device, launched=launched)
         out.problems += problems
         if out.compiled is not None and out.files is not None:
             out.problems += checkpoint_problems(model, out.files)
@@ -269,11 +265,8 @@ def _check_fp8_kept_plan(quantizer: Any, loaded: LoadedPlan, config_path: Path) 
     )
 
 
-def _plan_for(plan: Any, config: Any, config_path: Path) -> LoadedPlan:
-    """The plan, loaded and validated, after checking that it is for this checkpoint's model type."""
-    from planc.lint.plan_loader import load_plan
-
-    loaded = load_plan(plan)
+def _check_model_type(loaded: LoadedPlan, config: Any, config_path: Path) -> None:
+    """CheckpointError unless the plan is for this checkpoint's model type (or names none)."""
     plan_type = loaded.plan.model.type if loaded.plan.model is not None else None
     model_type = getattr(config, "model_type", None)
     if plan_type is not None and model_type is not None and plan_type != model_type:
@@ -281,7 +274,6 @@ def _plan_for(plan: Any, config: Any, config_path: Path) -> LoadedPlan:
             f"{config_path}: the checkpoint is a `{model_type}` model, but the plan is for `model.type: {plan_type}`. "
             f"Load it with a {model_type} plan (`planc init --from-transformers {model_type}` writes one)."
         )
-    return loaded
 
 
 def _model_class(config: Any) -> Any:

@@ -78,6 +78,7 @@ def _check_before_spawning(path: str, plan: dict, seed: int) -> int:
     build or a plan that does not resolve fails in a second with one message, not after spawning ranks."""
     from planc.compiler.resolve import compile_plan
     from planc.errors import CompileError, ModelBuildError
+    from planc.lint.plan_loader import load_plan
     from planc.models.build import build_tiny_model
 
     try:
@@ -86,7 +87,7 @@ def _check_before_spawning(path: str, plan: dict, seed: int) -> int:
         print(f"planc demo: {e}", file=sys.stderr)
         return 2
     try:
-        compile_plan(model, plan)
+        compile_plan(model, load_plan(plan))
     except CompileError as e:
         print(f"planc demo: {path} does not resolve against a tiny {type(model).__name__} on {WORLD} ranks:\n{e}",
               file=sys.stderr)

@@ -178,13 +178,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     status, compiled, budgets, trains, peaks = 0, [], [], [], []
     for path in args.plans:
-        rc, c, model = explain_one(path, config, overrides, args.dtype, parallel)
+        rc, loaded = load_one(path, parallel)
+        c, model = None, None
+        if loaded is not None:
+            rc, c, model = compile_one(path, loaded, config, overrides, args.dtype)
         status = max(status, rc)
-        if c is None:
+        if loaded is None or c is None:
             continue
         reads = None
         if args.checkpoint:
-            rc, reads = check_checkpoint(args.checkpoint, path, args.dtype, parallel, c)
+            rc, reads = check_checkpoint(args.checkpoint, path, loaded, args.dtype, c)
             status = max(status, rc)
         problems = budget_problems(c, device_memory, where=path) if device_memory is not None else []
         for p in problems:
@@ -289,15 +292,14 @@ def _budget_json(b) -> dict:
     }
 
 
-def check_checkpoint(directory: str, plan_path: str, dtype: str, parallel, compiled):
+def check_checkpoint(directory: str, plan_path: str, loaded, dtype: str, compiled):
     """(exit status, bytes each rank reads by checkpoint dtype or None): every check planc.load runs before reading
     (`planc.checkpoint.load.check_checkpoint`, the same function), its problems on stderr."""
     from planc.compiler.memory import read_per_rank
     from planc.checkpoint.keys import target_reads
     from planc.checkpoint.load import check_checkpoint as load_checks
 
-    checked = load_checks(directory, plan_path, dtype=None if dtype == "config" else dtype, parallel=parallel,
-                          launched=False)
+    checked = load_checks(directory, loaded, dtype=None if dtype == "config" else dtype, launched=False)
     try:
         if checked.problems:
             sys.stderr.write(
@@ -317,23 +319,37 @@ def check_checkpoint(directory: str, plan_path: str, dtype: str, parallel, compi
 def explain_one(path: str, config: dict, overrides: dict, dtype: str, parallel=None):
     """(exit status, CompiledPlan or None, the meta model it resolved against or None) for one plan file; the
     problems go to stderr. `--train` counts on that same model rather than building it again."""
-    from planc.compiler.resolve import compile_plan
-    from planc.errors import CompileError, ModelBuildError, PlanError
+    rc, loaded = load_one(path, parallel)
+    if loaded is None:
+        return rc, None, None
+    return compile_one(path, loaded, config, overrides, dtype)
+
+
+def load_one(path: str, parallel=None):
+    """(exit status, LoadedPlan or None): the plan file loaded once, at `--parallel`'s sizes; problems on stderr."""
+    from planc.errors import PlanError
     from planc.lint.plan_loader import load_plan
     from planc.lint.rules_source import UNREADABLE_CODES
-    from planc.models.build import check_override_keys
 
     try:
-        loaded = load_plan(path, parallel=parallel)
+        return 0, load_plan(path, parallel=parallel)
     except PlanError as e:
         if any(d.code in UNREADABLE_CODES for d in e.diagnostics):  # like `planc lint`: unreadable input is 2
             sys.stderr.write(f"planc explain: cannot read {path}:\n{e}\n")
-            return 2, None, None
+            return 2, None
         sys.stderr.write(f"planc explain: {path} does not lint clean:\n{e}\n")
-        return 1, None, None
+        return 1, None
     except (OSError, TypeError) as e:
         sys.stderr.write(f"planc explain: cannot read {path}: {e}\n")
-        return 2, None, None
+        return 2, None
+
+
+def compile_one(path: str, loaded, config: dict, overrides: dict, dtype: str):
+    """(exit status, CompiledPlan or None, the meta model it resolved against or None) for a loaded plan."""
+    from planc.compiler.resolve import compile_plan
+    from planc.errors import CompileError, ModelBuildError
+    from planc.models.build import check_override_keys
+
     model_type = config.get("model_type") or loaded.plan.model.type
     try:
         check_override_keys(model_type, overrides)

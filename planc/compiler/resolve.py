@@ -153,9 +153,8 @@ def compiles_under(resolver: Resolver, sizes: Sizes) -> bool:
     return True
 
 
-def sizes_for_world(plan: Any, model: Any, world: int, limit: int = 3) -> list[Sizes]:
-    """Sizes for `world` ranks under which `plan`'s rules compile cleanly against `model` (apply's world hint)."""
-    loaded = _load(plan)
+def sizes_for_world(loaded: LoadedPlan, model: Any, world: int, limit: int = 3) -> list[Sizes]:
+    """Sizes for `world` ranks under which `loaded`'s rules compile cleanly against `model` (apply's world hint)."""
     r = Resolver(loaded, walk_model(model), suggest_sizes=False)
     p = r.parallel
     experts = [m.experts.num_experts for m in r.walk.experts if m.experts is not None]
@@ -170,39 +169,16 @@ def sizes_for_world(plan: Any, model: Any, world: int, limit: int = 3) -> list[S
     )
 
 
-def _load(plan: Any) -> LoadedPlan:
-    from planc.lint.plan_loader import load_plan
-    from planc.spec.loaded_plan import LoadedPlan
+def compile_plan(model: Any, loaded: LoadedPlan) -> CompiledPlan:
+    """Resolve `loaded` against `model`; never changes the model.
 
-    return plan if isinstance(plan, LoadedPlan) else load_plan(plan)
-
-
-def is_model(obj: Any) -> bool:
-    """Whether `obj` is a model (an nn.Module or anything with `named_modules`) rather than a plan source."""
-    return callable(getattr(obj, "named_modules", None))
-
-
-def model_and_plan(first: Any, second: Any, caller: str) -> tuple[Any, Any]:
-    """`(model, plan)` from a call in the one argument order, or in the old `(plan, model)` order of
-    `planc.compile` with a DeprecationWarning (a model is never a plan source, so the order is unambiguous).
-    Only the public face calls it: inside planc the order is always (model, plan)."""
-    if is_model(first) or not is_model(second):
-        return first, second
-    import warnings
-
-    warnings.warn(
-        f"{caller}(plan, model) is deprecated: write {caller}(model, plan), the order planc.apply takes",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return second, first
-
-
-def compile_plan(model: Any, plan: Any) -> CompiledPlan:
-    """Resolve `plan` (path, YAML text, mapping, Plan or LoadedPlan) against `model`; never changes the model.
-
-    Raises CompileError listing every problem found (each with module path, plan position and hint). The old
-    `(plan, model)` order is accepted at the public face only (`planc.compile`, through `model_and_plan`).
+    Raises CompileError listing every problem found (each with module path, plan position and hint). Every other
+    plan source (path, YAML text, mapping, Plan) is loaded once, at the public face: `planc.compile`,
+    `planc.apply`, `planc.load`, the commands.
     """
-    loaded = _load(plan)
+    if not isinstance(loaded, LoadedPlan):
+        raise TypeError(
+            f"compile_plan takes a LoadedPlan (planc.load_plan), not {type(loaded).__name__}; planc.compile(model, "
+            "plan) takes any plan source"
+        )
     return Resolver(loaded, walk_model(model)).run()

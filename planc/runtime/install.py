@@ -2,9 +2,11 @@
 
 Read top to bottom, `apply` is the whole story:
 
-1. torch.distributed must be initialized: by the caller's own `init_process_group`, or here from torchrun's
-   environment (planc.runtime.process_group).
-2. Compile the plan against the model (`planc.compiler.resolve.compile_plan`; changes nothing) and
+1. torch.distributed must be initialized: by the caller's own `init_process_group`, or from torchrun's
+   environment (planc.runtime.process_group). The public face (`planc.apply`, `planc.load`) makes sure of it,
+   then loads the plan once, on every rank, with `load_plan_on_every_rank`: a plan that fails to load on one rank
+   raises the same error on every rank (naming file:line:col) instead of leaving the others in a collective.
+2. Compile the LoadedPlan against the model (`planc.compiler.resolve.compile_plan`; changes nothing) and
    run the checks that need no communication: world size, a model applied twice or sharded by
    another tool, experts kernels that cannot run where the model lives.
 3. Every rank shares a status flag and its fingerprint's digest in one small all-reduce: if any rank
@@ -52,17 +54,14 @@ if TYPE_CHECKING:
     from planc.spec.model import MegaMoe
 
 
-def apply(model: nn.Module, plan: Any, *, mesh: Optional[Any] = None,
-          parallel: Optional[Mapping[str, int]] = None) -> CompiledPlan:
-    """Compile `plan` against `model`, then shard and install it on every rank (all or nothing).
+def apply(model: nn.Module, loaded: LoadedPlan, *, mesh: Optional[Any] = None) -> CompiledPlan:
+    """Compile `loaded` against `model`, then shard and install it on every rank (all or nothing).
 
-    `plan`: a path, YAML text, mapping, `LoadedPlan` or `Plan`. `mesh`: an optional DeviceMesh, planc's root
-    (planc.spec.sizes.mesh_dims) or ("dp", "tp"); planc builds the root from the plan's sizes otherwise. `parallel`: run the plan at other
-    sizes, e.g. `{"tp_size": 2, "ep_size": 2}` (checked like the plan's own, `load_plan(parallel=)`).
-    Returns the CompiledPlan.
+    `loaded`: the plan as `load_plan_on_every_rank` loaded it (at the sizes it runs at). `mesh`: an optional
+    DeviceMesh, planc's root (planc.spec.sizes.mesh_dims) or ("dp", "tp"); planc builds the root from the plan's
+    sizes otherwise. Returns the CompiledPlan.
     """
-    require_distributed("planc.apply")
-    compiled, problems = compile_and_check(model, plan, mesh, parallel=parallel)
+    compiled, problems = compile_and_check(model, loaded, mesh)
     agree_across_ranks(compiled, problems)
     assert compiled is not None  # agree_across_ranks raised on every rank otherwise
     groups = build_groups(compiled.parallel, mesh)
@@ -82,11 +81,43 @@ def require_distributed(what: str) -> None:
     destroy_groups_at_exit()
 
 
+# ---- 1. the plan, loaded on every rank ---------------------------------------------------------------------
+
+
+def load_plan_on_every_rank(plan: PlanSource, *, what: str, parallel: Optional[Mapping[str, int]] = None,
+                            world_model: Optional[nn.Module] = None) -> LoadedPlan:
+    """`plan` (path, YAML text, mapping, Plan or LoadedPlan) loaded and linted at `parallel`'s sizes on every rank;
+    if it fails on any rank, every rank raises the same ApplyError, each rank's message (PlanError: file:line:col)
+    with the ranks it happened on. The one place the public face turns a plan source into a LoadedPlan.
+
+    `world_model` (planc.apply without a caller's mesh): when the plan fails lint at sizes the launched world does
+    not fit, the world's sizes are reported first and alone, with sizes that fit it and compile against this model:
+    the other problems would be about sizes that are not the ones launched.
+    """
+    from planc.lint.plan_loader import load_plan
+
+    loaded: Optional[LoadedPlan] = None
+    problems: list[str] = []
+    try:
+        try:
+            loaded = load_plan(plan, parallel=parallel)
+        except PlanError as e:  # e.g. PLC501 at the plan's own sizes: if the world does not fit them, that comes first
+            world = _world_problem(world_model, e.loaded) if world_model is not None and e.loaded is not None else None
+            if world is None:
+                raise
+            problems.append(world)
+    except Exception as e:  # noqa: BLE001 - reported on every rank by agree_on_problems instead of hanging them
+        problems.append(f"{type(e).__name__}: {e}")
+    agree_on_problems(problems, what=what)
+    assert loaded is not None  # agree_on_problems raised on every rank otherwise
+    return loaded
+
+
 # ---- 2. compile and local checks ---------------------------------------------------------------------------
 
 
-def compile_and_check(model: nn.Module, plan: PlanSource, mesh: Optional[DeviceMesh], *,
-                      device: Optional[torch.device] = None, parallel: Optional[Mapping[str, int]] = None,
+def compile_and_check(model: nn.Module, loaded: LoadedPlan, mesh: Optional[DeviceMesh], *,
+                      device: Optional[torch.device] = None,
                       launched: bool = True) -> tuple[Optional[CompiledPlan], list[str]]:
     """The CompiledPlan (or None) and the list of problems found on this rank, without any communication.
 
@@ -101,13 +132,6 @@ def compile_and_check(model: nn.Module, plan: PlanSource, mesh: Optional[DeviceM
     if peft:
         return None, [peft]
     try:
-        try:
-            loaded = _load(plan, parallel)
-        except PlanError as e:  # e.g. PLC501 at the plan's own sizes: if the world does not fit them, that comes first
-            world_first = _world_problem(model, e.loaded) if launched and mesh is None and e.loaded is not None else None
-            if world_first:
-                return None, [world_first]
-            raise
         if mesh is None and launched:
             sizes = _world_problem(model, loaded)
             if sizes:
@@ -123,12 +147,6 @@ def compile_and_check(model: nn.Module, plan: PlanSource, mesh: Optional[DeviceM
     except Exception as e:  # noqa: BLE001 - reported on every rank by agree_across_ranks instead of hanging them
         problems.append(f"{type(e).__name__}: {e}")
     return compiled, problems
-
-
-def _load(plan: PlanSource, parallel: Optional[Mapping[str, int]] = None) -> LoadedPlan:
-    from planc.lint.plan_loader import load_plan
-
-    return load_plan(plan, parallel=parallel)
 
 
 def _world_problem(model: nn.Module, loaded: LoadedPlan) -> Optional[str]:
@@ -240,6 +258,15 @@ def _digest(fingerprint: Optional[str]) -> int:
     if fingerprint is None:
         return 0
     return int.from_bytes(hashlib.blake2b(str(fingerprint).encode(), digest_size=8).digest(), "big") >> 1
+
+
+def agree_on_problems(problems: list[str], *, what: str) -> None:
+    """Raise the same ApplyError on every rank if any rank has problems (one small all-reduce when none has)."""
+    if _all_agree(not problems):
+        return
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problems)
+    raise ApplyError(f"{what}: nothing was installed:\n" + _by_message([(r, p) for r, ps in enumerate(everyone) for p in ps]))
 
 
 def _all_agree(ok: bool, digest: int = 0) -> bool:

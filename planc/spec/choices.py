@@ -63,12 +63,17 @@ class EPStrategyRow:
 @dataclass(frozen=True)
 class MegaMoeBackend:
     """One Mega MoE backend (`experts.megamoe.backend`). `min_capability`: the CUDA compute capability it needs
-    (None: any device). `per_device`: chooses among the others where the plan is applied (`auto`)."""
+    (None: any device). `per_device`: chooses among the others, in table order, where the plan is applied (`auto`).
+    `kernel_blocks`: runs DeepGEMM's kernel, which takes hidden and intermediate sizes on its block grid only
+    (planc.spec.megamoe): the compiler refuses other sizes, and warns when a `per_device` backend has to pass it
+    over for them. `slow_fallback`: runs anywhere but many times slower; `per_device` warns when it picks it."""
 
     name: str
     doc: str
     min_capability: Optional[tuple[int, int]] = None
     per_device: bool = False
+    kernel_blocks: bool = False
+    slow_fallback: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,14 +81,14 @@ class DataParallelMode:
     """One way the dp replicas train (`training.data_parallel`).
 
     `shards_parameters`: parameters, gradients and optimizer state are sharded over the replicas (FSDP2's
-    `fully_shard`; `mixed_precision` is its policy), else every replica holds them whole. `mesh_dims`: the
-    submeshes it reduces over (planc.runtime.mesh): `dp` for dense weights, `efsdp` for EP-sharded experts.
+    `fully_shard`; `mixed_precision` is its policy), else every replica holds them whole. The meshes are not the
+    mode's: every mode reduces dense weights over `dp` and EP-sharded experts over `efsdp`, the ranks that hold
+    them (planc.runtime.mesh builds both from the plan's sizes).
     """
 
     name: str
     doc: str
     shards_parameters: bool = False
-    mesh_dims: tuple[str, ...] = ("dp", "efsdp")
 
 
 @dataclass(frozen=True)
@@ -138,10 +143,11 @@ EP_STRATEGIES: dict[str, EPStrategyRow] = _table(
 
 MEGAMOE_BACKENDS: dict[str, MegaMoeBackend] = _table(
     MegaMoeBackend("auto", "deep_gemm on SM100, triton on SM90+, else the reference with a warning", per_device=True),
-    MegaMoeBackend("deep_gemm", "DeepGEMM's SM100 kernel", min_capability=(10, 0)),
+    MegaMoeBackend("deep_gemm", "DeepGEMM's SM100 kernel", min_capability=(10, 0), kernel_blocks=True),
     MegaMoeBackend("triton", "the Triton backend: FP4 kept packed (a CUDA GPU of sm_90 or newer)",
                    min_capability=(9, 0)),
-    MegaMoeBackend("reference", "the PyTorch reference of the kernel's computation (any device; slow)"),
+    MegaMoeBackend("reference", "the PyTorch reference of the kernel's computation (any device; slow)",
+                   slow_fallback=True),
 )
 
 DATA_PARALLEL_MODES: dict[str, DataParallelMode] = _table(

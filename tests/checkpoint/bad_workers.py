@@ -115,6 +115,22 @@ def bad_world(rank: int, world: int, cases: dict[str, str], fp8: str) -> dict:
     out = {name: load_outcome(path) for name, path in cases.items()}
     # 3. the quantization mode decided per rank (FP8 kept on rank 0, dequantized on rank 1): different fills
     out["quantization_disagrees"] = load_outcome(fp8, dequantize=rank == 1)
+    # 5. the plan fails to load on rank 1 only (a plan file with an unknown style): the same error on every rank,
+    # naming the file, line and column, before the checkpoint is opened
+    import tempfile
+
+    import yaml
+
+    from planc import load
+
+    plan = shipped_plan("mixtral", tp=world)
+    with tempfile.TemporaryDirectory(prefix="planc-bad-plan-") as tmp:
+        if rank == 1:
+            plan["tp_plan"]["lm_head"] = "colwise_gather_outputs"
+            path = Path(tmp) / "mixtral.yaml"
+            path.write_text(yaml.safe_dump({k: v for k, v in plan.items() if v is not None}, sort_keys=False))
+            plan = str(path)
+        out["plan_invalid_on_rank1"] = _outcome(lambda: load(fp8, plan, dtype=torch.float32))
     return out
 
 

@@ -117,6 +117,11 @@ def test_ranks_that_choose_another_quantization_fail_together(damaged):
                                                     "rank 1: quantization: dequantized"])
 
 
+def test_a_plan_that_fails_to_load_on_one_rank_raises_the_same_error_on_every_rank(damaged):
+    _refused(damaged[0], "plan_invalid_on_rank1", ["planc.load: nothing was installed", "rank 1: PlanError: ",
+                                                   "mixtral.yaml:21:12: PLC310", "colwise_gather_output`?"])
+
+
 def test_ranks_that_see_different_checkpoints_fail_together(dcp_cases):
     _refused(dcp_cases, "checkpoint_disagrees", ["`checkpoint`", "rank 0: checkpoint:", "rank 1: checkpoint:"])
 

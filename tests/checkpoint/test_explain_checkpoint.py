@@ -69,6 +69,7 @@ def test_good_checkpoint_explains_clean(checkpoints):
 ])
 def test_explain_refuses_what_load_refuses(checkpoints, name, needles):
     from planc.checkpoint.load import check_checkpoint
+    from planc.lint.plan_loader import load_plan
 
     r = _explain(PLAN, "--parallel", SIZES, "--checkpoint", str(checkpoints / name))
     assert r.returncode == 1, (r.returncode, r.stderr)
@@ -76,7 +77,8 @@ def test_explain_refuses_what_load_refuses(checkpoints, name, needles):
     for needle in needles:
         assert needle in r.stderr, (needle, r.stderr)
     # the very problems planc.load's pre-read check finds (the same function, here without a world)
-    checked = check_checkpoint(str(checkpoints / name), PLAN, parallel={"tp_size": 2, "ep_size": 2}, launched=False)
+    loaded = load_plan(PLAN, parallel={"tp_size": 2, "ep_size": 2})
+    checked = check_checkpoint(str(checkpoints / name), loaded, launched=False)
     checked.close()
     assert checked.problems and all(p in r.stderr for p in checked.problems)
 

@@ -11,8 +11,8 @@ import textwrap
 
 import pytest
 
+import planc
 from planc.spec.ep import AllReduceEP, AllToAllEP, AutoEP, MegaMoeEP
-from planc.compiler.resolve import compile_plan
 from planc.spec.model import Plan
 from tests.compiler.fakes import fake_moe, fake_plan
 
@@ -33,7 +33,7 @@ def test_parameters_come_before_their_module_whatever_the_file_order(tmp_path, m
         "ep_plan:\n  model.layers.*.mlp.experts: ep_dispatch_experts\n"
         "  model.layers.*.mlp.experts.{gate_up_proj,down_proj}: grouped_gemm\n"
     )
-    compiled = compile_plan(mixtral, str(path))
+    compiled = planc.compile(mixtral, str(path))
     order = [a.fqn for a in compiled.assignments]
     for layer in (0, 1):
         e = f"model.layers.{layer}.mlp.experts"
@@ -43,7 +43,7 @@ def test_parameters_come_before_their_module_whatever_the_file_order(tmp_path, m
 
 
 def test_module_rule_covers_its_parameters_like_transformers(mixtral):
-    compiled = compile_plan(mixtral, Plan.model_validate(fake_plan(model_type="mixtral")))
+    compiled = planc.compile(mixtral, Plan.model_validate(fake_plan(model_type="mixtral")))
     a = compiled.assignment_for("model.layers.0.self_attn.q_proj.weight")
     assert a.style == "colwise" and a.inherited and a.table == "tp"
     m = compiled.assignment_for("model.layers.0.self_attn.q_proj")
@@ -67,7 +67,7 @@ def test_ep_strategy_object_and_its_reason(parallel, experts, cls, shares):
     plan["parallel"] = parallel
     if parallel["tp_size"] == 1:
         plan["tp_plan"] = {}
-    compiled = compile_plan(fake_moe(), Plan.model_validate(plan))
+    compiled = planc.compile(fake_moe(), Plan.model_validate(plan))
     strategies = {e.strategy for e in compiled.experts}
     (strategy,) = strategies
     assert type(strategy) is cls and strategy.reason
@@ -83,7 +83,7 @@ def test_megamoe_experts_carry_megamoe_ep_at_ep_size_1():
     # the kernel takes its process group from MegaMoeEP, so the strategy is there without EP too
     plan = fake_plan(ep_size=1, tp_size=1, implementation="deepgemm_megamoe", megamoe={"quantize": "fp4"})
     plan["tp_plan"] = {}
-    compiled = compile_plan(fake_moe(), Plan.model_validate(plan))
+    compiled = planc.compile(fake_moe(), Plan.model_validate(plan))
     assert all(type(e.strategy) is MegaMoeEP and e.mode is None for e in compiled.experts)
 
 
@@ -96,14 +96,14 @@ def test_moe_tp_experts_have_no_strategy(mixtral):
             "model.layers.*.mlp.experts": "moe_tp_experts",
         },
     }
-    compiled = compile_plan(mixtral, plan)
+    compiled = planc.compile(mixtral, plan)
     assert all(e.mode == "tp" and e.strategy is None and e.num_local_experts == 8 for e in compiled.experts)
     assert compiled.full_coverage
 
 
 def test_bytes_sharded_and_replicated():
     # fake_moe, 2 layers, bf16: q/o 256x256 (TP 2), experts 8x512x256 + 8x256x256 (EP 2), rest replicated
-    compiled = compile_plan(fake_moe(), Plan.model_validate(fake_plan()))
+    compiled = planc.compile(fake_moe(), Plan.model_validate(fake_plan()))
     attn = 2 * 2 * 256 * 256 * 2
     experts = 2 * (8 * 512 * 256 + 8 * 256 * 256) * 2
     replicated = (512 * 256 * 2) * 2 + 2 * (8 * 256 * 2 + 256 * 2)  # embed + lm_head, router + norm per layer
@@ -122,7 +122,7 @@ def test_inactive_table_is_checked_but_not_applied():
         {"model.layers.*.mlp.experts.gate_up_proj": "packed_colwise", "model.layers.*.mlp.experts.down_proj": "rowwise",
          "model.layers.*.mlp.experts": "moe_tp_experts"}
     )
-    compiled = compile_plan(fake_moe(), Plan.model_validate(plan))
+    compiled = planc.compile(fake_moe(), Plan.model_validate(plan))
     assert not any(a.table == "ep" for a in compiled.assignments)
     assert any(w.code == "PLC652" and "ep_plan" in w.message for w in compiled.warnings)
     assert [c.active for c in compiled.coverage if c.rule.table == "ep_plan"] == [False, False]
@@ -138,7 +138,7 @@ def _state(model):
 
 def test_compile_never_changes_the_model(mixtral):
     before = _state(mixtral)
-    compile_plan(mixtral, Plan.model_validate(fake_plan(model_type="mixtral")))
+    planc.compile(mixtral, Plan.model_validate(fake_plan(model_type="mixtral")))
     after = _state(mixtral)
     assert before[1] == after[1] and before[2] == after[2]
     assert before[0].keys() == after[0].keys()
@@ -151,9 +151,9 @@ FINGERPRINT = textwrap.dedent(
     """
     import sys
     sys.path.insert(0, {root!r})
-    from planc.compiler.resolve import compile_plan
+    import planc
     from planc.models.build import build_meta_model
-    c = compile_plan(build_meta_model("mixtral", {{"num_hidden_layers": 2}}), {plan!r})
+    c = planc.compile(build_meta_model("mixtral", {{"num_hidden_layers": 2}}), {plan!r})
     print(c.fingerprint)
     """
 )
@@ -171,10 +171,10 @@ def test_fingerprint_is_stable_across_processes():
 
 
 def test_fingerprint_changes_with_the_plan():
-    a = compile_plan(fake_moe(), Plan.model_validate(fake_plan()))
-    b = compile_plan(fake_moe(), Plan.model_validate(fake_plan(ep_implementation="all_to_all")))
+    a = planc.compile(fake_moe(), Plan.model_validate(fake_plan()))
+    b = planc.compile(fake_moe(), Plan.model_validate(fake_plan(ep_implementation="all_to_all")))
     assert a.fingerprint != b.fingerprint
-    assert a.fingerprint == compile_plan(fake_moe(), Plan.model_validate(fake_plan())).fingerprint
+    assert a.fingerprint == planc.compile(fake_moe(), Plan.model_validate(fake_plan())).fingerprint
 
 
 NO_TORCH = textwrap.dedent(
@@ -182,9 +182,9 @@ NO_TORCH = textwrap.dedent(
     import json, sys
     sys.path.insert(0, {root!r})
     sys.path.insert(0, {tests!r})
-    import planc.compiler.resolve as resolve
+    import planc
     from tests.compiler.fakes import fake_moe, fake_plan
-    c = resolve.compile_plan(fake_moe(), fake_plan())
+    c = planc.compile(fake_moe(), fake_plan())
     print(json.dumps({{"torch": "torch" in sys.modules, "transformers": "transformers" in sys.modules,
                       "covered": c.experts_covered}}))
     """
@@ -199,7 +199,7 @@ def test_compile_path_imports_no_torch():
 
 
 def test_compiled_plan_is_immutable_and_printable():
-    compiled = compile_plan(fake_moe(), Plan.model_validate(fake_plan()))
+    compiled = planc.compile(fake_moe(), Plan.model_validate(fake_plan()))
     with pytest.raises(dataclasses.FrozenInstanceError):
         compiled.fingerprint = "x"
     text = str(compiled)
@@ -213,3 +213,19 @@ def test_planc_compile_stays_callable_after_the_compiler_is_imported():
 
     assert callable(planc.compile)
     assert planc.compile.__module__ == "planc"
+
+
+def test_the_plan_is_loaded_at_the_public_face_only():
+    """planc.compile loads any plan source (and takes the old (plan, model) order, with a warning); the compiler
+    below it takes the LoadedPlan and says where to go with anything else."""
+    from planc.compiler.resolve import compile_plan
+    from planc.lint.plan_loader import load_plan
+
+    data = fake_plan()
+    loaded = load_plan(data)
+    expected = compile_plan(fake_moe(), loaded).fingerprint
+    assert planc.compile(fake_moe(), data).fingerprint == expected
+    with pytest.warns(DeprecationWarning, match=r"planc.compile\(plan, model\) is deprecated"):
+        assert planc.compile(data, fake_moe()).fingerprint == expected
+    with pytest.raises(TypeError, match="takes a LoadedPlan.*planc.compile"):
+        compile_plan(fake_moe(), data)

@@ -6,8 +6,8 @@ import textwrap
 
 import pytest
 
+import planc
 from planc.lint import rules_compile as R  # the problem codes, from the one registry
-from planc.compiler.resolve import compile_plan
 from planc.errors import CompileError, PlanError
 from tests.compiler.fakes import fake_moe, fake_plan
 
@@ -48,7 +48,7 @@ def problems(plan, model):
 
         plan = Plan.model_validate(plan)
     with pytest.raises((CompileError, PlanError)) as info:
-        compile_plan(model, plan)
+        planc.compile(model, plan)
     return getattr(info.value, "problems", None) or info.value.diagnostics
 
 
@@ -175,23 +175,23 @@ def test_megamoe_deep_gemm_sizes():
     probs = problems(megamoe_plan(backend="deep_gemm"), fake_moe(hidden=192, inter=96))
     (p,) = only(probs, R.MEGAMOE_SIZES)
     assert "hidden 192" in p.message and "intermediate 96" in p.message and "reference" in p.hint
-    compile_plan(fake_moe(hidden=192, inter=96), megamoe_plan(backend="reference"))  # the reference takes any size
+    planc.compile(fake_moe(hidden=192, inter=96), megamoe_plan(backend="reference"))  # the reference takes any size
 
 
 def test_megamoe_deep_gemm_block_alignment():
     """The contract test's own shape (hidden 256 passes, intermediate 128 at decode does not) and H/128 odd."""
     (p,) = only(problems(megamoe_plan(backend="deep_gemm"), fake_moe(hidden=384, inter=128)), R.MEGAMOE_KERNEL_BLOCKS)
     assert "hidden 384" in p.message and "intermediate 128" in p.message and "backend: triton" in p.hint
-    compile_plan(fake_moe(hidden=512, inter=256), megamoe_plan(backend="deep_gemm"))
+    planc.compile(fake_moe(hidden=512, inter=256), megamoe_plan(backend="deep_gemm"))
     for backend in ("triton", "reference"):
-        compile_plan(fake_moe(hidden=384, inter=128), megamoe_plan(backend=backend))
+        planc.compile(fake_moe(hidden=384, inter=128), megamoe_plan(backend=backend))
 
 
 def test_megamoe_auto_warns_when_the_kernel_rejects_the_sizes():
-    compiled = compile_plan(fake_moe(hidden=384, inter=128), megamoe_plan(backend="auto"))
+    compiled = planc.compile(fake_moe(hidden=384, inter=128), megamoe_plan(backend="auto"))
     warned = [w for w in compiled.warnings if w.code == R.MEGAMOE_ALIGNMENT]
     assert warned and all("Triton" in w.message and "384" in w.message for w in warned)
-    assert not [w for w in compile_plan(fake_moe(), megamoe_plan()).warnings if w.code == R.MEGAMOE_ALIGNMENT]
+    assert not [w for w in planc.compile(fake_moe(), megamoe_plan()).warnings if w.code == R.MEGAMOE_ALIGNMENT]
 
 
 @pytest.mark.parametrize("field,value", [("hidden_act", "gelu"), ("swiglu_alpha", 1.702), ("mlp_gate_softcap", 4.0),
@@ -203,13 +203,13 @@ def test_megamoe_refuses_other_activations(field, value):
     assert field in p.message and repr(value) in p.message and "grouped_mm" in p.hint
     model.config.hidden_act = "silu"
     if field == "hidden_act":
-        compile_plan(model, megamoe_plan(backend="reference"))
+        planc.compile(model, megamoe_plan(backend="reference"))
 
 
 def test_megamoe_bf16_experts_without_quantize():
     (p,) = only(problems(megamoe_plan(quantize="none"), fake_moe()), R.MEGAMOE_NOT_FP4)
     assert "bfloat16" in p.message and "quantize: fp4" in p.hint
-    compile_plan(fake_moe(dtype="int8"), megamoe_plan(quantize="none"))  # an FP4 checkpoint needs no quantize
+    planc.compile(fake_moe(dtype="int8"), megamoe_plan(quantize="none"))  # an FP4 checkpoint needs no quantize
 
 
 def test_parameter_style_on_a_module(mixtral):
@@ -283,7 +283,7 @@ def test_every_problem_is_reported_at_once(tmp_path, mixtral):
     codes = {p.code for p in problems(write(tmp_path, text), mixtral)}
     assert {R.MODEL_TYPE_MISMATCH, R.UNMATCHED_RULE, R.STYLE_NOT_INSTALLABLE} <= codes
     with pytest.raises(CompileError) as info:
-        compile_plan(mixtral, write(tmp_path, text))
+        planc.compile(mixtral, write(tmp_path, text))
     assert "3 problem(s)" in str(info.value) and "hint:" in str(info.value)
 
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from planc.compiler.resolve import compile_plan
+import planc
 from planc.errors import CompileError
 from planc.models.build import build_meta_model
 
 
 def _codes(plan, model):
     with pytest.raises(CompileError) as info:
-        compile_plan(model, plan)
+        planc.compile(model, plan)
     return info.value.problems
 
 
@@ -31,7 +31,7 @@ def test_sharded_sinks_without_a_wrapped_attention_forward_is_refused():
     assert p.code == "PLC623" and "model.layers.*.self_attn" in p.message
     assert "`model.layers.*.self_attn: local_params`" in p.hint and p.where == "tp_plan['model.layers.*.self_attn.sinks']"
     plan["tp_plan"]["model.layers.*.self_attn"] = "local_params"
-    compiled = compile_plan(model, plan)
+    compiled = planc.compile(model, plan)
     assert ("model.layers.0.self_attn", "local_params") in {(a.fqn, a.style) for a in compiled.assignments}
 
 
@@ -55,7 +55,7 @@ def test_experts_kernel_the_class_cannot_switch_is_refused():
         (p,) = _codes(plan, model)
         assert p.code == "PLC624" and type(model).__name__ in p.message and "implementation: eager" in p.hint
         plan["experts"]["implementation"] = "eager"
-        compile_plan(model, plan)
+        planc.compile(model, plan)
 
 
 def test_head_check_uses_v_head_dim_for_v_and_o_proj():
@@ -70,7 +70,7 @@ def test_head_check_uses_v_head_dim_for_v_and_o_proj():
                         "model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
                         "model.layers.*.mlp.down_proj": "rowwise"}}
     # 4 ranks: 128 features of v_proj each, one whole v head (a check reading head_dim 192 would refuse them)
-    v_proj = next(c for c in compile_plan(model, plan).coverage if c.rule.pattern.endswith("v_proj"))
+    v_proj = next(c for c in planc.compile(model, plan).coverage if c.rule.pattern.endswith("v_proj"))
     assert v_proj.bytes_per_rank * 4 == v_proj.bytes_total > 0
     # 8 ranks split the 4 KV heads: k_proj is measured in 192-wide heads, v_proj in 128-wide ones
     plan["parallel"]["tp_size"] = 8
@@ -88,7 +88,7 @@ def test_per_layer_config_gives_the_head_check_each_layers_head_dim():
     plan = {"version": 1, "model": {"type": "gemma4_text"}, "parallel": {"tp_size": 4},
             "tp_plan": {**_attention(), "model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
                         "model.layers.*.mlp.down_proj": "rowwise"}}
-    compiled = compile_plan(model, plan)  # 4 KV heads of each width: one whole head per rank
+    compiled = planc.compile(model, plan)  # 4 KV heads of each width: one whole head per rank
     assert compiled.bytes_per_rank < compiled.bytes_total
     plan["parallel"]["tp_size"] = 8
     widths = {(p.message.split(" features of ")[0].rsplit(" ", 1)[1], p.message.rsplit("head_dim ", 1)[1].split(")")[0])
@@ -105,7 +105,7 @@ def test_llama4_experts_take_ep_dispatch_only_over_one_batch():
             "ep_plan": {"model.layers.*.feed_forward.experts.gate_up_proj": "grouped_gemm",
                         "model.layers.*.feed_forward.experts.down_proj": "grouped_gemm",
                         "model.layers.*.feed_forward.experts": "ep_dispatch_experts"}}
-    compiled = compile_plan(model, plan)  # compiles: every experts module expert-parallel
+    compiled = planc.compile(model, plan)  # compiles: every experts module expert-parallel
     assert compiled.experts_covered == len(compiled.experts) > 0
     plan["parallel"] = {"tp_size": 1, "ep_size": 2, "dp_size": 2}
     problems = _codes(plan, model)
@@ -135,7 +135,7 @@ def test_per_expert_tensor_inside_experts_is_sharded_by_expert_with_them():
     assert all("post_expert_norm.weight" in p.message and "local expert ids" in p.message for p in problems)
     assert problems[0].hint == f"add `{experts}.post_expert_norm.weight: grouped_gemm` to ep_plan"
     ep_plan[f"{experts}.post_expert_norm.weight"] = "grouped_gemm"
-    compiled = compile_plan(model, plan)
+    compiled = planc.compile(model, plan)
     norm = [a for a in compiled.assignments if a.fqn.endswith("mlp.experts.post_expert_norm.weight")]
     assert norm and {a.style for a in norm} == {"grouped_gemm"}
     plan["ep_plan"] = {**ep_plan, "model.layers.*.input_layernorm.weight": "grouped_gemm"}
@@ -158,4 +158,4 @@ def test_projections_transformers_chains_with_a_style_planc_lacks_must_agree():
     assert "k_proj, v_proj" in problems[0].message and "MiniCPM5MoeConfig.base_model_tp_plan" in problems[0].message
     assert problems[0].where == f"tp_plan['{attn}.q_gate_proj']"
     plan["tp_plan"].update({f"{attn}.k_proj": "colwise", f"{attn}.v_proj": "colwise"})
-    compile_plan(model, plan)
+    planc.compile(model, plan)

@@ -7,8 +7,8 @@ import textwrap
 
 import pytest
 
+import planc
 from planc.lint import rules_compile as R  # the problem codes, from the one registry
-from planc.compiler.resolve import compile_plan
 from planc.errors import CompileError
 from planc.models.build import build_meta_model, build_tiny_model
 from planc.spec.sizes import Sizes, check_sizes, solve_sizes
@@ -30,7 +30,7 @@ def refused(tmp_path, text, model, code):
     path = tmp_path / "plan.yaml"
     path.write_text(textwrap.dedent(text))
     with pytest.raises(CompileError) as info:
-        compile_plan(model, str(path))
+        planc.compile(model, str(path))
     found = [p for p in info.value.problems if p.code == code]
     assert found, [str(p) for p in info.value.problems]
     return str(path), found
@@ -96,7 +96,7 @@ def test_norm_over_the_sharded_heads(tmp_path):
     ok = text.replace(ATTN, "  model.layers.*.self_attn.{q,k,v}_proj: colwise_gather_output\n"
                             "  model.layers.*.self_attn.o_proj: rowwise_split_input\n")
     (tmp_path / "ok.yaml").write_text(ok)
-    compile_plan(olmoe, str(tmp_path / "ok.yaml"))
+    planc.compile(olmoe, str(tmp_path / "ok.yaml"))
 
 
 def test_mla_low_rank_projection_feeds_a_norm(tmp_path):
@@ -116,7 +116,7 @@ def test_qwen3_per_head_norms_are_fine():
     from planc.lint.plan_loader import load_plan
 
     model = build_meta_model("qwen3_moe", {"num_hidden_layers": 2})
-    compiled = compile_plan(model, load_plan("plans/qwen3_moe.yaml"))
+    compiled = planc.compile(model, load_plan("plans/qwen3_moe.yaml"))
     styles = {a.fqn: a.style for a in compiled.assignments}
     attn = "model.layers.0.self_attn"
     assert styles[f"{attn}.q_proj"] == styles[f"{attn}.k_proj"] == "colwise"  # sharded heads feed the norms
@@ -130,7 +130,7 @@ def test_coverage_is_never_full_without_experts(capsys):
     # a model with no experts module at all: a plan that shards only lm_head is not "full" coverage
     plan = {"version": 1, "model": {"type": "llama"}, "parallel": {"tp_size": 8},
             "tp_plan": {"lm_head": "colwise_gather_output"}}
-    compiled = compile_plan(build_meta_model("llama", {"num_hidden_layers": 2}), plan)
+    compiled = planc.compile(build_meta_model("llama", {"num_hidden_layers": 2}), plan)
     assert not compiled.experts and not compiled.full_coverage
     assert "coverage: INCOMPLETE" in str(compiled) and "no experts module found" in str(compiled)
 
@@ -141,7 +141,7 @@ def test_llama4_experts_are_found_and_must_be_sharded():
     plan = {"version": 1, "model": {"type": "llama4_text"}, "parallel": {"tp_size": 8},
             "experts": {"implementation": "eager"}, "tp_plan": {"lm_head": "colwise_gather_output"}}
     with pytest.raises(CompileError) as info:
-        compile_plan(build_meta_model("llama4_text", {"num_hidden_layers": 2}), plan)
+        planc.compile(build_meta_model("llama4_text", {"num_hidden_layers": 2}), plan)
     (problem,) = info.value.problems
     assert problem.code == R.EXPERTS_UNCOVERED and "Llama4TextExperts" in problem.message
 
@@ -156,11 +156,11 @@ def test_sizes_problem_is_reported_alone(tmp_path, mixtral):
         "tp_plan": {"model.layers.*.self_attn.q_proj": "colwise", "nothing.here": "colwise"},
     }
     with pytest.raises(PlanError) as info:  # a Plan object is linted: the sizes rule stops it
-        compile_plan(mixtral, Plan.model_validate(data))
+        planc.compile(mixtral, Plan.model_validate(data))
     assert "PLC500" in {d.code for d in info.value.diagnostics}
     # a LoadedPlan built in code skips lint: the compiler reports the sizes alone, not PLC601/607
     with pytest.raises(CompileError) as info:
-        compile_plan(mixtral, LoadedPlan(Plan.model_validate(data), None))
+        planc.compile(mixtral, LoadedPlan(Plan.model_validate(data), None))
     assert {p.code for p in info.value.problems} == {"PLC500"}
 
 
@@ -184,13 +184,13 @@ def test_every_suggested_size_compiles_60_experts_at_tp8():
                     "model.layers.*.mlp.experts": "ep_dispatch_experts"},
     }
     with pytest.raises(CompileError) as info:
-        compile_plan(model, plan)
+        planc.compile(model, plan)
     (p,) = [p for p in info.value.problems if p.code == R.EXPERTS_NOT_DIVISIBLE]
     suggested = _apply_hint(plan, p.hint)
     assert suggested, p.hint
     for s in suggested:
         assert s["parallel"]["tp_size"] * s["parallel"]["dp_size"] == 8
-        compile_plan(model, s)  # each suggestion passes every other check
+        planc.compile(model, s)  # each suggestion passes every other check
 
 
 def test_three_experts_on_two_ranks_suggests_what_fits(tmp_path):
@@ -202,11 +202,11 @@ def test_three_experts_on_two_ranks_suggests_what_fits(tmp_path):
                     "model.layers.*.mlp.experts": "ep_dispatch_experts"},
     }
     with pytest.raises(CompileError) as info:
-        compile_plan(model, plan)
+        planc.compile(model, plan)
     (p,) = [p for p in info.value.problems if p.code == R.EXPERTS_NOT_DIVISIBLE]
     assert "divides 3 (3)" not in p.hint and "launch 3 ranks" in p.hint
     for s in _apply_hint(plan, p.hint):
-        compile_plan(model, s)
+        planc.compile(model, s)
 
 
 def test_solver_respects_every_size_rule():
@@ -269,4 +269,4 @@ def test_one_rule_over_blocks_of_two_classes_names_the_class_it_breaks(tmp_path)
     assert not [q for q in problems if q.code in (R.LAYOUT_PRODUCERS_DISAGREE,)]
     # narrowed to the MLA layers as the hint says, the plan compiles
     layers = mla[0] if len(mla) == 1 else "{" + ",".join(mla) + "}"
-    compile_plan(model, GLM5 % (layers, layers))
+    planc.compile(model, GLM5 % (layers, layers))

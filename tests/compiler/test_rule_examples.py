@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from planc.compiler.resolve import compile_plan
+import planc
 from planc.errors import CompileError
 from planc.lint.registry import all_rules
 from planc.models.build import build_tiny_model
@@ -30,7 +30,7 @@ def _model(text: str, config):
 
 def _codes(text: str, config) -> tuple[set, set]:
     try:
-        compiled = compile_plan(_model(text, config), text)
+        compiled = planc.compile(_model(text, config), text)
     except CompileError as e:
         return {p.code for p in e.problems}, set()
     return set(), {w.code for w in compiled.warnings}

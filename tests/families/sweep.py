@@ -72,7 +72,7 @@ def prepare(fam) -> dict:
     """Steps 1-2 in this process: {'init', 'lint', 'explain', 'plan' (text or None), 'ep'}."""
     import torch
 
-    from planc.compiler.resolve import compile_plan
+    import planc
     from planc.lint.runner import lint_text
     from planc.models.build import meta_model, tiny_config
     from planc.models.synthesis import init_plan
@@ -101,7 +101,7 @@ def prepare(fam) -> dict:
     errors = [d.format() for d in lint_text(text) if d.severity == "error"]
     rec["lint"] = "pass" if not errors else f"fail: {one_line(errors[0], 300)}"
     try:
-        compiled = compile_plan(meta, text)
+        compiled = planc.compile(meta, text)
         rec["explain"] = "pass"
         rec["ep"] = compiled.parallel.ep_size > 1
         rec["tp"] = compiled.parallel.tp_size > 1

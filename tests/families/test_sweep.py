@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from planc.compiler.resolve import compile_plan
+import planc
 from planc.models.families import family, moe_families
 from planc.models.build import build_meta_model
 from tests.families.sweep import family_status, render_models_md, run_sweep
@@ -156,7 +156,7 @@ def test_shipped_plan_explains_on_the_full_size_model(name):
 
     path = ROOT / "plans" / f"{name}.yaml"
     model_type = yaml.safe_load(path.read_text())["model"]["type"]
-    compiled = compile_plan(build_meta_model(model_type), str(path))
+    compiled = planc.compile(build_meta_model(model_type), str(path))
     assert compiled.full_coverage and compiled.experts_covered == len(compiled.experts) > 0
     assert compiled.parallel.world_size == 8  # one 8-GPU node
     assert family(model_type).model_type == model_type

@@ -24,7 +24,7 @@ def test_shipped_plan_holds_no_more_per_rank_than_init(path):
     ours = compile_plan(model, loaded)
     init = parse_yaml(init_plan(plan.model.type, sizes=(plan.parallel.tp_size,))).data
     init["parallel"] = plan.parallel.model_dump()  # init's rules at the shipped plan's sizes
-    theirs = compile_plan(model, init)
+    theirs = compile_plan(model, load_plan(init))
     assert ours.bytes_per_rank <= theirs.bytes_per_rank, (
         f"{path.name} holds {ours.bytes_per_rank / 2**30:.2f} GiB per rank, `planc init --from-transformers "
         f"{plan.model.type}` {theirs.bytes_per_rank / 2**30:.2f} GiB at the same sizes: take init's rules"

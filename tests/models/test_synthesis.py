@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+import planc
 from planc.cli import main
-from planc.compiler.resolve import compile_plan
 from planc.lint.runner import lint_text
 from planc.models.build import build_meta_model
 from planc.spec.source import parse_yaml
@@ -19,7 +19,7 @@ def test_init_plan_lints_clean_and_compiles(model_type, tmp_path, capsys):
     assert main(["init", "--from-transformers", model_type, "-o", str(out)]) == 0
     text = out.read_text()
     assert [d.format() for d in lint_text(text) if d.severity == "error"] == []
-    compiled = compile_plan(build_meta_model(model_type), str(out))
+    compiled = planc.compile(build_meta_model(model_type), str(out))
     assert compiled.full_coverage and compiled.experts_covered == len(compiled.experts) > 0
     data = parse_yaml(text).data
     # class-correct prefix: every base-model rule starts with `model.`; lm_head comes from the model class
@@ -69,7 +69,7 @@ def test_experts_on_their_own_forward_get_an_ep_plan():
         assert "ep_dispatch_experts" in plan["ep_plan"].values(), fam.text_type
         with torch.device("meta"):
             meta = fam.model_class(config)._from_config(config, dtype=torch.float32)
-        compile_plan(meta, text)
+        planc.compile(meta, text)
 
 
 def test_parameter_free_experts_get_no_ep_rule_and_are_not_counted():
@@ -97,7 +97,7 @@ def test_parameter_free_experts_get_no_ep_rule_and_are_not_counted():
     }
     with torch.device("meta"):
         meta = fam.model_class(config)._from_config(config, dtype=torch.float32)
-    compiled = compile_plan(meta, text)
+    compiled = planc.compile(meta, text)
     assert {(e.num_experts, e.num_local_experts) for e in compiled.experts} == {(config.n_routed_experts, 4)}
     # bytes per rank count only the rows install keeps: the experts with weights, split over ep
     gate_up = meta.model.layers[0].mlp.experts.gate_up_proj
@@ -129,7 +129,7 @@ def test_a_rule_that_suits_one_class_of_blocks_is_kept_for_their_layers():
     assert tp["model.language_model.layers.*.self_attn.q_b_proj"] == "colwise"
     assert "model.language_model.layers.*.self_attn.o_proj" not in tp
     assert "PLC631" in text and "(the layers it suits)" in text
-    compile_plan(meta, text)
+    planc.compile(meta, text)
 
 
 # (family, the config's expert-count field, the experts' TP rules init writes without EP)
@@ -163,7 +163,7 @@ def test_experts_no_size_divides_are_tensor_parallel(name, count, want):
     assert ("# tp_plan: the experts' rules derived from their EP rules and layout" in text) == (not declared)
     with torch.device("meta"):
         meta = fam.model_class(config)._from_config(config, dtype=torch.float32)
-    compiled = compile_plan(meta, text)
+    compiled = planc.compile(meta, text)
     assert {e.mode for e in compiled.experts} == {"tp"}
 
 

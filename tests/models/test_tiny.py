@@ -184,7 +184,7 @@ def test_expert_counts_exercise_expert_parallelism():
 
 def test_one_expert_is_refused_for_expert_parallelism_with_its_reason():
     from planc.models.synthesis import init_plan
-    from planc.compiler.resolve import compile_plan
+    import planc
     from planc.errors import CompileError
 
     fam = family("hunyuan_v1_moe")
@@ -200,6 +200,6 @@ def test_one_expert_is_refused_for_expert_parallelism_with_its_reason():
     plan = "\n".join(ln for ln in plan.splitlines() if "mlp.experts" not in ln or "grouped_gemm" in ln
                      or "ep_dispatch" in ln) + "\n"
     with pytest.raises(CompileError) as e:
-        compile_plan(meta, plan)
+        planc.compile(meta, plan)
     assert [p.code for p in e.value.problems] == ["PLC606"]
     assert "1 experts cannot be split evenly over ep_size=2" in e.value.problems[0].message

@@ -46,7 +46,7 @@ def _plan_text(tp: int) -> str:
 
 def test_a_new_ep_strategy_row_is_linted_written_to_the_schema_and_compiled():
     from planc.commands.schema import schema_text
-    from planc.compiler.resolve import compile_plan
+    import planc
     from planc.lint.runner import check_text
     from planc.models.build import build_meta_model
 
@@ -56,7 +56,7 @@ def test_a_new_ep_strategy_row_is_linted_written_to_the_schema_and_compiled():
         assert check_text(text).diagnostics == []
         ep = json.loads(schema_text())["$defs"]["Experts"]["properties"]["ep_implementation"]
         assert ep["enum"][-1] == ROW.name and ep["enumDescriptions"][-1] == ROW.doc
-        compiled = compile_plan(build_meta_model("mixtral", {"num_hidden_layers": 2}), text)
+        compiled = planc.compile(build_meta_model("mixtral", {"num_hidden_layers": 2}), text)
         strategies = {e.strategy.describe() for e in compiled.experts if e.strategy is not None}
         assert strategies == {f"CountedAllToAllEP: ep_implementation: {ROW.name}"}
     assert ROW.name not in json.loads(schema_text())["$defs"]["Experts"]["properties"]["ep_implementation"]["enum"]

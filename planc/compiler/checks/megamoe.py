@@ -17,7 +17,9 @@ from planc.compiler.context import (
     Resolution,
 )
 from planc.compiler.walk import ModuleInfo, generic_path
+from planc.spec.choices import MEGAMOE_BACKENDS
 from planc.spec.megamoe import MEGAMOE_KERNEL_BLOCK
+from planc.spec.model import MegaMoe
 
 
 MEGAMOE_MAX_TOP_K = 32
@@ -57,13 +59,14 @@ def check_megamoe(c: Resolution, m: ModuleInfo) -> None:
             f"set ep_size <= {MEGAMOE_MAX_RANKS}",
         )
     check_megamoe_activation(c, m, impl_where)
-    backend = settings.backend if settings else "auto"
+    backend = (settings or MegaMoe()).backend_row
+    may_pass_over = backend.per_device and any(r.kernel_blocks for r in MEGAMOE_BACKENDS.values())
     h, i = info.hidden_size, info.intermediate_size
     backend_where = key_where(c.loaded, ("experts", "megamoe", "backend"))
-    if h is not None and i is not None and backend in ("deep_gemm", "auto"):
+    if h is not None and i is not None and (backend.kernel_blocks or may_pass_over):
         bad = [f"{n} {v}" for n, v in (("hidden", h), ("intermediate", i)) if v % 128]
         blocks = [f"{n} {v}" for n, v in (("hidden", h), ("intermediate", i)) if v % MEGAMOE_KERNEL_BLOCK]
-        if bad and backend == "deep_gemm":
+        if bad and backend.kernel_blocks:
             c.problems.add(
                 MEGAMOE_SIZES,
                 f"the deep_gemm Mega MoE kernel needs hidden and intermediate sizes divisible by 128, "
@@ -73,7 +76,7 @@ def check_megamoe(c: Resolution, m: ModuleInfo) -> None:
                 "or use `implementation: grouped_mm`",
                 m.fqn,
             )
-        elif blocks and backend == "deep_gemm":
+        elif blocks and backend.kernel_blocks:
             c.problems.add(
                 MEGAMOE_KERNEL_BLOCKS,
                 f"the deep_gemm Mega MoE kernel passes its host checks (% 128) but not its block alignment: "

@@ -20,9 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from planc.kernels.megamoe import deep_gemm
 from planc.kernels.megamoe.quant import quantize_experts_fp4
-from planc.kernels.megamoe.triton import layout, target
 from planc.runtime.megamoe.runners import FP4_PARAMS, RUNNERS, describe_experts
 from planc.runtime.collectives import to_local
 from planc.runtime.snapshot import Snapshot
@@ -32,59 +30,33 @@ BACKENDS = tuple(MEGAMOE_BACKENDS)  # the names of the table's rows: `auto` firs
 _STATE = "_planc_megamoe"
 
 
-def _triton_problem(device: torch.device | None, sizes: tuple[int, int] | None) -> str | None:
-    """Why the Triton backend cannot run these experts here (no Triton or GPU for it, or sizes it does not tile)."""
-    reason = target.triton_unavailable_reason(device)
-    if reason is None and sizes is not None:
-        reason = layout.size_problem(*sizes)
-    return reason
-
-
 def choose_backend(backend: str, device: torch.device | None = None, sizes: tuple[int, int] | None = None
                    ) -> tuple[str, str]:
-    """The backend that will run and why: `auto` takes deep_gemm where it can run (SM100, and `sizes` =
-    (hidden, intermediate) the kernel accepts), else Triton (a CUDA GPU of sm_90 or newer), else the
-    reference, with a warning naming the slowdown."""
-    if backend not in BACKENDS:
+    """The backend that will run and why. A backend the plan names must run here (its runner raises why not). The
+    `per_device` row (`auto`) takes the first of the other rows, in table order, whose runner can run here (and
+    `sizes` = (hidden, intermediate)): deep_gemm on SM100, else Triton on a CUDA GPU of sm_90 or newer, else the
+    `slow_fallback` reference, with a warning naming the slowdown."""
+    row = MEGAMOE_BACKENDS.get(backend)
+    if row is None:
         raise ValueError(f"unknown Mega MoE backend {backend!r}: use one of {', '.join(BACKENDS)}")
-    if backend == "reference":
-        return backend, "`experts.megamoe.backend: reference` in the plan"
-    if backend == "deep_gemm":
-        deep_gemm.check_device(device)
-        deep_gemm.load_deep_gemm()
-        return backend, "`experts.megamoe.backend: deep_gemm` in the plan"
-    if backend == "triton":
-        reason = _triton_problem(device, sizes)
-        if reason is not None:
-            raise RuntimeError(
-                f"the Triton Mega MoE backend cannot run here: {reason}. Use `experts.megamoe.backend: reference` "
-                "(pure PyTorch) on this machine."
-            )
-        return backend, "`experts.megamoe.backend: triton` in the plan"
-    no_deep_gemm = deep_gemm.deep_gemm_unavailable_reason(device)
-    if no_deep_gemm is None and sizes is not None:
-        no_deep_gemm = deep_gemm.kernel_size_problem(*sizes)
-    if no_deep_gemm is None:
-        return "deep_gemm", "auto: deep_gemm imports with the pinned API and the GPU is SM100"
-    no_triton = _triton_problem(device, sizes)
-    triton_needs = MEGAMOE_BACKENDS["triton"].min_capability or (0, 0)
-    if no_triton is None and (device is None or device.type == "cuda") and _capability(device) >= triton_needs:
-        return "triton", f"auto: no deep_gemm ({no_deep_gemm}); Triton on sm_90+ keeps the FP4 weights packed"
-    if no_triton is None:
-        no_triton = ("no CUDA device" if not torch.cuda.is_available() or (device is not None and device.type != "cuda")
-                     else "sm_{}{} is older than sm_90".format(*_capability(device)))
-    why = no_triton
-    reason = (
-        f"auto: no deep_gemm ({no_deep_gemm}) and no Triton backend ({why}); the pure-PyTorch reference runs "
-        "instead, about 5-100x slower, holding a BF16 copy of the experts"
-    )
-    warnings.warn(f"Mega MoE backend {reason}. Set `experts.megamoe.backend: reference` to silence this.",
-                  RuntimeWarning, stacklevel=3)
-    return "reference", reason
-
-
-def _capability(device: torch.device | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device) if torch.cuda.is_available() else (0, 0)
+    if not row.per_device:
+        RUNNERS[backend].check_runs_here(device, sizes)
+        return backend, f"`experts.megamoe.backend: {backend}` in the plan"
+    skipped: list[str] = []
+    for name, candidate in MEGAMOE_BACKENDS.items():
+        if candidate.per_device:
+            continue
+        runner = RUNNERS[name]
+        why = runner.why_not_here(candidate, device, sizes)
+        if why is not None:
+            skipped.append(f"no {runner.LABEL} ({why})")
+            continue
+        reason = f"auto: {' and '.join(skipped)}; {runner.CHOSEN}" if skipped else f"auto: {runner.CHOSEN}"
+        if candidate.slow_fallback:
+            warnings.warn(f"Mega MoE backend {reason}. Set `experts.megamoe.backend: {name}` to silence this.",
+                          RuntimeWarning, stacklevel=3)
+        return name, reason
+    raise RuntimeError(f"no Mega MoE backend can run here: {'; '.join(skipped)}")
 
 
 def resolve_backend(backend: str, device: torch.device | None = None) -> str:

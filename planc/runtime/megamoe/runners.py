@@ -1,6 +1,7 @@
 """How each Mega MoE backend runs one experts module: which kernels it calls and how it binds the module's FP4
 parameters to them (the reference dequantizes a copy once, Triton and deep_gemm put the parameters into their
-kernels' layout in place on the first forward). `experts.install_megamoe_forward` picks one and installs it."""
+kernels' layout in place on the first forward), and whether it can run here (`check_runs_here` for a backend the plan
+names, `why_not_here` for `auto`'s choice). `experts.install_megamoe_forward` picks one and installs it."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import torch.nn as nn
 from planc.kernels.megamoe import deep_gemm
 from planc.kernels.megamoe.quant import SCALE_DTYPE
 from planc.kernels.megamoe.reference import DequantizedExperts, compute_dtype_for, reference_mega_moe
-from planc.kernels.megamoe.triton import forward, layout
+from planc.kernels.megamoe.triton import forward, layout, target
 from planc.runtime.collectives import to_local
-from planc.spec.choices import MEGAMOE_BACKENDS
+from planc.spec.choices import MEGAMOE_BACKENDS, MegaMoeBackend
+
+Sizes = tuple[int, int]  # (hidden, intermediate) of the experts, when known
 
 FP4_PARAMS = ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv")
 
@@ -52,6 +55,19 @@ class _StagedRunner:
     def _local_forward(self) -> dict[str, Any]:
         return {}
 
+    # What `auto` says of this backend (experts.choose_backend): its name in "no <LABEL> (why)", and why it runs.
+    LABEL = ""
+    CHOSEN = ""
+
+    @classmethod
+    def check_runs_here(cls, device: torch.device | None, sizes: Sizes | None) -> None:
+        """Raise why the plan's backend cannot run on `device` (for these sizes); the base runs anywhere."""
+
+    @classmethod
+    def why_not_here(cls, row: MegaMoeBackend, device: torch.device | None, sizes: Sizes | None) -> str | None:
+        """Why `auto` cannot pick this backend (its `row` of MEGAMOE_BACKENDS) here, or None."""
+        return None
+
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                  process_group: Any) -> torch.Tensor:
         return reference_mega_moe(
@@ -69,6 +85,9 @@ class ReferenceRunner(_StagedRunner):
     """The reference backend for one module: dequantizes its FP4 weights once (per device) and runs."""
 
     _cache: DequantizedExperts | None = field(default=None, repr=False)
+
+    LABEL = "reference"
+    CHOSEN = "the pure-PyTorch reference runs instead, about 5-100x slower, holding a BF16 copy of the experts"
 
     def weights(self, device: torch.device) -> DequantizedExperts:
         if self._cache is None or self._cache.gate_up.device != device:
@@ -96,9 +115,41 @@ class TritonRunner(_StagedRunner):
 
     _cache: tuple[tuple[int, ...], layout.PackedExperts] | None = field(default=None, repr=False)
 
+    LABEL = "Triton backend"
+    CHOSEN = "Triton on sm_90+ keeps the FP4 weights packed"
+
     def _local_forward(self) -> dict[str, Any]:
         return dict(local_forward=forward.triton_local_experts_forward, backend="triton",
                     combine_fn=forward.combine, stage_fn=forward.stage)
+
+    @staticmethod
+    def _problem(device: torch.device | None, sizes: Sizes | None) -> str | None:
+        """Why the Triton kernels cannot run these experts here (no Triton or GPU for it, or sizes it does not tile)."""
+        reason = target.triton_unavailable_reason(device)
+        if reason is None and sizes is not None:
+            reason = layout.size_problem(*sizes)
+        return reason
+
+    @classmethod
+    def check_runs_here(cls, device: torch.device | None, sizes: Sizes | None) -> None:
+        reason = cls._problem(device, sizes)
+        if reason is not None:
+            raise RuntimeError(
+                f"the Triton Mega MoE backend cannot run here: {reason}. Use `experts.megamoe.backend: reference` "
+                "(pure PyTorch) on this machine."
+            )
+
+    @classmethod
+    def why_not_here(cls, row: MegaMoeBackend, device: torch.device | None, sizes: Sizes | None) -> str | None:
+        """As `check_runs_here`, and `auto` takes it only on a CUDA GPU of the row's compute capability."""
+        reason = cls._problem(device, sizes)
+        if reason is not None:
+            return reason
+        need = row.min_capability or (0, 0)
+        if not torch.cuda.is_available() or (device is not None and device.type != "cuda"):
+            return "no CUDA device"
+        have = torch.cuda.get_device_capability(device)
+        return None if have >= need else "sm_{}{} is older than sm_{}{}".format(*have, *need)
 
     def _shuffle_module(self) -> bool:
         """Replace the module's FP4 parameters by the same bytes in the kernels' layout; returns `large_scales`.
@@ -145,6 +196,22 @@ class TritonRunner(_StagedRunner):
 class DeepGemmRunner:
     """The deep_gemm backend for one module: on its first forward the module's FP4 parameters are replaced by the
     kernel-layout tensors (`deep_gemm.transform_weights`), as transformers does, so the weights are not held twice."""
+
+    LABEL = "deep_gemm"
+    CHOSEN = "deep_gemm imports with the pinned API and the GPU is SM100"
+
+    @classmethod
+    def check_runs_here(cls, device: torch.device | None, sizes: Sizes | None) -> None:
+        """An SM100 GPU and the pinned deep_gemm API (the sizes are checked when a module is bound)."""
+        deep_gemm.check_device(device)
+        deep_gemm.load_deep_gemm()
+
+    @classmethod
+    def why_not_here(cls, row: MegaMoeBackend, device: torch.device | None, sizes: Sizes | None) -> str | None:
+        reason = deep_gemm.deep_gemm_unavailable_reason(device)
+        if reason is None and sizes is not None:
+            reason = deep_gemm.kernel_size_problem(*sizes)
+        return reason
 
     def __init__(self, module: nn.Module, num_experts: int, activation_clamp: float | None,
                  max_tokens_per_rank: int | None) -> None:

@@ -286,9 +286,9 @@ def test_a_rocm_torch_is_refused_by_name(monkeypatch):
 
 
 def test_explicit_triton_where_it_cannot_run_names_the_reason(monkeypatch):
-    from planc.runtime.megamoe import experts as experts_mod
+    from planc.kernels.megamoe.triton import target
 
-    monkeypatch.setattr(experts_mod.target, "triton_unavailable_reason", lambda device: "no triton here")
+    monkeypatch.setattr(target, "triton_unavailable_reason", lambda device: "no triton here")
     m = mixtral_experts(*full_weights(0))
     with pytest.raises(RuntimeError, match="no triton here.*backend: reference"):
         install_megamoe_forward(m, backend="triton", quantize="fp4")
