@@ -187,6 +187,59 @@ def equivalence_checks(rank, world_size, model_type):
         res.update(_ep_wider_than_tp(rank))
     if model_type in ("mixtral", "qwen3_moe") and world_size == 2:
         res.update(_transformers_peer(model_type, world_size))
+    if model_type == "deepseek_v3" and world_size == 2:
+        res.update(_bf16_fp32_router(world_size))
+    return res
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||, in fp32."""
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _bf16_fp32_router(world_size):
+    """The shipped DeepSeek-V3 plan as users run it: bf16 with the routers fp32 (transformers' from_pretrained with
+    dtype=bfloat16 keeps `gate.weight` and `e_score_correction_bias` fp32), TP over the world with q_a_proj split over
+    its input. Against the unsharded bf16 model: q_a_proj's output (after its all-reduce) and the logits, one
+    training step's loss and every gradient, relative (||sharded - unsharded|| / ||unsharded||: bf16 rounding, where
+    a missing or doubled reduce gives ~1); the routers' parameter and gradient dtypes."""
+    from transformers import AutoModelForCausalLM
+
+    from planc import apply
+    from planc.models.build import tiny_config
+
+    plan = shipped_plan("deepseek_v3", tp=world_size, ep_implementation="all_to_all")
+    assert plan["tp_plan"]["model.layers.*.self_attn.q_a_proj"] == "rowwise_split_input"
+    torch.manual_seed(3)  # the same weights on every rank
+    ref = AutoModelForCausalLM.from_config(tiny_config("deepseek_v3"), dtype=torch.bfloat16)
+    ref.set_experts_implementation(plan["experts"]["implementation"])
+    model = copy.deepcopy(ref)
+    apply(model, plan)
+    key = f"tp{world_size}/ep{world_size}/bf16"
+    seen: dict[str, list[torch.Tensor]] = {"model": [], "ref": []}
+    for name, m in (("model", model), ("ref", ref)):
+        for layer in m.model.layers:
+            layer.self_attn.q_a_proj.register_forward_hook(lambda mod, args, out, name=name: seen[name].append(out))
+    ids = batch(5)
+    with torch.no_grad():
+        logits, ref_logits = model(ids).logits, ref(ids).logits
+    res = {f"{key}/q_a_proj_out_rel": max(_rel(a, b) for a, b in zip(seen["model"], seen["ref"], strict=True)),
+           f"{key}/logits_rel": _rel(logits, ref_logits), f"{key}/q_a_proj_calls": len(seen["ref"])}
+    model.train()
+    ref.train()
+    loss, ref_loss = model(ids, labels=ids).loss, ref(ids, labels=ids).loss
+    loss.backward()
+    ref_loss.backward()
+    res[f"{key}/loss"] = abs(loss.item() - ref_loss.item())
+    ref_params = dict(ref.named_parameters())
+    grads = {name: _rel(full(p.grad), ref_params[name].grad) for name, p in model.named_parameters()}
+    res[f"{key}/grads_rel"] = max(grads.values())
+    res[f"{key}/q_a_proj_grads_rel"] = max(v for n, v in grads.items() if "q_a_proj" in n)
+    res[f"{key}/q_a_proj_placements"] = sorted({str(getattr(p, "placements", "whole")) for n, p in model.named_parameters()
+                                                if "q_a_proj" in n})
+    routers = [p for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")]
+    res[f"{key}/router_dtypes"] = sorted({f"param {p.dtype}" for p in routers} | {f"grad {p.grad.dtype}" for p in routers})
     return res
 
 
