@@ -27,7 +27,7 @@ def _run(point: dict, fraction: float | None = None) -> subprocess.CompletedProc
              "print(json.dumps(measure(p['family'], p['mode'], p['batch'], p['seq'], p['overrides'], dp=p['dp'], "
              "root=p['root'], device='cuda')))\n")
     return subprocess.run([sys.executable, "-c", code, json.dumps({**point, "root": str(REPO)})], cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=1800)
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}, capture_output=True, text=True, timeout=1800)
 
 
 @pytest.mark.parametrize("point", list(grid(modes=("serve", "replicate", "fsdp"))), ids=lambda p: json.dumps(p))

@@ -17,6 +17,7 @@ from planc.kernels.megamoe.triton.hopper_prefill import gluon_unavailable_reason
 from planc.kernels.megamoe.triton.layout import PackedExperts
 from planc.runtime.ep.megamoe import MegaMoeEPRuntime
 from planc.runtime.megamoe import install_megamoe_forward, megamoe_state
+from planc.spec.ep import MegaMoeEP
 from tests.kernels.megamoe.common import CP_ASYNC, CP_ASYNC_80_ROWS, GLUON, GLUON_80_ROWS, mixtral_experts, routing
 
 pytestmark = [
@@ -148,7 +149,7 @@ def test_installed_layer_graph_capture_without_host_sync(world1):
                             quantize="fp4", activation_clamp=10.0)
     assert megamoe_state(tri_m).backend == "triton"
     groups = types.SimpleNamespace(ep_group=world1, ep_rank=0, ep_size=1, tp_group=world1, tp_size=1, shares_batch=True)
-    strategy = types.SimpleNamespace(name="deepgemm_megamoe", settings=None)
+    strategy = MegaMoeEP(reason="the experts implementation")
     layer, ref_layer = MegaMoeEPRuntime(tri_m, strategy, groups), MegaMoeEPRuntime(ref_m, strategy, groups)
     with torch.no_grad():
         for t in (1, 16, 129, 400):  # 400 tokens: 75 rows per expert, the Gluon kernels on Hopper
