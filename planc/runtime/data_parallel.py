@@ -114,13 +114,31 @@ def install_data_parallel(model: nn.Module, compiled: CompiledPlan, groups: Grou
         unit(layer, groups.dp_mesh, layer_kwargs)
     root_kwargs = dict(kwargs, reshard_after_forward=False) if shards else kwargs
     unit(model, groups.dp_mesh, root_kwargs)
+    _finish_units(wrapped, groups)
+    return mode
+
+
+def install_adapter_units(model: nn.Module, adapters: list[nn.Module], compiled: CompiledPlan, groups: Groups) -> None:
+    """Parameters added after `install_data_parallel` (PEFT adapters, planc.runtime.adapters): each module in
+    `adapters` a unit of its own over `dp`, in the plan's mode, keeping its dtype (peft keeps adapters in fp32
+    inside a bf16 model). Nothing where `install_data_parallel` wrapped nothing (one replica)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not adapters or not any(isinstance(m, FSDPModule) for m in model.modules()):
+        return
+    wrap, kwargs = _wrapper(compiled)
+    kwargs = dict(kwargs, **_keep_dtype(kwargs))
+    _finish_units([wrap(module, mesh=groups.dp_mesh, **kwargs) for module in adapters], groups)
+
+
+def _finish_units(wrapped: list[Any], groups: Groups) -> None:
+    """What every unit planc wraps gets: resharded after a no-grad forward; sum reductions on gloo."""
     for module in wrapped:
         module.register_forward_hook(_reshard_outside_autograd)
     if groups.dp_mesh.device_type == "cpu":
         # gloo has no AVG / PREMUL_SUM reductions: sum, then FSDP divides by the group size itself
         for module in wrapped:
             module.set_force_sum_reduction_for_comms(True)
-    return mode
 
 
 @contextlib.contextmanager
@@ -215,4 +233,5 @@ def _wrapper(compiled: CompiledPlan) -> tuple[Callable[..., Any], dict[str, Any]
     return fully_shard, {"mp_policy": policy}
 
 
-__all__ = ["decoder_layers", "dtype_odd_modules", "expert_grad_scale", "install_data_parallel", "no_sync"]
+__all__ = ["decoder_layers", "dtype_odd_modules", "expert_grad_scale", "install_adapter_units", "install_data_parallel",
+           "no_sync"]
