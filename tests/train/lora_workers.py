@@ -190,13 +190,19 @@ def lora_case(model_type: str, tp: int, ep: int, dp: int, mode: str, client: str
     else:
         losses, held = run_loop(model, dp, client)
     mine = adapters(model)
-    saved = os.path.join(tmp, f"adapter-{model_type}-{tp}{ep}{dp}-{mode}-{client}")
-    model.save_pretrained(saved, is_main_process=dist.get_rank() == 0)
-    dist.barrier()
-    written = load_file(os.path.join(saved, "adapter_model.safetensors"))
-    file_diff = max((written[k].float() - ref["file"][k].float()).abs().max().item() for k in ref["file"]) \
-        if set(written) == set(ref["file"]) else float("inf")
     fulls = {n: full(p.detach()) for n, p in mine.items()}
+    saved = os.path.join(tmp, f"adapter-{model_type}-{tp}{ep}{dp}-{mode}-{client}")
+    model.save_pretrained(saved, is_main_process=dist.get_rank() == 0)  # every rank: peft gathers, rank 0 writes
+    checked = [None]
+    if dist.get_rank() == 0:  # the file rank 0 wrote, read by the rank that wrote it
+        written = load_file(os.path.join(saved, "adapter_model.safetensors"))
+        same_keys = set(written) == set(ref["file"])
+        checked = [{
+            "file": max((written[k].float() - ref["file"][k].float()).abs().max().item() for k in ref["file"])
+            if same_keys else float("inf"),
+            "file_is_adapters": set(written) == {_key(n) for n in fulls}
+            and all(torch.equal(written[_key(n)], fulls[n].cpu()) for n in fulls)}]
+    dist.broadcast_object_list(checked)
     moved = {n: fulls[n].float() - ref["init"][n].float() for n in fulls}
     ref_moved = {n: ref["params"][n].float() - ref["init"][n].float() for n in fulls}
     return {
@@ -206,13 +212,11 @@ def lora_case(model_type: str, tp: int, ep: int, dp: int, mode: str, client: str
         "moved": min((fulls[n].float() - ref["init"][n].float()).abs().max().item() for n in fulls),
         "loss": max((abs(a - b) for a, b in zip(losses, ref["losses"])), default=float("inf")),
         "steps": len(losses),
-        "file": file_diff,
+        **checked[0],
         # bf16: the update against the reference's, relative to its size (Adam turns bf16 rounding of tiny gradients
         # into whole lr-sized steps of single elements, so elementwise bounds say little there)
         "update_rel": (sum(((moved[n] - ref_moved[n]) ** 2).sum() for n in fulls) ** 0.5
                        / sum((ref_moved[n] ** 2).sum() for n in fulls) ** 0.5).item(),
-        "file_is_adapters": set(written) == {_key(n) for n in fulls}
-        and all(torch.equal(written[_key(n)], fulls[n].cpu()) for n in fulls),
         # every replica and every TP rank's copy of a whole adapter: the locals too, not only the gathered tensors
         "digest": hashlib.sha256(b"".join(fulls[n].float().numpy().tobytes() for n in sorted(fulls))).hexdigest(),
         "sharded": sorted({f"{n.split('.')[-3]}:{type(p).__name__}" for n, p in mine.items()}),
