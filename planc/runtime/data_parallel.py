@@ -24,6 +24,9 @@ parameters are of another dtype than the rest of its unit becomes a unit of its 
 torchtitan and VeOmni do), with a mixed-precision policy that leaves its dtype as it is: the fp32
 router stays fp32, in the parameters, the optimizer state and the forward.
 
+Parameters added after the wrap (PEFT adapters, planc.runtime.adapters) become units of their own in the same mode
+(`install_adapter_units`), so they are reduced, accumulated (no_sync) and sharded as the rest.
+
 A unit that keeps its parameters unsharded after its forward (the root and the last layer under fsdp,
 every unit under replicate: backward needs them) leaves the unsharded tensors registered in the model
 until a backward reshards them. After a forward with autograd off (an eval, `generate()`) no backward
