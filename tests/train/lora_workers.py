@@ -281,7 +281,10 @@ def lora_world(rank: int, world_size: int, cases: list, refusals: bool = False) 
 LORA_CASES_4 = [("mixtral", 2, 2, 2, "fsdp", "planc", "float32"),
                 ("qwen3_moe", 2, 2, 2, "replicate", "accelerate", "float32")]
 FP32 = {"adapters": 1e-4, "file": 1e-4, "loss": 1e-5}
-BF16 = {"update_rel": 0.1, "loss": 5e-3}  # the bf16 tolerances of the engine tests (tests/train/test_data_parallel.py)
+# bf16: the engine tests' loss bound (tests/train/test_data_parallel.py); the update bound wider than their 10%: lora_B
+# starts at zero, so Adam's first step moves each of its elements by the sign of a tiny gradient, which bf16 rounding
+# flips for some (measured 8.6% for DeepSeek-V3 at (2,2,1); a wrong shard or a missing reduction is ~100%)
+BF16 = {"update_rel": 0.15, "loss": 5e-3}
 
 
 def lora_failures(cases: list, results: list) -> list[str]:
