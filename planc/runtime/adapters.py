@@ -27,9 +27,10 @@ makes the adapters what planc makes of every parameter:
 Refused, with what to write instead: LoRA on routed experts (expert-parallel or tensor-parallel experts: peft's
 `target_parameters` or a module inside an experts module), on other TP styles (embeddings, MLA's kv_a_proj, ...),
 non-linear LoRA layers, LoRA variants (DoRA), lora_bias, inits that read the base weight (PiSSA, OLoRA, ...) and
-`lora_dropout` on a colwise layer at tp > 1 (each TP rank would drop other inputs). A training forward of a
-model with adapters planc has not distributed (tp or dp > 1) raises, naming this function
-(`guard_adapters`); `peft_model_problem` refuses planc.apply / planc.load on a PeftModel.
+`lora_dropout` at tp > 1 except on rowwise layers (the TP ranks share the adapter's input and would drop
+different elements of it). A training forward of a model with adapters planc has not distributed (tp or
+dp > 1) raises, naming this function (`guard_adapters`); `peft_model_problem` refuses planc.apply / planc.load
+on a PeftModel.
 """
 
 from __future__ import annotations
@@ -117,9 +118,10 @@ def _problem(path: str, layer: Any, experts: list[str], configs: dict[str, Any],
             return (f"{path}: init_lora_weights={init!r} reads or changes the base weight, which planc shards; use "
                     f"one of {', '.join(repr(i) for i in PEFT_INITS)}.")
         dropout = layer.lora_dropout[name]
-        if style == "colwise" and isinstance(dropout, nn.Dropout) and dropout.p > 0:
-            return (f"{path}: lora_dropout={dropout.p} on a colwise tensor-parallel layer: each TP rank would drop "
-                    "other inputs before the adapter its shard shares; use lora_dropout=0.0 at tp_size > 1.")
+        if tp_size > 1 and style != "rowwise" and isinstance(dropout, nn.Dropout) and dropout.p > 0:
+            return (f"{path}: lora_dropout={dropout.p} at tp_size {tp_size}: the TP ranks share this adapter's input "
+                    "and each would drop other elements of it, so their shards or copies would disagree; use "
+                    "lora_dropout=0.0 at tp_size > 1.")
     return None
 
 
@@ -211,8 +213,9 @@ def _refuse_undistributed_adapters(model: nn.Module, args: Any) -> None:
             raise ApplyError(
                 f"planc: the PEFT LoRA layer {path} was not distributed: peft sizes an adapter for the local shard of "
                 "a planc-sharded weight, and nothing keeps it equal or reduces its gradient over the data-parallel "
-                f"replicas, so the model would train wrongly. Call planc.distribute_adapters(model) after "
-                f"get_peft_model and before building the optimizer ({ORDER}).")
+                "replicas, so the model would train wrongly. Call planc.distribute_adapters(model) on every rank "
+                "after get_peft_model and before building the optimizer (docs/train.md, \"LoRA with PEFT\"); with "
+                "TRL's SFTTrainer, pass it that model instead of peft_config.")
 
 
 __all__ = ["distribute_adapters", "guard_adapters", "lora_layers", "peft_model_problem"]
