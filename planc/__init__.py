@@ -24,7 +24,7 @@ from planc.version import __version__
 
 __all__ = [
     "load_plan", "lint_paths", "compile", "apply", "load", "save", "load_optimizer", "export", "destroy_megamoe_buffers",
-    "clip_grad_norm_", "no_sync", "device_mesh", "__version__",
+    "clip_grad_norm_", "no_sync", "distribute_adapters", "device_mesh", "__version__",
 ]
 
 
@@ -142,6 +142,15 @@ def no_sync(model: Any) -> Any:
     from planc.runtime.data_parallel import no_sync as _no_sync
 
     return _no_sync(model)
+
+
+def distribute_adapters(model: Any) -> Any:
+    """After peft's get_peft_model on a planc model, before building the optimizer (every rank): the LoRA adapters
+    at their full size, sharded like their base layers and trained by the plan's data parallelism; returns
+    `model`. LoRA on routed experts is refused (docs/train.md, "LoRA with PEFT")."""
+    from planc.runtime.adapters import distribute_adapters as _distribute
+
+    return _distribute(model)
 
 
 def device_mesh(model: Any, view: Optional[str] = None) -> Any:

@@ -24,6 +24,9 @@ parameters are of another dtype than the rest of its unit becomes a unit of its 
 torchtitan and VeOmni do), with a mixed-precision policy that leaves its dtype as it is: the fp32
 router stays fp32, in the parameters, the optimizer state and the forward.
 
+Parameters added after the wrap (PEFT adapters, planc.runtime.adapters) become units of their own in the same mode
+(`install_adapter_units`), so they are reduced, accumulated (no_sync) and sharded as the rest.
+
 A unit that keeps its parameters unsharded after its forward (the root and the last layer under fsdp,
 every unit under replicate: backward needs them) leaves the unsharded tensors registered in the model
 until a backward reshards them. After a forward with autograd off (an eval, `generate()`) no backward
@@ -121,6 +124,25 @@ def install_data_parallel(model: nn.Module, compiled: CompiledPlan, groups: Grou
         unit(layer, groups.dp_mesh, layer_kwargs)
     root_kwargs = dict(kwargs, reshard_after_forward=False) if shards else kwargs
     unit(model, groups.dp_mesh, root_kwargs)
+    _finish_units(wrapped, groups)
+    return mode
+
+
+def install_adapter_units(model: nn.Module, adapters: list[nn.Module], compiled: CompiledPlan, groups: Groups) -> None:
+    """Parameters added after `install_data_parallel` (PEFT adapters, planc.runtime.adapters): each module in
+    `adapters` a unit of its own over `dp`, in the plan's mode, keeping its dtype (peft keeps adapters in fp32
+    inside a bf16 model). Nothing where `install_data_parallel` wrapped nothing (one replica)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not adapters or not any(isinstance(m, FSDPModule) for m in model.modules()):
+        return
+    wrap, kwargs = _wrapper(compiled)
+    kwargs = dict(kwargs, **_keep_dtype(kwargs))
+    _finish_units([wrap(module, mesh=groups.dp_mesh, **kwargs) for module in adapters], groups)
+
+
+def _finish_units(wrapped: list[Any], groups: Groups) -> None:
+    """What every unit planc wraps gets: resharded after a no-grad forward; sum reductions on gloo."""
     for module in wrapped:
         module._planc_sharded = _own_parameters(module)  # every unit is sharded here: nothing ran yet
         module.register_forward_hook(_after_unit_forward)
@@ -129,7 +151,6 @@ def install_data_parallel(model: nn.Module, compiled: CompiledPlan, groups: Grou
         # gloo has no AVG / PREMUL_SUM reductions: sum, then FSDP divides by the group size itself
         for module in wrapped:
             module.set_force_sum_reduction_for_comms(True)
-    return mode
 
 
 @contextlib.contextmanager
@@ -277,4 +298,5 @@ def _wrapper(compiled: CompiledPlan) -> tuple[Callable[..., Any], dict[str, Any]
     return fully_shard, {"mp_policy": policy}
 
 
-__all__ = ["decoder_layers", "dtype_odd_modules", "expert_grad_scale", "install_data_parallel", "no_sync", "settle_sharded", "sharded_in_optimizer"]
+__all__ = ["decoder_layers", "dtype_odd_modules", "expert_grad_scale", "install_adapter_units", "install_data_parallel",
+           "no_sync", "settle_sharded", "sharded_in_optimizer"]

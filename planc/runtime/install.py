@@ -126,7 +126,7 @@ def compile_and_check(model: nn.Module, loaded: LoadedPlan, mesh: Optional[Devic
     the model will run (planc.load builds it on `meta` first); default: where it lives. `launched=False`
     (`planc explain --checkpoint`): no world is running, so the world size and the kernels' device are not checked.
     """
-    from planc.runtime.trainers import peft_model_problem
+    from planc.runtime.adapters import peft_model_problem
 
     peft = peft_model_problem(model)
     if peft:
@@ -496,6 +496,15 @@ def step_declare_to_trainers(state: InstallState) -> None:
     declare_to_trainers(state.model, state.compiled)
 
 
+def step_guard_adapters(state: InstallState) -> None:
+    """PEFT LoRA adapters added after this call must go through planc.distribute_adapters: refused at a training
+    forward otherwise (planc.runtime.adapters)."""
+    from planc.runtime.adapters import guard_adapters
+
+    p = state.compiled.parallel
+    guard_adapters(state.model, p.tp_size, p.dp_size)
+
+
 INSTALL_STEPS: list[Callable[[InstallState], None]] = [
     step_set_experts_implementation,
     step_shard_parameters,
@@ -506,6 +515,7 @@ INSTALL_STEPS: list[Callable[[InstallState], None]] = [
     step_activation_checkpointing,
     step_data_parallel,
     step_declare_to_trainers,
+    step_guard_adapters,
 ]
 
 

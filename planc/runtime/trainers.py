@@ -20,19 +20,12 @@ models sharded at load time"); planc's checkpoints go through `planc.save` (docs
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING
 
 from torch import nn
-from torch.distributed.tensor import DTensor
-
-from planc.errors import ApplyError
 
 if TYPE_CHECKING:
     from planc.compiler.compiled import CompiledPlan
-
-_LORA_WORKS = ("LoRA with PEFT works on planc models at tp_size 1 with `training: {data_parallel: replicate}`: "
-               "call get_peft_model on the applied model (Trainer keeps the adapters equal across replicas, "
-               "docs/train.md).")
 
 
 def declare_to_trainers(model: nn.Module, compiled: CompiledPlan) -> None:
@@ -48,35 +41,6 @@ def declare_to_trainers(model: nn.Module, compiled: CompiledPlan) -> None:
     model.__dict__["_tp_size"] = p.tp_size
     config.distributed_config = DistributedConfig(tp_size=p.tp_size, fsdp_size=p.dp_size, dp_replicate_size=1,
                                                   ep_size=p.ep_size)
-    if p.tp_size > 1 or (compiled.data_parallel_mode.shards_parameters and p.dp_size > 1):
-        model.register_forward_pre_hook(_refuse_sharded_adapters)
-
-
-def peft_model_problem(model: nn.Module) -> Optional[str]:
-    """planc.apply / planc.load on a PeftModel: the plan names the base model's modules, and peft's layers would be
-    sharded as if they were the base layers. One message naming the order that works."""
-    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
-        return (f"planc: {type(model).__name__} is a PEFT model (get_peft_model ran before planc): the plan names "
-                "the base model's modules and peft's adapter layers are not in it. Apply the plan to the base model "
-                "first (planc.apply(model, plan) or planc.load), then call get_peft_model on the applied model. "
-                + _LORA_WORKS)
-    return None
-
-
-def _refuse_sharded_adapters(model: nn.Module, args: Any) -> None:
-    """Before each training forward of a model sharded by TP or FSDP: peft sizes a LoRA adapter for the local shard of
-    a base weight whose mesh is not named "fsdp" (peft's _get_in_out_features), which computes wrong results here.
-    Eval forwards (generate) skip the walk over the modules."""
-    if not model.training:
-        return
-    for path, module in model.named_modules():
-        base = getattr(module, "base_layer", None)
-        if base is not None and hasattr(module, "lora_A") and isinstance(getattr(base, "weight", None), DTensor):
-            raise ApplyError(
-                f"planc: a PEFT LoRA layer wraps {path}, which planc shards (tensor parallel, or FSDP over the dp "
-                "ranks): peft sizes the adapter for the local shard and trains it as a replicated tensor, so the "
-                f"model would compute and train wrongly. {_LORA_WORKS} Adapters on tensor-parallel or FSDP-sharded "
-                "layers are not supported yet.")
 
 
 __all__ = ["declare_to_trainers"]

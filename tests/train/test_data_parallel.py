@@ -11,6 +11,9 @@ bf16 (fp32 routers) at (1, 2, 2) and (2, 2, 2) under fsdp and replicate against 
 forward, generate(), eval()/train() and a forward with autograd on (no backward) before the optimizer is built; gradient accumulation with planc.no_sync
 (dp 1 too).
 
+The 4-rank world also trains PEFT LoRA at tp 2 and dp 2 (tests/train/lora_workers.py: planc.distribute_adapters,
+planc's own loop with planc.no_sync under fsdp, Accelerate under replicate) against the unsharded LoRA run.
+
 One spawned world per world size runs every case in sequence (a rank's start, importing torch and
 transformers, costs more than a case); the single-process reference runs once per model and dp.
 """
@@ -22,6 +25,7 @@ import pytest
 from planc.spec.sizes import check_sizes
 from tests.distributed import run_distributed
 from tests.train.engine_workers import BF16_MODELS
+from tests.train.lora_workers import LORA_CASES_4, lora_failures
 from tests.train.train_workers import train_world
 
 MODELS = ("mixtral", "qwen3_moe", "deepseek_v3")
@@ -87,6 +91,8 @@ def test_training_equals_single_process_on_the_global_batch(world_size, tmp_path
         if len({r["digest"] for r in per_rank}) != 1:
             failures.append(f"{case}: the full parameters differ between ranks (replicas drifted)")
     failures += engine_failures(results[0]["engine"], world_size)
+    if world_size == 4:
+        failures += lora_failures(LORA_CASES_4, results)
     if world_size == 2:
         failures += api_failures([r["api"] for r in results])
         for rank, r in enumerate(results):

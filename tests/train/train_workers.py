@@ -180,13 +180,17 @@ def api_checks(rank: int, world_size: int) -> dict:
 def train_world(rank: int, world_size: int, cases: list, hub_dirs: dict | None = None,
                 bf16_hubs: dict | None = None) -> dict:
     """Every training case, the engine checks (tests/train/engine_workers.py), then (2 ranks) the API checks and
-    generate(): one world for all of them."""
+    generate(), (4 ranks) PEFT LoRA at tp 2 and dp 2 (tests/train/lora_workers.py): one world for all of them."""
     from tests.train.engine_workers import engine_world
 
     out = run_cases(rank, world_size, cases)
     out["engine"] = engine_world(rank, world_size, bf16_hubs or {})
     if world_size == 2:
         out["api"] = api_checks(rank, world_size)
+    if world_size == 4:
+        from tests.train.lora_workers import LORA_CASES_4, lora_world
+
+        out["lora"] = lora_world(rank, world_size, LORA_CASES_4)
     if hub_dirs:
         out["generate"] = generate_checks(rank, world_size, hub_dirs)
     return out

@@ -9,7 +9,6 @@ SFTTrainer's too (fp32: SFTConfig's bf16 default turned off).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tempfile
 
@@ -17,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tests.runtime.workers import full, shipped_plan
+from tests.train.lora_workers import lora_world
 from tests.train.train_workers import LR, MAX_NORM, compare_params, unsharded_run  # the reference's step, shared
 
 STEPS, ACCUM = 3, 2
@@ -42,51 +42,6 @@ def reference(model_type: str, dp: int) -> dict:
     key = (model_type, dp)
     if key not in _REFERENCE:  # Trainer's default AdamW has no weight decay
         _REFERENCE[key] = unsharded_run(model_type, 0, [step_rows(dp, step) for step in range(STEPS)], weight_decay=0.0)
-    return _REFERENCE[key]
-
-
-LORA_TARGETS = ["q_proj", "v_proj", "o_proj"]
-LORA_CASES = [("mixtral", 1, 2, 2, "replicate"), ("deepseek_v3", 1, 2, 2, "replicate")]
-
-
-def lora(model):
-    """PEFT LoRA on the attention projections (B zero-initialised by peft: made nonzero so that A trains at step 0)."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(7)
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, lora_dropout=0.0,
-                                                  init_lora_weights="gaussian"))
-    return peft_model
-
-
-def lora_reference(model_type: str, dp: int) -> dict:
-    """The unsharded LoRA run on the same global batches: the adapters after 3 steps."""
-    key = ("lora", model_type, dp)
-    if key not in _REFERENCE:
-        from planc.models.build import build_tiny_model
-
-        ref = build_tiny_model(model_type, seed=0)
-        ref.set_experts_implementation(shipped_plan(model_type, tp=1)["experts"]["implementation"])
-        ref = lora(ref)
-        ref.train()
-        trainable = [p for p in ref.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.0)
-        losses, norms = [], []
-        for step in range(STEPS):
-            ids = step_rows(dp, step)
-            loss = ref(input_ids=ids, labels=ids).loss
-            loss.backward()
-            norms.append(torch.nn.utils.clip_grad_norm_(trainable, MAX_NORM).item())
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        with tempfile.TemporaryDirectory() as tmp:
-            ref.save_pretrained(tmp, is_main_process=True)
-            from safetensors.torch import load_file
-
-            file = load_file(os.path.join(tmp, "adapter_model.safetensors"))
-        _REFERENCE[key] = {"losses": losses, "norms": norms, "file": file,
-                           "params": {n: p.detach().clone() for n, p in ref.named_parameters() if p.requires_grad}}
     return _REFERENCE[key]
 
 
@@ -255,58 +210,6 @@ def resume_check(rank: int, world_size: int, mode: str = "fsdp") -> dict:
     return {"params": diff, "trainer_resume": refused}
 
 
-def lora_case(model_type: str, tp: int, ep: int, dp: int, mode: str) -> dict:
-    """PEFT LoRA (get_peft_model after planc.apply) trained by Trainer against the unsharded LoRA run: the adapters
-    after 3 steps, the optimizer's parameters, and the adapter file save_pretrained writes."""
-    from safetensors.torch import load_file
-    from transformers import Trainer, TrainingArguments
-
-    ref = lora_reference(model_type, dp)
-    model = lora(planc_model(model_type, tp, ep, dp, mode))
-    with tempfile.TemporaryDirectory() as tmp0:
-        tmp = [tmp0]
-        dist.broadcast_object_list(tmp)
-        trainer = Trainer(model=model, args=TrainingArguments(**trainer_args(os.path.join(tmp[0], "out"))),
-                          train_dataset=dataset(dp))
-        trainer.train()
-        adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        in_optimizer = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
-        saved = os.path.join(tmp[0], "adapter")
-        model.save_pretrained(saved, is_main_process=dist.get_rank() == 0)
-        dist.barrier()
-        written = load_file(os.path.join(saved, "adapter_model.safetensors"))
-        dist.barrier()
-    file_diff = max((written[k] - ref["file"][k]).abs().max().item() for k in ref["file"]) \
-        if set(written) == set(ref["file"]) else float("inf")
-    return {
-        "adapters": max((full(p.detach()) - ref["params"][n]).abs().max().item() for n, p in adapters.items()),
-        "names": sorted(adapters) == sorted(ref["params"]),
-        "optimizer_holds_only_adapters": in_optimizer == {id(p) for p in adapters.values()},
-        "file": file_diff,
-        "digest": hashlib.sha256(b"".join(full(p.detach()).numpy().tobytes() for p in adapters.values())).hexdigest(),
-    }
-
-
-def lora_refusals(rank: int, world_size: int) -> dict:
-    """What planc refuses with PEFT: adapters on FSDP-sharded or tensor-parallel layers (at a training forward) and
-    planc.apply on a PeftModel (before anything changes)."""
-    from planc.models.build import build_tiny_model
-
-    out = {}
-    for name, (tp, ep, dp, mode) in {"fsdp": (1, world_size, world_size, "fsdp"),
-                                     "tp": (world_size, world_size, 1, "replicate")}.items():
-        model = lora(planc_model("mixtral", tp, ep, dp, mode))
-        model.train()  # as Trainer does: the check runs on training forwards
-        ids = rows(dp)[:MICRO_ROWS]
-        out[name] = _error(lambda model=model, ids=ids: model(input_ids=ids, labels=ids))
-    import planc
-
-    peft_first = lora(build_tiny_model("mixtral", seed=0))
-    out["apply_on_peft"] = _error(lambda: planc.apply(
-        peft_first, shipped_plan("mixtral", tp=1, ep=world_size, dp=world_size, ep_implementation="all_to_all")))
-    return out
-
-
 def _error(fn) -> str:
     try:
         fn()
@@ -341,8 +244,15 @@ def refusals(rank: int, world_size: int) -> dict:
     return out
 
 
+# (model, tp, ep, dp, data_parallel, client, dtype): PEFT LoRA (tests/train/lora_workers.py) through Trainer at tp 1,
+# and at tp 2 through Accelerate (Trainer refuses tp > 1 on CPU), DeepSeek-V3 in bf16
+LORA_CASES = [("mixtral", 1, 2, 2, "replicate", "trainer", "float32"),
+              ("qwen3_moe", 1, 2, 2, "fsdp", "trainer", "float32"),
+              ("deepseek_v3", 2, 2, 1, "replicate", "accelerate", "bfloat16")]
+
+
 def trainers_world(rank: int, world_size: int, cases: list, extras: bool = True) -> dict:
-    """Every case in this one world; `extras`: Trainer's refusals, resume, LoRA (test_trainers.py)."""
+    """Every case in this one world; `extras`: Trainer's refusals, resume, the LoRA cases and refusals (test_trainers.py)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -356,6 +266,5 @@ def trainers_world(rank: int, world_size: int, cases: list, extras: bool = True)
     if extras:
         out["refusals"] = refusals(rank, world_size)
         out["resume"] = resume_check(rank, world_size)
-        out["lora"] = {case: lora_case(*case) for case in LORA_CASES}
-        out["lora_refusals"] = lora_refusals(rank, world_size)
+        out["lora"] = lora_world(rank, world_size, LORA_CASES, refusals=True)
     return out
