@@ -17,7 +17,7 @@ MODELS = ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "deepseek_v4"]
 # output is 100% off. Loss: as tests/train's bf16 loss tolerance.
 BF16 = {"q_a_proj_out_rel": 2e-2, "logits_rel": 2e-2, "grads_rel": 5e-2, "q_a_proj_grads_rel": 5e-2, "loss": 5e-3,
         "q_a_proj_calls": 2, "q_a_proj_placements": ["(Shard(dim=1),)"],
-        "router_dtypes": ["grad torch.float32", "param torch.float32"]}
+        "router_dtypes": True}
 
 
 def check_model(model_type, world_size, per_rank):

@@ -204,7 +204,7 @@ def _bf16_fp32_router(world_size):
     its input (the shipped plan keeps it whole: one more all-reduce per layer in decode for ~1.1 GiB/rank; the split
     is the plan author's choice, so it is checked here on MLA). Against the unsharded bf16 model: q_a_proj's output (after its all-reduce) and the logits, one
     training step's loss and every gradient, relative (||sharded - unsharded|| / ||unsharded||: bf16 rounding, where
-    a missing or doubled reduce gives ~1); the routers' parameter and gradient dtypes."""
+    a missing or doubled reduce gives ~1); the routers' parameter and gradient dtypes, as transformers gives them."""
     from transformers import AutoModelForCausalLM
 
     from planc import apply
@@ -240,8 +240,12 @@ def _bf16_fp32_router(world_size):
     res[f"{key}/q_a_proj_grads_rel"] = max(v for n, v in grads.items() if "q_a_proj" in n)
     res[f"{key}/q_a_proj_placements"] = sorted({str(getattr(p, "placements", "whole")) for n, p in model.named_parameters()
                                                 if "q_a_proj" in n})
-    routers = [p for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")]
-    res[f"{key}/router_dtypes"] = sorted({f"param {p.dtype}" for p in routers} | {f"grad {p.grad.dtype}" for p in routers})
+    def router_dtypes(m: torch.nn.Module) -> list[str]:
+        routers = [p for n, p in m.named_parameters() if n.endswith("mlp.gate.weight")]
+        return sorted({f"param {p.dtype}" for p in routers} | {f"grad {p.grad.dtype}" for p in routers})
+
+    # the routers keep the dtype transformers gives them (fp32 from 5.24 on, bf16 before), in parameter and gradient
+    res[f"{key}/router_dtypes"] = router_dtypes(model) == router_dtypes(ref) and len(router_dtypes(ref)) == 2
     return res
 
 
