@@ -244,7 +244,7 @@ def _bf16_fp32_router(world_size):
         routers = [p for n, p in m.named_parameters() if n.endswith("mlp.gate.weight")]
         return sorted({f"param {p.dtype}" for p in routers} | {f"grad {p.grad.dtype}" for p in routers})
 
-    # the routers keep the dtype transformers gives them (fp32 from 5.24 on, bf16 before), in parameter and gradient
+    # the routers keep the dtype transformers gives them (fp32 in 5.25, bf16 in 5.23), in parameter and gradient
     res[f"{key}/router_dtypes"] = router_dtypes(model) == router_dtypes(ref) and len(router_dtypes(ref)) == 2
     return res
 
