@@ -19,22 +19,11 @@ import torch
 import torch.distributed as dist
 
 from tests.runtime.workers import full, shipped_plan
-from tests.train.train_workers import LR, MAX_NORM
+from tests.train.train_workers import ACCUM, LR, MAX_NORM, MICRO_ROWS, STEPS, rows, step_rows
 
-STEPS, ACCUM, MICRO_ROWS, COLS, VOCAB = 3, 2, 2, 8, 128
 # colwise (q/v/q_b/kv_b) and rowwise (o) base layers, and one planc leaves whole (q_a_proj: replicate). Not the MLP
 # linears: on an MoE model peft turns gate/up/down_proj into the routed experts' parameters, which planc refuses.
 TARGETS = ["q_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_b_proj"]
-
-
-def rows(dp: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(2024)
-    return torch.randint(3, VOCAB, (STEPS * ACCUM * dp * MICRO_ROWS, COLS), generator=g)
-
-
-def step_rows(dp: int, step: int) -> torch.Tensor:
-    n = ACCUM * dp * MICRO_ROWS
-    return rows(dp)[step * n:(step + 1) * n]
 
 
 def lora(model, **extra):

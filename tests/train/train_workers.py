@@ -20,6 +20,20 @@ MAX_NORM = 0.5  # below the tiny models' gradient norms: the clip scales every s
 MICRO_ROWS, COLS = 2, 8
 
 
+ACCUM, VOCAB = 2, 128  # the client runs' micro-batches per optimizer step (Trainer, SFTTrainer, Accelerate, LoRA)
+
+
+def rows(dp: int) -> torch.Tensor:
+    """Every row a client run reads, in order: optimizer step s reads rows [s * ACCUM * dp * MICRO_ROWS, +ACCUM * dp * MICRO_ROWS)."""
+    g = torch.Generator().manual_seed(2024)
+    return torch.randint(3, VOCAB, (STEPS * ACCUM * dp * MICRO_ROWS, COLS), generator=g)
+
+
+def step_rows(dp: int, step: int) -> torch.Tensor:
+    n = ACCUM * dp * MICRO_ROWS
+    return rows(dp)[step * n:(step + 1) * n]
+
+
 def global_batch(step: int, dp: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randint(0, 128, (dp * MICRO_ROWS, COLS), generator=g)

@@ -17,21 +17,8 @@ import torch.distributed as dist
 
 from tests.runtime.workers import full, shipped_plan
 from tests.train.lora_workers import lora_world
-from tests.train.train_workers import LR, MAX_NORM, compare_params, unsharded_run  # the reference's step, shared
-
-STEPS, ACCUM = 3, 2
-MICRO_ROWS, COLS, VOCAB = 2, 8, 128
-
-
-def rows(dp: int) -> torch.Tensor:
-    """Every row the run reads, in order: optimizer step s reads rows [s * ACCUM * dp * MICRO_ROWS, +ACCUM * dp * MICRO_ROWS)."""
-    g = torch.Generator().manual_seed(2024)
-    return torch.randint(3, VOCAB, (STEPS * ACCUM * dp * MICRO_ROWS, COLS), generator=g)
-
-
-def step_rows(dp: int, step: int) -> torch.Tensor:
-    n = ACCUM * dp * MICRO_ROWS
-    return rows(dp)[step * n:(step + 1) * n]
+from tests.train.train_workers import (  # the reference's step and the batches, shared
+    ACCUM, COLS, LR, MAX_NORM, MICRO_ROWS, STEPS, VOCAB, compare_params, rows, step_rows, unsharded_run)
 
 
 _REFERENCE: dict = {}
