@@ -69,25 +69,34 @@ def test_train_md_script_trains_checkpoints_and_resumes_at_another_size(tmp_path
         assert abs(norm - norm2) <= 1e-5 * norm, f"step {s}: grad norm {norm2} after resuming, {norm} uninterrupted"
 
 
+def _recipe(tmp_path, script: str, data_parallel: str):
+    """docs/train.md's `script` and its plan at tp 1, ep 2, dp 2 with `data_parallel`, written to tmp_path; the tiny
+    Mixtral it loads saved there (`hub`) and returned as the unsharded reference; the script imported here (its
+    batch schedule) and the rows it reads on 2 ranks."""
+    import importlib.util
+
+    from planc.models.build import build_tiny_model
+
+    (tmp_path / script).write_text(script_text(script), encoding="utf-8")
+    (tmp_path / "plan.yaml").write_text(PLAN.replace("tp_size: 2, ep_size: 2, dp_size: 2",
+                                                     "tp_size: 1, ep_size: 2, dp_size: 2")
+                                        .replace("data_parallel: fsdp", f"data_parallel: {data_parallel}"),
+                                        encoding="utf-8")
+    ref = build_tiny_model("mixtral", seed=0)
+    ref.save_pretrained(tmp_path / "hub")
+    spec = importlib.util.spec_from_file_location(script.removesuffix(".py"), tmp_path / script)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    return recipe, ref, recipe.all_rows(2, ref.config.vocab_size)
+
+
 @pytest.mark.distributed
 def test_hf_train_md_script_trains_with_trainer_and_accelerate_as_the_unsharded_model(tmp_path):
     """docs/train.md's Trainer and Accelerate recipe on 2 ranks (tp 1, ep 2, dp 2, fsdp) against the unsharded
     model trained in this process on the same global batches (accumulation 2, clipping at 0.5)."""
-    import importlib.util
-
     import torch
 
-    from planc.models.build import build_tiny_model
-
-    (tmp_path / "hf_train.py").write_text(script_text("hf_train.py"), encoding="utf-8")
-    (tmp_path / "plan.yaml").write_text(PLAN.replace("tp_size: 2, ep_size: 2, dp_size: 2",
-                                                     "tp_size: 1, ep_size: 2, dp_size: 2"), encoding="utf-8")
-    ref = build_tiny_model("mixtral", seed=0)
-    ref.save_pretrained(tmp_path / "hub")
-    spec = importlib.util.spec_from_file_location("hf_train", tmp_path / "hf_train.py")
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
-    rows = recipe.all_rows(2, ref.config.vocab_size)
+    recipe, ref, rows = _recipe(tmp_path, "hf_train.py", "fsdp")
     ref.set_experts_implementation("grouped_mm")
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.0)
     per_step = recipe.ACCUM * 2 * recipe.MICRO
@@ -112,23 +121,10 @@ def test_lora_train_md_script_writes_the_unsharded_runs_adapter(tmp_path):
     """docs/train.md's LoRA recipe on 2 ranks (tp 1, ep 2, dp 2, replicate: peft sizes the adapters whole, so the
     seed gives the unsharded run's init) against the unsharded model with the same LoRA trained in this process on
     the same global batches (accumulation 2, clipping at 0.5): the adapter files agree."""
-    import importlib.util
-
     import torch
     from safetensors.torch import load_file
 
-    from planc.models.build import build_tiny_model
-
-    (tmp_path / "lora_train.py").write_text(script_text("lora_train.py"), encoding="utf-8")
-    (tmp_path / "plan.yaml").write_text(PLAN.replace("tp_size: 2, ep_size: 2, dp_size: 2",
-                                                     "tp_size: 1, ep_size: 2, dp_size: 2")
-                                        .replace("data_parallel: fsdp", "data_parallel: replicate"), encoding="utf-8")
-    ref = build_tiny_model("mixtral", seed=0)
-    ref.save_pretrained(tmp_path / "hub")
-    spec = importlib.util.spec_from_file_location("lora_train", tmp_path / "lora_train.py")
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
-    rows = recipe.all_rows(2, ref.config.vocab_size)
+    recipe, ref, rows = _recipe(tmp_path, "lora_train.py", "replicate")
     ref.set_experts_implementation("grouped_mm")
     from peft import LoraConfig, get_peft_model
 
