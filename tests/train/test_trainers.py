@@ -29,9 +29,9 @@ import pytest
 
 from tests.distributed import run_distributed
 from tests.train.lora_workers import lora_failures
+from tests.train.train_workers import PARAM_TOL, reference_failures
 from tests.train.trainers_workers import LORA_CASES, trainers_world
 
-LOSS_TOL, PARAM_TOL, NORM_REL = 1e-5, 1e-4, 1e-5
 
 # (model, tp, ep, dp, data_parallel, client): every family, both modes, both clients, tp 1 and tp 2
 CI_CASES = [
@@ -63,14 +63,7 @@ def failures(cases: list, results: list) -> list[str]:
             out.append(f"{case}: wrapped again by {first['wrapped_by']}")
         if first["steps"] != 3:
             out.append(f"{case}: {first['steps']} optimizer steps logged")
-        if first["loss"] > LOSS_TOL:
-            out.append(f"{case}: loss off by {first['loss']:.3g}")
-        if first["norm_rel"] > NORM_REL:
-            out.append(f"{case}: clip norm off by {first['norm_rel']:.3g} (relative)")
-        if first["params"] > PARAM_TOL:
-            out.append(f"{case}: {first['worst']} off by {first['params']:.3g}")
-        if len({r["digest"] for r in per_rank}) != 1:
-            out.append(f"{case}: the full parameters differ between ranks")
+        out += reference_failures(case, per_rank)
     return out
 
 

@@ -39,6 +39,25 @@ def global_batch(step: int, dp: int) -> torch.Tensor:
     return torch.randint(0, 128, (dp * MICRO_ROWS, COLS), generator=g)
 
 
+# against the unsharded reference on the same global batches, fp32: loss, clip norm (relative), parameters
+LOSS_TOL, PARAM_TOL, NORM_REL = 1e-5, 1e-4, 1e-5
+
+
+def reference_failures(case: object, per_rank: list[dict]) -> list[str]:
+    """What a case's ranks report against the unsharded reference (rank 0's numbers; every rank's digest of the
+    full parameters): loss, clip norm, worst parameter, and replicas that drifted apart."""
+    first, out = per_rank[0], []
+    if first["loss"] > LOSS_TOL:
+        out.append(f"{case}: loss off by {first['loss']:.3g}")
+    if first["norm_rel"] > NORM_REL:
+        out.append(f"{case}: clip norm off by {first['norm_rel']:.3g} (relative)")
+    if first["params"] > PARAM_TOL:
+        out.append(f"{case}: {first['worst']} off by {first['params']:.3g}")
+    if len({r["digest"] for r in per_rank}) != 1:
+        out.append(f"{case}: the full parameters differ between ranks (replicas drifted)")
+    return out
+
+
 _REFERENCE: dict = {}
 
 
