@@ -98,7 +98,11 @@ def install_data_parallel(model: nn.Module, compiled: CompiledPlan, groups: Grou
     mode, shards = compiled.data_parallel, compiled.data_parallel_mode.shards_parameters
     holders = groups.efsdp_mesh.size() if groups.efsdp_mesh is not None else 1
     mixed = compiled.training is not None and compiled.training.mixed_precision is not None
-    if groups.dp_size == 1 and holders == 1 and not mixed:
+    # A plan that trains at tp > 1 is wrapped even with one replica: the wrap makes every parameter a DTensor,
+    # where TP alone leaves the replicated ones (norms, routers) plain, and torch's foreach and fused optimizers
+    # (AdamW's default on CUDA) refuse a mix of the two ("got mixed torch.Tensor and DTensor").
+    uniform = groups.tp_size == 1 or compiled.training is None
+    if groups.dp_size == 1 and holders == 1 and not mixed and uniform:
         return None  # one replica and nothing to shard: FSDP2 over one rank would only add copies to each step
     layers = decoder_layers(model, compiled)
     if not layers:

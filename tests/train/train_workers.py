@@ -123,7 +123,7 @@ def train_case(model_type: str, tp: int, ep: int, dp: int, data_parallel: str, s
         lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
     dp_rank = planc.device_mesh(model, "dp").get_local_rank()
     assert dp_rank == dist.get_rank() // tp  # the ("dp", "tp") layout: replica of this rank
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)  # CUDA's default: one kernel over many tensors
     model.train()
     # what wraps a decoder layer: torch's replicate (FSDP2-based DDP) or fully_shard, bucketed per unit
     wrappers = {c.__name__ for c in type(model.model.layers[0]).__mro__} & {"ReplicateModule", "FSDPModule"}
