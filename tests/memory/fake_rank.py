@@ -108,7 +108,15 @@ def measure(family: str, mode: str, batch: int, seq: int, overrides: dict, *, dp
     if not dist.is_initialized():
         dist.init_process_group("fake", rank=0, world_size=p["tp_size"] * p["dp_size"], store=FakeStore())
     model = build_meta_model(family, dict(overrides)).to(torch.bfloat16)
-    planc.apply(model, data)
+    mesh = None
+    if device != "cpu":  # the fake backend is not NCCL, so planc would build a CPU mesh: FSDP2 allocates on its device
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from planc.spec.sizes import mesh_dims
+
+        sizes, names = mesh_dims(p["tp_size"], p["ep_size"], p["dp_size"])
+        mesh = init_device_mesh(device, sizes, mesh_dim_names=names)
+    planc.apply(model, data, mesh=mesh)
     model.to_empty(device=device)
     _fill(model)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
