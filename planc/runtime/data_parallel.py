@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from planc.errors import ApplyError
 
@@ -98,11 +99,9 @@ def install_data_parallel(model: nn.Module, compiled: CompiledPlan, groups: Grou
     mode, shards = compiled.data_parallel, compiled.data_parallel_mode.shards_parameters
     holders = groups.efsdp_mesh.size() if groups.efsdp_mesh is not None else 1
     mixed = compiled.training is not None and compiled.training.mixed_precision is not None
-    # A plan that trains at tp > 1 is wrapped even with one replica: the wrap makes every parameter a DTensor,
-    # where TP alone leaves the replicated ones (norms, routers) plain, and torch's foreach and fused optimizers
-    # (AdamW's default on CUDA) refuse a mix of the two ("got mixed torch.Tensor and DTensor").
-    uniform = groups.tp_size == 1 or compiled.training is None
-    if groups.dp_size == 1 and holders == 1 and not mixed and uniform:
+    if groups.tp_size > 1:
+        _before_every_step()  # the replicated parameters stay plain beside TP's DTensors where nothing wraps them
+    if groups.dp_size == 1 and holders == 1 and not mixed:
         return None  # one replica and nothing to shard: FSDP2 over one rank would only add copies to each step
     layers = decoder_layers(model, compiled)
     if not layers:
@@ -150,7 +149,7 @@ def _finish_units(wrapped: list[Any], groups: Groups) -> None:
     for module in wrapped:
         module._planc_sharded = _own_parameters(module)  # every unit is sharded here: nothing ran yet
         module.register_forward_hook(_after_unit_forward)
-    _swap_in_sharded_on_step()
+    _before_every_step()
     if groups.dp_mesh.device_type == "cpu":
         # gloo has no AVG / PREMUL_SUM reductions: sum, then FSDP divides by the group size itself
         for module in wrapped:
@@ -228,12 +227,27 @@ def settle_sharded(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     sharded_in_optimizer(optimizer)
 
 
-def _swap_in_sharded_on_step() -> None:
-    """One step pre-hook for every optimizer of the process (registered once): `sharded_in_optimizer`."""
+def loop_over_mixed_groups(optimizer: torch.optim.Optimizer) -> None:
+    """With one replica nothing wraps the parameters TP leaves whole (norms, routers): they stay plain tensors beside
+    the DTensors TP shards, and torch's foreach optimizers (the default on CUDA) refuse the mix ("got mixed
+    torch.Tensor and DTensor"). Such a parameter group steps tensor by tensor (`foreach=False`)."""
+    for group in optimizer.param_groups:
+        if group.get("foreach") is not False and "foreach" in group and not group.get("fused"):
+            if len({isinstance(p, DTensor) for p in group["params"]}) > 1:
+                group["foreach"] = False
+
+
+def _before_every_step() -> None:
+    """One step pre-hook for every optimizer of the process (registered once): `sharded_in_optimizer`, then
+    `loop_over_mixed_groups`."""
     if not _STEP_HOOK:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        _STEP_HOOK.append(register_optimizer_step_pre_hook(lambda opt, args, kwargs: sharded_in_optimizer(opt)))
+        def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            sharded_in_optimizer(optimizer)
+            loop_over_mixed_groups(optimizer)
+
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(before_step))
 
 
 def dtype_odd_modules(unit: nn.Module, names: dict[nn.Module, str], wrapped: list[Any]) -> list[nn.Module]:

@@ -73,8 +73,8 @@ def test_training_equals_single_process_on_the_global_batch(world_size, tmp_path
         first = per_rank[0]
         if first["mode"] != case[4]:
             failures.append(f"{case}: installed {first['mode']}")
-        # dp > 1 or tp > 1: each decoder layer is a unit of torch's replicate (an FSDPModule too) or of fully_shard
-        want = ([] if case[3] == 1 and case[1] == 1 else ["FSDPModule", "ReplicateModule"] if case[4] == "replicate" else ["FSDPModule"])
+        # dp > 1: each decoder layer is a unit of torch's replicate (an FSDPModule too) or of fully_shard
+        want = ([] if case[3] == 1 else ["FSDPModule", "ReplicateModule"] if case[4] == "replicate" else ["FSDPModule"])
         if first["wrapped"] != want:
             failures.append(f"{case}: decoder layers wrapped by {first['wrapped']}, expected {want}")
         recomputed = 2.0 if len(case) > 6 and case[6] == "full" else 1.0
