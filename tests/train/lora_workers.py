@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tests.runtime.workers import full, shipped_plan
-from tests.train.train_workers import ACCUM, LR, MAX_NORM, MICRO_ROWS, STEPS, rows, step_rows
+from tests.train.train_workers import ACCUM, LR, MAX_NORM, MICRO_ROWS, STEPS, error_of, rows, step_rows
 
 # colwise (q/v/q_b/kv_b) and rowwise (o) base layers, and one planc leaves whole (q_a_proj: replicate). Not the MLP
 # linears: on an MoE model peft turns gate/up/down_proj into the routed experts' parameters, which planc refuses.
@@ -229,23 +229,15 @@ def lora_refusals(rank: int, world_size: int, tmp: str) -> dict:
     model = lora(planc.load(hub("mixtral", tmp), plan))
     model.train()
     ids = rows(1)[:MICRO_ROWS]
-    out["undistributed"] = _error(lambda: model(input_ids=ids, labels=ids))
+    out["undistributed"] = error_of(lambda: model(input_ids=ids, labels=ids))
     experts = lora(planc.load(hub("mixtral", tmp), plan), target_modules=["q_proj"],
                    target_parameters=["mlp.experts.gate_up_proj"])
-    out["experts"] = _error(lambda: planc.distribute_adapters(experts))
+    out["experts"] = error_of(lambda: planc.distribute_adapters(experts))
     dropout = lora(planc.load(hub("mixtral", tmp), plan), lora_dropout=0.1)
-    out["dropout"] = _error(lambda: planc.distribute_adapters(dropout))
+    out["dropout"] = error_of(lambda: planc.distribute_adapters(dropout))
     peft_first = lora(build_tiny_model("mixtral", seed=0))
-    out["apply_on_peft"] = _error(lambda: planc.apply(peft_first, plan))
+    out["apply_on_peft"] = error_of(lambda: planc.apply(peft_first, plan))
     return out
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the message is the result
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 def lora_world(rank: int, world_size: int, cases: list, refusals: bool = False) -> dict:

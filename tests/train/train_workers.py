@@ -58,6 +58,15 @@ def reference_failures(case: object, per_rank: list[dict]) -> list[str]:
     return out
 
 
+def error_of(fn) -> str:
+    """What calling `fn` raised, as "Type: message" (or "no error"): refusals compared on every rank."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 _REFERENCE: dict = {}
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from tests.runtime.workers import full, shipped_plan
 from tests.train.lora_workers import lora_world
 from tests.train.train_workers import (  # the reference's step and the batches, shared
-    ACCUM, COLS, LR, MAX_NORM, MICRO_ROWS, STEPS, VOCAB, compare_params, rows, step_rows, unsharded_run)
+    ACCUM, COLS, LR, MAX_NORM, MICRO_ROWS, STEPS, VOCAB, compare_params, error_of, rows, step_rows, unsharded_run)
 
 
 _REFERENCE: dict = {}
@@ -186,7 +186,7 @@ def resume_check(rank: int, world_size: int, mode: str = "fsdp") -> dict:
         resumed = planc.load(ckpt, plan)
         opt, schedule, run = train(resumed, 2, 2, tmp[0])
         # Trainer's own resume reads hub-layout weights only (upstream): refused before anything is read
-        refused = _error(lambda: Trainer(model=resumed, args=TrainingArguments(**trainer_args(tmp[0])),
+        refused = error_of(lambda: Trainer(model=resumed, args=TrainingArguments(**trainer_args(tmp[0])),
                                          train_dataset=dataset(dp)).train(resume_from_checkpoint=ckpt))
         planc.load_optimizer(resumed, opt, ckpt)
         schedule.load_state_dict(torch.load(os.path.join(ckpt, "scheduler.pt")))
@@ -195,14 +195,6 @@ def resume_check(rank: int, world_size: int, mode: str = "fsdp") -> dict:
         diff = max((full(p.detach()) - full(mine[n].detach())).abs().max().item() for n, p in whole.named_parameters())
         dist.barrier()
     return {"params": diff, "trainer_resume": refused}
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the message is the result
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 def refusals(rank: int, world_size: int) -> dict:
@@ -214,18 +206,18 @@ def refusals(rank: int, world_size: int) -> dict:
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         tp_model = planc_model("mixtral", world_size, world_size, 1, "fsdp")
-        out["tp"] = _error(lambda: Trainer(model=tp_model, args=TrainingArguments(**trainer_args(tmp)),
+        out["tp"] = error_of(lambda: Trainer(model=tp_model, args=TrainingArguments(**trainer_args(tmp)),
                                            train_dataset=dataset(1)).train())
         model = planc_model("mixtral", 1, world_size, world_size, "fsdp")
         steps = {**trainer_args(tmp), "save_strategy": "steps", "save_steps": 1}
-        out["save_strategy"] = _error(lambda: Trainer(model=model, args=TrainingArguments(**steps),
+        out["save_strategy"] = error_of(lambda: Trainer(model=model, args=TrainingArguments(**steps),
                                                       train_dataset=dataset(world_size)))
         only_model = {**steps, "save_only_model": True, "max_steps": 1}  # the check above lets it through
-        out["save_only_model"] = _error(lambda: Trainer(model=model, args=TrainingArguments(**only_model),
+        out["save_only_model"] = error_of(lambda: Trainer(model=model, args=TrainingArguments(**only_model),
                                                         train_dataset=dataset(world_size)).train())
         trainer = Trainer(model=model, args=TrainingArguments(**trainer_args(tmp)), train_dataset=dataset(world_size))
         target = os.path.join(tmp, "saved")
-        out["save_model"] = _error(lambda: trainer.save_model(target))
+        out["save_model"] = error_of(lambda: trainer.save_model(target))
         dist.barrier()
         out["save_model_wrote"] = sorted(os.listdir(target)) if os.path.isdir(target) else []
     return out
