@@ -9,6 +9,8 @@ Points run one at a time (each stays under ~6 GiB). Prints one row per point and
     python bench/memory_grid.py --only mixtral  # one family
     python bench/memory_grid.py --cache bench/memory_grid_measured.json  # the measured grid of docs/memory.md:
                                                 # a rerun predicts again, measuring only points whose plan changed
+    python bench/memory_grid.py --device cuda --jobs 4  # on one GPU: torch.cuda.max_memory_allocated (and the
+                                                # allocator's reserved high-water mark), 4 points at a time
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,7 +92,7 @@ def predict(point: dict) -> dict:
 
 
 def measure(point: dict) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
     run = subprocess.run([sys.executable, "-m", "tests.memory.fake_rank", json.dumps({**point, "root": str(REPO)})],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     if run.returncode:
@@ -103,32 +106,45 @@ def main() -> int:
     parser.add_argument("--modes", nargs="*", default=list(MODES))
     parser.add_argument("--points", type=int, help="only the first N (batch, seq) points of each family")
     parser.add_argument("--cache", help="a JSON file of measured points, read and extended")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--jobs", type=int, default=1, help="points measured at once (each in its own process)")
     args = parser.parse_args()
     cache = json.loads(Path(args.cache).read_text()) if args.cache and Path(args.cache).exists() else {}
     print(describe())
+    cuda = args.device == "cuda"
     print(f"{'family':12s} {'mode':10s} {'batch':>5s} {'seq':>5s} {'predicted':>10s} {'measured':>10s} {'error':>7s}"
-          f"  {'moment':s}")
+          + (f" {'reserved':>10s}" if cuda else "") + "  moment")
+    points = [{**p, "device": args.device} if cuda else p for p in grid(args.only, args.modes, args.points)]
+    pending = [p for p in points if cache_key(p) not in cache]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:  # each point is its own process: threads only wait
+        measured = dict(zip(map(cache_key, pending), pool.map(_measure_or_error, pending)))
     worst = 0.0
-    for point in grid(args.only, args.modes, args.points):
-        t0 = time.perf_counter()
-        predicted = predict(point)
+    for point in points:
         key = cache_key(point)
         if key not in cache:
-            try:
-                cache[key] = measure(point)
-            except RuntimeError as e:
-                print(f"{point['family']:12s} {point['mode']:10s} failed: {str(e)[-300:]}", flush=True)
+            if isinstance(measured[key], str):
+                print(f"{point['family']:12s} {point['mode']:10s} failed: {measured[key][-300:]}", flush=True)
                 continue
-            if args.cache:
-                Path(args.cache).write_text(json.dumps(cache, indent=1))
-        real = cache[key]
+            cache[key] = measured[key]
+        predicted, real = predict(point), cache[key]
         error = predicted["peak_per_rank"] / real["peak"] - 1
         worst = max(worst, abs(error))
+        reserved = f" {real['reserved'] / 2**30:>9.3f}G" if "reserved" in real else ""
         print(f"{point['family']:12s} {point['mode']:10s} {point['batch']:>5d} {point['seq']:>5d} "
-              f"{predicted['peak_per_rank'] / 2**30:>9.3f}G {real['peak'] / 2**30:>9.3f}G {error:>+7.1%}  "
-              f"{predicted['peak_moment']} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    print(f"largest error: {worst:.1%}")
+              f"{predicted['peak_per_rank'] / 2**30:>9.3f}G {real['peak'] / 2**30:>9.3f}G {error:>+7.1%}{reserved}  "
+              f"{predicted['peak_moment']}", flush=True)
+    if args.cache:
+        Path(args.cache).write_text(json.dumps(cache, indent=1))
+    print(f"largest error: {worst:.1%} ({time.perf_counter() - t0:.0f} s measuring)")
     return 0
+
+
+def _measure_or_error(point: dict) -> dict | str:
+    try:
+        return measure(point)
+    except RuntimeError as e:
+        return str(e)
 
 
 if __name__ == "__main__":

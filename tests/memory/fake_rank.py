@@ -176,7 +176,8 @@ def _measure_cuda(model, ids, mode: str) -> dict:
                 optimizer.zero_grad()
                 del loss
     torch.cuda.synchronize()
-    return {"peak": int(torch.cuda.max_memory_allocated()), "by_category": {}}
+    return {"peak": int(torch.cuda.max_memory_allocated()), "reserved": int(torch.cuda.max_memory_reserved()),
+            "by_category": {}}
 
 
 def measure_point(point: dict) -> dict:

@@ -19,18 +19,19 @@ from tests.memory.test_peak_memory import REPO, TOL, memory
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _run(point: dict, fraction: float | None = None) -> subprocess.CompletedProcess:
+def _run(point: dict, fraction: float | None = None, **env: str) -> subprocess.CompletedProcess:
     code = "import sys, json, torch\n"
     if fraction is not None:
         code += f"torch.cuda.set_per_process_memory_fraction({fraction})\n"
     code += ("from tests.memory.fake_rank import measure\np = json.loads(sys.argv[1])\n"
              "print(json.dumps(measure(p['family'], p['mode'], p['batch'], p['seq'], p['overrides'], dp=p['dp'], "
              "root=p['root'], device='cuda')))\n")
+    path = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
     return subprocess.run([sys.executable, "-c", code, json.dumps({**point, "root": str(REPO)})], cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}, capture_output=True, text=True, timeout=1800)
+                          env={**os.environ, "PYTHONPATH": path, **env}, capture_output=True, text=True, timeout=1800)
 
 
-@pytest.mark.parametrize("point", list(grid(modes=("serve", "replicate", "fsdp"))), ids=lambda p: json.dumps(p))
+@pytest.mark.parametrize("point", list(grid()), ids=lambda p: json.dumps(p))
 def test_grid_point_on_the_gpu(point):
     run = _run(point)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -46,6 +47,10 @@ def test_max_batch_runs_and_one_more_is_out_of_memory():
     m = memory(*plan, "--train", "--seq", "1024", "--device-memory", str(device), "--reserve", "0")
     assert m["max_batch"] >= 1
     point = {"family": "mixtral", "mode": "replicate", "seq": 1024, "overrides": {"num_hidden_layers": 2}, "dp": 1}
-    assert _run({**point, "batch": m["max_batch"]}, device / total).returncode == 0
-    over = _run({**point, "batch": m["max_batch"] + 1}, device / total)
-    assert over.returncode != 0 and "OutOfMemoryError" in over.stderr
+    # the prediction counts the tensors the allocator hands out; its segments are allowed to grow in place, so what
+    # it reserves stays what it allocates (docs/memory.md: under the default segments, fragmentation comes on top)
+    allocator = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    fits = _run({**point, "batch": m["max_batch"]}, device / total, **allocator)
+    assert fits.returncode == 0, fits.stderr[-2000:]
+    over = _run({**point, "batch": m["max_batch"] + 1}, device / total, **allocator)
+    assert over.returncode != 0 and "OutOfMemoryError" in over.stderr, over.stderr[-2000:]
