@@ -147,6 +147,8 @@ class PeakMemory:
                 f"  device memory {human_bytes(self.device_memory, 1)} - reserve {human_bytes(self.reserve, 1)} "
                 f"(CUDA context, NCCL): {verdict} ({'left' if left >= 0 else 'over by'} {human_bytes(abs(left), 2)})"
             )
+            lines.append("  counts live tensors: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the default "
+                         "allocator fragments: +16% measured, docs/memory.md)")
             if self.max_batch is not None:
                 lines.append(f"  largest micro-batch that fits at seq {self.seq}: {self.max_batch}")
             if self.max_seq is not None:
