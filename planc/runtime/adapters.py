@@ -16,7 +16,8 @@ makes the adapters what planc makes of every parameter:
   rows see only part of it); under `rowwise`, `lora_A`'s columns are sharded as the base's input features
   (Shard(1)) and its partial output is summed over tp. Both run on local tensors with planc's collectives, as
   planc's TP styles do. Linears that planc leaves whole or whose output is replicated (`replicate`,
-  `colwise_gather_output`, `rowwise_split_input`, every linear at tp 1) keep whole adapters.
+  `colwise_gather_output`, `rowwise_split_input`, every linear at tp 1) keep whole adapters. Each style's
+  `lora` column (planc.spec.styles) says which of the three it takes; a style without one is refused.
 - data parallel: each adapter linear becomes a unit of the plan's `data_parallel` over the dp ranks
   (`replicate`: gradients all-reduced; `fsdp`: adapters sharded and reduce-scattered), as planc's
   `install_data_parallel` wraps the rest: gradient accumulation (`planc.no_sync`, Trainer's
@@ -45,6 +46,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from planc.errors import ApplyError
 from planc.runtime.collectives import all_reduce_grad, all_reduce_sum, to_local
+from planc.spec.styles import STYLE, STYLES
 
 if TYPE_CHECKING:
     from planc.compiler.compiled import CompiledPlan
@@ -57,8 +59,7 @@ TARGET_INSTEAD = ("target the attention projections: target_modules=[\"q_proj\",
                   "(DeepSeek-style attention: \"q_a_proj\", \"q_b_proj\", \"kv_b_proj\", \"o_proj\"); on an MoE model "
                   "peft turns gate_proj, up_proj and down_proj, named or matched by a pattern, into the routed experts' "
                   "fused parameters")
-WHOLE_STYLES = frozenset({None, "replicate", "colwise_gather_output", "rowwise_split_input"})
-SHARDED_STYLES = {"colwise": 0, "rowwise": 1}  # the adapter's weight dim sharded: lora_B rows, lora_A columns
+SPLIT_DIM = {"lora_B": 0, "lora_A": 1}  # a split adapter's weight dim: lora_B's rows, lora_A's columns
 PEFT_INITS = (True, False, "gaussian")  # inits that do not read the base weight
 
 
@@ -91,6 +92,14 @@ def _style(base_layer: Any, tp_size: int) -> Optional[str]:
     return None if tp_size == 1 else getattr(base_layer.forward, "planc_style", None)
 
 
+def _layout(style: Optional[str]) -> Optional[str]:
+    """How the adapters of a linear with `style` are laid out (the style's `lora` column); None: they cannot be."""
+    if style is None:
+        return "whole"
+    row = STYLE.get(style)
+    return row.lora if row is not None else None
+
+
 def _problem(path: str, layer: Any, experts: list[str], configs: dict[str, Any], tp_size: int) -> Optional[str]:
     """Why planc cannot distribute this LoRA layer, or None."""
     inner = layer.get_base_layer()
@@ -103,10 +112,11 @@ def _problem(path: str, layer: Any, experts: list[str], configs: dict[str, Any],
     if not isinstance(inner, nn.Linear) or not isinstance(getattr(layer, "lora_A", None), nn.ModuleDict):
         return (f"{path}: planc distributes LoRA on linear layers only ({type(inner).__name__} here); {TARGET_INSTEAD}.")
     style = _style(inner, tp_size)
-    if style not in WHOLE_STYLES and style not in SHARDED_STYLES:
+    layout = _layout(style)
+    if layout is None:
+        follow = ", ".join(f"`{r.name}`" for r in STYLES if r.lora is not None)
         return (f"{path}: its base layer is tensor-parallel with `{style}`, which LoRA adapters cannot follow "
-                f"(planc shards adapters on `colwise` and `rowwise` linears and keeps them whole on linears it "
-                f"leaves whole); {TARGET_INSTEAD}.")
+                f"(planc distributes adapters on linears it leaves whole and on {follow}); {TARGET_INSTEAD}.")
     for name in layer.lora_A:
         config = configs.get(name)
         if getattr(layer, "lora_variant", {}).get(name) is not None:
@@ -118,7 +128,7 @@ def _problem(path: str, layer: Any, experts: list[str], configs: dict[str, Any],
             return (f"{path}: init_lora_weights={init!r} reads or changes the base weight, which planc shards; use "
                     f"one of {', '.join(repr(i) for i in PEFT_INITS)}.")
         dropout = layer.lora_dropout[name]
-        if tp_size > 1 and style != "rowwise" and isinstance(dropout, nn.Dropout) and dropout.p > 0:
+        if tp_size > 1 and layout != "lora_A" and isinstance(dropout, nn.Dropout) and dropout.p > 0:
             return (f"{path}: lora_dropout={dropout.p} at tp_size {tp_size}: the TP ranks share this adapter's input "
                     "and each would drop other elements of it, so their shards or copies would disagree; use "
                     "lora_dropout=0.0 at tp_size > 1.")
@@ -141,15 +151,15 @@ def distribute_adapters(model: Any) -> Any:
     units: list[nn.Module] = []
     for _, layer in layers:
         inner = layer.get_base_layer()
-        style = _style(inner, groups.tp_size)
+        layout = _layout(_style(inner, groups.tp_size))
         for name in list(layer.lora_A):
             _full_size(layer, name, inner, configs[name].init_lora_weights if name in configs else True)
             for linear in (layer.lora_A[name], layer.lora_B[name]):
                 for p in linear.parameters():
                     with torch.no_grad():
                         dist.broadcast(p.data, src=0)  # one adapter for every replica: rank 0's
-            if style in SHARDED_STYLES:
-                _shard(layer.lora_A[name], layer.lora_B[name], style, groups.tp_mesh)
+            if layout in SPLIT_DIM:
+                _shard(layer.lora_A[name], layer.lora_B[name], layout, groups.tp_mesh)
             units += [layer.lora_A[name], layer.lora_B[name]]
         layer._planc_adapters = True
     from planc.runtime.data_parallel import install_adapter_units
@@ -172,17 +182,17 @@ def _full_size(layer: Any, name: str, inner: nn.Linear, init: Any) -> None:
     layer.reset_lora_parameters(name, init)
 
 
-def _shard(a: nn.Linear, b: nn.Linear, style: str, mesh: Any) -> None:
+def _shard(a: nn.Linear, b: nn.Linear, layout: str, mesh: Any) -> None:
     """Shard the adapter as its base layer and run it on local tensors (module doc)."""
     group = mesh.get_group()
-    sharded = b if style == "colwise" else a
+    sharded = b if layout == "lora_B" else a
     w = sharded._parameters["weight"]
     assert w is not None, "a LoRA linear holds its weight"
     sharded._parameters["weight"] = nn.Parameter(
-        distribute_tensor(w.detach(), mesh, [Shard(SHARDED_STYLES[style])], src_data_rank=None),
+        distribute_tensor(w.detach(), mesh, [Shard(SPLIT_DIM[layout])], src_data_rank=None),
         requires_grad=w.requires_grad)
 
-    if style == "colwise":
+    if layout == "lora_B":
         def a_forward(x: torch.Tensor) -> torch.Tensor:  # every rank's rows of B use it: its gradient is partial
             return all_reduce_grad(F.linear(x, to_local(a.weight)), group)
 

@@ -45,6 +45,10 @@ class Style:
     # the installed forward runs the module on the local shards of its own parameters, so a bare parameter of
     # the module (attention sinks, [n, I, H] shared experts) may be sharded (compiler check PLC621)
     local_forward: bool = False
+    # a LoRA adapter on a linear of this style (`planc.distribute_adapters`): whole on every rank, or split as the
+    # base layer is (`lora_B`: its rows, the base's output features; `lora_A`: its columns, the input features);
+    # None: adapters cannot follow this style
+    lora: Optional[Literal["whole", "lora_B", "lora_A"]] = None
 
     def placement(self, ndim: int) -> Optional[int]:
         """The dim split for a parameter of `ndim` dims, or None when it stays whole on every rank."""
@@ -62,13 +66,13 @@ R, S = REPLICATED, SHARDED
 
 STYLES: tuple[Style, ...] = (
     Style("colwise", "tp", "module", "shard the output features (weight dim -2); output stays sharded",
-          dims=(-2, 0), input=R, output=S, runtime=True, local_forward=True),
+          dims=(-2, 0), input=R, output=S, runtime=True, local_forward=True, lora="lora_B"),
     Style("colwise_gather_output", "tp", "module", "colwise, output all-gathered (lm_head)",
-          dims=(-2, 0), input=R, output=R, runtime=True, local_forward=True),
+          dims=(-2, 0), input=R, output=R, runtime=True, local_forward=True, lora="whole"),
     Style("rowwise", "tp", "module", "shard the input features (weight dim -1); output all-reduced",
-          dims=(-1, None), input=S, output=R, runtime=True, local_forward=True),
+          dims=(-1, None), input=S, output=R, runtime=True, local_forward=True, lora="lora_A"),
     Style("rowwise_split_input", "tp", "module", "rowwise that slices a replicated input itself",
-          dims=(-1, None), input=R, output=R, runtime=True, local_forward=True),
+          dims=(-1, None), input=R, output=R, runtime=True, local_forward=True, lora="whole"),
     Style("packed_colwise", "tp", "module", "colwise for fused gate|up weights (each half sharded separately)",
           dims=(-2, -1), packed=True, input=R, output=S, runtime=True, local_forward=True),
     Style("packed_rowwise", "tp", "parameter", "rowwise for weights packed on the last dim",
@@ -95,7 +99,7 @@ STYLES: tuple[Style, ...] = (
     Style("moe_identity_expert", "tp", "module", "identity expert input divided by the TP size", runtime=True),
     Style("local_params", "tp", "module", "run the module on the local shards of its bare parameters "
           "(per-head attention sinks); its children reduce the output", runtime=True, local_forward=True),
-    Style("replicate", "tp", "module", "every rank keeps the full parameter", runtime=True),
+    Style("replicate", "tp", "module", "every rank keeps the full parameter", runtime=True, lora="whole"),
     Style("grouped_gemm", "ep", "parameter", "shard the expert dimension of an experts parameter over the EP group",
           dims=(0, 0), mesh="ep", runtime=True),
     Style("ep_dispatch_experts", "ep", "module", "replace the experts forward with the plan's EP implementation",

@@ -219,8 +219,8 @@ def _key(name: str) -> str:
 
 def lora_refusals(rank: int, world_size: int, tmp: str) -> dict:
     """What planc refuses with PEFT: a training forward with undistributed adapters, LoRA on routed experts
-    (target_parameters and a module inside the experts), lora_dropout on colwise TP layers, planc.apply on a
-    PeftModel."""
+    (target_parameters and a module inside the experts), lora_dropout on colwise TP layers, a TP style adapters
+    cannot follow (MLA's kv_a_proj), planc.apply on a PeftModel."""
     import planc
     from planc.models.build import build_tiny_model
 
@@ -235,6 +235,9 @@ def lora_refusals(rank: int, world_size: int, tmp: str) -> dict:
     out["experts"] = error_of(lambda: planc.distribute_adapters(experts))
     dropout = lora(planc.load(hub("mixtral", tmp), plan), lora_dropout=0.1)
     out["dropout"] = error_of(lambda: planc.distribute_adapters(dropout))
+    mla = shipped_plan("deepseek_v3", tp=world_size, ep=world_size, dp=1, ep_implementation="all_to_all")
+    style = lora(planc.load(hub("deepseek_v3", tmp), mla), target_modules=["kv_a_proj_with_mqa"])
+    out["style"] = error_of(lambda: planc.distribute_adapters(style))
     peft_first = lora(build_tiny_model("mixtral", seed=0))
     out["apply_on_peft"] = error_of(lambda: planc.apply(peft_first, plan))
     return out

@@ -45,7 +45,8 @@ CI_CASES = [
 
 # what each LoRA refusal must say: the call that fixes it, the targets to use, the setting to change, the order
 LORA_REFUSALS = {"undistributed": "planc.distribute_adapters(model)", "experts": 'target_modules=["q_proj"',
-                 "dropout": "use lora_dropout=0.0", "apply_on_peft": "then call peft's get_peft_model"}
+                 "dropout": "use lora_dropout=0.0", "apply_on_peft": "then call peft's get_peft_model",
+                 "style": "`mla_kv_a_proj`, which LoRA adapters cannot follow"}
 
 
 def failures(cases: list, results: list) -> list[str]:
