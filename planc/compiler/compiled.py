@@ -247,7 +247,8 @@ class CompiledPlan:
             # only when declared, so the fingerprints of plans without it (and their checkpoints) stay the same;
             # activation_checkpointing only when on, for the same reason
             **({"training": self.training.model_dump(exclude={"activation_checkpointing"}
-                                                     if self.training.activation_checkpointing == "none" else None)}
+                                                     if not self.training.activation_checkpointing_row.recomputes_layers
+                                                     else None)}
                if self.training is not None else {}),
         }
 

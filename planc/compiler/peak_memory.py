@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional
 from planc.compiler.train_memory import ITEMSIZE, TrainMemory
 from planc.compiler.units import human_bytes
 from planc.spec.choices import ACTIVATION_CHECKPOINTING_MODES
+from planc.spec.styles import SHARDED, STYLE
 
 if TYPE_CHECKING:
     from planc.compiler.compiled import CompiledPlan
@@ -157,6 +158,13 @@ class PeakMemory:
         return "\n".join(lines)
 
 
+def _splits_output(style: str) -> bool:
+    """The style leaves its module's output split over tp (colwise, packed or not): the widths after it are per
+    rank."""
+    row = STYLE.get(style)
+    return row is not None and row.output == SHARDED
+
+
 def _get(config: Mapping[str, Any], *names: str, default: Any = None) -> Any:
     for n in names:
         v = config.get(n)
@@ -200,10 +208,9 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
     shapes = []
     for index, (layer, (mla, moe, shared)) in enumerate(sorted(_layer_kinds(walk).items(),
                                                                key=lambda kv: _layer_index(kv[0]))):
-        attn_tp = any(f.startswith(layer + ".") and "attn" in f and s in ("colwise", "colwise_rep")
-                      for f, s in styles.items())
+        attn_tp = any(f.startswith(layer + ".") and "attn" in f and _splits_output(s) for f, s in styles.items())
         split = tp if attn_tp else 1
-        mlp_tp = tp if any(f.startswith(layer + ".mlp.") and s == "colwise" for f, s in styles.items()) else 1
+        mlp_tp = tp if any(f.startswith(layer + ".mlp.") and _splits_output(s) for f, s in styles.items()) else 1
         kind = layer_types[index] if index < len(layer_types) else "full_attention"
         experts = next((e for f, e in experts_by_layer.items() if f.startswith(layer + ".")), None)
         if mla:
