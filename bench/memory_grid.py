@@ -22,7 +22,7 @@ import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -117,16 +117,23 @@ def main() -> int:
     points = [{**p, "device": args.device} if cuda else p for p in grid(args.only, args.modes, args.points)]
     pending = [p for p in points if cache_key(p) not in cache]
     t0 = time.perf_counter()
+    failed: dict[str, str] = {}
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:  # each point is its own process: threads only wait
-        measured = dict(zip(map(cache_key, pending), pool.map(_measure_or_error, pending)))
+        futures = {pool.submit(_measure_or_error, p): cache_key(p) for p in pending}
+        for done in as_completed(futures):
+            key, result = futures[done], done.result()
+            if isinstance(result, str):
+                failed[key] = result
+                continue
+            cache[key] = result
+            if args.cache:  # written as points finish: a stopped run keeps what it measured
+                Path(args.cache).write_text(json.dumps(cache, indent=1))
     worst = 0.0
     for point in points:
         key = cache_key(point)
-        if key not in cache:
-            if isinstance(measured[key], str):
-                print(f"{point['family']:12s} {point['mode']:10s} failed: {measured[key][-300:]}", flush=True)
-                continue
-            cache[key] = measured[key]
+        if key in failed:
+            print(f"{point['family']:12s} {point['mode']:10s} failed: {failed[key][-300:]}", flush=True)
+            continue
         predicted, real = predict(point), cache[key]
         error = predicted["peak_per_rank"] / real["peak"] - 1
         worst = max(worst, abs(error))
@@ -134,9 +141,7 @@ def main() -> int:
         print(f"{point['family']:12s} {point['mode']:10s} {point['batch']:>5d} {point['seq']:>5d} "
               f"{predicted['peak_per_rank'] / 2**30:>9.3f}G {real['peak'] / 2**30:>9.3f}G {error:>+7.1%}{reserved}  "
               f"{predicted['peak_moment']}", flush=True)
-    if args.cache:
-        Path(args.cache).write_text(json.dumps(cache, indent=1))
-    print(f"largest error: {worst:.1%} ({time.perf_counter() - t0:.0f} s measuring)")
+    print(f"largest error: {worst:.1%} ({time.perf_counter() - t0:.0f} s)")
     return 0
 
 
