@@ -153,8 +153,9 @@ def _uninitialized_memory_is_nan():
     transformers' `_init_weights` never reaches (the Qwen3 Omni talker's experts: the top model's init only knows
     the thinker's MoE block) is all NaN, not whatever the allocator held, which differs between ranks."""
     import torch
-    import torch.utils.deterministic as det
+    import torch.utils.deterministic
 
+    det: Any = torch.utils.deterministic  # its flag is a property of the module's class, which stubs do not show
     was_det, was_warn, was_fill = (torch.are_deterministic_algorithms_enabled(),
                                    torch.is_deterministic_algorithms_warn_only_enabled(), det.fill_uninitialized_memory)
     torch.use_deterministic_algorithms(True, warn_only=True)
