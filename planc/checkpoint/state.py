@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from planc.errors import CheckpointError
+from planc.spec.styles import splits_by_expert
 
 if TYPE_CHECKING:
     from planc.compiler.compiled import CompiledPlan
@@ -45,7 +46,7 @@ def expert_sharded_buffers(model: nn.Module, compiled: Optional[CompiledPlan], g
     modules = dict(model.named_modules())
     out: dict[str, tuple[nn.Module, str]] = {}
     for a in compiled.assignments:
-        if a.target == "parameter" and a.style == "grouped_gemm":
+        if a.target == "parameter" and splits_by_expert(a.style):
             owner, _, name = a.fqn.rpartition(".")
             module = modules.get(owner)
             if module is not None and name in module._buffers:

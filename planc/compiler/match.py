@@ -21,7 +21,7 @@ from planc.compiler.context import (
     Resolution,
 )
 from planc.spec.patterns import Pattern
-from planc.spec.styles import ALL_STYLES, EXPERTS_MODULE_STYLES, PARAMETER_STYLES
+from planc.spec.styles import ALL_STYLES, EXPERTS_MODULE_STYLES, PARAMETER_STYLES, dispatches_experts
 
 
 def collect_rules(c: Resolution) -> None:
@@ -116,7 +116,7 @@ def find_ep_experts(c: Resolution, maps: TableMaps) -> set[str]:
     modules = c.walk.modules
     return {
         fqn for fqn, r in maps["ep"].items()
-        if r.style == "ep_dispatch_experts" and fqn in modules and modules[fqn].experts is not None
+        if dispatches_experts(r.style) and fqn in modules and modules[fqn].experts is not None
     }
 
 

@@ -43,6 +43,7 @@ from planc.runtime.exit_drain import destroy_groups_at_exit
 from planc.runtime.mesh import Groups, build_groups, rank_device
 from planc.runtime.snapshot import Snapshot
 from planc.runtime.tp_styles import tp_style
+from planc.spec.styles import STYLE, dispatches_experts, splits_by_expert
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -380,11 +381,11 @@ def step_shard_parameters(state: InstallState) -> None:
         owner_name, _, pname = a.fqn.rpartition(".")
         owner = state.module(owner_name)
         owner._planc_fqn = owner_name  # type: ignore[assignment]  # plain attributes; torch types them as tensors or modules
-        if a.style == "grouped_gemm":
+        if splits_by_expert(a.style):
             # a parameter of a module inside the experts (a per-expert norm) is sliced alike; its owner is not the experts
             shard_expert_tensor(owner, pname, state.groups, num_experts.get(owner_name),
                                 experts_module=owner_name in num_experts)
-        elif a.style == "ep_dispatch_experts":
+        elif dispatches_experts(a.style):
             continue  # a module style inherited by its parameters: grouped_gemm rules shard them
         else:
             style = tp_style(a.style, a.rule.where)
@@ -399,7 +400,7 @@ def step_shard_parameters(state: InstallState) -> None:
 def step_install_tp_forwards(state: InstallState) -> None:
     """Every module assignment of the TP table: wrap its forward with the style's layouts."""
     for a in state.compiled.assignments:
-        if a.target != "module" or a.style in ("ep_dispatch_experts", "grouped_gemm"):
+        if a.target != "module" or STYLE[a.style].section == "ep":
             continue
         module = state.module(a.fqn)
         module._planc_fqn = a.fqn  # type: ignore[assignment]  # plain attributes; torch types them as tensors or modules

@@ -61,6 +61,11 @@ class Style:
         """Whether the style splits any parameter."""
         return self.dims != (None, None)
 
+    @property
+    def by_expert(self) -> bool:
+        """Whether the style splits a parameter by expert (its leading dim over the EP group)."""
+        return self.mesh == "ep" and self.shards
+
 
 R, S = REPLICATED, SHARDED
 
@@ -140,3 +145,15 @@ REMOVED_STYLES: dict[str, str] = {
 def style(name: str) -> Optional[Style]:
     """The row of `name`, or None for a removed or unknown style."""
     return STYLE.get(name)
+
+
+def splits_by_expert(name: str) -> bool:
+    """`name` is a style that shards a parameter by expert (`grouped_gemm`)."""
+    row = STYLE.get(name)
+    return row is not None and row.by_expert
+
+
+def dispatches_experts(name: str) -> bool:
+    """`name` is the module style that replaces an experts forward with the plan's EP strategy
+    (`ep_dispatch_experts`)."""
+    return EXPERTS_MODULE_STYLES.get(name) == "ep"

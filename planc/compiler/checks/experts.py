@@ -7,7 +7,7 @@ from typing import Optional
 
 from planc.compiler.context import EXPERTS_PARTIAL, PlanRule, Resolution
 from planc.compiler.walk import ModelWalk, ModuleInfo, generic_path
-from planc.spec.styles import STYLE
+from planc.spec.styles import STYLE, splits_by_expert
 
 
 def nested_expert_owner(walk: ModelWalk, fqn: str) -> Optional[ModuleInfo]:
@@ -46,7 +46,7 @@ def check_experts_params(c: Resolution, m: ModuleInfo, mode: Optional[str], fina
                     "expert-parallel experts,")
         else:
             what = f"{name} of expert-parallel experts"
-        if mode == "ep" and (r is None or r.style != "grouped_gemm"):
+        if mode == "ep" and (r is None or not splits_by_expert(r.style)):
             c.problems.add(
                 EXPERTS_PARTIAL,
                 f"{what} is not sharded by expert"
@@ -68,7 +68,7 @@ def check_experts_params(c: Resolution, m: ModuleInfo, mode: Optional[str], fina
                 f"add `{generic_path(m.fqn)}.{name}: {want}` to tp_plan",
                 pfqn,
             )
-        elif mode != "ep" and r is not None and r.style == "grouped_gemm" and c.active["ep"]:
+        elif mode != "ep" and r is not None and splits_by_expert(r.style) and c.active["ep"]:
             c.problems.add(
                 EXPERTS_PARTIAL,
                 f"{name} is sharded by expert (grouped_gemm) but its experts module has no "

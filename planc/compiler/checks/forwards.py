@@ -12,7 +12,7 @@ from __future__ import annotations
 from planc.compiler.context import BARE_PARAM_UNWRAPPED, EXPERTS_IMPL_FIXED, WRONG_TARGET, PlanRule, Resolution
 from planc.compiler.compiled import Assignment
 from planc.compiler.walk import generic_path
-from planc.spec.styles import STYLE
+from planc.spec.styles import STYLE, dispatches_experts
 
 
 def check_bare_parameters(c: Resolution, assignments: list[Assignment], final: dict[str, PlanRule]) -> None:
@@ -67,7 +67,7 @@ def check_dense_experts(c: Resolution, final: dict[str, PlanRule]) -> None:
     on every token of the batch its EP group shares and the outputs are gathered, so ep_size must equal tp_size."""
     for m in c.walk.experts:
         rule = final.get(m.fqn)
-        if m.experts is None or m.experts.dispatch != "dense" or rule is None or rule.style != "ep_dispatch_experts" or c.ep == c.tp:
+        if m.experts is None or m.experts.dispatch != "dense" or rule is None or not dispatches_experts(rule.style) or c.ep == c.tp:
             continue
         c.problems.add(
             WRONG_TARGET,
