@@ -76,7 +76,5 @@ def test_exit_drain_finds_the_gloo_workers_and_waits_until_they_sleep():
     from tests.checkpoint.workers import gloo_workers_after_drain
     from tests.distributed import run_distributed
 
-    # a gloo group starts two workers; each names itself as it first runs, which on loaded cores can come after the
-    # all_reduce the other one served (seen once under load: 1 named). One name found is what shows the drain's lookup
     for workers, asleep in run_distributed(gloo_workers_after_drain, 2):
-        assert workers >= 1 and asleep, (workers, asleep)
+        assert workers >= 2 and asleep, (workers, asleep)

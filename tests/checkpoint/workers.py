@@ -326,7 +326,22 @@ def gloo_workers_after_drain(rank: int, world_size: int) -> tuple[int, bool]:
 
     from planc.runtime.exit_drain import GLOO_WORKER_THREAD, drain_gloo_workers, gloo_workers_asleep
 
+    import time
+
+    def named() -> int:
+        names = []
+        for t in os.listdir("/proc/self/task"):
+            try:
+                names.append(open(f"/proc/self/task/{t}/comm").read().strip())
+            except OSError:
+                pass  # a thread that ended meanwhile
+        return names.count(GLOO_WORKER_THREAD)
+
     dist.all_reduce(torch.ones(4))
+    # each of the group's two workers names itself when it first runs; on loaded cores the one that served no
+    # work may not have run yet (seen once: 1 named), so give it a moment before counting
+    deadline = time.monotonic() + 10
+    while named() < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     drain_gloo_workers()
-    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-    return names.count(GLOO_WORKER_THREAD), bool(gloo_workers_asleep())
+    return named(), bool(gloo_workers_asleep())
