@@ -11,6 +11,7 @@ refusal is checked against the reason its code stands for.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -58,10 +59,29 @@ FORMERLY_NOT_BUILT = [
 EP_REQUIRED = ["longcat_flash", "gemma4_text", "flint", "hunyuan_v1_moe"]
 
 
+def _first_worker_to_sweep(tmp_path_factory) -> None:
+    """Fail instead of sweeping a second time when `--dist loadgroup` split the group over workers (it does so
+    silently under pytest 9.2 with pytest-xdist 3.8, pytest-dev/pytest-xdist#1386: minutes more on 2 cores)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        return
+    # the workers' base temporary directories share this run's parent
+    claim = tmp_path_factory.getbasetemp().parent / "family_sweep.worker"
+    try:
+        fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        pytest.fail(f"the family sweep already ran on {claim.read_text() or 'another worker'}, and {worker} was "
+                    "asked for it too: `--dist loadgroup` did not keep the xdist_group on one worker. Install "
+                    "the test extra's pytest (`pip install -e '.[test]'`: pytest<9.2, pytest-dev/pytest-xdist#1386)")
+    with os.fdopen(fd, "w") as f:
+        f.write(worker)
+
+
 # session scope: under xdist a worker may run other modules' tests between these, and a module fixture would be
 # torn down and the whole sweep run again
 @pytest.fixture(scope="session")
-def sweep():
+def sweep(tmp_path_factory):
+    _first_worker_to_sweep(tmp_path_factory)
     shipped = {f"plans/{name}.yaml": (ROOT / "plans" / f"{name}.yaml").read_text() for name in SHIPPED}
     return run_sweep(shipped=shipped)
 
