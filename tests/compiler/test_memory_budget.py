@@ -23,11 +23,15 @@ def test_parse_size():
 
 
 def test_deepseek_v3_bf16_does_not_fit_an_h200():
+    from tests.fp32_routers import routers_kept_fp32
+
+    # transformers 5.24 on keeps the 58 routers fp32 (0.19 GiB more per rank than 5.23's bf16 ones)
+    held, over = ("158.11", "17.1") if routers_kept_fp32("deepseek_v3") else ("157.92", "16.9")
     r = _explain("plans/deepseek_v3.yaml", "--device-memory", "141GiB")
     assert r.returncode == 1, r.stderr
-    assert "PLC660" in r.stderr and "158.11 GiB" in r.stderr and "141.0 GiB" in r.stderr
+    assert "PLC660" in r.stderr and f"{held} GiB" in r.stderr and "141.0 GiB" in r.stderr
     assert "tp_size/ep_size 16/16" in r.stderr and "FP8 weights" in r.stderr  # what would fit
-    assert "OVER by 17.1 GiB" in r.stdout
+    assert f"OVER by {over} GiB" in r.stdout
 
 
 def test_fits_when_the_device_is_large_enough():

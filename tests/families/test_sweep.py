@@ -163,10 +163,16 @@ def test_shipped_plans_apply_on_tiny_models(sweep):
 @pytest.mark.xdist_group("family_sweep")
 def test_models_md_is_current(sweep):
     import transformers
+    from packaging.version import Version
 
+    have = (ROOT / "docs" / "models.md").read_text()
+    written = re.search(r"Every MoE family of transformers (\S+) ", have)
+    assert written, "docs/models.md does not name the transformers it was written from"
+    if Version(transformers.__version__) < Version(written[1]):
+        pytest.skip(f"docs/models.md is written from transformers {written[1]}; an older one "
+                    f"({transformers.__version__}) has fewer families and cannot check it")
     records, _ = sweep
     want = render_models_md(records, transformers.__version__)
-    have = (ROOT / "docs" / "models.md").read_text()
     assert have == want, "docs/models.md is stale: run `python -m tests.families.sweep --write docs/models.md`"
 
 

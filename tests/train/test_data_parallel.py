@@ -7,7 +7,7 @@ The 2-rank world also runs generate() right after planc.load (default and static
 batch; every EP strategy, TP-only, and dp replicas) against the unsharded model, token for token.
 
 Both worlds also run the training-engine checks (tests/train/engine_workers.py): DeepSeek-V3 and GLM-4.5 loaded in
-bf16 (fp32 routers) at (1, 2, 2) and (2, 2, 2) under fsdp and replicate against the unsharded bf16 model; a no-grad
+bf16 (fp32 routers from transformers 5.24) at (1, 2, 2) and (2, 2, 2) under fsdp and replicate against the unsharded bf16 model; a no-grad
 forward, generate(), eval()/train() and a forward with autograd on (no backward) before the optimizer is built; gradient accumulation with planc.no_sync
 (dp 1 too).
 
@@ -24,6 +24,7 @@ import pytest
 
 from planc.spec.sizes import check_sizes
 from tests.distributed import run_distributed
+from tests.fp32_routers import routers_kept_fp32
 from tests.train.engine_workers import BF16_MODELS
 from tests.train.lora_workers import LORA_CASES_4, lora_failures
 from tests.train.train_workers import LOSS_TOL, NORM_REL, PARAM_TOL, reference_failures, train_world
@@ -127,8 +128,10 @@ def engine_failures(engine: dict, world_size: int) -> list[str]:
     assert len(bf16) == 4 and len(others) == (6 if world_size == 2 else 4), sorted(engine)
     for key in bf16:
         r = engine[key]
-        if r["router_dtypes"] != ["grad torch.float32", "param torch.float32", "state torch.float32"] or not r["routers"]:
-            failures.append(f"{key}: routers {r['routers']}, dtypes {r['router_dtypes']} (transformers keeps them fp32)")
+        dtype = "torch.float32" if routers_kept_fp32(key[1]) else "torch.bfloat16"
+        if r["router_dtypes"] != [f"grad {dtype}", f"param {dtype}", f"state {dtype}"] or not r["routers"]:
+            failures.append(f"{key}: routers {r['routers']}, dtypes {r['router_dtypes']} (transformers builds them "
+                            f"{dtype})")
         if r["loss"] > BF16_LOSS:
             failures.append(f"{key}: loss off the bf16 reference by {r['loss']:.3g}")
         if r["params"] > BF16_PARAM:
