@@ -69,12 +69,18 @@ def _join(context: mp.ProcessContext, timeout: float | None) -> None:
     deadline = None if timeout is None else time.monotonic() + timeout
     while not context.join(None if deadline is None else max(0.0, deadline - time.monotonic())):
         if deadline is not None and time.monotonic() >= deadline:
-            for p in context.processes:
-                if p.is_alive():
-                    p.kill()
-            for p in context.processes:
-                p.join()
+            _kill_alive(context)
             raise TimeoutError(f"the {len(context.processes)}-rank world did not finish within {timeout:g} s (killed)")
+
+
+def _kill_alive(context: mp.ProcessContext) -> None:
+    """Kill the ranks still running and reap them: after a timeout, or when the caller's wait was interrupted
+    (Ctrl-C, a test's time limit), so no rank is left waiting in a collective for peers that are gone."""
+    for p in context.processes:
+        if p.is_alive():
+            p.kill()
+    for p in context.processes:
+        p.join()
 
 
 def _remove_error_files(context: mp.ProcessContext) -> None:
@@ -105,6 +111,7 @@ def run_local_world(fn: Callable[..., Any], world_size: int, *args: Any, retries
                     continue
                 raise
             finally:
+                _kill_alive(context)  # none on success; every rank when the wait was cut short
                 _remove_error_files(context)
             results: list[Any] = []
             for rank in range(world_size):

@@ -1,7 +1,11 @@
-"""The gloo harness itself: results by rank, a rank's exception with its traceback, and a clean exit."""
+"""The gloo harness itself: results by rank, a rank's exception with its traceback, a clean exit, and no rank left
+behind when the caller's wait is cut short."""
 
 import os
+import signal
 import tempfile
+import time
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -42,3 +46,32 @@ def test_one_failing_rank_fails_the_world():
     when the failing rank's connection went away (a gloo transport error; both happen)."""
     with pytest.raises(mp.ProcessRaisedException, match=r"rank one refuses|gloo/transport"):
         run_local_world(_fail_on_rank_one, 2)
+
+
+def _sleep_after_writing_pid(rank, world_size, pid_dir):
+    Path(pid_dir, f"{rank}.pid").write_text(str(os.getpid()))
+    time.sleep(600)
+
+
+def test_an_interrupted_wait_leaves_no_rank_running(tmp_path):
+    """Ctrl-C or a test's time limit (pytest-timeout raises in the waiting thread, as SIGALRM does here) while the
+    ranks still run: every rank is killed and reaped before the exception leaves run_local_world."""
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt_once_both_ranks_run(signum, frame):
+        if len(list(tmp_path.glob("*.pid"))) == 2:
+            raise Interrupted
+
+    previous = signal.signal(signal.SIGALRM, interrupt_once_both_ranks_run)
+    signal.setitimer(signal.ITIMER_REAL, 0.5, 0.5)
+    try:
+        with pytest.raises(Interrupted):
+            run_local_world(_sleep_after_writing_pid, 2, str(tmp_path))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    for pid in (int(p.read_text()) for p in tmp_path.glob("*.pid")):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # gone, and reaped (a zombie would still take the signal)
