@@ -7,9 +7,9 @@ The 2-rank world also runs generate() right after planc.load (default and static
 batch; every EP strategy, TP-only, and dp replicas) against the unsharded model, token for token.
 
 Both worlds also run the training-engine checks (tests/train/engine_workers.py): DeepSeek-V3 and GLM-4.5 loaded in
-bf16 (fp32 routers from transformers 5.24) at (1, 2, 2) and (2, 2, 2) under fsdp and replicate against the unsharded bf16 model; a no-grad
-forward, generate(), eval()/train() and a forward with autograd on (no backward) before the optimizer is built; gradient accumulation with planc.no_sync
-(dp 1 too).
+bf16 (fp32 routers from transformers 5.24) at (1, 2, 2) and (2, 2, 2) under fsdp and replicate against the unsharded
+bf16 model; a no-grad forward, generate(), eval()/train() and a forward with autograd on (no backward) before the
+optimizer is built; gradient accumulation with planc.no_sync (dp 1 too).
 
 The 4-rank world also trains PEFT LoRA at tp 2 and dp 2 (tests/train/lora_workers.py: planc.distribute_adapters,
 planc's own loop with planc.no_sync under fsdp, Accelerate under replicate) against the unsharded LoRA run.
