@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -92,7 +91,9 @@ def predict(point: dict) -> dict:
 
 
 def measure(point: dict) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
+    from tests.checkout_env import checkout_env
+
+    env = checkout_env()
     run = subprocess.run([sys.executable, "-m", "tests.memory.fake_rank", json.dumps({**point, "root": str(REPO)})],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     if run.returncode:

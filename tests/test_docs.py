@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from tests.checkout_env import checkout_env
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -35,8 +36,7 @@ def runnable_blocks() -> dict[str, tuple[Path, str, str]]:
 def _env() -> dict:
     """The user's shell: this venv's console scripts (planc, torchrun) first on PATH, this checkout importable."""
     bin_dir = os.path.dirname(sys.executable)
-    return {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
-            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return checkout_env(PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""))
 
 
 def _bash(text: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:

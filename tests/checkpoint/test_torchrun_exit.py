@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.checkout_env import checkout_env
 
 pytestmark = [pytest.mark.distributed]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
@@ -20,9 +21,8 @@ RUNS = 5  # a few seconds each
 
 
 def _torchrun(*args):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([*TORCHRUN, *map(str, args)], capture_output=True, text=True, timeout=300, env=env,
-                          cwd=ROOT)
+    return subprocess.run([*TORCHRUN, *map(str, args)], capture_output=True, text=True, timeout=300,
+                          env=checkout_env(), cwd=ROOT)
 
 
 @pytest.fixture(scope="module")

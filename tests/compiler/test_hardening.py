@@ -12,7 +12,9 @@ import pytest
 
 from planc.cli import main
 
-from ..lint.helpers import REPO, env
+from tests.checkout_env import checkout_env
+
+from ..lint.helpers import REPO
 
 OLD_PLAN = (
     "# keep this comment\r\n"
@@ -40,7 +42,7 @@ def test_migrate_write_under_a_file_size_limit_leaves_the_plan_intact(tmp_path):
     plan = tmp_path / "old.yaml"
     plan.write_bytes(OLD_PLAN.encode())
     r = subprocess.run(
-        [sys.executable, "-m", "planc", "migrate", str(plan), "--write"], cwd=REPO, env=env(),
+        [sys.executable, "-m", "planc", "migrate", str(plan), "--write"], cwd=REPO, env=checkout_env(),
         capture_output=True, text=True, timeout=120, preexec_fn=_limit_file_size,
     )
     assert r.returncode == 2, r.stdout + r.stderr
@@ -127,12 +129,12 @@ def test_a_family_transformers_cannot_build_is_one_line(tmp_path):
     # building the model is reached through explain, which shares the one model-building path with init and demo.
     plan = tmp_path / "dbrx.yaml"
     plan.write_text("version: 1\nmodel: {type: dbrx}\nparallel: {tp_size: 2}\ntp_plan:\n  lm_head: colwise_gather_output\n")
-    r = subprocess.run([sys.executable, "-m", "planc", "explain", str(plan)], cwd=REPO, env=env(),
+    r = subprocess.run([sys.executable, "-m", "planc", "explain", str(plan)], cwd=REPO, env=checkout_env(),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.count("\n") <= 1 and "Traceback" not in r.stderr, r.stderr
     assert "`dbrx`" in r.stderr and "DbrxForCausalLM" in r.stderr and "rope_theta" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "planc", "init", "--from-transformers", "dbrx"], cwd=REPO, env=env(),
+    r = subprocess.run([sys.executable, "-m", "planc", "init", "--from-transformers", "dbrx"], cwd=REPO, env=checkout_env(),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr and "`dbrx`" in r.stderr, r.stderr
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.checkout_env import checkout_env
 
 REPO = Path(__file__).resolve().parents[2]
 PLANS = sorted((REPO / "plans").glob("*.y*ml"))
@@ -30,16 +31,10 @@ ep_plan:
 GOOD = plan_text()
 
 
-def env() -> dict:
-    e = dict(os.environ)
-    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
-    return e
-
-
 def planc(*args: str, cwd=REPO, timeout: float = 60) -> subprocess.CompletedProcess:
     """Run `python -m planc ARGS` in a fresh process (the same entry point as the console script)."""
     return subprocess.run(
-        [sys.executable, "-m", "planc", *args], cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "planc", *args], cwd=cwd, env=checkout_env(), capture_output=True, text=True, timeout=timeout
     )
 
 

@@ -9,7 +9,9 @@ import sys
 
 import pytest
 
-from .helpers import GOOD, REPO, env, planc
+from tests.checkout_env import checkout_env
+
+from .helpers import GOOD, REPO, planc
 
 BAD = GOOD.replace("ep_size: 2}", "ep_size: 2, ep_szie: 2}").replace("o_proj: rowwise", "o_proj: rowwize")
 WARN = GOOD.replace("ep_size: 2", "ep_size: 1")
@@ -88,7 +90,7 @@ def test_json_format(plans):
 
 
 def _lint_stdin(text: str, *args: str, cwd=REPO):
-    return subprocess.run([sys.executable, "-m", "planc", "lint", *args], input=text, cwd=cwd, env=env(),
+    return subprocess.run([sys.executable, "-m", "planc", "lint", *args], input=text, cwd=cwd, env=checkout_env(),
                           capture_output=True, text=True, timeout=60)
 
 

@@ -26,7 +26,9 @@ pytestmark = pytest.mark.xdist_group("lsp")  # one worker: each server process s
 
 from planc.spec.styles import STYLE, TABLE_STYLES  # noqa: E402
 
-from .helpers import PLANS, REPO, env  # noqa: E402
+from tests.checkout_env import checkout_env  # noqa: E402
+
+from .helpers import PLANS, REPO  # noqa: E402
 from .lsp_client import Editor, apply_edits, yaml_language_server  # noqa: E402
 
 MIXTRAL = (REPO / "plans" / "mixtral.yaml").read_text()
@@ -117,7 +119,7 @@ def root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def planc_lsp(root):
-    with Editor([sys.executable, "-m", "planc", "lsp"], root, env=env()) as editor:
+    with Editor([sys.executable, "-m", "planc", "lsp"], root, env=checkout_env()) as editor:
         yield editor
 
 
@@ -126,7 +128,7 @@ def yls(root):
     command = yaml_language_server()
     if command is None:
         pytest.skip("yaml-language-server needs node, which is not installed (.ci/run installs both)")
-    with Editor(command, root, env=env()) as editor:
+    with Editor(command, root, env=checkout_env()) as editor:
         yield editor
 
 
@@ -134,7 +136,7 @@ def yls(root):
 def lint_json(text: str, path: Path) -> list[dict]:
     """`planc lint --stdin-filename PATH --format json` on the buffer: what the editor must agree with."""
     r = subprocess.run([sys.executable, "-m", "planc", "lint", "--stdin-filename", str(path), "--format", "json"],
-                       input=text, capture_output=True, text=True, env=env(), cwd=REPO, timeout=60)
+                       input=text, capture_output=True, text=True, env=checkout_env(), cwd=REPO, timeout=60)
     assert r.returncode in (0, 1), r.stderr
     return json.loads(r.stdout)["diagnostics"]
 

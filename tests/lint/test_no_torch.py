@@ -5,7 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from .helpers import REPO, env
+from tests.checkout_env import checkout_env
+
+from .helpers import REPO
 
 SCRIPT = """
 import io, sys, contextlib
@@ -22,7 +24,7 @@ print(rc, heavy)
 
 
 def test_lint_imports_no_torch():
-    r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env(), capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=checkout_env(), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "0 []", r.stdout
 
@@ -46,6 +48,6 @@ def test_lsp_imports_no_torch():
     import pytest
 
     pytest.importorskip("pygls", reason="planc lsp needs pygls (the planc[lsp] extra)")
-    r = subprocess.run([sys.executable, "-c", LSP_SCRIPT], cwd=REPO, env=env(), capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", LSP_SCRIPT], cwd=REPO, env=checkout_env(), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "True 1 []", r.stdout

@@ -16,7 +16,9 @@ import sys
 import pytest
 import yaml
 
-from .helpers import GOOD, REPO, env
+from tests.checkout_env import checkout_env
+
+from .helpers import GOOD, REPO
 
 PRE_COMMIT = shutil.which("pre-commit") or os.path.join(os.path.dirname(sys.executable), "pre-commit")
 pytestmark = pytest.mark.skipif(
@@ -49,7 +51,7 @@ def test_hooks_file_shape():
 
 
 def run(cmd, cwd, **kw):
-    e = env()
+    e = checkout_env()
     e.update(PRE_COMMIT_HOME=str(cwd.parent / "pre-commit-home"), GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t",
              GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")
     return subprocess.run(cmd, cwd=cwd, env=e, capture_output=True, text=True, timeout=240, **kw)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from planc.cli import main as planc_main
+from tests.checkout_env import checkout_env
 
 REPO = Path(__file__).resolve().parents[2]
 TOL = 0.10
@@ -45,7 +45,7 @@ def test_predicted_peak_is_what_rank0_allocates():
     points = [{"family": "mixtral", "mode": mode, "batch": 1, "seq": 512, "overrides": {"num_hidden_layers": 1},
                "root": str(REPO)} for mode in ("serve", "replicate")]
     run = subprocess.run([sys.executable, "-m", "tests.memory.fake_rank", json.dumps(points)], cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900)
+                         env=checkout_env(), capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     measured = json.loads(run.stdout.strip().splitlines()[-1])
     for point, real in zip(points, measured):

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 from bench.memory_grid import grid, predict
+from tests.checkout_env import checkout_env
 from tests.memory.test_peak_memory import REPO, TOL, memory
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -26,9 +26,8 @@ def _run(point: dict, fraction: float | None = None, **env: str) -> subprocess.C
     code += ("from tests.memory.fake_rank import measure\np = json.loads(sys.argv[1])\n"
              "print(json.dumps(measure(p['family'], p['mode'], p['batch'], p['seq'], p['overrides'], dp=p['dp'], "
              "root=p['root'], device='cuda')))\n")
-    path = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
     return subprocess.run([sys.executable, "-c", code, json.dumps({**point, "root": str(REPO)})], cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": path, **env}, capture_output=True, text=True, timeout=1800)
+                          env=checkout_env(**env), capture_output=True, text=True, timeout=1800)
 
 
 @pytest.mark.parametrize("point", list(grid()), ids=lambda p: json.dumps(p))

@@ -3,7 +3,6 @@ from that checkpoint at other plan sizes for steps 2-4; its losses equal 4 unint
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import planc
+from tests.checkout_env import checkout_env
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAN = """\
@@ -37,8 +37,7 @@ def script_text(name: str = "train.py") -> str:
 
 
 def torchrun(tmp: Path, nproc: int, *args: str, script: str = "train.py") -> list[tuple[int, float, float]]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = checkout_env(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(tmp / script), "--plan", str(tmp / "plan.yaml"), *args]
     run = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=600, check=False)

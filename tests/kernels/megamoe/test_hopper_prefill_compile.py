@@ -10,13 +10,13 @@ The compiler runs in a child process: this one may have defined planc's Triton f
 (tests/conftest.py), which a compiled Gluon kernel cannot call."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
 from planc.kernels.megamoe.triton import hopper_prefill, hopper_prefill_ws
+from tests.checkout_env import checkout_env
 from tests.kernels.megamoe.common import GLUON, GLUON_80_ROWS
 
 pytestmark = pytest.mark.skipif(hopper_prefill.gluon is None, reason="this Triton has no Gluon")
@@ -139,9 +139,8 @@ def compiled():
                 for c in (GLUON, GLUON_80_ROWS) for layer in ("L1", "L2") for large in (False, True)]
     variants += [("L2WS", c.block_t, c.l2_n, c.num_warps, c.num_stages, c.l2_maxnreg, large)
                  for c in (GLUON, GLUON_80_ROWS) for large in (False, True)]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env = checkout_env()
+    env.pop("TRITON_INTERPRET", None)
     run = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(variants)], capture_output=True, text=True,
                          env=env)
     assert run.returncode == 0, run.stderr[-4000:]
