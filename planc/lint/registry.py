@@ -26,11 +26,14 @@ Check = Callable[["LintContext"], Iterable["Diagnostic"]]
 # Families, in the order `planc rules` lists them: loader and lint rules, then the rules the compiler
 # emits (`compile`, `layout`; documented and exampled here, checked in planc.compiler).
 FAMILIES = (
-    "source", "schema", "extends", "patterns", "styles", "removed", "ep", "sizes", "training", "compile", "layout",
+    "source", "schema", "model", "extends", "patterns", "styles", "removed", "ep", "sizes", "training", "compile",
+    "layout",
 )
 COMPILE_FAMILIES = ("compile", "layout")
 # The modules that register them (`layout` rules live in rules_compile).
-_MODULES = ("source", "schema", "extends", "patterns", "styles", "removed", "ep", "sizes", "training", "compile")
+_MODULES = (
+    "source", "schema", "model", "extends", "patterns", "styles", "removed", "ep", "sizes", "training", "compile",
+)
 
 _RULES: dict[str, "Rule"] = {}
 _loaded = False

@@ -183,6 +183,14 @@ def expand_paths(paths: Iterable[str]) -> tuple[list[str], list[Diagnostic]]:
     return files, diags
 
 
+def _stem(name: str) -> str:
+    """A file name without its plan suffix (`mixtral.yaml` -> `mixtral`)."""
+    for suffix in PLAN_SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
 def missing_path(path: str) -> Diagnostic:
     """PLC002 for a plan path that does not exist (`planc lint`, `planc explain`, `load_plan` all say the same):
     the name it may mean (the path with `.yaml`, a close name beside it, the shipped plan of that name)."""
@@ -197,15 +205,16 @@ def missing_path(path: str) -> Diagnostic:
                         os.path.isdir(os.path.join(directory or ".", n))]
         except OSError:
             siblings = []
-        close = did_you_mean(name, siblings)
-        near = [os.path.join(directory, close)] if close else []
-    shipped = {p.name: p for p in shipped_plans()}
-    stem = name if name.endswith(PLAN_SUFFIXES) else name + ".yaml"
+        by_stem = {_stem(n): n for n in siblings}  # the `.yaml` both names end with is no likeness
+        close = did_you_mean(_stem(name), by_stem)
+        near = [os.path.join(directory, by_stem[close])] if close else []
+    shipped = {p.stem: p for p in shipped_plans()}
+    close = did_you_mean(_stem(name), shipped)
     if near:
         hint = f"did you mean `{near[0]}`?"
-    elif stem in shipped or did_you_mean(stem, shipped):
-        match = shipped[stem] if stem in shipped else shipped[did_you_mean(stem, shipped) or stem]
-        hint = f"planc ships a plan of that name: `{match}` (`planc lint` with no path lints the shipped plans)"
+    elif close:
+        hint = (f"planc ships a plan of that name: `{shipped[close]}` (`planc lint` with no path lints the shipped "
+                f"plans; `extends: planc:{close}` builds on it)")
     elif not os.path.isdir(directory or "."):
         hint = f"directory `{directory}` does not exist either; pass the path of a .yaml plan file"
     else:

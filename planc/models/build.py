@@ -65,15 +65,15 @@ def known_model_types() -> list[str]:
 
 def config_class(model_type: str):
     """transformers' config class for `model_type`; an unknown type names the closest few known ones."""
-    import difflib
-
     from transformers import AutoConfig
+
+    from planc.lint.suggest import close_matches
 
     try:
         return type(AutoConfig.for_model(model_type))
     except Exception:  # noqa: BLE001 - ValueError with every model type listed (~7 KB): replaced below
         known = known_model_types()
-        close = difflib.get_close_matches(str(model_type), known, n=3, cutoff=0.6)
+        close = close_matches(str(model_type), known)
         moe = [t for t in MODEL_TYPES if t not in close]
         hint = (f"did you mean {', '.join(f'`{c}`' for c in close)}?" if close
                 else "use a transformers `config.model_type`, e.g. " + ", ".join(f"`{t}`" for t in moe))
@@ -240,7 +240,7 @@ def _instantiate(cls, config, **kwargs):
 def check_override_keys(model_type: str, overrides: dict) -> None:
     """ModelBuildError when an override (`--set KEY=VALUE`; dotted keys reach sub-configs) names a key the config
     class does not have: transformers would store it as a new attribute and build the default model unchanged."""
-    import difflib
+    from planc.lint.suggest import close_matches
 
     for key in overrides:
         cls, path = config_class(model_type), list[str]()
@@ -249,7 +249,7 @@ def check_override_keys(model_type: str, overrides: dict) -> None:
             if known is None:  # not a dataclass config: nothing to compare against
                 break
             if part not in known:
-                close = [".".join([*path, c]) for c in difflib.get_close_matches(part, sorted(known), n=3, cutoff=0.6)]
+                close = [".".join([*path, c]) for c in close_matches(part, sorted(known))]
                 hint = (f"did you mean {', '.join(f'`{c}`' for c in close)}?" if close
                         else f"list its keys with `python -c 'import transformers; print(transformers.{cls.__name__}())'`")
                 raise ModelBuildError(f"--set `{key}`: {cls.__name__} has no key `{part}`, so it would change nothing; "

@@ -87,6 +87,11 @@ class ModelRef(_Strict):
     """Which transformers model family the plan is written for."""
 
     type: str = Field(min_length=1, description="transformers `config.model_type`, e.g. `mixtral`.")
+    custom: bool = Field(
+        default=False,
+        description="`true`: `type` is a model type transformers does not ship (registered with "
+        "`AutoConfig.register`, or remote code), so lint does not check it against transformers' model types.",
+    )
 
 
 class Parallel(_Strict):
