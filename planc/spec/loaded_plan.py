@@ -3,7 +3,7 @@
 `extends` merges the parent first (mappings key by key, the child wins; rule tables by pattern);
 positions point at whichever file the winning key came from. A parent must live inside the directory
 tree of the plan that was loaded first, so a plan in a repository cannot make the linter read
-`/etc/passwd` or a file outside the checkout. `load_plan` itself lives one layer up, in
+`/etc/passwd` or a file outside the checkout; `extends: planc:NAME` names a shipped plan instead. `load_plan` itself lives one layer up, in
 `planc.lint.plan_loader`: loading goes through the linter, so `load_plan` and `planc lint` reject exactly
 the same plans with exactly the same diagnostics.
 """
@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
+from planc.spec.shipped import PLANS_DIR, shipped_plan, shipped_plans
 from planc.spec.source import (
     NOT_A_MAPPING,
     KeyPath,
@@ -35,6 +36,8 @@ EXTENDS_CYCLE = "PLC201"
 EXTENDS_MISSING = "PLC202"
 
 MAX_EXTENDS_DEPTH = 16
+# `extends: planc:deepseek_v3`: the shipped plan of that name (planc/plans/deepseek_v3.yaml) is the parent.
+SHIPPED_PREFIX = "planc:"
 
 
 @dataclass
@@ -96,10 +99,34 @@ def _collect(doc: SourceDoc, root_dir: str, seen: tuple[str, ...]) -> MergedSour
     ext = data.get("extends")
     if not isinstance(ext, str):  # absent, or a wrong type that validation reports
         return MergedSource(data, doc.path, [doc], dict(doc.key_positions), dict(doc.value_positions), list(doc.problems))
-    parent = _parent_doc(doc, ext, root_dir, seen)
+    if ext.startswith(SHIPPED_PREFIX):
+        parent, root_dir = _shipped_parent(doc, ext, seen), os.path.realpath(PLANS_DIR)
+    else:
+        parent = _parent_doc(doc, ext, root_dir, seen)
     assert parent.path is not None  # read from a file
     merged = _collect(parent, root_dir, seen + (os.path.realpath(parent.path),))
     return _merge(merged, doc)
+
+
+def _shipped_parent(doc: SourceDoc, ext: str, seen: tuple[str, ...]) -> SourceDoc:
+    """The shipped plan `extends: planc:NAME` names: customising a shipped plan takes no copy of it. It is read from
+    the package (its own `extends` stay inside the shipped plans) and diagnostics in it name its file."""
+    where = doc.value_position(("extends",)) or Position(doc.path, 1, 1)
+    name = ext[len(SHIPPED_PREFIX):]
+    names = [p.stem for p in shipped_plans()]
+    if name not in names:
+        raise SourceError(
+            EXTENDS_MISSING,
+            f"`extends: {ext}`: planc ships no plan named `{name}`",
+            f"write `extends: planc:NAME` with one of: {', '.join(names)}" if names
+            else "this planc was installed without its shipped plans: reinstall it, or extend a plan file",
+            where,
+        )
+    real = os.path.realpath(shipped_plan(name))
+    if real in seen:
+        chain = " -> ".join(os.path.basename(s) for s in seen + (real,))
+        raise SourceError(EXTENDS_CYCLE, f"`extends` cycle: {chain}", "remove the `extends` that closes the cycle", where)
+    return parse_yaml(read_text(real), str(shipped_plan(name)))
 
 
 _NUL_SHOWN = "\\0"

@@ -198,7 +198,8 @@ class Plan(_Strict):
     version: Literal[1] = Field(description="Plan format version; must be 1.")
     name: Optional[str] = None
     description: Optional[str] = None
-    extends: Optional[str] = Field(default=None, description="Parent plan, path relative to this file.")
+    extends: Optional[str] = Field(default=None, description="Parent plan: a path relative to this file, or `planc:NAME` for "
+                                   "the plan planc ships as NAME (`planc:deepseek_v3`).")
     model: ModelRef
     parallel: Parallel
     experts: Experts = Field(default_factory=Experts)

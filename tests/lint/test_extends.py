@@ -160,3 +160,56 @@ def test_load_plan_sources(tree):
     assert [d.code for d in warned.diagnostics] == ["PLC405"]
     with pytest.raises(TypeError):
         load_plan(42)
+
+
+# ---- `extends: planc:NAME`: a shipped plan as the parent ----------------------------------------------------
+
+
+SHIPPED_CHILD = """\
+version: 1
+extends: planc:deepseek_v3
+parallel: {tp_size: 4, ep_size: 4}
+tp_plan:
+  lm_head: colwise
+"""
+
+
+def test_extends_reaches_a_shipped_plan_by_name(tmp_path):
+    from planc.spec.shipped import shipped_plan
+
+    (tmp_path / "mine.yaml").write_text(SHIPPED_CHILD)
+    assert lint_paths(str(tmp_path / "mine.yaml")) == []
+    loaded = load_plan(str(tmp_path / "mine.yaml"))
+    assert loaded.plan.model.type == "deepseek_v3" and loaded.plan.parallel.tp_size == 4
+    assert loaded.plan.tp_plan["lm_head"] == "colwise"
+    assert loaded.plan.ep_plan == load_plan(str(shipped_plan("deepseek_v3"))).plan.ep_plan
+    # a shipped plan that extends another shipped plan: its own `extends` stays among the shipped plans
+    (tmp_path / "mega.yaml").write_text("version: 1\nextends: planc:deepseek_v4_megamoe\n")
+    assert load_plan(str(tmp_path / "mega.yaml")).plan.experts.implementation == "deepgemm_megamoe"
+
+
+def test_a_problem_in_a_shipped_parent_names_the_shipped_file(tmp_path):
+    from planc.spec.shipped import shipped_plan
+
+    # ep_size 1 leaves the shipped plan's `ep_dispatch_experts` rule without EP: PLC405 at that rule, in its file
+    (tmp_path / "mine.yaml").write_text("version: 1\nextends: planc:mixtral\nparallel: {tp_size: 2, ep_size: 1}\n")
+    (d,) = lint_paths(str(tmp_path / "mine.yaml"))
+    assert d.code == "PLC405" and d.position is not None and d.position.path == str(shipped_plan("mixtral")), d
+    assert shipped_plan("mixtral").read_text().splitlines()[d.position.line - 1].strip().startswith(
+        "model.layers.*.mlp.experts:"), d
+
+
+def test_an_unknown_shipped_name_lists_the_shipped_plans(tmp_path):
+    (tmp_path / "mine.yaml").write_text("version: 1\nextends: planc:deepseek-v3\n")
+    (d,) = lint_paths(str(tmp_path / "mine.yaml"))
+    assert d.code == "PLC202" and "planc ships no plan named `deepseek-v3`" in d.message, d
+    assert "deepseek_v3" in d.hint and "mixtral" in d.hint, d
+
+
+def test_planc_compile_takes_a_plan_that_extends_a_shipped_one(tmp_path):
+    import planc
+    from planc.models.build import build_meta_model
+
+    (tmp_path / "mine.yaml").write_text("version: 1\nextends: planc:mixtral\nparallel: {tp_size: 4, ep_size: 4}\n")
+    compiled = planc.compile(build_meta_model("mixtral"), str(tmp_path / "mine.yaml"))
+    assert compiled.parallel.tp_size == 4 and compiled.model_type == "mixtral" and compiled.experts

@@ -65,6 +65,10 @@ CASES = [
     Case("extends_missing", lambda _: "extends: nowhere.yaml\nname: child\n", frozenset({"PLC202"}), False),
     Case("extends_conflict", lambda _: "extends: a2a_parent.yaml\nexperts:\n  implementation: deepgemm_megamoe\n",
          frozenset({"PLC400"}), False),
+    Case("extends_shipped_without_ep", lambda _: "extends: planc:mixtral\nparallel: {ep_size: 1}\n",
+         frozenset({"PLC405"}), False),
+    Case("extends_shipped_missing", lambda _: "version: 1\nextends: planc:mixtrl\n", frozenset({"PLC202"}), False),
+    Case("unknown_model_type", edit(("type: mixtral", "type: mixtrl")), frozenset({"PLC110"}), False),
     Case("no_parallel", edit(("parallel:\n  tp_size: 8\n  ep_size: 8\n", "")), frozenset({"PLC100"}), True),
     Case("unknown_style", edit(("o_proj: rowwise", "o_proj: row_wise")), frozenset({"PLC310"}), True),
     Case("unknown_key", edit(("ep_size: 8", "ep_szie: 8")), frozenset({"PLC101"}), True),
@@ -235,7 +239,7 @@ def test_quick_fix_for_removed_styles_gives_a_clean_plan(planc_lsp, root, name):
 
 
 @pytest.mark.parametrize("name, word", [("unknown_style", "rowwise"), ("unknown_key", "ep_size"),
-                                        ("bad_implementation", "grouped_mm")])
+                                        ("bad_implementation", "grouped_mm"), ("unknown_model_type", "mixtral")])
 def test_did_you_mean_quick_fix(planc_lsp, root, name, word):
     case = next(c for c in CASES if c.name == name)
     path, text = buffer(root, case)
