@@ -32,6 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--format", choices=("text", "json"), default="text", help="output format")
     parser.add_argument(
+        "--quiet", action="store_true",
+        help="print only the problems (on stderr), no tables: what a pre-commit hook shows, the failing plans",
+    )
+    parser.add_argument(
         "--dtype", choices=DTYPES, default="config",
         help="parameter dtype for the byte counts (default: the config's dtype, else bfloat16)",
     )
@@ -203,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
             if peak.fits is False:
                 status = max(status, 1)
         peaks.append(peak)
+    if args.quiet:
+        return status
     if args.format == "json":
         data = [
             {**json_data(c), "memory": {**_budget_json(b), **(m.to_json() if m is not None else {})},

@@ -29,6 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("paths", nargs="*", metavar="PATH", help="plan files or directories (default: plans/, else the shipped plans)")
     parser.add_argument("--format", choices=("text", "json", "github"), default="text", help="output format")
     parser.add_argument("--strict", action="store_true", help="treat warnings as errors")
+    parser.add_argument("--quiet", action="store_true",
+                        help="print nothing when there is no problem (pre-commit: only failing plans are shown)")
     parser.add_argument(
         "--stdin-filename", metavar="PATH",
         help="lint the plan read from standard input; PATH names it and anchors a relative `extends:`",
@@ -54,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
         files, diags = check_paths(args.paths or default_paths(), strict=args.strict)
     # missing paths and directories without plans are diagnostics, not files: counted apart in the summary
     no_plans = len({d.path for d in diags if d.code == NO_PLANS or (d.code == UNREADABLE and d.path not in files)})
-    sys.stdout.write(render(diags, args.format, len(files), no_plans))
+    if diags or not args.quiet:
+        sys.stdout.write(render(diags, args.format, len(files), no_plans))
     errors, _warnings = counts(diags)
     if any(d.code in UNREADABLE_CODES for d in diags):
         return 2
