@@ -14,6 +14,8 @@ Three things make an applied model's `state_dict()` unfit for DCP as is:
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from typing import TYPE_CHECKING, Iterator, Optional, TypeGuard
 
 import torch
@@ -36,7 +38,37 @@ def has_strided(t: object) -> TypeGuard[DTensor]:
 def dcp_layout(t: DTensor) -> DTensor:
     """`t` with every `_StridedShard` redistributed to the `Shard` of the same dim (a collective over its mesh)."""
     placements = tuple(Shard(p.dim) if isinstance(p, _StridedShard) else p for p in t.placements)
-    return t.redistribute(placements=placements)
+    with _exact_all_gathers_unwarned():
+        return t.redistribute(placements=placements)
+
+
+class _AllGatherOrderWarning(logging.Filter):
+    """Drops torch's "N sequential all_gather operations ... may give inconsistent results between ranks due to
+    different reduction orders" (logged on every rank when FSDP's `_StridedShard` over dp and a TP `Shard` are
+    gathered one mesh dim after the other). All-gathers only copy: there is no reduction whose order could differ,
+    so for dcp_layout, which never sees a `Partial`, the warning is a false alarm."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (record.funcName == "_warn_flatten_optimization_not_possible" and "all_gather" in args)
+
+
+@contextlib.contextmanager
+def _exact_all_gathers_unwarned() -> Iterator[None]:
+    """Silences only _AllGatherOrderWarning's records, only while dcp_layout gathers; torch's warn-once record of
+    them is undone after, so a later redistribution that does reduce still warns."""
+    from torch.distributed.tensor import _redistribute
+
+    logger, quiet = logging.getLogger(_redistribute.__name__), _AllGatherOrderWarning()
+    warned = getattr(_redistribute, "_warned_flatten_issues", None)
+    before = set(warned) if isinstance(warned, set) else None
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+        if before is not None and isinstance(warned, set):
+            warned.intersection_update(before)
 
 
 def expert_sharded_buffers(model: nn.Module, compiled: Optional[CompiledPlan], groups: Optional[Groups]) -> dict[str, tuple[nn.Module, str]]:

@@ -399,6 +399,19 @@ def _keep_divisibility(d: dict, kw: dict) -> None:
                 kw[b] = math.gcd(tiny_a, tiny_b)
 
 
+def _keep_yarn_ratio(d: dict, kw: dict) -> None:
+    """YaRN's `factor` is the context it extends to over the context it was trained on (`max_position_embeddings /
+    original_max_position_embeddings`): a shorter tiny context shortens the original one with it, so the ratio
+    stays what the family's config says (transformers warns at every model built when they disagree)."""
+    rope = kw.get("rope_parameters", d.get("rope_parameters"))
+    longest, default = kw.get("max_position_embeddings"), d.get("max_position_embeddings")
+    if not (isinstance(rope, dict) and rope.get("rope_type") == "yarn" and _is_int(longest) and _is_int(default)):
+        return
+    factor, original = rope.get("factor"), rope.get("original_max_position_embeddings")
+    if isinstance(factor, (int, float)) and factor >= 1 and _is_int(original) and original * factor == default != longest:
+        kw["rope_parameters"] = {**rope, "original_max_position_embeddings": max(1, int(longest / factor))}
+
+
 def _scale_rope_sections(cls, d: dict, kw: dict) -> None:
     """Multimodal RoPE sections sum to half the rotary dim: rescale them to the tiny rotary dim. Sections the
     config leaves out take the modeling code's own default (`rope_parameters.get("mrope_section", [8, 12, 12])`)."""
@@ -453,6 +466,7 @@ def shrink_config(config_cls, defaults: Optional[dict] = None, **overrides):
     kw.update(overrides)
     if overrides:
         _keep_equalities(d, kw, fixed=overrides)  # sizes derived from an overridden one follow it
+    _keep_yarn_ratio(d, kw)
     config = config_cls(**kw)
     config._attn_implementation = "eager"
     return config

@@ -203,3 +203,14 @@ def test_one_expert_is_refused_for_expert_parallelism_with_its_reason():
         planc.compile(meta, plan)
     assert [p.code for p in e.value.problems] == ["PLC606"]
     assert "1 experts cannot be split evenly over ep_size=2" in e.value.problems[0].message
+
+
+def test_a_shorter_tiny_context_keeps_yarns_factor(capfd):
+    """gpt-oss's YaRN factor (32) is its context over the original one: the tiny context (128) shortens the original
+    with it, or transformers warns at every model built (three times in `planc demo gpt_oss`)."""
+    config = tiny_config("gpt_oss")
+    rope = config.rope_parameters
+    assert rope["rope_type"] == "yarn" and config.max_position_embeddings == 128
+    assert config.max_position_embeddings / rope["original_max_position_embeddings"] == rope["factor"] == 32
+    build_tiny_model("gpt_oss")
+    assert "RoPE scaling factor" not in capfd.readouterr().err
