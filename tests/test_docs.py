@@ -67,11 +67,25 @@ def run_shortest_path(text: str, tmp_path: Path) -> None:
 
 
 def run_python_under_torchrun(text: str, tmp_path: Path) -> None:
-    """The block as a script, `torchrun --nproc-per-node 2` from a directory with the shipped plans in plans/."""
-    (tmp_path / "plans").symlink_to(REPO / "plans")
-    (tmp_path / "block.py").write_text(text, encoding="utf-8")
-    done = _bash("torchrun --nproc-per-node 2 block.py", tmp_path)
+    """The block as the script its first line names, run by the torchrun command that line gives, from an empty
+    directory: the plan is a shipped one by name (`planc:mixtral`), found from anywhere."""
+    found = re.match(r"# (\w+\.py); run it on 2 processes: (torchrun --nproc-per-node 2 \1)\n", text)
+    assert found, f"the block's first line names its script and torchrun command: {text.splitlines()[0]!r}"
+    (tmp_path / found.group(1)).write_text(text, encoding="utf-8")
+    done = _bash(found.group(2), tmp_path)
     assert done.stdout.count("coverage: full") == 2, done.stdout[-3000:]  # printed on both ranks
+
+
+def run_python(text: str, tmp_path: Path) -> None:
+    """The block as a script in a project with a plans/ directory: one clean plan, one with a misspelt style."""
+    (tmp_path / "plans").mkdir()
+    clean = (REPO / "plans" / "mixtral.yaml").read_text(encoding="utf-8")
+    (tmp_path / "plans" / "mixtral.yaml").write_text(clean, encoding="utf-8")
+    (tmp_path / "plans" / "typo.yaml").write_text(clean.replace(": rowwise", ": row_wise"), encoding="utf-8")
+    (tmp_path / "block.py").write_text(text, encoding="utf-8")
+    done = _bash(f"{sys.executable} block.py", tmp_path)
+    assert re.search(r"^plans/typo\.yaml:\d+:\d+: PLC310 error: unknown style `row_wise`", done.stdout, re.M), done.stdout
+    assert "did you mean `rowwise`?" in done.stdout and "mixtral.yaml" not in done.stdout, done.stdout
 
 
 def run_migrate(text: str, tmp_path: Path) -> None:
@@ -82,14 +96,21 @@ def run_migrate(text: str, tmp_path: Path) -> None:
     assert "ep_dispatch_experts" in (tmp_path / "old_plan.yaml").read_text()
 
 
-RUNNERS = {"shortest-path": run_shortest_path, "apply": run_python_under_torchrun, "migrate": run_migrate}
+RUNNERS = {"shortest-path": run_shortest_path, "apply": run_python_under_torchrun, "migrate": run_migrate,
+           "lint-api": run_python}
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", sorted(RUNNERS))
+@pytest.mark.parametrize("name", sorted(set(RUNNERS) - {"lint-api"}))
 def test_runnable_block_runs_as_pasted(name, tmp_path):
     _page, _language, text = runnable_blocks()[name]
     RUNNERS[name](text, tmp_path)
+
+
+def test_the_lint_api_block_runs_as_pasted(tmp_path):
+    """One process, no torch: not among the slow multi-process blocks."""
+    _page, _language, text = runnable_blocks()["lint-api"]
+    run_python(text, tmp_path)
 
 
 # ---- links and anchors --------------------------------------------------------------------------------------------

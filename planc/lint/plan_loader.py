@@ -16,6 +16,7 @@ from planc.lint.context import LintContext
 from planc.lint.diagnostic import ERROR, Diagnostic
 from planc.spec.loaded_plan import LoadedPlan
 from planc.spec.model import Plan
+from planc.spec.shipped import SHIPPED_PREFIX, shipped_reference
 from planc.spec.source import UNREADABLE, Position
 
 PlanSource = Union[str, "os.PathLike[str]", Mapping[str, Any], Plan, LoadedPlan]
@@ -61,11 +62,12 @@ def with_parallel(loaded: LoadedPlan, parallel: Mapping[str, int]) -> LoadedPlan
 
 
 def _looks_like_path(text: str) -> bool:
-    """One line that names a file: a .yaml/.yml suffix, an existing path, or no YAML mapping syntax at all
-    (`plans/mixtral`); YAML plan text always has a `key: value`."""
+    """One line that names a file: a .yaml/.yml suffix, an existing path, a shipped plan (`planc:mixtral`), or no
+    YAML mapping syntax at all (`plans/mixtral`); YAML plan text always has a `key: value`."""
     if "\n" in text:
         return False
-    return text.strip().endswith((".yaml", ".yml")) or os.path.exists(text) or (":" not in text and "{" not in text)
+    return (text.strip().endswith((".yaml", ".yml")) or os.path.exists(text) or text.startswith(SHIPPED_PREFIX)
+            or (":" not in text and "{" not in text))
 
 
 def _not_a_plan_file(path: str) -> Optional[Diagnostic]:
@@ -93,6 +95,7 @@ def _load(source: PlanSource) -> LoadedPlan:
         result = runner.check_data(dict(source))
     elif isinstance(source, os.PathLike) or (isinstance(source, str) and _looks_like_path(source)):
         path = os.fspath(source)
+        path = str(shipped_reference(path) or path)  # `planc:mixtral`: the shipped plan, from any directory
         not_a_file = _not_a_plan_file(path)
         if not_a_file is not None:
             raise PlanError([not_a_file])

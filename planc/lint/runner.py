@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Un
 
 from planc.lint.context import LintContext
 from planc.lint.diagnostic import ERROR, Diagnostic
+from planc.spec.shipped import SHIPPED_PREFIX, shipped_names, shipped_plans, shipped_reference
 from planc.spec.source import UNREADABLE, Position, SourceDoc, SourceError, parse_yaml, read_text
 
 if TYPE_CHECKING:
@@ -178,6 +179,8 @@ def expand_paths(paths: Iterable[str]) -> tuple[list[str], list[Diagnostic]]:
             files += found
         elif os.path.exists(path):
             files.append(path)
+        elif shipped_reference(path) is not None:
+            files.append(str(shipped_reference(path)))
         else:
             diags.append(missing_path(path))
     return files, diags
@@ -195,8 +198,13 @@ def missing_path(path: str) -> Diagnostic:
     """PLC002 for a plan path that does not exist (`planc lint`, `planc explain`, `load_plan` all say the same):
     the name it may mean (the path with `.yaml`, a close name beside it, the shipped plan of that name)."""
     from planc.lint.suggest import did_you_mean
-    from planc.spec.shipped import shipped_plans
 
+    if path.startswith(SHIPPED_PREFIX):
+        name, names = path[len(SHIPPED_PREFIX):], shipped_names()
+        guess = did_you_mean(name, names)
+        return Diagnostic(UNREADABLE, ERROR, f"planc ships no plan named `{name}`",
+                          (f"did you mean `planc:{guess}`? " if guess else "")
+                          + f"write `planc:NAME` with one of: {', '.join(names)}", Position(path, 1, 1))
     directory, name = os.path.split(path)
     near = [path + s for s in PLAN_SUFFIXES if os.path.isfile(path + s)]
     if not near and name:

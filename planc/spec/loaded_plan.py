@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
-from planc.spec.shipped import PLANS_DIR, shipped_plan, shipped_plans
+from planc.spec.shipped import PLANS_DIR, SHIPPED_PREFIX, shipped_names, shipped_reference
 from planc.spec.source import (
     NOT_A_MAPPING,
     KeyPath,
@@ -36,8 +36,6 @@ EXTENDS_CYCLE = "PLC201"
 EXTENDS_MISSING = "PLC202"
 
 MAX_EXTENDS_DEPTH = 16
-# `extends: planc:deepseek_v3`: the shipped plan of that name (planc/plans/deepseek_v3.yaml) is the parent.
-SHIPPED_PREFIX = "planc:"
 
 
 @dataclass
@@ -112,21 +110,21 @@ def _shipped_parent(doc: SourceDoc, ext: str, seen: tuple[str, ...]) -> SourceDo
     """The shipped plan `extends: planc:NAME` names: customising a shipped plan takes no copy of it. It is read from
     the package (its own `extends` stay inside the shipped plans) and diagnostics in it name its file."""
     where = doc.value_position(("extends",)) or Position(doc.path, 1, 1)
-    name = ext[len(SHIPPED_PREFIX):]
-    names = [p.stem for p in shipped_plans()]
-    if name not in names:
+    found = shipped_reference(ext)
+    if found is None:
+        names = shipped_names()
         raise SourceError(
             EXTENDS_MISSING,
-            f"`extends: {ext}`: planc ships no plan named `{name}`",
+            f"`extends: {ext}`: planc ships no plan named `{ext[len(SHIPPED_PREFIX):]}`",
             f"write `extends: planc:NAME` with one of: {', '.join(names)}" if names
             else "this planc was installed without its shipped plans: reinstall it, or extend a plan file",
             where,
         )
-    real = os.path.realpath(shipped_plan(name))
+    real = os.path.realpath(found)
     if real in seen:
         chain = " -> ".join(os.path.basename(s) for s in seen + (real,))
         raise SourceError(EXTENDS_CYCLE, f"`extends` cycle: {chain}", "remove the `extends` that closes the cycle", where)
-    return parse_yaml(read_text(real), str(shipped_plan(name)))
+    return parse_yaml(read_text(real), str(found))
 
 
 _NUL_SHOWN = "\\0"

@@ -213,3 +213,19 @@ def test_planc_compile_takes_a_plan_that_extends_a_shipped_one(tmp_path):
     (tmp_path / "mine.yaml").write_text("version: 1\nextends: planc:mixtral\nparallel: {tp_size: 4, ep_size: 4}\n")
     compiled = planc.compile(build_meta_model("mixtral"), str(tmp_path / "mine.yaml"))
     assert compiled.parallel.tp_size == 4 and compiled.model_type == "mixtral" and compiled.experts
+
+
+def test_a_shipped_plan_by_name_wherever_a_plan_path_is_taken(tmp_path, monkeypatch, capsys):
+    from planc.cli import main
+    from planc.spec.shipped import shipped_plan
+
+    monkeypatch.chdir(tmp_path)  # no plans/ here: the name reaches the package's plans
+    assert load_plan("planc:qwen3_moe").path == str(shipped_plan("qwen3_moe"))
+    assert main(["lint", "planc:mixtral"]) == 0
+    assert "1 file checked: no problems" in capsys.readouterr().out
+    assert main(["lint", "planc:mixtrl"]) == 2
+    out = capsys.readouterr().out
+    assert "planc:mixtrl:1:1: PLC002 error: planc ships no plan named `mixtrl`" in out, out
+    assert "did you mean `planc:mixtral`?" in out, out
+    with pytest.raises(PlanError, match="planc ships no plan named `nope`"):
+        load_plan("planc:nope")
