@@ -1,8 +1,10 @@
 """The README and docs/ as a reader uses them: every block marked `<!-- runnable: NAME -->` runs as pasted (bash in
 a fresh directory, Python under `torchrun --nproc-per-node 2` on gloo), and every relative link and #anchor resolves.
 
-Cheap on purpose: the runnable blocks are few, and each torchrun block is one two-rank world. docs/train.md's script
-runs in tests/train/test_train_doc.py (4 ranks, then 2).
+Cheap on purpose: the runnable blocks are few, and each torchrun block is one two-rank world; the command lines of the
+other bash and console blocks (a real checkpoint, minutes of explain) are parsed by planc's own parser, and the plans
+they name must exist. docs/train.md's script runs in tests/train/test_train_doc.py (4 ranks, then 2), and docs/lint.md's
+pre-commit recipe in tests/lint/test_precommit.py.
 """
 
 from __future__ import annotations
@@ -167,3 +169,52 @@ def test_plan_format_lists_every_megamoe_backend():
     line = next(ln for ln in (REPO / "docs" / "plan-format.md").read_text().splitlines()
                 if ln.startswith("`experts.megamoe` holds `backend`"))
     assert [v for v in MEGAMOE_BACKENDS if f"`{v}`" not in line] == [], line
+
+
+# ---- the command lines of the blocks that do not run here (a checkpoint, minutes of explain) ------------------------
+
+
+def command_lines() -> list[tuple[str, str]]:
+    """(page, command) for every `planc ...` line of the README's and docs' bash and console blocks that no runner
+    above runs: comments, `$ ` prompts and redirections dropped."""
+    import shlex
+
+    runnable = {text for _page, _language, text in runnable_blocks().values()}
+    out = []
+    for page in PAGES:
+        for m in re.finditer(r"```(bash|console)\n(.*?)```", page.read_text(encoding="utf-8"), re.S):
+            if m.group(2) in runnable:
+                continue
+            for line in m.group(2).splitlines():
+                if m.group(1) == "console" and not line.startswith("$ "):
+                    continue  # output
+                line = line.removeprefix("$ ").split(" #", 1)[0].split("<", 1)[0].split(">", 1)[0].strip()
+                if line.startswith("planc "):
+                    out.append((page.name, " ".join(shlex.split(line))))
+    return out
+
+
+def test_every_documented_command_line_parses_and_names_real_plans():
+    """Each line is parsed by planc's own argument parser (a flag that no longer exists fails here), and every plan
+    it names is a shipped plan (`planc:NAME`) or a plan path a reader has in a clone (`plans/NAME.yaml`)."""
+    from planc.cli import build_parser
+    from planc.spec.shipped import shipped_reference
+
+    lines = command_lines()
+    assert any(page == "README.md" for page, _ in lines) and len(lines) > 20, lines
+    bad = []
+    for page, line in lines:
+        argv = line.split()[1:]
+        try:
+            build_parser(only=argv[0]).parse_args(argv)
+        except SystemExit:
+            bad.append(f"{page}: `{line}` does not parse")
+            continue
+        for before, word in zip(["", *argv], argv):
+            if before in ("-o", "--stdin-filename"):  # a file the command writes, or the name of a buffer
+                continue
+            if word.startswith("planc:") and shipped_reference(word) is None:
+                bad.append(f"{page}: `{line}`: no shipped plan `{word}`")
+            if re.fullmatch(r"plans/\w+\.yaml", word) and not (REPO / word).is_file():
+                bad.append(f"{page}: `{line}`: no plan `{word}` in a clone")
+    assert bad == [], "\n".join(bad)
