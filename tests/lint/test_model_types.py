@@ -10,8 +10,15 @@ from planc.lint.suggest import close_matches, did_you_mean
 
 
 def test_the_shipped_model_types_are_the_installed_transformers():
-    from planc.models.model_types import TARGET, render
+    import transformers
+    from packaging.version import Version
 
+    from planc.models.model_types import TARGET, render
+    from planc.spec.transformers_model_types import TRANSFORMERS_VERSION
+
+    if Version(transformers.__version__) < Version(TRANSFORMERS_VERSION):
+        pytest.skip(f"the list is written from transformers {TRANSFORMERS_VERSION}; an older one "
+                    f"({transformers.__version__}) has fewer model types and cannot check it")
     assert TARGET.read_text(encoding="utf-8") == render(), (
         "planc/spec/transformers_model_types.py is stale for the installed transformers: "
         "run `python -m planc.models.model_types`")
