@@ -221,8 +221,9 @@ def missing_path(path: str) -> Diagnostic:
     if near:
         hint = f"did you mean `{near[0]}`?"
     elif close:
-        hint = (f"planc ships a plan of that name: `{shipped[close]}` (`planc lint` with no path lints the shipped "
-                f"plans; `extends: planc:{close}` builds on it)")
+        what = "a plan of that name" if close == _stem(name) else f"`{close}`"
+        hint = (f"planc ships {what}: `{shipped[close]}`, `planc:{close}` wherever a plan path goes (`planc lint` "
+                f"with no path lints the shipped plans; `extends: planc:{close}` builds on it)")
     elif not os.path.isdir(directory or "."):
         hint = f"directory `{directory}` does not exist either; pass the path of a .yaml plan file"
     else:

@@ -3,9 +3,9 @@
 `extends` merges the parent first (mappings key by key, the child wins; rule tables by pattern);
 positions point at whichever file the winning key came from. A parent must live inside the directory
 tree of the plan that was loaded first, so a plan in a repository cannot make the linter read
-`/etc/passwd` or a file outside the checkout; `extends: planc:NAME` names a shipped plan instead. `load_plan` itself lives one layer up, in
-`planc.lint.plan_loader`: loading goes through the linter, so `load_plan` and `planc lint` reject exactly
-the same plans with exactly the same diagnostics.
+`/etc/passwd` or a file outside the checkout; `extends: planc:NAME` names a shipped plan instead. `load_plan`
+itself lives one layer up, in `planc.lint.plan_loader`: loading goes through the linter, so `load_plan` and
+`planc lint` reject exactly the same plans with exactly the same diagnostics.
 """
 
 from __future__ import annotations
@@ -121,10 +121,22 @@ def _shipped_parent(doc: SourceDoc, ext: str, seen: tuple[str, ...]) -> SourceDo
             where,
         )
     real = os.path.realpath(found)
+    _check_chain(real, seen, where)
+    return parse_yaml(read_text(real), str(found))
+
+
+def _check_chain(real: str, seen: tuple[str, ...], where: Position) -> None:
+    """PLC201 when the parent `real` closes a cycle or makes the chain deeper than MAX_EXTENDS_DEPTH."""
     if real in seen:
         chain = " -> ".join(os.path.basename(s) for s in seen + (real,))
         raise SourceError(EXTENDS_CYCLE, f"`extends` cycle: {chain}", "remove the `extends` that closes the cycle", where)
-    return parse_yaml(read_text(real), str(found))
+    if len(seen) > MAX_EXTENDS_DEPTH:
+        raise SourceError(
+            EXTENDS_CYCLE,
+            f"`extends` chain is deeper than {MAX_EXTENDS_DEPTH} plans",
+            "flatten the chain: one or two levels of `extends` are enough",
+            where,
+        )
 
 
 _NUL_SHOWN = "\\0"
@@ -157,16 +169,7 @@ def _parent_doc(doc: SourceDoc, ext: str, root_dir: str, seen: tuple[str, ...]) 
             "keep the parent plan next to or below the plan that is linted, and give a relative path",
             where,
         )
-    if real in seen:
-        chain = " -> ".join(os.path.basename(s) for s in seen + (real,))
-        raise SourceError(EXTENDS_CYCLE, f"`extends` cycle: {chain}", "remove the `extends` that closes the cycle", where)
-    if len(seen) > MAX_EXTENDS_DEPTH:
-        raise SourceError(
-            EXTENDS_CYCLE,
-            f"`extends` chain is deeper than {MAX_EXTENDS_DEPTH} plans",
-            "flatten the chain: one or two levels of `extends` are enough",
-            where,
-        )
+    _check_chain(real, seen, where)
     if not os.path.isfile(real):
         raise SourceError(
             EXTENDS_MISSING,
