@@ -70,8 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--device-memory", metavar="SIZE",
-        help="memory of the device each rank loads onto (e.g. 141GiB, 80GB): a plan whose per-rank shard does "
-        "not fit is refused (PLC660)",
+        help="memory of the device each rank loads onto: a card (H100, H200, B200, A100-80GB, A100-40GB, H20: the "
+        "memory torch reports for it), or a size (80GiB = 80 * 2^30 bytes, 80GB = 80 * 10^9 bytes); the output "
+        "says how it was read. A plan whose per-rank shard does not fit is refused (PLC660)",
     )
 
 
@@ -156,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
 
     from planc.compiler.render import json_data, render_text
 
-    from planc.compiler.memory import budget, budget_problems, parse_size
+    from planc.compiler.devices import read_device_memory
+    from planc.compiler.memory import budget, budget_problems
     from planc.compiler.train_memory import train_memory
 
     if args.checkpoint and not os.path.isdir(args.checkpoint):  # before reading its config.json: say what it is
@@ -171,7 +173,8 @@ def run(args: argparse.Namespace) -> int:
         overrides = parse_overrides(args.overrides)
         config_path = args.config or (f"{args.checkpoint}/config.json" if args.checkpoint else None)
         config = read_config(config_path) if config_path else {}
-        device_memory = parse_size(args.device_memory) if args.device_memory else None
+        device = read_device_memory(args.device_memory) if args.device_memory else None
+        device_memory = device.bytes if device is not None else None
         parallel = parse_parallel(args.parallel)
     except (OSError, ValueError) as e:
         sys.stderr.write(f"planc explain: {e}\n")
@@ -194,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
             sys.stderr.write(f"planc explain: {p.where}: {p.code} {p.message}\n      hint: {p.hint}\n")
             status = max(status, 1)
         compiled.append(c)
-        budgets.append(budget(c, device_memory, reads))
+        budgets.append(budget(c, device_memory, reads, device.how if device is not None else None))
         train = train_memory(c, model) if args.train else None
         trains.append(train)
         peak = None
@@ -289,6 +292,7 @@ def _budget_json(b) -> dict:
         "hold_per_rank": dict(b.hold),
         "read_per_rank": dict(b.read) if b.read is not None else None,
         "device_memory": b.device_memory,
+        "device_memory_read": b.device_read,
     }
 
 

@@ -38,6 +38,7 @@ class Budget:
     hold: tuple[tuple[str, int], ...]
     read: Optional[tuple[tuple[str, int], ...]] = None
     device_memory: Optional[int] = None
+    device_read: Optional[str] = None  # how --device-memory was read (planc.compiler.devices)
 
     @property
     def hold_total(self) -> int:
@@ -59,6 +60,8 @@ class Budget:
                 + (f"{human_bytes(left, 1)} left for activations and caches" if left >= 0 else
                    f"OVER by {human_bytes(-left, 1)}")
             )
+            if self.device_read:
+                lines.append(f"    ({self.device_read})")
         return "\n".join(lines)
 
 
@@ -76,9 +79,10 @@ def read_per_rank(compiled: CompiledPlan, reads: Iterable[tuple[str, str, tuple[
 
 
 def budget(
-    compiled: CompiledPlan, device_memory: Optional[int] = None, read: Optional[tuple[tuple[str, int], ...]] = None
+    compiled: CompiledPlan, device_memory: Optional[int] = None, read: Optional[tuple[tuple[str, int], ...]] = None,
+    device_read: Optional[str] = None,
 ) -> Budget:
-    return Budget(compiled.bytes_per_rank_by_dtype, read, device_memory)
+    return Budget(compiled.bytes_per_rank_by_dtype, read, device_memory, device_read)
 
 
 def budget_problems(compiled: CompiledPlan, device_memory: int, where: str) -> list[Diagnostic]:
