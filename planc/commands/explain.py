@@ -158,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
     from planc.compiler.render import json_data, render_text
 
     from planc.compiler.devices import read_device_memory
+    from planc.compiler.memory_hints import activations_note
     from planc.compiler.memory import budget, budget_problems
     from planc.compiler.train_memory import train_memory
 
@@ -192,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         if args.checkpoint:
             rc, reads = check_checkpoint(args.checkpoint, path, loaded, args.dtype, c)
             status = max(status, rc)
-        problems = budget_problems(c, device_memory, where=path) if device_memory is not None else []
+        problems = budget_problems(c, device_memory, where=path, train=args.train) if device_memory is not None else []
         for p in problems:
             sys.stderr.write(f"planc explain: {p.where}: {p.code} {p.message}\n      hint: {p.hint}\n")
             status = max(status, 1)
@@ -214,8 +215,10 @@ def run(args: argparse.Namespace) -> int:
         ]
         sys.stdout.write(json.dumps(data[0] if len(args.plans) == 1 and data else data, indent=2, sort_keys=True) + "\n")
     else:
+        note = activations_note(workload is not None)
         text = [
             render_text(c) + "\n" + b.render() + (f"\n{t.render()}" if t is not None else "")
+            + (f"\n{note}" if t is not None and note else "")
             + (f"\n{m.render()}" if m is not None else "")
             for c, b, t, m in zip(compiled, budgets, trains, peaks)
         ]
@@ -278,12 +281,16 @@ def workload_peak(compiled, model, train, workload: dict, device_memory, path: s
         search=workload["search"],
     )
     if peak.fits is False:
+        from planc.compiler.memory_hints import Situation, peak_hint
+
+        train_bytes = train.total if train is not None else compiled.bytes_per_rank
+        static = train_bytes if workload["workload"] == "train" else compiled.bytes_per_rank
+        situation = Situation(compiled, workload["workload"], static=static, room=device_memory - peak.reserve,
+                              batch=workload["batch"], train_flag=workload["workload"] == "train")
         sys.stderr.write(
             f"planc explain: {path}: PLC660 the peak per rank, {peak.peak / 2**30:.2f} GiB at {peak.moment}, plus the "
             f"{peak.reserve / 2**30:.1f} GiB reserve does not fit in {device_memory / 2**30:.1f} GiB of device memory"
-            + (f"\n      hint: the largest micro-batch that fits is {peak.max_batch}" if peak.max_batch else
-               "\n      hint: not even one sequence fits: more ranks (tp_size/ep_size, fsdp), a shorter --seq, or "
-               "`training: {activation_checkpointing: full}`") + "\n")
+            f"\n      hint: {peak_hint(situation, peak.max_batch, peak.max_seq)}\n")
     return peak
 
 

@@ -85,34 +85,27 @@ def budget(
     return Budget(compiled.bytes_per_rank_by_dtype, read, device_memory, device_read)
 
 
-def budget_problems(compiled: CompiledPlan, device_memory: int, where: str) -> list[Diagnostic]:
-    """PLC660 when this rank's parameters alone exceed `device_memory`, with what would fit."""
+def budget_problems(compiled: CompiledPlan, device_memory: int, where: str, train: bool = False) -> list[Diagnostic]:
+    """PLC660 when this rank's parameters alone exceed `device_memory`, with what would fit
+    (planc.compiler.memory_hints; `train`: the weights will be trained, so FP8 weights are no way out)."""
+    from planc.compiler.memory_hints import Situation, hint_line, load_note
+
     need = compiled.bytes_per_rank
     if need <= device_memory:
         return []
     p = compiled.parallel
     sharded, replicated = compiled.bytes_sharded_per_rank, compiled.bytes_replicated_per_rank
-    hints = []
-    if replicated < device_memory:
-        factor = -(-sharded // max(device_memory - replicated, 1))
-        hints.append(
-            f"about {factor}x the ranks for the sharded part (e.g. tp_size/ep_size {p.tp_size * factor}/"
-            f"{p.ep_size * factor}; the {human_bytes(replicated, 1)} replicated per rank does not shrink)"
-        )
-    wide = sum(n for dtype, n in compiled.bytes_per_rank_by_dtype if dtype in ("bfloat16", "float16", "float32"))
-    if wide:
-        hints.append(f"FP8 weights (a checkpoint with `quantization_config: fp8`) would hold about "
-                     f"{human_bytes(need - wide / 2, 1)} per rank if the 16-bit weights were FP8")
     return [CompileProblem(
         code=DEVICE_MEMORY,
         message=(
             f"each rank holds {human_bytes(need, 2)} of parameters under this plan "
             f"(tp_size={p.tp_size}, ep_size={p.ep_size}; {human_bytes(sharded, 1)} sharded + "
             f"{human_bytes(replicated, 1)} replicated), more than the {human_bytes(device_memory, 1)} of device memory"
+            + load_note(compiled)
         ),
         module=None,
         where=where,
-        hint="use " + " or ".join(hints) + "." if hints else "use a device with more memory.",
+        hint=hint_line(Situation(compiled, None, static=need, room=device_memory, train_flag=train)),
     )]
 
 
