@@ -35,3 +35,13 @@ def test_compile_megamoe_hints_only_sizes_where_the_ep_group_shares_a_batch(size
     with pytest.raises(CompileError) as e:
         compile_plan(model, load_plan(MEGAMOE, parallel=sizes))
     assert hint in str(e.value), str(e.value)
+
+
+def test_apply_world_hint_skips_sizes_mega_moe_cannot_run_at():
+    """planc.apply on a world the plan does not fit (PLC503) names sizes from the same solver: on 4 ranks only
+    sizes whose EP group shares a batch, and no exception from the ones that do not."""
+    from planc.compiler.resolve import sizes_for_world
+
+    model = _meta_model_at("deepseek_v4", {}, "config")
+    found = sizes_for_world(load_plan(MEGAMOE), model, 4)
+    assert found and all(s.ep in (1, s.tp) for s in found), found
