@@ -24,6 +24,9 @@ _CONFIG_METADATA = ("model_type", "architectures", "transformers_version", "auto
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from planc.compiler.devices import CARDS
+
+    cards = ", ".join(c.name for c in CARDS.values())
     parser.add_argument("plans", nargs="+", metavar="PLAN", help="plan file(s) (YAML); pre-commit passes several")
     parser.add_argument("--config", metavar="CONFIG_JSON", help="a model config.json instead of the default config")
     parser.add_argument(
@@ -69,10 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="memory each rank loses outside PyTorch's allocator (CUDA context, NCCL); default 2GiB",
     )
     parser.add_argument(
-        "--device-memory", metavar="SIZE",
-        help="memory of the device each rank loads onto: a card (H100, H200, B200, A100-80GB, A100-40GB, H20: the "
-        "memory torch reports for it), or a size (80GiB = 80 * 2^30 bytes, 80GB = 80 * 10^9 bytes); the output "
-        "says how it was read. A plan whose per-rank shard does not fit is refused (PLC660)",
+        "--device-memory", metavar="SIZE|CARD",
+        help=f"memory of the device each rank loads onto: a card ({cards}: the memory torch reports for it), or a "
+        "size (80GiB = 80 * 2^30 bytes, 80GB = 80 * 10^9 bytes); the output says how it was read. A plan whose "
+        "per-rank shard does not fit is refused (PLC660)",
     )
 
 
@@ -283,8 +286,8 @@ def workload_peak(compiled, model, train, workload: dict, device_memory, path: s
     if peak.fits is False:
         from planc.compiler.memory_hints import Situation, peak_hint
 
-        train_bytes = train.total if train is not None else compiled.bytes_per_rank
-        static = train_bytes if workload["workload"] == "train" else compiled.bytes_per_rank
+        # what no batch or sequence changes: parameters, plus gradients and AdamW state when training
+        static = train.total if workload["workload"] == "train" and train is not None else compiled.bytes_per_rank
         situation = Situation(compiled, workload["workload"], static=static, room=device_memory - peak.reserve,
                               batch=workload["batch"], train_flag=workload["workload"] == "train")
         sys.stderr.write(
