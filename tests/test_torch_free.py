@@ -35,6 +35,9 @@ def _run(planc: str, *args: str) -> subprocess.CompletedProcess:
 def test_torch_free_install_lints_and_names_the_extra_each_command_needs(torch_free_planc):
     r = _run(torch_free_planc, "lint", "plans/")
     assert r.returncode == 0 and "no problems" in r.stdout, r.stdout + r.stderr
+    for args in (("rules", "colwise"), ("rules", "PLC660"), ("explain", "--help")):
+        r = _run(torch_free_planc, *args)
+        assert r.returncode == 0 and r.stdout and not r.stderr, (args, r.stdout, r.stderr)
     needs = {
         ("explain", "plans/deepseek_v4_megamoe.yaml"): "runtime",
         ("init", "--from-transformers", "mixtral"): "runtime",
