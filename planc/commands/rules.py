@@ -25,12 +25,15 @@ def explain(r) -> str:
 
 def describe_style(name: str) -> str | None:
     """What `planc rules STYLE` prints: the style's row of planc.spec.styles (or what replaces a removed style)."""
+    from planc.lint.registry import all_rules
+    from planc.lint.rules_compile import STYLE_NOT_INSTALLABLE
+    from planc.lint.rules_removed import REMOVED_STYLE
     from planc.spec.styles import REMOVED_STYLES, STYLE, TABLE_STYLES
 
     style = STYLE.get(name)
     if style is None:
         if name in REMOVED_STYLES:
-            return (f"{name}: a removed style (PLC320): {REMOVED_STYLES[name]}; "
+            return (f"{name}: a removed style ({REMOVED_STYLE}): {REMOVED_STYLES[name]}; "
                     f"`planc migrate PLAN --write` rewrites it\n")
         return None
     tables = " and ".join(f"`{t}`" for t, names in TABLE_STYLES.items() if name in names)
@@ -44,9 +47,7 @@ def describe_style(name: str) -> str | None:
     if style.input or style.output:
         lines.append(f"- activations: takes {style.input or 'any'} input, gives {style.output or 'the same'} output")
     lines.append("- installed by planc's runtime" if style.runtime else
-                 "- not installed by planc's runtime: the compiler refuses it (PLC605)")
-    from planc.lint.registry import all_rules
-
+                 f"- not installed by planc's runtime: the compiler refuses it ({STYLE_NOT_INSTALLABLE})")
     about = [f"{r.code} ({r.name})" for r in all_rules() if r.family in ("styles", "removed")]
     lines += ["", f"Rules about styles: {', '.join(about)}; `planc rules CODE` explains one."]
     return "\n".join(lines) + "\n"
