@@ -15,8 +15,11 @@ import pytest
 
 from tests.checkout_env import REPO
 
+# `pip install -e` writes planc.egg-info into the checkout: one worker for every test that installs it
+pytestmark = pytest.mark.xdist_group("installs_the_checkout")
 
-@pytest.fixture(scope="module")
+
+@pytest.fixture(scope="session")
 def torch_free_planc(tmp_path_factory) -> str:
     venv = tmp_path_factory.mktemp("torch_free") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
