@@ -47,3 +47,12 @@ def test_a_retired_code_says_when_and_what_to_use(capsys):
 def test_a_retired_code_is_never_given_again():
     with pytest.raises(ValueError, match="PLC604 is retired"):
         register(Rule("PLC604", "reused-code", "a reused code", "doc"))
+
+
+def test_the_retired_codes_of_docs_compile_md_are_the_registry_s():
+    import re
+
+    from tests.checkout_env import REPO
+
+    text = (REPO / "docs" / "compile.md").read_text()
+    assert set(re.findall(r"^\| (PLC\d{3}) \| retired: ", text, re.M)) == set(RETIRED)
