@@ -28,8 +28,8 @@ class Card:
 
 CARDS = {c.name.lower(): c for c in (
     Card("H100", "NVIDIA H100 80GB HBM3 (SXM)", 85_017_493_504,
-         "torch.cuda.get_device_properties(0).total_memory, measured 2026-12-06 (torch 2.11.0+cu130); "
-         "nvidia-smi: 81559 MiB"),
+         "torch.cuda.get_device_properties(0).total_memory, measured 2026-12-06 on two machines (torch 2.11.0+cu130, "
+         "driver 580.159.04); nvidia-smi: 81559 MiB"),
     Card("H200", "NVIDIA H200 141GB HBM3e (SXM)", round(139.81 * 2**30),
          "torch's out-of-memory message on an H200: `total capacity of 139.81 GiB`; nvidia-smi: 143771 MiB"),
     Card("B200", "NVIDIA B200 (HBM3e)", round(178.35 * 2**30),
