@@ -20,6 +20,11 @@ COMMANDS = {
     "demo": "Apply a shipped plan on CPU ranks to a tiny model and compare with the unsharded model.",
 }
 
+# The extras (pyproject's optional-dependencies) a command needs, and the modules each extra installs: the one
+# place that decides whether a command can run on this install, so every command says what to install the same way.
+EXTRAS = {"runtime": ("torch", "transformers"), "lsp": ("pygls",)}
+COMMAND_EXTRAS = {"explain": "runtime", "init": "runtime", "demo": "runtime", "lsp": "lsp"}
+
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """All commands are listed; only `only`'s module is imported, so one command cannot break another."""
@@ -57,7 +62,41 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
-    return int(importlib.import_module(args._module).run(args) or 0)
+    return run_command(args.command, args)
+
+
+def missing_extra(command: str) -> str | None:
+    """The message for a command whose extra is not installed here (None: it can run), found without importing it."""
+    import importlib.util
+
+    extra = COMMAND_EXTRAS.get(command)
+    missing = [m for m in EXTRAS[extra] if importlib.util.find_spec(m) is None] if extra else []
+    if extra is None or not missing:
+        return None
+    return (f"planc {command}: needs the `{extra}` extra ({', '.join(EXTRAS[extra])}); "
+            f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed here\n"
+            f"    hint: pip install 'planc[{extra}]'")
+
+
+def run_command(command: str, args: argparse.Namespace) -> int:
+    """Run one sub-command; a missing extra or a PlancError (user input planc refuses) is one message, no traceback."""
+    from planc.errors import PlancError
+
+    message = missing_extra(command)
+    if message is not None:
+        sys.stderr.write(message + "\n")
+        return 2
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except PlancError as e:
+        sys.stderr.write(f"planc {command}: {e}\n")
+        return 1
+    except ModuleNotFoundError as e:  # an extra's module whose own dependencies are missing or broken
+        extra = next((x for x, mods in EXTRAS.items() if (e.name or "").split(".")[0] in mods), None)
+        if extra is None:
+            raise
+        sys.stderr.write(f"planc {command}: {e}\n    hint: pip install 'planc[{extra}]'\n")
+        return 2
 
 
 if __name__ == "__main__":

@@ -96,13 +96,10 @@ def _check_before_spawning(path: str, plan: dict, seed: int) -> int:
 
 
 def run(args) -> int:
-    try:
-        import torch.multiprocessing as mp
+    import torch.multiprocessing as mp  # the runtime extra: planc.cli checked it is installed
 
-        from planc.runtime.local_world import run_local_world
-    except ImportError:
-        print("planc demo: needs torch and transformers: pip install 'planc[runtime]'", file=sys.stderr)
-        return 2
+    from planc.runtime.local_world import run_local_world
+
     try:
         plan = _plan_for_two_ranks(args.plan)
         own_sizes = plan.pop("_own_sizes")

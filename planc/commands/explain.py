@@ -24,6 +24,9 @@ _CONFIG_METADATA = ("model_type", "architectures", "transformers_version", "auto
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from planc.compiler.devices import CARDS
+
+    cards = ", ".join(c.name for c in CARDS.values())
     parser.add_argument("plans", nargs="+", metavar="PLAN", help="plan file(s) (YAML); pre-commit passes several")
     parser.add_argument("--config", metavar="CONFIG_JSON", help="a model config.json instead of the default config")
     parser.add_argument(
@@ -73,9 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="memory each rank loses outside PyTorch's allocator (CUDA context, NCCL); default 2GiB",
     )
     parser.add_argument(
-        "--device-memory", metavar="SIZE",
-        help="memory of the device each rank loads onto (e.g. 141GiB, 80GB): a plan whose per-rank shard does "
-        "not fit is refused (PLC660)",
+        "--device-memory", metavar="SIZE|CARD",
+        help=f"memory of the device each rank loads onto: a card ({cards}: the memory torch reports for it), or a "
+        "size (80GiB = 80 * 2^30 bytes, 80GB = 80 * 10^9 bytes); the output says how it was read. A plan whose "
+        "per-rank shard does not fit is refused (PLC660)",
     )
 
 
@@ -160,7 +164,9 @@ def run(args: argparse.Namespace) -> int:
 
     from planc.compiler.render import json_data, render_text
 
-    from planc.compiler.memory import budget, budget_problems, parse_size
+    from planc.compiler.devices import read_device_memory
+    from planc.compiler.memory_hints import activations_note
+    from planc.compiler.memory import budget, budget_problems
     from planc.compiler.train_memory import train_memory
 
     if args.checkpoint and not os.path.isdir(args.checkpoint):  # before reading its config.json: say what it is
@@ -175,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
         overrides = parse_overrides(args.overrides)
         config_path = args.config or (f"{args.checkpoint}/config.json" if args.checkpoint else None)
         config = read_config(config_path) if config_path else {}
-        device_memory = parse_size(args.device_memory) if args.device_memory else None
+        device = read_device_memory(args.device_memory) if args.device_memory else None
+        device_memory = device.bytes if device is not None else None
         parallel = parse_parallel(args.parallel)
     except (OSError, ValueError) as e:
         sys.stderr.write(f"planc explain: {e}\n")
@@ -193,12 +200,12 @@ def run(args: argparse.Namespace) -> int:
         if args.checkpoint:
             rc, reads = check_checkpoint(args.checkpoint, path, loaded, args.dtype, c)
             status = max(status, rc)
-        problems = budget_problems(c, device_memory, where=path) if device_memory is not None else []
+        problems = budget_problems(c, device_memory, where=path, train=args.train) if device_memory is not None else []
         for p in problems:
             sys.stderr.write(f"planc explain: {p.where}: {p.code} {p.message}\n      hint: {p.hint}\n")
             status = max(status, 1)
         compiled.append(c)
-        budgets.append(budget(c, device_memory, reads))
+        budgets.append(budget(c, device_memory, reads, device.how if device is not None else None))
         train = train_memory(c, model) if args.train else None
         trains.append(train)
         peak = None
@@ -217,8 +224,10 @@ def run(args: argparse.Namespace) -> int:
         ]
         sys.stdout.write(json.dumps(data[0] if len(args.plans) == 1 and data else data, indent=2, sort_keys=True) + "\n")
     else:
+        note = activations_note(workload is not None)
         text = [
             render_text(c) + "\n" + b.render() + (f"\n{t.render()}" if t is not None else "")
+            + (f"\n{note}" if t is not None and note else "")
             + (f"\n{m.render()}" if m is not None else "")
             for c, b, t, m in zip(compiled, budgets, trains, peaks)
         ]
@@ -281,12 +290,16 @@ def workload_peak(compiled, model, train, workload: dict, device_memory, path: s
         search=workload["search"],
     )
     if peak.fits is False:
+        from planc.compiler.memory_hints import Situation, peak_hint
+
+        # what no batch or sequence changes: parameters, plus gradients and AdamW state when training
+        static = train.total if workload["workload"] == "train" and train is not None else compiled.bytes_per_rank
+        situation = Situation(compiled, workload["workload"], static=static, room=device_memory - peak.reserve,
+                              batch=workload["batch"], train_flag=workload["workload"] == "train")
         sys.stderr.write(
             f"planc explain: {path}: PLC660 the peak per rank, {peak.peak / 2**30:.2f} GiB at {peak.moment}, plus the "
             f"{peak.reserve / 2**30:.1f} GiB reserve does not fit in {device_memory / 2**30:.1f} GiB of device memory"
-            + (f"\n      hint: the largest micro-batch that fits is {peak.max_batch}" if peak.max_batch else
-               "\n      hint: not even one sequence fits: more ranks (tp_size/ep_size, fsdp), a shorter --seq, or "
-               "`training: {activation_checkpointing: full}`") + "\n")
+            f"\n      hint: {peak_hint(situation, peak.max_batch, peak.max_seq)}\n")
     return peak
 
 
@@ -295,6 +308,7 @@ def _budget_json(b) -> dict:
         "hold_per_rank": dict(b.hold),
         "read_per_rank": dict(b.read) if b.read is not None else None,
         "device_memory": b.device_memory,
+        "device_memory_read": b.device_read,
     }
 
 

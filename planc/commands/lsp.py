@@ -1,6 +1,6 @@
 """`planc lsp`: the language server (planc.lint.lsp) over stdin/stdout, for editors (docs/editors.md).
 
-Needs the `planc[lsp]` extra (pygls); without it the command says what to install and exits 2.
+Needs the `planc[lsp]` extra (pygls); without it planc.cli says what to install and exits 2.
 """
 
 from __future__ import annotations
@@ -13,12 +13,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
+    from planc.lint.lsp import serve
 
-    try:
-        from planc.lint.lsp import serve
-    except ImportError as e:
-        sys.stderr.write(f"planc lsp: needs pygls ({e}); install it with `pip install 'planc[lsp]'`\n")
-        return 2
     serve()
     return 0

@@ -38,6 +38,7 @@ class Budget:
     hold: tuple[tuple[str, int], ...]
     read: Optional[tuple[tuple[str, int], ...]] = None
     device_memory: Optional[int] = None
+    device_read: Optional[str] = None  # how --device-memory was read (planc.compiler.devices)
 
     @property
     def hold_total(self) -> int:
@@ -59,6 +60,8 @@ class Budget:
                 + (f"{human_bytes(left, 1)} left for activations and caches" if left >= 0 else
                    f"OVER by {human_bytes(-left, 1)}")
             )
+            if self.device_read:
+                lines.append(f"    ({self.device_read})")
         return "\n".join(lines)
 
 
@@ -76,39 +79,33 @@ def read_per_rank(compiled: CompiledPlan, reads: Iterable[tuple[str, str, tuple[
 
 
 def budget(
-    compiled: CompiledPlan, device_memory: Optional[int] = None, read: Optional[tuple[tuple[str, int], ...]] = None
+    compiled: CompiledPlan, device_memory: Optional[int] = None, read: Optional[tuple[tuple[str, int], ...]] = None,
+    device_read: Optional[str] = None,
 ) -> Budget:
-    return Budget(compiled.bytes_per_rank_by_dtype, read, device_memory)
+    return Budget(compiled.bytes_per_rank_by_dtype, read, device_memory, device_read)
 
 
-def budget_problems(compiled: CompiledPlan, device_memory: int, where: str) -> list[Diagnostic]:
-    """PLC660 when this rank's parameters alone exceed `device_memory`, with what would fit."""
+def budget_problems(compiled: CompiledPlan, device_memory: int, where: str, train: bool = False) -> list[Diagnostic]:
+    """PLC660 when this rank's parameters alone exceed `device_memory`, with what would fit
+    (planc.compiler.memory_hints; `train`: the weights will be trained, so FP8 weights are no way out)."""
+    from planc.compiler.memory_hints import Situation, hint_line, load_note
+
     need = compiled.bytes_per_rank
     if need <= device_memory:
         return []
     p = compiled.parallel
     sharded, replicated = compiled.bytes_sharded_per_rank, compiled.bytes_replicated_per_rank
-    hints = []
-    if replicated < device_memory:
-        factor = -(-sharded // max(device_memory - replicated, 1))
-        hints.append(
-            f"about {factor}x the ranks for the sharded part (e.g. tp_size/ep_size {p.tp_size * factor}/"
-            f"{p.ep_size * factor}; the {human_bytes(replicated, 1)} replicated per rank does not shrink)"
-        )
-    wide = sum(n for dtype, n in compiled.bytes_per_rank_by_dtype if dtype in ("bfloat16", "float16", "float32"))
-    if wide:
-        hints.append(f"FP8 weights (a checkpoint with `quantization_config: fp8`) would hold about "
-                     f"{human_bytes(need - wide / 2, 1)} per rank if the 16-bit weights were FP8")
     return [CompileProblem(
         code=DEVICE_MEMORY,
         message=(
             f"each rank holds {human_bytes(need, 2)} of parameters under this plan "
             f"(tp_size={p.tp_size}, ep_size={p.ep_size}; {human_bytes(sharded, 1)} sharded + "
             f"{human_bytes(replicated, 1)} replicated), more than the {human_bytes(device_memory, 1)} of device memory"
+            + load_note(compiled)
         ),
         module=None,
         where=where,
-        hint="use " + " or ".join(hints) + "." if hints else "use a device with more memory.",
+        hint=hint_line(Situation(compiled, None, static=need, room=device_memory, train_flag=train)),
     )]
 
 

@@ -22,7 +22,7 @@ from planc.compiler.experts_assignments import experts_assignments, resolve_stra
 from planc.compiler.compiled import CompiledPlan
 from planc.compiler.context import PlanRule, Problems, key_where
 from planc.compiler.walk import ModelWalk, walk_model
-from planc.errors import CompileError
+from planc.errors import CompileError, PlancError
 from planc.lint.diagnostic import Diagnostic
 from planc.spec.loaded_plan import LoadedPlan
 from planc.spec.sizes import Sizes, sizes_hint, solve_sizes
@@ -145,10 +145,13 @@ def with_sizes(loaded: LoadedPlan, sizes: Sizes) -> LoadedPlan:
 
 
 def compiles_under(resolver: Resolver, sizes: Sizes) -> bool:
-    """Whether the plan's rules compile cleanly against the same model under `sizes`."""
+    """Whether the plan's rules compile cleanly against the same model under `sizes`.
+
+    A candidate the user never wrote is not linted, so any refusal (the EP strategy a Mega MoE kernel needs
+    at sizes where the EP group does not share a batch, say) only means "not these sizes", never an error."""
     try:
         Resolver(with_sizes(resolver.loaded, sizes), resolver.walk, suggest_sizes=False).run()
-    except CompileError:
+    except PlancError:
         return False
     return True
 

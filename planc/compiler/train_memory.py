@@ -134,7 +134,6 @@ class TrainMemory:
                     f"over efsdp={self.efsdp_size} ranks: it pads, so every rank holds a whole expert's bytes. The "
                     "split is even when the model has at least as many experts as the world has ranks"
                 )
-        lines.append("  activations are not counted here: add --batch B --seq S for the peak per rank")
         return "\n".join(lines)
 
 

@@ -67,8 +67,36 @@ def rule(code: str, name: str, title: str, *, severity: str = ERROR, needs_plan:
     return deco
 
 
+@dataclass(frozen=True)
+class RetiredRule:
+    """A code no check emits any more (ruff's rule lifecycle): the version that retired it and what reports the
+    plans it reached now. A retired code is never given to another rule."""
+
+    code: str
+    version: str
+    use: tuple[str, ...]  # the codes that report it now
+    why: str
+
+
+RETIRED: dict[str, RetiredRule] = {r.code: r for r in (
+    RetiredRule("PLC604", "0.1.0", ("PLC406",), "a tp_plan rule on experts that ep_plan shards is a lint error now"),
+    RetiredRule("PLC614", "0.1.0", ("PLC400", "PLC401", "PLC402"),
+                "an EP strategy that cannot run is a lint error now (lint and the compiler call one resolve_ep)"),
+    RetiredRule("PLC618", "0.1.0", ("PLC311", "PLC312"), "a style in the wrong table is a lint error now"),
+    RetiredRule("PLC619", "0.1.0", ("PLC300",), "an invalid pattern is a lint error now"),
+    RetiredRule("PLC620", "0.1.0", ("PLC500", "PLC501", "PLC502"),
+                "sizes are checked by one function (planc.spec.sizes.check_sizes), reported with lint's codes"),
+)}
+
+
+def retired(code: str) -> Optional[RetiredRule]:
+    return RETIRED.get(code.strip().upper())
+
+
 def register(r: Rule) -> Rule:
-    """Add a rule; a code or a name registered twice is a programming error."""
+    """Add a rule; a code or a name registered twice, or a retired code given again, is a programming error."""
+    if r.code in RETIRED:
+        raise ValueError(f"rule {r.code} ({r.name}): {r.code} is retired; take a new code")
     if r.code in _RULES or any(o.name == r.name for o in _RULES.values()):
         raise ValueError(f"rule {r.code} ({r.name}) registered twice")
     _RULES[r.code] = r

@@ -4,8 +4,8 @@ These rules have no lint check: the compiler emits them (`planc.compiler`), beca
 model. They live in the one registry so `planc rules PLC601` and docs/lint.md know them, and each
 carries a failing and a passing plan that `tests/compiler/test_rule_examples.py` compiles against the
 tiny random model of the plan's `model.type` (with `config` overrides where the rule needs them).
-Codes are stable: PLC604, PLC614, PLC618, PLC619 and PLC620 are retired, because the plans that
-reached them now go through lint (PLC406, PLC400-402, PLC311/312, PLC300, PLC500/501) first.
+Codes are stable: retired ones (planc.lint.registry.RETIRED: the plans that reached them now go through
+lint first) are never given again, and `planc rules CODE` says what replaced them.
 """
 
 from __future__ import annotations
@@ -310,14 +310,25 @@ register(Rule(
     "columns must be whole blocks: at tp 2 a 384-row weight (192 rows each, 1.5 blocks) is refused. The hint "
     "names sizes that split on the grid; `replicate` the weight, or load with `dequantize=True`, which reads "
     "each rank's scale blocks and dequantizes exactly off the grid too. A block scale with no rule of its own "
-    "takes its weight's style. It needs the quantized model `planc.load` builds, so its examples are the loads "
-    "of tests/runtime/test_load_fp8.py.",
+    "takes its weight's style. It needs the quantized model `planc.load` builds from an FP8 checkpoint, so it "
+    "has no plan-only example: `planc explain PLAN --checkpoint DIR` on such a checkpoint runs it.",
     family="compile",
 ))
 register(Rule(
-    DEVICE_MEMORY, "shard-exceeds-device-memory", "each rank's parameters alone exceed the device memory",
-    "With a device memory budget (`planc explain --device-memory 141GiB`, or `planc.load`, which knows its "
-    "device), the compiler refuses a plan whose per-rank parameters cannot fit, and names sizes or FP8 weights "
-    "that would. It needs the budget, so its examples are the explain runs of tests/compiler/test_memory_budget.py.",
+    DEVICE_MEMORY, "shard-exceeds-device-memory", "a rank's parameters, or its workload's peak, exceed the device memory",
+    "A device memory budget comes from `planc explain --device-memory` (a card such as `H100`, or a size: `80GiB` "
+    "binary, `80GB` decimal) or from `planc.load`, which reads its device's. Two checks use it. (1) The parameters "
+    "each rank holds once loaded (its TP/EP shard: the sharded part plus the replicated part; under "
+    "`data_parallel: fsdp` this is the loading moment, before FSDP shards them over dp) must fit; the hint names "
+    "the ranks, or the FP8 weights, that would fit. (2) `planc explain` only, with a workload (`--train` or "
+    "`--serve` with `--batch`/`--seq`): the workload's peak per rank (parameters, gradients and AdamW state "
+    "when training, the activations kept for backward or the KV cache, the largest transient) plus the reserve "
+    "outside PyTorch's allocator (`--reserve`, 2 GiB by default) must fit; the hint names the largest "
+    "micro-batch (or, with `--seq auto`, sequence) that fits, else what the plan and flags do not already use "
+    "(more ranks, fsdp, activation checkpointing, a shorter sequence, FP8 weights when serving). It needs a "
+    "model and a budget, so its examples are commands, not plans: `planc explain plans/deepseek_v3.yaml "
+    "--device-memory H200` fails (158.11 GiB per rank at tp_size 8), `--device-memory 200GiB` passes; "
+    "`planc explain plans/mixtral.yaml --train --batch 1 --seq 4096 --device-memory H100` prices the peak "
+    "(docs/memory.md).",
     family="compile",
 ))

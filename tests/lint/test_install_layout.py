@@ -12,7 +12,12 @@ import subprocess
 import sys
 import sysconfig
 
+import pytest
+
 from .helpers import REPO
+
+# `pip install -e` writes planc.egg-info into the checkout: one worker for every test that installs it
+pytestmark = pytest.mark.xdist_group("installs_the_checkout")
 
 
 def test_editable_install_wins_over_a_clone_folder_named_planc(tmp_path):
