@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(
     reason="CPU tensors need Triton's interpreter; on a GPU, test_triton_gpu.py runs the kernels",
 )
 
-E, H, I = 8, 256, 128  # two 128-deep K blocks in L1, one in L2; two L2 N tiles
+E, H, I = 4, 256, 128  # two 128-deep K blocks in L1, one in L2; two L2 N tiles
 FP8_TINY = KernelConfig(block_t=16, l1_n=128, l1_k=128, l2_n=128, l2_k=128, num_warps=4, num_stages=2, fp8=1)
 
 
@@ -46,7 +46,7 @@ def fp4_experts(seed=0, spread_groups=False):
 
 
 def staged(num_tokens, seed, masked=0.0):
-    x, idx, w = routing(num_tokens, seed, num_experts=E, topk=3, masked=masked, hidden=H)
+    x, idx, w = routing(num_tokens, seed, num_experts=E, topk=2, masked=masked, hidden=H)
     q, sf = quantize_fp8(x)
     return x, q, float_to_ue8m0_bytes(sf), idx, w
 
@@ -66,7 +66,7 @@ def test_activation_blocks_are_the_emulated_cast():
         assert torch.equal(xs[t].double(), es)
 
 
-@pytest.mark.parametrize("num_tokens,clamp,masked,spread", [(3, 0.5, 0.3, False), (11, None, 0.0, True)])
+@pytest.mark.parametrize("num_tokens,clamp,masked,spread", [(3, 0.5, 0.3, False), (6, None, 0.0, True)])
 def test_fp8_path_matches_its_float64_emulation(num_tokens, clamp, masked, spread):
     fp4, packed, deq = fp4_experts(num_tokens, spread)
     x, q, sf, idx, w = staged(num_tokens, num_tokens, masked)
