@@ -83,6 +83,9 @@ def parse_args(argv=None):
     p.add_argument("--configs", default=None,
                    metavar="BT,L1N,L1K,L2N,L2K,WARPS,STAGES[,SPLIT[,MAXNREG[,PREFETCH[,GLUON[,L2_MAXNREG]]]]];...",
                    help="with --sweep: these KernelConfig fields instead of the built-in candidates")
+    p.add_argument("--fp8-config", default=None, metavar="INTS",
+                   help="replace the config of the FP8 path's table row (`config.FP8_CONFIGS`, its bound kept) for "
+                        "this run: KernelConfig's fields as comma-separated ints, as in --configs")
     p.add_argument("--profile", type=int, default=None, metavar="TOKENS",
                    help="print the GPU kernels of Triton layer calls at this batch size (torch.profiler) and stop")
     p.add_argument("--json", default=None, help="write the results here")
@@ -95,6 +98,9 @@ def parse_args(argv=None):
     args.tokens = [int(t) for t in args.tokens.split(",")]
     if args.configs:
         args.configs = [KernelConfig(*(int(v) for v in c.split(","))) for c in args.configs.split(";") if c.strip()]
+    if args.fp8_config:
+        cfg = KernelConfig(*(int(v) for v in args.fp8_config.split(",")))
+        triton_config.FP8_CONFIGS = tuple((bound, cfg) for bound, _ in triton_config.FP8_CONFIGS)
     return args
 
 
