@@ -32,6 +32,7 @@ pytestmark = pytest.mark.skipif(
 
 E, H, I = 4, 256, 128  # two 128-deep K blocks in L1, one in L2; two L2 N tiles
 FP8_TINY = KernelConfig(block_t=16, l1_n=128, l1_k=128, l2_n=128, l2_k=128, num_warps=4, num_stages=2, fp8=1)
+FP8_TINY_ROWS_M = KernelConfig(block_t=16, l1_n=128, l1_k=128, l2_n=128, l2_k=128, num_warps=4, num_stages=2, fp8=2)
 
 
 def fp4_experts(seed=0, spread_groups=False):
@@ -51,8 +52,8 @@ def staged(num_tokens, seed, masked=0.0):
     return x, q, float_to_ue8m0_bytes(sf), idx, w
 
 
-def layer(q, sf, idx, w, packed, clamp):
-    out = triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=clamp, config=FP8_TINY)
+def layer(q, sf, idx, w, packed, clamp, config):
+    out = triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=clamp, config=config)
     return combine(out)
 
 
@@ -66,11 +67,13 @@ def test_activation_blocks_are_the_emulated_cast():
         assert torch.equal(xs[t].double(), es)
 
 
-@pytest.mark.parametrize("num_tokens,clamp,masked,spread", [(3, 0.5, 0.3, False), (6, None, 0.0, True)])
-def test_fp8_path_matches_its_float64_emulation(num_tokens, clamp, masked, spread):
+@pytest.mark.parametrize("num_tokens,clamp,masked,spread,config", [(3, 0.5, 0.3, False, FP8_TINY),
+                                                                   (6, None, 0.0, True, FP8_TINY_ROWS_M)],
+                         ids=["swap_ab", "rows_m"])
+def test_fp8_path_matches_its_float64_emulation(num_tokens, clamp, masked, spread, config):
     fp4, packed, deq = fp4_experts(num_tokens, spread)
     x, q, sf, idx, w = staged(num_tokens, num_tokens, masked)
-    y = layer(q, sf, idx, w, packed, clamp)
+    y = layer(q, sf, idx, w, packed, clamp, config)
     emulated = emulate_fp8(q, sf, idx, w, fp4, clamp=clamp)
     assert y.dtype == torch.bfloat16 and y.shape == (num_tokens, H)
     assert calc_diff(y.double(), emulated) < 1e-5

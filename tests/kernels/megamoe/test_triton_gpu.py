@@ -188,7 +188,7 @@ needs_fp8 = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_devi
 
 @needs_fp8
 @pytest.mark.parametrize("config", [KernelConfig(128, 128, 128, 128, 128, 8, 3, fp8=1),
-                                    KernelConfig(64, 128, 128, 128, 128, 4, 3, fp8=1)], ids=["128rows", "64rows"])
+                                    KernelConfig(64, 128, 128, 128, 128, 8, 3, fp8=2)], ids=["swap_ab", "rows_m"])
 @pytest.mark.parametrize("num_tokens,clamp", [(5, None), (150, 0.05)])
 def test_fp8_path_matches_its_emulation(config, num_tokens, clamp):
     g = torch.Generator(device="cuda").manual_seed(7)

@@ -36,8 +36,10 @@ class KernelConfig:
     # L2's register cap where it is not `maxnreg` (0: the same). The warp-specialized L2 runs 8 warps per program
     # (4 MMA warps and the producer's warpgroup at 24): 64 fits four programs per SM, the MMA warps getting 104.
     l2_maxnreg: int = 0
-    # 1: the FP8-math kernels (`fp8`: e4m3 operands, FP32 promotion per 128-deep K block, l1_n = 128 channels per
-    # scale block, K tiles of 128); the numerics of the FP8 path (docs/megamoe.md), not the BF16 path's.
+    # The FP8-math kernels (`fp8`: e4m3 operands, FP32 promotion per 128-deep K block, l1_n = 128 channels per
+    # scale block, K tiles of 128; the numerics of the FP8 path, docs/megamoe.md, not the BF16 path's): 1 swap-AB (the
+    # weight rows are the MMA's M dimension, the expanded tile its register operand), 2 the block's rows are M (the
+    # expanded tile is the shared-memory operand).
     fp8: int = 0
 
     # The block sizes the Gluon kernels have loop bodies for: a 64-row MMA and up to one (80) or two (96) 16-row MMAs;

@@ -113,7 +113,7 @@ if triton is not None:
         x8_ptr, xs_ptr, w_ptr, s_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr, block_end_ptr,
         out_ptr, outs_ptr, hidden, inter, num_topk, num_local, stride_we, stride_se, clamp,
         HAS_CLAMP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, INTERPRET: tl.constexpr,
-        NUM_STAGES: tl.constexpr,
+        NUM_STAGES: tl.constexpr, SWAP_AB: tl.constexpr,
     ):
         """L1 of one block of rows and BN gate (and as many up) columns in FP8 block MMAs, then the SwiGLU epilogue
         and the per-128 e4m3 cast of its output (`out` bytes, `outs` scales)."""
@@ -131,15 +131,26 @@ if triton is not None:
         x_ptrs = x8_ptr + token[:, None] * hidden + tl.arange(0, 128)[None, :]  # [BT, 128]
         xs_ptrs = xs_ptr + token * (hidden // 128)
 
-        acc_g = tl.zeros((BN, BT), dtype=tl.float32)
-        acc_u = tl.zeros((BN, BT), dtype=tl.float32)
+        if SWAP_AB:  # the weight rows are the MMA's M dimension
+            acc_g = tl.zeros((BN, BT), dtype=tl.float32)
+            acc_u = tl.zeros((BN, BT), dtype=tl.float32)
+        else:  # the block's rows are
+            acc_g = tl.zeros((BT, BN), dtype=tl.float32)
+            acc_u = tl.zeros((BT, BN), dtype=tl.float32)
         for kb in tl.range(0, hidden // 128, num_stages=NUM_STAGES):
             x, sx = _act_block(x_ptrs + kb * 128, xs_ptrs + kb, row_ok, INTERPRET)
-            xt = tl.trans(x)
             wg, sg = _weight_block(w_base, s_base, wg_off, sg_off, kb * 2, num_g, BN, INTERPRET)
-            acc_g += tl.dot(wg, xt, out_dtype=tl.float32) * (sg[:, None] * sx[None, :])
             wu, su = _weight_block(w_base, s_base, wu_off, su_off, kb * 2, num_g, BN, INTERPRET)
-            acc_u += tl.dot(wu, xt, out_dtype=tl.float32) * (su[:, None] * sx[None, :])
+            if SWAP_AB:
+                xt = tl.trans(x)
+                acc_g += tl.dot(wg, xt, out_dtype=tl.float32) * (sg[:, None] * sx[None, :])
+                acc_u += tl.dot(wu, xt, out_dtype=tl.float32) * (su[:, None] * sx[None, :])
+            else:
+                acc_g += tl.dot(x, tl.trans(wg), out_dtype=tl.float32) * (sx[:, None] * sg[None, :])
+                acc_u += tl.dot(x, tl.trans(wu), out_dtype=tl.float32) * (sx[:, None] * su[None, :])
+        if not SWAP_AB:
+            acc_g = tl.trans(acc_g)
+            acc_u = tl.trans(acc_u)
 
         topw = tl.load(weight_ptr + slot, mask=row_ok, other=0.0)
         a = swiglu(acc_g, acc_u, topw, row_ok, clamp, HAS_CLAMP)  # [BN, BT]
@@ -154,6 +165,7 @@ if triton is not None:
         a8_ptr, as_ptr, w_ptr, s_ptr, sorted_ptr, block_expert_ptr, block_row_ptr, block_end_ptr, out_ptr,
         hidden, inter, num_local, stride_we, stride_se, stride_out,
         BT: tl.constexpr, BN: tl.constexpr, INTERPRET: tl.constexpr, NUM_STAGES: tl.constexpr,
+        SWAP_AB: tl.constexpr,
     ):
         """L2 of one block of rows and BN hidden columns in FP8 block MMAs; each slot's BF16 output to its slot."""
         pid_b, pid_n, _ = tile_ids(hidden // BN)
@@ -169,13 +181,23 @@ if triton is not None:
         a_ptrs = a8_ptr + rows[:, None] * inter + tl.arange(0, 128)[None, :]
         as_ptrs = as_ptr + rows * (inter // 128)
 
-        acc = tl.zeros((BN, BT), dtype=tl.float32)
-        for kb in tl.range(0, inter // 128, num_stages=NUM_STAGES):
-            a, sa = _act_block(a_ptrs + kb * 128, as_ptrs + kb, row_ok, INTERPRET)
-            w, sw = _weight_block(w_base, s_base, w_off, s_off, kb * 2, num_g, BN, INTERPRET)
-            acc += tl.dot(w, tl.trans(a), out_dtype=tl.float32) * (sw[:, None] * sa[None, :])
-        out_ptrs = out_ptr + slot[None, :].to(tl.int64) * stride_out + pid_n * BN + tl.arange(0, BN)[:, None]
-        tl.store(out_ptrs, bf16_rne(acc), mask=row_ok[None, :])
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        if SWAP_AB:
+            acc = tl.zeros((BN, BT), dtype=tl.float32)
+            for kb in tl.range(0, inter // 128, num_stages=NUM_STAGES):
+                a, sa = _act_block(a_ptrs + kb * 128, as_ptrs + kb, row_ok, INTERPRET)
+                w, sw = _weight_block(w_base, s_base, w_off, s_off, kb * 2, num_g, BN, INTERPRET)
+                acc += tl.dot(w, tl.trans(a), out_dtype=tl.float32) * (sw[:, None] * sa[None, :])
+            out_ptrs = out_ptr + slot[None, :].to(tl.int64) * stride_out + offs_n[:, None]
+            tl.store(out_ptrs, bf16_rne(acc), mask=row_ok[None, :])
+        else:
+            acc = tl.zeros((BT, BN), dtype=tl.float32)
+            for kb in tl.range(0, inter // 128, num_stages=NUM_STAGES):
+                a, sa = _act_block(a_ptrs + kb * 128, as_ptrs + kb, row_ok, INTERPRET)
+                w, sw = _weight_block(w_base, s_base, w_off, s_off, kb * 2, num_g, BN, INTERPRET)
+                acc += tl.dot(a, tl.trans(w), out_dtype=tl.float32) * (sa[:, None] * sw[None, :])
+            out_ptrs = out_ptr + slot[:, None].to(tl.int64) * stride_out + offs_n[None, :]
+            tl.store(out_ptrs, bf16_rne(acc), mask=row_ok[:, None])
 
 
 def x_blocks(x_fp8: torch.Tensor, x_sf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,12 +251,12 @@ def fp8_local_experts_forward(
         x8, xs, experts.w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act, act_s,
         hidden, inter, k, num_local, experts.w1.stride(0), s1.stride(0), 0.0 if clamp is None else clamp,
         HAS_CLAMP=clamp is not None, BT=bt, BN=config.l1_n, INTERPRET=interpret, NUM_STAGES=config.num_stages,
-        num_warps=config.num_warps, num_stages=config.num_stages, **regs,
+        SWAP_AB=config.fp8 == 1, num_warps=config.num_warps, num_stages=config.num_stages, **regs,
     )
     fp8_l2_kernel[(nblocks * (hidden // config.l2_n),)](
         act, act_s, experts.w2, s2, sorted_slots, block_expert, block_row, block_end, out,
         hidden, inter, num_local, experts.w2.stride(0), s2.stride(0), out.stride(0),
-        BT=bt, BN=config.l2_n, INTERPRET=interpret, NUM_STAGES=config.num_stages,
+        BT=bt, BN=config.l2_n, INTERPRET=interpret, NUM_STAGES=config.num_stages, SWAP_AB=config.fp8 == 1,
         num_warps=config.num_warps, num_stages=config.num_stages, **config.launch_registers("L2"),
     )
     return out.view(m, k, hidden)
