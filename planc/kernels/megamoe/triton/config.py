@@ -138,11 +138,12 @@ GLUON_CONFIGS = (
 )
 
 
-# The FP8-math path (`fp8`), from this many rows per local expert on average where the device has FP8 MMAs
-# (sm_89+; `fp8_min_rows` below); measured with `bench/megamoe_gpu.py --fp8` on an H100 (docs/megamoe.md).
-FP8_CONFIGS = (
-    (48, KernelConfig(block_t=128, l1_n=128, l1_k=128, l2_n=128, l2_k=128, num_warps=8, num_stages=3, fp8=1)),
-)
+# The FP8-math path (`fp8`): rows (from this many rows per local expert on average, config) that `pick_config` takes
+# on devices with FP8 MMAs (sm_89+) before the BF16 table. Empty: measured on an H100 (2026-12-06, Triton 3.6, V4
+# layer, `bench/megamoe_gpu.py --sweep --configs ...`, docs/megamoe.md) the FP8 kernels run the experts 5.1-8.1x
+# slower than the BF16 path's pick at 2048 and 4096 tokens (42.0-66.5 ms against 7.8-8.2 ms), so no batch size
+# takes them; they run where a config asks for them (`KernelConfig(fp8=1 or 2)`).
+FP8_CONFIGS: tuple[tuple[int, KernelConfig], ...] = ()
 
 
 # L1 splits its hidden dimension (`l1_split`) until there are ~8 L1 programs per SM, keeping at least 4 pipeline
@@ -167,9 +168,9 @@ def pick_config(
     under L1's register cap."""
     per_expert = num_rows / max(num_local_experts, 1)
     if fp8 and hidden % 128 == 0 and inter % 128 == 0:
-        for bound, config in reversed(FP8_CONFIGS):
-            if per_expert >= bound:
-                return config.fit(hidden, inter)
+        for fp8_bound, fp8_config in reversed(FP8_CONFIGS):
+            if per_expert >= fp8_bound:
+                return fp8_config.fit(hidden, inter)
     if gluon:
         for bound, config in GLUON_CONFIGS:
             if per_expert <= bound:
