@@ -140,8 +140,8 @@ GLUON_CONFIGS = (
 
 # The FP8-math path (`fp8`): rows (from this many rows per local expert on average, config) that `pick_config` takes
 # on devices with FP8 MMAs (sm_89+) before the BF16 table. Empty: measured on an H100 (2026-12-06, Triton 3.6, V4
-# layer, `bench/megamoe_gpu.py --sweep --configs ...`, docs/megamoe.md) the FP8 kernels run the experts 5.1-8.1x
-# slower than the BF16 path's pick at 2048 and 4096 tokens (42.0-66.5 ms against 7.8-8.2 ms), so no batch size
+# layer, `bench/megamoe_gpu.py --sweep --configs ...`, docs/megamoe.md) the FP8 kernels run the experts 4.4-8.1x
+# slower than the BF16 path's pick at 2048 and 4096 tokens (34.8-66.6 ms against 7.8-8.2 ms), so no batch size
 # takes them; they run where a config asks for them (`KernelConfig(fp8=1 or 2)`).
 FP8_CONFIGS: tuple[tuple[int, KernelConfig], ...] = ()
 
