@@ -27,6 +27,7 @@ CPU smoke test (tiny):   python bench/megamoe_gpu.py --device cpu --tiny
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -41,6 +42,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from planc.kernels.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_fp8
+from planc.kernels.megamoe.triton import config as triton_config
 from planc.kernels.megamoe.triton.config import KernelConfig
 from planc.kernels.megamoe.triton.forward import device_config, triton_local_experts_forward
 from planc.runtime.ep.megamoe import MegaMoeEPRuntime
@@ -81,6 +83,9 @@ def parse_args(argv=None):
     p.add_argument("--configs", default=None,
                    metavar="BT,L1N,L1K,L2N,L2K,WARPS,STAGES[,SPLIT[,MAXNREG[,PREFETCH[,GLUON[,L2_MAXNREG]]]]];...",
                    help="with --sweep: these KernelConfig fields instead of the built-in candidates")
+    p.add_argument("--fp8-config", default=None, metavar="INTS",
+                   help="replace the config of the FP8 path's table row (`config.FP8_CONFIGS`, its bound kept) for "
+                        "this run: KernelConfig's fields as comma-separated ints, as in --configs")
     p.add_argument("--profile", type=int, default=None, metavar="TOKENS",
                    help="print the GPU kernels of Triton layer calls at this batch size (torch.profiler) and stop")
     p.add_argument("--json", default=None, help="write the results here")
@@ -93,6 +98,9 @@ def parse_args(argv=None):
     args.tokens = [int(t) for t in args.tokens.split(",")]
     if args.configs:
         args.configs = [KernelConfig(*(int(v) for v in c.split(","))) for c in args.configs.split(";") if c.strip()]
+    if args.fp8_config:
+        cfg = KernelConfig(*(int(v) for v in args.fp8_config.split(",")))
+        triton_config.FP8_CONFIGS = tuple((bound, cfg) for bound, _ in triton_config.FP8_CONFIGS)
     return args
 
 
@@ -241,6 +249,18 @@ def dense_ceiling(args, n, device, measure, use_graph) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def bf16_path_only():
+    """The Triton backend without the FP8 path's rows of the config table (`config.FP8_CONFIGS`): what it ran before
+    that path existed, timed in the same process and on the same card as the table with them."""
+    saved = triton_config.FP8_CONFIGS
+    triton_config.FP8_CONFIGS = ()
+    try:
+        yield
+    finally:
+        triton_config.FP8_CONFIGS = saved
+
+
 def capture_graph(fn):
     """A CUDA graph of `fn` (after one warm call outside the capture, on a side stream), replayed once, and the
     output tensors the graph writes."""
@@ -349,8 +369,10 @@ def sweep(args, device, measure, packed):
         q, sf = quantize_fp8(x)
         sf = float_to_ue8m0_bytes(sf)
         picked = device_config(n * args.topk, args.experts, args.hidden, args.intermediate, device)
-        row = {"tokens": n, "picked": picked.__dict__, "configs": []}
-        for cfg in dict.fromkeys([picked, *(args.configs or SWEEP)]):
+        bf16 = device_config(n * args.topk, args.experts, args.hidden, args.intermediate, device, fp8=False)
+        row = {"tokens": n, "picked": picked.__dict__, "bf16_picked": bf16.__dict__, "configs": []}
+        first = None  # the BF16-path pick's output: every other config's calc_diff is against it
+        for cfg in dict.fromkeys([bf16, picked, *(args.configs or SWEEP)]):
             if n < 64 and cfg.block_t > 16:
                 continue  # big token tiles for a decode batch: never competitive
             try:
@@ -360,11 +382,14 @@ def sweep(args, device, measure, packed):
                                                         activation_clamp=args.clamp, config=fit)
 
                 us, _ = graph_or_eager(device, measure, run, device.type == "cuda")
+                out = run()
             except Exception as e:  # noqa: BLE001 - a config that fails to compile (shared memory, registers): skip it
                 print(f"  T={n} {cfg}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
                 continue
-            row["configs"].append({"config": fit.__dict__, "us": us})
-            print(f"  T={n} {fit}: {us:.1f} us", file=sys.stderr)
+            first = out if first is None else first
+            diff = calc_diff(out.float(), first.float())
+            row["configs"].append({"config": fit.__dict__, "us": us, "calc_diff": diff})
+            print(f"  T={n} {fit}: {us:.1f} us, calc_diff vs the BF16 pick {diff:.1e}", file=sys.stderr)
         best = min(row["configs"], key=lambda c: c["us"])
         row["best"] = best
         print(f"T={n}: best {best['us']:.1f} us {best['config']}; picked {picked}", file=sys.stderr)
@@ -450,6 +475,13 @@ def main(argv=None):
             row["triton_us"], y_tri = graph_or_eager(device, measure, lambda: tri_layer(x, idx, w), use_graph)
             if y_tri is None:
                 y_tri = tri_layer(x, idx, w)
+            with bf16_path_only():  # the backend before its FP8 path, in this process on this card
+                row["bf16_path_us"], y_bf16 = graph_or_eager(device, measure, lambda: tri_layer(x, idx, w), use_graph)
+                if y_bf16 is None:
+                    y_bf16 = tri_layer(x, idx, w)
+            row["calc_diff_vs_bf16_path"] = calc_diff(y_tri.float(), y_bf16.float())
+            row["path"] = "fp8" if device_config(n * args.topk, args.experts, args.hidden, args.intermediate,
+                                                 device).fp8 else "bf16"
             if baseline is not None:
                 row["reference_us"], y_ref = graph_or_eager(device, measure, lambda: ref_layer(x, idx, w), use_graph)
                 if y_ref is None:
@@ -482,18 +514,21 @@ def main(argv=None):
     )
     print(f"\nMega MoE, one layer, one rank ({result['device']}; H={args.hidden}, I={args.intermediate}, "
           f"E={args.experts}, top-{args.topk}; {'graph replay' if use_graph else 'eager'}, µs)\n")
-    print("| tokens | triton | triton eager | reference | bf16 grouped_mm | bound | bound is | triton / bound | "
-          "grouped_mm / triton | calc_diff |")
-    print("|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+    print("| tokens | triton | path | triton, BF16 path only | BF16 path / triton | triton eager | reference | "
+          "bf16 grouped_mm | bound | bound is | triton / bound | grouped_mm / triton | calc_diff | "
+          "calc_diff vs BF16 path |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
 
     def f(v, spec=".1f"):
         return "n/a" if v is None else format(v, spec)
 
     for r in rows:
         gm = r.get("grouped_mm_us")
-        print(f"| {r['tokens']} | {f(r['triton_us'])} | {f(r['triton_eager_us'])} | {f(r.get('reference_us'))} | "
+        print(f"| {r['tokens']} | {f(r['triton_us'])} | {r['path']} | {f(r['bf16_path_us'])} | "
+              f"{r['bf16_path_us'] / r['triton_us']:.2f}x | {f(r['triton_eager_us'])} | {f(r.get('reference_us'))} | "
               f"{f(gm)} | {f(r['bound_us'])} | {r['bound']} | {r['ratio']:.2f}x | "
-              f"{f(gm / r['triton_us'] if gm else None, '.2f')} | {f(r.get('calc_diff'), '.1e')} |")
+              f"{f(gm / r['triton_us'] if gm else None, '.2f')} | {f(r.get('calc_diff'), '.1e')} | "
+              f"{r['calc_diff_vs_bf16_path']:.1e} |")
     ceilings = [r for r in rows if "ceiling" in r]
     if ceilings:
         print("\nThe same math as cuBLAS dense GEMMs (no routing, padding or FP4; µs, and TFLOP/s of the layer's math)\n")

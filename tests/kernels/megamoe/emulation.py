@@ -118,3 +118,76 @@ def moe_float64(x, idx, weights, w1, w2, *, clamp=None):
                 gate, up = gate.clamp(max=clamp), up.clamp(min=-clamp, max=clamp)
             y[t] += float(weights[t, j]) * (w2[e].double() @ (gate * torch.sigmoid(gate) * up))
     return y
+
+
+def _f32(v: float) -> float:
+    return float(torch.tensor(v, dtype=torch.float32))
+
+
+def fp8_block_cast(v: torch.Tensor, *, floor: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 path's cast of one row (float64 [C]) per 128 channels: sf = 2**ceil(log2(fl32(amax) * fl32(1/448))),
+    at least 2**-126 with `floor` (else 0 for an all-zero group), values RNE onto e4m3. Returns (e4m3 values,
+    scales per 128) in float64."""
+    q = torch.zeros_like(v)
+    sf = torch.zeros(v.shape[-1] // 128, dtype=torch.float64)
+    for b in range(v.shape[-1] // 128):
+        chunk = v[b * 128:(b + 1) * 128]
+        amax = float(chunk.abs().max())
+        if amax == 0 and not floor:
+            continue
+        scaled = _f32(_f32(amax) * _f32(1 / 448.0))
+        s = max(pow2_ceil(scaled), 2.0**-126) if scaled > 0 else 2.0**-126
+        sf[b] = s
+        q[b * 128:(b + 1) * 128] = round_e4m3(chunk / s)
+    return q, sf
+
+
+def fp8_weights(packed: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K/2] e2m1 codes + UE8M0 exponent bytes [N, K/32] -> the FP8 path's weights as float64 [N, K]: per
+    (row, 128 K) ref = the largest byte, each code times 2**(s - ref + 1) rounded to e4m3, times 2**(ref - 128)."""
+    b = packed.view(torch.uint8).long()
+    codes = torch.stack([b & 15, b >> 4], dim=-1).reshape(packed.shape[0], -1)
+    mag = torch.tensor(E2M1, dtype=torch.float64)[codes & 7]
+    vals = torch.where(codes >= 8, -mag, mag)
+    s = scale_bytes.long()
+    n, groups = s.shape
+    ref = s.view(n, groups // 4, 4).amax(dim=-1)  # [N, K/128]
+    shift = (s - ref.repeat_interleave(4, dim=1)).double()
+    q = round_e4m3(vals * torch.pow(2.0, shift + 1).repeat_interleave(32, dim=1))
+    return q * torch.pow(2.0, ref.double() - 128).repeat_interleave(128, dim=1)
+
+
+def emulate_fp8(x_q, x_sf, idx, weights, fp4, *, clamp=None):
+    """The FP8 path in float64 from the staged FP8 rows (`x_q` e4m3 [T, H], `x_sf` UE8M0 bytes [T, H/32]) and the
+    module-layout FP4 experts (`quant.FP4Experts`). Returns float64 [T, H] holding BF16 values."""
+    T, K = idx.shape
+    w1 = torch.stack([fp8_weights(p, s) for p, s in zip(fp4.gate_up_proj, _bytes(fp4.gate_up_proj_scale_inv))])
+    w2 = torch.stack([fp8_weights(p, s) for p, s in zip(fp4.down_proj, _bytes(fp4.down_proj_scale_inv))])
+    inter = w2.shape[2]
+    x = x_q.double() * torch.pow(2.0, x_sf.long().double() - 127).repeat_interleave(32, dim=1)
+    y = torch.zeros(T, w2.shape[1], dtype=torch.float64)
+    for t in range(T):
+        q, sf = fp8_block_cast(x[t], floor=True)
+        xq = q * sf.repeat_interleave(128)
+        acc = torch.zeros(w2.shape[1], dtype=torch.float64)
+        for j in range(K):
+            e = int(idx[t, j])
+            if e < 0:
+                continue
+            h = round_bf16(w1[e] @ xq)
+            gate, up = h[:inter], h[inter:]
+            if clamp is not None:
+                c = float(round_bf16(torch.tensor(float(clamp), dtype=torch.float64)))
+                gate, up = gate.clamp(max=c), up.clamp(min=-c, max=c)
+            a = gate / (1 + torch.exp(-gate)) * up * _f32(float(weights[t, j]))
+            aq, asf = fp8_block_cast(a, floor=False)
+            acc = acc + round_bf16(w2[e] @ (aq * asf.repeat_interleave(128)))
+        y[t] = round_bf16(acc)
+    return y
+
+
+def _bytes(scales: torch.Tensor) -> torch.Tensor:
+    """UE8M0 scales (float8_e8m0fnu, or float32 powers of two) -> their exponent bytes as int64."""
+    if scales.dtype == torch.float8_e8m0fnu:
+        return scales.view(torch.uint8).long()
+    return (torch.log2(scales.double()).round() + 127).long()

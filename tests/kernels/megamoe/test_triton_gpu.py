@@ -12,12 +12,13 @@ import torch
 from planc.kernels.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_experts_fp4, quantize_fp8
 from planc.kernels.megamoe.reference import DequantizedExperts, local_experts_forward
 from planc.kernels.megamoe.triton.config import KernelConfig
-from planc.kernels.megamoe.triton.forward import triton_local_experts_forward
+from planc.kernels.megamoe.triton.forward import combine, device_config, triton_local_experts_forward
 from planc.kernels.megamoe.triton.hopper_prefill import gluon_unavailable_reason
 from planc.kernels.megamoe.triton.layout import PackedExperts
 from planc.runtime.ep.megamoe import MegaMoeEPRuntime
 from planc.runtime.megamoe import install_megamoe_forward, megamoe_state
 from planc.spec.ep import MegaMoeEP
+from tests.kernels.megamoe.emulation import emulate_fp8
 from tests.kernels.megamoe.common import CP_ASYNC, CP_ASYNC_80_ROWS, GLUON, GLUON_80_ROWS, mixtral_experts, routing
 
 pytestmark = [
@@ -48,9 +49,15 @@ def staged(num_tokens, seed, **kw):
     return q, float_to_ue8m0_bytes(sf), idx, w
 
 
-def check(out, ref):
+def check(out, ref, fp8=False):
+    """The BF16 path: the reference's numerics up to the FP32 sum order; the FP8 path (`fp8`): DeepGEMM's FP8 bound."""
     assert out.shape == ref.shape
-    assert calc_diff(out.float(), ref.float()) < 1e-4
+    assert calc_diff(out.float(), ref.float()) < (1e-2 if fp8 else 1e-4)
+
+
+def picks_fp8(num_rows):
+    """Whether a forward without a config runs the FP8 path on these shapes (its row of `config.FP8_CONFIGS`)."""
+    return bool(device_config(num_rows, NE, NH, NI, torch.device("cuda")).fp8)
 
 
 # The decode config as `pick_config` widens it for V4-sized batches (L2 N tiles of 128); these shapes pick 64.
@@ -65,7 +72,7 @@ def test_ragged_batches_match_the_reference(experts, num_tokens, clamp, config):
     q, sf, idx, w = staged(num_tokens, num_tokens, masked=0.1)  # -1 padding slots included
     ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=clamp)
     check(triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=clamp, config=config),
-          ref)
+          ref, fp8=config is None and picks_fp8(idx.numel()))
 
 
 def test_all_routes_to_one_expert(experts):
@@ -73,7 +80,8 @@ def test_all_routes_to_one_expert(experts):
     q, sf, idx, w = staged(300, 1)
     idx = torch.full_like(idx, 5)
     ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=10.0)
-    check(triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=10.0), ref)
+    check(triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=10.0), ref,
+          fp8=picks_fp8(idx.numel()))
 
 
 def test_rank_slice_and_no_local_expert(experts):
@@ -83,7 +91,8 @@ def test_rank_slice_and_no_local_expert(experts):
     half_deq = DequantizedExperts(deq.gate_up[lo:], deq.down[lo:])
     q, sf, idx, w = staged(64, 2)
     ref = local_experts_forward(q, sf, idx, w, half_deq, first_expert=lo, activation_clamp=None)
-    check(triton_local_experts_forward(q, sf, idx, w, half, first_expert=lo, activation_clamp=None), ref)
+    check(triton_local_experts_forward(q, sf, idx, w, half, first_expert=lo, activation_clamp=None), ref,
+          fp8=picks_fp8(idx.numel()))
     out = triton_local_experts_forward(q, sf, idx % lo, w, half, first_expert=lo, activation_clamp=None)
     assert not out.any()
 
@@ -167,4 +176,36 @@ def test_installed_layer_graph_capture_without_host_sync(world1):
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(y_graph, y)
-            check(y, ref_layer(x, idx, w))
+            check(y, ref_layer(x, idx, w), fp8=picks_fp8(t * NK))
+
+
+# The FP8-math path (`triton/fp8.py`) at real tile sizes against its float64 emulation (only the FP32 sum order
+# differs) and the BF16-path reference (DeepGEMM's FP8 bound).
+FP8_NE, FP8_NH, FP8_NI = 8, 1024, 512
+needs_fp8 = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                               reason="FP8 MMAs need sm_89 or newer")
+
+
+@needs_fp8
+@pytest.mark.parametrize("config", [KernelConfig(128, 128, 128, 128, 128, 8, 3, fp8=1),
+                                    KernelConfig(64, 128, 128, 128, 128, 8, 3, fp8=2)], ids=["swap_ab", "rows_m"])
+@pytest.mark.parametrize("num_tokens,clamp", [(5, None), (150, 0.05)])
+def test_fp8_path_matches_its_emulation(config, num_tokens, clamp):
+    g = torch.Generator(device="cuda").manual_seed(7)
+    w1 = torch.randn(FP8_NE, 2 * FP8_NI, FP8_NH, generator=g, device="cuda").bfloat16() * FP8_NH**-0.5
+    w2 = torch.randn(FP8_NE, FP8_NH, FP8_NI, generator=g, device="cuda").bfloat16() * FP8_NI**-0.5
+    w1[:, ::3, 32:64] *= 2.0**-12  # 32-groups far below their 128-block's largest: off the e4m3 grid
+    fp4 = quantize_experts_fp4(w1, w2)
+    params = (fp4.gate_up_proj, fp4.gate_up_proj_scale_inv, fp4.down_proj, fp4.down_proj_scale_inv)
+    packed, deq = PackedExperts.from_params(*params), DequantizedExperts.from_fp4(*params)
+    x, idx, w = (t.cuda() for t in routing(num_tokens, num_tokens, num_experts=FP8_NE, topk=NK, hidden=FP8_NH,
+                                            masked=0.1))
+    q, sf = quantize_fp8(x)
+    sf = float_to_ue8m0_bytes(sf)
+    out = triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=clamp, config=config)
+    y = combine(out)
+    cpu = types.SimpleNamespace(**{k: v.cpu() for k, v in vars(fp4).items()})
+    emulated = emulate_fp8(q.cpu(), sf.cpu(), idx.cpu(), w.cpu(), cpu, clamp=clamp)
+    assert calc_diff(y.double().cpu(), emulated) < 1e-5
+    ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=clamp)
+    check(out, ref, fp8=True)

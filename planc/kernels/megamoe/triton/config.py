@@ -36,6 +36,11 @@ class KernelConfig:
     # L2's register cap where it is not `maxnreg` (0: the same). The warp-specialized L2 runs 8 warps per program
     # (4 MMA warps and the producer's warpgroup at 24): 64 fits four programs per SM, the MMA warps getting 104.
     l2_maxnreg: int = 0
+    # The FP8-math kernels (`fp8`: e4m3 operands, FP32 promotion per 128-deep K block, l1_n = 128 channels per
+    # scale block, K tiles of 128; the numerics of the FP8 path, docs/megamoe.md, not the BF16 path's): 1 swap-AB (the
+    # weight rows are the MMA's M dimension, the expanded tile its register operand), 2 the block's rows are M (the
+    # expanded tile is the shared-memory operand).
+    fp8: int = 0
 
     # The block sizes the Gluon kernels have loop bodies for: a 64-row MMA and up to one (80) or two (96) 16-row MMAs;
     # 80-row blocks compile without the two-tail body, in fewer registers (see `GLUON_CONFIGS`).
@@ -66,6 +71,12 @@ class KernelConfig:
                 tile //= 2
             return tile
 
+        if self.fp8:
+            if hidden % 128 or inter % 128 or self.l1_n % 128 or inter % self.l1_n or hidden % self.l2_n:
+                raise ValueError(f"the FP8 kernels need hidden and intermediate % 128 and N tiles of 128 that divide "
+                                 f"them, got hidden={hidden}, intermediate={inter}, l1_n={self.l1_n}, "
+                                 f"l2_n={self.l2_n}: `pick_config` picks them only where they fit")
+            return dataclasses.replace(self, l1_k=128, l2_k=128, l1_split=1)
         l1_k = div(self.l1_k, hidden, 64)
         split = self.l1_split
         while split > 1 and hidden % (l1_k * split):
@@ -127,6 +138,14 @@ GLUON_CONFIGS = (
 )
 
 
+# The FP8-math path (`fp8`): rows (from this many rows per local expert on average, config) that `pick_config` takes
+# on devices with FP8 MMAs (sm_89+) before the BF16 table. Empty: measured on an H100 (2026-12-06, Triton 3.6, V4
+# layer, `bench/megamoe_gpu.py --sweep --configs ...`, docs/megamoe.md) the FP8 kernels run the experts 4.4-8.1x
+# slower than the BF16 path's pick at 2048 and 4096 tokens (34.8-66.6 ms against 7.8-8.2 ms), so no batch size
+# takes them; they run where a config asks for them (`KernelConfig(fp8=1 or 2)`).
+FP8_CONFIGS: tuple[tuple[int, KernelConfig], ...] = ()
+
+
 # L1 splits its hidden dimension (`l1_split`) until there are ~8 L1 programs per SM, keeping at least 4 pipeline
 # depths of K tiles per slice. One program streams weights at only a few GB/s (it waits on its loads and MMAs), so
 # a 1-token batch (6 experts x I / l1_n programs) needs several per SM: V4 at 1 token (288 programs) is fastest in 4
@@ -141,13 +160,17 @@ _L2_WIDE_PROGRAMS_PER_SM = 16
 
 def pick_config(
     num_rows: int, num_local_experts: int, hidden: int, inter: int, num_sms: int = TUNED_SMS, gluon: bool = False,
-    warp_specialized: bool = True,
+    warp_specialized: bool = True, fp8: bool = False,
 ) -> KernelConfig:
     """The tuned config for a batch of `num_rows` (token, slot) pairs (shapes and SM count only: no device read);
-    `gluon`: the Hopper Gluon kernels can run (`hopper_prefill.gluon_unavailable_reason`); `warp_specialized`: and
+    `fp8`: the device has FP8 MMAs (`FP8_CONFIGS` then takes large batches); `gluon`: the Hopper Gluon kernels can run (`hopper_prefill.gluon_unavailable_reason`); `warp_specialized`: and
     this Triton builds the warp-specialized L2 (`hopper_prefill_ws.unavailable_reason`), else the cp.async L2 runs
     under L1's register cap."""
     per_expert = num_rows / max(num_local_experts, 1)
+    if fp8 and hidden % 128 == 0 and inter % 128 == 0:
+        for fp8_bound, fp8_config in reversed(FP8_CONFIGS):
+            if per_expert >= fp8_bound:
+                return fp8_config.fit(hidden, inter)
     if gluon:
         for bound, config in GLUON_CONFIGS:
             if per_expert <= bound:

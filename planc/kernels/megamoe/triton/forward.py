@@ -5,19 +5,22 @@ from __future__ import annotations
 
 import torch
 
-from planc.kernels.megamoe.triton import hopper_prefill, hopper_prefill_ws, jit, target
+from planc.kernels.megamoe.triton import fp8, hopper_prefill, hopper_prefill_ws, jit, target
 from planc.kernels.megamoe.triton.config import KernelConfig, pick_config
 from planc.kernels.megamoe.triton.layout import PackedExperts
 from planc.kernels.megamoe.triton.routing import route
 from planc.kernels.megamoe.triton.target import triton
 
 
-def device_config(num_rows: int, num_local_experts: int, hidden: int, inter: int, device: torch.device) -> KernelConfig:
-    """`pick_config` for this device: its SM count and whether the Gluon kernels (and the warp-specialized L2) run on
-    it (what a forward without an explicit config runs; the benchmark's sweep marks it)."""
+def device_config(num_rows: int, num_local_experts: int, hidden: int, inter: int, device: torch.device,
+                  fp8: bool | None = None) -> KernelConfig:
+    """`pick_config` for this device: its SM count and whether the Gluon kernels (and the warp-specialized L2) and
+    FP8 MMAs run on it (what a forward without an explicit config runs; the benchmark's sweep marks it); `fp8=False`:
+    the pick without the FP8 path's rows."""
     return pick_config(num_rows, num_local_experts, hidden, inter, target.sm_count(device),
                        gluon=hopper_prefill.gluon_unavailable_reason(device) is None,
-                       warp_specialized=hopper_prefill_ws.unavailable_reason is None)
+                       warp_specialized=hopper_prefill_ws.unavailable_reason is None,
+                       fp8=target.has_fp8_mma(device) if fp8 is None else fp8 and target.has_fp8_mma(device))
 
 
 def bf16_clamp(activation_clamp: float | None) -> float | None:
@@ -90,6 +93,10 @@ def triton_local_experts_forward(
     cfg = config or device_config(m * k, num_local, hidden, inter, device)
     cfg = cfg.fit(hidden, inter)
 
+    clamp = bf16_clamp(activation_clamp)
+    if cfg.fp8:
+        return fp8.fp8_local_experts_forward(x_fp8, x_sf, topk_idx, topk_weights, experts, first_expert=first_expert,
+                                             clamp=clamp, config=cfg)
     x = dequantize_x(x_fp8, x_sf)  # read by the L1 kernel by token
     weights = topk_weights.reshape(-1).float().contiguous()
     sorted_slots, block_expert, block_row, block_end = route(
@@ -97,7 +104,6 @@ def triton_local_experts_forward(
     )
     nblocks = block_expert.numel()
     act = torch.empty((nblocks * cfg.block_t, inter), dtype=torch.bfloat16, device=device)
-    clamp = bf16_clamp(activation_clamp)
     w1, w2 = experts.w1, experts.w2
     s1 = experts.s1.reshape(num_local, -1).view(torch.int32)  # one int32 per (K block, row group, r): `shuffle_fp4`
     s2 = experts.s2.reshape(num_local, -1).view(torch.int32)

@@ -278,18 +278,21 @@ if triton is not None:
         ok = col < hidden
         b = tl.load(q_ptr + row * hidden + col, mask=ok, other=0).to(tl.int32)
         s = tl.load(sf_ptr + row * (hidden // 32) + col // 32, mask=ok, other=0).to(tl.int32)
-        e = (b >> 3) & 15
-        normal = (((b & 0x80) << 24) | ((e + 120) << 23) | ((b & 7) << 20)).to(tl.float32, bitcast=True)
-        sub = (b & 7).to(tl.float32) * 0.001953125
-        v = tl.where(e == 0, tl.where((b & 0x80) != 0, -sub, sub), normal)
+        v = e4m3_value(b)
         tl.store(out_ptr + row * hidden + col, bf16_rne(v * (s << 23).to(tl.float32, bitcast=True)), mask=ok)
 
     @triton.jit
-    def swiglu_requant(acc_g, acc_u, topw, row_ok, clamp, HAS_CLAMP: tl.constexpr, BN: tl.constexpr,
-                        BT: tl.constexpr):
-        """L1's epilogue on FP32 gate/up sums ``[BN, BT]``: round to BF16 once, clamp, ``silu(gate) * up * topw``
-        in FP32, then the kernel's FP8 requantization per 32 channels (`quant.requantize_fp8_like_kernel`), as the
-        exact BF16 values of the FP8 numbers."""
+    def e4m3_value(b):
+        """e4m3 bytes (int32 0..255) -> their FP32 values (exact)."""
+        e = (b >> 3) & 15
+        normal = (((b & 0x80) << 24) | ((e + 120) << 23) | ((b & 7) << 20)).to(tl.float32, bitcast=True)
+        sub = (b & 7).to(tl.float32) * 0.001953125
+        return tl.where(e == 0, tl.where((b & 0x80) != 0, -sub, sub), normal)
+
+    @triton.jit
+    def swiglu(acc_g, acc_u, topw, row_ok, clamp, HAS_CLAMP: tl.constexpr):
+        """FP32 gate/up sums ``[BN, BT]`` -> round to BF16 once, clamp, ``silu(gate) * up * topw`` in FP32 (rows
+        past the block's end: 0)."""
         gate = bf16_rne(acc_g).to(tl.float32)
         up = bf16_rne(acc_u).to(tl.float32)
         if HAS_CLAMP:  # `clamp` is already a BF16 value: clamping the BF16 numbers in FP32 is exact
@@ -297,7 +300,14 @@ if triton is not None:
             up = tl.minimum(tl.maximum(up, -clamp), clamp)
         silu = tl.div_rn(gate, 1.0 + tl.exp(-gate))
         a = silu * up * topw[None, :]
-        a = tl.where(row_ok[None, :], a, 0.0)
+        return tl.where(row_ok[None, :], a, 0.0)
+
+    @triton.jit
+    def swiglu_requant(acc_g, acc_u, topw, row_ok, clamp, HAS_CLAMP: tl.constexpr, BN: tl.constexpr,
+                        BT: tl.constexpr):
+        """L1's epilogue on FP32 gate/up sums ``[BN, BT]``: `swiglu`, then the kernel's FP8 requantization per 32
+        channels (`quant.requantize_fp8_like_kernel`), as the exact BF16 values of the FP8 numbers."""
+        a = swiglu(acc_g, acc_u, topw, row_ok, clamp, HAS_CLAMP)
 
         a3 = tl.reshape(a, (BN // 32, 32, BT))
         amax = tl.max(tl.abs(a3), axis=1)  # [BN/32, BT]

@@ -71,3 +71,11 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return TUNED_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def has_fp8_mma(device: torch.device) -> bool:
+    """Whether `device` multiplies e4m3 operands on its tensor cores (sm_89 and newer; not the interpreter, where a
+    config asks for the FP8 path explicitly)."""
+    if device.type != "cuda" or interpreting() or triton_unavailable_reason(device) is not None:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)

@@ -1,0 +1,101 @@
+"""The Triton backend's FP8-math path (`triton/fp8.py`) under Triton's CPU interpreter, at tiny shapes.
+
+Against the float64 emulation of the same quantization (`emulation.emulate_fp8`): only the FP32 sum order differs,
+which may flip a rare BF16 or e4m3 rounding. Against the BF16-path reference and the float64 MoE on the same FP4
+weights: within DeepGEMM's bound for its FP8 GEMMs against a BF16 matmul (calc_diff < 0.01).
+"""
+
+import pytest
+import torch
+
+from planc.kernels.megamoe.quant import (
+    calc_diff,
+    dequantize_experts_fp4,
+    float_to_ue8m0_bytes,
+    quantize_experts_fp4,
+    quantize_fp8,
+)
+from planc.kernels.megamoe.reference import DequantizedExperts, local_experts_forward
+from planc.kernels.megamoe.reference import combine as reference_combine
+from planc.kernels.megamoe.triton import target
+from planc.kernels.megamoe.triton import config as triton_config
+from planc.kernels.megamoe.triton.config import KernelConfig, pick_config
+from planc.kernels.megamoe.triton.fp8 import x_blocks
+from planc.kernels.megamoe.triton.forward import combine, triton_local_experts_forward
+from planc.kernels.megamoe.triton.layout import PackedExperts
+from tests.kernels.megamoe.common import full_weights, routing
+from tests.kernels.megamoe.emulation import emulate_fp8, fp8_block_cast, moe_float64
+
+pytestmark = pytest.mark.skipif(
+    not target.interpreting(),
+    reason="CPU tensors need Triton's interpreter; on a GPU, test_triton_gpu.py runs the kernels",
+)
+
+E, H, I = 4, 256, 128  # two 128-deep K blocks in L1, one in L2; two L2 N tiles
+FP8_TINY = KernelConfig(block_t=16, l1_n=128, l1_k=128, l2_n=128, l2_k=128, num_warps=4, num_stages=2, fp8=1)
+FP8_TINY_ROWS_M = KernelConfig(block_t=16, l1_n=128, l1_k=128, l2_n=128, l2_k=128, num_warps=4, num_stages=2, fp8=2)
+
+
+def fp4_experts(seed=0, spread_groups=False):
+    w1, w2 = full_weights(seed, num_experts=E, hidden=H, inter=I)
+    if spread_groups:  # some 32-groups 2**-12 and 2**-30 below their neighbours: codes off the e4m3 grid, and zeros
+        w1 = w1.clone()
+        w1[:, ::3, 32:64] *= 2.0**-12
+        w1[:, 1::5, 160:192] *= 2.0**-30
+    fp4 = quantize_experts_fp4(w1, w2)
+    params = (fp4.gate_up_proj, fp4.gate_up_proj_scale_inv, fp4.down_proj, fp4.down_proj_scale_inv)
+    return fp4, PackedExperts.from_params(*params), DequantizedExperts.from_fp4(*params)
+
+
+def staged(num_tokens, seed, masked=0.0):
+    x, idx, w = routing(num_tokens, seed, num_experts=E, topk=2, masked=masked, hidden=H)
+    q, sf = quantize_fp8(x)
+    return x, q, float_to_ue8m0_bytes(sf), idx, w
+
+
+def layer(q, sf, idx, w, packed, clamp, config):
+    out = triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=clamp, config=config)
+    return combine(out)
+
+
+def test_activation_blocks_are_the_emulated_cast():
+    _, q, sf, _, _ = staged(5, 1)
+    x8, xs = x_blocks(q, sf)
+    x = q.double() * torch.pow(2.0, sf.long().double() - 127).repeat_interleave(32, dim=1)
+    for t in range(5):
+        eq, es = fp8_block_cast(x[t], floor=True)
+        assert torch.equal(x8[t].view(torch.float8_e4m3fn).double(), eq)
+        assert torch.equal(xs[t].double(), es)
+
+
+@pytest.mark.parametrize("num_tokens,clamp,masked,spread,config", [(3, 0.5, 0.3, False, FP8_TINY),
+                                                                   (6, None, 0.0, True, FP8_TINY_ROWS_M)],
+                         ids=["swap_ab", "rows_m"])
+def test_fp8_path_matches_its_float64_emulation(num_tokens, clamp, masked, spread, config):
+    fp4, packed, deq = fp4_experts(num_tokens, spread)
+    x, q, sf, idx, w = staged(num_tokens, num_tokens, masked)
+    y = layer(q, sf, idx, w, packed, clamp, config)
+    emulated = emulate_fp8(q, sf, idx, w, fp4, clamp=clamp)
+    assert y.dtype == torch.bfloat16 and y.shape == (num_tokens, H)
+    assert calc_diff(y.double(), emulated) < 1e-5
+    assert (y.double() != emulated).sum() <= 0.02 * y.numel()  # FP32 sum order may flip a rare rounding
+    # Against the BF16-path reference on the same FP4 weights and the float64 MoE: DeepGEMM's FP8 bound.
+    ref = reference_combine(local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=clamp))
+    assert calc_diff(y.double(), ref.double()) < 0.01
+    w1, w2 = dequantize_experts_fp4(fp4, torch.float64)
+    assert calc_diff(y.double(), moe_float64(x, idx, w, w1, w2, clamp=clamp)) < 0.01
+
+
+def test_fp8_path_is_picked_by_its_table_row_only_where_fp8_mma_runs(monkeypatch):
+    """`FP8_CONFIGS` is empty while the FP8 kernels lose to the BF16 path everywhere measured; a row there is taken
+    from its bound up, on FP8-capable devices and shapes it fits."""
+    assert not pick_config(64 * 384, 384, 7168, 3072, fp8=True).fp8  # the table as measured: no batch takes it
+    row = KernelConfig(block_t=128, l1_n=128, l1_k=128, l2_n=128, l2_k=128, num_warps=8, num_stages=3, fp8=2)
+    monkeypatch.setattr(triton_config, "FP8_CONFIGS", ((48, row),))
+    rows = 48 * 384
+    assert pick_config(rows, 384, 7168, 3072, fp8=True) == row.fit(7168, 3072)
+    assert not pick_config(rows, 384, 7168, 3072, fp8=False).fp8
+    assert not pick_config(rows - 384, 384, 7168, 3072, fp8=True).fp8  # below the bound
+    assert not pick_config(rows, 384, 7168, 3136, fp8=True).fp8  # intermediate % 128 != 0
+    with pytest.raises(ValueError, match="hidden and intermediate % 128"):
+        FP8_TINY.fit(192, 128)
