@@ -137,8 +137,8 @@ def _load(*, later: bool = True) -> None:
             importlib.import_module(f"planc.lint.rules_{module}")
     for module in _later if later else ():
         if module not in _later_loaded:
-            _later_loaded.add(module)
             importlib.import_module(module)
+            _later_loaded.add(module)
 
 
 def _in_order(rules: Iterable[Rule]) -> list[Rule]:
