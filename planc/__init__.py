@@ -20,7 +20,12 @@ if TYPE_CHECKING:
     from planc.lint.plan_loader import PlanSource
     from planc.spec.loaded_plan import LoadedPlan
 
+from planc.lint.registry import register_rule_modules as _register_rule_modules
 from planc.version import __version__
+
+# The compiler registers its rules beside its checks; lint may not import it, so this layer names them to the
+# registry, which imports them only for the whole list (`planc rules`), never for `planc lint`.
+_register_rule_modules("planc.compiler.rules")
 
 __all__ = [
     "load_plan", "lint_paths", "compile", "apply", "load", "save", "load_optimizer", "export", "destroy_megamoe_buffers",

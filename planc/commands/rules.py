@@ -26,7 +26,7 @@ def explain(r) -> str:
 def describe_style(name: str) -> str | None:
     """What `planc rules STYLE` prints: the style's row of planc.spec.styles (or what replaces a removed style)."""
     from planc.lint.registry import all_rules
-    from planc.lint.rules_compile import STYLE_NOT_INSTALLABLE
+    from planc.compiler.checks.targets import STYLE_NOT_INSTALLABLE
     from planc.lint.rules_removed import REMOVED_STYLE
     from planc.spec.styles import REMOVED_STYLES, STYLE, TABLE_STYLES
 

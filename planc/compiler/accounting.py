@@ -13,9 +13,26 @@ from collections import OrderedDict
 
 from planc.compiler.compiled import Assignment, CompileWarning, ReplicatedGroup, RuleCoverage
 from planc.compiler.walk import ModelWalk, ParamInfo
-from planc.compiler.context import REPLICATED_DENSE, TABLE_INACTIVE, PlanRule, key_where, Resolution
+from planc.compiler.context import PlanRule, key_where, Resolution
 from planc.compiler.units import human_bytes
 from planc.spec.styles import STYLE
+from planc.compiler import rule_examples as ex
+from planc.lint.diagnostic import WARNING
+from planc.lint.registry import compile_rule
+
+
+REPLICATED_DENSE = compile_rule(
+    "PLC651", "dense-left-replicated", "dense weights that no rule shards (per generic path, with bytes per rank)",
+    "Often intended for norms, routers and small layers; a large replicated group is memory every rank pays.",
+    ex.GOOD, "version: 1\nmodel: {type: mixtral}\nparallel: {tp_size: 1}\n", severity=WARNING,
+)
+TABLE_INACTIVE = compile_rule(
+    "PLC652", "table-not-applied", "a rule table whose size is 1: checked against the model, not applied",
+    "transformers keeps a plan only when its size is > 1; planc still matches the rules so the plan stays "
+    "correct when the size is raised.",
+    "version: 1\nmodel: {type: mixtral}\nparallel: {tp_size: 1, ep_size: 1}\n" + ex.EP,
+    "version: 1\nmodel: {type: mixtral}\nparallel: {tp_size: 1, ep_size: 2, dp_size: 2}\n" + ex.EP, severity=WARNING,
+)
 
 
 def shard_divisor(style: Optional[str], shape: tuple[int, ...], tp: int, ep: int) -> int:

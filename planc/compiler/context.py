@@ -1,8 +1,9 @@
-"""What every compiler pass shares: the problem codes, a plan rule, and the problem collector.
+"""What every compiler pass shares: a plan rule, and the problem collector.
 
 Each pass (`match`, `checks`, `experts_assignments`, `layout`, `accounting`) is a set of functions
 over one `Resolver` (`planc.compiler.resolve`); they report through `Resolver.problems`, which folds
-the same problem on many layers into one line.
+the same problem on many layers into one line. The codes they report are registered beside the
+checks that report them (`planc.lint.registry.compile_rule`).
 """
 
 from __future__ import annotations
@@ -21,79 +22,6 @@ if TYPE_CHECKING:
     from planc.spec.loaded_plan import LoadedPlan
     from planc.spec.model import Parallel
 
-# The codes the compiler emits: defined, documented and exampled in the one registry (planc.lint.rules_compile).
-from planc.lint.rules_compile import (
-    BARE_PARAM_UNWRAPPED,
-    BLOCK_GRID,
-    CONFLICTING_RULES,
-    DEVICE_MEMORY,
-    EXPERTS_IMPL_FIXED,
-    EXPERTS_NOT_DIVISIBLE,
-    EXPERTS_PARTIAL,
-    EXPERTS_UNCOVERED,
-    HEAD_SPLIT,
-    LAYOUT_MODULE_PARAM_CONFLICT,
-    LAYOUT_NORM_OVER_SHARDED,
-    LAYOUT_OUTPUT_LEFT_SHARDED,
-    LAYOUT_PRODUCERS_DISAGREE,
-    LAYOUT_ROWWISE_WITHOUT_SHARDED,
-    LAYOUT_SHARDED_INTO_REPLICATED,
-    MEGAMOE_ACTIVATION,
-    MEGAMOE_ALIGNMENT,
-    MEGAMOE_EP_SIZE,
-    MEGAMOE_KERNEL_BLOCKS,
-    MEGAMOE_NO_GATE,
-    MEGAMOE_NOT_FP4,
-    MEGAMOE_SIZES,
-    MEGAMOE_TOP_K,
-    MODEL_TYPE_MISMATCH,
-    REPLICATED_DENSE,
-    STYLE_NOT_INSTALLABLE,
-    TABLE_INACTIVE,
-    UNEVEN_SHARD,
-    UNMATCHED_RULE,
-    WRONG_TARGET,
-)
-
-# The passes import the codes from here (and tests read them all from here): re-exported by name.
-__all__ = [
-    "BARE_PARAM_UNWRAPPED",
-    "BLOCK_GRID",
-    "CONFLICTING_RULES",
-    "DEVICE_MEMORY",
-    "EXPERTS_IMPL_FIXED",
-    "EXPERTS_NOT_DIVISIBLE",
-    "EXPERTS_PARTIAL",
-    "EXPERTS_UNCOVERED",
-    "HEAD_SPLIT",
-    "LAYOUT_MODULE_PARAM_CONFLICT",
-    "LAYOUT_NORM_OVER_SHARDED",
-    "LAYOUT_OUTPUT_LEFT_SHARDED",
-    "LAYOUT_PRODUCERS_DISAGREE",
-    "LAYOUT_ROWWISE_WITHOUT_SHARDED",
-    "LAYOUT_SHARDED_INTO_REPLICATED",
-    "MEGAMOE_ACTIVATION",
-    "MEGAMOE_ALIGNMENT",
-    "MEGAMOE_EP_SIZE",
-    "MEGAMOE_KERNEL_BLOCKS",
-    "MEGAMOE_NO_GATE",
-    "MEGAMOE_NOT_FP4",
-    "MEGAMOE_SIZES",
-    "MEGAMOE_TOP_K",
-    "MODEL_TYPE_MISMATCH",
-    "REPLICATED_DENSE",
-    "STYLE_NOT_INSTALLABLE",
-    "TABLE_INACTIVE",
-    "UNEVEN_SHARD",
-    "UNMATCHED_RULE",
-    "WRONG_TARGET",
-    "PlanRule",
-    "Problems",
-    "key_where",
-    "source_rule",
-    "Resolution",
-    "TABLES",
-]
 
 TABLES: tuple[Table, ...] = ("tp_plan", "ep_plan")
 

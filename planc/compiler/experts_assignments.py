@@ -8,10 +8,29 @@ from typing import Optional
 from planc.compiler.checks.experts import check_experts_params
 from planc.compiler.checks.megamoe import check_megamoe
 from planc.compiler.compiled import ExpertsAssignment
-from planc.compiler.context import EXPERTS_NOT_DIVISIBLE, EXPERTS_UNCOVERED, PlanRule, key_where, Resolution
+from planc.compiler.context import PlanRule, key_where, Resolution
 from planc.compiler.units import human_bytes
 from planc.spec.ep import EPStrategy, resolve_ep
 from planc.spec.styles import EXPERTS_MODULE_STYLES
+from planc.compiler import rule_examples as ex
+from planc.lint.registry import compile_rule
+
+
+EXPERTS_UNCOVERED = compile_rule(
+    "PLC602", "experts-without-rule", "an experts module has no EP or TP rule while a size is > 1",
+    "Experts with no rule are replicated: every rank holds every expert, usually most of the model. Shard "
+    "them by expert (`grouped_gemm` + `ep_dispatch_experts` in ep_plan) or by feature (`moe_tp_experts` in "
+    "tp_plan with `packed_colwise`/`rowwise` on their parameters).",
+    "version: 1\nmodel: {type: mixtral}\nparallel: {tp_size: 2}\ntp_plan:\n" + ex.ATTN + ex.HEAD,
+    "version: 1\nmodel: {type: mixtral}\nparallel: {tp_size: 2}\ntp_plan:\n" + ex.ATTN + ex.HEAD + ex.MOE_TP,
+)
+EXPERTS_NOT_DIVISIBLE = compile_rule(
+    "PLC606", "experts-not-divisible", "the expert count is not a multiple of `ep_size`",
+    "Each EP rank holds `num_experts / ep_size` experts. The hint lists sizes from the joint solver "
+    "(`planc.spec.sizes.solve_sizes`) under which the plan compiles against this model.",
+    "version: 1\nmodel: {type: mixtral}\nparallel: {tp_size: 1, ep_size: 3, dp_size: 3}\n" + ex.EP,
+    "version: 1\nmodel: {type: mixtral}\nparallel: {tp_size: 1, ep_size: 2, dp_size: 2}\n" + ex.EP,
+)
 
 
 def resolve_strategy(c: Resolution, ep_experts: set[str]) -> Optional[EPStrategy]:

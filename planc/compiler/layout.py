@@ -20,21 +20,66 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from planc.compiler.context import (
-    LAYOUT_MODULE_PARAM_CONFLICT,
-    LAYOUT_NORM_OVER_SHARDED,
-    LAYOUT_OUTPUT_LEFT_SHARDED,
-    LAYOUT_PRODUCERS_DISAGREE,
-    LAYOUT_ROWWISE_WITHOUT_SHARDED,
-    LAYOUT_SHARDED_INTO_REPLICATED,
-    PlanRule,
-    Resolution,
-)
+from planc.compiler.context import PlanRule, Resolution
 from planc.compiler.compiled import Assignment
 from planc.compiler.walk import ModelWalk, config_attr, generic_path
 from planc.spec.styles import REPLICATED, SHARDED, STYLE, Style
+from planc.compiler import rule_examples as ex
+from planc.lint.registry import compile_rule
 
 # Producer leaf names -> the consumer that takes their (sharded) outputs, in the same container module.
+
+LAYOUT_SHARDED_INTO_REPLICATED = compile_rule(
+    "PLC630", "sharded-output-consumed-whole",
+    "a sharded output consumed by a module that expects a whole input",
+    "A `colwise` module leaves each rank a slice of its output features. Only a `rowwise` consumer takes that "
+    "slice; any other module (o_proj with no rule, the residual stream, a router) would compute on a slice as "
+    "if it were the whole tensor, or fail with mismatched shapes. Which module feeds which is read from "
+    "transformers' `base_model_tp_plan` and from the shared names (q/k/v_proj -> o_proj, gate/up_proj -> "
+    "down_proj); the message says which.",
+    ex.TOP + "tp_plan:\n  model.layers.*.self_attn.{q,k,v}_proj: colwise\n" + ex.EP, ex.GOOD, family="layout",
+)
+LAYOUT_ROWWISE_WITHOUT_SHARDED = compile_rule(
+    "PLC631", "rowwise-without-sharded-input", "a `rowwise` whose producers leave their outputs whole",
+    "`rowwise` expects its input already split over the last dim (after a `colwise`). With whole inputs, write "
+    "`rowwise_split_input`, which slices the input itself, or make the producers colwise.",
+    ex.TOP + "tp_plan:\n  model.layers.*.self_attn.o_proj: rowwise\n" + ex.EP, ex.GOOD, family="layout",
+)
+LAYOUT_OUTPUT_LEFT_SHARDED = compile_rule(
+    "PLC632", "lm-head-left-sharded", "an lm_head whose output is left sharded",
+    "With `lm_head: colwise` each rank gets 1/tp of the logits: `generate` picks different tokens on each "
+    "rank and a loss with labels fails. `colwise_gather_output` gathers them.",
+    ex.TOP + "tp_plan:\n" + ex.ATTN + "  lm_head: colwise\n" + ex.EP, ex.GOOD, family="layout",
+)
+LAYOUT_NORM_OVER_SHARDED = compile_rule(
+    "PLC633", "norm-over-sharded-dim", "a norm over a dimension the plan shards",
+    "A norm over the whole projected width (OLMoE's q_norm/k_norm, MLA's q_a_layernorm) would normalize each "
+    "rank's slice as if it were the whole. Gather first (`colwise_gather_output` + `rowwise_split_input`, "
+    "transformers' own OLMoE plan) or leave the projection whole. Per-head norms (Qwen3) are fine.",
+    "version: 1\nmodel: {type: deepseek_v3}\nparallel: {tp_size: 2, ep_size: 2}\ntp_plan:\n"
+    "  model.layers.*.self_attn.q_a_proj: colwise\n" + ex.EP,
+    "version: 1\nmodel: {type: deepseek_v3}\nparallel: {tp_size: 2, ep_size: 2}\ntp_plan:\n"
+    "  model.layers.*.mlp.shared_experts.{gate,up}_proj: colwise\n  model.layers.*.mlp.shared_experts.down_proj: rowwise\n"
+    "  model.layers.*.mlp.{gate,up}_proj: colwise\n  model.layers.*.mlp.down_proj: rowwise\n" + ex.EP,
+    family="layout",
+)
+LAYOUT_PRODUCERS_DISAGREE = compile_rule(
+    "PLC634", "producers-disagree", "modules that feed one consumer leave different layouts",
+    "o_proj combines q, k and v (down_proj combines gate and up): either all of them are colwise, with a "
+    "rowwise consumer, or none is. The producers of a chain transformers declares include those with a "
+    "style planc does not install (`unit_colwise`), whose layouts the style table still gives.",
+    ex.TOP + "tp_plan:\n  model.layers.*.self_attn.q_proj: colwise\n  model.layers.*.self_attn.o_proj: rowwise\n" + ex.EP,
+    ex.GOOD, family="layout",
+)
+LAYOUT_MODULE_PARAM_CONFLICT = compile_rule(
+    "PLC635", "module-rule-contradicts-parameter-rule",
+    "a module rule and a rule on one of its parameters split it differently",
+    "A module style also shards its own parameters; a parameter rule that splits one of them another way hands "
+    "the module's forward a weight of the wrong shape (`mat1 and mat2 shapes cannot be multiplied`).",
+    ex.TOP + "tp_plan:\n" + ex.ATTN + ex.HEAD + "  lm_head.weight: rowwise\n" + ex.EP, ex.GOOD, family="layout",
+)
+
+
 NAMED_CHAINS: tuple[tuple[frozenset[str], str], ...] = (
     (frozenset({"q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj"}), "o_proj"),
     (frozenset({"gate_proj", "up_proj"}), "down_proj"),

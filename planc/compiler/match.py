@@ -12,16 +12,22 @@ from typing import Literal, Optional
 import difflib
 
 from planc.compiler.checks import shards, targets
+from planc.compiler.checks.targets import CONFLICTING_RULES
 from planc.compiler.compiled import Assignment
-from planc.compiler.context import (
-    CONFLICTING_RULES,
-    UNMATCHED_RULE,
-    PlanRule,
-    source_rule,
-    Resolution,
-)
+from planc.compiler.context import PlanRule, source_rule, Resolution
 from planc.spec.patterns import Pattern
 from planc.spec.styles import ALL_STYLES, EXPERTS_MODULE_STYLES, PARAMETER_STYLES, dispatches_experts
+from planc.compiler import rule_examples as ex
+from planc.lint.registry import compile_rule
+
+
+UNMATCHED_RULE = compile_rule(
+    "PLC601", "rule-matches-nothing", "a rule, or one `{a,b}` alternative of it, matches nothing in the model",
+    "transformers only warns, after the weights are loaded, about a rule that matches nothing; the layers it "
+    "meant stay replicated. planc refuses it and suggests the closest real paths (a missing `model.` prefix "
+    "first).",
+    ex.TOP + "tp_plan:\n" + ex.ATTN + ex.HEAD + "  model.layers.*.mlp.gate_proj: colwise\n" + ex.EP, ex.GOOD,
+)
 
 
 def collect_rules(c: Resolution) -> None:

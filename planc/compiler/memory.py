@@ -15,8 +15,29 @@ from typing import Iterable, Optional
 
 from planc.compiler.compiled import CompiledPlan, CompileProblem
 from planc.lint.diagnostic import Diagnostic
-from planc.compiler.context import DEVICE_MEMORY
 from planc.compiler.units import human_bytes
+from planc.lint.registry import compile_rule
+
+
+DEVICE_MEMORY = compile_rule(
+    "PLC660", "shard-exceeds-device-memory", "a rank's parameters, or its workload's peak, exceed the device memory",
+    "A device memory budget comes from `planc explain --device-memory` (a card such as `H100`, or a size: `80GiB` "
+    "binary, `80GB` decimal) or from `planc.load`, which reads its device's. Two checks use it. (1) The parameters "
+    "each rank holds once loaded (its TP/EP shard: the sharded part plus the replicated part; under "
+    "`data_parallel: fsdp` this is the loading moment, before FSDP shards them over dp) must fit; the hint names "
+    "the ranks, or the FP8 weights, that would fit. (2) `planc explain` only, with a workload (`--train` or "
+    "`--serve` with `--batch`/`--seq`): the workload's peak per rank (parameters, gradients and AdamW state "
+    "when training, the activations kept for backward or the KV cache, the largest transient) plus the reserve "
+    "outside PyTorch's allocator (`--reserve`, 2 GiB by default) must fit; the hint names the largest "
+    "micro-batch (or, with `--seq auto`, sequence) that fits, else what the plan and flags do not already use "
+    "(more ranks, fsdp, activation checkpointing, a shorter sequence, FP8 weights when serving). It needs a "
+    "model and a budget, so its examples are commands, not plans: `planc explain plans/deepseek_v3.yaml "
+    "--device-memory H200` fails (158.11 GiB per rank at tp_size 8), `--device-memory 200GiB` passes; "
+    "`planc explain plans/mixtral.yaml --train --batch 1 --seq 4096 --device-memory H100` prices the peak "
+    "(docs/memory.md).",
+)
+
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 

@@ -9,9 +9,10 @@ print the same thing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from planc.spec.source import Position
+if TYPE_CHECKING:  # annotations only: `import planc` imports this module (the rule registry) without yaml
+    from planc.spec.source import Position
 
 ERROR = "error"
 WARNING = "warning"

@@ -1,4 +1,7 @@
-"""The rules: one `Rule` per stable code, for the loader, lint and the compiler, registered by the `rules_*` modules.
+"""The rules: one `Rule` per stable code, for the loader, lint and the compiler, each registered beside its check.
+
+Lint rules are registered by the `rules_*` modules here; the rules the compiler emits by the compiler
+modules that check them (`compile_rule`), which a later layer names with `register_rule_modules`.
 
 Like ruff, a code never changes meaning once published; `planc rules` lists them, `planc rules CODE`
 prints the doc, and docs/lint.md is generated from (and tested against) this registry. Each rule
@@ -24,19 +27,22 @@ if TYPE_CHECKING:
 Check = Callable[["LintContext"], Iterable["Diagnostic"]]
 
 # Families, in the order `planc rules` lists them: loader and lint rules, then the rules the compiler
-# emits (`compile`, `layout`; documented and exampled here, checked in planc.compiler).
+# emits (`compile`, `layout`; registered with `compile_rule` beside their checks in planc.compiler).
 FAMILIES = (
     "source", "schema", "model", "extends", "patterns", "styles", "removed", "ep", "sizes", "training", "compile",
     "layout",
 )
 COMPILE_FAMILIES = ("compile", "layout")
-# The modules that register them (`layout` rules live in rules_compile).
-_MODULES = (
-    "source", "schema", "model", "extends", "patterns", "styles", "removed", "ep", "sizes", "training", "compile",
-)
+# The lint modules that register rules (planc.lint.rules_<name>).
+_MODULES = ("source", "schema", "model", "extends", "patterns", "styles", "removed", "ep", "sizes", "training")
 
 _RULES: dict[str, "Rule"] = {}
 _loaded = False
+# Modules of later layers that register rules (the compiler's), named by a layer that may import them
+# (planc/__init__.py); imported on the first lookup that needs every rule, so this layer names none of them
+# and `planc lint`, which needs only lint's checks, never imports them.
+_later: list[str] = []
+_later_loaded: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,19 @@ def rule(code: str, name: str, title: str, *, severity: str = ERROR, needs_plan:
         return fn
 
     return deco
+
+
+def compile_rule(code: str, name: str, title: str, doc: str, bad: Optional[str] = None, good: Optional[str] = None, *,
+                 family: str = "compile", severity: str = ERROR, config: Optional[dict[str, Any]] = None) -> str:
+    """Register a rule the compiler emits and return its code, the constant its check reports. It has no lint
+    check (it needs the model); `bad` and `good` are compiled against the tiny model of their `model.type`."""
+    register(Rule(code, name, title, doc, None, severity, family, True, bad, good, config=config))
+    return code
+
+
+def register_rule_modules(*modules: str) -> None:
+    """Name modules of a later layer that register rules; they are imported when every rule is looked up."""
+    _later.extend(m for m in modules if m not in _later)
 
 
 @dataclass(frozen=True)
@@ -109,28 +128,41 @@ def _dedent(text: str) -> str:
     return inspect.cleandoc(text)
 
 
-def _load() -> None:
+def _load(*, later: bool = True) -> None:
+    """Import the lint modules that register rules, and (`later`) the later layers' modules."""
     global _loaded
     if not _loaded:
         _loaded = True
         for module in _MODULES:
             importlib.import_module(f"planc.lint.rules_{module}")
+    for module in _later if later else ():
+        if module not in _later_loaded:
+            importlib.import_module(module)
+            _later_loaded.add(module)
+
+
+def _in_order(rules: Iterable[Rule]) -> list[Rule]:
+    order = {f: i for i, f in enumerate(FAMILIES)}
+    return sorted(rules, key=lambda r: (order.get(r.family, len(order)), r.code))
 
 
 def all_rules() -> list[Rule]:
     """Every rule, by family then code."""
     _load()
-    order = {f: i for i, f in enumerate(FAMILIES)}
-    return sorted(_RULES.values(), key=lambda r: (order.get(r.family, len(order)), r.code))
+    return _in_order(_RULES.values())
 
 
 def get(code_or_name: str) -> Optional[Rule]:
-    _load()
+    """The rule of a code or a name; lint's modules are searched first, so lint's own lookups import no more."""
     key = code_or_name.strip()
-    found = _RULES.get(key.upper())
-    if found is None:
-        found = next((r for r in _RULES.values() if r.name == key.lower()), None)
-    return found
+    for later in (False, True):
+        _load(later=later)
+        found = _RULES.get(key.upper())
+        if found is None:
+            found = next((r for r in _RULES.values() if r.name == key.lower()), None)
+        if found is not None:
+            return found
+    return None
 
 
 def severity_of(code: str) -> str:
@@ -139,4 +171,6 @@ def severity_of(code: str) -> str:
 
 
 def checks() -> Iterable[Rule]:
-    return [r for r in all_rules() if r.check is not None]
+    """The rules lint runs (only lint's modules have checks)."""
+    _load(later=False)
+    return [r for r in _in_order(_RULES.values()) if r.check is not None]

@@ -7,7 +7,12 @@ import textwrap
 import pytest
 
 import planc
-from planc.lint import rules_compile as R  # the problem codes, from the one registry
+from planc.compiler.checks.experts import EXPERTS_PARTIAL
+from planc.compiler.checks.megamoe import MEGAMOE_ACTIVATION, MEGAMOE_ALIGNMENT, MEGAMOE_EP_SIZE, MEGAMOE_KERNEL_BLOCKS, MEGAMOE_NOT_FP4, MEGAMOE_NO_GATE, MEGAMOE_SIZES, MEGAMOE_TOP_K
+from planc.compiler.checks.shards import HEAD_SPLIT, UNEVEN_SHARD
+from planc.compiler.checks.targets import CONFLICTING_RULES, MODEL_TYPE_MISMATCH, STYLE_NOT_INSTALLABLE, WRONG_TARGET
+from planc.compiler.experts_assignments import EXPERTS_NOT_DIVISIBLE, EXPERTS_UNCOVERED
+from planc.compiler.match import UNMATCHED_RULE
 from planc.errors import CompileError, PlanError
 from tests.compiler.fakes import fake_moe, fake_plan
 
@@ -60,7 +65,7 @@ def only(probs, code):
 
 def test_unmatched_rule_names_closest_paths_and_plan_line(tmp_path, mixtral):
     path = write(tmp_path, HEAD + "tp_plan:\n  layers.*.self_attn.q_proj: colwise\n" + EP)
-    (p,) = only(problems(path, mixtral), R.UNMATCHED_RULE)
+    (p,) = only(problems(path, mixtral), UNMATCHED_RULE)
     assert p.where == f"{path}:8:3"
     assert "`model.layers.*.self_attn.q_proj`" in p.hint  # the missing `model.` prefix
     assert "MixtralForCausalLM" in p.message
@@ -68,27 +73,27 @@ def test_unmatched_rule_names_closest_paths_and_plan_line(tmp_path, mixtral):
 
 def test_unmatched_alternative_of_a_brace_rule(tmp_path, mixtral):
     path = write(tmp_path, HEAD + "tp_plan:\n  model.layers.*.self_attn.{q,x}_proj: colwise\n" + EP)
-    (p,) = only(problems(path, mixtral), R.UNMATCHED_RULE)
+    (p,) = only(problems(path, mixtral), UNMATCHED_RULE)
     assert "alternative `model.layers.*.self_attn.x_proj`" in p.message
     assert "model.layers.*.self_attn." in p.hint
 
 
 def test_layer_index_past_the_last_layer_is_unmatched(tmp_path, mixtral):
     path = write(tmp_path, HEAD + "tp_plan:\n  model.layers.7.self_attn.q_proj: colwise\n" + EP)
-    (p,) = only(problems(path, mixtral), R.UNMATCHED_RULE)
+    (p,) = only(problems(path, mixtral), UNMATCHED_RULE)
     assert "model.layers.*.self_attn.q_proj" in p.hint
 
 
 def test_experts_without_ep_or_tp_rule(tmp_path, mixtral):
     text = "version: 1\nmodel: {type: mixtral}\nparallel: {tp_size: 2}\ntp_plan:\n  model.layers.*.self_attn.q_proj: colwise\n"
-    (p,) = only(problems(write(tmp_path, text), mixtral), R.EXPERTS_UNCOVERED)
+    (p,) = only(problems(write(tmp_path, text), mixtral), EXPERTS_UNCOVERED)
     assert p.module.startswith("model.layers.*.mlp.experts (2 targets")
     assert "ep_dispatch_experts" in p.hint and p.where.endswith(":4:1")
 
 
 def test_two_styles_on_one_target(tmp_path, mixtral):
     text = HEAD + "tp_plan:\n  model.layers.*.self_attn.q_proj: colwise\n  model.layers.1.self_attn.q_proj: rowwise\n" + EP
-    (p,) = only(problems(write(tmp_path, text), mixtral), R.CONFLICTING_RULES)
+    (p,) = only(problems(write(tmp_path, text), mixtral), CONFLICTING_RULES)
     assert p.module == "model.layers.1.self_attn.q_proj" and p.where.endswith(":9:3")
     assert "colwise" in p.message and "rowwise" in p.message
 
@@ -99,7 +104,7 @@ def test_tied_weights_with_two_rules():
     tied = build_tiny_model("mixtral", tie_word_embeddings=True)
     plan = fake_plan(model_type="mixtral")
     plan["tp_plan"] = {"model.embed_tokens": "embedding_rowwise", "lm_head": "colwise_gather_output"}
-    (p,) = only(problems(plan, tied), R.CONFLICTING_RULES)
+    (p,) = only(problems(plan, tied), CONFLICTING_RULES)
     assert "tied" in p.message and "tie_word_embeddings" in p.hint
 
 
@@ -109,7 +114,7 @@ def test_tied_weights_with_one_rule():
 
     plan = fake_plan(model_type="mixtral")
     plan["tp_plan"] = {"model.embed_tokens": "embedding_rowwise"}
-    (p,) = only(problems(plan, build_tiny_model("mixtral", tie_word_embeddings=True)), R.CONFLICTING_RULES)
+    (p,) = only(problems(plan, build_tiny_model("mixtral", tie_word_embeddings=True)), CONFLICTING_RULES)
     assert "lm_head.weight (no rule)" in p.message and "delete `model.embed_tokens`" in p.hint
 
 
@@ -124,7 +129,7 @@ def test_tp_rule_on_experts_that_ep_shards(mixtral):
 
 def test_style_the_runtime_does_not_install(tmp_path, mixtral):
     text = HEAD + "tp_plan:\n  model.layers.*.self_attn.q_proj: sequence_parallel\n" + EP
-    (p,) = only(problems(write(tmp_path, text), mixtral), R.STYLE_NOT_INSTALLABLE)
+    (p,) = only(problems(write(tmp_path, text), mixtral), STYLE_NOT_INSTALLABLE)
     assert "does not install style `sequence_parallel`" in p.message and "replicate" in p.hint
 
 
@@ -137,7 +142,7 @@ def test_removed_style_points_to_migrate(mixtral):
 
 def test_num_experts_not_divisible_by_ep_size(tmp_path, mixtral):
     text = HEAD.replace("tp_size: 2\n  ep_size: 2", "tp_size: 1\n  ep_size: 3\n  dp_size: 3") + EP
-    (p,) = only(problems(write(tmp_path, text), mixtral), R.EXPERTS_NOT_DIVISIBLE)
+    (p,) = only(problems(write(tmp_path, text), mixtral), EXPERTS_NOT_DIVISIBLE)
     assert "8 experts" in p.message and p.where.endswith(":6:3")
     # sizes that compile, from the joint solver: other worlds with EP, or this world without
     assert "launch 2 ranks" in p.hint and "ep_size: 1, dp_size: 3" in p.hint
@@ -145,7 +150,7 @@ def test_num_experts_not_divisible_by_ep_size(tmp_path, mixtral):
 
 def test_model_type_differs_from_config(tmp_path, mixtral):
     text = HEAD.replace("type: mixtral", "type: qwen3_moe") + EP
-    (p,) = only(problems(write(tmp_path, text), mixtral), R.MODEL_TYPE_MISMATCH)
+    (p,) = only(problems(write(tmp_path, text), mixtral), MODEL_TYPE_MISMATCH)
     assert "`mixtral`" in p.message and p.where.endswith(":3:3")
 
 
@@ -154,12 +159,12 @@ def megamoe_plan(**megamoe):
 
 
 def test_megamoe_experts_without_gate():
-    (p,) = only(problems(megamoe_plan(), fake_moe(has_gate=False)), R.MEGAMOE_NO_GATE)
+    (p,) = only(problems(megamoe_plan(), fake_moe(has_gate=False)), MEGAMOE_NO_GATE)
     assert "no gate" in p.message and "grouped_mm" in p.hint
 
 
 def test_megamoe_top_k_above_32():
-    (p,) = only(problems(megamoe_plan(), fake_moe(num_experts=64, top_k=33)), R.MEGAMOE_TOP_K)
+    (p,) = only(problems(megamoe_plan(), fake_moe(num_experts=64, top_k=33)), MEGAMOE_TOP_K)
     assert "33" in p.message
 
 
@@ -167,20 +172,20 @@ def test_megamoe_ep_size_above_72():
     plan = megamoe_plan()
     plan["parallel"] = {"tp_size": 73, "ep_size": 73}
     plan["tp_plan"] = {}
-    (p,) = only(problems(plan, fake_moe(num_experts=146)), R.MEGAMOE_EP_SIZE)
+    (p,) = only(problems(plan, fake_moe(num_experts=146)), MEGAMOE_EP_SIZE)
     assert "72" in p.message and p.module is None
 
 
 def test_megamoe_deep_gemm_sizes():
     probs = problems(megamoe_plan(backend="deep_gemm"), fake_moe(hidden=192, inter=96))
-    (p,) = only(probs, R.MEGAMOE_SIZES)
+    (p,) = only(probs, MEGAMOE_SIZES)
     assert "hidden 192" in p.message and "intermediate 96" in p.message and "reference" in p.hint
     planc.compile(fake_moe(hidden=192, inter=96), megamoe_plan(backend="reference"))  # the reference takes any size
 
 
 def test_megamoe_deep_gemm_block_alignment():
     """The contract test's own shape (hidden 256 passes, intermediate 128 at decode does not) and H/128 odd."""
-    (p,) = only(problems(megamoe_plan(backend="deep_gemm"), fake_moe(hidden=384, inter=128)), R.MEGAMOE_KERNEL_BLOCKS)
+    (p,) = only(problems(megamoe_plan(backend="deep_gemm"), fake_moe(hidden=384, inter=128)), MEGAMOE_KERNEL_BLOCKS)
     assert "hidden 384" in p.message and "intermediate 128" in p.message and "backend: triton" in p.hint
     planc.compile(fake_moe(hidden=512, inter=256), megamoe_plan(backend="deep_gemm"))
     for backend in ("triton", "reference"):
@@ -189,9 +194,9 @@ def test_megamoe_deep_gemm_block_alignment():
 
 def test_megamoe_auto_warns_when_the_kernel_rejects_the_sizes():
     compiled = planc.compile(fake_moe(hidden=384, inter=128), megamoe_plan(backend="auto"))
-    warned = [w for w in compiled.warnings if w.code == R.MEGAMOE_ALIGNMENT]
+    warned = [w for w in compiled.warnings if w.code == MEGAMOE_ALIGNMENT]
     assert warned and all("Triton" in w.message and "384" in w.message for w in warned)
-    assert not [w for w in planc.compile(fake_moe(), megamoe_plan()).warnings if w.code == R.MEGAMOE_ALIGNMENT]
+    assert not [w for w in planc.compile(fake_moe(), megamoe_plan()).warnings if w.code == MEGAMOE_ALIGNMENT]
 
 
 @pytest.mark.parametrize("field,value", [("hidden_act", "gelu"), ("swiglu_alpha", 1.702), ("mlp_gate_softcap", 4.0),
@@ -199,7 +204,7 @@ def test_megamoe_auto_warns_when_the_kernel_rejects_the_sizes():
 def test_megamoe_refuses_other_activations(field, value):
     model = fake_moe()
     setattr(model.config, field, value)
-    (p,) = only(problems(megamoe_plan(backend="reference"), model), R.MEGAMOE_ACTIVATION)
+    (p,) = only(problems(megamoe_plan(backend="reference"), model), MEGAMOE_ACTIVATION)
     assert field in p.message and repr(value) in p.message and "grouped_mm" in p.hint
     model.config.hidden_act = "silu"
     if field == "hidden_act":
@@ -207,7 +212,7 @@ def test_megamoe_refuses_other_activations(field, value):
 
 
 def test_megamoe_bf16_experts_without_quantize():
-    (p,) = only(problems(megamoe_plan(quantize="none"), fake_moe()), R.MEGAMOE_NOT_FP4)
+    (p,) = only(problems(megamoe_plan(quantize="none"), fake_moe()), MEGAMOE_NOT_FP4)
     assert "bfloat16" in p.message and "quantize: fp4" in p.hint
     planc.compile(fake_moe(dtype="int8"), megamoe_plan(quantize="none"))  # an FP4 checkpoint needs no quantize
 
@@ -218,14 +223,14 @@ def test_parameter_style_on_a_module(mixtral):
     plan["tp_plan"] = {}
     plan["ep_plan"] = {"model.layers.*.mlp.experts": "grouped_gemm"}
     probs = problems(plan, mixtral)
-    (p,) = only(probs, R.WRONG_TARGET)
+    (p,) = only(probs, WRONG_TARGET)
     assert "parameter style" in p.message and "gate_up_proj, down_proj" in p.hint
 
 
 def test_ep_dispatch_on_a_module_that_is_not_experts(mixtral):
     plan = fake_plan(model_type="mixtral")
     plan["ep_plan"]["model.layers.*.mlp"] = "ep_dispatch_experts"
-    (p,) = only(problems(plan, mixtral), R.WRONG_TARGET)
+    (p,) = only(problems(plan, mixtral), WRONG_TARGET)
     assert "MixtralSparseMoeBlock" in p.message and "experts" in p.hint
 
 
@@ -240,7 +245,7 @@ def test_ep_strategy_that_cannot_run(tmp_path, mixtral):
 def test_experts_parameter_left_whole_under_ep(mixtral):
     plan = fake_plan(model_type="mixtral")
     plan["ep_plan"] = {"model.layers.*.mlp.experts.gate_up_proj": "grouped_gemm", "model.layers.*.mlp.experts": "ep_dispatch_experts"}
-    (p,) = only(problems(plan, mixtral), R.EXPERTS_PARTIAL)
+    (p,) = only(problems(plan, mixtral), EXPERTS_PARTIAL)
     assert "down_proj" in p.message and "model.layers.*.mlp.experts.down_proj: grouped_gemm" in p.hint
 
 
@@ -249,7 +254,7 @@ def test_uneven_shard(tmp_path, mixtral):
         "  model.layers.*.mlp.experts.gate_up_proj: packed_colwise\n  model.layers.*.mlp.experts.down_proj: rowwise\n"
         "  model.layers.*.mlp.experts: moe_tp_experts\n"
     )
-    probs = only(problems(write(tmp_path, text), mixtral), R.UNEVEN_SHARD)
+    probs = only(problems(write(tmp_path, text), mixtral), UNEVEN_SHARD)
     assert any("size 128" in p.message and p.module == "lm_head.weight" for p in probs)
 
 
@@ -258,7 +263,7 @@ def test_attention_head_split_across_ranks(tmp_path, mixtral):
     text = HEAD.replace("tp_size: 2\n  ep_size: 2", "tp_size: 8\n  ep_size: 8") + (
         "tp_plan:\n  model.layers.*.self_attn.{q,k,v}_proj: colwise\n"
     ) + EP
-    probs = only(problems(write(tmp_path, text), mixtral), R.HEAD_SPLIT)
+    probs = only(problems(write(tmp_path, text), mixtral), HEAD_SPLIT)
     assert any("k_proj" in p.module for p in probs) and "head_dim 16" in probs[0].message
 
 
@@ -281,7 +286,7 @@ def test_every_problem_is_reported_at_once(tmp_path, mixtral):
         "tp_plan:\n  model.layers.*.self_attn.q_prj: colwise\n  model.layers.*.self_attn.o_proj: sequence_parallel\n"
     ) + EP
     codes = {p.code for p in problems(write(tmp_path, text), mixtral)}
-    assert {R.MODEL_TYPE_MISMATCH, R.UNMATCHED_RULE, R.STYLE_NOT_INSTALLABLE} <= codes
+    assert {MODEL_TYPE_MISMATCH, UNMATCHED_RULE, STYLE_NOT_INSTALLABLE} <= codes
     with pytest.raises(CompileError) as info:
         planc.compile(mixtral, write(tmp_path, text))
     assert "3 problem(s)" in str(info.value) and "hint:" in str(info.value)
@@ -290,5 +295,5 @@ def test_every_problem_is_reported_at_once(tmp_path, mixtral):
 def test_same_problem_on_many_layers_is_one_line():
     plan = fake_plan()
     plan["ep_plan"] = {"model.layers.*.mlp.experts.gate_up_proj": "grouped_gemm", "model.layers.*.mlp.experts": "ep_dispatch_experts"}
-    probs = only(problems(plan, fake_moe(layers=6)), R.EXPERTS_PARTIAL)
+    probs = only(problems(plan, fake_moe(layers=6)), EXPERTS_PARTIAL)
     assert len(probs) == 1 and "(6 targets" in probs[0].module

@@ -8,7 +8,8 @@ import textwrap
 import pytest
 
 import planc
-from planc.lint import rules_compile as R  # the problem codes, from the one registry
+from planc.compiler.experts_assignments import EXPERTS_NOT_DIVISIBLE, EXPERTS_UNCOVERED
+from planc.compiler.layout import LAYOUT_MODULE_PARAM_CONFLICT, LAYOUT_NORM_OVER_SHARDED, LAYOUT_OUTPUT_LEFT_SHARDED, LAYOUT_PRODUCERS_DISAGREE, LAYOUT_ROWWISE_WITHOUT_SHARDED, LAYOUT_SHARDED_INTO_REPLICATED
 from planc.errors import CompileError
 from planc.models.build import build_meta_model, build_tiny_model
 from planc.spec.sizes import Sizes, check_sizes, solve_sizes
@@ -37,21 +38,21 @@ def refused(tmp_path, text, model, code):
 
 
 def test_lm_head_colwise_leaves_the_logits_sharded(tmp_path, mixtral):
-    path, (p,) = refused(tmp_path, HEAD + "tp_plan:\n" + ATTN + "  lm_head: colwise\n" + EP, mixtral, R.LAYOUT_OUTPUT_LEFT_SHARDED)
+    path, (p,) = refused(tmp_path, HEAD + "tp_plan:\n" + ATTN + "  lm_head: colwise\n" + EP, mixtral, LAYOUT_OUTPUT_LEFT_SHARDED)
     assert p.module == "lm_head" and p.where == f"{path}:7:3"
     assert "`lm_head: colwise_gather_output`" in p.hint and "1/2 of the logits" in p.message
 
 
 def test_module_rule_that_contradicts_a_parameter_rule(tmp_path, mixtral):
     text = HEAD + "tp_plan:\n  lm_head: colwise_gather_output\n  lm_head.weight: rowwise\n" + EP
-    path, (p,) = refused(tmp_path, text, mixtral, R.LAYOUT_MODULE_PARAM_CONFLICT)
+    path, (p,) = refused(tmp_path, text, mixtral, LAYOUT_MODULE_PARAM_CONFLICT)
     assert p.module == "lm_head.weight" and p.where == f"{path}:6:3"
     assert "colwise_gather_output" in p.message and "rowwise" in p.message and "delete `lm_head.weight`" in p.hint
 
 
 def test_rowwise_o_proj_with_replicated_qkv(tmp_path, mixtral):
     text = HEAD + "tp_plan:\n  model.layers.*.self_attn.o_proj: rowwise\n" + EP
-    path, (p,) = refused(tmp_path, text, mixtral, R.LAYOUT_ROWWISE_WITHOUT_SHARDED)
+    path, (p,) = refused(tmp_path, text, mixtral, LAYOUT_ROWWISE_WITHOUT_SHARDED)
     assert p.module.startswith("model.layers.*.self_attn.o_proj (2 targets") and p.where == f"{path}:5:3"
     assert "rowwise_split_input" in p.hint and "colwise" in p.hint
     assert "MixtralConfig.base_model_tp_plan" in p.message  # what the pass assumed about the data flow
@@ -59,25 +60,25 @@ def test_rowwise_o_proj_with_replicated_qkv(tmp_path, mixtral):
 
 def test_colwise_qkv_without_an_o_proj_rule(tmp_path, mixtral):
     text = HEAD + "tp_plan:\n  model.layers.*.self_attn.{q,k,v}_proj: colwise\n" + EP
-    _, (p,) = refused(tmp_path, text, mixtral, R.LAYOUT_SHARDED_INTO_REPLICATED)
+    _, (p,) = refused(tmp_path, text, mixtral, LAYOUT_SHARDED_INTO_REPLICATED)
     assert "o_proj" in p.module and "`model.layers.*.self_attn.o_proj: rowwise`" in p.hint
 
 
 def test_qkv_that_disagree(tmp_path, mixtral):
     text = HEAD + "tp_plan:\n  model.layers.*.self_attn.q_proj: colwise\n  model.layers.*.self_attn.o_proj: rowwise\n" + EP
-    _, (p,) = refused(tmp_path, text, mixtral, R.LAYOUT_PRODUCERS_DISAGREE)
+    _, (p,) = refused(tmp_path, text, mixtral, LAYOUT_PRODUCERS_DISAGREE)
     assert "k_proj, v_proj" in p.message and "q_proj" in p.message
 
 
 def test_colwise_o_proj_feeds_the_residual_sharded(tmp_path, mixtral):
     text = HEAD + "tp_plan:\n  model.layers.*.self_attn.{q,k,v}_proj: colwise\n  model.layers.*.self_attn.o_proj: colwise\n" + EP
-    _, found = refused(tmp_path, text, mixtral, R.LAYOUT_SHARDED_INTO_REPLICATED)
+    _, found = refused(tmp_path, text, mixtral, LAYOUT_SHARDED_INTO_REPLICATED)
     assert any("residual stream" in p.message for p in found)
 
 
 def test_colwise_router_gate_is_consumed_whole(tmp_path, mixtral):
     text = HEAD + "tp_plan:\n" + ATTN + "  model.layers.*.mlp.gate: colwise\n" + EP
-    _, (p,) = refused(tmp_path, text, mixtral, R.LAYOUT_SHARDED_INTO_REPLICATED)
+    _, (p,) = refused(tmp_path, text, mixtral, LAYOUT_SHARDED_INTO_REPLICATED)
     assert p.module.startswith("model.layers.*.mlp.gate ") and "colwise_gather_output" in p.hint
 
 
@@ -89,7 +90,7 @@ def test_norm_over_the_sharded_heads(tmp_path):
         + "ep_plan:\n  model.layers.*.mlp.experts.{gate_up_proj,down_proj}: grouped_gemm\n"
         "  model.layers.*.mlp.experts: ep_dispatch_experts\n"
     )
-    _, found = refused(tmp_path, text, olmoe, R.LAYOUT_NORM_OVER_SHARDED)
+    _, found = refused(tmp_path, text, olmoe, LAYOUT_NORM_OVER_SHARDED)
     assert {p.module.split(" ")[0] for p in found} == {"model.layers.*.self_attn.q_norm", "model.layers.*.self_attn.k_norm"}
     assert "colwise_gather_output" in found[0].hint and "rowwise_split_input" in found[0].hint
     # transformers' own OLMoE attention plan (gathered q/k/v, split-input o_proj) passes
@@ -107,7 +108,7 @@ def test_mla_low_rank_projection_feeds_a_norm(tmp_path):
         "ep_plan:\n  model.layers.*.mlp.experts.{gate_up_proj,down_proj}: grouped_gemm\n"
         "  model.layers.*.mlp.experts: ep_dispatch_experts\n"
     )
-    _, (p,) = refused(tmp_path, text, ds, R.LAYOUT_NORM_OVER_SHARDED)
+    _, (p,) = refused(tmp_path, text, ds, LAYOUT_NORM_OVER_SHARDED)
     assert "q_a_layernorm" in p.message and "module names" in p.message
 
 
@@ -143,7 +144,7 @@ def test_llama4_experts_are_found_and_must_be_sharded():
     with pytest.raises(CompileError) as info:
         planc.compile(build_meta_model("llama4_text", {"num_hidden_layers": 2}), plan)
     (problem,) = info.value.problems
-    assert problem.code == R.EXPERTS_UNCOVERED and "Llama4TextExperts" in problem.message
+    assert problem.code == EXPERTS_UNCOVERED and "Llama4TextExperts" in problem.message
 
 
 def test_sizes_problem_is_reported_alone(tmp_path, mixtral):
@@ -185,7 +186,7 @@ def test_every_suggested_size_compiles_60_experts_at_tp8():
     }
     with pytest.raises(CompileError) as info:
         planc.compile(model, plan)
-    (p,) = [p for p in info.value.problems if p.code == R.EXPERTS_NOT_DIVISIBLE]
+    (p,) = [p for p in info.value.problems if p.code == EXPERTS_NOT_DIVISIBLE]
     suggested = _apply_hint(plan, p.hint)
     assert suggested, p.hint
     for s in suggested:
@@ -203,7 +204,7 @@ def test_three_experts_on_two_ranks_suggests_what_fits(tmp_path):
     }
     with pytest.raises(CompileError) as info:
         planc.compile(model, plan)
-    (p,) = [p for p in info.value.problems if p.code == R.EXPERTS_NOT_DIVISIBLE]
+    (p,) = [p for p in info.value.problems if p.code == EXPERTS_NOT_DIVISIBLE]
     assert "divides 3 (3)" not in p.hint and "launch 3 ranks" in p.hint
     for s in _apply_hint(plan, p.hint):
         planc.compile(model, s)
@@ -259,14 +260,14 @@ def test_one_rule_over_blocks_of_two_classes_names_the_class_it_breaks(tmp_path)
     model = _glm5_next()
     kinds = {n: type(m).__name__ for n, m in model.named_modules() if n.endswith("self_attn")}
     assert len(set(kinds.values())) == 2, kinds
-    _, problems = refused(tmp_path, GLM5 % ("*", "*"), model, R.LAYOUT_ROWWISE_WITHOUT_SHARDED)
+    _, problems = refused(tmp_path, GLM5 % ("*", "*"), model, LAYOUT_ROWWISE_WITHOUT_SHARDED)
     (p,) = problems
     assert "in the Glm5NextTextLinearAttention blocks" in p.message and "q_proj/k_proj/v_proj" in p.message
     mla = sorted(n.split(".")[3] for n, k in kinds.items() if k == "Glm5NextTextAttention")
     assert f"layers.{mla[0] if len(mla) == 1 else '{' + ','.join(mla) + '}'}.self_attn.o_proj" in p.hint
     # the MLA producers are not blamed for the linear blocks (no empty producer list)
     assert "but  leave" not in p.message and "{}" not in p.hint
-    assert not [q for q in problems if q.code in (R.LAYOUT_PRODUCERS_DISAGREE,)]
+    assert not [q for q in problems if q.code in (LAYOUT_PRODUCERS_DISAGREE,)]
     # narrowed to the MLA layers as the hint says, the plan compiles
     layers = mla[0] if len(mla) == 1 else "{" + ",".join(mla) + "}"
     planc.compile(model, GLM5 % (layers, layers))

@@ -36,11 +36,25 @@ def _codes(text: str, config) -> tuple[set, set]:
     return set(), {w.code for w in compiled.warnings}
 
 
-def test_every_compile_code_is_registered():
-    from planc.compiler import context
+def test_every_code_the_compiler_reports_is_listed_by_a_fresh_process():
+    """Each compile rule is registered beside its check; `planc rules` (a process that has imported no compiler
+    module) must list every code that planc/compiler names, and nothing else as a compile rule. Linting, even a
+    plan with errors, imports no compiler module: only the whole list does."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    emitted = {v for k, v in vars(context).items() if k.isupper() and isinstance(v, str) and v.startswith("PLC")}
-    assert emitted == {r.code for r in COMPILE_RULES}
+    compiler = Path(planc.__file__).parent / "compiler"
+    named = {c for p in compiler.rglob("*.py") for c in re.findall(r'"(PLC\d{3})"', p.read_text())}
+    listed = subprocess.run(
+        [sys.executable, "-c", "import sys; from planc.lint.registry import all_rules, get; "
+         "from planc.lint.runner import lint_text; "
+         "assert lint_text('version: 1\\nmodel: {type: mixtral}\\nparallel: {tp_size: 0}\\n') and get('PLC402'); "
+         "assert not any(m.startswith('planc.compiler') for m in sys.modules); "
+         "print(' '.join(r.code for r in all_rules() if r.family in ('compile', 'layout')))"],
+        capture_output=True, text=True, check=True).stdout.split()
+    assert named == set(listed) == {r.code for r in COMPILE_RULES}
 
 
 @pytest.mark.parametrize("rule", [r for r in COMPILE_RULES if r.bad], ids=lambda r: r.code)

@@ -5,9 +5,21 @@ from __future__ import annotations
 
 from typing import Optional
 
-from planc.compiler.context import EXPERTS_PARTIAL, PlanRule, Resolution
+from planc.compiler.context import PlanRule, Resolution
 from planc.compiler.walk import ModelWalk, ModuleInfo, generic_path
 from planc.spec.styles import STYLE, splits_by_expert
+from planc.compiler import rule_examples as ex
+from planc.lint.registry import compile_rule
+
+
+EXPERTS_PARTIAL = compile_rule(
+    "PLC615", "experts-partly-sharded", "an experts parameter left whole under EP, or sharded without its module rule",
+    "Under EP every experts tensor must be sharded by expert (`grouped_gemm`): a whole tensor would be indexed "
+    "with local expert ids. That includes a per-expert tensor of a module inside the experts (leading dim = the "
+    "experts count: ergo's `experts.post_expert_norm.weight`). Under `moe_tp_experts`, gate_up/down must be "
+    "feature-sharded.",
+    ex.GOOD.replace("{gate_up_proj,down_proj}", "gate_up_proj"), ex.GOOD,
+)
 
 
 def nested_expert_owner(walk: ModelWalk, fqn: str) -> Optional[ModuleInfo]:

@@ -9,10 +9,42 @@ every token pre-scaled (`forward(hidden_states)`, Llama 4) have no routed ids to
 
 from __future__ import annotations
 
-from planc.compiler.context import BARE_PARAM_UNWRAPPED, EXPERTS_IMPL_FIXED, WRONG_TARGET, PlanRule, Resolution
+from planc.compiler.checks.targets import WRONG_TARGET
+from planc.compiler.context import PlanRule, Resolution
 from planc.compiler.compiled import Assignment
 from planc.compiler.walk import generic_path
 from planc.spec.styles import STYLE, dispatches_experts
+from planc.lint.registry import compile_rule
+
+
+_GRANITE_SWA = (
+    "version: 1\nmodel: {type: granitemoe_swa}\nparallel: {tp_size: 2}\ntp_plan:\n"
+    "  model.layers.*.self_attn.{q,k,v}_proj: colwise\n  model.layers.*.self_attn.o_proj: rowwise\n"
+    "  model.layers.*.self_attn.sinks: colwise\n"
+    "  model.layers.*.block_sparse_moe.experts.gate_up_proj: packed_colwise\n"
+    "  model.layers.*.block_sparse_moe.experts.down_proj: rowwise\n"
+    "  model.layers.*.block_sparse_moe.experts: moe_tp_experts\n"
+)
+BARE_PARAM_UNWRAPPED = compile_rule(
+    "PLC623", "sharded-parameter-of-unwrapped-module",
+    "a TP style shards a bare parameter of a module whose forward planc does not wrap",
+    "A TP style on a parameter makes it a DTensor slice; only the forwards planc wraps (styles with "
+    "`local_forward` in `planc.spec.styles`) compute on local shards. Any other forward (attention `sinks`, "
+    "a shared experts `[n, I, H]` tensor) would mix the DTensor with plain tensors at the first call. Write "
+    "`local_params` on the module when its children already reduce the output (per-head parameters sharded "
+    "with their heads), `all_reduce` when its output is a partial sum, or delete the rule.",
+    _GRANITE_SWA, _GRANITE_SWA + "  model.layers.*.self_attn: local_params\n",
+)
+EXPERTS_IMPL_FIXED = compile_rule(
+    "PLC624", "experts-implementation-fixed",
+    "an experts kernel other than `eager` for a model class that cannot switch its experts implementation",
+    "Some model classes run only their own experts forward (transformers' "
+    "`_can_set_experts_implementation()` is false: llama4; longcat_flash before transformers 5.25): `grouped_mm` "
+    "or Mega MoE cannot be installed on them. `implementation: eager` keeps the model's forward, which the EP "
+    "strategies and TP styles wrap.",
+    "version: 1\nmodel: {type: llama4_text}\nparallel: {tp_size: 1}\nexperts: {implementation: grouped_mm}\n",
+    "version: 1\nmodel: {type: llama4_text}\nparallel: {tp_size: 1}\nexperts: {implementation: eager}\n",
+)
 
 
 def check_bare_parameters(c: Resolution, assignments: list[Assignment], final: dict[str, PlanRule]) -> None:

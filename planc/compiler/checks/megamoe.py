@@ -4,22 +4,76 @@ ranks, activation, kernel block alignment, FP4 weights."""
 from __future__ import annotations
 
 from planc.compiler.compiled import CompileWarning
-from planc.compiler.context import (
-    MEGAMOE_ACTIVATION,
-    MEGAMOE_ALIGNMENT,
-    MEGAMOE_EP_SIZE,
-    MEGAMOE_KERNEL_BLOCKS,
-    MEGAMOE_NO_GATE,
-    MEGAMOE_NOT_FP4,
-    MEGAMOE_SIZES,
-    MEGAMOE_TOP_K,
-    key_where,
-    Resolution,
-)
+from planc.compiler.context import key_where, Resolution
 from planc.compiler.walk import ModuleInfo, generic_path
 from planc.spec.choices import MEGAMOE_BACKENDS
 from planc.spec.megamoe import MEGAMOE_KERNEL_BLOCK
 from planc.spec.model import MegaMoe
+from planc.compiler import rule_examples as ex
+from planc.lint.diagnostic import WARNING
+from planc.lint.registry import compile_rule
+
+
+MEGAMOE_NO_GATE = compile_rule(
+    "PLC608", "megamoe-needs-gated-experts", "Mega MoE on experts with no gate, or with transposed weights",
+    "The Mega MoE kernel computes SwiGLU over [gate | up] rows of gate_up_proj [E, 2I, H]; gpt_oss stores its "
+    "experts transposed, so it runs `implementation: grouped_mm`.",
+    "version: 1\nmodel: {type: gpt_oss}\nparallel: {tp_size: 2, ep_size: 2}\n"
+    + ex.EP.replace("{gate_up_proj,down_proj}", "{gate_up_proj,down_proj,gate_up_proj_bias,down_proj_bias}")
+    + "experts:\n  implementation: deepgemm_megamoe\n  megamoe: {backend: reference, quantize: fp4}\n",
+    ex.V4 + ex.V4_EP,
+)
+MEGAMOE_TOP_K = compile_rule(
+    "PLC609", "megamoe-top-k", "Mega MoE with top-k above 32",
+    "The kernel routes each token to at most 32 experts.",
+    ex.V4 + ex.V4_EP, ex.V4 + ex.V4_EP.replace("deepgemm_megamoe", "grouped_mm").replace(
+        "  megamoe: {backend: reference, quantize: fp4}\n", ""),
+    config={"num_experts_per_tok": 33, "n_routed_experts": 64},
+)
+MEGAMOE_EP_SIZE = compile_rule(
+    "PLC610", "megamoe-ep-size", "Mega MoE with `ep_size` above 72",
+    "Mega MoE reaches its peers over one NVLink domain (at most 72 GPUs).",
+    ex.V4.replace("tp_size: 2, ep_size: 2", "tp_size: 80, ep_size: 80") + ex.V4_EP,
+    ex.V4.replace("tp_size: 2, ep_size: 2", "tp_size: 40, ep_size: 40") + ex.V4_EP,
+    config={"n_routed_experts": 80},
+)
+MEGAMOE_SIZES = compile_rule(
+    "PLC611", "megamoe-deep-gemm-sizes", "`backend: deep_gemm` with hidden or intermediate sizes not multiples of 128",
+    "The deep_gemm kernel's host checks need both sizes divisible by 128; the PyTorch reference backend runs "
+    "any size.",
+    ex.V4 + ex.V4_EP.replace("backend: reference", "backend: deep_gemm"), ex.V4 + ex.V4_EP,
+)
+MEGAMOE_NOT_FP4 = compile_rule(
+    "PLC612", "megamoe-needs-fp4", "Mega MoE experts that are not FP4 while `megamoe.quantize` is none",
+    "Mega MoE runs FP8 x FP4 experts: load an FP4 checkpoint, or write `megamoe: {quantize: fp4}` to quantize "
+    "bf16 experts when the plan is applied.",
+    ex.V4 + ex.V4_EP.replace("quantize: fp4", "quantize: none"), ex.V4 + ex.V4_EP,
+)
+MEGAMOE_ACTIVATION = compile_rule(
+    "PLC621", "megamoe-activation", "Mega MoE on a model whose activation is not the kernel's SiLU SwiGLU",
+    "Every Mega MoE backend computes SiLU SwiGLU (clamped by `swiglu_limit`) and nothing else. A config with "
+    "another `hidden_act`, or with `swiglu_alpha`, `mlp_gate_softcap`/`mlp_up_softcap` (`gate_softcap`/"
+    "`up_softcap`) set, would get a different function without an error; such models run "
+    "`implementation: grouped_mm`.",
+    ex.V4 + ex.V4_EP, ex.V4 + ex.V4_EP.replace("deepgemm_megamoe", "grouped_mm").replace(
+        "  megamoe: {backend: reference, quantize: fp4}\n", ""),
+    config={"hidden_act": "gelu"},
+)
+MEGAMOE_KERNEL_BLOCKS = compile_rule(
+    "PLC622", "megamoe-kernel-blocks",
+    "`backend: deep_gemm` with sizes that pass the kernel's host checks but not its block alignment",
+    "Sizes that are multiples of 128 pass deep_gemm's host checks, but the kernel also needs hidden / 128 "
+    "even and, at decode-sized batches (BLOCK_K 256), intermediate % 256 == 0. `backend: triton` (FP4 kept "
+    "packed) or `backend: reference` run any size; with `backend: auto` the same sizes give warning PLC653.",
+    ex.V4 + ex.V4_EP.replace("backend: reference", "backend: deep_gemm"), ex.V4 + ex.V4_EP,
+    config={"hidden_size": 384, "moe_intermediate_size": 128},
+)
+MEGAMOE_ALIGNMENT = compile_rule(
+    "PLC653", "megamoe-alignment", "Mega MoE sizes the kernel's block alignment may not fit",
+    "`backend: auto` falls back to the reference below 128-multiples; sizes that pass the host checks but not "
+    "the block alignment (hidden % 256, % 512 above 4096; intermediate % 256) are worth verifying on the GPU.",
+    ex.V4 + ex.V4_EP.replace("backend: reference", "backend: auto"), ex.V4 + ex.V4_EP, severity=WARNING,
+)
 
 
 MEGAMOE_MAX_TOP_K = 32

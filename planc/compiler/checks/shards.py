@@ -5,9 +5,39 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from planc.compiler.compiled import Assignment
-from planc.compiler.context import BLOCK_GRID, HEAD_SPLIT, UNEVEN_SHARD, PlanRule, Resolution
+from planc.compiler.context import PlanRule, Resolution
 from planc.compiler.walk import ModelWalk, config_attr, generic_path
 from planc.spec.styles import STYLE
+from planc.compiler import rule_examples as ex
+from planc.lint.registry import compile_rule
+
+
+UNEVEN_SHARD = compile_rule(
+    "PLC616", "uneven-shard", "a TP style that splits a dimension unevenly",
+    "DTensor would give ranks slices of different sizes, which the forwards do not expect. The hint names "
+    "sizes that divide every split dimension.",
+    ex.GOOD.replace("tp_size: 2, ep_size: 2", "tp_size: 3, ep_size: 3").replace(ex.EP, "ep_plan:\n" + ex.MOE_TP.replace(
+        "  model.layers.*.mlp.experts: moe_tp_experts\n", "").replace("packed_colwise", "grouped_gemm").replace(
+        "rowwise", "grouped_gemm") + "  model.layers.*.mlp.experts: ep_dispatch_experts\n"),
+    ex.GOOD,
+)
+HEAD_SPLIT = compile_rule(
+    "PLC617", "head-split", "a colwise q/k/v or rowwise o_proj that gives a rank a fraction of a head",
+    "Attention computes whole heads; a rank with part of a head computes garbage without an error.",
+    ex.GOOD.replace("tp_size: 2, ep_size: 2", "tp_size: 8, ep_size: 8"), ex.GOOD,
+)
+BLOCK_GRID = compile_rule(
+    "PLC625", "shard-off-fp8-block-grid", "a TP shard of an FP8 block-scaled weight that is not whole scale blocks",
+    "An FP8 checkpoint in the DeepSeek-V3 format (`quantization_config: {quant_method: fp8, weight_block_size: "
+    "[128, 128]}`) stores each weight with a `weight_scale_inv` of one factor per 128 x 128 block. Loaded with "
+    "FP8 kept (`planc.load` on an FP8-capable GPU, or `dequantize=False`), a scale is sharded with its weight on "
+    "the same dim (a colwise shard of rows [r0, r1) holds scale rows [r0/128, r1/128)), so every rank's rows or "
+    "columns must be whole blocks: at tp 2 a 384-row weight (192 rows each, 1.5 blocks) is refused. The hint "
+    "names sizes that split on the grid; `replicate` the weight, or load with `dequantize=True`, which reads "
+    "each rank's scale blocks and dequantizes exactly off the grid too. A block scale with no rule of its own "
+    "takes its weight's style. It needs the quantized model `planc.load` builds from an FP8 checkpoint, so it "
+    "has no plan-only example: `planc explain PLAN --checkpoint DIR` on such a checkpoint runs it.",
+)
 
 
 ATTENTION_PROJ = {"q_proj": "out", "k_proj": "out", "v_proj": "out", "o_proj": "in"}

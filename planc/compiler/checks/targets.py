@@ -7,10 +7,40 @@ position and what to write instead.
 from __future__ import annotations
 
 from planc.compiler.checks.experts import nested_expert_owner
-from planc.compiler.context import CONFLICTING_RULES, MODEL_TYPE_MISMATCH, STYLE_NOT_INSTALLABLE, WRONG_TARGET, PlanRule, key_where, Resolution
+from planc.compiler.context import PlanRule, key_where, Resolution
 from planc.compiler.walk import generic_path
 from planc.spec.sizes import check_sizes as _check_sizes
 from planc.spec.styles import ALL_STYLES, EXPERTS_MODULE_STYLES, PARAMETER_STYLES, RUNTIME_STYLES
+from planc.compiler import rule_examples as ex
+from planc.lint.registry import compile_rule
+
+
+CONFLICTING_RULES = compile_rule(
+    "PLC603", "two-styles-on-one-target", "two rules give one target different styles, or a rule names a tied parameter",
+    "A parameter takes one style. Two rules that both match it (in one table or across tables) would shard it "
+    "twice; a rule on one of two tied names would shard a tensor the other name reads whole.",
+    ex.TOP + "tp_plan:\n" + ex.ATTN + "  model.layers.1.self_attn.q_proj: rowwise\n" + ex.HEAD + ex.EP, ex.GOOD,
+)
+STYLE_NOT_INSTALLABLE = compile_rule(
+    "PLC605", "style-not-installed", "a style planc's runtime does not install",
+    "transformers knows more styles than planc installs (`planc.spec.styles`, rows with `runtime`). planc "
+    "refuses such a rule instead of silently skipping it; `replicate` keeps the module whole.",
+    ex.TOP + "tp_plan:\n" + ex.ATTN + ex.HEAD + "  model.norm: sequence_parallel\n" + ex.EP, ex.GOOD,
+)
+MODEL_TYPE_MISMATCH = compile_rule(
+    "PLC607", "model-type-mismatch", "`model.type` differs from the model's `config.model_type`",
+    "A plan's paths and sizes are written for one family; compiling it against another is almost always the "
+    "wrong file.",
+    ex.GOOD.replace("type: mixtral", "type: qwen3_moe"), ex.GOOD,
+)
+WRONG_TARGET = compile_rule(
+    "PLC613", "style-on-wrong-target", "a style on the wrong kind of target",
+    "`grouped_gemm` shards the expert dimension of an experts parameter (or of a per-expert tensor of a module "
+    "inside the experts, such as a per-expert norm); `ep_dispatch_experts` and `moe_tp_experts` hook an experts "
+    "module's forward. On anything else they cannot run.",
+    ex.GOOD.replace("model.layers.*.mlp.experts: ep_dispatch_experts", "model.layers.*.mlp.gate: ep_dispatch_experts"),
+    ex.GOOD,
+)
 
 
 def check_model_type(c: Resolution) -> None:
