@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from planc.lint.diagnostic import Diagnostic
     from planc.lint.plan_loader import PlanSource
     from planc.spec.loaded_plan import LoadedPlan
-    from planc.verify.report import VerifyReport
+    from planc.verification.report import VerifyReport
 
 from planc.version import __version__
 
@@ -172,7 +172,7 @@ def verify(build: Any = None, plan: "Optional[PlanSource]" = None, *, parallel: 
     `.stages`, `.first_divergence`). `build`: `"pkg.module:function"` or a module-level callable returning a fresh,
     seeded nn.Module; or `model=DIR` / `model_type=T` in `options` (default: the plan's model type). Options:
     `trust_remote_code`, `overrides` (config values), `shrink` (default True), `seed`. docs/verify.md."""
-    from planc.verify import verify as _verify
+    from planc.verification import verify as _verify
 
     return _verify(build, plan, parallel=parallel, train=train, dtype=dtype, **options)
 

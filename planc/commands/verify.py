@@ -1,7 +1,7 @@
 """`planc verify PLAN`: run the plan at its own sizes on CPU gloo ranks against the unsharded model, stage by stage.
 
 Exit 0: certified (every stage within its tolerance); 1: mismatch (the first divergence is named, with the plan
-rule that sharded it); 2: could not run (the reason). The engine is `planc.verify` (planc/verify/).
+rule that sharded it); 2: could not run (the reason). The engine is `planc.verify` (planc/verification/).
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dtype of both models (tolerances follow it)")
     parser.add_argument("--train", action="store_true",
                         help="the training stages (also on when the plan has a `training:` section)")
+    parser.add_argument("--reshard", metavar="SIZES",
+                        help="sizes the saved checkpoint is loaded back at (default: half of tp_size and ep_size), "
+                        "e.g. --reshard tp_size=2,ep_size=4; `none`: no reshard stage")
     parser.add_argument("--no-shrink", action="store_true",
                         help="run the real widths with the fewest layers that hold one of each kind")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch")
@@ -40,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         overrides = parse_overrides(args.overrides)
         parallel = parse_parallel(args.parallel)
+        reshard = {} if args.reshard == "none" else parse_parallel(args.reshard.replace("--reshard", "")
+                                                                     if args.reshard else None)
     except ValueError as e:
         print(f"planc verify: {e}", file=sys.stderr)
         return 2
@@ -49,12 +54,12 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         print("planc verify: needs torch and transformers: pip install 'planc[runtime]'", file=sys.stderr)
         return 2
-    from planc.verify import verify
-    from planc.verify.engine import main_progress
+    from planc.verification import verify
+    from planc.verification.engine import main_progress
 
     report = verify(args.build, args.plan, parallel=parallel, train=args.train, dtype=args.dtype, model=args.model,
                     model_type=args.model_type, trust_remote_code=args.trust_remote_code, overrides=overrides,
-                    shrink=not args.no_shrink, seed=args.seed, progress=main_progress())
+                    shrink=not args.no_shrink, reshard=reshard, seed=args.seed, progress=main_progress())
     if args.format == "json":
         print(report.render_json())
     else:

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from planc.verify.compare import rel_error
+from planc.verification.compare import rel_error
 
 Key = tuple[str, int]  # (module path, call index)
 

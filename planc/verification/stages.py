@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
-from planc.verify.tolerance import tolerance
+from planc.verification.tolerance import tolerance
 
 SEQ = 12  # tokens per row
 ROWS = 2  # rows per dp replica (two micro-batches when training accumulates)
@@ -26,14 +26,14 @@ LR = 1e-3
 class Job:
     """What every rank runs (picklable)."""
 
-    source: Any  # planc.verify.source.ModelSource
+    source: Any  # planc.verification.source.ModelSource
     config: Any  # the shrunk config (type and dir sources), None for a build source
     plan: Any  # LoadedPlan at the sizes that run
     dtype: str
     seed: int
     train: bool
     serve: bool
-    stages: tuple[str, ...] = field(default=())
+    save_dir: Optional[str] = None  # where to save the stepped model and its twin for the reshard stage
 
 
 def quiet() -> None:
@@ -49,7 +49,7 @@ def quiet() -> None:
 
 
 def _stage(name: str, got: Any, want: Any, dtype: str, detail: str = "") -> dict:
-    from planc.verify.compare import abs_error, rel_error
+    from planc.verification.compare import abs_error, rel_error
 
     return {"name": name, "abs": abs_error(got, want), "rel": rel_error(got, want), "detail": detail}
 
@@ -94,8 +94,8 @@ def run_rank(rank: int, world: int, job: Job) -> dict:
     from planc.runtime.clip import clip_grad_norm_
     from planc.runtime.data_parallel import no_sync
     from planc.spec.choices import EXPERTS_IMPLEMENTATIONS
-    from planc.verify.divergence import Recorder, agree_max, backward_culprit, backward_order, forward_culprit
-    from planc.verify.source import build_model
+    from planc.verification.divergence import Recorder, agree_max, backward_culprit, backward_order, forward_culprit
+    from planc.verification.source import build_model
 
     quiet()
     dtype = getattr(torch, job.dtype)
@@ -196,15 +196,69 @@ def run_rank(rank: int, world: int, job: Job) -> dict:
         want = _logits(twin(ids))
         got = _logits(model(ids))
     out["stages"].append(_stage("step", got, want, job.dtype, f"logits after one AdamW step (lr {LR:g})"))
+    if job.save_dir is not None:
+        _save_for_reshard(model, twin, job.save_dir, rank)
     dist.barrier()
     return out
+
+
+def _save_for_reshard(model: Any, twin: Any, directory: str, rank: int) -> None:
+    """The stepped sharded model as a planc DCP checkpoint, and its stepped twin (safetensors, rank 0)."""
+    import os
+
+    from safetensors.torch import save_model
+
+    from planc.checkpoint.save import save
+
+    save(model, os.path.join(directory, "sharded"))
+    if rank == 0:
+        twin.config.save_pretrained(directory)
+        save_model(twin, os.path.join(directory, "twin.safetensors"))
+
+
+@dataclass(frozen=True)
+class ReshardJob:
+    """The reshard stage's world: the checkpoint of the first, read back at other sizes."""
+
+    source: Any
+    config: Any
+    plan: Any  # LoadedPlan at the reshard sizes
+    dtype: str
+    seed: int
+    save_dir: str
+
+
+def run_reshard_rank(rank: int, world: int, job: ReshardJob) -> dict:
+    """planc.load of the saved checkpoint at the reshard sizes against the stepped twin: logits."""
+    import os
+
+    import torch
+    from safetensors.torch import load_model
+
+    from planc.checkpoint.load import load
+    from planc.runtime import install
+    from planc.verification.source import build_model
+
+    quiet()
+    dtype = getattr(torch, job.dtype)
+    loaded = install.load_plan_on_every_rank(job.plan, what="planc verify (reshard)")
+    model = load(os.path.join(job.save_dir, "sharded"), loaded, dtype=dtype)
+    twin = build_model(job.source, job.config, job.seed).to(dtype)
+    load_model(twin, os.path.join(job.save_dir, "twin.safetensors"))
+    ids = torch.randint(0, _vocab(twin), (ROWS, SEQ), generator=torch.Generator().manual_seed(job.seed + 200))
+    with torch.no_grad():
+        want = _logits(twin(ids))
+        got = _logits(model(ids))
+    p = job.plan.plan.parallel
+    return {"stages": [_stage("reshard", got, want, job.dtype, f"saved at the plan's sizes, loaded at tp_size="
+                              f"{p.tp_size} ep_size={p.ep_size} dp_size={p.dp_size}, after the step")]}
 
 
 def _grad_errors(model: Any, twin: Any) -> dict[str, dict]:
     """{parameter: {"abs", "rel"}} of every gradient gathered to full against the twin's (same order on every rank)."""
     import torch
 
-    from planc.verify.compare import abs_error, rel_error
+    from planc.verification.compare import abs_error, rel_error
 
     ref = dict(twin.named_parameters())
     out = {}

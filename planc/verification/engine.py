@@ -1,22 +1,23 @@
 """`planc.verify`: certify that a plan's sharded run computes what the unsharded model computes, on CPU ranks.
 
 The steps, each refusing bad input with one clear message (VerifyReport.error, exit 2): load the plan at the
-sizes that run; build the model's config from its source and shrink it (planc.verify.shrink); build the model
+sizes that run; build the model's config from its source and shrink it (planc.verification.shrink); build the model
 once here and compile the plan against it (the compile diagnostics when it does not resolve); check the host can
-hold the world; then run the stages (planc.verify.stages) on `world_size` gloo processes and gather the report.
+hold the world; then run the stages (planc.verification.stages) on `world_size` gloo processes and gather the report.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Mapping, Optional
 
 from planc.errors import CompileError, ModelBuildError, PlanError, VerifyError
-from planc.verify.report import Divergence, RuleRef, StageResult, VerifyReport
-from planc.verify.source import BuildTarget, ModelSource, target_name
-from planc.verify.tolerance import tolerance
+from planc.verification.report import Divergence, RuleRef, StageResult, VerifyReport
+from planc.verification.source import BuildTarget, ModelSource, target_name
+from planc.verification.tolerance import tolerance
 
 DTYPES = ("float32", "bfloat16")
 MAX_WORLD = 64  # gloo processes one host runs
@@ -51,12 +52,14 @@ def _source(build: Any, model: Optional[str], model_type: Optional[str], trust_r
 def verify(build: Optional[BuildTarget] = None, plan: Any = None, *, parallel: Optional[Mapping[str, int]] = None,
            train: bool = False, dtype: Optional[str] = None, model: Optional[str] = None,
            model_type: Optional[str] = None, trust_remote_code: bool = False, overrides: Optional[dict] = None,
-           shrink: bool = True, seed: int = 0, progress: Optional[Progress] = None) -> VerifyReport:
+           shrink: bool = True, reshard: Optional[Mapping[str, int]] = None, seed: int = 0,
+           progress: Optional[Progress] = None) -> VerifyReport:
     """Run `plan` at its own sizes (or `parallel`) on CPU gloo ranks against the unsharded twin and report.
 
     The model: `build` (`"pkg.module:function"` or a module-level callable returning a fresh, seeded nn.Module),
     `model` (a local checkpoint or config directory), or `model_type` (a transformers family's default config);
     none of them: the plan's `model.type`. `train` (or a `training:` section in the plan) adds the training stages.
+    `reshard`: the sizes the saved checkpoint is loaded back at (default: half of tp and ep; `{}`: no reshard stage).
     Never raises for bad input: the report's `error` says what could not run (`exit_code` 2)."""
     started = time.monotonic()
     say = progress or (lambda _text: None)
@@ -64,7 +67,7 @@ def verify(build: Optional[BuildTarget] = None, plan: Any = None, *, parallel: O
     try:
         _run(report, build, plan, parallel=parallel, train=train, dtype=dtype or "float32", model=model,
              model_type=model_type, trust_remote_code=trust_remote_code, overrides=overrides or {}, shrink=shrink,
-             seed=seed, say=say)
+             reshard=reshard, seed=seed, say=say)
     except (VerifyError, PlanError, CompileError, ModelBuildError) as e:
         report.error = str(e)
     except KeyboardInterrupt:
@@ -74,7 +77,7 @@ def verify(build: Optional[BuildTarget] = None, plan: Any = None, *, parallel: O
 
 
 def _run(report: VerifyReport, build, plan, *, parallel, train, dtype, model, model_type, trust_remote_code,
-         overrides, shrink, seed, say) -> None:
+         overrides, shrink, reshard, seed, say) -> None:
     from planc.lint.plan_loader import load_plan
 
     if dtype not in DTYPES:
@@ -100,19 +103,51 @@ def _run(report: VerifyReport, build, plan, *, parallel, train, dtype, model, mo
     config, lines = _config(source, loaded, shrink, report)
     report.shrink = list(lines)
     compiled = _check_before_spawning(source, config, loaded, seed, world)
-    from planc.verify.stages import Job, run_rank
+    from planc.verification.stages import Job, ReshardJob, run_rank, run_reshard_rank
 
-    job = Job(source=source, config=config, plan=loaded, dtype=dtype, seed=seed, train=train, serve=not train)
-    say(f"running {world} ranks")
-    results = _run_world(run_rank, world, job)
+    back = _reshard_plan(loaded, reshard, source, report)
+    with tempfile.TemporaryDirectory(prefix="planc-verify-") as tmp:
+        job = Job(source=source, config=config, plan=loaded, dtype=dtype, seed=seed, train=train, serve=not train,
+                  save_dir=tmp if back is not None else None)
+        say(f"running the stages on {world} ranks")
+        results = _run_world(run_rank, world, job)
+        if back is not None and results[0]["divergence"] is None:
+            say(f"loading the checkpoint back on {back.plan.parallel.world_size} ranks")
+            again = _run_world(run_reshard_rank, back.plan.parallel.world_size,
+                               ReshardJob(source, config, back, dtype, seed, tmp))
+            for r, a in zip(results, again):
+                r["stages"] += a["stages"]
+            for r in results[len(again):]:
+                r["stages"] += again[0]["stages"]
     _gather(report, results, compiled, dtype)
+
+
+def _reshard_plan(loaded, reshard: Optional[Mapping[str, int]], source: ModelSource, report: VerifyReport):
+    """The plan at the sizes the checkpoint is read back at, or None (no reshard stage, with a note why)."""
+    from planc.lint.plan_loader import with_parallel
+
+    if reshard is not None and not reshard:
+        return None
+    if source.kind == "build":
+        report.notes.append("no reshard stage: planc.load rebuilds a transformers model from its config, and a "
+                            "--build model's class is the user's own")
+        return None
+    p = loaded.plan.parallel
+    sizes = dict(reshard) if reshard else {"tp_size": max(1, p.tp_size // 2), "ep_size": max(1, p.ep_size // 2)}
+    if all(sizes.get(k, getattr(p, k)) == getattr(p, k) for k in ("tp_size", "ep_size", "dp_size")):
+        report.notes.append("no reshard stage: the plan already runs on one rank")
+        return None
+    try:
+        return with_parallel(loaded, sizes)
+    except PlanError as e:
+        raise VerifyError(f"--reshard {sizes}: the plan does not load at those sizes:\n{e}") from None
 
 
 def _config(source: ModelSource, loaded, shrink: bool, report) -> tuple[Any, tuple[str, ...]]:
     if source.kind == "build":
         return None, ("none: a --build model runs at the widths its function builds",)
     from planc.models.build import meta_model
-    from planc.verify.shrink import check_faithful, no_shrink, shrink as shrink_config
+    from planc.verification.shrink import check_faithful, no_shrink, shrink as shrink_config
 
     real = source.full_config()
     if not shrink:
@@ -133,7 +168,7 @@ def _check_before_spawning(source: ModelSource, config, loaded, seed: int, world
     """Build the model here and compile the plan against it: a model that does not build, a plan that does not
     resolve, or a world the host cannot hold fails in seconds with one message, before any rank starts."""
     from planc.compiler.resolve import compile_plan
-    from planc.verify.source import build_model
+    from planc.verification.source import build_model
 
     model = build_model(source, config, seed)
     try:
@@ -190,7 +225,11 @@ def _gather(report: VerifyReport, results: list[dict], compiled, dtype: str) -> 
         report.notes += [n for n in r["notes"] if n not in report.notes]
     found = results[0]["divergence"]
     if found is not None:
-        rules = _rules_of(compiled.assignments, found["module"])
+        rules: tuple[RuleRef, ...] = ()
+        owner = found["module"]
+        while owner and not rules:  # the module's own rules, else those of the nearest module around it
+            rules = _rules_of(compiled.assignments, owner)
+            owner = owner.rpartition(".")[0]
         note = ""
         if found.get("parameter"):
             own = [a for a in compiled.assignments if a.fqn == found["parameter"]]

@@ -30,7 +30,7 @@ _FACTORS = {
 }
 # stages and whether they compare gradients
 STAGE_KINDS = {
-    "logits": "forward", "loss": "forward", "grads": "gradient", "clip": "gradient", "step": "forward",
+    "logits": "forward", "loss": "forward", "grads": "gradient", "clip": "gradient", "step": "gradient",
     "reshard": "forward", "generate": "forward",
 }
 
