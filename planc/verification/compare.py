@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 
-def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """Relative L2 error of `got` against `want`; exact equality for integer tensors (token ids, expert indices:
-    the fraction that differ); inf when shapes differ or `want` is zero and `got` is not."""
+def rel_error(got: torch.Tensor, want: torch.Tensor, floor: float = 0.0) -> float:
+    """Relative L2 error of `got` against `want` (divided by `||want||`, or by `floor` when that is larger); exact
+    equality for integer tensors (token ids, expert indices: the fraction that differ); inf when shapes differ or
+    the divisor is zero and `got` differs."""
     if got.shape != want.shape:
         return float("inf")
     if not got.is_floating_point() or not want.is_floating_point():
@@ -16,7 +17,7 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     if not torch.isfinite(g).all() or not torch.isfinite(w).all():
         return 0.0 if torch.equal(torch.nan_to_num(g), torch.nan_to_num(w)) else float("inf")
     diff = torch.linalg.vector_norm(g - w).item()
-    scale = torch.linalg.vector_norm(w).item()
+    scale = max(torch.linalg.vector_norm(w).item(), floor)
     if scale == 0.0:
         return 0.0 if diff == 0.0 else float("inf")
     return float(diff / scale)

@@ -8,11 +8,12 @@ hold the world; then run the stages (planc.verification.stages) on `world_size` 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 from planc.errors import CompileError, ModelBuildError, PlanError, VerifyError
 from planc.verification.report import Divergence, RuleRef, StageResult, VerifyReport
@@ -65,15 +66,39 @@ def verify(build: Optional[BuildTarget] = None, plan: Any = None, *, parallel: O
     say = progress or (lambda _text: None)
     report = VerifyReport(plan=str(plan), world_size=0, sizes={}, dtype=dtype or "float32", model="")
     try:
-        _run(report, build, plan, parallel=parallel, train=train, dtype=dtype or "float32", model=model,
-             model_type=model_type, trust_remote_code=trust_remote_code, overrides=overrides or {}, shrink=shrink,
-             reshard=reshard, seed=seed, say=say, announce=progress is not None and sys.stderr.isatty())
+        with _quiet():
+            _run(report, build, plan, parallel=parallel, train=train, dtype=dtype or "float32", model=model,
+                 model_type=model_type, trust_remote_code=trust_remote_code, overrides=overrides or {}, shrink=shrink,
+                 reshard=reshard, seed=seed, say=say, announce=progress is not None and sys.stderr.isatty())
     except (VerifyError, PlanError, CompileError, ModelBuildError) as e:
         report.error = str(e)
     except KeyboardInterrupt:
         report.error = "interrupted (every rank was stopped)"
     report.seconds = time.monotonic() - started
     return report
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """While verify builds and shrinks configs here: no warnings, transformers' logging at errors only (a shrunk
+    config's RoPE or cache remarks are about the tiny model, not the user's); restored after."""
+    import warnings
+
+    hf_logging: Any
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        hf_logging = None
+    level = hf_logging.get_verbosity() if hf_logging is not None else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if hf_logging is not None:
+            hf_logging.set_verbosity_error()
+        try:
+            yield
+        finally:
+            if hf_logging is not None and level is not None:
+                hf_logging.set_verbosity(level)
 
 
 def _run(report: VerifyReport, build, plan, *, parallel, train, dtype, model, model_type, trust_remote_code,

@@ -306,6 +306,12 @@ def _grad_errors(model: Any, twin: Any) -> dict[str, dict]:
     from planc.verification.compare import abs_error, rel_error
 
     ref = dict(twin.named_parameters())
+    # a gradient is measured against its share of the whole gradient at least: a parameter whose reference gradient
+    # is near zero (a hash-routed gate) would otherwise turn summation noise into relative errors of order one
+    grads = [r.grad for r in ref.values() if r.grad is not None]
+    total = sum(g.numel() for g in grads) or 1
+    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads]))) \
+        if grads else 0.0
     out = {}
     for name, p in model.named_parameters():
         r = ref.get(name)
@@ -321,7 +327,8 @@ def _grad_errors(model: Any, twin: Any) -> dict[str, dict]:
         if g.shape != want.shape and g.ndim and g.shape[1:] == want.shape[1:] and g.shape[0] < want.shape[0]:
             want = want[: g.shape[0]]  # rows the forward never reads, dropped by the sharding
         with torch.no_grad():
-            out[name] = {"abs": abs_error(g, want), "rel": rel_error(g, want)}
+            floor = norm * (want.numel() / total) ** 0.5
+            out[name] = {"abs": abs_error(g, want), "rel": rel_error(g, want, floor)}
     return out
 
 

@@ -13,6 +13,9 @@ dtype's machine epsilon (`torch.finfo(dtype).eps`):
   a few roundings: 4 * eps = 3.1e-2 for forward stages (torch.testing's bf16 rtol, 1.6e-2, is 2 * eps),
   8 * eps = 6.3e-2 for gradients.
 
+Gradients are divided by the larger of their own norm and their share of the whole gradient's (stages.py), so a
+near-zero gradient does not turn summation noise into an error of order one.
+
 A sharding mistake (a missing or doubled reduction, a statistic over a shard, rows in the wrong order)
 gives errors of order 1: both bounds sit orders of magnitude below it.
 """
