@@ -43,8 +43,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         overrides = parse_overrides(args.overrides)
         parallel = parse_parallel(args.parallel)
-        reshard = {} if args.reshard == "none" else parse_parallel(args.reshard.replace("--reshard", "")
-                                                                     if args.reshard else None)
+        reshard = {} if args.reshard == "none" else parse_parallel(args.reshard)
     except ValueError as e:
         print(f"planc verify: {e}", file=sys.stderr)
         return 2
