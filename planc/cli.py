@@ -18,12 +18,13 @@ COMMANDS = {
     "init": "Write a starting plan from transformers' own plans for a model type.",
     "lsp": "Language server: every planc diagnostic in the editor as you type (needs planc[lsp]).",
     "demo": "Apply a shipped plan on CPU ranks to a tiny model and compare with the unsharded model.",
+    "verify": "Prove on CPU ranks, at the plan's own sizes, that the sharded run equals the unsharded model.",
 }
 
 # The extras (pyproject's optional-dependencies) a command needs, and the modules each extra installs: the one
 # place that decides whether a command can run on this install, so every command says what to install the same way.
 EXTRAS = {"runtime": ("torch", "transformers"), "lsp": ("pygls",)}
-COMMAND_EXTRAS = {"explain": "runtime", "init": "runtime", "demo": "runtime", "lsp": "lsp"}
+COMMAND_EXTRAS = {"explain": "runtime", "init": "runtime", "demo": "runtime", "verify": "runtime", "lsp": "lsp"}
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
