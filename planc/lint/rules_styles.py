@@ -45,7 +45,7 @@ def check_unknown(ctx: LintContext) -> Iterator[Diagnostic]:
             if _known(style):
                 continue
             guess = did_you_mean(style, valid) or did_you_mean(style, ALL_STYLES)
-            hint = (f"did you mean `{guess}`?" if guess else f"{table} styles: {', '.join(valid)}") + (
+            hint = f"did you mean `{guess}`?" if guess else f"{table} styles: {', '.join(valid)}" + (
                 f"; {REGISTER_HINT}" if table == "tp_plan" else "")
             yield ctx.diag(UNKNOWN_STYLE, f"unknown style `{style}` in {table}", hint, (table, pattern), at_value=True,
                            fix=guess if guess in valid else None)

@@ -3,7 +3,8 @@
 The checks that guard planc's own rows guard these too, as library functions: `tp_runtime_problems` (the object
 is a `TPStyle` of the row's name), `ep_runtime_problems` (an `EPRuntime` subclass with its own `forward` that keeps
 the base's row checks), and `shard_probe_problems`, which runs a style's `shard_param` on a probe `nn.Linear` over
-a real mesh and compares every local shape with the row's placement (tests/runtime/test_styles_table.py runs it
+a real mesh and compares every local shape with the row's placement, and `forward_probe_problems`, which runs its
+installed forward there on the row's input layout against the unsharded linear in the row's output layout (tests/runtime/test_styles_table.py runs it
 on every built-in style over 2 gloo ranks; `planc.apply` runs it on the TP mesh for each registered style a plan
 uses, before any parameter of the model is touched). `bind_runtimes` imports a runtime given by import path and
 puts it in `TP_RUNTIMES` / `EP_RUNTIMES`, where install finds planc's own.
@@ -16,13 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.nn.functional import linear as F_linear
 from torch.distributed.tensor import DTensor
 
 from planc.runtime.ep import EP_RUNTIMES
 from planc.runtime.ep.base import EPRuntime
 from planc.runtime.tp_styles import TP_RUNTIMES, TPStyle
 from planc.spec.extensions import EXTENSIONS, Extension, ExtensionError
-from planc.spec.styles import Style
+from planc.spec.styles import REPLICATED, SHARDED, Style
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -126,6 +128,9 @@ def shard_probe_problems(row: Style, runtime: TPStyle, mesh: DeviceMesh) -> list
             problems.append(f"shard_param failed on a probe nn.Linear's `{name}` {shape}: {type(e).__name__}: {e}")
             continue
         p = probe._parameters[name]
+        if p is None:
+            problems.append(f"shard_param removed the probe nn.Linear's `{name}`")
+            continue
         got = tuple((p.to_local() if isinstance(p, DTensor) else p).shape)
         dim = row.placement(len(shape))
         want = list(shape)
@@ -138,18 +143,60 @@ def shard_probe_problems(row: Style, runtime: TPStyle, mesh: DeviceMesh) -> list
     return problems
 
 
+def forward_probe_problems(row: Style, runtime: TPStyle, mesh: DeviceMesh) -> list[str]:
+    """Install `runtime` on a probe nn.Linear sharded by it and run the forward on the row's input layout: the output
+    must be the unsharded linear's, in the row's output layout. For a module style whose row splits a 2-D weight and
+    names both layouts (a Linear style); empty for any other row, or when the forward computes what the row says.
+    Every rank runs the same probe (the style's own collectives included), before the model is touched."""
+    if row.target != "module" or not row.shards or row.packed or row.input is None or row.output is None:
+        return []
+    import copy
+
+    n, rank = mesh.size(), mesh.get_local_rank()
+    gen = torch.Generator().manual_seed(0)
+    probe = nn.Linear(2 * n, 4 * n, bias=True)
+    with torch.no_grad():
+        for p in probe.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    x = torch.randn(3, 2 * n, generator=gen)
+    with torch.no_grad():
+        want = F_linear(x, probe.weight, probe.bias)
+    sharded = copy.deepcopy(probe)
+    try:
+        for name in ("weight", "bias"):
+            runtime.shard_param(sharded, name, mesh)
+        runtime.install(sharded, mesh)
+        with torch.no_grad():
+            got = sharded(x if row.input == REPLICATED else x.chunk(n, -1)[rank])
+    except Exception as e:  # noqa: BLE001 - the object's own code: reported as a contradiction of its row
+        return [f"its forward failed on a probe nn.Linear{tuple(probe.weight.shape)} given the row's {row.input} "
+                f"input: {type(e).__name__}: {e}"]
+    if row.output == SHARDED:
+        want = want.chunk(n, -1)[rank]
+    if isinstance(got, DTensor) or not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        return [f"its forward on a probe nn.Linear gave {type(got).__name__} {tuple(getattr(got, 'shape', ()))}, but "
+                f"the row's {row.output} output is a tensor {tuple(want.shape)}"]
+    err = (got - want).abs().max().item()
+    if err > 1e-4 * max(1.0, want.abs().max().item()):
+        return [f"its forward on a probe nn.Linear differs from the unsharded linear by {err:.3g} in the row's "
+                f"{row.output} output layout"]
+    return []
+
+
 def check_shards(compiled: CompiledPlan, mesh: DeviceMesh) -> None:
-    """Raise ExtensionError when a registered style `compiled` uses shards otherwise than its row says."""
+    """Raise ExtensionError when a registered style `compiled` uses shards or computes otherwise than its row says."""
     for ext in used_extensions(compiled):
         if not isinstance(ext.row, Style):
             continue
-        problems = shard_probe_problems(ext.row, TP_RUNTIMES[ext.name], mesh)
+        runtime = TP_RUNTIMES[ext.name]
+        problems = shard_probe_problems(ext.row, runtime, mesh) or forward_probe_problems(ext.row, runtime, mesh)
         if problems:
+            row = ext.row
             raise ExtensionError(
                 f"the TP style `{ext.name}` (registered by {ext.origin}): its runtime object contradicts its row "
-                f"(dims={ext.row.dims}): " + "; ".join(problems) + ". Fix the row's dims (the compiler counts bytes "
-                "and checks the layout from them) or the object's shard_param.")
+                f"(dims={row.dims}, input={row.input}, output={row.output}): " + "; ".join(problems) + ". Fix the "
+                "row (the compiler counts bytes and follows layouts from it) or the object.")
 
 
 __all__ = ["tp_runtime_problems", "ep_runtime_problems", "check_runtime", "resolve_runtime", "bind_runtimes",
-           "used_extensions", "shard_probe_problems", "check_shards"]
+           "used_extensions", "shard_probe_problems", "forward_probe_problems", "check_shards"]

@@ -80,7 +80,7 @@ def register_tp_style(row: Style, runtime: Any, *, origin: str, check: Check = N
     if not isinstance(row, Style):
         raise ExtensionError(f"planc.register_tp_style: the row must be a planc.spec.styles.Style, got "
                              f"{type(row).__name__}. Write `Style(\"my_style\", \"tp\", \"module\", \"what it does\", ...)`.")
-    _check_name(row.name, "TP style", BUILTIN_STYLES | set(REMOVED_STYLES), "style", "planc.register_tp_style")
+    _check_name(row.name, BUILTIN_STYLES | set(REMOVED_STYLES), "style", "styles", "planc.register_tp_style")
     problems = tp_row_problems(row)
     if problems:
         raise ExtensionError(f"planc.register_tp_style: the row of `{row.name}` cannot be installed: "
@@ -95,7 +95,7 @@ def register_ep_strategy(row: EPStrategyRow, runtime: Any, *, origin: str, check
     if not isinstance(row, EPStrategyRow):
         raise ExtensionError(f"planc.register_ep_strategy: the row must be a planc.spec.choices.EPStrategyRow, got "
                              f"{type(row).__name__}. Write `EPStrategyRow(\"my_ep\", \"MyEP\", \"what it does\")`.")
-    _check_name(row.name, "EP strategy", BUILTIN_STRATEGIES, "EP strategy", "planc.register_ep_strategy")
+    _check_name(row.name, BUILTIN_STRATEGIES, "EP strategy", "EP strategies", "planc.register_ep_strategy")
     problems = ep_row_problems(row)
     if problems:
         raise ExtensionError(f"planc.register_ep_strategy: the row of `{row.name}` cannot be installed: "
@@ -123,7 +123,7 @@ def tp_row_problems(row: Style) -> list[str]:
         out.append(f"section is `{row.section}`; a registered style goes in tp_plan (section \"tp\"), and an "
                    "expert-parallel variant is an EP strategy (planc.register_ep_strategy)")
     if not row.runtime:
-        out.append("runtime=False: the compiler refuses styles planc does not install (PLC610); a registered style "
+        out.append("runtime=False: the compiler refuses styles planc does not install (PLC605); a registered style "
                    "comes with its runtime object, so write runtime=True")
     if row.experts_mode is not None:
         out.append("experts_mode is set: experts modules are hooked by planc's own styles (`ep_dispatch_experts`, "
@@ -158,13 +158,13 @@ def ep_row_problems(row: EPStrategyRow) -> list[str]:
     return out
 
 
-def _check_name(name: Any, kind: str, builtin: frozenset[str] | set[str], noun: str, caller: str) -> None:
+def _check_name(name: Any, builtin: frozenset[str] | set[str], noun: str, nouns: str, caller: str) -> None:
     if not isinstance(name, str) or not NAME.match(name):
         raise ExtensionError(f"{caller}: the name {name!r} is not a {noun} name; write lowercase letters, digits "
                              "and underscores, starting with a letter (e.g. `colwise_scaled`)")
     if name in builtin:
         raise ExtensionError(
-            f"{caller}: `{name}` is one of planc's own {noun}s; registering over it would change every plan that "
+            f"{caller}: `{name}` is one of planc's own {nouns}; registering over it would change every plan that "
             f"names it. Register yours under a name of its own (e.g. `{name}_custom`) and write that in the plan.")
 
 
@@ -232,15 +232,14 @@ def load_project_extensions(start: Optional[Path] = None) -> list[ConfigProblem]
     key = str(config)
     if key in _LOADED:
         return _LOADED[key]
-    import tomllib
-
     text = config.read_text(encoding="utf-8")
     line = next((i for i, t in enumerate(text.splitlines(), 1) if re.match(r"\s*extensions\s*=", t)), 1)
     problems: list[ConfigProblem] = []
     try:
-        table = tomllib.loads(text).get("tool", {}).get("planc", {})
-    except tomllib.TOMLDecodeError as e:
-        problems.append(ConfigProblem(f"pyproject.toml is not valid TOML: {e}", "fix the file", key, 1, 1))
+        table = _toml_loads(text).get("tool", {}).get("planc", {})
+    except Exception as e:  # noqa: BLE001 - tomllib's TOMLDecodeError, or no TOML reader on Python 3.10
+        problems.append(ConfigProblem(f"pyproject.toml cannot be read: {type(e).__name__}: {e}",
+                                      "fix the file (on Python 3.10, install `tomli`)", key, 1, 1))
         table = {}
     names = table.get("extensions", [])
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
@@ -261,6 +260,16 @@ def load_project_extensions(start: Optional[Path] = None) -> list[ConfigProblem]
         sys.path.remove(str(config.parent))
     _LOADED[key] = problems
     return problems
+
+
+def _toml_loads(text: str) -> dict[str, Any]:
+    """tomllib (Python 3.11+), else the `tomli` package it came from."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib  # type: ignore[import-not-found, unused-ignore]
+    loaded: dict[str, Any] = tomllib.loads(text)
+    return loaded
 
 
 __all__ = ["Extension", "ExtensionError", "EXTENSIONS", "register_tp_style", "register_ep_strategy", "unregister",
