@@ -19,13 +19,14 @@ if TYPE_CHECKING:
     from planc.lint.diagnostic import Diagnostic
     from planc.lint.plan_loader import PlanSource
     from planc.spec.loaded_plan import LoadedPlan
+    from planc.verification.report import VerifyReport
 
 from planc.version import __version__
 
 __all__ = [
     "load_plan", "lint_paths", "compile", "apply", "load", "save", "load_optimizer", "export", "destroy_megamoe_buffers",
     "clip_grad_norm_", "no_sync", "distribute_adapters", "device_mesh", "register_tp_style", "register_ep_strategy",
-    "__version__",
+    "verify", "__version__",
 ]
 
 
@@ -203,6 +204,17 @@ def device_mesh(model: Any, view: Optional[str] = None) -> Any:
 
         raise ApplyError(f"planc.device_mesh: {type(model).__name__} was not applied by planc.apply or planc.load")
     return groups.root if view is None else groups.view(view)
+
+
+def verify(build: Any = None, plan: "Optional[PlanSource]" = None, *, parallel: "Optional[Mapping[str, int]]" = None,
+           train: bool = False, dtype: Optional[str] = None, **options: Any) -> "VerifyReport":
+    """Run `plan` at its own sizes on CPU gloo ranks against the unsharded model and return a VerifyReport (`.ok`,
+    `.stages`, `.first_divergence`). `build`: `"pkg.module:function"` or a module-level callable returning a fresh,
+    seeded nn.Module; or `model=DIR` / `model_type=T` in `options` (default: the plan's model type). Options:
+    `trust_remote_code`, `overrides` (config values), `shrink` (default True), `seed`. docs/verify.md."""
+    from planc.verification import verify as _verify
+
+    return _verify(build, plan, parallel=parallel, train=train, dtype=dtype, **options)
 
 
 def destroy_megamoe_buffers() -> None:

@@ -18,6 +18,7 @@ COMMANDS = {
     "init": "Write a starting plan from transformers' own plans for a model type.",
     "lsp": "Language server: every planc diagnostic in the editor as you type (needs planc[lsp]).",
     "demo": "Apply a shipped plan on CPU ranks to a tiny model and compare with the unsharded model.",
+    "verify": "Prove on CPU ranks, at the plan's own sizes, that the sharded run equals the unsharded model.",
 }
 
 

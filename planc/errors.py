@@ -49,6 +49,12 @@ class ModelBuildError(PlancError, ValueError):
     """
 
 
+class VerifyError(PlancError):
+    """`planc verify` could not run (exit 2): a model source that does not build, a `--build` target that is not
+    importable or returns no module, a shrink that would break a divisibility the plan relies on, sizes the host
+    cannot run. The message says which input, why, and what to do instead."""
+
+
 def one_line(text: object, limit: int | None = None) -> str:
     """`text` (a message, an exception) on one line, whitespace collapsed, cut to `limit` characters with `...`:
     a message from a dependency quoted inside one of planc's own."""

@@ -1,7 +1,8 @@
 """Imports flow one way, without exceptions, and never in a circle.
 
 Layers: spec -> lint -> compiler -> kernels and models (runtime-level: torch, transformers; below the
-runtime) -> runtime -> checkpoint (load/save/export drive the runtime's install) -> commands, the CLI and
+runtime) -> runtime -> checkpoint (load/save/export drive the runtime's install) -> verification (runs the runtime and
+checkpoints against an unsharded twin) -> commands, the CLI and
 the public API (`planc/__init__.py`). Every
 `import planc`, `import planc.X` and `from planc.X import ...` in the package (module level or inside a
 function: a lazy import is still a dependency) must name the same layer or one listed before it; the
@@ -21,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "planc"
 # The package under `planc.` -> its layer; a module may import its own layer and the ones below.
 LAYERS = {"errors": 0, "version": 0, "spec": 0, "lint": 1, "compiler": 2, "kernels": 3, "models": 3, "runtime": 4,
-          "checkpoint": 5, "commands": 6, "cli": 6, "__main__": 6, "__init__": 6}
+          "checkpoint": 5, "verification": 6, "commands": 7, "cli": 7, "__main__": 7, "__init__": 7}
 # Layers that may import only these packages of the lower ones: the kernels know nothing of plans.
 ONLY = {"kernels": {"errors", "spec", "kernels"}}
 

@@ -129,22 +129,43 @@ def tiny_config(model_type, **overrides):
 def build_tiny_model(model_type, *, seed: int = 0, experts_implementation: Optional[str] = None, **overrides):
     """A tiny random model of `model_type` (a type name or a Family): the family's top model (`*ForCausalLM`, or
     the multimodal model holding the family's config), fp32, eval mode, identical for the same seed on every rank."""
-    import torch
 
     from planc.models.families import Family
 
     config = tiny_config(model_type, **overrides)
+    cls = model_type.model_class(config) if isinstance(model_type, Family) else None
+    return build_random_model(config, seed=seed, model_class=cls, experts_implementation=experts_implementation)
+
+
+def build_random_model(config, *, seed: int = 0, model_class: Any = None, experts_implementation: Optional[str] = None,
+                       trust_remote_code: bool = False):
+    """A random model of `config` (`model_class`, default `model_class_for(config)`; a config of remote code with
+    `trust_remote_code`: the class its `auto_map` names), fp32, eval mode, identical for the same seed on every rank:
+    no parameter left at a constant (zeros and ones hide sharding mistakes). ModelBuildError on any failure."""
+    import torch
+
     torch.manual_seed(seed)
-    kwargs = {"experts_implementation": experts_implementation} if experts_implementation else {}
-    if isinstance(model_type, Family):
-        cls = model_type.model_class(config)
-    else:
-        cls = model_class_for(config)
+    kwargs: dict[str, Any] = {"experts_implementation": experts_implementation} if experts_implementation else {}
     with _uninitialized_memory_is_nan():
-        model = _instantiate(cls, config, dtype=torch.float32, **kwargs)
+        if model_class is None and trust_remote_code and getattr(config, "auto_map", None):
+            model = _remote_code_model(config, **kwargs)
+        else:
+            model = _instantiate(model_class or model_class_for(config), config, dtype=torch.float32, **kwargs)
     _randomize_uninitialized(model, seed)
     _randomize_zero_inits(model, seed)
     return model.eval()
+
+
+def _remote_code_model(config, **kwargs):
+    """The *ForCausalLM of a config whose modeling code ships with the checkpoint (`auto_map`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=True, dtype=torch.float32, **kwargs)
+    except Exception as e:  # remote modeling code raises anything
+        raise ModelBuildError(
+            f"the checkpoint's own modeling code cannot build a `{config.model_type}` model: {_cause(e)}") from e
 
 
 @contextlib.contextmanager

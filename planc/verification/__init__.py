@@ -1,0 +1,15 @@
+"""`planc verify`: prove on CPU ranks that a plan's sharded run computes what the unsharded model computes.
+
+One concept per module: `source` (where the model comes from), `shrink` (a model small enough for a CPU world at
+the plan's sizes, sharded exactly as the real one), `stages` (one rank's comparisons), `compare` (the error measure),
+`tolerance` (the bounds, per dtype and stage), `divergence` (the first module or parameter that differs), `report`
+(VerifyReport), `engine` (the steps, `verify()`). The package is not named `verify`: importing a submodule
+`planc.verify` would replace the public function `planc.verify` with the module.
+"""
+
+from __future__ import annotations
+
+from planc.verification.engine import verify
+from planc.verification.report import Divergence, RuleRef, StageResult, VerifyReport
+
+__all__ = ["verify", "VerifyReport", "StageResult", "Divergence", "RuleRef"]

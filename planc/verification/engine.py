@@ -1,0 +1,250 @@
+"""`planc.verify`: certify that a plan's sharded run computes what the unsharded model computes, on CPU ranks.
+
+The steps, each refusing bad input with one clear message (VerifyReport.error, exit 2): load the plan at the
+sizes that run; build the model's config from its source and shrink it (planc.verification.shrink); build the model
+once here and compile the plan against it (the compile diagnostics when it does not resolve); check the host can
+hold the world; then run the stages (planc.verification.stages) on `world_size` gloo processes and gather the report.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Mapping, Optional
+
+from planc.errors import CompileError, ModelBuildError, PlanError, VerifyError
+from planc.verification.report import Divergence, RuleRef, StageResult, VerifyReport
+from planc.verification.source import BuildTarget, ModelSource, target_name
+from planc.verification.tolerance import tolerance
+
+DTYPES = ("float32", "bfloat16")
+MAX_WORLD = 64  # gloo processes one host runs
+# bytes a rank holds per parameter byte: the model, its twin, their gradients, AdamW's two moments each
+_BYTES_PER_PARAM_BYTE = 8
+TIMEOUT_S = 1800.0
+
+Progress = Callable[[str], None]
+
+
+def _host_memory() -> Optional[int]:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _source(build: Any, model: Optional[str], model_type: Optional[str], trust_remote_code: bool,
+            overrides: dict) -> ModelSource:
+    given = [x for x in (build, model, model_type) if x is not None]
+    if len(given) > 1:
+        raise VerifyError("give one model source: a build target, --model DIR or --model-type T")
+    if build is not None:
+        if overrides:
+            raise VerifyError("--set changes a config; a --build function builds its own model: set it there")
+        return ModelSource("build", build)
+    if model is not None:
+        return ModelSource("dir", os.fspath(model), trust_remote_code, dict(overrides))
+    return ModelSource("type", model_type, False, dict(overrides))
+
+
+def verify(build: Optional[BuildTarget] = None, plan: Any = None, *, parallel: Optional[Mapping[str, int]] = None,
+           train: bool = False, dtype: Optional[str] = None, model: Optional[str] = None,
+           model_type: Optional[str] = None, trust_remote_code: bool = False, overrides: Optional[dict] = None,
+           shrink: bool = True, reshard: Optional[Mapping[str, int]] = None, seed: int = 0,
+           progress: Optional[Progress] = None) -> VerifyReport:
+    """Run `plan` at its own sizes (or `parallel`) on CPU gloo ranks against the unsharded twin and report.
+
+    The model: `build` (`"pkg.module:function"` or a module-level callable returning a fresh, seeded nn.Module),
+    `model` (a local checkpoint or config directory), or `model_type` (a transformers family's default config);
+    none of them: the plan's `model.type`. `train` (or a `training:` section in the plan) adds the training stages.
+    `reshard`: the sizes the saved checkpoint is loaded back at (default: half of tp and ep; `{}`: no reshard stage).
+    Never raises for bad input: the report's `error` says what could not run (`exit_code` 2)."""
+    started = time.monotonic()
+    say = progress or (lambda _text: None)
+    report = VerifyReport(plan=str(plan), world_size=0, sizes={}, dtype=dtype or "float32", model="")
+    try:
+        _run(report, build, plan, parallel=parallel, train=train, dtype=dtype or "float32", model=model,
+             model_type=model_type, trust_remote_code=trust_remote_code, overrides=overrides or {}, shrink=shrink,
+             reshard=reshard, seed=seed, say=say)
+    except (VerifyError, PlanError, CompileError, ModelBuildError) as e:
+        report.error = str(e)
+    except KeyboardInterrupt:
+        report.error = "interrupted (every rank was stopped)"
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _run(report: VerifyReport, build, plan, *, parallel, train, dtype, model, model_type, trust_remote_code,
+         overrides, shrink, reshard, seed, say) -> None:
+    from planc.lint.plan_loader import load_plan
+
+    if dtype not in DTYPES:
+        raise VerifyError(f"dtype {dtype!r}: verify runs {' or '.join(DTYPES)}")
+    if plan is None:
+        raise VerifyError("no plan given")
+    try:
+        loaded = load_plan(plan, parallel=dict(parallel) if parallel else None)
+    except PlanError as e:
+        raise VerifyError(f"the plan does not load:\n{e}") from None
+    report.plan = loaded.path or str(loaded.plan.name or "<plan>")
+    p = loaded.plan.parallel
+    report.sizes = {"tp_size": p.tp_size, "ep_size": p.ep_size, "dp_size": p.dp_size}
+    report.world_size = world = p.world_size
+    if world > MAX_WORLD:
+        raise VerifyError(f"the plan runs {world} ranks; one host runs at most {MAX_WORLD} gloo processes: verify it "
+                          "at smaller sizes with --parallel")
+    source = _source(build, model, model_type or (None if build or model else loaded.plan.model.type),
+                     trust_remote_code, overrides)
+    report.model = source.describe()
+    train = train or loaded.plan.training is not None
+    say("building the model")
+    config, lines = _config(source, loaded, shrink, report)
+    report.shrink = list(lines)
+    compiled = _check_before_spawning(source, config, loaded, seed, world)
+    from planc.verification.stages import Job, ReshardJob, run_rank, run_reshard_rank
+
+    back = _reshard_plan(loaded, reshard, source, report)
+    with tempfile.TemporaryDirectory(prefix="planc-verify-") as tmp:
+        job = Job(source=source, config=config, plan=loaded, dtype=dtype, seed=seed, train=train, serve=not train,
+                  save_dir=tmp if back is not None else None)
+        say(f"running the stages on {world} ranks")
+        results = _run_world(run_rank, world, job)
+        if back is not None and results[0]["divergence"] is None:
+            say(f"loading the checkpoint back on {back.plan.parallel.world_size} ranks")
+            again = _run_world(run_reshard_rank, back.plan.parallel.world_size,
+                               ReshardJob(source, config, back, dtype, seed, tmp))
+            for r, a in zip(results, again):
+                r["stages"] += a["stages"]
+            for r in results[len(again):]:
+                r["stages"] += again[0]["stages"]
+    _gather(report, results, compiled, dtype)
+
+
+def _reshard_plan(loaded, reshard: Optional[Mapping[str, int]], source: ModelSource, report: VerifyReport):
+    """The plan at the sizes the checkpoint is read back at, or None (no reshard stage, with a note why)."""
+    from planc.lint.plan_loader import with_parallel
+
+    if reshard is not None and not reshard:
+        return None
+    if source.kind == "build":
+        report.notes.append("no reshard stage: planc.load rebuilds a transformers model from its config, and a "
+                            "--build model's class is the user's own")
+        return None
+    p = loaded.plan.parallel
+    sizes = dict(reshard) if reshard else {"tp_size": max(1, p.tp_size // 2), "ep_size": max(1, p.ep_size // 2)}
+    if all(sizes.get(k, getattr(p, k)) == getattr(p, k) for k in ("tp_size", "ep_size", "dp_size")):
+        report.notes.append("no reshard stage: the plan already runs on one rank")
+        return None
+    try:
+        return with_parallel(loaded, sizes)
+    except PlanError as e:
+        raise VerifyError(f"--reshard {sizes}: the plan does not load at those sizes:\n{e}") from None
+
+
+def _config(source: ModelSource, loaded, shrink: bool, report) -> tuple[Any, tuple[str, ...]]:
+    if source.kind == "build":
+        return None, ("none: a --build model runs at the widths its function builds",)
+    from planc.models.build import meta_model
+    from planc.verification.shrink import check_faithful, no_shrink, shrink as shrink_config
+
+    real = source.full_config()
+    if not shrink:
+        kept = no_shrink(real)
+        return kept.config, kept.lines
+    model_type = getattr(real, "model_type", None) or loaded.plan.model.type
+    shrunk = shrink_config(real, model_type, loaded, user_overrides=source.overrides)
+    try:
+        real_model = meta_model(real)
+        tiny_model = meta_model(shrunk.config)
+    except ModelBuildError as e:
+        raise VerifyError(f"{source.describe()}: {e}") from None
+    check_faithful(real_model, tiny_model, loaded)
+    return shrunk.config, shrunk.lines
+
+
+def _check_before_spawning(source: ModelSource, config, loaded, seed: int, world: int) -> Any:
+    """Build the model here and compile the plan against it: a model that does not build, a plan that does not
+    resolve, or a world the host cannot hold fails in seconds with one message, before any rank starts."""
+    from planc.compiler.resolve import compile_plan
+    from planc.verification.source import build_model
+
+    model = build_model(source, config, seed)
+    try:
+        compiled = compile_plan(model, loaded)
+    except CompileError as e:
+        raise VerifyError(f"the plan does not resolve against the model ({type(model).__name__}):\n{e}") from None
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    need = params * _BYTES_PER_PARAM_BYTE * world + world * 600 * 2 ** 20  # + torch and transformers per process
+    free = _host_memory()
+    if free is not None and need > free:
+        raise VerifyError(f"{world} ranks of this model need about {need / 2 ** 30:.1f} GiB; the host has "
+                          f"{free / 2 ** 30:.1f} GiB free: shrink it (drop --no-shrink) or verify at smaller sizes")
+    return compiled
+
+
+def _run_world(fn, world: int, job) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    from planc.runtime.local_world import run_local_world
+
+    try:
+        return run_local_world(fn, world, job, timeout=TIMEOUT_S)
+    except mp.ProcessRaisedException as e:
+        text = str(e)
+        last = [line for line in text.strip().splitlines() if line.strip()][-1:] or [text]
+        if "VerifyError" in text or "ModelBuildError" in text or "ApplyError" in text:
+            raise VerifyError(f"a rank could not run: {last[0]}") from None
+        raise VerifyError(f"a rank failed:\n{text}") from None
+    except TimeoutError as e:
+        raise VerifyError(str(e)) from None
+
+
+def _rules_of(compiled_assignments, module: str) -> tuple[RuleRef, ...]:
+    refs: list[RuleRef] = []
+    for a in compiled_assignments:
+        if a.fqn == module or a.fqn.startswith(module + "."):
+            r = a.rule
+            ref = RuleRef(r.table, r.pattern, r.style, str(r.where))
+            if ref not in refs:
+                refs.append(ref)
+    return tuple(refs)
+
+
+def _gather(report: VerifyReport, results: list[dict], compiled, dtype: str) -> None:
+    names = [s["name"] for s in results[0]["stages"]]
+    for i, name in enumerate(names):
+        per_rank = [r["stages"][i] for r in results]
+        abs_err = max(s["abs"] for s in per_rank)
+        rel = max(s["rel"] for s in per_rank)
+        tol = tolerance(name, dtype)
+        ok = rel <= tol.rel
+        report.stages.append(StageResult(name, abs_err, rel, tol.rel, tol.rule, ok, per_rank[0].get("detail", "")))
+    for r in results:
+        report.notes += [n for n in r["notes"] if n not in report.notes]
+    found = results[0]["divergence"]
+    if found is not None:
+        rules: tuple[RuleRef, ...] = ()
+        owner = found["module"]
+        while owner and not rules:  # the module's own rules, else those of the nearest module around it
+            rules = _rules_of(compiled.assignments, owner)
+            owner = owner.rpartition(".")[0]
+        note = ""
+        if found.get("parameter"):
+            own = [a for a in compiled.assignments if a.fqn == found["parameter"]]
+            note = (f"`{found['parameter']}` is sharded by {own[0].rule.pattern}: {own[0].style}" if own else
+                    f"`{found['parameter']}` is replicated (no rule): a replicated parameter used on sharded "
+                    "activations needs its gradient reduced over the ranks")
+        report.first_divergence = Divergence(found["stage"], found["direction"], found["module"], found["rel"],
+                                             found.get("parameter"), rules, note)
+
+
+def main_progress(stream=sys.stderr) -> Progress:
+    """Progress lines on a terminal; nothing when stderr is not one (CI logs stay clean)."""
+    if not stream.isatty():
+        return lambda _text: None
+    return lambda text: print(f"planc verify: {text}...", file=stream, flush=True)
+
+
+__all__ = ["verify", "target_name", "DTYPES"]
