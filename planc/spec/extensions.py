@@ -184,6 +184,21 @@ def _record(ext: Extension, caller: str, check: Check) -> Extension:
     return ext
 
 
+def snapshot() -> tuple[tuple[str, Union[Style, EPStrategyRow], str, str], ...]:
+    """Every registration as picklable data (kind, row, runtime import path, origin): what a spawned rank needs to
+    register the same (planc.runtime.local_world passes it to every rank it starts)."""
+    return tuple((e.kind, e.row, e.runtime_ref, e.origin) for e in EXTENSIONS.values())
+
+
+def restore(registered: tuple[tuple[str, Union[Style, EPStrategyRow], str, str], ...]) -> None:
+    """Register what `snapshot` gave (in a spawned rank); the runtimes are imported and checked where applied."""
+    for _kind, row, runtime, origin in registered:
+        if isinstance(row, Style):
+            register_tp_style(row, runtime, origin=origin)
+        else:
+            register_ep_strategy(row, runtime, origin=origin)
+
+
 def registry_summary() -> dict[str, str]:
     """name -> what was registered, sorted: what every rank must agree on before it loads a plan."""
     return {name: EXTENSIONS[name].describe() for name in sorted(EXTENSIONS)}
@@ -273,4 +288,4 @@ def _toml_loads(text: str) -> dict[str, Any]:
 
 
 __all__ = ["Extension", "ExtensionError", "EXTENSIONS", "register_tp_style", "register_ep_strategy", "unregister",
-           "registry_summary", "load_project_extensions", "find_project_config", "ConfigProblem"]
+           "registry_summary", "snapshot", "restore", "load_project_extensions", "find_project_config", "ConfigProblem"]

@@ -197,6 +197,10 @@ def _run_world(fn, world: int, job) -> list[dict]:
         if "VerifyError" in text or "ModelBuildError" in text or "ApplyError" in text:
             raise VerifyError(f"a rank could not run: {last[0]}") from None
         raise VerifyError(f"a rank failed:\n{text}") from None
+    except mp.ProcessExitedException as e:  # a rank killed by gloo: the ranks entered different collectives
+        raise VerifyError(f"a rank died ({e}): the ranks ran different collectives, so they cannot have computed "
+                          "the same thing; a style or EP strategy whose forward or backward communicates on some "
+                          "ranks only does this") from None
     except TimeoutError as e:
         raise VerifyError(str(e)) from None
 
@@ -236,8 +240,22 @@ def _gather(report: VerifyReport, results: list[dict], compiled, dtype: str) -> 
             note = (f"`{found['parameter']}` is sharded by {own[0].rule.pattern}: {own[0].style}" if own else
                     f"`{found['parameter']}` is replicated (no rule): a replicated parameter used on sharded "
                     "activations needs its gradient reduced over the ranks")
+        note = note or _strategy_note(compiled, found["module"])
         report.first_divergence = Divergence(found["stage"], found["direction"], found["module"], found["rel"],
                                              found.get("parameter"), rules, note)
+
+
+def _strategy_note(compiled, module: str) -> str:
+    """For an experts module: the EP strategy its forward runs (and who registered it, for a project's own)."""
+    from planc.spec.extensions import EXTENSIONS
+
+    for e in compiled.experts:
+        if e.fqn == module and e.strategy is not None:
+            ext = EXTENSIONS.get(e.strategy.name)
+            mine = f", registered by {ext.origin} (runtime {ext.runtime_ref})" if ext is not None else ""
+            return f"its forward runs the {e.strategy.row.title} EP strategy (`experts.ep_implementation: " \
+                   f"{e.strategy.name}`{mine})"
+    return ""
 
 
 def main_progress(stream=sys.stderr) -> Progress:
