@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -199,6 +199,18 @@ def restore(registered: tuple[tuple[str, Union[Style, EPStrategyRow], str, str],
             register_ep_strategy(row, runtime, origin=origin)
 
 
+def snapshot_data() -> list[dict[str, Any]]:
+    """`snapshot` as JSON data (a child process started with a command line: `planc verify --memory`)."""
+    return [{"kind": kind, "row": asdict(row), "runtime": ref, "origin": origin} for kind, row, ref, origin in snapshot()]
+
+
+def restore_data(data: list[dict[str, Any]]) -> None:
+    """Register what `snapshot_data` gave."""
+    restore(tuple(
+        (d["kind"], Style(**{**d["row"], "dims": tuple(d["row"]["dims"])}) if d["kind"] == "TP style"
+         else EPStrategyRow(**d["row"]), d["runtime"], d["origin"]) for d in data))
+
+
 def registry_summary() -> dict[str, str]:
     """name -> what was registered, sorted: what every rank must agree on before it loads a plan."""
     return {name: EXTENSIONS[name].describe() for name in sorted(EXTENSIONS)}
@@ -288,4 +300,4 @@ def _toml_loads(text: str) -> dict[str, Any]:
 
 
 __all__ = ["Extension", "ExtensionError", "EXTENSIONS", "register_tp_style", "register_ep_strategy", "unregister",
-           "registry_summary", "snapshot", "restore", "load_project_extensions", "find_project_config", "ConfigProblem"]
+           "registry_summary", "snapshot", "restore", "snapshot_data", "restore_data", "load_project_extensions", "find_project_config", "ConfigProblem"]

@@ -53,13 +53,15 @@ def verify(build: Optional[BuildTarget] = None, plan: Any = None, *, parallel: O
            train: bool = False, dtype: Optional[str] = None, model: Optional[str] = None,
            model_type: Optional[str] = None, trust_remote_code: bool = False, overrides: Optional[dict] = None,
            shrink: bool = True, reshard: Optional[Mapping[str, int]] = None, seed: int = 0,
-           progress: Optional[Progress] = None) -> VerifyReport:
+           progress: Optional[Progress] = None, memory: bool = False) -> VerifyReport:
     """Run `plan` at its own sizes (or `parallel`) on CPU gloo ranks against the unsharded twin and report.
 
     The model: `build` (`"pkg.module:function"` or a module-level callable returning a fresh, seeded nn.Module),
     `model` (a local checkpoint or config directory), or `model_type` (a transformers family's default config);
     none of them: the plan's `model.type`. `train` (or a `training:` section in the plan) adds the training stages.
     `reshard`: the sizes the saved checkpoint is loaded back at (default: half of tp and ep; `{}`: no reshard stage).
+    `memory`: also rank 0 at full width under the fake process group, measured beside `planc explain`'s predicted
+    peak (the `memory` stage; planc.verification.memory_check).
     Never raises for bad input: the report's `error` says what could not run (`exit_code` 2)."""
     started = time.monotonic()
     say = progress or (lambda _text: None)
@@ -68,6 +70,9 @@ def verify(build: Optional[BuildTarget] = None, plan: Any = None, *, parallel: O
         _run(report, build, plan, parallel=parallel, train=train, dtype=dtype or "float32", model=model,
              model_type=model_type, trust_remote_code=trust_remote_code, overrides=overrides or {}, shrink=shrink,
              reshard=reshard, seed=seed, say=say)
+        if memory:
+            _memory(report, build, plan, parallel=parallel, train=train, model=model, model_type=model_type,
+                    trust_remote_code=trust_remote_code, overrides=overrides or {}, say=say)
     except (VerifyError, PlanError, CompileError, ModelBuildError) as e:
         report.error = str(e)
     except KeyboardInterrupt:
@@ -120,6 +125,28 @@ def _run(report: VerifyReport, build, plan, *, parallel, train, dtype, model, mo
             for r in results[len(again):]:
                 r["stages"] += again[0]["stages"]
     _gather(report, results, compiled, dtype)
+
+
+def _memory(report: VerifyReport, build, plan, *, parallel, train, model, model_type, trust_remote_code, overrides,
+            say) -> None:
+    """The `memory` stage: rank 0 at full width (the fewest layers that hold one of each kind) measured beside the
+    predicted peak; a build source has no config to build it from (a note says so)."""
+    from planc.lint.plan_loader import load_plan
+    from planc.verification.memory_check import UNDER_PREDICTION, memory_stage
+    from planc.verification.shrink import no_shrink
+
+    if build is not None:
+        report.notes.append("no memory stage: a --build model has no config to build rank 0 at full width from")
+        return
+    loaded = load_plan(plan, parallel=dict(parallel) if parallel else None)
+    source = _source(None, model, model_type or (None if model else loaded.plan.model.type), trust_remote_code,
+                     overrides)
+    say("measuring rank 0 at full width (fake process group)")
+    kept = no_shrink(source.full_config())
+    s = memory_stage(loaded, kept.config, train=train or loaded.plan.training is not None)
+    rule = f"memory: explain's predicted peak at most {UNDER_PREDICTION:.0%} under rank 0's measured peak"
+    report.stages.append(StageResult("memory", s["abs"], s["rel"], UNDER_PREDICTION, rule, s["rel"] <= UNDER_PREDICTION,
+                                     f"{s['detail']}; {kept.lines[0]}"))
 
 
 def _reshard_plan(loaded, reshard: Optional[Mapping[str, int]], source: ModelSource, report: VerifyReport):

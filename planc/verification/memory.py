@@ -188,6 +188,9 @@ def _measure_cuda(model, ids, mode: str) -> dict:
 
 
 def measure_point(point: dict) -> dict:
+    from planc.spec.extensions import restore_data
+
+    restore_data(point.get("extensions", []))  # the styles and strategies the verifying process registered
     return measure(point["family"], point["mode"], point["batch"], point["seq"], point["overrides"],
                    dp=point.get("dp", 1), root=point.get("root", "."), device=point.get("device", "cpu"),
                    plan=point.get("plan"), config_dir=point.get("config_dir"))
