@@ -43,18 +43,28 @@ def with_parallel(loaded: LoadedPlan, parallel: Mapping[str, int]) -> LoadedPlan
     if not isinstance(parallel, Mapping) or not set(parallel) <= set(PARALLEL_KEYS):
         unknown = sorted(set(parallel) - set(PARALLEL_KEYS)) if isinstance(parallel, Mapping) else parallel
         raise TypeError(f"parallel= takes a mapping with the keys {', '.join(PARALLEL_KEYS)}; got {unknown!r}")
+    shown = ", ".join(f"{k}={v}" for k, v in parallel.items())
+    return with_values(loaded, ("parallel",), parallel, f"with parallel sizes {shown}")
+
+
+def with_values(loaded: LoadedPlan, section: tuple[str, ...], values: Mapping[str, Any], why: str) -> LoadedPlan:
+    """`loaded` with keys of the mapping at `section` (`("parallel",)`, `("experts", "megamoe")`) replaced by
+    `values`, linted again; diagnostics about the replaced keys point at the section; PlanError (`why` appended to
+    each message) if it no longer validates."""
     data = loaded.plan.model_dump(exclude_none=True)
     data.pop("extends", None)  # merged already
-    data["parallel"] = {**data["parallel"], **dict(parallel)}
-    # the sizes no longer come from the file: diagnostics about them point at its `parallel` key
-    keys = {kp: p for kp, p in loaded.key_positions.items() if kp[:1] != ("parallel",) or len(kp) == 1}
-    values = {kp: p for kp, p in loaded.value_positions.items() if kp[:1] != ("parallel",) or len(kp) == 1}
-    result = runner.check_context(LintContext(data, None, loaded.path, keys, values))
-    shown = ", ".join(f"{k}={v}" for k, v in parallel.items())
+    node = data
+    for key in section[:-1]:
+        node = node[key]
+    node[section[-1]] = {**node[section[-1]], **dict(values)}
+    # the values no longer come from the file: diagnostics about them point at the section's key
+    n = len(section)
+    keys = {kp: p for kp, p in loaded.key_positions.items() if kp[:n] != section or len(kp) == n}
+    positions = {kp: p for kp, p in loaded.value_positions.items() if kp[:n] != section or len(kp) == n}
+    result = runner.check_context(LintContext(data, None, loaded.path, keys, positions))
     errors = [d for d in result.diagnostics if d.severity == ERROR]
     if errors or result.loaded is None:
-        raise PlanError([dataclasses.replace(d, message=f"{d.message} (with parallel sizes {shown})")
-                         for d in errors or result.diagnostics])
+        raise PlanError([dataclasses.replace(d, message=f"{d.message} ({why})") for d in errors or result.diagnostics])
     result.loaded.docs = loaded.docs
     result.loaded.diagnostics = list(result.diagnostics)
     return result.loaded

@@ -69,7 +69,7 @@ def verify(build: Optional[BuildTarget] = None, plan: Any = None, *, parallel: O
     try:
         _run(report, build, plan, parallel=parallel, train=train, dtype=dtype or "float32", model=model,
              model_type=model_type, trust_remote_code=trust_remote_code, overrides=overrides or {}, shrink=shrink,
-             reshard=reshard, seed=seed, say=say)
+             reshard=reshard, seed=seed, say=say, announce=progress is not None and sys.stderr.isatty())
         if memory:
             _memory(report, build, plan, parallel=parallel, train=train, model=model, model_type=model_type,
                     trust_remote_code=trust_remote_code, overrides=overrides or {}, say=say)
@@ -82,7 +82,7 @@ def verify(build: Optional[BuildTarget] = None, plan: Any = None, *, parallel: O
 
 
 def _run(report: VerifyReport, build, plan, *, parallel, train, dtype, model, model_type, trust_remote_code,
-         overrides, shrink, reshard, seed, say) -> None:
+         overrides, shrink, reshard, seed, say, announce) -> None:
     from planc.lint.plan_loader import load_plan
 
     if dtype not in DTYPES:
@@ -93,6 +93,10 @@ def _run(report: VerifyReport, build, plan, *, parallel, train, dtype, model, mo
         loaded = load_plan(plan, parallel=dict(parallel) if parallel else None)
     except PlanError as e:
         raise VerifyError(f"the plan does not load:\n{e}") from None
+    loaded, inference_only = _on_cpu(loaded, report)
+    if inference_only and train:
+        raise VerifyError(f"experts.implementation `{loaded.plan.experts.implementation}` is inference-only: "
+                          "there are no training stages to run; drop --train (and the plan's `training:`)")
     report.plan = loaded.path or str(loaded.plan.name or "<plan>")
     p = loaded.plan.parallel
     report.sizes = {"tp_size": p.tp_size, "ep_size": p.ep_size, "dp_size": p.dp_size}
@@ -113,7 +117,8 @@ def _run(report: VerifyReport, build, plan, *, parallel, train, dtype, model, mo
     back = _reshard_plan(loaded, reshard, source, report)
     with tempfile.TemporaryDirectory(prefix="planc-verify-") as tmp:
         job = Job(source=source, config=config, plan=loaded, dtype=dtype, seed=seed, train=train, serve=not train,
-                  save_dir=tmp if back is not None else None)
+                  inference_only=inference_only,
+                  save_dir=tmp if back is not None else None, progress=announce)
         say(f"running the stages on {world} ranks")
         results = _run_world(run_rank, world, job)
         if back is not None and results[0]["divergence"] is None:
@@ -149,6 +154,26 @@ def _memory(report: VerifyReport, build, plan, *, parallel, train, model, model_
                                      f"{s['detail']}; {kept.lines[0]}"))
 
 
+def _on_cpu(loaded, report: VerifyReport):
+    """The plan as the CPU ranks run it, and whether its experts are inference-only. A Mega MoE plan whose backend is
+    chosen per device (`auto`) runs the `reference` backend (pure PyTorch, FP4 quantized); its twin runs the same
+    backend unsharded, so the comparison is the plan's sharding, not FP4 against bf16."""
+    from planc.lint.plan_loader import with_values
+    from planc.spec.choices import EXPERTS_IMPLEMENTATIONS, MEGAMOE_BACKENDS
+
+    experts = loaded.plan.experts
+    row = EXPERTS_IMPLEMENTATIONS[experts.implementation]
+    if row.megamoe and experts.megamoe is not None and experts.megamoe.backend != "reference":
+        backend = experts.megamoe.backend
+        if not MEGAMOE_BACKENDS[backend].per_device:
+            raise VerifyError(f"experts.megamoe.backend `{backend}` needs a GPU; verify runs on CPU ranks: write "
+                              "`backend: reference` (or `auto`) to verify the plan's sharding with the reference backend")
+        loaded = with_values(loaded, ("experts", "megamoe"), {"backend": "reference"}, "verify runs on CPU")
+        report.notes.append("Mega MoE: on CPU the `reference` backend runs (pure PyTorch, FP4 experts), against the "
+                            "unsharded model running the same backend; the GPU kernels are not exercised")
+    return loaded, row.inference_only
+
+
 def _reshard_plan(loaded, reshard: Optional[Mapping[str, int]], source: ModelSource, report: VerifyReport):
     """The plan at the sizes the checkpoint is read back at, or None (no reshard stage, with a note why)."""
     from planc.lint.plan_loader import with_parallel
@@ -158,6 +183,10 @@ def _reshard_plan(loaded, reshard: Optional[Mapping[str, int]], source: ModelSou
     if source.kind == "build":
         report.notes.append("no reshard stage: planc.load rebuilds a transformers model from its config, and a "
                             "--build model's class is the user's own")
+        return None
+    megamoe = loaded.plan.experts.megamoe
+    if megamoe is not None and megamoe.quantize == "fp4":
+        report.notes.append("no reshard stage: experts quantized to FP4 at apply time cannot be saved by planc.save")
         return None
     p = loaded.plan.parallel
     sizes = dict(reshard) if reshard else {"tp_size": max(1, p.tp_size // 2), "ep_size": max(1, p.ep_size // 2)}

@@ -34,6 +34,8 @@ class Job:
     train: bool
     serve: bool
     save_dir: Optional[str] = None  # where to save the stepped model and its twin for the reshard stage
+    progress: bool = False  # rank 0 prints a line per stage to stderr (a terminal)
+    inference_only: bool = False  # the experts have no backward (Mega MoE): forward stages only
 
 
 def quiet() -> None:
@@ -104,15 +106,17 @@ def run_rank(rank: int, world: int, job: Job) -> dict:
         model = model.to(dtype)
     twin = clone_model(model)
     impl = job.plan.plan.experts.implementation
-    if not EXPERTS_IMPLEMENTATIONS[impl].megamoe and hasattr(twin, "set_experts_implementation"):
+    if EXPERTS_IMPLEMENTATIONS[impl].megamoe:
+        _megamoe_twin(twin, job.plan.plan.experts.megamoe, rank, world)
+    elif hasattr(twin, "set_experts_implementation"):
         with contextlib.suppress(Exception):  # a custom model without the experts contract runs its own code
             twin.set_experts_implementation(impl)
-    compiled = install.apply(model, install.load_plan_on_every_rank(job.plan, what="planc verify", world_model=model))
+    install.apply(model, install.load_plan_on_every_rank(job.plan, what="planc verify", world_model=model))
     groups = model._planc_groups
     coords = [(groups.tp_rank, groups.tp_size), (groups.ep_rank, groups.ep_size)]
     dp_mesh = groups.dp_mesh
     dp_size, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
-    out: dict = {"stages": [], "divergence": None, "notes": []}
+    out: dict = {"stages": _Stages(rank == 0 and job.progress), "divergence": None, "notes": []}
 
     gen = torch.Generator().manual_seed(job.seed + 100)
     vocab = _vocab(model)
@@ -143,12 +147,18 @@ def run_rank(rank: int, world: int, job: Job) -> dict:
             got_tokens = model.generate(prompt, **kw)
         out["stages"].append(_stage("generate", got_tokens, want_tokens, job.dtype,
                                     f"{want_tokens.shape[-1] - prompt.shape[-1]} greedy tokens"))
+    if job.inference_only:
+        out["notes"].append(f"experts.implementation `{impl}` is inference-only: no loss, gradient or step stages")
+        if job.save_dir is not None:
+            _save_for_reshard(model, twin, job.save_dir, rank)
+        dist.barrier()
+        return out
     # loss and gradients
     model.zero_grad(set_to_none=True)
     twin.zero_grad(set_to_none=True)
     ref_loss = _loss(twin, ids)
     ref_loss.backward()
-    accumulate = 2 if job.train and compiled.training is not None else 1
+    accumulate = 2 if job.train else 1
     total = torch.zeros((), dtype=torch.float64)
     for i in range(accumulate):
         part = mine[i * (ROWS // accumulate):(i + 1) * (ROWS // accumulate)]
@@ -202,6 +212,23 @@ def run_rank(rank: int, world: int, job: Job) -> dict:
     return out
 
 
+def _megamoe_twin(twin: Any, settings: Any, rank: int, world: int) -> None:
+    """The twin's experts run the Mega MoE reference backend unsharded (all experts, a one-rank group), FP4 quantized
+    as the plan quantizes them: the sharded run is compared with the same arithmetic, not with bf16 experts."""
+    import torch.distributed as dist
+
+    from planc.runtime.megamoe import install_megamoe_forward
+
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group, in the same order
+    for name, experts in twin.named_modules():
+        if name.endswith("mlp.experts") and hasattr(experts, "gate_up_proj"):
+            num = experts.gate_up_proj.shape[0]
+            quantize = None if settings is None or settings.quantize == "none" else settings.quantize
+            install_megamoe_forward(experts, backend="reference", quantize=quantize, num_global_experts=num, ep_size=1)
+            unsharded = experts.forward
+            experts.forward = lambda h, i, w, _f=unsharded, _g=singles[rank]: _f(h, i, w, process_group=_g)
+
+
 def _save_for_reshard(model: Any, twin: Any, directory: str, rank: int) -> None:
     """The stepped sharded model as a planc DCP checkpoint, and its stepped twin (safetensors, rank 0)."""
     import os
@@ -252,6 +279,24 @@ def run_reshard_rank(rank: int, world: int, job: ReshardJob) -> dict:
     p = job.plan.plan.parallel
     return {"stages": [_stage("reshard", got, want, job.dtype, f"saved at the plan's sizes, loaded at tp_size="
                               f"{p.tp_size} ep_size={p.ep_size} dp_size={p.dp_size}, after the step")]}
+
+
+class _Stages(list):
+    """The stage results of a rank; with `progress`, each is announced on stderr as it completes."""
+
+    def __init__(self, progress: bool) -> None:
+        super().__init__()
+        self.progress = progress
+
+    def append(self, stage: dict) -> None:
+        super().append(stage)
+        if self.progress:
+            import sys
+
+            print(f"planc verify: stage {stage['name']} done (rel {stage['rel']:.2e})", file=sys.stderr, flush=True)
+
+    def __reduce__(self):  # pickled back to the parent as a plain list
+        return (list, (list(self),))
 
 
 def _grad_errors(model: Any, twin: Any) -> dict[str, dict]:

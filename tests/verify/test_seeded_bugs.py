@@ -44,7 +44,7 @@ def test_wrong_plan_caught_at_its_first_module(case):
         assert d.parameter.endswith(parameter) and d.direction == "backward"
     assert d.rule is not None and d.rule.pattern == pattern, d.describe()
     assert d.where.startswith(str(PLANS / wrong)) and d.where.count(":") == 2  # file:line:col of that rule
-    assert report.stage(stage).max_rel_error > 100 * report.stage(stage).tolerance
+    assert report.stage(stage).max_rel_error > 10 * report.stage(stage).tolerance
 
 
 @pytest.mark.distributed
