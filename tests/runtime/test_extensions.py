@@ -88,6 +88,8 @@ def test_registered_extensions_lint_schema_compile_and_explain():
     before = check_text(text).diagnostics
     assert "planc.register_tp_style" in next(d.hint for d in check_text(plan_text(style="my_attention_split")).diagnostics
                                              if d.code == "PLC310")
+    assert "planc.register_ep_strategy" in next(d.hint for d in check_text(plan_text(ep="my_dispatch")).diagnostics
+                                                if d.code == "PLC103")
     assert {d.code for d in before} == {"PLC310", "PLC103"}  # unknown style, unknown ep_implementation
     with registered("paths"):  # the torch-free rows module: lint never imports the runtime halves
         assert check_text(text).diagnostics == []
