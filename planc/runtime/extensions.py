@@ -183,13 +183,18 @@ def forward_probe_problems(row: Style, runtime: TPStyle, mesh: DeviceMesh) -> li
     return []
 
 
-def check_shards(compiled: CompiledPlan, mesh: DeviceMesh) -> None:
-    """Raise ExtensionError when a registered style `compiled` uses shards or computes otherwise than its row says."""
+def check_shards(compiled: CompiledPlan, mesh: DeviceMesh, model: nn.Module) -> None:
+    """Raise ExtensionError when a registered style `compiled` uses shards or computes otherwise than its row says
+    (the forward probe where every module the style is on in `model` is an nn.Linear, as the probe is)."""
+    modules = dict(model.named_modules())
     for ext in used_extensions(compiled):
         if not isinstance(ext.row, Style):
             continue
         runtime = TP_RUNTIMES[ext.name]
-        problems = shard_probe_problems(ext.row, runtime, mesh) or forward_probe_problems(ext.row, runtime, mesh)
+        targets = [modules.get(a.fqn) for a in compiled.assignments if a.style == ext.name and a.target == "module"]
+        linear = bool(targets) and all(isinstance(m, nn.Linear) for m in targets)
+        problems = shard_probe_problems(ext.row, runtime, mesh) or (
+            forward_probe_problems(ext.row, runtime, mesh) if linear else [])
         if problems:
             row = ext.row
             raise ExtensionError(

@@ -536,10 +536,11 @@ def step_guard_adapters(state: InstallState) -> None:
 
 
 def step_check_registered_styles(state: InstallState) -> None:
-    """Registered TP styles the plan uses shard a probe as their rows say, on this TP mesh (before the model)."""
+    """Registered TP styles the plan uses shard a probe as their rows say (and, on nn.Linear modules, compute the
+    unsharded linear in the row's layouts), on this TP mesh, before the model is touched."""
     from planc.runtime.extensions import check_shards
 
-    check_shards(state.compiled, state.groups.tp_mesh)
+    check_shards(state.compiled, state.groups.tp_mesh, state.model)
 
 
 INSTALL_STEPS: list[Callable[[InstallState], None]] = [
