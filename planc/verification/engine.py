@@ -210,14 +210,24 @@ def _config(source: ModelSource, loaded, shrink: bool, report) -> tuple[Any, tup
         kept = no_shrink(real)
         return kept.config, kept.lines
     model_type = getattr(real, "model_type", None) or loaded.plan.model.type
-    shrunk = shrink_config(real, model_type, loaded, user_overrides=source.overrides)
+    candidates = shrink_config(real, model_type, loaded, user_overrides=source.overrides)
     try:
         real_model = meta_model(real)
-        tiny_model = meta_model(shrunk.config)
     except ModelBuildError as e:
         raise VerifyError(f"{source.describe()}: {e}") from None
-    check_faithful(real_model, tiny_model, loaded)
-    return shrunk.config, shrunk.lines
+    refused: Optional[VerifyError] = None
+    for shrunk in candidates:
+        try:
+            check_faithful(real_model, meta_model(shrunk.config), loaded)
+        except ModelBuildError as e:
+            refused = VerifyError(f"{source.describe()}, shrunk: {e}; run the real widths with --no-shrink")
+            continue
+        except VerifyError as e:
+            refused = e
+            continue
+        return shrunk.config, shrunk.lines
+    assert refused is not None
+    raise refused
 
 
 def _check_before_spawning(source: ModelSource, config, loaded, seed: int, world: int) -> Any:
@@ -241,24 +251,44 @@ def _check_before_spawning(source: ModelSource, config, loaded, seed: int, world
 
 
 def _run_world(fn, world: int, job) -> list[dict]:
+    """`fn` on `world` gloo ranks; a rank's failure is one VerifyError naming the rank and the exception, with its
+    traceback below for a failure inside planc or torch. SIGTERM stops every rank, as Ctrl-C does."""
+    import logging
+    import signal
+    import threading
+
     import torch.multiprocessing as mp
 
     from planc.runtime.local_world import run_local_world
 
+    def interrupted(_signum, _frame):
+        raise KeyboardInterrupt
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, interrupted) if main_thread else None
+    spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+    level = spawn_log.level
+    spawn_log.setLevel(logging.ERROR)  # "Terminating process ... via signal SIGTERM" per peer of a failed rank
     try:
         return run_local_world(fn, world, job, timeout=TIMEOUT_S)
     except mp.ProcessRaisedException as e:
         text = str(e)
-        last = [line for line in text.strip().splitlines() if line.strip()][-1:] or [text]
-        if "VerifyError" in text or "ModelBuildError" in text or "ApplyError" in text:
-            raise VerifyError(f"a rank could not run: {last[0]}") from None
-        raise VerifyError(f"a rank failed:\n{text}") from None
+        lines = [line for line in text.strip().splitlines() if line.strip()]
+        last = lines[-1] if lines else text
+        rank = getattr(e, "error_index", "?")
+        if any(k in last for k in ("VerifyError", "ModelBuildError", "ApplyError", "CheckpointError")):
+            raise VerifyError(f"rank {rank} could not run: {last.split(': ', 1)[-1]}") from None
+        raise VerifyError(f"rank {rank} failed: {last}\n{text}") from None
     except mp.ProcessExitedException as e:  # a rank killed by gloo: the ranks entered different collectives
         raise VerifyError(f"a rank died ({e}): the ranks ran different collectives, so they cannot have computed "
                           "the same thing; a style or EP strategy whose forward or backward communicates on some "
                           "ranks only does this") from None
     except TimeoutError as e:
         raise VerifyError(str(e)) from None
+    finally:
+        spawn_log.setLevel(level)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _rules_of(compiled_assignments, module: str) -> tuple[RuleRef, ...]:

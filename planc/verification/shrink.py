@@ -2,14 +2,15 @@
 
 Starting point: planc's tiny-config derivation (`planc.models.tiny`: one layer of every kind the config has —
 dense-first and MoE layers, sliding/full/linear attention, shared experts, MTP —, small widths, equal sizes kept
-equal). Then every count the plan divides keeps its remainder modulo the size that divides it:
+equal). Then every count the plan divides keeps whether it divides:
 
-- heads (query, KV, linear-attention heads) and intermediate sizes modulo `tp_size`,
-- experts modulo `ep_size`,
+- heads (query, KV, linear-attention heads) and intermediate sizes by `tp_size`,
+- experts by `ep_size`,
 
-by the smallest value >= the tiny one with the real remainder (at most the real value): a size that splits
-evenly still does (and gives every rank at least one head or expert), one that does not still does not (the plan
-drops the same rules). Query heads stay a multiple of KV heads, linear value heads of key heads.
+taking the smallest value >= the tiny one (at most the real value) that the size divides exactly when it divides
+the real one: a size that splits evenly still does (and gives every rank at least one head or expert), one that
+does not still does not (the plan drops the same rules). Intermediate sizes prefer multiples of 4 (fp32 rows of
+16 bytes, which grouped_mm needs). Query heads stay a multiple of KV heads, linear value heads of key heads.
 
 The result is checked, not trusted: the plan is compiled against the real model (on the meta device) and against
 the shrunk one, and the shrink is refused unless both give the same rules, active or dropped, with the same
@@ -47,27 +48,34 @@ def _divisor(key: str, tp: int, ep: int) -> Optional[int]:
     return None
 
 
-def _keep_remainder(tiny: int, real: int, size: int) -> int:
-    """The smallest value >= `tiny` congruent to `real` modulo `size`, at most `real`."""
-    if size <= 1 or tiny % size == real % size:
+def shrunk_count(tiny: int, real: int, size: int, align: int = 1) -> int:
+    """The smallest value >= `tiny`, at most `real`, that `size` divides exactly when it divides `real`; among
+    those, a multiple of `align` when one is near (a width that grouped_mm reads needs 16-byte rows)."""
+    if size <= 1:
         return min(tiny, real)
-    value = math.ceil(tiny / size) * size + real % size
-    return min(value, real)
+    divides = real % size == 0
+    fits = [v for v in range(tiny, tiny + 4 * size * align + 1) if (v % size == 0) == divides]
+    aligned = [v for v in fits if v % align == 0]
+    return min((aligned or fits)[0], real)
 
 
 def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def size_overrides(tiny: dict, real: dict, tp: int, ep: int) -> dict:
-    """{key: value} for the tiny config so that every count keeps the real one's remainder modulo its divisor."""
+def size_overrides(tiny: dict, real: dict, tp: int, ep: int, *, every_count: bool = True) -> dict:
+    """{key: value} for the tiny config so that every count keeps whether its divisor divides it; with
+    `every_count` False, only the counts the divisor divides (a width the plan reaches only through a product, as
+    shared experts' n_shared_experts x moe_intermediate_size, then keeps its tiny value)."""
     out: dict = {}
     for key, t in tiny.items():
         r = real.get(key)
         size = _divisor(key, tp, ep)
         if size is None or not (_is_int(t) and _is_int(r)) or t <= 0 or r <= 0:
             continue
-        value = _keep_remainder(t, r, size)
+        if not every_count and r % size:
+            continue
+        value = shrunk_count(t, r, size, align=4 if size == tp and not key.endswith(_HEAD_SUFFIXES) else 1)
         if value != t:
             out[key] = value
     for many, few in _GROUPED:
@@ -83,8 +91,10 @@ def _text(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def shrink(real: Any, model_type: str, plan: Any, *, user_overrides: Optional[dict] = None) -> Shrunk:
-    """The shrunk config of `real` (a transformers config) for `plan` (a LoadedPlan at the sizes that will run)."""
+def shrink(real: Any, model_type: str, plan: Any, *, user_overrides: Optional[dict] = None) -> list[Shrunk]:
+    """The shrunk configs of `real` (a transformers config) for `plan` (a LoadedPlan at the sizes that will run), in
+    the order to try them (`check_faithful` picks the first that shards as the real model): the counts the plan's
+    sizes divide made divisible, then every count keeping whether it divides."""
     from planc.models.build import tiny_config
     from planc.models.families import family
     from planc.models.tiny import shrink_config
@@ -104,21 +114,28 @@ def shrink(real: Any, model_type: str, plan: Any, *, user_overrides: Optional[di
             base = shrink_config(cls, real_text)
             build = lambda **kw: shrink_config(cls, real_text, **kw)  # noqa: E731
         tiny_text = _text(base).to_dict()
-        sizes = size_overrides(tiny_text, real_text, p.tp_size, p.ep_size)
-        config = build(**sizes) if sizes else base
+        configs, seen = [], []
+        for every in (False, True):
+            sizes = size_overrides(tiny_text, real_text, p.tp_size, p.ep_size, every_count=every)
+            if sizes not in seen:
+                seen.append(sizes)
+                configs.append(build(**sizes) if sizes else base)
     except ModelBuildError as e:
         raise VerifyError(f"no shrink of this `{model_type}` config builds: {e}; run the real widths with --no-shrink"
                           ) from None
     except Exception as e:  # noqa: BLE001 - transformers' config validation raises anything
         raise VerifyError(f"no shrink of this `{model_type}` config builds: {type(e).__name__}: {e}; run the real "
                           "widths with --no-shrink") from None
-    shrunk_text = _text(config).to_dict()
-    changed = [k for k in sorted(shrunk_text) if _is_int(shrunk_text[k]) and _is_int(real_text.get(k))
-               and shrunk_text[k] != real_text[k]]
-    lines = ["one layer of each kind, small widths (planc.models.tiny); counts the plan divides keep their remainder "
-             f"modulo tp_size={p.tp_size} (heads, intermediate sizes) and ep_size={p.ep_size} (experts)"]
-    lines.append(", ".join(f"{k} {real_text[k]}->{shrunk_text[k]}" for k in changed))
-    return Shrunk(config, tuple(lines))
+    out = []
+    for config in configs:
+        shrunk_text = _text(config).to_dict()
+        changed = [k for k in sorted(shrunk_text) if _is_int(shrunk_text[k]) and _is_int(real_text.get(k))
+                   and shrunk_text[k] != real_text[k]]
+        lines = ["one layer of each kind, small widths (planc.models.tiny); counts the plan divides keep whether "
+                 f"tp_size={p.tp_size} (heads, intermediate sizes) and ep_size={p.ep_size} (experts) divide them"]
+        lines.append(", ".join(f"{k} {real_text[k]}->{shrunk_text[k]}" for k in changed))
+        out.append(Shrunk(config, tuple(lines)))
+    return out
 
 
 def no_shrink(real: Any) -> Shrunk:

@@ -15,7 +15,7 @@ import pytest
 import planc
 from planc.verification import VerifyReport
 from planc.verification.report import Divergence, RuleRef, StageResult
-from planc.verification.shrink import _keep_remainder, size_overrides
+from planc.verification.shrink import shrunk_count, size_overrides
 from planc.verification.tolerance import tolerance
 from tests.checkout_env import checkout_env
 
@@ -81,7 +81,7 @@ def test_world_too_large_for_the_host():
 
 
 def test_sizes_that_do_not_divide_at_the_real_widths_give_the_compile_diagnostics(tmp_path):
-    # 6 KV heads over tp 4: the real model does not compile, and the shrink keeps that (6 % 4 == 2 -> 2 KV heads)
+    # 6 KV heads over tp 4: the real model does not compile, and the shrink keeps that (4 does not divide 2 KV heads)
     plan = tmp_path / "p.yaml"
     plan.write_text(Path(MIXTRAL).read_text().replace("tp_size: 8", "tp_size: 4").replace("ep_size: 8", "ep_size: 4"))
     report = planc.verify(plan=str(plan), overrides={"num_key_value_heads": 6, "num_attention_heads": 24})
@@ -113,10 +113,11 @@ def test_cli_exit_2_without_traceback(tmp_path):
     assert data["exit_code"] == 2 and "cannot import" in data["error"] and data["ok"] is False
 
 
-def test_shrink_keeps_remainders():
-    assert _keep_remainder(4, 8, 8) == 8  # 8 KV heads over 8 ranks: one each, still
-    assert _keep_remainder(32, 1407, 8) == 39  # 1407 % 8 == 7: still does not divide
-    assert _keep_remainder(4, 1, 8) == 1  # never above the real count
+def test_shrink_keeps_divisibility():
+    assert shrunk_count(4, 8, 8) == 8  # 8 KV heads over 8 ranks: one each, still
+    assert shrunk_count(32, 1407, 8, align=4) == 36  # 1407 % 8 != 0: still does not divide; rows of 16 bytes
+    assert shrunk_count(32, 1407, 8) == 33
+    assert shrunk_count(4, 1, 8) == 1  # never above the real count
     out = size_overrides({"num_attention_heads": 4, "num_key_value_heads": 4, "num_local_experts": 8},
                          {"num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8}, 8, 8)
     assert out == {"num_attention_heads": 8, "num_key_value_heads": 8}
