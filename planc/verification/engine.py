@@ -279,10 +279,11 @@ def _run_world(fn, world: int, job) -> list[dict]:
         if any(k in last for k in ("VerifyError", "ModelBuildError", "ApplyError", "CheckpointError")):
             raise VerifyError(f"rank {rank} could not run: {last.split(': ', 1)[-1]}") from None
         raise VerifyError(f"rank {rank} failed: {last}\n{text}") from None
-    except mp.ProcessExitedException as e:  # a rank killed by gloo: the ranks entered different collectives
-        raise VerifyError(f"a rank died ({e}): the ranks ran different collectives, so they cannot have computed "
-                          "the same thing; a style or EP strategy whose forward or backward communicates on some "
-                          "ranks only does this") from None
+    except mp.ProcessExitedException as e:  # a rank killed: by gloo (SIGABRT) when the ranks' collectives differ
+        why = ("the ranks ran different collectives (gloo aborts on a size mismatch), so they cannot have computed the "
+               "same thing; a style or EP strategy whose forward or backward communicates on some ranks only does "
+               "this" if getattr(e, "signal_name", None) == "SIGABRT" else "out of memory, or killed from outside")
+        raise VerifyError(f"a rank died ({e}): {why}") from None
     except TimeoutError as e:
         raise VerifyError(str(e)) from None
     finally:
