@@ -29,3 +29,16 @@ def test_memory_stage_beside_the_numerics():
     assert memory.ok and report.ok, report.render_text()  # explain's peak holds on Mixtral (docs/memory.md)
     measured = json.loads(report.render_json())
     assert any(s["name"] == "memory" for s in measured["stages"]), measured
+
+
+def test_the_cli_takes_memory():
+    import contextlib
+    import io
+
+    from planc.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["verify", "--help"]) == 0
+    text = " ".join(out.getvalue().split())
+    assert "--memory" in text and "over 5% under the measured one" in text
