@@ -156,6 +156,13 @@ def _extensions_world(rank, world_size):
         out["contradicted"] = str(e)
     out["untouched"] = logits_diff(model, ref, batch(0))
     unregister(TRACED_COLWISE.name)
+    # a runtime import path that names nothing: refused on every rank when the plan is applied
+    planc.register_tp_style(TRACED_COLWISE, "tests.runtime.custom_extensions:NoSuchStyle")
+    try:
+        planc.apply(model, text)
+    except ApplyError as e:
+        out["unimportable"] = str(e)
+    unregister(TRACED_COLWISE.name)
     unregister(COUNTED_ALL_TO_ALL.name)
 
     custom_extensions.register()
@@ -181,6 +188,9 @@ def test_registered_extensions_apply_on_two_ranks_equal_to_unsharded():
         assert "its forward failed on a probe nn.Linear" in bad, bad
         assert "the model was restored exactly as it was" in bad, bad
         assert res["untouched"] == 0.0
+        gone = res["unimportable"]
+        assert "runtime `tests.runtime.custom_extensions:NoSuchStyle` cannot be imported" in gone, gone
+        assert "importable on every rank" in gone and "ranks 0, 1" in gone, gone
         assert res["logits"] < 1e-5 and res["loss"] < 1e-5 and res["grads"] < 1e-5, (rank, res)
         # q, k, v of the tiny mixtral's layers, two forwards (the eval forward and the training step)
         assert res["style_calls"] > 0 and res["ep_calls"] > 0, res
