@@ -1,8 +1,8 @@
 """Predicted peak memory per rank (`planc explain --train/--serve`) against rank 0 really running, full width.
 
-Each point runs in its own process (`python -m tests.memory.fake_rank`): rank 0 of the plan at its real tp/ep
+Each point runs in its own process (`python -m planc.verification.memory`): rank 0 of the plan at its real tp/ep
 (and dp 2 under fsdp) under torch's fake process group, real CPU tensors, torch's MemTracker/FSDPMemTracker
-(tests/memory/fake_rank.py says what runs). The prediction is `planc.compiler.peak_memory` on the same config.
+(planc/verification/memory.py says what runs). The prediction is `planc.compiler.peak_memory` on the same config.
 Points run one at a time (each stays under ~6 GiB). Prints one row per point and the largest error.
 
     python bench/memory_grid.py                 # the full grid (about 30 minutes on 2 cores)
@@ -54,7 +54,7 @@ def grid(only=None, modes=MODES, points=None):
 
 
 def plan_of(point: dict) -> dict:
-    from tests.memory.fake_rank import plan_data
+    from planc.verification.memory import plan_data
 
     return plan_data(point["family"], point["mode"], dp=point["dp"], root=str(REPO))
 
@@ -94,7 +94,7 @@ def measure(point: dict) -> dict:
     from tests.checkout_env import checkout_env
 
     env = checkout_env()
-    run = subprocess.run([sys.executable, "-m", "tests.memory.fake_rank", json.dumps({**point, "root": str(REPO)})],
+    run = subprocess.run([sys.executable, "-m", "planc.verification.memory", json.dumps({**point, "root": str(REPO)})],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     if run.returncode:
         raise RuntimeError(run.stderr[-3000:])

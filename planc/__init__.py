@@ -30,7 +30,8 @@ _register_rule_modules("planc.compiler.rules")
 
 __all__ = [
     "load_plan", "lint_paths", "compile", "apply", "load", "save", "load_optimizer", "export", "destroy_megamoe_buffers",
-    "clip_grad_norm_", "no_sync", "distribute_adapters", "device_mesh", "verify", "__version__",
+    "clip_grad_norm_", "no_sync", "distribute_adapters", "device_mesh", "register_tp_style", "register_ep_strategy",
+    "verify", "__version__",
 ]
 
 
@@ -48,6 +49,45 @@ def lint_paths(paths: "Union[str, os.PathLike[str], Iterable[Union[str, os.PathL
     from planc.lint.runner import lint_paths as _lint
 
     return _lint(paths, strict=strict)
+
+
+def register_tp_style(row: Any, runtime: Any) -> None:
+    """Add a TP style of your own: its row (`planc.spec.styles.Style`, section "tp", runtime=True) and its runtime
+    object (a `planc.runtime.tp_styles.TPStyle` instance, or its import path `"pkg.module:Name"`, imported where
+    the plan is applied: lint stays torch-free) in one call. Plans then name it in tp_plan; lint, compile, explain,
+    apply and verify treat it like planc's own. Refused with ExtensionError: a name of planc's own, a name already
+    registered otherwise, a row planc cannot install, an object that is not the row's. `planc.apply` checks again on
+    the TP mesh that the object shards as the row says, and that every rank registered the same. For `planc lint`
+    and pre-commit, name the module that makes this call in pyproject.toml's `[tool.planc] extensions`
+    (docs/extending.md)."""
+    from planc.spec.extensions import register_tp_style as _register
+
+    _register(row, runtime, origin=_caller(), check=_runtime_check(runtime))
+
+
+def register_ep_strategy(row: Any, runtime: Any) -> None:
+    """Add an EP strategy of your own: its row (`planc.spec.choices.EPStrategyRow`) and its runtime (a subclass of
+    `planc.runtime.ep.EPRuntime`, or its import path `"pkg.module:Name"`) in one call; plans name it in
+    `experts.ep_implementation`. Checked and refused as `register_tp_style` is (docs/extending.md)."""
+    from planc.spec.extensions import register_ep_strategy as _register
+
+    _register(row, runtime, origin=_caller(), check=_runtime_check(runtime))
+
+
+def _caller() -> str:
+    """The module that called the public registration function (named in messages)."""
+    import sys
+
+    return str(sys._getframe(2).f_globals.get("__name__", "<unknown>"))
+
+
+def _runtime_check(runtime: Any) -> Any:
+    """The check of a runtime object against its row (an import path is checked where the plan is applied)."""
+    if isinstance(runtime, str):
+        return None
+    from planc.runtime.extensions import check_runtime
+
+    return check_runtime
 
 
 def compile(model: Any, plan: "PlanSource") -> "CompiledPlan":  # shadows the builtin: the verb is the API

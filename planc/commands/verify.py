@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-shrink", action="store_true",
                         help="run the real widths with the fewest layers that hold one of each kind")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch")
+    parser.add_argument("--memory", action="store_true",
+                        help="also run rank 0 at full width under a fake process group (torch's MemTracker) and "
+                        "flag `planc explain`'s predicted peak when it is over 5%% under the measured one")
     parser.add_argument("--format", choices=("text", "json"), default="text", help="output format")
 
 
@@ -58,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
 
     report = verify(args.build, args.plan, parallel=parallel, train=args.train, dtype=args.dtype, model=args.model,
                     model_type=args.model_type, trust_remote_code=args.trust_remote_code, overrides=overrides,
-                    shrink=not args.no_shrink, reshard=reshard, seed=args.seed, progress=main_progress())
+                    shrink=not args.no_shrink, reshard=reshard, seed=args.seed, progress=main_progress(),
+                    memory=args.memory)
     if args.format == "json":
         print(report.render_json())
     else:

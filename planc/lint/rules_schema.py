@@ -186,6 +186,9 @@ def from_validation(err: ValidationError, ctx: LintContext) -> list[Diagnostic]:
             guess = did_you_mean(str(value), [str(c) for c in choices])
             listed = ", ".join(f"`{c}`" for c in choices)
             hint = f"did you mean `{guess}`? one of: {listed}" if guess else f"write one of: {listed}"
+            if loc == ("experts", "ep_implementation") and not guess:
+                hint += ("; a strategy of your own is a registered row: name the module that calls "
+                         "`planc.register_ep_strategy` in pyproject.toml's [tool.planc] extensions (docs/extending.md)")
             out.append(ctx.diag(BAD_VALUE, f"`{where}` is {_show(value)}, not an allowed value", hint, loc, at_value=True,
                                 fix=guess))
         elif typ in _RANGE_TYPES:

@@ -84,6 +84,7 @@ def _check_context(ctx: LintContext, diags: list[Diagnostic]) -> CheckResult:
     from planc.lint.rules_schema import from_validation
     from planc.spec.loaded_plan import LoadedPlan, validate
 
+    diags += project_extension_problems()
     try:
         ctx.plan = validate(ctx.data)
     except ValidationError as err:
@@ -103,6 +104,16 @@ def _check_context(ctx: LintContext, diags: list[Diagnostic]) -> CheckResult:
     if ctx.plan is not None:
         loaded = LoadedPlan(ctx.plan, ctx.path, [], ctx.key_positions, ctx.value_positions)
     return CheckResult(diags, loaded)
+
+
+def project_extension_problems() -> list[Diagnostic]:
+    """The project's registered styles and strategies imported (pyproject.toml [tool.planc] extensions, once), so
+    that a plan naming one lints like a plan naming planc's own; a module that failed is PLC313 at the config."""
+    from planc.lint.rules_styles import EXTENSION_NOT_LOADED
+    from planc.spec.extensions import load_project_extensions
+
+    return [Diagnostic(EXTENSION_NOT_LOADED, ERROR, p.message, p.hint, Position(p.path, p.line, p.col))
+            for p in load_project_extensions()]
 
 
 def _check_source(

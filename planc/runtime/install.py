@@ -97,6 +97,7 @@ def load_plan_on_every_rank(plan: PlanSource, *, what: str, parallel: Optional[M
     """
     from planc.lint.plan_loader import load_plan
 
+    agree_on_extensions(what=what)
     loaded: Optional[LoadedPlan] = None
     problems: list[str] = []
     try:
@@ -172,7 +173,9 @@ def _world_problem(model: nn.Module, loaded: LoadedPlan) -> Optional[str]:
 
 def _local_checks(model: nn.Module, compiled: CompiledPlan, mesh: Optional[DeviceMesh],
                   device: Optional[torch.device] = None) -> list[str]:
-    problems: list[str] = []
+    from planc.runtime.extensions import bind_runtimes
+
+    problems: list[str] = bind_runtimes(compiled)  # registered styles and strategies: their runtime halves
     problems += _already_sharded(model)
     problems += _unrunnable_experts(model, compiled, device)
     return problems
@@ -268,6 +271,32 @@ def agree_on_problems(problems: list[str], *, what: str) -> None:
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, problems)
     raise ApplyError(f"{what}: nothing was installed:\n" + _by_message([(r, p) for r, ps in enumerate(everyone) for p in ps]))
+
+
+def agree_on_extensions(*, what: str) -> None:
+    """Raise the same ApplyError on every rank unless every rank registered the same styles and strategies (rows
+    and runtimes, planc.spec.extensions): a style registered on some ranks only would fail lint there and compile
+    elsewhere; this names it, with the ranks that have it, before any plan is read. One small all-reduce."""
+    from planc.spec.extensions import load_project_extensions, registry_summary
+
+    load_project_extensions()  # the project's config, as lint reads it (a failure shows when the plan is linted)
+    mine = registry_summary()
+    if _all_agree(True, _digest(repr(sorted(mine.items())) if mine else None)):
+        return
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    parts = []
+    for name in sorted({n for summary in everyone for n in summary}):
+        per_rank = [(rank, summary.get(name, "not registered")) for rank, summary in enumerate(everyone)]
+        if len({d for _, d in per_rank}) > 1:
+            parts.append(f"  `{name}`:\n" + "\n".join(f"  {line}" for line in _by_message(per_rank).splitlines()))
+    detail = "\n".join(parts)
+    raise ApplyError(
+        f"{what}: the ranks registered different styles or strategies, so they would compile different plans; nothing "
+        f"was installed:\n{detail}\nRegister them on every rank: name the module that registers them in "
+        "pyproject.toml's [tool.planc] extensions, or call planc.register_tp_style / planc.register_ep_strategy at "
+        "import time in code every rank runs (docs/extending.md)."
+    )
 
 
 def _all_agree(ok: bool, digest: int = 0) -> bool:
@@ -506,7 +535,16 @@ def step_guard_adapters(state: InstallState) -> None:
     guard_adapters(state.model, p.tp_size, p.dp_size)
 
 
+def step_check_registered_styles(state: InstallState) -> None:
+    """Registered TP styles the plan uses shard a probe as their rows say (and, on nn.Linear modules, compute the
+    unsharded linear in the row's layouts), on this TP mesh, before the model is touched."""
+    from planc.runtime.extensions import check_shards
+
+    check_shards(state.compiled, state.groups.tp_mesh, state.model)
+
+
 INSTALL_STEPS: list[Callable[[InstallState], None]] = [
+    step_check_registered_styles,
     step_set_experts_implementation,
     step_shard_parameters,
     step_install_tp_forwards,

@@ -3,7 +3,9 @@
 `run_local_world(fn, world_size, *args)` starts `world_size` processes with
 `torch.multiprocessing.spawn`, initialises a gloo process group in each on a free port (retrying when
 another process grabbed the port first), calls `fn(rank, world_size, *args)` and returns the list of
-per-rank return values (they must be picklable; `fn` must be a module-level function). An exception on
+per-rank return values (they must be picklable; `fn` must be a module-level function). The TP styles and EP
+strategies registered in the launching process are registered in every rank before `fn` runs (by their rows and
+their runtimes' import paths: planc.spec.extensions.snapshot). An exception on
 any rank raises `torch.multiprocessing.ProcessRaisedException` with the traceback of the first rank to fail: that
 rank, or a peer whose collective broke when the failing rank went away.
 """
@@ -22,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from planc.spec.extensions import restore as restore_extensions, snapshot as extensions_snapshot
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (callers retry when it no longer is)."""
@@ -32,7 +36,7 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, result_dir: str, fn: Callable[..., Any],
-            args: tuple[Any, ...]) -> None:
+            args: tuple[Any, ...], extensions: tuple[Any, ...] = ()) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -43,6 +47,7 @@ def _worker(rank: int, world_size: int, port: int, result_dir: str, fn: Callable
     torch.set_num_threads(1)  # ranks share the host's cores
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
+        restore_extensions(extensions)  # the styles and strategies the launching process registered
         result = fn(rank, world_size, *args)
         dist.barrier()
     finally:
@@ -102,7 +107,8 @@ def run_local_world(fn: Callable[..., Any], world_size: int, *args: Any, retries
     for _ in range(retries):
         with tempfile.TemporaryDirectory() as result_dir:
             context: mp.ProcessContext = mp.spawn(  # type: ignore[no-untyped-call]  # torch leaves spawn untyped
-                _worker, args=(world_size, free_port(), result_dir, fn, args), nprocs=world_size, join=False)
+                _worker, args=(world_size, free_port(), result_dir, fn, args, extensions_snapshot()),
+                nprocs=world_size, join=False)
             try:
                 _join(context, timeout)
             except mp.ProcessRaisedException as e:

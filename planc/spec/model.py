@@ -59,12 +59,16 @@ def _styles(table: str, what: str) -> Any:
     """The field of a style in one rule table: the schema lists only the styles legal there, each with its own doc
     (editors show it on completion and hover). The type stays `str` for pydantic, so that lint tells a removed
     style (PLC320) or a style of the other table (PLC311/312) from a typo (PLC310)."""
-    styles = TABLE_STYLES[table]
+    styles = TABLE_STYLES[table]  # filled in place: a registered style (planc.spec.extensions) is listed too
+
+    def schema(out: dict[str, Any]) -> None:
+        out["enum"], out["enumDescriptions"] = list(styles), list(styles.values())
+
     return Field(
         # editors show this on hover over the value and over its key: both halves of `pattern: style`
         description=f"A {what} style (transformers' vocabulary): what the modules the pattern (the key) matches "
         f"become. The pattern: {PATTERN_SYNTAX}",
-        json_schema_extra={"enum": list(styles), "enumDescriptions": list(styles.values())},
+        json_schema_extra=schema,
     )
 
 

@@ -111,27 +111,61 @@ STYLES: tuple[Style, ...] = (
           input=R, output=R, runtime=True, experts_mode="ep", local_forward=True),
 )
 
-STYLE: dict[str, Style] = {s.name: s for s in STYLES}
-
+# Every view below holds planc's own rows and the rows a project registered (`planc.register_tp_style`, through
+# `add_style`): the views are filled in place, so a module that imported one sees a registered row at once.
+STYLE: dict[str, Style] = {}
 # Name -> one-line doc views of the table, for lint messages and `planc rules`.
-TP_STYLES: dict[str, str] = {s.name: s.doc for s in STYLES if s.section == "tp"}
-EP_STYLES: dict[str, str] = {s.name: s.doc for s in STYLES if s.section == "ep"}
+TP_STYLES: dict[str, str] = {}
+EP_STYLES: dict[str, str] = {}
 # Every current style name. Which table takes which is checked by the lint style rules (PLC311,
 # PLC312): EP styles and `replicate` in ep_plan, TP styles in tp_plan.
-ALL_STYLES: dict[str, str] = {**TP_STYLES, **EP_STYLES}
-EP_TABLE_STYLES = frozenset(EP_STYLES) | {"replicate"}
+ALL_STYLES: dict[str, str] = {}
+EP_TABLE_STYLES: set[str] = set()
 # The styles each rule table takes, sorted, each with its doc: the lint hints and the JSON Schema's per-table
 # enums (completion and hover in editors) read this one view.
-TABLE_STYLES: dict[str, dict[str, str]] = {
-    "tp_plan": dict(sorted(TP_STYLES.items())),
-    "ep_plan": {name: ALL_STYLES[name] for name in sorted(EP_TABLE_STYLES)},
-}
+TABLE_STYLES: dict[str, dict[str, str]] = {"tp_plan": {}, "ep_plan": {}}
 # Styles whose target is a parameter rather than a module.
-PARAMETER_STYLES = frozenset(s.name for s in STYLES if s.target == "parameter")
+PARAMETER_STYLES: set[str] = set()
 # The styles planc's runtime installs. The compiler refuses the others instead of skipping them.
-RUNTIME_STYLES = frozenset(s.name for s in STYLES if s.runtime)
+RUNTIME_STYLES: set[str] = set()
 # Module styles that hook an experts module: style -> experts mode.
-EXPERTS_MODULE_STYLES: dict[str, Literal["ep", "tp"]] = {s.name: s.experts_mode for s in STYLES if s.experts_mode}
+EXPERTS_MODULE_STYLES: dict[str, Literal["ep", "tp"]] = {}
+
+
+def _fill_views(rows: tuple[Style, ...]) -> None:
+    """Rebuild every view from `rows` (planc's own, then the registered ones), in place."""
+    for view in (STYLE, TP_STYLES, EP_STYLES, ALL_STYLES, EP_TABLE_STYLES, PARAMETER_STYLES, RUNTIME_STYLES,
+                 EXPERTS_MODULE_STYLES):
+        view.clear()
+    STYLE.update({s.name: s for s in rows})
+    TP_STYLES.update({s.name: s.doc for s in rows if s.section == "tp"})
+    EP_STYLES.update({s.name: s.doc for s in rows if s.section == "ep"})
+    ALL_STYLES.update({**TP_STYLES, **EP_STYLES})
+    EP_TABLE_STYLES.update(set(EP_STYLES) | {"replicate"})
+    for table, names in (("tp_plan", TP_STYLES), ("ep_plan", EP_TABLE_STYLES)):
+        TABLE_STYLES[table].clear()
+        TABLE_STYLES[table].update({name: ALL_STYLES[name] for name in sorted(names)})
+    PARAMETER_STYLES.update(s.name for s in rows if s.target == "parameter")
+    RUNTIME_STYLES.update(s.name for s in rows if s.runtime)
+    EXPERTS_MODULE_STYLES.update({s.name: s.experts_mode for s in rows if s.experts_mode})
+
+
+_REGISTERED: dict[str, Style] = {}  # rows a project added (planc.spec.extensions checks them first)
+_fill_views(STYLES)
+
+
+def add_style(row: Style) -> None:
+    """Make a registered row a style everywhere (lint, schema, compiler, runtime registry). Callers check it first:
+    `planc.spec.extensions.register_tp_style` is the one caller."""
+    _REGISTERED[row.name] = row
+    _fill_views(STYLES + tuple(_REGISTERED.values()))
+
+
+def remove_style(name: str) -> None:
+    """Drop a registered row (planc's own rows stay)."""
+    _REGISTERED.pop(name, None)
+    _fill_views(STYLES + tuple(_REGISTERED.values()))
+
 
 # Removed styles -> what to write instead (used by lint hints and `planc migrate`).
 REMOVED_STYLES: dict[str, str] = {

@@ -54,13 +54,15 @@ def verify(build: Optional[BuildTarget] = None, plan: Any = None, *, parallel: O
            train: bool = False, dtype: Optional[str] = None, model: Optional[str] = None,
            model_type: Optional[str] = None, trust_remote_code: bool = False, overrides: Optional[dict] = None,
            shrink: bool = True, reshard: Optional[Mapping[str, int]] = None, seed: int = 0,
-           progress: Optional[Progress] = None) -> VerifyReport:
+           progress: Optional[Progress] = None, memory: bool = False) -> VerifyReport:
     """Run `plan` at its own sizes (or `parallel`) on CPU gloo ranks against the unsharded twin and report.
 
     The model: `build` (`"pkg.module:function"` or a module-level callable returning a fresh, seeded nn.Module),
     `model` (a local checkpoint or config directory), or `model_type` (a transformers family's default config);
     none of them: the plan's `model.type`. `train` (or a `training:` section in the plan) adds the training stages.
     `reshard`: the sizes the saved checkpoint is loaded back at (default: half of tp and ep; `{}`: no reshard stage).
+    `memory`: also rank 0 at full width under the fake process group, measured beside `planc explain`'s predicted
+    peak (the `memory` stage; planc.verification.memory_check).
     Never raises for bad input: the report's `error` says what could not run (`exit_code` 2)."""
     started = time.monotonic()
     say = progress or (lambda _text: None)
@@ -70,6 +72,9 @@ def verify(build: Optional[BuildTarget] = None, plan: Any = None, *, parallel: O
             _run(report, build, plan, parallel=parallel, train=train, dtype=dtype or "float32", model=model,
                  model_type=model_type, trust_remote_code=trust_remote_code, overrides=overrides or {}, shrink=shrink,
                  reshard=reshard, seed=seed, say=say, announce=progress is not None and sys.stderr.isatty())
+            if memory:
+                _memory(report, build, plan, parallel=parallel, train=train, model=model, model_type=model_type,
+                        trust_remote_code=trust_remote_code, overrides=overrides or {}, say=say)
     except (VerifyError, PlanError, CompileError, ModelBuildError) as e:
         report.error = str(e)
     except KeyboardInterrupt:
@@ -150,6 +155,28 @@ def _run(report: VerifyReport, build, plan, *, parallel, train, dtype, model, mo
             for r in results[len(again):]:
                 r["stages"] += again[0]["stages"]
     _gather(report, results, compiled, dtype)
+
+
+def _memory(report: VerifyReport, build, plan, *, parallel, train, model, model_type, trust_remote_code, overrides,
+            say) -> None:
+    """The `memory` stage: rank 0 at full width (the fewest layers that hold one of each kind) measured beside the
+    predicted peak; a build source has no config to build it from (a note says so)."""
+    from planc.lint.plan_loader import load_plan
+    from planc.verification.memory_check import UNDER_PREDICTION, memory_stage
+    from planc.verification.shrink import no_shrink
+
+    if build is not None:
+        report.notes.append("no memory stage: a --build model has no config to build rank 0 at full width from")
+        return
+    loaded = load_plan(plan, parallel=dict(parallel) if parallel else None)
+    source = _source(None, model, model_type or (None if model else loaded.plan.model.type), trust_remote_code,
+                     overrides)
+    say("measuring rank 0 at full width (fake process group)")
+    kept = no_shrink(source.full_config())
+    s = memory_stage(loaded, kept.config, train=train or loaded.plan.training is not None)
+    rule = f"memory: explain's predicted peak at most {UNDER_PREDICTION:.0%} under rank 0's measured peak"
+    report.stages.append(StageResult("memory", s["abs"], s["rel"], UNDER_PREDICTION, rule, s["rel"] <= UNDER_PREDICTION,
+                                     f"{s['detail']}; {kept.lines[0]}"))
 
 
 def _on_cpu(loaded, report: VerifyReport):
@@ -277,6 +304,11 @@ def _run_world(fn, world: int, job) -> list[dict]:
         if any(k in last for k in ("VerifyError", "ModelBuildError", "ApplyError", "CheckpointError")):
             raise VerifyError(f"rank {rank} could not run: {last.split(': ', 1)[-1]}") from None
         raise VerifyError(f"rank {rank} failed: {last}\n{text}") from None
+    except mp.ProcessExitedException as e:  # a rank killed: by gloo (SIGABRT) when the ranks' collectives differ
+        why = ("the ranks ran different collectives (gloo aborts on a size mismatch), so they cannot have computed the "
+               "same thing; a style or EP strategy whose forward or backward communicates on some ranks only does "
+               "this" if getattr(e, "signal_name", None) == "SIGABRT" else "out of memory, or killed from outside")
+        raise VerifyError(f"a rank died ({e}): {why}") from None
     except TimeoutError as e:
         raise VerifyError(str(e)) from None
     finally:
@@ -320,8 +352,22 @@ def _gather(report: VerifyReport, results: list[dict], compiled, dtype: str) -> 
             note = (f"`{found['parameter']}` is sharded by {own[0].rule.pattern}: {own[0].style}" if own else
                     f"`{found['parameter']}` is replicated (no rule): a replicated parameter used on sharded "
                     "activations needs its gradient reduced over the ranks")
+        note = note or _strategy_note(compiled, found["module"])
         report.first_divergence = Divergence(found["stage"], found["direction"], found["module"], found["rel"],
                                              found.get("parameter"), rules, note)
+
+
+def _strategy_note(compiled, module: str) -> str:
+    """For an experts module: the EP strategy its forward runs (and who registered it, for a project's own)."""
+    from planc.spec.extensions import EXTENSIONS
+
+    for e in compiled.experts:
+        if e.fqn == module and e.strategy is not None:
+            ext = EXTENSIONS.get(e.strategy.name)
+            mine = f", registered by {ext.origin} (runtime {ext.runtime_ref})" if ext is not None else ""
+            return f"its forward runs the {e.strategy.row.title} EP strategy (`experts.ep_implementation: " \
+                   f"{e.strategy.name}`{mine})"
+    return ""
 
 
 def main_progress(stream=sys.stderr) -> Progress:

@@ -1,7 +1,7 @@
 """`planc explain --train/--serve --batch --seq`: the peak per rank against rank 0 really running, and its input.
 
 The measured check: rank 0 of the shipped Mixtral plan (tp 8 / ep 8) at full width, one decoder layer, under the
-fake process group with real CPU tensors and torch's MemTracker (tests/memory/fake_rank.py), serving a prefill and
+fake process group with real CPU tensors and torch's MemTracker (planc/verification/memory.py), serving a prefill and
 training a step; the prediction within 10%. The full grid (three families, four modes, two points each) is
 `bench/memory_grid.py`, its table in docs/memory.md.
 """
@@ -44,7 +44,7 @@ def test_predicted_peak_is_what_rank0_allocates():
     """One process (one fake world, tp 8): a prefill, then a training step, each its own MemTracker."""
     points = [{"family": "mixtral", "mode": mode, "batch": 1, "seq": 512, "overrides": {"num_hidden_layers": 1},
                "root": str(REPO)} for mode in ("serve", "replicate")]
-    run = subprocess.run([sys.executable, "-m", "tests.memory.fake_rank", json.dumps(points)], cwd=REPO,
+    run = subprocess.run([sys.executable, "-m", "planc.verification.memory", json.dumps(points)], cwd=REPO,
                          env=checkout_env(), capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     measured = json.loads(run.stdout.strip().splitlines()[-1])
@@ -85,7 +85,7 @@ def test_peak_json_text_and_max_batch():
 def test_checkpointing_lowers_the_predicted_activations(tmp_path):
     import yaml
 
-    from tests.memory.fake_rank import plan_data
+    from planc.verification.memory import plan_data
 
     paths = {}
     for mode in ("replicate", "checkpoint"):
@@ -106,7 +106,7 @@ def test_fsdp_prices_the_units_planc_wraps(tmp_path):
     import yaml
 
     from tests.fp32_routers import routers_kept_fp32
-    from tests.memory.fake_rank import plan_data
+    from planc.verification.memory import plan_data
 
     path = tmp_path / "fsdp.yaml"
     path.write_text(yaml.safe_dump(plan_data("deepseek_v3", "fsdp", dp=2, root=str(REPO))))

@@ -23,7 +23,7 @@ def _run(point: dict, fraction: float | None = None, **env: str) -> subprocess.C
     code = "import sys, json, torch\n"
     if fraction is not None:
         code += f"torch.cuda.set_per_process_memory_fraction({fraction})\n"
-    code += ("from tests.memory.fake_rank import measure\np = json.loads(sys.argv[1])\n"
+    code += ("from planc.verification.memory import measure\np = json.loads(sys.argv[1])\n"
              "print(json.dumps(measure(p['family'], p['mode'], p['batch'], p['seq'], p['overrides'], dp=p['dp'], "
              "root=p['root'], device='cuda')))\n")
     return subprocess.run([sys.executable, "-c", code, json.dumps({**point, "root": str(REPO)})], cwd=REPO,

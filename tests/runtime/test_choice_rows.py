@@ -11,7 +11,7 @@ import pytest
 
 from planc.runtime.ep import EP_RUNTIMES
 from planc.runtime.ep.all_to_all import AllToAllEPRuntime
-from planc.spec.choices import EP_STRATEGIES, EPStrategyRow
+from planc.spec.choices import EPStrategyRow
 from tests.distributed import run_distributed
 
 PLAN = Path(__file__).resolve().parents[2] / "plans" / "mixtral.yaml"
@@ -30,13 +30,16 @@ class CountedAllToAllRuntime(AllToAllEPRuntime):
 
 @contextlib.contextmanager
 def throwaway_row():
-    """The row and its runtime object, registered for the duration (the only two additions)."""
-    EP_STRATEGIES[ROW.name] = ROW
-    EP_RUNTIMES[ROW.name] = CountedAllToAllRuntime
+    """The row and its runtime object, registered for the duration (one call: planc.register_ep_strategy)."""
+    import planc
+    from planc.spec.extensions import unregister
+
+    planc.register_ep_strategy(ROW, CountedAllToAllRuntime)
     try:
         yield
     finally:
-        del EP_STRATEGIES[ROW.name], EP_RUNTIMES[ROW.name]
+        unregister(ROW.name)
+        EP_RUNTIMES.pop(ROW.name, None)
 
 
 def _plan_text(tp: int) -> str:

@@ -27,6 +27,7 @@ def shard_world(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
+    from planc.runtime.extensions import forward_probe_problems, shard_probe_problems
     from planc.runtime.tp_styles import TP_RUNTIMES
 
     mesh = init_device_mesh("cpu", (world_size,))
@@ -39,6 +40,10 @@ def shard_world(rank, world_size):
             p = module._parameters[pname]
             local = p.to_local() if isinstance(p, DTensor) else p
             out[(name, pname)] = tuple(local.shape)
+        # the library checks a registered style passes at planc.apply (planc.runtime.extensions), on planc's own
+        # (the forward probe is an nn.Linear: planc's Linear styles; embedding_rowwise needs an embedding)
+        out[(name, "probes")] = shard_probe_problems(style.spec, style, mesh) + (
+            forward_probe_problems(style.spec, style, mesh) if name != "embedding_rowwise" else [])
     return out
 
 
@@ -48,6 +53,9 @@ def test_every_style_shards_as_its_row_says():
     full = {"weight": (12, 8), "bias": (12,), "scale": (8,)}
     for res in results:
         for (name, pname), shape in res.items():
+            if pname == "probes":
+                assert shape == [], (name, shape)
+                continue
             row = next(s for s in STYLES if s.name == name)
             dim = row.placement(len(full[pname]))
             want = list(full[pname])

@@ -1,4 +1,5 @@
-"""Rank 0 of a plan at its real sizes, measured: the harness of the memory test suite and `bench/memory_grid.py`.
+"""Rank 0 of a plan at its real sizes, measured: the harness of `planc verify --memory`, the memory test suite and
+`bench/memory_grid.py`.
 
 One process plays rank 0 of a `tp * dp` world under torch's fake process group (`init_process_group("fake")`:
 collectives return at once, their outputs keep the shapes the real ones have), with real CPU tensors. The model
@@ -93,21 +94,27 @@ def plan_data(family: str, mode: str, *, dp: int = 1, root: str = ".") -> dict:
 
 
 def measure(family: str, mode: str, batch: int, seq: int, overrides: dict, *, dp: int = 1, root: str = ".",
-            device: str = "cpu") -> dict:
+            device: str = "cpu", plan: dict | None = None, config_dir: str | None = None) -> dict:
     """Rank 0's peak (bytes) and MemTracker's categories at that peak, for one point of the grid. On `cuda` the peak
-    is `torch.cuda.max_memory_allocated` (the allocator's own count) instead."""
+    is `torch.cuda.max_memory_allocated` (the allocator's own count) instead. `plan` (plan data) and `config_dir`
+    (a saved config): a user's plan and model instead of the shipped plan of `family` and its config (verify)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    import planc
-    from planc.models.build import build_meta_model
+    from planc.models.build import build_meta_model, meta_model
+    from planc.runtime import install
 
-    data = plan_data(family, mode, dp=dp, root=root)
+    data = plan if plan is not None else plan_data(family, mode, dp=dp, root=root)
     p = data["parallel"]
     if not dist.is_initialized():
         dist.init_process_group("fake", rank=0, world_size=p["tp_size"] * p["dp_size"], store=FakeStore())
-    model = build_meta_model(family, dict(overrides)).to(torch.bfloat16)
+    if config_dir is not None:
+        from transformers import AutoConfig
+
+        model = meta_model(AutoConfig.from_pretrained(config_dir)).to(torch.bfloat16)
+    else:
+        model = build_meta_model(family, dict(overrides)).to(torch.bfloat16)
     mesh = None
     if device != "cpu":  # the fake backend is not NCCL, so planc would build a CPU mesh: FSDP2 allocates on its device
         from torch.distributed.device_mesh import init_device_mesh
@@ -116,7 +123,7 @@ def measure(family: str, mode: str, batch: int, seq: int, overrides: dict, *, dp
 
         sizes, names = mesh_dims(p["tp_size"], p["ep_size"], p["dp_size"])
         mesh = init_device_mesh(device, sizes, mesh_dim_names=names)
-    planc.apply(model, data, mesh=mesh)
+    install.apply(model, install.load_plan_on_every_rank(data, what="planc verify --memory"), mesh=mesh)
     model.to_empty(device=device)
     _fill(model)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
@@ -181,10 +188,14 @@ def _measure_cuda(model, ids, mode: str) -> dict:
 
 
 def measure_point(point: dict) -> dict:
+    from planc.spec.extensions import restore_data
+
+    restore_data(point.get("extensions", []))  # the styles and strategies the verifying process registered
     return measure(point["family"], point["mode"], point["batch"], point["seq"], point["overrides"],
-                   dp=point.get("dp", 1), root=point.get("root", "."), device=point.get("device", "cpu"))
+                   dp=point.get("dp", 1), root=point.get("root", "."), device=point.get("device", "cpu"),
+                   plan=point.get("plan"), config_dir=point.get("config_dir"))
 
 
-if __name__ == "__main__":  # python -m tests.memory.fake_rank '<json point or list of points of one world size>'
+if __name__ == "__main__":  # python -m planc.verification.memory '<json point or list of points of one world size>'
     arg = json.loads(sys.argv[1])
     print(json.dumps([measure_point(p) for p in arg] if isinstance(arg, list) else measure_point(arg)))
