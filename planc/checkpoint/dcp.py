@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from planc.checkpoint.atomic import agree
-from planc.checkpoint.dcp_reader import CheckedReader, planner_for
+from planc.checkpoint.dcp_reader import CheckedReader, metadata_protocol, planner_for
 from planc.checkpoint.keys import last_line
 from planc.checkpoint.marker import is_planc_checkpoint, read_marker, saved_under
 from planc.checkpoint.state import (
@@ -175,11 +175,12 @@ def fill_from_dcp(
     compiled = compiled if compiled is not None else getattr(model, "_planc_plan", None)
     groups = groups if groups is not None else getattr(model, "_planc_groups", None)
     device = rank_device(device)
-    reader = reader if reader is not None else CheckedReader(directory)
     error = None
     try:
         marker = read_marker(directory)
         saved_np = set(marker.get("non_persistent_buffers", ()))
+        if reader is None:
+            reader = CheckedReader(directory, protocol=metadata_protocol(marker))
         try:
             metadata = reader.read_metadata()
         except CheckpointError:
@@ -206,6 +207,7 @@ def fill_from_dcp(
         error = e
     agree(error, what)
 
+    assert reader is not None  # the ranks agreed that the metadata was read
     _materialize(model, device)
     targets = _targets(model, compiled, groups, saved_np)
     strided: dict[str, DTensor] = {k: t for k, t in targets.items() if has_strided(t)}

@@ -24,6 +24,7 @@ anyway, for the checkpoints that hold them.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pathlib
@@ -31,7 +32,7 @@ import stat
 import warnings
 import zipfile
 from pathlib import Path, PurePath
-from typing import Any, Callable, Iterable, Optional, Union, cast
+from typing import Any, Callable, Iterable, Mapping, Optional, Union, cast
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -119,10 +120,21 @@ def _metadata_profile() -> Profile:
         enc: plain_arguments(int), **{cls: _path_args for cls in set(paths.values())},
     }
     return Profile(name="torch.distributed.checkpoint .metadata", globals=names, callables=callables,
-                   classes=frozenset(classes), protocols=frozenset({2, 3, 4, 5}))
+                   classes=frozenset(classes), protocols=frozenset({4}))
 
 
 METADATA = _metadata_profile()
+# .metadata is pickled with the saving Python's default protocol: 4 up to Python 3.13, 5 from 3.14 (planc.json
+# records it); a checkpoint from before planc recorded it was written with 4.
+METADATA_PROTOCOLS = (4, 5)
+DEFAULT_METADATA_PROTOCOL = 4
+
+
+def metadata_protocol(marker: Mapping[str, Any]) -> int:
+    """The pickle protocol a planc.save checkpoint's `.metadata` files were written with, from its planc.json."""
+    recorded = marker.get("pickle_protocol", DEFAULT_METADATA_PROTOCOL)
+    return recorded if type(recorded) is int and recorded in METADATA_PROTOCOLS else DEFAULT_METADATA_PROTOCOL
+
 # torch.save writes protocol 2 (torch.serialization.DEFAULT_PROTOCOL)
 _ITEMS = "a checkpoint's non-tensor items"
 _ITEM = Profile(name=PLAIN_DATA.name, globals={}, callables={}, classes=frozenset(), protocols=frozenset({2}))
@@ -138,9 +150,9 @@ def _refused(path: Union[str, os.PathLike[str]], held: str, what: str = "a check
     return CheckpointError(f"{path}: refused, it holds {held}. {_hint(what)}")
 
 
-def read_metadata(path: Union[str, os.PathLike[str]]) -> Metadata:
-    """The DCP `Metadata` pickled in `path` (a `.metadata` file), read through the allow-list and type-checked;
-    CheckpointError naming the file and what it held otherwise."""
+def read_metadata(path: Union[str, os.PathLike[str]], protocol: int = DEFAULT_METADATA_PROTOCOL) -> Metadata:
+    """The DCP `Metadata` pickled in `path` (a `.metadata` file) with `protocol` (`metadata_protocol(marker)`),
+    read through the allow-list and type-checked; CheckpointError naming the file and what it held otherwise."""
     path = Path(path)
     try:
         st = os.stat(path)
@@ -158,7 +170,7 @@ def read_metadata(path: Union[str, os.PathLike[str]]) -> Metadata:
     except OSError as e:
         raise CheckpointError(f"{path}: unreadable ({e.strerror}).") from None
     try:
-        md = loads(data, METADATA, limit=MAX_METADATA_BYTES)
+        md = loads(data, dataclasses.replace(METADATA, protocols=frozenset({protocol})), limit=MAX_METADATA_BYTES)
         _check_metadata(md)
     except UnsafePickle as e:
         raise _refused(path, str(e)) from None
@@ -331,10 +343,13 @@ def _archived_pickle(payload: bytes) -> bytes:
 class CheckedReader(FileSystemReader):
     """DCP's FileSystemReader whose metadata comes from `read_metadata` (read once, then kept: planc's checks and
     `dcp.load` see the same object) and whose non-tensor items `read_items` reads through `read_plain_item`.
-    `trust_code`: torch's own unpickler instead (the opt-in; the caller warns)."""
+    `protocol`: the pickle protocol of its `.metadata` (`metadata_protocol(marker)`); `trust_code`: torch's own
+    unpickler instead (the opt-in; the caller warns)."""
 
-    def __init__(self, path: Union[str, os.PathLike[str]], *, trust_code: bool = False) -> None:
+    def __init__(self, path: Union[str, os.PathLike[str]], *, protocol: int = DEFAULT_METADATA_PROTOCOL,
+                 trust_code: bool = False) -> None:
         super().__init__(path)
+        self.protocol = protocol
         self.trust_code = trust_code
         self.directory = Path(path)
         self._metadata: Optional[Metadata] = None
@@ -346,7 +361,7 @@ class CheckedReader(FileSystemReader):
             if self.trust_code:
                 self._metadata = super().read_metadata()
             else:
-                self._metadata = read_metadata(self.directory / ".metadata")
+                self._metadata = read_metadata(self.directory / ".metadata", self.protocol)
         if self._metadata.storage_meta is None:
             self._metadata.storage_meta = StorageMeta()
         self._metadata.storage_meta.load_id = self.load_id
@@ -401,5 +416,5 @@ def planner_for(reader: CheckedReader) -> DefaultLoadPlanner:
 
 __all__ = [
     "MAX_ITEM_BYTES", "MAX_METADATA_BYTES", "METADATA", "OPT_IN", "OPT_IN_FLAG", "CheckedReader", "PlainBytesPlanner",
-    "UnsafeCheckpointWarning", "planner_for", "read_metadata", "read_plain_item", "warn_trusted",
+    "UnsafeCheckpointWarning", "metadata_protocol", "planner_for", "read_metadata", "read_plain_item", "warn_trusted",
 ]

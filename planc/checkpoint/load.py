@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
+from planc.checkpoint.atomic import agree
 from planc.checkpoint.dcp_reader import CheckedReader
 from planc.checkpoint.files import CheckpointFiles
 from planc.checkpoint.fill import SafetensorsFill
@@ -81,8 +82,9 @@ def load(
     checked = check_checkpoint(source, loaded, dtype=dtype, device=device, mesh=mesh, dequantize=dequantize,
                                trust_checkpoint_code=trust_checkpoint_code)
     try:
+        agree(checked.refused, "planc.load")  # a refused .metadata: the same CheckpointError on every rank
         install.agree_across_ranks(checked.compiled, checked.problems, what="planc.load", decisions=checked.decisions)
-    except ApplyError:
+    except (ApplyError, CheckpointError):
         checked.close()
         raise
 
@@ -106,7 +108,8 @@ def load(
 @dataclass
 class Checked:
     """What `check_checkpoint` found: the meta model and its CompiledPlan (None when compiling failed), the open
-    safetensors files or the DCP directory (and the reader its metadata was read with), every problem (each a message naming file/key and the fix), and the
+    safetensors files or the DCP directory (and the reader its metadata was read with; `refused`: why that
+    metadata was refused, before anything else was checked), every problem (each a message naming file/key and the fix), and the
     decisions the ranks must agree on before their collectives diverge (install.agree_across_ranks)."""
 
     model: Optional[PreTrainedModel] = None
@@ -114,6 +117,7 @@ class Checked:
     files: Optional[CheckpointFiles] = None
     dcp_dir: Optional[str] = None
     reader: Optional[CheckedReader] = None
+    refused: Optional[CheckpointError] = None
     problems: list[str] = field(default_factory=list)
     decisions: dict[str, str] = field(default_factory=dict)
 
@@ -148,7 +152,12 @@ def check_checkpoint(
             config = _config(out.files.config_path.parent, dtype)
             config_path = out.files.config_path
         else:
-            out.reader = _dcp_reader(Path(out.dcp_dir), trust_checkpoint_code)
+            try:
+                out.reader = _dcp_reader(Path(out.dcp_dir), trust_checkpoint_code)
+            except CheckpointError as e:  # its metadata refused: nothing more of it is read or built
+                out.refused = e
+                out.problems.append(str(e))
+                return out
             config = _config(out.dcp_dir, dtype)
             config_path = Path(out.dcp_dir) / "config.json"
         _check_model_type(loaded, config, config_path)
@@ -190,11 +199,12 @@ def _dcp_reader(directory: Path, trust_code: bool) -> CheckedReader:
     """The reader of a planc.save checkpoint, its `.metadata` read (planc's allow-list unless the user trusts the
     checkpoint's code) and every `.distcp` range it names present; CheckpointError otherwise."""
     from planc.checkpoint.dcp import storage_problems
-    from planc.checkpoint.dcp_reader import warn_trusted
+    from planc.checkpoint.dcp_reader import metadata_protocol, warn_trusted
+    from planc.checkpoint.marker import read_marker
 
     if trust_code:
         warn_trusted(directory, "planc.load")
-    reader = CheckedReader(directory, trust_code=trust_code)
+    reader = CheckedReader(directory, protocol=metadata_protocol(read_marker(directory)), trust_code=trust_code)
     try:
         metadata = reader.read_metadata()
     except PlancError:

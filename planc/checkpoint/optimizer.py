@@ -48,7 +48,7 @@ from planc.checkpoint.applied import applied_plan
 from planc.checkpoint.dcp import dcp_failures, storage_problems
 from planc.checkpoint.keys import last_line
 from planc.checkpoint.atomic import agree
-from planc.checkpoint.dcp_reader import CheckedReader, planner_for, warn_trusted
+from planc.checkpoint.dcp_reader import CheckedReader, metadata_protocol, planner_for, warn_trusted
 from planc.checkpoint.marker import read_marker, saved_under
 from planc.checkpoint.state import dcp_layout, has_strided
 from planc.errors import CheckpointError
@@ -215,17 +215,18 @@ def _plan_load(target: dict[str, Any], saved: dict[str, Any]) -> tuple[dict[str,
     return plan, names - stateful, problems
 
 
-def optimizer_reader(directory: Path, entry: dict[str, Any], trust_code: bool) -> CheckedReader:
-    """The reader of the optimizer state planc.json's `entry` points to, its `.metadata` read (planc's allow-list
+def optimizer_reader(directory: Path, marker: dict[str, Any], trust_code: bool) -> CheckedReader:
+    """The reader of the optimizer state planc.json (`marker`) points to, its `.metadata` read (planc's allow-list
     unless the user trusts the checkpoint's code); CheckpointError otherwise. The state lives in `optimizer/`
     inside the checkpoint, where planc.save writes it, never elsewhere (planc.json is as untrusted as the rest)."""
+    entry = marker.get("optimizer") or {}
     if entry.get("path") != OPTIMIZER_DIR:
         raise CheckpointError(
             f"{directory / 'planc.json'}: the optimizer state is at {entry.get('path')!r}; planc.save writes it to "
             f"{OPTIMIZER_DIR!r} inside the checkpoint and reads it nowhere else. The checkpoint is damaged: save it again."
         )
     saved_dir = directory / OPTIMIZER_DIR
-    reader = CheckedReader(saved_dir, trust_code=trust_code)
+    reader = CheckedReader(saved_dir, protocol=metadata_protocol(marker), trust_code=trust_code)
     try:
         metadata = reader.read_metadata()
     except CheckpointError:
@@ -245,9 +246,9 @@ def optimizer_problems(directory: str | os.PathLike[str], *, trust_checkpoint_co
     (`planc explain --checkpoint`): its metadata, its files, every non-tensor value; [] when it holds none."""
     directory = Path(directory)
     try:
-        entry = read_marker(directory).get("optimizer") or {}
-        if entry:
-            reader = optimizer_reader(directory, entry, trust_checkpoint_code)
+        marker = read_marker(directory)
+        if marker.get("optimizer"):
+            reader = optimizer_reader(directory, marker, trust_checkpoint_code)
             saved = reader.read_metadata().state_dict_metadata
             reader.read_items(k for k, v in saved.items() if isinstance(v, BytesStorageMetadata))
     except CheckpointError as e:
@@ -310,7 +311,7 @@ def load_optimizer(model: nn.Module, optimizer: Optimizer, directory: str | os.P
     stateless: set[str] = set()
     reader: Optional[CheckedReader] = None
     try:
-        reader = optimizer_reader(directory, entry, trust_checkpoint_code)
+        reader = optimizer_reader(directory, marker, trust_checkpoint_code)
         saved = reader.read_metadata().state_dict_metadata
         plan, stateless, problems = _plan_load(target, saved)
         if problems:
