@@ -102,7 +102,10 @@ def test_explain_refuses_every_hostile_checkpoint(worlds, capsys):
     from planc.cli import main
 
     root, results = worlds
-    for case in _cases(results[2]):
+    # every kind of attack on each pickle explain reads (the 1- and 2-rank runs above take every case)
+    kinds = ("os_system", "builtins_eval", "subprocess_popen", "allowed_module_os", "weights_only_bytearray",
+             "protocol5_gadget", "protocol5", "truncated", "oversized", "path_traversal")
+    for case in [c for c in _cases(results[2]) if c.split("/")[1] in kinds]:
         d = root / "corpus" / case.replace("/", "-")
         assert main(["explain", PLAN, "--parallel", SIZES, "--checkpoint", str(d)]) == 1, case
         err = capsys.readouterr().err
