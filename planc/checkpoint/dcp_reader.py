@@ -378,10 +378,11 @@ class CheckedReader(FileSystemReader):
                 raise CheckpointError(f"{self.directory / '.metadata'}: the item `{key}` has no storage entry; the "
                                       "checkpoint is damaged: save it again, or copy it again.")
             path = self.directory / info.relative_path
+            want = info.length if self.trust_code else min(info.length, MAX_ITEM_BYTES + 1)
             with open(path, "rb") as f:
                 f.seek(info.offset)
-                payload = f.read(min(info.length, MAX_ITEM_BYTES + 1))
-            if len(payload) < min(info.length, MAX_ITEM_BYTES + 1):
+                payload = f.read(want)
+            if len(payload) < want:
                 raise CheckpointError(f"{path}: the item `{key}` runs past the file's end: it is truncated; copy it "
                                       "again.")
             if self.trust_code:
