@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.serialization import _get_layout
 
 from planc.checkpoint.safe_pickle import PLAIN_DATA, Profile, UnsafePickle, check_plain, loads, plain_arguments
-from planc.errors import CheckpointError
+from planc.errors import CheckpointError, PlancError
 
 # A model of 10^5 tensors saved by 10^3 ranks holds ~10^8 chunk entries before this; the biggest real ones are tens
 # of MiB. The bound is checked on the file's size, before a byte is read.
@@ -64,8 +64,9 @@ OPT_IN_FLAG = "--trust-checkpoint-code"
 _MAX_DIMS = 64
 
 
-class UnsafeCheckpointWarning(UserWarning):
-    """A checkpoint read with torch's own unpickler (`trust_checkpoint_code=True`): its code could run."""
+class UnsafeCheckpointWarning(PlancError, UserWarning):
+    """A checkpoint read with torch's own unpickler (`trust_checkpoint_code=True`): its code could run. A PlancError
+    too, as everything planc raises or warns with is (`except PlancError` and `-W error` agree)."""
 
 
 def warn_trusted(directory: Union[str, os.PathLike[str]], what: str) -> None:

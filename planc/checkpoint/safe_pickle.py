@@ -28,6 +28,8 @@ import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NoReturn
 
+from planc.errors import PlancError
+
 _P = pickle  # the opcode constants
 
 # Opcodes with no side effect beyond building containers and scalars from the stream itself.
@@ -46,8 +48,9 @@ _NAMES = {getattr(_P, n)[0]: n for n in dir(_P) if n.isupper() and isinstance(ge
           and len(getattr(_P, n)) == 1}
 
 
-class UnsafePickle(Exception):
-    """A pickle this reader refuses: the message says what it met (a class, an opcode, a call)."""
+class UnsafePickle(PlancError):
+    """A pickle this reader refuses: the message says what it met (a class, an opcode, a call). Callers turn it into
+    a CheckpointError naming the file or key."""
 
 
 @dataclass(frozen=True)
