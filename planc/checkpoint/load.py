@@ -198,6 +198,8 @@ def _memory_problems(compiled: CompiledPlan, device: torch.device, source: str |
 def _dcp_reader(directory: Path, trust_code: bool) -> CheckedReader:
     """The reader of a planc.save checkpoint, its `.metadata` read (planc's allow-list unless the user trusts the
     checkpoint's code) and every `.distcp` range it names present; CheckpointError otherwise."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     from planc.checkpoint.dcp import storage_problems
     from planc.checkpoint.dcp_reader import metadata_protocol, warn_trusted
     from planc.checkpoint.marker import read_marker
@@ -216,6 +218,13 @@ def _dcp_reader(directory: Path, trust_code: bool) -> CheckedReader:
     if files:
         raise CheckpointError(f"{directory}: {len(files)} file(s) of the checkpoint are damaged:\n    "
                               + "\n    ".join(files))
+    items = sorted(k for k, v in metadata.state_dict_metadata.items() if not isinstance(v, TensorStorageMetadata))
+    if items:  # fill_from_dcp would refuse them too: refused here, so explain --checkpoint does as well
+        raise CheckpointError(
+            f"{directory / '.metadata'}: {len(items)} non-tensor item(s) (`{items[0]}`"
+            + (f" and {len(items) - 1} more" if len(items) > 1 else "") + "): planc.save writes a model's state as "
+            "tensors only, so the checkpoint was changed since or written by another tool; none of them was read."
+        )
     return reader
 
 

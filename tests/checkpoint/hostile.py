@@ -180,7 +180,20 @@ def write_corpus(good: Path, root: Path) -> dict[str, list[str]]:
         os.rename(d / sub / ".metadata", d / sub / "__0.metadata")
         (d / sub / "__0.metadata").write_bytes(pickle.dumps(Reduce(os.system, f"touch {markers / case.replace('/', '-')}")))
         cases[case] = [where, str(d), str(markers / case.replace("/", "-"))]
-    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    case = "model/extra_item"  # a non-tensor item added to the model's state, holding a gadget
+    d = copy(case.replace("/", "-"))
+    md = pickle.loads((d / ".metadata").read_bytes())
+    md.state_dict_metadata["extra"] = BytesStorageMetadata()
+    target = d / "__0_0.distcp"
+    payload = _torch_save(Reduce(os.system, f"touch {markers / case.replace('/', '-')}"))
+    md.storage_data[MetadataIndex("extra")] = type(next(iter(md.storage_data.values())))(
+        "__0_0.distcp", target.stat().st_size, len(payload))
+    with open(target, "ab") as f:
+        f.write(payload)
+    (d / ".metadata").write_bytes(pickle.dumps(md, protocol=4))
+    cases[case] = ["model", str(d), str(markers / case.replace("/", "-"))]
 
     md = pickle.loads((good / "optimizer" / ".metadata").read_bytes())
     info = md.storage_data[MetadataIndex(LR_KEY)]

@@ -27,7 +27,7 @@ HELD = {
     "embedded_in_metadata": "`posix.system`", "path_traversal": "not a file name inside the checkpoint directory",
     "stream_transform": "stream transform(s) ['zstd']", "rank_file_only": ".metadata: missing",
     "weights_only_bytearray": "`__builtin__.bytearray`", "tensor_storage": "tensor storage",
-    "memo_dag": "nested more than 16 deep",
+    "memo_dag": "nested more than 16 deep", "extra_item": "1 non-tensor item(s) (`extra`)",
 }
 ITEM_TRUNCATED = "no torch.save archive"
 
@@ -51,7 +51,7 @@ def test_the_corpus_attacks_every_pickle_planc_reads(worlds):
         assert {"os_system", "builtins_eval", "subprocess_popen", "truncated", "oversized"} <= names, (where, names)
         assert any(n.startswith("allowed_") or n == "weights_only_bytearray" for n in names), (where, names)
         assert any(n.startswith("protocol5") for n in names), (where, names)
-    assert len(cases) == 47
+    assert len(cases) == 48
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -104,7 +104,7 @@ def test_explain_refuses_every_hostile_checkpoint(worlds, capsys):
     root, results = worlds
     # every kind of attack on each pickle explain reads (the 1- and 2-rank runs above take every case)
     kinds = ("os_system", "builtins_eval", "subprocess_popen", "allowed_module_os", "weights_only_bytearray",
-             "protocol5_gadget", "protocol5", "truncated", "oversized", "path_traversal")
+             "protocol5_gadget", "protocol5", "truncated", "oversized", "path_traversal", "extra_item")
     for case in [c for c in _cases(results[2]) if c.split("/")[1] in kinds]:
         d = root / "corpus" / case.replace("/", "-")
         assert main(["explain", PLAN, "--parallel", SIZES, "--checkpoint", str(d)]) == 1, case
