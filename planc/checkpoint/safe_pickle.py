@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
+import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NoReturn
 
@@ -80,8 +81,15 @@ class _Dispatch(dict):  # type: ignore[type-arg]
         _refuse(f"the pickle opcode {_NAMES.get(key, hex(key))} ({bytes([key])!r}), which this file never holds")
 
 
+_FIELDS: dict[type, frozenset[str]] = {}
+
+
 def _field_names(cls: type) -> frozenset[str]:
-    return frozenset(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else frozenset()
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = frozenset(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) \
+            else frozenset()
+    return names
 
 
 class RestrictedUnpickler(pickle._Unpickler):
@@ -91,13 +99,16 @@ class RestrictedUnpickler(pickle._Unpickler):
     stack: list[Any]
     append: Callable[[Any], None]
     read: Callable[[int], bytes]
+    readline: Callable[[], bytes]
+    metastack: list[list[Any]]
+    proto: int
     pop_mark: Callable[[], list[Any]]
-    _unframer: Any
 
     dispatch = _Dispatch({op[0]: _BASE_DISPATCH[op[0]] for op in _DATA_OPCODES + _OBJECT_OPCODES})
 
     def __init__(self, data: bytes, profile: Profile) -> None:
         self._stream = io.BytesIO(data)
+        self._size = len(data)
         super().__init__(self._stream)
         self.profile = profile
 
@@ -110,6 +121,30 @@ class RestrictedUnpickler(pickle._Unpickler):
 
     def persistent_load(self, pid: Any) -> NoReturn:
         _refuse("a persistent id")
+
+    def load(self) -> Any:
+        """pickle._Unpickler.load reading the in-memory input directly: FRAME is a length to check, not a buffer
+        to copy (the whole input is already in memory, and bounded), so each opcode is one C-level read."""
+        self.read = self._stream.read
+        self.readline = self._stream.readline
+        self.metastack = []
+        self.stack = []
+        self.append = self.stack.append
+        self.proto = 0
+        read, dispatch = self.read, self.dispatch
+        try:
+            while True:
+                key = read(1)
+                if not key:
+                    raise EOFError
+                dispatch[key[0]](self)
+        except pickle._Stop as stop:  # type: ignore[attr-defined]  # how pickle's own loop ends
+            return stop.value
+
+    def _frame(self) -> None:
+        (size,) = struct.unpack("<Q", self.read(8))
+        if size > self._size - self._stream.tell():
+            _refuse(f"a truncated pickle (a frame of {size} bytes runs past the end of the input)")
 
     # -- opcodes that run code -------------------------------------------------------------------------------
     def _proto(self) -> None:
@@ -198,6 +233,7 @@ class RestrictedUnpickler(pickle._Unpickler):
             _refuse(f"setting an item of {_describe(target)} (only dicts have items set)")
         return target
 
+    dispatch[_P.FRAME[0]] = _frame
     dispatch[_P.PROTO[0]] = _proto
     dispatch[_P.REDUCE[0]] = _reduce
     dispatch[_P.NEWOBJ[0]] = _newobj
@@ -218,9 +254,10 @@ class RestrictedUnpickler(pickle._Unpickler):
         except (EOFError, IndexError):
             _refuse("a truncated pickle (it ends before its STOP opcode)")
         except Exception as e:  # noqa: BLE001 - damaged input: struct, unicode, memo and stack errors
+            if self._stream.tell() >= self._size:  # an opcode's argument ran past the end
+                _refuse("a truncated pickle (it ends before its STOP opcode)")
             _refuse(f"a damaged pickle ({type(e).__name__}: {e})")
-        frame = self._unframer.current_frame
-        if (frame is not None and frame.read(1)) or self._stream.read(1):
+        if self._stream.read(1):
             _refuse("bytes after the pickle's STOP opcode (a second pickle or appended data)")
         return value
 

@@ -23,7 +23,7 @@ HELD = {
     "allowed_class_build": "the key '__setstate__', not one of its fields",
     "protocol5_gadget": "pickle protocol 5", "protocol5_buffer": "pickle protocol 5",
     "protocol5_genuine": "pickle protocol 5", "protocol5": "pickle protocol 5",
-    "truncated": "truncated", "trailing_pickle": "after the pickle's STOP opcode", "oversized": "more than the",
+    "truncated": "a truncated pickle", "trailing_pickle": "after the pickle's STOP opcode", "oversized": "more than the",
     "embedded_in_metadata": "`posix.system`", "path_traversal": "not a file name inside the checkpoint directory",
     "stream_transform": "stream transform(s) ['zstd']", "rank_file_only": ".metadata: missing",
     "weights_only_bytearray": "`__builtin__.bytearray`", "tensor_storage": "tensor storage",
