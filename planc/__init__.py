@@ -131,19 +131,23 @@ def apply(model: Any, plan: "PlanSource", *, mesh: Optional[Any] = None,
 
 def load(source: "Union[str, os.PathLike[str]]", plan: "PlanSource", *, dtype: Optional[Any] = None,
          device: Optional[Any] = None, mesh: Optional[Any] = None,
-         parallel: "Optional[Mapping[str, int]]" = None, dequantize: Optional[bool] = None) -> "nn.Module":
+         parallel: "Optional[Mapping[str, int]]" = None, dequantize: Optional[bool] = None,
+         trust_checkpoint_code: bool = False) -> "nn.Module":
     """Load the checkpoint directory `source` sharded by `plan`: every rank reads only its own shards.
 
     Returns the applied model (as `from_pretrained` returns one); its CompiledPlan is `model._planc_plan`.
     `parallel` runs the plan at other sizes, as for `apply`. `dequantize` (FP8 block-scaled checkpoints): keep
     FP8 (False) or dequantize each shard as it is read (True); default: as transformers decides (docs/load.md).
+    A planc.save checkpoint is read as data, through an allow-list (no code in it runs; docs/security.md);
+    `trust_checkpoint_code=True` reads one planc cannot read so with torch's own unpickler, and warns.
     """
     from planc.checkpoint.load import load as _load
     from planc.runtime import install
 
     install.require_distributed("planc.load")
     loaded = install.load_plan_on_every_rank(plan, parallel=parallel, what="planc.load")
-    return _load(source, loaded, dtype=dtype, device=device, mesh=mesh, dequantize=dequantize)
+    return _load(source, loaded, dtype=dtype, device=device, mesh=mesh, dequantize=dequantize,
+                 trust_checkpoint_code=trust_checkpoint_code)
 
 
 def save(model: nn.Module, directory: Union[str, os.PathLike[str]], *, optimizer: Optional[Any] = None) -> Path:
@@ -156,12 +160,14 @@ def save(model: nn.Module, directory: Union[str, os.PathLike[str]], *, optimizer
     return _save(model, directory, optimizer=optimizer)
 
 
-def load_optimizer(model: nn.Module, optimizer: Any, directory: Union[str, os.PathLike[str]]) -> None:
+def load_optimizer(model: nn.Module, optimizer: Any, directory: Union[str, os.PathLike[str]], *,
+                   trust_checkpoint_code: bool = False) -> None:
     """Restore `optimizer` (built over `model`'s parameters) from a checkpoint `planc.save(..., optimizer=)` wrote,
-    under any plan or sizes (`model` from `planc.load` of that checkpoint). Call on every rank."""
+    under any plan or sizes (`model` from `planc.load` of that checkpoint). Call on every rank. The state is read
+    as data (docs/security.md); `trust_checkpoint_code=True` reads it with torch's own unpickler, and warns."""
     from planc.checkpoint.optimizer import load_optimizer as _load_optimizer
 
-    _load_optimizer(model, optimizer, directory)
+    _load_optimizer(model, optimizer, directory, trust_checkpoint_code=trust_checkpoint_code)
 
 
 def export(model: nn.Module, directory: Union[str, os.PathLike[str]], *, max_shard_size: Union[int, str] = "5GB") -> Path:

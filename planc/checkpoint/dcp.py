@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from planc.checkpoint.atomic import agree
+from planc.checkpoint.dcp_reader import CheckedReader, metadata_protocol, planner_for
 from planc.checkpoint.keys import last_line
 from planc.checkpoint.marker import is_planc_checkpoint, read_marker, saved_under
 from planc.checkpoint.state import (
@@ -92,7 +93,7 @@ def dcp_failures(what: str) -> Iterator[None]:
         raise CheckpointError(f"{what}: torch.distributed.checkpoint failed: {failed}.{hint}") from None
 
 
-def _storage_problems(metadata: Metadata, directory: Path) -> list[str]:
+def storage_problems(metadata: Metadata, directory: Path) -> list[str]:
     """Every `__<rank>_0.distcp` the metadata points into: present, and long enough for every range read from it
     (a missing or truncated rank file is refused here, naming it, before DCP reads a byte)."""
     ends: dict[str, int] = {}
@@ -157,6 +158,7 @@ def fill_from_dcp(
     device: Union[None, str, torch.device] = None,
     compiled: Optional[CompiledPlan] = None,
     groups: Optional[Groups] = None,
+    reader: Optional[CheckedReader] = None,
 ) -> None:
     """Fill `model` (sharded on meta under any plan) from the planc.save checkpoint in `directory`.
 
@@ -164,7 +166,9 @@ def fill_from_dcp(
     NCCL, else the CPU). `compiled`/`groups`: the new plan's CompiledPlan and Groups, needed only when
     `grouped_gemm` shards buffers (they are plain local slices; default: `model._planc_plan`/`_planc_groups`).
     A dtype other than the saved one is cast as it is read. Raises `CheckpointError` on every rank, naming
-    each key, when the model and the checkpoint disagree; nothing is read then.
+    each key, when the model and the checkpoint disagree; nothing is read then. `reader`: the CheckedReader
+    planc.load's checks already read the metadata with (default: a new one, planc's allow-list); DCP reads
+    through it, so the metadata is read once and never by torch's unpickler.
     """
     directory = Path(directory)
     what = f"planc: reading the checkpoint {directory}"
@@ -175,14 +179,18 @@ def fill_from_dcp(
     try:
         marker = read_marker(directory)
         saved_np = set(marker.get("non_persistent_buffers", ()))
+        if reader is None:
+            reader = CheckedReader(directory, protocol=metadata_protocol(marker))
         try:
-            metadata = dcp.FileSystemReader(str(directory)).read_metadata()
+            metadata = reader.read_metadata()
+        except CheckpointError:
+            raise
         except Exception as e:  # noqa: BLE001 - a damaged .metadata raises pickle's or the filesystem's errors
             raise CheckpointError(
                 f"{directory / '.metadata'}: unreadable ({type(e).__name__}: {last_line(str(e))}); the checkpoint is "
                 "damaged: save it again, or copy it again."
             ) from None
-        files = _storage_problems(metadata, directory)
+        files = storage_problems(metadata, directory)
         if files:
             raise CheckpointError(f"{directory}: {len(files)} file(s) of the checkpoint are damaged:\n    "
                                   + "\n    ".join(files))
@@ -199,12 +207,13 @@ def fill_from_dcp(
         error = e
     agree(error, what)
 
+    assert reader is not None  # the ranks agreed that the metadata was read
     _materialize(model, device)
     targets = _targets(model, compiled, groups, saved_np)
     strided: dict[str, DTensor] = {k: t for k, t in targets.items() if has_strided(t)}
     load_state = {k: (dcp_layout(cast(DTensor, strided[k].detach())) if k in strided else t) for k, t in targets.items()}
     with dcp_failures(what):
-        dcp.load(load_state, checkpoint_id=str(directory))
+        dcp.load(load_state, storage_reader=reader, planner=planner_for(reader))
     with torch.no_grad():
         for key, t in strided.items():
             loaded = load_state[key]
@@ -212,4 +221,4 @@ def fill_from_dcp(
             t.to_local().copy_(loaded.redistribute(placements=t.placements).to_local())
 
 
-__all__ = ["dcp_failures", "fill_from_dcp", "is_planc_checkpoint", "read_marker"]
+__all__ = ["dcp_failures", "fill_from_dcp", "storage_problems", "is_planc_checkpoint", "read_marker"]

@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
+from planc.checkpoint.atomic import agree
+from planc.checkpoint.dcp_reader import CheckedReader
 from planc.checkpoint.files import CheckpointFiles
 from planc.checkpoint.fill import SafetensorsFill
 from planc.checkpoint.keys import checkpoint_problems, last_line
@@ -58,6 +60,7 @@ def load(
     device: Optional[torch.device | str] = None,
     mesh: Any = None,
     dequantize: Optional[bool] = None,
+    trust_checkpoint_code: bool = False,
 ) -> nn.Module:
     """Load the checkpoint directory `source` sharded by `loaded`; every rank reads only its own shards.
 
@@ -68,17 +71,20 @@ def load(
     `mesh`: an optional DeviceMesh, as for `apply`. `dequantize`: for an FP8 block-scaled
     checkpoint, keep the weights FP8 (False; transformers' FP8 modules, CUDA kernels) or dequantize each shard to
     `dtype` as it is read (True); default: as transformers decides (FP8 on a CUDA GPU of compute capability
-    >= 8.9, else dequantized). Returns the applied model; its CompiledPlan is `model._planc_plan`, as after
-    `planc.apply`.
+    >= 8.9, else dequantized). `trust_checkpoint_code`: read a planc.save checkpoint with torch's own unpickler
+    instead of planc's allow-list (dcp_reader.py; it warns). Returns the applied model; its CompiledPlan is
+    `model._planc_plan`, as after `planc.apply`.
     """
     from planc.runtime import install
     from planc.runtime.mesh import build_groups
 
     device = rank_device(device)
-    checked = check_checkpoint(source, loaded, dtype=dtype, device=device, mesh=mesh, dequantize=dequantize)
+    checked = check_checkpoint(source, loaded, dtype=dtype, device=device, mesh=mesh, dequantize=dequantize,
+                               trust_checkpoint_code=trust_checkpoint_code)
     try:
+        agree(checked.refused, "planc.load")  # a refused .metadata: the same CheckpointError on every rank
         install.agree_across_ranks(checked.compiled, checked.problems, what="planc.load", decisions=checked.decisions)
-    except ApplyError:
+    except (ApplyError, CheckpointError):
         checked.close()
         raise
 
@@ -91,7 +97,7 @@ def load(
         assert checked.files is not None  # not a planc.save checkpoint: the safetensors files are open
         fill = SafetensorsFill(checked.files, device)
     else:
-        fill = _DcpFill(checked.dcp_dir, device)
+        fill = _DcpFill(checked.dcp_dir, device, checked.reader)
     try:
         install.install_atomically(state, after_sharding=fill, what="planc.load")
     finally:
@@ -102,13 +108,16 @@ def load(
 @dataclass
 class Checked:
     """What `check_checkpoint` found: the meta model and its CompiledPlan (None when compiling failed), the open
-    safetensors files or the DCP directory, every problem (each a message naming file/key and the fix), and the
+    safetensors files or the DCP directory (and the reader its metadata was read with; `refused`: why that
+    metadata was refused, before anything else was checked), every problem (each a message naming file/key and the fix), and the
     decisions the ranks must agree on before their collectives diverge (install.agree_across_ranks)."""
 
     model: Optional[PreTrainedModel] = None
     compiled: Optional[CompiledPlan] = None
     files: Optional[CheckpointFiles] = None
     dcp_dir: Optional[str] = None
+    reader: Optional[CheckedReader] = None
+    refused: Optional[CheckpointError] = None
     problems: list[str] = field(default_factory=list)
     decisions: dict[str, str] = field(default_factory=dict)
 
@@ -120,13 +129,14 @@ class Checked:
 def check_checkpoint(
     source: str | os.PathLike[str], loaded: LoadedPlan, *, dtype: Optional[torch.dtype | str] = None,
     device: Optional[torch.device | str] = None, mesh: Any = None, dequantize: Optional[bool] = None,
-    launched: bool = True
+    launched: bool = True, trust_checkpoint_code: bool = False
 ) -> Checked:
     """Every check planc.load runs before a byte of a tensor is read, on this rank alone (no communication).
 
     `planc.load` calls it on every rank and agrees on the outcome; `planc explain --checkpoint` calls it with
     `launched=False` (no world: the world size and the kernels' device are not checked) and prints the problems.
-    One function, so explain refuses exactly what load refuses.
+    One function, so explain refuses exactly what load refuses. A planc.save checkpoint's `.metadata` is read here,
+    through planc's allow-list (dcp_reader.py), and every file it points into checked.
     """
     from planc.runtime import install
 
@@ -142,6 +152,12 @@ def check_checkpoint(
             config = _config(out.files.config_path.parent, dtype)
             config_path = out.files.config_path
         else:
+            try:
+                out.reader = _dcp_reader(Path(out.dcp_dir), trust_checkpoint_code)
+            except CheckpointError as e:  # its metadata refused: nothing more of it is read or built
+                out.refused = e
+                out.problems.append(str(e))
+                return out
             config = _config(out.dcp_dir, dtype)
             config_path = Path(out.dcp_dir) / "config.json"
         _check_model_type(loaded, config, config_path)
@@ -177,6 +193,40 @@ def _memory_problems(compiled: CompiledPlan, device: torch.device, source: str |
 
 
 # ---- 1-2. checkpoint, config, plan, meta model -------------------------------------------------------------
+
+
+def _dcp_reader(directory: Path, trust_code: bool) -> CheckedReader:
+    """The reader of a planc.save checkpoint, its `.metadata` read (planc's allow-list unless the user trusts the
+    checkpoint's code) and every `.distcp` range it names present; CheckpointError otherwise."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from planc.checkpoint.dcp import storage_problems
+    from planc.checkpoint.dcp_reader import metadata_protocol, warn_trusted
+    from planc.checkpoint.marker import read_marker
+
+    if trust_code:
+        warn_trusted(directory, "planc.load")
+    reader = CheckedReader(directory, protocol=metadata_protocol(read_marker(directory)), trust_code=trust_code)
+    try:
+        metadata = reader.read_metadata()
+    except PlancError:
+        raise
+    except Exception as e:  # noqa: BLE001 - torch's unpickler (trusted) raises anything
+        raise CheckpointError(f"{directory / '.metadata'}: unreadable ({type(e).__name__}: {last_line(str(e))}); the "
+                              "checkpoint is damaged: save it again, or copy it again.") from None
+    files = storage_problems(metadata, directory)
+    if files:
+        raise CheckpointError(f"{directory}: {len(files)} file(s) of the checkpoint are damaged:\n    "
+                              + "\n    ".join(files))
+    items = sorted(k for k, v in metadata.state_dict_metadata.items() if not isinstance(v, TensorStorageMetadata))
+    if items:  # fill_from_dcp would refuse them too: refused here, so explain --checkpoint does as well
+        raise CheckpointError(
+            f"{directory / '.metadata'}: {len(items)} non-tensor item(s) (`{items[0]}`"
+            + (f" and {len(items) - 1} more" if len(items) > 1 else "") + "): planc.save writes a model's state as "
+            "tensors only, so the checkpoint was changed since or written by another tool; none of them was read."
+        )
+    return reader
+
 
 
 def _dcp_checkpoint(source: str | os.PathLike[str]) -> Optional[str]:
@@ -303,14 +353,16 @@ def _meta_model(config: Any, dtype: Optional[torch.dtype | str]) -> PreTrainedMo
 class _DcpFill:
     """Between sharding and forwards: `torch.distributed.checkpoint` reshards a planc checkpoint into this plan."""
 
-    def __init__(self, path: str, device: torch.device) -> None:
+    def __init__(self, path: str, device: torch.device, reader: Optional[CheckedReader]) -> None:
         self.path = path
         self.device = device
+        self.reader = reader
 
     def __call__(self, state: InstallState) -> None:
         from planc.checkpoint.dcp import fill_from_dcp
 
-        fill_from_dcp(state.model, self.path, device=self.device, compiled=state.compiled, groups=state.groups)
+        fill_from_dcp(state.model, self.path, device=self.device, compiled=state.compiled, groups=state.groups,
+                      reader=self.reader)
         quantizer = getattr(state.model, "hf_quantizer", None)
         if quantizer is not None:  # FP8 kept: as after a safetensors load (the config keeps its quantization_config)
             quantizer.postprocess_model(state.model)

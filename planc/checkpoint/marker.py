@@ -8,10 +8,11 @@ rebuilt from the CompiledPlan, so `planc lint` and `planc.load` read it like any
     {"format": "planc-dcp", "format_version": 1, "fingerprint": ..., "parallel": {...},
      "world_size": 2, "model_type": "mixtral", "model_class": "MixtralForCausalLM", "dtype": "float32",
      "plan": {...}, "plan_name": ..., "plan_path": ..., "non_persistent_buffers": [...],
-     "planc_version": ..., "torch_version": ..., "transformers_version": ...,
+     "planc_version": ..., "torch_version": ..., "transformers_version": ..., "pickle_protocol": 4,
      "optimizer": {"class": "torch.optim.adamw.AdamW", "path": "optimizer"}}   # only with planc.save(optimizer=)
 
-`planc.load` detects one with `is_planc_checkpoint(dir)` and reports what it was saved under with
+`pickle_protocol` is the one DCP's `.metadata` pickles were written with (the saving Python's default): planc's
+reader accepts that one only (dcp_reader.py). `planc.load` detects one with `is_planc_checkpoint(dir)` and reports what it was saved under with
 `read_marker(dir)`.
 """
 
@@ -55,6 +56,8 @@ def plan_mapping(compiled: CompiledPlan) -> dict[str, Any]:
 
 
 def marker_data(model: nn.Module, compiled: CompiledPlan, non_persistent_buffers: list[str]) -> dict[str, Any]:
+    import pickle
+
     import torch
     import transformers
 
@@ -77,6 +80,7 @@ def marker_data(model: nn.Module, compiled: CompiledPlan, non_persistent_buffers
         "planc_version": __version__,
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
+        "pickle_protocol": pickle.DEFAULT_PROTOCOL,  # what torch's FileSystemWriter pickles .metadata with
     }
 
 

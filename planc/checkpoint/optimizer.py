@@ -36,7 +36,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.optim import Optimizer
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
@@ -45,7 +45,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from planc.checkpoint.applied import applied_plan
+from planc.checkpoint.dcp import dcp_failures, storage_problems
+from planc.checkpoint.keys import last_line
 from planc.checkpoint.atomic import agree
+from planc.checkpoint.dcp_reader import CheckedReader, metadata_protocol, planner_for, warn_trusted
 from planc.checkpoint.marker import read_marker, saved_under
 from planc.checkpoint.state import dcp_layout, has_strided
 from planc.errors import CheckpointError
@@ -212,15 +215,62 @@ def _plan_load(target: dict[str, Any], saved: dict[str, Any]) -> tuple[dict[str,
     return plan, names - stateful, problems
 
 
-def load_optimizer(model: nn.Module, optimizer: Optimizer, directory: str | os.PathLike[str]) -> None:
+def optimizer_reader(directory: Path, marker: dict[str, Any], trust_code: bool) -> CheckedReader:
+    """The reader of the optimizer state planc.json (`marker`) points to, its `.metadata` read (planc's allow-list
+    unless the user trusts the checkpoint's code); CheckpointError otherwise. The state lives in `optimizer/`
+    inside the checkpoint, where planc.save writes it, never elsewhere (planc.json is as untrusted as the rest)."""
+    entry = marker.get("optimizer") or {}
+    if entry.get("path") != OPTIMIZER_DIR:
+        raise CheckpointError(
+            f"{directory / 'planc.json'}: the optimizer state is at {entry.get('path')!r}; planc.save writes it to "
+            f"{OPTIMIZER_DIR!r} inside the checkpoint and reads it nowhere else. The checkpoint is damaged: save it again."
+        )
+    saved_dir = directory / OPTIMIZER_DIR
+    reader = CheckedReader(saved_dir, protocol=metadata_protocol(marker), trust_code=trust_code)
+    try:
+        metadata = reader.read_metadata()
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - torch's unpickler (trusted) raises anything
+        raise CheckpointError(f"{saved_dir / '.metadata'}: unreadable ({type(e).__name__}: {last_line(str(e))}); the "
+                              "checkpoint is damaged: save it again, or copy it again.") from None
+    files = storage_problems(metadata, saved_dir)
+    if files:
+        raise CheckpointError(f"{saved_dir}: {len(files)} file(s) of the optimizer state are damaged:\n    "
+                              + "\n    ".join(files))
+    return reader
+
+
+def optimizer_problems(directory: str | os.PathLike[str], *, trust_checkpoint_code: bool = False) -> list[str]:
+    """What planc.load_optimizer would refuse in a checkpoint's optimizer state before matching it to an optimizer
+    (`planc explain --checkpoint`): its metadata, its files, every non-tensor value; [] when it holds none."""
+    directory = Path(directory)
+    try:
+        marker = read_marker(directory)
+        if marker.get("optimizer"):
+            reader = optimizer_reader(directory, marker, trust_checkpoint_code)
+            saved = reader.read_metadata().state_dict_metadata
+            reader.read_items(k for k, v in saved.items() if isinstance(v, BytesStorageMetadata))
+    except CheckpointError as e:
+        return [str(e)]
+    except Exception as e:  # noqa: BLE001 - torch's unpickler (trusted) raises anything
+        return [f"{directory / OPTIMIZER_DIR}: {type(e).__name__}: {last_line(str(e)) or e}"]
+    return []
+
+
+def load_optimizer(model: nn.Module, optimizer: Optimizer, directory: str | os.PathLike[str], *,
+                   trust_checkpoint_code: bool = False) -> None:
     """Restore `optimizer` (over `model`'s parameters, any plan or sizes) from a planc.save checkpoint.
 
     Every rank calls it. Raises the same `CheckpointError` on every rank, before anything is read, when
     the checkpoint holds no optimizer state, holds another optimizer class's, or is of another model or
-    parameter set (each mismatched key named).
+    parameter set (each mismatched key named), or when its metadata or a hyperparameter is not plain data
+    (dcp_reader.py; `trust_checkpoint_code=True` reads them with torch's own unpickler, and warns).
     """
     directory = Path(directory)
     what = f"planc.load_optimizer({str(directory)!r})"
+    if trust_checkpoint_code:
+        warn_trusted(directory, "planc.load_optimizer")
     compiled, _ = applied_plan(model, what)
     if isinstance(optimizer, torch.optim.Optimizer):
         settle_sharded(model, optimizer)  # an optimizer built after a forward whose backward has not run yet
@@ -256,11 +306,13 @@ def load_optimizer(model: nn.Module, optimizer: Optimizer, directory: str | os.P
     had_state = bool(optimizer.state)
     # allocates a fresh optimizer's state
     target: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer, options=_OPTIONS))
-    saved_dir = str(directory / entry["path"])
     plan: dict[str, Any] = {}
+    values: dict[str, Any] = {}
     stateless: set[str] = set()
+    reader: Optional[CheckedReader] = None
     try:
-        saved = dcp.FileSystemReader(saved_dir).read_metadata().state_dict_metadata
+        reader = optimizer_reader(directory, marker, trust_checkpoint_code)
+        saved = reader.read_metadata().state_dict_metadata
         plan, stateless, problems = _plan_load(target, saved)
         if problems:
             raise CheckpointError(
@@ -270,6 +322,8 @@ def load_optimizer(model: nn.Module, optimizer: Optimizer, directory: str | os.P
                 + "\nLoad the model from the same checkpoint (planc.load) and build the optimizer over all of its "
                 "parameters, as it was built when saved."
             )
+        # the non-tensor values (hyperparameters), read as plain data before DCP writes into any state tensor
+        values = reader.read_items(k for k in plan if isinstance(saved.get(k), BytesStorageMetadata))
     except Exception as e:  # noqa: BLE001
         error = e
     try:
@@ -279,13 +333,15 @@ def load_optimizer(model: nn.Module, optimizer: Optimizer, directory: str | os.P
             optimizer.state.clear()  # the zero state torch allocated above is not a resumed one
         raise
 
+    assert reader is not None  # the ranks agreed that it was read
     strided = [k for k, v in plan.items() if has_strided(v)]  # a list: every rank redistributes in one order
-    load_state = _dcp_view(plan)
-    dcp.load(load_state, checkpoint_id=saved_dir)
+    load_state = _dcp_view({k: v for k, v in plan.items() if k not in values})
+    with dcp_failures(what):
+        dcp.load(load_state, storage_reader=reader, planner=planner_for(reader))
     with torch.no_grad():
         for key in strided:
             target[key].to_local().copy_(load_state[key].redistribute(placements=target[key].placements).to_local())
-    for key, value in load_state.items():
+    for key, value in {**load_state, **values}.items():
         if key not in strided:
             target[key] = value  # non-tensor values (hyperparameters) come back as new objects
     error = None
@@ -306,6 +362,8 @@ __all__ = [
     "marker_entry",
     "group_names",
     "optimizer_class",
+    "optimizer_problems",
+    "optimizer_reader",
     "optimizer_state",
     "refuse_foreign_parameters",
     "refuse_unsavable_optimizer",

@@ -4,7 +4,8 @@ The model named by `model.type` is built on the `meta` device from transformers'
 that type (or `--config config.json`), with `--set key=value` overrides, so a 600B-parameter model
 costs no memory. Prints what each rule matched, the EP strategy and why, and the bytes per rank.
 
-`--checkpoint DIR` runs every check planc.load runs before reading a byte (the same function), and
+`--checkpoint DIR` runs every check planc.load runs before reading a byte (the same function; for a planc.save
+checkpoint also planc.load_optimizer's reading of its optimizer state, as data), and
 `--parallel tp_size=2,ep_size=2` explains the plan at the sizes planc.apply/load(parallel=...) would run it.
 
 Exit status: 0 the plan resolves, 1 it does not (the CompileError or lint errors are printed) or planc.load
@@ -47,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a local checkpoint directory: its config.json builds the model, every check planc.load runs before "
         "reading is run (keys, shapes, dtypes, experts; exit 1 listing what it would refuse), and the bytes each "
         "rank reads from its safetensors files are printed by dtype",
+    )
+    parser.add_argument(
+        "--trust-checkpoint-code", action="store_true",
+        help="read a planc.save checkpoint with torch's own unpickler instead of planc's allow-list: code in a "
+        "hostile checkpoint runs. Only for a checkpoint you trust that planc cannot read (docs/security.md)",
     )
     parser.add_argument(
         "--parallel", metavar="SIZES",
@@ -198,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         reads = None
         if args.checkpoint:
-            rc, reads = check_checkpoint(args.checkpoint, path, loaded, args.dtype, c)
+            rc, reads = check_checkpoint(args.checkpoint, path, loaded, args.dtype, c, args.trust_checkpoint_code)
             status = max(status, rc)
         problems = budget_problems(c, device_memory, where=path, train=args.train) if device_memory is not None else []
         for p in problems:
@@ -312,14 +318,16 @@ def _budget_json(b) -> dict:
     }
 
 
-def check_checkpoint(directory: str, plan_path: str, loaded, dtype: str, compiled):
+def check_checkpoint(directory: str, plan_path: str, loaded, dtype: str, compiled, trust_code: bool = False):
     """(exit status, bytes each rank reads by checkpoint dtype or None): every check planc.load runs before reading
-    (`planc.checkpoint.load.check_checkpoint`, the same function), its problems on stderr."""
+    (`planc.checkpoint.load.check_checkpoint`, the same function), and for a planc.save checkpoint what
+    planc.load_optimizer would refuse of its optimizer state; the problems on stderr."""
     from planc.compiler.memory import read_per_rank
     from planc.checkpoint.keys import target_reads
     from planc.checkpoint.load import check_checkpoint as load_checks
 
-    checked = load_checks(directory, loaded, dtype=None if dtype == "config" else dtype, launched=False)
+    checked = load_checks(directory, loaded, dtype=None if dtype == "config" else dtype, launched=False,
+                          trust_checkpoint_code=trust_code)
     try:
         if checked.problems:
             sys.stderr.write(
@@ -329,6 +337,13 @@ def check_checkpoint(directory: str, plan_path: str, loaded, dtype: str, compile
             )
             return 1, None
         if checked.files is None:  # a planc.save checkpoint: DCP reads each rank's overlap, not a fixed byte count
+            from planc.checkpoint.optimizer import optimizer_problems
+
+            problems = optimizer_problems(directory, trust_checkpoint_code=trust_code)
+            if problems:
+                sys.stderr.write(f"planc explain: planc.load_optimizer would refuse {directory}:\n"
+                                 + "".join(f"  - {p}\n" for p in problems))
+                return 1, None
             return 0, None
         assert checked.model is not None  # no problems: the meta model was built
         return 0, read_per_rank(compiled, target_reads(checked.model, checked.files))
