@@ -165,6 +165,12 @@ def _splits_output(style: str) -> bool:
     return row is not None and row.output == SHARDED
 
 
+def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The decoder's config: a multimodal model's `text_config` (its language model is what the plan prices)."""
+    inner = config.get("text_config")
+    return inner if "hidden_size" not in config and isinstance(inner, Mapping) else config
+
+
 def _get(config: Mapping[str, Any], *names: str, default: Any = None) -> Any:
     for n in names:
         v = config.get(n)
@@ -294,6 +300,7 @@ def peak_memory(
 ) -> PeakMemory:
     """The peak for `workload` ("train" needs `train`, the held model states) at `batch` x `seq`; with
     `device_memory`, the largest batch (`search="batch"`) or sequence (`search="seq"`) that fits."""
+    config = text_config(config)
     best = _peak(compiled, walk, config, train, workload, batch, seq, capacity_factor)
     max_batch = max_seq = None
     if device_memory is not None:

@@ -27,7 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-PLANS = {"mixtral": "plans/mixtral.yaml", "qwen3_moe": "plans/qwen3_moe.yaml", "deepseek_v3": "plans/deepseek_v3.yaml"}
+
+
+def plan_path(name: str) -> str:
+    """A shipped plan by its file's stem (`plans/NAME.yaml`): the grid's family names are the plans'."""
+    return f"plans/{name}.yaml"
 
 
 @contextlib.contextmanager
@@ -48,6 +52,27 @@ def symmetric_counts():
         yield
     finally:
         dist.all_to_all_single = real
+
+
+@contextlib.contextmanager
+def no_backward_hooks_without_grad():
+    """MemTracker's module tracker registers a backward hook on every module input that requires grad, even under
+    `no_grad`, where an input can require grad without a gradient function (Qwen3-Next's conv weight view in its
+    hub-kernel layer) and the registration fails: a prefill has no backward, so it registers none."""
+    from torch.distributed._tools import mod_tracker
+
+    real = mod_tracker.register_multi_grad_hook
+
+    def register(tensors, fn, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return None
+        return real(tensors, fn, *args, **kwargs)
+
+    mod_tracker.register_multi_grad_hook = register
+    try:
+        yield
+    finally:
+        mod_tracker.register_multi_grad_hook = real
 
 
 def _fill(model, seed: int = 0) -> None:
@@ -80,7 +105,7 @@ def plan_data(family: str, mode: str, *, dp: int = 1, root: str = ".") -> dict:
     """The shipped plan at its own tp/ep, with `dp` replicas and the training mode of `mode`."""
     from planc.lint.plan_loader import load_plan
 
-    data = load_plan(f"{root}/{PLANS[family]}").plan.model_dump(exclude_none=True)
+    data = load_plan(f"{root}/{plan_path(family)}").plan.model_dump(exclude_none=True)
     data.pop("extends", None)
     data["parallel"]["dp_size"] = dp
     if mode == "serve":
@@ -107,7 +132,7 @@ def measure(family: str, mode: str, batch: int, seq: int, overrides: dict, *, dp
     p = data["parallel"]
     if not dist.is_initialized():
         dist.init_process_group("fake", rank=0, world_size=p["tp_size"] * p["dp_size"], store=FakeStore())
-    model = build_meta_model(family, dict(overrides)).to(torch.bfloat16)
+    model = build_meta_model(data["model"]["type"], dict(overrides)).to(torch.bfloat16)
     mesh = None
     if device != "cpu":  # the fake backend is not NCCL, so planc would build a CPU mesh: FSDP2 allocates on its device
         from torch.distributed.device_mesh import init_device_mesh
@@ -129,7 +154,7 @@ def measure(family: str, mode: str, batch: int, seq: int, overrides: dict, *, dp
             model.eval()
             tracker = MemTracker()
             tracker.track_external(model)
-            with tracker, torch.no_grad():
+            with no_backward_hooks_without_grad(), tracker, torch.no_grad():
                 result = model(ids, use_cache=True, logits_to_keep=1)
                 del result
         else:
