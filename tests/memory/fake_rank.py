@@ -144,7 +144,7 @@ def measure(family: str, mode: str, batch: int, seq: int, overrides: dict, *, dp
     planc.apply(model, data, mesh=mesh)
     model.to_empty(device=device)
     _fill(model)
-    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, model.config.get_text_config().vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
     ids = ids.to(device)
     if device != "cpu":
         return _measure_cuda(model, ids, mode)
