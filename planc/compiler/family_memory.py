@@ -27,10 +27,10 @@ class FamilyMemory:
     router_input_fp32: bool = False
     # q_norm/k_norm normalise the whole projected q/k width (not per head): an fp32 copy of q and k in forward
     full_width_qk_norm: bool = False
-    # the MoE block runs every expert on every token: `hidden.repeat(experts, 1)` and its weighted copy
-    dense_expert_inputs: bool = False
     # rotary in complex fp32 (`view_as_complex(x.float())`): fp32 copies of q and k
     complex_rope_fp32: bool = False
+    # hyper-connections: the residual is [tokens, streams, hidden], mixed in fp32 (DeepSeek-V4: 4 streams)
+    residual_streams: int = 1
     unpriced: tuple[str, ...] = ()
     measured: bool = True  # in the grid of docs/memory.md
 
@@ -51,16 +51,16 @@ FAMILIES: dict[str, FamilyMemory] = {
     "minimax_m2": FamilyMemory(routing_weights_fp32=True, full_width_qk_norm=True),
     # softmax over the top-k in the logits' dtype; eager attention with sinks (priced from the attention layer)
     "gpt_oss": FamilyMemory(),
-    # sigmoid(...).to(dtype); hidden.repeat(num_experts, 1) and its scaled copy; complex fp32 rotary
-    "llama4_text": FamilyMemory(dense_expert_inputs=True, complex_rope_fp32=True),
-    "llama4": FamilyMemory(dense_expert_inputs=True, complex_rope_fp32=True),
+    # sigmoid(...).to(dtype); complex fp32 rotary (its dense expert dispatch is the compiled plan's: `dispatch`)
+    "llama4_text": FamilyMemory(complex_rope_fp32=True),
+    "llama4": FamilyMemory(complex_rope_fp32=True),
     "deepseek_v4": FamilyMemory(
-        routing_weights_fp32=True, router_input_fp32=True,
+        routing_weights_fp32=True, router_input_fp32=True, residual_streams=4,
         unpriced=(
             "DeepSeek-V4's compressed KV caches (CSA/HCA entries, indexer keys) and the CSA indexer's fp32 scores "
             "(priced as a full-attention cache and eager S x S scores)",
-            "DeepSeek-V4's hyper-connections (a [tokens, 4, hidden] residual mixed in fp32; priced as 4 fp32 copies "
-            "of the hidden states per layer)",
+            "DeepSeek-V4's hyper-connections' mixing temporaries (the [tokens, 4, hidden] fp32 residual itself is "
+            "priced, once alive in a prefill and once kept per layer in training)",
         ),
     ),
 }

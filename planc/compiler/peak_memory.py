@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional
 
+from planc.compiler import megamoe_buffers
 from planc.compiler.family_memory import FamilyMemory, family_memory
 from planc.compiler.train_memory import ITEMSIZE, TrainMemory
 from planc.compiler.units import human_bytes
@@ -70,6 +71,8 @@ class LayerShape:
     num_experts: int = 0
     top_k: int = 0
     local_experts: int = 0  # experts this rank holds (EP)
+    dense_dispatch: bool = False  # every token runs every expert, pre-scaled (Llama 4: planc.runtime.ep.dense)
+    megamoe: bool = False  # the experts run Mega MoE (planc.compiler.megamoe_buffers)
     attn_impl: str = "sdpa"  # what transformers runs (config._attn_implementation): sdpa | eager | flex_attention...
     sinks: bool = False  # a per-head sink logit joins the eager scores (gpt-oss)
     kv_heads: int = 0  # key/value heads on this rank (eager's repeat_kv copies them to `heads`)
@@ -256,6 +259,7 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
     layer_types = config.get("layer_types") or []
     experts_by_layer = {e.fqn: e for e in compiled.experts}
     impl = attention_implementation(walk)
+    megamoe = compiled.experts_implementation.megamoe
     sinks = {f.rsplit(".", 2)[0] for f in walk.params if f.endswith(".sinks")}
     shapes = []
     for index, (layer, (mla, moe, shared)) in enumerate(sorted(_layer_kinds(walk).items(),
@@ -303,6 +307,8 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
             intermediate=inter, shared=shared_w, moe_intermediate=moe_inter,
             num_experts=experts.num_experts if experts is not None else 0,
             local_experts=experts.num_local_experts if experts is not None else 0,
+            dense_dispatch=experts is not None and experts.dispatch == "dense",
+            megamoe=experts is not None and megamoe,
             top_k=(experts.top_k or int(_get(config, "num_experts_per_tok", default=1))) if experts is not None else 0,
             attn_impl=impl, sinks=layer in sinks, kv_heads=kvh, head_dim=d, linear=linear,
         ))
@@ -368,6 +374,8 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
         n += t * (a * (2 * s.q + 4 * s.k) + FP32 * s.heads)
     if fam.full_width_qk_norm:
         n += t * (FP32 + a) * (s.q + s.k)
+    if fam.residual_streams > 1:
+        n += t * FP32 * fam.residual_streams * hidden
     if fam.complex_rope_fp32 and s.attention != "linear":
         n += t * FP32 * (s.q + s.k)
     # MLP: its input norm + output
@@ -380,7 +388,7 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
         if fam.router_input_fp32:
             n += t * FP32 * hidden
         per_rank = -(-t // tp)
-        if fam.dense_expert_inputs:  # every token to every expert: the repeated input and its weighted copy
+        if s.dense_dispatch:  # every token to every expert: the repeated input and its weighted copy
             n += 2 * e * t * a * hidden
             rows = max(rows, s.local_experts * per_rank)
         n += rows * a * (hidden + 4 * s.moe_intermediate) + per_rank * k * a * hidden
@@ -481,8 +489,10 @@ def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], tr
         worst = _train_peak(train, shapes, hidden, vocab, a, batch, seq, worst_rows, tp, ckpt, fam)
     else:
         params = compiled.bytes_per_rank
-        best = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, rows, tp, ep, fam)
-        worst = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, worst_rows, tp, ep, fam)
+        buf, work, mm_notes = _megamoe(compiled.experts_settings.megamoe, shapes, hidden, tokens, ep)
+        notes.extend(mm_notes)
+        best = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, rows, tp, ep, fam, (buf, work))
+        worst = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, worst_rows, tp, ep, fam, (buf, work))
         notes.append("KV cache as transformers' DynamicCache holds it after prefill (no paged or quantized cache)")
         if top_k and not routed:
             notes.append("EP at inference over the TP group runs all_reduce: each rank runs its experts over every "
@@ -606,9 +616,38 @@ def _masks(shapes: list[LayerShape], batch: int, seq: int, a: int) -> int:
     return out
 
 
+def _megamoe(settings: Any, shapes: list[LayerShape], hidden: int, tokens: int, ep: int) -> tuple[int, int, list[str]]:
+    """(the symmetric buffer every Mega MoE layer shares, one layer's work, notes) at `tokens` per rank; `auto`
+    picks its backend by device, so both are priced and the larger counts."""
+    moe = next((s for s in shapes if s.megamoe), None)
+    if moe is None:
+        return 0, 0, []
+    backend = settings.backend if settings is not None else "auto"
+    limit = settings.max_tokens_per_rank if settings is not None else None
+    cap = megamoe_buffers.capacity(tokens, limit)
+    rows = tokens if ep == 1 else min(megamoe_buffers.capacity(tokens, None), cap)
+    k, inter, local = moe.top_k, moe.moe_intermediate, moe.local_experts
+    deep = megamoe_buffers.deepgemm_symmetric_bytes(ep, moe.num_experts, cap, k, hidden, inter)
+    ref = megamoe_buffers.reference_buffer_bytes(cap, k, hidden)
+    work = megamoe_buffers.triton_layer_bytes(ep, rows, local, k, hidden, inter)
+    out = 2 * tokens * hidden * 2  # the layer's output and the combined rows (deep_gemm's own work is in its buffer)
+    if backend == "deep_gemm":
+        buf, work = deep, out
+    elif backend == "auto":
+        buf, work = max(deep, ref), max(work, out)
+    else:
+        buf = ref
+    notes = [f"Mega MoE ({backend}): the symmetric buffer for {cap} tokens per rank"
+             + (" (`max_tokens_per_rank` of the plan)" if limit is not None and tokens <= limit else
+                " (the next power of two: the batch exceeds the plan's `max_tokens_per_rank`)" if limit else "")
+             + (", the larger of deep_gemm's and triton's (`auto` picks by device)" if backend == "auto" else "")]
+    return buf, work, notes
+
+
 def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, a: int, batch: int, seq: int,
-                rows: int, tp: int, ep: int, fam: FamilyMemory) -> _Moment:
+                rows: int, tp: int, ep: int, fam: FamilyMemory, megamoe: tuple[int, int] = (0, 0)) -> _Moment:
     tokens = batch * seq
+    symmetric, megamoe_work = megamoe
     kv: dict[str, int] = {}
     for s in shapes:
         # a sliding or chunked layer still holds all S tokens after the prefill (trimmed at the next update)
@@ -616,6 +655,8 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
         kv[s.cache_kind] = kv.get(s.cache_kind, 0) + held
     cache = sum(kv.values())
     masks = _masks(shapes, batch, seq, a)
+    if fam.residual_streams > 1:  # the hyper-connections' fp32 residual streams, alive through the forward
+        masks += tokens * FP32 * fam.residual_streams * hidden
     transients = []
     for s in shapes:
         if s.mlp == "moe":
@@ -626,7 +667,9 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
             # and the output (the rows again, the down output, both weighted in the routing weights' dtype: fp32
             # where the router keeps fp32 weights, planc.compiler.family_memory)
             weight = FP32 if fam.routing_weights_fp32 else a
-            if fam.dense_expert_inputs:
+            if s.megamoe:
+                work = megamoe_work
+            elif s.dense_dispatch:
                 # every token to every expert: the weighted [experts x tokens, hidden] input and the experts' output
                 # of the same size; this rank's experts run on their tokens: the gathered rows, gate/up, its
                 # masked copy, the activation, the down output
@@ -635,7 +678,8 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
             else:
                 work = slots * max(a * (hidden + 4 * s.moe_intermediate), 2 * (a + weight) * hidden)
             work += tokens * 8 * s.top_k * 3
-            transients.append(("EP experts (all_reduce dispatch buffers)", work + tokens * a * hidden * 3))
+            cause = "Mega MoE layer" if s.megamoe else "EP experts (all_reduce dispatch buffers)"
+            transients.append((cause, work + tokens * a * hidden * 3))
         else:
             transients.append(("dense MLP", tokens * a * (3 * s.intermediate + 3 * hidden)))
         if s.linear is not None:
@@ -660,9 +704,11 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
     for cause, n in transients:
         dedup[cause] = max(dedup.get(cause, 0), n)
     if masks:
-        dedup["attention masks (alive through the forward)"] = masks
-    total = params + cache + masks + worst[1]
+        dedup["attention masks and residual streams (alive through the forward)"] = masks
+    total = params + cache + masks + worst[1] + symmetric
     breakdown = [("parameters", params), ("KV cache", cache), ("transient at the peak", worst[1] + masks)]
+    if symmetric:
+        breakdown.append(("Mega MoE symmetric buffer", symmetric))
     moment = f"prefill, last layer ({worst[0]})"
     return _Moment(moment, total, breakdown, list(dedup.items()), sorted(kv.items(), key=lambda kv: -kv[1]),
                    [(moment, total)])
