@@ -413,20 +413,23 @@ def peak_memory(
     device_memory: Optional[int] = None,
     reserve: int = DEFAULT_RESERVE,
     search: Optional[str] = None,
+    optimizer: str = "foreach",
 ) -> PeakMemory:
     """The peak for `workload` ("train" needs `train`, the held model states) at `batch` x `seq`; with
     `device_memory`, the largest batch (`search="batch"`) or sequence (`search="seq"`) that fits."""
     config = text_config(config)
-    best = _peak(compiled, walk, config, train, workload, batch, seq, capacity_factor)
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer {optimizer!r}: one of {', '.join(OPTIMIZERS)}")
+    best = _peak(compiled, walk, config, train, workload, batch, seq, capacity_factor, optimizer)
     max_batch = max_seq = None
     if device_memory is not None:
         budget = device_memory - reserve
         if search in ("batch", None):
-            max_batch = _largest(lambda b: _peak(compiled, walk, config, train, workload, b, seq, capacity_factor).peak,
+            max_batch = _largest(lambda b: _peak(compiled, walk, config, train, workload, b, seq, capacity_factor, optimizer).peak,
                                  budget, 1 << 20)
         if search == "seq":
             limit = int(_get(config, "max_position_embeddings", default=1 << 20) or 1 << 20)
-            max_seq = _largest(lambda s: _peak(compiled, walk, config, train, workload, batch, s, capacity_factor).peak,
+            max_seq = _largest(lambda s: _peak(compiled, walk, config, train, workload, batch, s, capacity_factor, optimizer).peak,
                                budget, max(limit, 1))
     return replace(best, device_memory=device_memory, reserve=reserve, max_batch=max_batch, max_seq=max_seq)
 
@@ -460,7 +463,7 @@ class _Moment(NamedTuple):
 
 
 def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], train: Optional[TrainMemory],
-          workload: str, batch: int, seq: int, capacity_factor: float) -> PeakMemory:
+          workload: str, batch: int, seq: int, capacity_factor: float, optimizer: str = "foreach") -> PeakMemory:
     p = compiled.parallel
     tp, ep = p.tp_size, p.ep_size
     dtypes = dict(compiled.bytes_per_rank_by_dtype)
@@ -485,8 +488,8 @@ def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], tr
     if workload == "train":
         if train is None:
             raise ValueError("peak_memory: a training workload needs the model states (train_memory)")
-        best = _train_peak(train, shapes, hidden, vocab, a, batch, seq, rows, tp, ckpt, fam)
-        worst = _train_peak(train, shapes, hidden, vocab, a, batch, seq, worst_rows, tp, ckpt, fam)
+        best = _train_peak(train, shapes, hidden, vocab, a, batch, seq, rows, tp, ckpt, fam, optimizer)
+        worst = _train_peak(train, shapes, hidden, vocab, a, batch, seq, worst_rows, tp, ckpt, fam, optimizer)
     else:
         params = compiled.bytes_per_rank
         buf, work, mm_notes = _megamoe(compiled.experts_settings.megamoe, shapes, hidden, tokens, ep)
@@ -529,7 +532,7 @@ def unpriced_features(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[s
 
 
 def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab: int, a: int, batch: int, seq: int,
-                rows: int, tp: int, ckpt: str, fam: FamilyMemory) -> _Moment:
+                rows: int, tp: int, ckpt: str, fam: FamilyMemory, optimizer: str) -> _Moment:
     recomputes = ACTIVATION_CHECKPOINTING_MODES[ckpt].recomputes_layers
     params, grads, optim = train.parameter_bytes, train.gradients, train.optimizer
     tokens = batch * seq
@@ -553,7 +556,7 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
     moments = {
         "loss backward (fp32 logits and loss)": params + optim + kept + head + loss + gathered,
         "end of backward": params + grads + optim + max(backward, recompute),
-        "optimizer step": params + grads + optim,
+        "optimizer step": params + grads + optim + foreach_copy(train, optimizer),
     }
     if fsdp:
         # lm_head's backward: the gradients of the log-softmax and of the logits (fp32) and the logits' gradient cast
@@ -565,6 +568,8 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
                  ("optimizer state", optim),
                  ("activations kept for backward", kept + head if forward_side else 0)]
     transients = [("fp32 logits and loss", loss)]
+    if optimizer != "fused":
+        transients.append((f"AdamW {optimizer} step: exp_avg_sq's square root", foreach_copy(train, optimizer)))
     if fsdp:
         transients.append(("FSDP all-gathered root and layer", gathered))
     if recomputes:
@@ -582,6 +587,18 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
 
 
 LAST_LAYER_BACKWARD = "lm_head backward (FSDP prefetch)"
+# how AdamW steps: torch picks foreach when every parameter is on CUDA (plain or DTensor), for-loop on CPU
+OPTIMIZERS = ("foreach", "for-loop", "fused")
+
+
+def foreach_copy(train: TrainMemory, optimizer: str) -> int:
+    """AdamW's temporaries at its step. foreach: `_foreach_sqrt(exp_avg_sqs)` is its one out-of-place op, a copy of
+    exp_avg_sq for each (device, dtype) group in turn: the largest group's bytes (exp_avg_sq is like its
+    parameters). for-loop: `exp_avg_sq.sqrt() / bias_correction2_sqrt` holds two copies of one parameter's, the
+    largest. fused: none."""
+    if optimizer == "foreach":
+        return max((n for _, n in train.parameters), default=0)
+    return 2 * train.largest_tensor if optimizer == "for-loop" else 0
 
 
 def _fsdp_backward(train: TrainMemory) -> tuple[int, int]:
