@@ -189,3 +189,33 @@ def test_activation_checkpointing_lints(tmp_path):
         path.write_text(base + f"training: {{activation_checkpointing: {value}}}\n")
         found = [d.code for d in lint_paths([str(path)]) if d.severity == "error"]
         assert found == codes, (value, found)
+
+
+def test_what_is_not_priced_is_said_on_the_verdict_line_and_in_json():
+    """DeepSeek-V4's compressed caches and hyper-connections' temporaries are not priced: the verdict says so and
+    JSON lists them; a family the grid measured (Mixtral) has nothing flagged."""
+    v4 = (str(REPO / "plans" / "deepseek_v4_allreduce.yaml"), "--set", "num_hidden_layers=2", "--serve",
+          "--batch", "1", "--seq", "1024", "--device-memory", "141GiB")
+    rc, text, err = explain(*v4)
+    assert rc == 0, err
+    verdict = next(line for line in text.splitlines() if "(CUDA context, NCCL):" in line)
+    assert verdict.endswith("[not priced: 2 item(s) below; the peak errs high]"), verdict
+    assert text.count("  not priced: ") == 2
+    unpriced = memory(*v4)["unpriced"]
+    assert len(unpriced) == 2 and "compressed KV caches" in unpriced[0]
+    assert memory(*MIXTRAL, "--serve", "--device-memory", "80GiB")["unpriced"] == []
+
+
+def test_megamoe_buffer_is_priced_at_the_capacity_the_runtime_allocates():
+    from planc.compiler.megamoe_buffers import capacity, deepgemm_symmetric_bytes, reference_buffer_bytes
+
+    # DeepGEMM's sizing rule at 8 ranks, 256 experts, top-6, hidden 4096, intermediate 2048, FP8
+    sizes = [deepgemm_symmetric_bytes(8, 256, t, 6, 4096, 2048) / 2**30 for t in (512, 4096, 8192)]
+    assert [round(x, 2) for x in sizes] == [0.47, 2.09, 4.08]
+    assert capacity(100, 512) == 512 and capacity(600, 512) == 1024 and capacity(600, None) == 1024
+    plan = (str(REPO / "plans" / "deepseek_v4_megamoe.yaml"), "--set", "num_hidden_layers=2", "--serve",
+            "--batch", "1", "--seq", "4096")
+    m = memory(*plan)
+    buffer = m["breakdown"]["Mega MoE symmetric buffer"]
+    # backend auto: the larger of deep_gemm's and triton's buffers for 4096 tokens per rank
+    assert buffer == max(deepgemm_symmetric_bytes(8, 256, 4096, 6, 4096, 2048), reference_buffer_bytes(4096, 6, 4096))
