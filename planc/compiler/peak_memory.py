@@ -15,10 +15,12 @@ Training (one AdamW step), the peak is the largest of these moments:
   largest unit's gathered parameters, unsharded gradients and reduce-scatter input with the rest of its layer;
 - under fsdp, `lm_head backward (FSDP prefetch)`: the loss's gradients (two fp32 [tokens, vocab] and the logits'
   gradient in the compute dtype) while FSDP2 all-gathers the next unit (one unit's buffer);
-- `optimizer step`: parameters, gradients and AdamW state (the per-parameter temporaries of torch's default
-  for-loop AdamW are not counted; `foreach=True` would add up to one more copy of a dtype group's parameters).
+- `optimizer step`: parameters, gradients, AdamW state and the step's temporaries (`optimizer`: foreach, torch's
+  choice on CUDA, copies the largest dtype group's exp_avg_sq; for-loop two copies of the largest parameter's).
 Serving (one prefill under `no_grad`, `logits_to_keep=1` as `generate` runs it): parameters, the KV cache of
-every layer so far and the largest layer's transient.
+every layer so far, the masks and residual streams the forward keeps, Mega MoE's symmetric buffer and the largest
+layer's transient. What a family's code allocates beyond its shapes is `planc.compiler.family_memory`'s; what the
+model runs and planc does not price is `unpriced`, said next to the verdict.
 
 Tokens: a rank holds B x S tokens (the TP ranks of a replica share the batch). EP `all_to_all` moves
 (token, expert) rows: a rank receives B*S/tp * top_k * capacity_factor rows, the balanced load (capacity_factor
