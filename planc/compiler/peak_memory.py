@@ -422,16 +422,22 @@ def peak_memory(
     config = text_config(config)
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer {optimizer!r}: one of {', '.join(OPTIMIZERS)}")
-    best = _peak(compiled, walk, config, train, workload, batch, seq, capacity_factor, optimizer)
+    known: dict[int, list[LayerShape]] = {}
+
+    def shapes_of(itemsize: int) -> list[LayerShape]:  # once per search, not once per batch it tries
+        if itemsize not in known:
+            known[itemsize] = layer_shapes(compiled, walk, config, itemsize)
+        return known[itemsize]
+    best = _peak(compiled, walk, config, train, workload, batch, seq, capacity_factor, optimizer, shapes_of)
     max_batch = max_seq = None
     if device_memory is not None:
         budget = device_memory - reserve
         if search in ("batch", None):
-            max_batch = _largest(lambda b: _peak(compiled, walk, config, train, workload, b, seq, capacity_factor, optimizer).peak,
+            max_batch = _largest(lambda b: _peak(compiled, walk, config, train, workload, b, seq, capacity_factor, optimizer, shapes_of).peak,
                                  budget, 1 << 20)
         if search == "seq":
             limit = int(_get(config, "max_position_embeddings", default=1 << 20) or 1 << 20)
-            max_seq = _largest(lambda s: _peak(compiled, walk, config, train, workload, batch, s, capacity_factor, optimizer).peak,
+            max_seq = _largest(lambda s: _peak(compiled, walk, config, train, workload, batch, s, capacity_factor, optimizer, shapes_of).peak,
                                budget, max(limit, 1))
     return replace(best, device_memory=device_memory, reserve=reserve, max_batch=max_batch, max_seq=max_seq)
 
@@ -465,7 +471,8 @@ class _Moment(NamedTuple):
 
 
 def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], train: Optional[TrainMemory],
-          workload: str, batch: int, seq: int, capacity_factor: float, optimizer: str = "foreach") -> PeakMemory:
+          workload: str, batch: int, seq: int, capacity_factor: float, optimizer: str,
+          shapes_of: Callable[[int], list[LayerShape]]) -> PeakMemory:
     p = compiled.parallel
     tp, ep = p.tp_size, p.ep_size
     dtypes = dict(compiled.bytes_per_rank_by_dtype)
@@ -475,7 +482,7 @@ def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], tr
     a = ITEMSIZE.get(dtype, 2)
     hidden = int(config["hidden_size"])
     vocab = int(config["vocab_size"])
-    shapes = layer_shapes(compiled, walk, config, a)
+    shapes = shapes_of(a)
     tokens = batch * seq
     top_k = max((s.top_k for s in shapes), default=0)
     rows = routed_rows(tokens, tp, top_k, capacity_factor) if ep > 1 else tokens * top_k
