@@ -59,8 +59,8 @@ FAMILIES: dict[str, FamilyMemory] = {
         unpriced=(
             "DeepSeek-V4's compressed KV caches (CSA/HCA entries, indexer keys) and the CSA indexer's fp32 scores "
             "(priced as a full-attention cache and eager S x S scores)",
-            "DeepSeek-V4's hyper-connections' mixing temporaries (the [tokens, 4, hidden] fp32 residual itself is "
-            "priced, once alive in a prefill and once kept per layer in training)",
+            "DeepSeek-V4's hyper-connections' mixing temporaries (counted as two more copies of the [tokens, 4, "
+            "hidden] fp32 residual in a prefill; the residual itself is priced)",
         ),
     ),
 }

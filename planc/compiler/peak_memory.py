@@ -681,8 +681,10 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
         kv[s.cache_kind] = kv.get(s.cache_kind, 0) + held
     cache = sum(kv.values())
     masks = _masks(shapes, batch, seq, a)
-    if fam.residual_streams > 1:  # the hyper-connections' fp32 residual streams, alive through the forward
-        masks += tokens * FP32 * fam.residual_streams * hidden
+    if fam.residual_streams > 1:
+        # the hyper-connections' fp32 residual streams, alive through the forward, and their mixing's temporaries,
+        # not read from the code: counted as two more copies (family_memory lists them as not priced)
+        masks += 3 * tokens * FP32 * fam.residual_streams * hidden
     transients = []
     for s in shapes:
         if s.mlp == "moe":
