@@ -366,7 +366,9 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
         n += t * (a * (s.kv_lora + 64) + _norm(s.kv_lora, a) + a * s.kv_lora)
         n += t * (a * (3 * s.q + 3 * s.k + s.v + 2 * s.v) + FP32 * s.heads)
     elif s.attention == "linear":
-        n += t * _linear_work(s, a)
+        # autograd keeps the chunk rule's fp32 intermediates and their per-chunk products: about twice its forward
+        # work (read off the grid's Qwen3-Next training point, docs/memory.md)
+        n += 2 * t * _linear_work(s, a)
     elif s.attn_impl == "eager":
         # q, k, v after rotary, the probabilities the output matmul keeps, K and V repeated to every head, the
         # argmax indices of the sink's max subtraction (int64 per head and token)
