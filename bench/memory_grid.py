@@ -30,15 +30,37 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from machine import describe  # noqa: E402  (same directory)
 
-# Full hidden width; fewer layers (and, for DeepSeek-V3 training, fewer routed experts: 2 per EP rank) so that a
-# point stays under ~6 GiB on the shared machine.
+# Every shipped plan (its file's stem names it), full hidden width, 2 decoder layers (and, for DeepSeek-V3 training,
+# fewer routed experts: 2 per EP rank) so that a point stays under ~6 GiB on the shared machine. Two layers of each
+# kind a family mixes: Qwen3-Next one linear-attention and one full-attention layer, GLM-4.5 and DeepSeek one dense
+# and one MoE layer; gpt-oss alternates sliding and full by default.
 FAMILIES = {
     "mixtral": {"num_hidden_layers": 2},
     "qwen3_moe": {"num_hidden_layers": 2},
     "deepseek_v3": {"num_hidden_layers": 2, "first_k_dense_replace": 1},
+    "gpt_oss": {"num_hidden_layers": 2},
+    "minimax_m2": {"num_hidden_layers": 2},
+    "glm4_moe": {"num_hidden_layers": 2, "first_k_dense_replace": 1},
+    "qwen3_next": {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]},
+    "llama4": {"num_hidden_layers": 2},
+    "deepseek_v2": {"num_hidden_layers": 2, "first_k_dense_replace": 1, "num_experts_per_tok": 6,
+                    "moe_intermediate_size": 1408},  # 1407 (the default) breaks grouped_mm's 16-byte strides
+    "qwen3_vl_moe": {"text_config.num_hidden_layers": 2, "vision_config.depth": 1},
+    "deepseek_v4_allreduce": {"num_hidden_layers": 2},
+    "deepseek_v4_megamoe": {"num_hidden_layers": 2},
 }
-TRAIN_OVERRIDES = {"deepseek_v3": {"n_routed_experts": 16}}
-POINTS = {"mixtral": [(1, 1024), (2, 512)], "qwen3_moe": [(1, 1024), (2, 256)], "deepseek_v3": [(1, 512), (2, 128)]}
+# Training holds parameters, gradients and AdamW state: fewer routed experts where the full count would not fit
+# the shared machine (2-4 per EP rank); the prediction runs on the same config.
+TRAIN_OVERRIDES = {"deepseek_v3": {"n_routed_experts": 16}, "gpt_oss": {"num_local_experts": 32},
+                   "minimax_m2": {"num_local_experts": 32}, "qwen3_next": {"num_experts": 128},
+                   "deepseek_v4_allreduce": {"n_routed_experts": 16}}
+POINTS = {"mixtral": [(1, 1024), (2, 512)], "qwen3_moe": [(1, 1024), (2, 256)], "deepseek_v3": [(1, 512), (2, 128)],
+          "gpt_oss": [(1, 1024), (2, 512)], "minimax_m2": [(1, 1024), (2, 256)], "glm4_moe": [(1, 1024), (2, 256)],
+          "qwen3_next": [(1, 1024), (2, 256)], "llama4": [(1, 1024), (2, 256)], "deepseek_v2": [(1, 512), (2, 128)],
+          "qwen3_vl_moe": [(1, 1024), (2, 256)], "deepseek_v4_allreduce": [(1, 512), (2, 128)],
+          "deepseek_v4_megamoe": [(1, 512), (2, 128)]}
+# Plans whose experts run an inference-only EP strategy (Mega MoE): no training modes.
+SERVE_ONLY = {"deepseek_v4_megamoe"}
 MODES = ("serve", "replicate", "fsdp", "checkpoint")
 
 
@@ -47,6 +69,8 @@ def grid(only=None, modes=MODES, points=None):
         if only and family not in only:
             continue
         for mode in modes:
+            if mode != "serve" and family in SERVE_ONLY:
+                continue
             for batch, seq in POINTS[family][:points]:
                 extra = TRAIN_OVERRIDES.get(family, {}) if mode != "serve" else {}
                 yield {"family": family, "mode": mode, "batch": batch, "seq": seq, "overrides": {**overrides, **extra},
@@ -81,6 +105,8 @@ def predict(point: dict) -> dict:
         path.write_text(yaml.safe_dump(data, sort_keys=False))
         args = ["explain", str(path), "--format", "json", "--batch", str(point["batch"]), "--seq", str(point["seq"]),
                 "--train" if point["mode"] != "serve" else "--serve"]
+        if point["mode"] != "serve":  # torch's default AdamW on the point's device: for-loop on CPU, foreach on CUDA
+            args += ["--optimizer", "foreach" if point.get("device") == "cuda" else "for-loop"]
         for k, v in point["overrides"].items():
             args += ["--set", f"{k}={v}"]
         out = io.StringIO()

@@ -78,6 +78,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="EP routing: rows a rank receives relative to a balanced load (default 1.0; the worst case is printed)",
     )
     parser.add_argument(
+        "--optimizer", choices=("foreach", "for-loop", "fused"), default="foreach",
+        help="how AdamW steps (--train): foreach, torch's default on CUDA, holds one more copy of exp_avg_sq per "
+        "dtype group; for-loop (CPU's default) and fused hold none (default foreach)",
+    )
+    parser.add_argument(
         "--reserve", metavar="SIZE",
         help="memory each rank loses outside PyTorch's allocator (CUDA context, NCCL); default 2GiB",
     )
@@ -274,6 +279,7 @@ def parse_workload(args) -> dict | None:
         "seq": 1 if auto else positive("--seq", args.seq, 4096),
         "search": "seq" if auto else "batch",
         "capacity_factor": factor,
+        "optimizer": getattr(args, "optimizer", "foreach"),
         "reserve": parse_size(args.reserve) if args.reserve else None,
     }
 
@@ -292,6 +298,7 @@ def workload_peak(compiled, model, train, workload: dict, device_memory, path: s
     peak = peak_memory(
         compiled, walk_model(model), config, train, workload=workload["workload"], batch=workload["batch"],
         seq=workload["seq"], capacity_factor=workload["capacity_factor"], device_memory=device_memory,
+        optimizer=workload.get("optimizer", "foreach"),
         reserve=workload["reserve"] if workload["reserve"] is not None else DEFAULT_RESERVE,
         search=workload["search"],
     )

@@ -15,10 +15,12 @@ Training (one AdamW step), the peak is the largest of these moments:
   largest unit's gathered parameters, unsharded gradients and reduce-scatter input with the rest of its layer;
 - under fsdp, `lm_head backward (FSDP prefetch)`: the loss's gradients (two fp32 [tokens, vocab] and the logits'
   gradient in the compute dtype) while FSDP2 all-gathers the next unit (one unit's buffer);
-- `optimizer step`: parameters, gradients and AdamW state (the per-parameter temporaries of torch's default
-  for-loop AdamW are not counted; `foreach=True` would add up to one more copy of a dtype group's parameters).
+- `optimizer step`: parameters, gradients, AdamW state and the step's temporaries (`optimizer`: foreach, torch's
+  choice on CUDA, copies the largest dtype group's exp_avg_sq; for-loop two copies of the largest parameter's).
 Serving (one prefill under `no_grad`, `logits_to_keep=1` as `generate` runs it): parameters, the KV cache of
-every layer so far and the largest layer's transient.
+every layer so far, the masks and residual streams the forward keeps, Mega MoE's symmetric buffer and the largest
+layer's transient. What a family's code allocates beyond its shapes is `planc.compiler.family_memory`'s; what the
+model runs and planc does not price is `unpriced`, said next to the verdict.
 
 Tokens: a rank holds B x S tokens (the TP ranks of a replica share the batch). EP `all_to_all` moves
 (token, expert) rows: a rank receives B*S/tp * top_k * capacity_factor rows, the balanced load (capacity_factor
@@ -31,6 +33,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional
 
+from planc.compiler import megamoe_buffers
+from planc.compiler.family_memory import FamilyMemory, family_memory
 from planc.compiler.train_memory import ITEMSIZE, TrainMemory
 from planc.compiler.units import human_bytes
 from planc.spec.choices import ACTIVATION_CHECKPOINTING_MODES
@@ -68,6 +72,32 @@ class LayerShape:
     moe_intermediate: int = 0
     num_experts: int = 0
     top_k: int = 0
+    local_experts: int = 0  # experts this rank holds (EP)
+    dense_dispatch: bool = False  # every token runs every expert, pre-scaled (Llama 4: planc.runtime.ep.dense)
+    megamoe: bool = False  # the experts run Mega MoE (planc.compiler.megamoe_buffers)
+    attn_impl: str = "sdpa"  # what transformers runs (config._attn_implementation): sdpa | eager | flex_attention...
+    sinks: bool = False  # a per-head sink logit joins the eager scores (gpt-oss)
+    kv_heads: int = 0  # key/value heads on this rank (eager's repeat_kv copies them to `heads`)
+    head_dim: int = 0
+    linear: Optional[LinearAttention] = None  # a linear-attention layer (Qwen3-Next's gated delta rule)
+
+
+class LinearAttention(NamedTuple):
+    """A gated-delta-rule layer on one rank: key/value heads and widths, the conv kernel."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    def state_bytes(self, a: int) -> int:
+        """What the cache holds per sequence: the conv state (model dtype) and the fp32 recurrent state."""
+        return self.conv_channels * self.conv_kernel * a + self.value_heads * self.key_dim * self.value_dim * FP32
 
 
 @dataclass(frozen=True)
@@ -89,6 +119,7 @@ class PeakMemory:
     capacity_factor: float = 1.0
     checkpointing: str = "none"
     notes: tuple[str, ...] = ()
+    unpriced: tuple[str, ...] = ()  # what the family allocates that planc does not price: the verdict is not backed
     device_memory: Optional[int] = None
     reserve: int = DEFAULT_RESERVE
     max_batch: Optional[int] = None
@@ -121,6 +152,7 @@ class PeakMemory:
             "fits": self.fits,
             "max_batch": self.max_batch,
             "max_seq": self.max_seq,
+            "unpriced": list(self.unpriced),
         }
 
     def render(self) -> str:
@@ -144,9 +176,11 @@ class PeakMemory:
         if self.device_memory is not None:
             left = self.device_memory - self.reserve - self.peak
             verdict = "fits" if left >= 0 else "does NOT fit"
+            flag = f" [not priced: {len(self.unpriced)} item(s) below; the peak errs high]" if self.unpriced else ""
             lines.append(
                 f"  device memory {human_bytes(self.device_memory, 1)} - reserve {human_bytes(self.reserve, 1)} "
                 f"(CUDA context, NCCL): {verdict} ({'left' if left >= 0 else 'over by'} {human_bytes(abs(left), 2)})"
+                + flag
             )
             lines.append("  counts live tensors: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the default "
                          "allocator fragments: +16% measured, docs/memory.md)")
@@ -155,6 +189,7 @@ class PeakMemory:
             if self.max_seq is not None:
                 lines.append(f"  longest sequence that fits at batch {self.batch}: {self.max_seq}")
         lines.extend(f"  note: {n}" for n in self.notes)
+        lines.extend(f"  not priced: {n}" for n in self.unpriced)
         return "\n".join(lines)
 
 
@@ -163,6 +198,12 @@ def _splits_output(style: str) -> bool:
     rank."""
     row = STYLE.get(style)
     return row is not None and row.output == SHARDED
+
+
+def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The decoder's config: a multimodal model's `text_config` (its language model is what the plan prices)."""
+    inner = config.get("text_config")
+    return inner if "hidden_size" not in config and isinstance(inner, Mapping) else config
 
 
 def _get(config: Mapping[str, Any], *names: str, default: Any = None) -> Any:
@@ -187,11 +228,25 @@ def _layer_kinds(walk: ModelWalk) -> dict[str, tuple[bool, bool, bool]]:
                     flags[0] = True
                 if m.experts is not None:
                     flags[1] = True
-                if rest and rest[-1] == "shared_experts":
+                if rest and rest[-1] in ("shared_experts", "shared_expert"):
                     flags[2] = True
                 break
     top = {f for f in out if not any(f.startswith(g + ".") for g in out if g != f)}
     return {f: (v[0], v[1], v[2]) for f, v in out.items() if f in top}
+
+
+def attention_implementation(walk: ModelWalk) -> str:
+    """The attention transformers runs for this model (`config._attn_implementation`: sdpa by default, eager where the
+    family supports nothing else, gpt-oss and DeepSeek-V4); a multimodal model's text config decides its decoder."""
+    config = walk.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return str(getattr(text, "_attn_implementation", None) or getattr(config, "_attn_implementation", None) or "sdpa")
+
+
+# Layer types whose cache transformers keeps as a sliding window (after a prefill the layer still holds all S tokens'
+# storage: `DynamicSlidingWindowLayer` trims at the next update)
+_WINDOWED = {"sliding_attention", "chunked_attention"}
+_LINEAR = {"linear_attention"}
 
 
 def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], itemsize: int) -> list[LayerShape]:
@@ -202,9 +257,12 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
     heads = int(_get(config, "num_attention_heads", default=1))
     kv_heads = int(_get(config, "num_key_value_heads", default=heads))
     head_dim = int(_get(config, "head_dim", default=0) or hidden // heads)
-    window = _get(config, "sliding_window")
+    window = _get(config, "sliding_window", "attention_chunk_size")
     layer_types = config.get("layer_types") or []
     experts_by_layer = {e.fqn: e for e in compiled.experts}
+    impl = attention_implementation(walk)
+    megamoe = compiled.experts_implementation.megamoe
+    sinks = {f.rsplit(".", 2)[0] for f in walk.params if f.endswith(".sinks")}
     shapes = []
     for index, (layer, (mla, moe, shared)) in enumerate(sorted(_layer_kinds(walk).items(),
                                                                key=lambda kv: _layer_index(kv[0]))):
@@ -213,29 +271,48 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
         mlp_tp = tp if any(f.startswith(layer + ".mlp.") and _splits_output(s) for f, s in styles.items()) else 1
         kind = layer_types[index] if index < len(layer_types) else "full_attention"
         experts = next((e for f, e in experts_by_layer.items() if f.startswith(layer + ".")), None)
+        linear = None
+        h, kvh, d = heads // split, max(1, kv_heads // split), head_dim
         if mla:
             nope, rope = int(config["qk_nope_head_dim"]), int(config["qk_rope_head_dim"])
             vdim = int(config["v_head_dim"])
-            h = heads // split
             q, k, v = h * (nope + rope), h * (nope + rope), h * vdim
-            cache, cache_kind = (k + v) * itemsize, "MLA (transformers caches the expanded K and V)"
+            # transformers caches the compressed latent and the rope key, [B, 1, S, kv_lora + rope], on every rank
+            cache = (int(config["kv_lora_rank"]) + rope) * itemsize
+            cache_kind, kvh, d = "MLA latent (kv_lora_rank + rope)", h, nope + rope
+        elif kind in _LINEAR:
+            linear = LinearAttention(
+                key_heads=int(_get(config, "linear_num_key_heads", default=heads)),
+                value_heads=int(_get(config, "linear_num_value_heads", default=heads)),
+                key_dim=int(_get(config, "linear_key_head_dim", default=head_dim)),
+                value_dim=int(_get(config, "linear_value_head_dim", default=head_dim)),
+                conv_kernel=int(_get(config, "linear_conv_kernel_dim", default=4)),
+            )
+            q = k = v = 0
+            cache, cache_kind = 0, "linear attention (conv and recurrent state)"
         else:
-            h, kvh = heads // split, max(1, kv_heads // split)
-            q, k, v = h * head_dim, kvh * head_dim, kvh * head_dim
+            q, k, v = h * d, kvh * d, kvh * d
             cache = (k + v) * itemsize
-            cache_kind = "sliding window" if kind == "sliding_attention" and window else "full attention"
+            cache_kind = "sliding window" if kind in _WINDOWED and window else "full attention"
         inter = int(_get(config, "intermediate_size", default=0) or 0) // mlp_tp
         moe_inter = experts.intermediate_size if experts is not None and experts.intermediate_size else 0
         n_shared = int(_get(config, "n_shared_experts", "num_shared_experts", default=0) or 0)
         shared_w = (moe_inter * n_shared) // mlp_tp if shared else 0
+        if shared and not shared_w:  # one shared expert of its own width (Qwen3-Next, Llama 4)
+            shared_w = int(_get(config, "shared_expert_intermediate_size", "intermediate_size", default=0) or 0)
+            shared_w //= mlp_tp
         shapes.append(LayerShape(
-            attention="mla" if mla else "gqa", mlp="moe" if moe else "dense", q=q, k=k, v=v, heads=h,
-            cache=cache, cache_kind=cache_kind, window=int(window) if cache_kind == "sliding window" else None,
+            attention="mla" if mla else "linear" if linear else "gqa", mlp="moe" if moe else "dense", q=q, k=k, v=v,
+            heads=h, cache=cache, cache_kind=cache_kind, window=int(window) if cache_kind == "sliding window" else None,
             q_lora=int(_get(config, "q_lora_rank", default=0) or 0) if mla else 0,
             kv_lora=int(_get(config, "kv_lora_rank", default=0) or 0) if mla else 0,
             intermediate=inter, shared=shared_w, moe_intermediate=moe_inter,
             num_experts=experts.num_experts if experts is not None else 0,
+            local_experts=experts.num_local_experts if experts is not None else 0,
+            dense_dispatch=experts is not None and experts.dispatch == "dense",
+            megamoe=experts is not None and megamoe,
             top_k=(experts.top_k or int(_get(config, "num_experts_per_tok", default=1))) if experts is not None else 0,
+            attn_impl=impl, sinks=layer in sinks, kv_heads=kvh, head_dim=d, linear=linear,
         ))
     return shapes
 
@@ -249,9 +326,38 @@ def _norm(width: int, a: int) -> int:
     return (FP32 + a) * width + FP32
 
 
-def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: int) -> int:
+def eager_scores(s: LayerShape, batch: int, seq: int, a: int) -> int:
+    """One [B, heads, S, S] score tensor of eager attention (S + 1 columns with a sink), in the model dtype; 0 for
+    kernels that never materialise the scores (sdpa's flash and efficient paths, flex, flash-attention)."""
+    if s.attn_impl != "eager" or s.attention == "linear":
+        return 0
+    return batch * s.heads * seq * (seq + (1 if s.sinks else 0)) * a
+
+
+def _repeat_kv(s: LayerShape, tokens: int, a: int) -> int:
+    """eager's repeat_kv: K and V copied to every query head (nothing when there are as many K/V heads)."""
+    if s.attn_impl != "eager" or s.kv_heads >= s.heads or s.attention != "gqa":
+        return 0
+    return 2 * tokens * s.heads * s.head_dim * a
+
+
+def _linear_work(s: LayerShape, a: int) -> int:
+    """Bytes per token of a gated-delta-rule layer's prefill without the fla kernels (transformers'
+    `torch_chunk_gated_delta_rule`): fp32 q, k, v, their beta-weighted and padded copies and the per-chunk outputs
+    at the value heads (~10 [tokens, value heads, key dim]), three [64 x 64] chunk matrices per head and token, and
+    the projections and conv in the model dtype."""
+    lin = s.linear
+    if lin is None:
+        return 0
+    return (FP32 * (10 * lin.value_heads * lin.key_dim + 3 * lin.value_heads * 64)
+            + a * (2 * lin.conv_channels + 2 * lin.value_heads * lin.value_dim))
+
+
+def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: int, fam: FamilyMemory,
+                batch: int) -> int:
     """Bytes one layer keeps for backward at `tokens` tokens (`rows` routed rows received, MoE layers)."""
     t = tokens
+    seq = t // max(batch, 1)
     # attention: input norm + its output (the projections' input)
     n = t * (_norm(hidden, a) + a * hidden)
     if s.attention == "mla":
@@ -259,8 +365,23 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
         n += t * (a * s.q_lora + _norm(s.q_lora, a) + a * s.q_lora)
         n += t * (a * (s.kv_lora + 64) + _norm(s.kv_lora, a) + a * s.kv_lora)
         n += t * (a * (3 * s.q + 3 * s.k + s.v + 2 * s.v) + FP32 * s.heads)
+    elif s.attention == "linear":
+        # autograd keeps the chunk rule's fp32 intermediates and their per-chunk products: about twice its forward
+        # work (read off the grid's Qwen3-Next training point, docs/memory.md)
+        n += 2 * t * _linear_work(s, a)
+    elif s.attn_impl == "eager":
+        # q, k, v after rotary, the probabilities the output matmul keeps, K and V repeated to every head, the
+        # argmax indices of the sink's max subtraction (int64 per head and token)
+        n += t * a * (2 * s.q + 4 * s.k) + eager_scores(s, batch, seq, a) + _repeat_kv(s, t, a)
+        n += t * 8 * s.heads if s.sinks else t * FP32 * s.heads * seq
     else:
         n += t * (a * (2 * s.q + 4 * s.k) + FP32 * s.heads)
+    if fam.full_width_qk_norm:
+        n += t * (FP32 + a) * (s.q + s.k)
+    if fam.residual_streams > 1:
+        n += t * FP32 * fam.residual_streams * hidden
+    if fam.complex_rope_fp32 and s.attention != "linear":
+        n += t * FP32 * (s.q + s.k)
     # MLP: its input norm + output
     n += t * (_norm(hidden, a) + a * hidden)
     if s.mlp == "dense":
@@ -268,7 +389,12 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
     else:
         e, k = s.num_experts, s.top_k
         n += t * (FP32 * e + 8 * k + FP32 * k + FP32)  # router softmax, top-k ids and weights
+        if fam.router_input_fp32:
+            n += t * FP32 * hidden
         per_rank = -(-t // tp)
+        if s.dense_dispatch:  # every token to every expert: the repeated input and its weighted copy
+            n += 2 * e * t * a * hidden
+            rows = max(rows, s.local_experts * per_rank)
         n += rows * a * (hidden + 4 * s.moe_intermediate) + per_rank * k * a * hidden
         n += t * 4 * a * s.shared
     return n
@@ -291,19 +417,29 @@ def peak_memory(
     device_memory: Optional[int] = None,
     reserve: int = DEFAULT_RESERVE,
     search: Optional[str] = None,
+    optimizer: str = "foreach",
 ) -> PeakMemory:
     """The peak for `workload` ("train" needs `train`, the held model states) at `batch` x `seq`; with
     `device_memory`, the largest batch (`search="batch"`) or sequence (`search="seq"`) that fits."""
-    best = _peak(compiled, walk, config, train, workload, batch, seq, capacity_factor)
+    config = text_config(config)
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer {optimizer!r}: one of {', '.join(OPTIMIZERS)}")
+    known: dict[int, list[LayerShape]] = {}
+
+    def shapes_of(itemsize: int) -> list[LayerShape]:  # once per search, not once per batch it tries
+        if itemsize not in known:
+            known[itemsize] = layer_shapes(compiled, walk, config, itemsize)
+        return known[itemsize]
+    best = _peak(compiled, walk, config, train, workload, batch, seq, capacity_factor, optimizer, shapes_of)
     max_batch = max_seq = None
     if device_memory is not None:
         budget = device_memory - reserve
         if search in ("batch", None):
-            max_batch = _largest(lambda b: _peak(compiled, walk, config, train, workload, b, seq, capacity_factor).peak,
+            max_batch = _largest(lambda b: _peak(compiled, walk, config, train, workload, b, seq, capacity_factor, optimizer, shapes_of).peak,
                                  budget, 1 << 20)
         if search == "seq":
             limit = int(_get(config, "max_position_embeddings", default=1 << 20) or 1 << 20)
-            max_seq = _largest(lambda s: _peak(compiled, walk, config, train, workload, batch, s, capacity_factor).peak,
+            max_seq = _largest(lambda s: _peak(compiled, walk, config, train, workload, batch, s, capacity_factor, optimizer, shapes_of).peak,
                                budget, max(limit, 1))
     return replace(best, device_memory=device_memory, reserve=reserve, max_batch=max_batch, max_seq=max_seq)
 
@@ -337,7 +473,8 @@ class _Moment(NamedTuple):
 
 
 def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], train: Optional[TrainMemory],
-          workload: str, batch: int, seq: int, capacity_factor: float) -> PeakMemory:
+          workload: str, batch: int, seq: int, capacity_factor: float, optimizer: str,
+          shapes_of: Callable[[int], list[LayerShape]]) -> PeakMemory:
     p = compiled.parallel
     tp, ep = p.tp_size, p.ep_size
     dtypes = dict(compiled.bytes_per_rank_by_dtype)
@@ -347,26 +484,29 @@ def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], tr
     a = ITEMSIZE.get(dtype, 2)
     hidden = int(config["hidden_size"])
     vocab = int(config["vocab_size"])
-    shapes = layer_shapes(compiled, walk, config, a)
+    shapes = shapes_of(a)
     tokens = batch * seq
     top_k = max((s.top_k for s in shapes), default=0)
     rows = routed_rows(tokens, tp, top_k, capacity_factor) if ep > 1 else tokens * top_k
     worst_rows = min(rows * ep, ep * -(-tokens // tp) * top_k) if ep > 1 else rows
     ckpt = compiled.training.activation_checkpointing if compiled.training is not None else "none"
+    fam = family_memory(walk.model_type)
     notes = []
+    unpriced = list(fam.unpriced) + unpriced_features(compiled, walk, config, shapes)
     # serving with EP over the TP group runs all_reduce (every rank, every slot: no routing assumption); else the
     # all_to_all moves the routed rows and the balanced-load assumption applies
     routed = workload == "train" or ep > tp
     if workload == "train":
         if train is None:
             raise ValueError("peak_memory: a training workload needs the model states (train_memory)")
-        best = _train_peak(train, shapes, hidden, vocab, a, tokens, rows, tp, ckpt)
-        worst = _train_peak(train, shapes, hidden, vocab, a, tokens, worst_rows, tp, ckpt)
+        best = _train_peak(train, shapes, hidden, vocab, a, batch, seq, rows, tp, ckpt, fam, optimizer)
+        worst = _train_peak(train, shapes, hidden, vocab, a, batch, seq, worst_rows, tp, ckpt, fam, optimizer)
     else:
         params = compiled.bytes_per_rank
-        router_fp32 = config.get("n_group") is not None
-        best = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, rows, tp, ep, router_fp32)
-        worst = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, worst_rows, tp, ep, router_fp32)
+        buf, work, mm_notes = _megamoe(compiled.experts_settings.megamoe, shapes, hidden, tokens, ep)
+        notes.extend(mm_notes)
+        best = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, rows, tp, ep, fam, (buf, work))
+        worst = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, worst_rows, tp, ep, fam, (buf, work))
         notes.append("KV cache as transformers' DynamicCache holds it after prefill (no paged or quantized cache)")
         if top_k and not routed:
             notes.append("EP at inference over the TP group runs all_reduce: each rank runs its experts over every "
@@ -378,14 +518,36 @@ def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], tr
         kv_cache=tuple(kv), routed_rows=rows if top_k and routed else 0,
         routed_rows_worst=worst_rows if top_k and routed else 0,
         worst_case_peak=worst[1], capacity_factor=capacity_factor, checkpointing=ckpt, notes=tuple(notes),
+        unpriced=tuple(unpriced),
     )
 
 
-def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab: int, a: int, tokens: int, rows: int,
-                tp: int, ckpt: str) -> _Moment:
+# what the model prices: attention kernels (flash-attention and flex never hold the S x S scores, priced as sdpa),
+# and the layer types whose cache it knows
+_PRICED_ATTENTION = {"sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", "paged_attention"}
+_PRICED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "linear_attention"}
+
+
+def unpriced_features(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any],
+                      shapes: list[LayerShape]) -> list[str]:
+    """What this model runs that the peak does not price, each with what planc counts in its place (on the high
+    side): an attention kernel it does not know, a layer type whose cache it does not know."""
+    out = []
+    impl = shapes[0].attn_impl if shapes else "sdpa"
+    if impl not in _PRICED_ATTENTION:
+        out.append(f"attention implementation `{impl}` (priced as eager: S x S scores in the model dtype)")
+    odd = sorted({t for t in config.get("layer_types") or [] if t not in _PRICED_LAYER_TYPES})
+    if odd and not family_memory(walk.model_type).unpriced:  # a family's own row names them (DeepSeek-V4)
+        out.append(f"layer types {', '.join(odd)}: their caches and kernels are priced as full attention")
+    return out
+
+
+def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab: int, a: int, batch: int, seq: int,
+                rows: int, tp: int, ckpt: str, fam: FamilyMemory, optimizer: str) -> _Moment:
     recomputes = ACTIVATION_CHECKPOINTING_MODES[ckpt].recomputes_layers
     params, grads, optim = train.parameter_bytes, train.gradients, train.optimizer
-    saved_layers = [layer_saved(s, hidden, a, tokens, rows if s.mlp == "moe" else 0, tp) for s in shapes]
+    tokens = batch * seq
+    saved_layers = [layer_saved(s, hidden, a, tokens, rows if s.mlp == "moe" else 0, tp, fam, batch) for s in shapes]
     if recomputes:
         kept = tokens * a * hidden * len(shapes)  # each layer's input; the rest is recomputed in backward
         recompute = max(saved_layers, default=0)
@@ -405,7 +567,7 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
     moments = {
         "loss backward (fp32 logits and loss)": params + optim + kept + head + loss + gathered,
         "end of backward": params + grads + optim + max(backward, recompute),
-        "optimizer step": params + grads + optim,
+        "optimizer step": params + grads + optim + foreach_copy(train, optimizer),
     }
     if fsdp:
         # lm_head's backward: the gradients of the log-softmax and of the logits (fp32) and the logits' gradient cast
@@ -417,6 +579,8 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
                  ("optimizer state", optim),
                  ("activations kept for backward", kept + head if forward_side else 0)]
     transients = [("fp32 logits and loss", loss)]
+    if optimizer != "fused":
+        transients.append((f"AdamW {optimizer} step: exp_avg_sq's square root", foreach_copy(train, optimizer)))
     if fsdp:
         transients.append(("FSDP all-gathered root and layer", gathered))
     if recomputes:
@@ -434,6 +598,18 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
 
 
 LAST_LAYER_BACKWARD = "lm_head backward (FSDP prefetch)"
+# how AdamW steps: torch picks foreach when every parameter is on CUDA (plain or DTensor), for-loop on CPU
+OPTIMIZERS = ("foreach", "for-loop", "fused")
+
+
+def foreach_copy(train: TrainMemory, optimizer: str) -> int:
+    """AdamW's temporaries at its step. foreach: `_foreach_sqrt(exp_avg_sqs)` is its one out-of-place op, a copy of
+    exp_avg_sq for each (device, dtype) group in turn: the largest group's bytes (exp_avg_sq is like its
+    parameters). for-loop: `exp_avg_sq.sqrt() / bias_correction2_sqrt` holds two copies of one parameter's, the
+    largest. fused: none."""
+    if optimizer == "foreach":
+        return max((n for _, n in train.parameters), default=0)
+    return 2 * train.largest_tensor if optimizer == "for-loop" else 0
 
 
 def _fsdp_backward(train: TrainMemory) -> tuple[int, int]:
@@ -447,17 +623,70 @@ def _fsdp_backward(train: TrainMemory) -> tuple[int, int]:
         return train.gathered_layer, train.gathered_root + 3 * train.gathered_layer
     name, layer, largest = max(train.units, key=lambda u: u[2])
     rest = sum(n for u, lay, n in train.units if lay == layer and u != name)
-    return largest, train.gathered_root + 3 * largest + rest
+    # an EP experts unit whose experts do not split evenly over efsdp (Mixtral: 1 expert per EP rank over 2): FSDP2
+    # pads dim 0, all-gathers into a padded buffer and copies each parameter out of it, so the prefetch holds the
+    # unit three times (the buffer, its padded output, the copied-out parameters: the Mixtral fsdp points of
+    # docs/memory.md, FSDPMemTracker's ALL_GATHER and UNSHARDED_PARAM at the peak)
+    uneven = name != layer and train.experts_sharded and train.local_experts % max(train.efsdp_size, 1) != 0
+    return (3 if uneven else 1) * largest, train.gathered_root + 3 * largest + rest
+
+
+def _masks(shapes: list[LayerShape], batch: int, seq: int, a: int) -> int:
+    """The attention masks a forward builds once per layer type and keeps to its end: eager's [B, 1, S, S] in the
+    model dtype; sdpa's boolean one for a sliding window the prefill outgrows (full causal layers need none)."""
+    out = 0
+    for kind in {(s.attn_impl, s.cache_kind, s.window) for s in shapes if s.attention != "linear"}:
+        impl, cache_kind, window = kind
+        if impl == "eager":
+            out += batch * seq * seq * a
+        elif cache_kind == "sliding window" and window is not None and seq >= window:
+            out += batch * seq * seq
+    return out
+
+
+def _megamoe(settings: Any, shapes: list[LayerShape], hidden: int, tokens: int, ep: int) -> tuple[int, int, list[str]]:
+    """(the symmetric buffer every Mega MoE layer shares, one layer's work, notes) at `tokens` per rank; `auto`
+    picks its backend by device, so both are priced and the larger counts."""
+    moe = next((s for s in shapes if s.megamoe), None)
+    if moe is None:
+        return 0, 0, []
+    backend = settings.backend if settings is not None else "auto"
+    limit = settings.max_tokens_per_rank if settings is not None else None
+    cap = megamoe_buffers.capacity(tokens, limit)
+    rows = tokens if ep == 1 else min(megamoe_buffers.capacity(tokens, None), cap)
+    k, inter, local = moe.top_k, moe.moe_intermediate, moe.local_experts
+    deep = megamoe_buffers.deepgemm_symmetric_bytes(ep, moe.num_experts, cap, k, hidden, inter)
+    ref = megamoe_buffers.reference_buffer_bytes(cap, k, hidden)
+    work = megamoe_buffers.triton_layer_bytes(ep, rows, local, k, hidden, inter)
+    out = 2 * tokens * hidden * 2  # the layer's output and the combined rows (deep_gemm's own work is in its buffer)
+    if backend == "deep_gemm":
+        buf, work = deep, out
+    elif backend == "auto":
+        buf, work = max(deep, ref), max(work, out)
+    else:
+        buf = ref
+    notes = [f"Mega MoE ({backend}): the symmetric buffer for {cap} tokens per rank"
+             + (" (`max_tokens_per_rank` of the plan)" if limit is not None and tokens <= limit else
+                " (the next power of two: the batch exceeds the plan's `max_tokens_per_rank`)" if limit else "")
+             + (", the larger of deep_gemm's and triton's (`auto` picks by device)" if backend == "auto" else "")]
+    return buf, work, notes
 
 
 def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, a: int, batch: int, seq: int,
-                rows: int, tp: int, ep: int, router_fp32: bool) -> _Moment:
+                rows: int, tp: int, ep: int, fam: FamilyMemory, megamoe: tuple[int, int] = (0, 0)) -> _Moment:
     tokens = batch * seq
+    symmetric, megamoe_work = megamoe
     kv: dict[str, int] = {}
     for s in shapes:
-        held = min(seq, s.window) if s.window else seq
-        kv[s.cache_kind] = kv.get(s.cache_kind, 0) + batch * held * s.cache
+        # a sliding or chunked layer still holds all S tokens after the prefill (trimmed at the next update)
+        held = s.linear.state_bytes(a) * batch if s.linear else batch * seq * s.cache
+        kv[s.cache_kind] = kv.get(s.cache_kind, 0) + held
     cache = sum(kv.values())
+    masks = _masks(shapes, batch, seq, a)
+    if fam.residual_streams > 1:
+        # the hyper-connections' fp32 residual streams, alive through the forward, and their mixing's temporaries,
+        # not read from the code: counted as two more copies (family_memory lists them as not priced)
+        masks += 3 * tokens * FP32 * fam.residual_streams * hidden
     transients = []
     for s in shapes:
         if s.mlp == "moe":
@@ -466,22 +695,50 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
             slots = rows if ep > tp else tokens * s.top_k  # ep > tp: all_to_all brings the routed rows
             # two stages, the larger counts: gate/up (the gathered rows, the gate/up output and its masked copy)
             # and the output (the rows again, the down output, both weighted in the routing weights' dtype: fp32
-            # for the grouped-top-k routers of DeepSeek-V3 and GLM-4.5, which route in fp32)
-            weight = FP32 if router_fp32 else a
-            work = slots * max(a * (hidden + 4 * s.moe_intermediate), 2 * (a + weight) * hidden)
+            # where the router keeps fp32 weights, planc.compiler.family_memory)
+            weight = FP32 if fam.routing_weights_fp32 else a
+            if s.megamoe:
+                work = megamoe_work
+            elif s.dense_dispatch:
+                # every token to every expert: the weighted [experts x tokens, hidden] input and the experts' output
+                # of the same size; this rank's experts run on their tokens: the gathered rows, gate/up, its
+                # masked copy, the activation, the down output
+                work = 2 * tokens * s.num_experts * a * hidden
+                work += tokens * s.local_experts * a * (2 * hidden + 5 * s.moe_intermediate)
+            else:
+                work = slots * max(a * (hidden + 4 * s.moe_intermediate), 2 * (a + weight) * hidden)
             work += tokens * 8 * s.top_k * 3
-            transients.append(("EP experts (all_reduce dispatch buffers)", work + tokens * a * hidden * 3))
+            cause = "Mega MoE layer" if s.megamoe else "EP experts (all_reduce dispatch buffers)"
+            transients.append((cause, work + tokens * a * hidden * 3))
         else:
             transients.append(("dense MLP", tokens * a * (3 * s.intermediate + 3 * hidden)))
+        if s.linear is not None:
+            attn = tokens * (_linear_work(s, a) + a * 3 * hidden)
+            transients.append(("linear attention (gated delta rule, fp32 chunks)", attn))
+            continue
         attn = tokens * (a * (2 * s.q + 3 * s.k + 2 * s.v) + a * 3 * hidden)
-        transients.append(("attention workspace", attn))
+        if fam.full_width_qk_norm:
+            attn += tokens * (FP32 + a) * (s.q + s.k)
+        if fam.complex_rope_fp32:
+            attn += tokens * 2 * FP32 * (s.q + s.k)
+        scores = eager_scores(s, batch, seq, a)
+        if scores:
+            # scores x scale + mask, the sink column joined, the max subtracted, softmax: three [B, h, S, S(+1)]
+            # at once; K and V repeated to every head
+            transients.append(("eager attention (S x S scores)", 3 * scores + _repeat_kv(s, tokens, a) + attn))
+        else:
+            transients.append(("attention workspace", attn))
     transients.append(("logits (last token)", batch * vocab * (a + FP32) * 2))
     worst = max(transients, key=lambda kv: kv[1]) if transients else ("none", 0)
     dedup: dict[str, int] = {}
     for cause, n in transients:
         dedup[cause] = max(dedup.get(cause, 0), n)
-    total = params + cache + worst[1]
-    breakdown = [("parameters", params), ("KV cache", cache), ("transient at the peak", worst[1])]
+    if masks:
+        dedup["attention masks and residual streams (alive through the forward)"] = masks
+    total = params + cache + masks + worst[1] + symmetric
+    breakdown = [("parameters", params), ("KV cache", cache), ("transient at the peak", worst[1] + masks)]
+    if symmetric:
+        breakdown.append(("Mega MoE symmetric buffer", symmetric))
     moment = f"prefill, last layer ({worst[0]})"
     return _Moment(moment, total, breakdown, list(dedup.items()), sorted(kv.items(), key=lambda kv: -kv[1]),
                    [(moment, total)])

@@ -28,7 +28,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-PLANS = {"mixtral": "plans/mixtral.yaml", "qwen3_moe": "plans/qwen3_moe.yaml", "deepseek_v3": "plans/deepseek_v3.yaml"}
+
+
+def plan_path(name: str) -> str:
+    """A shipped plan by its file's stem (`plans/NAME.yaml`): the grid's family names are the plans'."""
+    return f"plans/{name}.yaml"
 
 
 @contextlib.contextmanager
@@ -49,6 +53,27 @@ def symmetric_counts():
         yield
     finally:
         dist.all_to_all_single = real
+
+
+@contextlib.contextmanager
+def no_backward_hooks_without_grad():
+    """MemTracker's module tracker registers a backward hook on every module input that requires grad, even under
+    `no_grad`, where an input can require grad without a gradient function (Qwen3-Next's conv weight view in its
+    hub-kernel layer) and the registration fails: a prefill has no backward, so it registers none."""
+    from torch.distributed._tools import mod_tracker
+
+    real = mod_tracker.register_multi_grad_hook
+
+    def register(tensors, fn, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return None
+        return real(tensors, fn, *args, **kwargs)
+
+    mod_tracker.register_multi_grad_hook = register
+    try:
+        yield
+    finally:
+        mod_tracker.register_multi_grad_hook = real
 
 
 def _fill(model, seed: int = 0) -> None:
@@ -81,7 +106,7 @@ def plan_data(family: str, mode: str, *, dp: int = 1, root: str = ".") -> dict:
     """The shipped plan at its own tp/ep, with `dp` replicas and the training mode of `mode`."""
     from planc.lint.plan_loader import load_plan
 
-    data = load_plan(f"{root}/{PLANS[family]}").plan.model_dump(exclude_none=True)
+    data = load_plan(f"{root}/{plan_path(family)}").plan.model_dump(exclude_none=True)
     data.pop("extends", None)
     data["parallel"]["dp_size"] = dp
     if mode == "serve":
@@ -114,7 +139,7 @@ def measure(family: str, mode: str, batch: int, seq: int, overrides: dict, *, dp
 
         model = meta_model(AutoConfig.from_pretrained(config_dir)).to(torch.bfloat16)
     else:
-        model = build_meta_model(family, dict(overrides)).to(torch.bfloat16)
+        model = build_meta_model(data["model"]["type"], dict(overrides)).to(torch.bfloat16)
     mesh = None
     if device != "cpu":  # the fake backend is not NCCL, so planc would build a CPU mesh: FSDP2 allocates on its device
         from torch.distributed.device_mesh import init_device_mesh
@@ -126,7 +151,7 @@ def measure(family: str, mode: str, batch: int, seq: int, overrides: dict, *, dp
     install.apply(model, install.load_plan_on_every_rank(data, what="planc verify --memory"), mesh=mesh)
     model.to_empty(device=device)
     _fill(model)
-    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, model.config.get_text_config().vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
     ids = ids.to(device)
     if device != "cpu":
         return _measure_cuda(model, ids, mode)
@@ -136,7 +161,7 @@ def measure(family: str, mode: str, batch: int, seq: int, overrides: dict, *, dp
             model.eval()
             tracker = MemTracker()
             tracker.track_external(model)
-            with tracker, torch.no_grad():
+            with no_backward_hooks_without_grad(), tracker, torch.no_grad():
                 result = model(ids, use_cache=True, logits_to_keep=1)
                 del result
         else:

@@ -14,7 +14,9 @@ import torch
 
 from bench.memory_grid import grid, predict
 from tests.checkout_env import checkout_env
-from tests.memory.test_peak_memory import REPO, TOL, memory
+from tests.memory.test_peak_memory import REPO, memory
+
+TOL = 0.10  # not yet measured on a GPU at this model (the CPU grid holds 5%, docs/memory.md)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -30,7 +32,7 @@ def _run(point: dict, fraction: float | None = None, **env: str) -> subprocess.C
                           env=checkout_env(**env), capture_output=True, text=True, timeout=1800)
 
 
-@pytest.mark.parametrize("point", list(grid()), ids=lambda p: json.dumps(p))
+@pytest.mark.parametrize("point", [{**p, "device": "cuda"} for p in grid()], ids=lambda p: json.dumps(p))
 def test_grid_point_on_the_gpu(point):
     run = _run(point)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -1,0 +1,80 @@
+"""What a family's transformers code allocates beyond the common decoder layer: the facts the peak model prices.
+
+`planc.compiler.peak_memory` prices a decoder layer from its shapes (attention heads, MLP widths, experts). Some
+families allocate more than those shapes say, in code the shapes cannot show: a router that computes in fp32 and
+keeps fp32 routing weights, an MoE block that repeats the hidden states over every expert, a q/k norm over the whole
+projected width. Each row here is read from that family's modeling file in transformers 5.25 (the installed
+version the grid in docs/memory.md measures); `unpriced` lists what the family allocates that planc does not
+price yet, so that `planc explain` says so next to its verdict instead of printing a number it cannot back.
+
+A family without a row was not measured: it is priced on the safe side (fp32 routing weights and router input,
+the larger of the two) and its verdict carries a note.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FamilyMemory:
+    """One family's allocations the layer shapes do not show."""
+
+    # the top-k routing weights stay fp32 into the experts' output stage (`proj_out * weights` and its scatter
+    # back are fp32 [slots, hidden]): a router whose softmax/sigmoid runs in fp32 with no cast back
+    routing_weights_fp32: bool = False
+    # the router runs `F.linear(hidden.float(), weight.float())`: training keeps an fp32 [tokens, hidden] copy
+    router_input_fp32: bool = False
+    # q_norm/k_norm normalise the whole projected q/k width (not per head): an fp32 copy of q and k in forward
+    full_width_qk_norm: bool = False
+    # rotary in complex fp32 (`view_as_complex(x.float())`): fp32 copies of q and k
+    complex_rope_fp32: bool = False
+    # hyper-connections: the residual is [tokens, streams, hidden], mixed in fp32 (DeepSeek-V4: 4 streams)
+    residual_streams: int = 1
+    unpriced: tuple[str, ...] = ()
+    measured: bool = True  # in the grid of docs/memory.md
+
+
+FAMILIES: dict[str, FamilyMemory] = {
+    # softmax(router_logits.float()), top-k weights kept fp32
+    "mixtral": FamilyMemory(routing_weights_fp32=True),
+    # softmax then `.to(router_logits.dtype)`
+    "qwen3_moe": FamilyMemory(),
+    "qwen3_vl_moe": FamilyMemory(),
+    "qwen3_vl_moe_text": FamilyMemory(),
+    "qwen3_next": FamilyMemory(),
+    # DeepSeek's router: F.linear(x.float(), w.float()), sigmoid/softmax in fp32, weights kept fp32
+    "deepseek_v2": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, complex_rope_fp32=True),
+    "deepseek_v3": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "glm4_moe": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    # sigmoid(router_logits.float()), weights kept fp32; q_norm/k_norm over all heads' width
+    "minimax_m2": FamilyMemory(routing_weights_fp32=True, full_width_qk_norm=True),
+    # softmax over the top-k in the logits' dtype; eager attention with sinks (priced from the attention layer)
+    "gpt_oss": FamilyMemory(),
+    # sigmoid(...).to(dtype); complex fp32 rotary (its dense expert dispatch is the compiled plan's: `dispatch`)
+    "llama4_text": FamilyMemory(complex_rope_fp32=True),
+    "llama4": FamilyMemory(complex_rope_fp32=True),
+    "deepseek_v4": FamilyMemory(
+        routing_weights_fp32=True, router_input_fp32=True, residual_streams=4,
+        unpriced=(
+            "DeepSeek-V4's compressed KV caches (CSA/HCA entries, indexer keys) and the CSA indexer's fp32 scores "
+            "(priced as a full-attention cache and eager S x S scores)",
+            "DeepSeek-V4's hyper-connections' mixing temporaries (counted as two more copies of the [tokens, 4, "
+            "hidden] fp32 residual in a prefill; the residual itself is priced)",
+        ),
+    ),
+}
+
+UNMEASURED = FamilyMemory(
+    routing_weights_fp32=True, router_input_fp32=True, measured=False,
+    unpriced=("this family's own allocations were not measured (priced on the safe side: fp32 routing weights "
+              "and an fp32 router input)",),
+)
+
+
+def family_memory(model_type: str | None) -> FamilyMemory:
+    """The row of `model_type`, or the safe-side default of a family the grid has not measured."""
+    return FAMILIES.get(model_type or "", UNMEASURED)
+
+
+__all__ = ["FAMILIES", "FamilyMemory", "family_memory"]

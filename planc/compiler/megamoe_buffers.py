@@ -1,0 +1,70 @@
+"""Mega MoE's buffers per rank, before launch: the symmetric buffer every Mega MoE layer shares and one layer's work.
+
+Two backends allocate differently (`experts.megamoe.backend`, planc.spec.choices):
+
+- `deep_gemm` (SM100): DeepGEMM's `get_symm_buffer_for_mega_moe` sizes one symmetric buffer from the tokens per
+  rank it is built for (DeepGEMM 54e2261, `csrc/apis/mega.hpp get_symm_buffer_size_for_mega_moe`,
+  `layout/mega_moe.cuh`, `deep_gemm/mega/__init__.py`, `heuristics/mega_moe.hpp get_num_wave_pool_tokens`);
+  `deepgemm_symmetric_bytes` is that rule.
+- `triton` and `reference`: planc's `ReferenceBuffer` (planc.kernels.megamoe.reference): FP8 x, its UE8M0
+  scales, top-k ids (int64) and weights (fp32) per token, plus one layer's dispatch (every rank's staged rows
+  all-gathered), the BF16 slot outputs and the SwiGLU activations (planc.kernels.megamoe.triton.forward).
+
+Both buffers are built for `capacity_for(tokens, experts.megamoe.max_tokens_per_rank)` tokens
+(planc.kernels.megamoe.buffers): the plan's size when the batch fits in it, else the next power of two.
+Pure arithmetic: the compiler prices them without torch.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+GRAN = 32  # hidden elements per UE8M0 scale byte
+_BLOCK_T = 64  # Triton backend rows per block: a local expert's last block is padded to it
+
+
+def _align(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def capacity(tokens: int, max_tokens_per_rank: Optional[int]) -> int:
+    """Tokens per rank the buffer is built for (planc.kernels.megamoe.buffers.capacity_for, without torch)."""
+    if max_tokens_per_rank is not None and tokens <= max_tokens_per_rank:
+        return max_tokens_per_rank
+    return 1 if tokens <= 1 else 1 << (tokens - 1).bit_length()
+
+
+def deepgemm_symmetric_bytes(ranks: int, experts: int, tokens: int, top_k: int, hidden: int, intermediate: int,
+                             fp8: bool = True) -> int:
+    """DeepGEMM's symmetric buffer for `tokens` per rank: W + T(bH + 12k) + N(bH + 4 + bI) + 2kTH, plus the FP8
+    scale-factor pools TH/32 + N(H + I)/2, with T aligned to 384 and N the wave pool's tokens."""
+    local = experts // ranks
+    t = _align(tokens, 384)
+    b = 1 if fp8 else 2
+    n = 786_432 if t >= 6144 else 1_824_768
+    n = max(ranks * t, min(n, ranks * t * local, _align(ranks * t * top_k + 383 * local, 384)))
+    pool = _align(ranks * t * min(top_k, local) + 191 * local, 384)
+    w = _align(32 + 16 * experts + 8 * local + 2 * n + 4 * local * ranks * ranks * t + 12 * pool, 16)
+    total = w + t * (b * hidden + 12 * top_k) + n * (b * hidden + 4 + b * intermediate) + 2 * top_k * t * hidden
+    if fp8:
+        total += t * hidden // 32 + n * (hidden + intermediate) // 2
+    return total
+
+
+def reference_buffer_bytes(tokens: int, top_k: int, hidden: int) -> int:
+    """planc's `ReferenceBuffer` (triton and reference backends): x FP8, x_sf, top-k ids and weights."""
+    return tokens * (hidden + hidden // GRAN + 8 * top_k + 4 * top_k)
+
+
+def triton_layer_bytes(ranks: int, rows: int, local_experts: int, top_k: int, hidden: int, intermediate: int) -> int:
+    """One Mega MoE layer's work on the triton backend with `rows` staged tokens per rank: the all-gathered
+    dispatch, the dequantized BF16 tokens, the BF16 slot outputs (zeros for other ranks' experts), the SwiGLU
+    activations of this rank's slots (each local expert's rows padded to a block) and the combined output."""
+    m = ranks * rows
+    gathered = m * (hidden + hidden // GRAN + 12 * top_k)
+    slots = m * top_k
+    act = min(slots, m * top_k) + local_experts * _BLOCK_T
+    return gathered + 2 * m * hidden + 2 * slots * hidden + 2 * act * intermediate + 4 * slots + 2 * rows * hidden
+
+
+__all__ = ["capacity", "deepgemm_symmetric_bytes", "reference_buffer_bytes", "triton_layer_bytes"]
