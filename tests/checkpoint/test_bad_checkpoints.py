@@ -119,7 +119,7 @@ def test_ranks_that_choose_another_quantization_fail_together(damaged):
 
 def test_a_plan_that_fails_to_load_on_one_rank_raises_the_same_error_on_every_rank(damaged):
     _refused(damaged[0], "plan_invalid_on_rank1", ["planc.load: nothing was installed", "rank 1: PlanError: ",
-                                                   "mixtral.yaml:21:12: PLC310", "colwise_gather_output`?"])
+                                                   "mixtral.yaml:22:12: PLC310", "colwise_gather_output`?"])
 
 
 def test_ranks_that_see_different_checkpoints_fail_together(dcp_cases):
