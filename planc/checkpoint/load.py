@@ -200,24 +200,14 @@ def _dcp_reader(directory: Path, trust_code: bool) -> CheckedReader:
     checkpoint's code) and every `.distcp` range it names present; CheckpointError otherwise."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from planc.checkpoint.dcp import storage_problems
-    from planc.checkpoint.dcp_reader import metadata_protocol, warn_trusted
+    from planc.checkpoint.dcp_reader import metadata_protocol, open_checked, warn_trusted
     from planc.checkpoint.marker import read_marker
 
     if trust_code:
         warn_trusted(directory, "planc.load")
-    reader = CheckedReader(directory, protocol=metadata_protocol(read_marker(directory)), trust_code=trust_code)
-    try:
-        metadata = reader.read_metadata()
-    except PlancError:
-        raise
-    except Exception as e:  # noqa: BLE001 - torch's unpickler (trusted) raises anything
-        raise CheckpointError(f"{directory / '.metadata'}: unreadable ({type(e).__name__}: {last_line(str(e))}); the "
-                              "checkpoint is damaged: save it again, or copy it again.") from None
-    files = storage_problems(metadata, directory)
-    if files:
-        raise CheckpointError(f"{directory}: {len(files)} file(s) of the checkpoint are damaged:\n    "
-                              + "\n    ".join(files))
+    reader = open_checked(directory, protocol=metadata_protocol(read_marker(directory)), trust_code=trust_code,
+                          what="the checkpoint")
+    metadata = reader.read_metadata()
     items = sorted(k for k, v in metadata.state_dict_metadata.items() if not isinstance(v, TensorStorageMetadata))
     if items:  # fill_from_dcp would refuse them too: refused here, so explain --checkpoint does as well
         raise CheckpointError(

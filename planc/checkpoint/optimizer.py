@@ -45,10 +45,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from planc.checkpoint.applied import applied_plan
-from planc.checkpoint.dcp import dcp_failures, storage_problems
+from planc.checkpoint.dcp import dcp_failures
 from planc.checkpoint.keys import last_line
 from planc.checkpoint.atomic import agree
-from planc.checkpoint.dcp_reader import CheckedReader, metadata_protocol, planner_for, warn_trusted
+from planc.checkpoint.dcp_reader import CheckedReader, metadata_protocol, open_checked, planner_for, warn_trusted
 from planc.checkpoint.marker import read_marker, saved_under
 from planc.checkpoint.state import dcp_layout, has_strided
 from planc.errors import CheckpointError
@@ -226,18 +226,8 @@ def optimizer_reader(directory: Path, marker: dict[str, Any], trust_code: bool) 
             f"{OPTIMIZER_DIR!r} inside the checkpoint and reads it nowhere else. The checkpoint is damaged: save it again."
         )
     saved_dir = directory / OPTIMIZER_DIR
-    reader = CheckedReader(saved_dir, protocol=metadata_protocol(marker), trust_code=trust_code)
-    try:
-        metadata = reader.read_metadata()
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 - torch's unpickler (trusted) raises anything
-        raise CheckpointError(f"{saved_dir / '.metadata'}: unreadable ({type(e).__name__}: {last_line(str(e))}); the "
-                              "checkpoint is damaged: save it again, or copy it again.") from None
-    files = storage_problems(metadata, saved_dir)
-    if files:
-        raise CheckpointError(f"{saved_dir}: {len(files)} file(s) of the optimizer state are damaged:\n    "
-                              + "\n    ".join(files))
+    reader = open_checked(saved_dir, protocol=metadata_protocol(marker), trust_code=trust_code,
+                          what="the optimizer state")
     return reader
 
 
