@@ -33,7 +33,7 @@ from planc.checkpoint.state import (
     has_strided,
     named_non_persistent_buffers,
 )
-from planc.errors import CheckpointError
+from planc.errors import CheckpointError, PlancError
 from planc.runtime.mesh import rank_device
 
 if TYPE_CHECKING:
@@ -179,21 +179,10 @@ def fill_from_dcp(
     try:
         marker = read_marker(directory)
         saved_np = set(marker.get("non_persistent_buffers", ()))
-        if reader is None:
-            reader = CheckedReader(directory, protocol=metadata_protocol(marker))
-        try:
-            metadata = reader.read_metadata()
-        except CheckpointError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a damaged .metadata raises pickle's or the filesystem's errors
-            raise CheckpointError(
-                f"{directory / '.metadata'}: unreadable ({type(e).__name__}: {last_line(str(e))}); the checkpoint is "
-                "damaged: save it again, or copy it again."
-            ) from None
-        files = storage_problems(metadata, directory)
-        if files:
-            raise CheckpointError(f"{directory}: {len(files)} file(s) of the checkpoint are damaged:\n    "
-                                  + "\n    ".join(files))
+        if reader is None:  # a reader planc.load gives was opened by open_checked already
+            reader = open_checked(directory, protocol=metadata_protocol(marker), trust_code=False,
+                                  what="the checkpoint")
+        metadata = reader.read_metadata()
         problems = _check(_targets(model, compiled, groups, saved_np), metadata, directory, model, saved_np)
         if problems:
             raise CheckpointError(
@@ -222,3 +211,21 @@ def fill_from_dcp(
 
 
 __all__ = ["dcp_failures", "fill_from_dcp", "storage_problems", "is_planc_checkpoint", "read_marker"]
+
+
+def open_checked(directory: Path, *, protocol: int, trust_code: bool, what: str) -> CheckedReader:
+    """The reader of one DCP directory (a model's or its `optimizer/`), its metadata read and every `.distcp` range
+    it names present: the one place a load path turns an unreadable or damaged directory into a CheckpointError.
+    `what` names the state in the message ("the checkpoint", "the optimizer state")."""
+    reader = CheckedReader(directory, protocol=protocol, trust_code=trust_code)
+    try:
+        metadata = reader.read_metadata()
+    except PlancError:
+        raise
+    except Exception as e:  # noqa: BLE001 - torch's unpickler (trusted) raises anything
+        raise CheckpointError(f"{directory / '.metadata'}: unreadable ({type(e).__name__}: {last_line(str(e))}); the "
+                              "checkpoint is damaged: save it again, or copy it again.") from None
+    files = storage_problems(metadata, directory)
+    if files:
+        raise CheckpointError(f"{directory}: {len(files)} file(s) of {what} are damaged:\n    " + "\n    ".join(files))
+    return reader

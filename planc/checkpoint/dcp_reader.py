@@ -411,27 +411,6 @@ class PlainBytesPlanner(DefaultLoadPlanner):
             self.state_dict[key] = plain
 
 
-def open_checked(directory: Path, *, protocol: int, trust_code: bool, what: str) -> CheckedReader:
-    """The reader of one DCP directory (a model's or its `optimizer/`), its metadata read and every `.distcp` range
-    it names present: the one place a load path turns an unreadable or damaged directory into a CheckpointError.
-    `what` names the state in the message ("the checkpoint", "the optimizer state")."""
-    from planc.checkpoint.dcp import storage_problems
-    from planc.checkpoint.keys import last_line
-
-    reader = CheckedReader(directory, protocol=protocol, trust_code=trust_code)
-    try:
-        metadata = reader.read_metadata()
-    except PlancError:
-        raise
-    except Exception as e:  # noqa: BLE001 - torch's unpickler (trusted) raises anything
-        raise CheckpointError(f"{directory / '.metadata'}: unreadable ({type(e).__name__}: {last_line(str(e))}); the "
-                              "checkpoint is damaged: save it again, or copy it again.") from None
-    files = storage_problems(metadata, directory)
-    if files:
-        raise CheckpointError(f"{directory}: {len(files)} file(s) of {what} are damaged:\n    " + "\n    ".join(files))
-    return reader
-
-
 def planner_for(reader: CheckedReader) -> DefaultLoadPlanner:
     """The planner `dcp.load` takes with `reader`: torch's own when the user trusts the checkpoint's code."""
     return DefaultLoadPlanner() if reader.trust_code else PlainBytesPlanner(reader.directory)

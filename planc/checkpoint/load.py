@@ -200,7 +200,8 @@ def _dcp_reader(directory: Path, trust_code: bool) -> CheckedReader:
     checkpoint's code) and every `.distcp` range it names present; CheckpointError otherwise."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from planc.checkpoint.dcp_reader import metadata_protocol, open_checked, warn_trusted
+    from planc.checkpoint.dcp import open_checked
+    from planc.checkpoint.dcp_reader import metadata_protocol, warn_trusted
     from planc.checkpoint.marker import read_marker
 
     if trust_code:

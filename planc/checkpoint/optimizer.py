@@ -45,10 +45,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from planc.checkpoint.applied import applied_plan
-from planc.checkpoint.dcp import dcp_failures
+from planc.checkpoint.dcp import dcp_failures, open_checked
 from planc.checkpoint.keys import last_line
 from planc.checkpoint.atomic import agree
-from planc.checkpoint.dcp_reader import CheckedReader, metadata_protocol, open_checked, planner_for, warn_trusted
+from planc.checkpoint.dcp_reader import CheckedReader, metadata_protocol, planner_for, warn_trusted
 from planc.checkpoint.marker import read_marker, saved_under
 from planc.checkpoint.state import dcp_layout, has_strided
 from planc.errors import CheckpointError
