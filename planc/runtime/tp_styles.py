@@ -340,6 +340,10 @@ class ReplicatedWithGradAllReduce(TPStyle):
 
     name = "replicated_with_grad_allreduce"
 
+    def read(self, param: torch.Tensor, group: Any) -> torch.Tensor:
+        """What the forward reads in place of `param`: the identity, its gradient summed over `group`."""
+        return all_reduce_grad(param, group)
+
     def install(self, module: nn.Module, mesh: DeviceMesh) -> None:
         group = mesh.get_group()
 
@@ -347,7 +351,7 @@ class ReplicatedWithGradAllReduce(TPStyle):
             params = {n: p for n, p in module._parameters.items()
                       if p is not None and not isinstance(p, DTensor) and p.requires_grad}
             for n, p in params.items():
-                module._parameters[n] = cast(nn.Parameter, all_reduce_grad(p, group))  # a tensor for this forward
+                module._parameters[n] = cast(nn.Parameter, self.read(p, group))  # a tensor for this forward
             try:
                 return original(*args, **kwargs)
             finally:

@@ -10,12 +10,9 @@ The right versions: `all_to_all_counted` (tests/runtime/custom_extensions.py) an
 
 from __future__ import annotations
 
-from typing import Any, Callable, cast
+from typing import Any
 
 import torch
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from planc.runtime.collectives import all_reduce_grad
 from planc.runtime.ep.all_to_all import AllToAllEPRuntime
@@ -53,20 +50,8 @@ class GradReducedTwice(ReplicatedWithGradAllReduce):
     def __init__(self) -> None:
         self.name = REDUCED_TWICE.name
 
-    def install(self, module: nn.Module, mesh: DeviceMesh) -> None:
-        group = mesh.get_group()
-
-        def forward(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-            params = {n: p for n, p in module._parameters.items()
-                      if p is not None and not isinstance(p, DTensor) and p.requires_grad}
-            for n, p in params.items():
-                module._parameters[n] = cast(nn.Parameter, all_reduce_grad(all_reduce_grad(p, group), group))
-            try:
-                return original(*args, **kwargs)
-            finally:
-                module._parameters.update(params)
-
-        self._wrap(module, forward)
+    def read(self, param: torch.Tensor, group: Any) -> torch.Tensor:
+        return all_reduce_grad(all_reduce_grad(param, group), group)
 
 
 def register() -> None:
