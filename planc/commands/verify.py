@@ -37,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory", action="store_true",
                         help="also run rank 0 at full width under a fake process group (torch's MemTracker) and "
                         "flag `planc explain`'s predicted peak when it is over 5%% under the measured one")
+    parser.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None,
+                        help="the Mega MoE kernel stages: the Triton backend against the reference backend at the "
+                        "plan's real per-rank shapes (default: on a CUDA GPU when there is one, else reported as not "
+                        "run; --kernels also runs them under Triton's CPU interpreter, TRITON_INTERPRET=1)")
     parser.add_argument("--format", choices=("text", "json"), default="text", help="output format")
 
 
@@ -62,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     report = verify(args.build, args.plan, parallel=parallel, train=args.train, dtype=args.dtype, model=args.model,
                     model_type=args.model_type, trust_remote_code=args.trust_remote_code, overrides=overrides,
                     shrink=not args.no_shrink, reshard=reshard, seed=args.seed, progress=main_progress(),
-                    memory=args.memory)
+                    memory=args.memory, kernels=args.kernels)
     if args.format == "json":
         print(report.render_json())
     else:

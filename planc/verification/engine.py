@@ -16,6 +16,7 @@ import time
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 from planc.errors import CompileError, ModelBuildError, PlanError, VerifyError
+from planc.spec.choices import EXPERTS_IMPLEMENTATIONS
 from planc.verification.report import Divergence, RuleRef, StageResult, VerifyReport
 from planc.verification.source import BuildTarget, ModelSource, target_name
 from planc.verification.tolerance import tolerance
@@ -54,7 +55,7 @@ def verify(build: Optional[BuildTarget] = None, plan: Any = None, *, parallel: O
            train: bool = False, dtype: Optional[str] = None, model: Optional[str] = None,
            model_type: Optional[str] = None, trust_remote_code: bool = False, overrides: Optional[dict] = None,
            shrink: bool = True, reshard: Optional[Mapping[str, int]] = None, seed: int = 0,
-           progress: Optional[Progress] = None, memory: bool = False) -> VerifyReport:
+           progress: Optional[Progress] = None, memory: bool = False, kernels: Optional[bool] = None) -> VerifyReport:
     """Run `plan` at its own sizes (or `parallel`) on CPU gloo ranks against the unsharded twin and report.
 
     The model: `build` (`"pkg.module:function"` or a module-level callable returning a fresh, seeded nn.Module),
@@ -63,6 +64,9 @@ def verify(build: Optional[BuildTarget] = None, plan: Any = None, *, parallel: O
     `reshard`: the sizes the saved checkpoint is loaded back at (default: half of tp and ep; `{}`: no reshard stage).
     `memory`: also rank 0 at full width under the fake process group, measured beside `planc explain`'s predicted
     peak (the `memory` stage; planc.verification.memory_check).
+    `kernels`: the Mega MoE kernel stages (planc.verification.kernels: the Triton backend against the reference
+    backend at the plan's real per-rank shapes); None runs them where a CUDA GPU is, True also under Triton's CPU
+    interpreter, False never. Where they cannot run, `report.skipped` says why (not a failure).
     Never raises for bad input: the report's `error` says what could not run (`exit_code` 2)."""
     started = time.monotonic()
     say = progress or (lambda _text: None)
@@ -71,7 +75,8 @@ def verify(build: Optional[BuildTarget] = None, plan: Any = None, *, parallel: O
         with _quiet():
             _run(report, build, plan, parallel=parallel, train=train, dtype=dtype or "float32", model=model,
                  model_type=model_type, trust_remote_code=trust_remote_code, overrides=overrides or {}, shrink=shrink,
-                 reshard=reshard, seed=seed, say=say, announce=progress is not None and sys.stderr.isatty())
+                 reshard=reshard, seed=seed, say=say, announce=progress is not None and sys.stderr.isatty(),
+                 kernels=kernels)
             if memory:
                 _memory(report, build, plan, parallel=parallel, train=train, model=model, model_type=model_type,
                         trust_remote_code=trust_remote_code, overrides=overrides or {}, say=say)
@@ -107,7 +112,7 @@ def _quiet() -> Iterator[None]:
 
 
 def _run(report: VerifyReport, build, plan, *, parallel, train, dtype, model, model_type, trust_remote_code,
-         overrides, shrink, reshard, seed, say, announce) -> None:
+         overrides, shrink, reshard, seed, say, announce, kernels=None) -> None:
     from planc.lint.plan_loader import load_plan
 
     if dtype not in DTYPES:
@@ -155,6 +160,37 @@ def _run(report: VerifyReport, build, plan, *, parallel, train, dtype, model, mo
             for r in results[len(again):]:
                 r["stages"] += again[0]["stages"]
     _gather(report, results, compiled, dtype)
+    if EXPERTS_IMPLEMENTATIONS[loaded.plan.experts.implementation].megamoe:
+        _kernels(report, loaded, source, compiled, kernels, seed, say)
+    elif kernels:
+        report.notes.append("no kernel stages: the plan has no Mega MoE experts (`experts.implementation: "
+                            "deepgemm_megamoe`), whose Triton kernels they check")
+
+
+def _kernels(report: VerifyReport, loaded, source: ModelSource, compiled, kernels: Optional[bool], seed: int,
+             say) -> None:
+    """The Mega MoE kernel stages at the real config's per-rank shapes (planc.verification.kernels), or the reason
+    they could not run here in `report.skipped`."""
+    from planc.verification.kernels import STAGE, kernel_device, run_kernel_stages
+    from planc.verification.report import SkippedStage
+
+    device, why = kernel_device(kernels)
+    if device is not None and source.kind == "build":
+        device, why = None, "a --build model has no config to take the real per-rank shapes from"
+    if device is None:
+        report.skipped.append(SkippedStage(STAGE, why))
+        return
+    say("running the kernel stages (the Triton backend against the reference backend)")
+    outcome = run_kernel_stages(loaded, source.full_config(), device, seed=seed, say=say)
+    if outcome.skipped:
+        report.skipped.append(SkippedStage(STAGE, outcome.skipped))
+    report.stages += outcome.stages
+    report.notes += outcome.notes
+    found = outcome.divergence
+    if found is not None and report.first_divergence is None:
+        rules = _rules_of(compiled.assignments, found.module)
+        report.first_divergence = Divergence(found.stage, found.direction, found.module, found.rel_error,
+                                             rules=rules, note=found.note, tokens=found.tokens, expert=found.expert)
 
 
 def _memory(report: VerifyReport, build, plan, *, parallel, train, model, model_type, trust_remote_code, overrides,
@@ -195,7 +231,8 @@ def _on_cpu(loaded, report: VerifyReport):
                               "`backend: reference` (or `auto`) to verify the plan's sharding with the reference backend")
         loaded = with_values(loaded, ("experts", "megamoe"), {"backend": "reference"}, "verify runs on CPU")
         report.notes.append("Mega MoE: on CPU the `reference` backend runs (pure PyTorch, FP4 experts), against the "
-                            "unsharded model running the same backend; the GPU kernels are not exercised")
+                            "unsharded model running the same backend; the Triton kernels run in the kernel stages "
+                            "(a GPU)")
     return loaded, row.inference_only
 
 

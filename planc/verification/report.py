@@ -43,6 +43,8 @@ class Divergence:
     parameter: Optional[str] = None
     rules: tuple[RuleRef, ...] = ()
     note: str = ""
+    tokens: Optional[int] = None  # a kernel stage's divergence: the batch (tokens per rank) it showed at
+    expert: Optional[int] = None  # and the expert (global id) whose slots differ most
 
     @property
     def rule(self) -> Optional[RuleRef]:
@@ -57,6 +59,11 @@ class Divergence:
         return self.rules[0].where if self.rules else None
 
     def describe(self) -> str:
+        if self.direction == "kernel":
+            lines = [f"first divergence in stage `{self.stage}`: layer `{self.module}` at {self.tokens} tokens per "
+                     f"rank, calc_diff {self.rel_error:.3g}"]
+            lines += [f"  sharded by {r}" for r in self.rules]
+            return "\n".join(lines + ([f"  {self.note}"] if self.note else []))
         what = f"parameter `{self.parameter}` (gradient, backward order)" if self.parameter else \
             f"module `{self.module}` (forward order: its inputs match the unsharded model's, its output does not)"
         lines = [f"first divergence in stage `{self.stage}`: {what}, relative error {self.rel_error:.3g}"]
@@ -71,7 +78,8 @@ class Divergence:
 
 @dataclass(frozen=True)
 class StageResult:
-    """One stage's comparison: max abs and relative error (`||a - b|| / ||b||`) over every rank and tensor."""
+    """One stage's comparison: max abs and relative error (`||a - b|| / ||b||`) over every rank and tensor; a
+    kernel stage's `max_rel_error` is its `measure`, DeepGEMM's calc_diff."""
 
     name: str
     max_abs_error: float
@@ -80,17 +88,27 @@ class StageResult:
     tolerance_rule: str
     ok: bool
     detail: str = ""
+    measure: str = "rel"  # what max_rel_error and tolerance bound: `rel` (||a - b|| / ||b||) or `calc_diff`
 
     @property
     def verdict(self) -> str:
         return "ok" if self.ok else "MISMATCH"
 
 
+@dataclass(frozen=True)
+class SkippedStage:
+    """A stage verify would run but could not here (the Mega MoE kernel stages without a GPU): why. Not a failure."""
+
+    name: str
+    reason: str
+
+
 @dataclass
 class VerifyReport:
     """The verdict of `planc.verify`: `ok` when every stage held; `stages` in the order run; `first_divergence`
     where one did not. `setup` says what ran (plan, sizes, model, shrink, dtype); `error` is set when it could not
-    run at all (then `ok` is False and `exit_code` 2)."""
+    run at all (then `ok` is False and `exit_code` 2). `skipped`: stages that could not run here, with why (the
+    verdict does not count them)."""
 
     plan: str
     world_size: int
@@ -99,6 +117,7 @@ class VerifyReport:
     model: str
     shrink: list[str] = field(default_factory=list)
     stages: list[StageResult] = field(default_factory=list)
+    skipped: list[SkippedStage] = field(default_factory=list)
     first_divergence: Optional[Divergence] = None
     notes: list[str] = field(default_factory=list)
     error: Optional[str] = None
@@ -141,11 +160,13 @@ class VerifyReport:
         if self.error is not None:
             lines.append(f"could not run: {self.error}")
             return "\n".join(lines) + "\n"
-        width = max((len(s.name) for s in self.stages), default=5)
+        width = max([len(s.name) for s in self.stages] + [len(k.name) for k in self.skipped] + [5])
         lines.append(f"{'stage':<{width}}  {'max abs':>9}  {'rel':>9}  {'tolerance':>9}  verdict")
         for s in self.stages:
             lines.append(f"{s.name:<{width}}  {s.max_abs_error:9.2e}  {s.max_rel_error:9.2e}  {s.tolerance:9.2e}  "
                          f"{s.verdict}{'  ' + s.detail if s.detail else ''}")
+        for k in self.skipped:
+            lines.append(f"{k.name:<{width}}  {'-':>9}  {'-':>9}  {'-':>9}  not run: {k.reason}")
         if self.first_divergence is not None:
             lines.append(self.first_divergence.describe())
         rules = sorted({s.tolerance_rule for s in self.stages})

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from planc.kernels.megamoe import deep_gemm
 from planc.kernels.megamoe.quant import SCALE_DTYPE
+from planc.kernels.megamoe import reference
 from planc.kernels.megamoe.reference import DequantizedExperts, compute_dtype_for, reference_mega_moe
 from planc.kernels.megamoe.triton import forward, layout, target
 from planc.runtime.collectives import to_local
@@ -54,6 +55,13 @@ class _StagedRunner:
 
     def _local_forward(self) -> dict[str, Any]:
         return {}
+
+    def staged_kernels(self) -> tuple[Any, Any, Any]:
+        """(stage, local experts forward, combine): the three steps this backend runs around the dispatch, with
+        `reference`'s signatures (`planc verify`'s kernel stages run them on one rank's share of a layer)."""
+        kw = self._local_forward()
+        return (kw.get("stage_fn") or reference.stage, kw.get("local_forward", reference.local_experts_forward),
+                kw.get("combine_fn") or reference.combine)
 
     # What `auto` says of this backend (experts.choose_backend): its name in "no <LABEL> (why)", and why it runs.
     LABEL = ""
