@@ -2,7 +2,8 @@
 
 CI verifies two plans (bench/verify_plans.py times all twelve): qwen3_moe trains at its own 4 ranks (logits, loss,
 gradients, clip with accumulation, AdamW step, save -> load on 2 ranks), and deepseek_v4_megamoe serves on 2 ranks
-(its reference backend against the unsharded model running the same FP4 experts; generate).
+(its reference backend against the unsharded model running the same FP4 experts; generate; without a GPU the
+kernel stages are reported as not run).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 import planc
 
@@ -31,6 +33,9 @@ def test_qwen3_moe_trains_certified_at_its_own_sizes():
 def test_megamoe_serves_certified_against_its_reference_backend():
     report = planc.verify(plan=str(PLANS / "deepseek_v4_megamoe.yaml"), parallel={"tp_size": 2, "ep_size": 2})
     assert report.ok, report.render_text()
-    assert [s.name for s in report.stages] == ["logits", "generate"]
+    assert [s.name for s in report.stages][:2] == ["logits", "generate"]
     assert any("reference` backend runs" in n for n in report.notes)
     assert report.to_json()["stages"][1]["verdict"] == "ok"
+    if not torch.cuda.is_available():  # the Triton kernel stages: not run, said so, not a failure
+        assert [k.name for k in report.skipped] == ["kernels"] and len(report.stages) == 2
+        assert "not run: " in report.render_text()
