@@ -255,8 +255,9 @@ def run_kernel_stages(loaded: Any, real_config: Any, device: torch.device, *, se
         tol = worst["tol"]
         cfg = worst["config"]
         path = "FP8 path" if cfg.fp8 else f"BF16 path, {'Gluon ' if cfg.gluon else ''}blocks of {cfg.block_t} rows"
-        detail = (f"calc_diff; {t} tokens per rank x {first.ep_size} ranks gathered, {len(rows)} layers, worst "
-                  f"{worst['layer']} (rank {worst['rank']}, rel {worst['rel']:.2e}); Triton {path}")
+        detail = (f"calc_diff; {t} token{'s' if t > 1 else ''} per rank x {first.ep_size} ranks gathered, "
+                  f"{len(rows)} layers, {min(r['slots'] for r in rows)}-{max(r['slots'] for r in rows)} slots on the "
+                  f"rank's experts; worst {worst['layer']} (rank {worst['rank']}, rel {worst['rel']:.2e}); Triton {path}")
         out.stages.append(StageResult(f"{STAGE}[{t}]", max(r["abs"] for r in rows), worst["calc_diff"], tol.rel,
                                       tol.rule, all(r["calc_diff"] <= r["tol"].rel for r in rows), detail,
                                       measure="calc_diff"))
@@ -278,10 +279,12 @@ def _run_layer(layer: KernelLayer, rank: int, n: int, batches: tuple[int, ...], 
         cfg = device_config(gidx.numel(), layer.local_experts, layer.hidden, layer.intermediate, device)
         tol = kernel_tolerance(bool(cfg.fp8))
         d = calc_diff(y_t.float(), y_r.float())
-        row = {"layer": layer.fqn, "rank": rank, "tokens": t, "calc_diff": d, "tol": tol,
+        first = rank * layer.local_experts
+        mine = int(((gidx >= first) & (gidx < first + layer.local_experts)).sum())  # slots this rank computes
+        row = {"layer": layer.fqn, "rank": rank, "tokens": t, "calc_diff": d, "tol": tol, "slots": mine,
                "abs": abs_error(y_t, y_r), "rel": rel_error(y_t, y_r), "config": cfg}
         if not d <= tol.rel:
-            row["expert"] = _worst_expert(slots_t, slots_r, gidx, rank * layer.local_experts, layer.local_experts)
+            row["expert"] = _worst_expert(slots_t, slots_r, gidx, first, layer.local_experts)
             if out.divergence is None:
                 out.divergence = _divergence(layer, rank, row)
         per_batch[t].append(row)

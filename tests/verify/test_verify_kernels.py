@@ -8,15 +8,16 @@ a Triton weight layout whose scale bytes for one expert are one binade off, is c
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
+from transformers import DeepseekV4Config
 
 import planc
 from planc.kernels.megamoe.triton import layout, target
 from planc.lint.plan_loader import load_plan, with_values
-from planc.models.build import tiny_config
 from planc.verification.kernels import kernel_device, run_kernel_stages, token_batches
 from planc.verification.report import SkippedStage, StageResult, VerifyReport
 
@@ -46,7 +47,8 @@ def _tiny_plan():
     Triton layout tiles (hidden and intermediate % 64)."""
     loaded = load_plan(PLAN, parallel={"tp_size": 2, "ep_size": 2})
     loaded = with_values(loaded, ("experts", "megamoe"), {"max_tokens_per_rank": 8}, "a test's prefill")
-    return loaded, tiny_config("deepseek_v4", hidden_size=128, moe_intermediate_size=64)
+    return loaded, DeepseekV4Config(hidden_size=128, moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2,
+                                    num_hidden_layers=1, vocab_size=128)
 
 
 def test_batches_and_where_the_stages_run():
@@ -76,6 +78,8 @@ def test_triton_equals_the_reference_at_the_plans_per_rank_shapes():
     assert all(s.ok and s.measure == "calc_diff" and s.tolerance == 1e-4 for s in out.stages), out.stages
     assert out.divergence is None and not out.skipped
     assert "4 experts per rank (of 8, ep_size 2), hidden 128, intermediate 64, top-2" in out.notes[0]
+    fewest = [int(re.search(r"(\d+)-\d+ slots on the rank's experts", s.detail).group(1)) for s in out.stages]
+    assert all(n > 0 for n in fewest), fewest  # the experts computed something: not zeros against zeros
 
 
 @interpreted
@@ -109,8 +113,6 @@ def test_megamoe_plan_verifies_its_triton_kernels_at_real_shapes():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_layout_bug_in_one_expert_is_caught_at_real_shapes(corrupt_one_expert):
-    from transformers import DeepseekV4Config
-
     out = run_kernel_stages(load_plan(PLAN), DeepseekV4Config(), torch.device("cuda"), layers=1)
     assert not out.stages[-1].ok, out.stages
     d = out.divergence
