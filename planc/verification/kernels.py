@@ -294,8 +294,9 @@ def _run_layer(layer: KernelLayer, rank: int, n: int, batches: tuple[int, ...], 
 def _divergence(layer: KernelLayer, rank: int, row: dict) -> Divergence:
     expert, expert_diff = row["expert"]
     where = f", worst expert {expert} (calc_diff {expert_diff:.3g} on its slots)" if expert is not None else ""
-    note = (f"the Triton backend's output differs from the reference backend's on the same inputs: {row['tokens']} "
-            f"tokens per rank, rank {rank}'s experts {rank * layer.local_experts}-{(rank + 1) * layer.local_experts - 1}"
+    tokens = f"{row['tokens']} token{'s' if row['tokens'] > 1 else ''}"
+    note = (f"the Triton backend's output differs from the reference backend's on the same inputs: {tokens} "
+            f"per rank, rank {rank}'s experts {rank * layer.local_experts}-{(rank + 1) * layer.local_experts - 1}"
             f"{where}")
     return Divergence(f"{STAGE}[{row['tokens']}]", "kernel", layer.fqn, row["calc_diff"], note=note,
                       tokens=row["tokens"], expert=expert)

@@ -60,8 +60,8 @@ class Divergence:
 
     def describe(self) -> str:
         if self.direction == "kernel":
-            lines = [f"first divergence in stage `{self.stage}`: layer `{self.module}` at {self.tokens} tokens per "
-                     f"rank, calc_diff {self.rel_error:.3g}"]
+            lines = [f"first divergence in stage `{self.stage}`: layer `{self.module}` at {self.tokens} token"
+                     f"{'s' if (self.tokens or 0) > 1 else ''} per rank, calc_diff {self.rel_error:.3g}"]
             lines += [f"  sharded by {r}" for r in self.rules]
             return "\n".join(lines + ([f"  {self.note}"] if self.note else []))
         what = f"parameter `{self.parameter}` (gradient, backward order)" if self.parameter else \
@@ -176,5 +176,8 @@ class VerifyReport:
         if not self.ok and all(s.ok for s in self.stages if s.name != "memory"):  # numerics certified, memory not
             verdict = ("MEMORY: the sharded run computes what the unsharded model computes, but `planc explain` "
                        "under-predicts rank 0's peak: size the job on the measured peak")
+        elif not self.ok and all(s.ok for s in self.stages if s.measure != "calc_diff"):  # only kernel stages failed
+            verdict = ("MISMATCH: the sharded run computes what the unsharded model computes, but the Triton Mega MoE "
+                       "kernels do not compute what the reference backend computes")
         lines.append(f"{verdict} ({self.seconds:.0f} s)")
         return "\n".join(lines) + "\n"

@@ -70,6 +70,14 @@ def test_a_stage_not_run_is_reported_not_failed():
     assert report.to_json()["skipped"] == [{"name": "kernels", "reason": "no CUDA GPU here"}]
 
 
+def test_a_kernel_mismatch_says_the_sharding_held():
+    ran = StageResult("logits", 0.0, 0.0, 1e-4, "rule", True)
+    kernel = StageResult("kernels[32]", 0.1, 0.5, 1e-4, "kernels: calc_diff", False, measure="calc_diff")
+    report = VerifyReport("p.yaml", 2, {"tp_size": 2}, "float32", "m", stages=[ran, kernel])
+    assert report.exit_code == 1
+    assert "the Triton Mega MoE kernels do not compute what the reference backend computes" in report.render_text()
+
+
 @interpreted
 def test_triton_equals_the_reference_at_the_plans_per_rank_shapes():
     loaded, config = _tiny_plan()
