@@ -222,7 +222,8 @@ def verify(build: Any = None, plan: "Optional[PlanSource]" = None, *, parallel: 
     """Run `plan` at its own sizes on CPU gloo ranks against the unsharded model and return a VerifyReport (`.ok`,
     `.stages`, `.first_divergence`). `build`: `"pkg.module:function"` or a module-level callable returning a fresh,
     seeded nn.Module; or `model=DIR` / `model_type=T` in `options` (default: the plan's model type). Options:
-    `trust_remote_code`, `overrides` (config values), `shrink` (default True), `seed`. docs/verify.md."""
+    `trust_remote_code`, `overrides` (config values), `shrink` (default True), `seed`, `memory`, `kernels` (the Mega
+    MoE kernel stages: None runs them on a CUDA GPU when there is one). docs/verify.md."""
     from planc.verification import verify as _verify
 
     return _verify(build, plan, parallel=parallel, train=train, dtype=dtype, **options)
