@@ -231,8 +231,8 @@ def _on_cpu(loaded, report: VerifyReport):
                               "`backend: reference` (or `auto`) to verify the plan's sharding with the reference backend")
         loaded = with_values(loaded, ("experts", "megamoe"), {"backend": "reference"}, "verify runs on CPU")
         report.notes.append("Mega MoE: on CPU the `reference` backend runs (pure PyTorch, FP4 experts), against the "
-                            "unsharded model running the same backend; the Triton kernels run in the kernel stages "
-                            "(a GPU)")
+                            "unsharded model running the same backend; the Triton kernels are checked by the kernel "
+                            "stages, on a GPU")
     return loaded, row.inference_only
 
 
