@@ -27,7 +27,7 @@ from planc.errors import VerifyError
 from planc.verification.report import Divergence, StageResult
 from planc.verification.tolerance import kernel_tolerance
 
-DECODE_TOKENS = 32  # tokens per rank of the decode batch
+DECODE_TOKENS = 24  # tokens per rank of the decode batch: not a power of two, so the dispatch pads it (-1 slots)
 PREFILL_TOKENS = 4096  # tokens per rank of the prefill batch when the plan sets no `max_tokens_per_rank`
 STAGE = "kernels"
 

@@ -52,9 +52,9 @@ def _tiny_plan():
 
 
 def test_batches_and_where_the_stages_run():
-    assert token_batches(None) == (1, 32, 4096)
+    assert token_batches(None) == (1, 24, 4096)
     assert token_batches(type("S", (), {"max_tokens_per_rank": 8})()) == (1, 8)
-    assert token_batches(type("S", (), {"max_tokens_per_rank": 2000})()) == (1, 32, 2000)
+    assert token_batches(type("S", (), {"max_tokens_per_rank": 2000})()) == (1, 24, 2000)
     assert kernel_device(False) == (None, "not asked for (--no-kernels)")
     if not torch.cuda.is_available():
         device, why = kernel_device(None)
@@ -72,7 +72,7 @@ def test_a_stage_not_run_is_reported_not_failed():
 
 def test_a_kernel_mismatch_says_the_sharding_held():
     ran = StageResult("logits", 0.0, 0.0, 1e-4, "rule", True)
-    kernel = StageResult("kernels[32]", 0.1, 0.5, 1e-4, "kernels: calc_diff", False, measure="calc_diff")
+    kernel = StageResult("kernels[24]", 0.1, 0.5, 1e-4, "kernels: calc_diff", False, measure="calc_diff")
     report = VerifyReport("p.yaml", 2, {"tp_size": 2}, "float32", "m", stages=[ran, kernel])
     assert report.exit_code == 1
     assert "the Triton Mega MoE kernels do not compute what the reference backend computes" in report.render_text()
@@ -110,7 +110,7 @@ def test_megamoe_plan_verifies_its_triton_kernels_at_real_shapes():
     report = planc.verify(plan=PLAN)
     assert report.ok, report.render_text()
     names = [s.name for s in report.stages]
-    assert names == ["logits", "generate", "kernels[1]", "kernels[32]", "kernels[4096]"], names
+    assert names == ["logits", "generate", "kernels[1]", "kernels[24]", "kernels[4096]"], names
     assert not report.skipped
     note = next(n for n in report.notes if n.startswith("kernel stages on"))
     assert "43 Mega MoE layers" in note and "32 experts per rank (of 256, ep_size 8), hidden 4096, intermediate 2048" \
