@@ -92,8 +92,8 @@ def cache_key(point: dict) -> str:
     return json.dumps({**point, "plan": digest}, sort_keys=True)
 
 
-def predict(point: dict) -> dict:
-    """`planc explain` on the same plan and config, as users ask."""
+def predict(point: dict, *extra: str) -> dict:
+    """`planc explain` on the same plan and config, as users ask (`extra`: more flags, e.g. `--device-memory`)."""
     import contextlib
     import io
     import tempfile
@@ -112,6 +112,7 @@ def predict(point: dict) -> dict:
             args += ["--optimizer", "foreach" if point.get("device") == "cuda" else "for-loop"]
         for k, v in point["overrides"].items():
             args += ["--set", f"{k}={v}"]
+        args += extra
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             rc = main(args)
