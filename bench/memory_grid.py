@@ -108,8 +108,7 @@ def predict(point: dict, *extra: str) -> dict:
         path.write_text(yaml.safe_dump(data, sort_keys=False))
         args = ["explain", str(path), "--format", "json", "--batch", str(point["batch"]), "--seq", str(point["seq"]),
                 "--train" if point["mode"] != "serve" else "--serve"]
-        if point["mode"] != "serve":  # torch's default AdamW on the point's device: for-loop on CPU, foreach on CUDA
-            args += ["--optimizer", "foreach" if point.get("device") == "cuda" else "for-loop"]
+        args += ["--device-type", point.get("device", "cpu")]  # CPU: the for-loop AdamW step, no cuBLAS workspaces
         for k, v in point["overrides"].items():
             args += ["--set", f"{k}={v}"]
         args += extra
