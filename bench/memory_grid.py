@@ -119,6 +119,36 @@ def predict(point: dict, *extra: str) -> dict:
     return json.loads(out.getvalue())["memory"]
 
 
+def predict_all(points: list[dict]) -> list[dict]:
+    """`predict` for many points, each plan and config compiled once: the functions `planc explain` runs
+    (`explain_one`, `train_memory`, `workload_peak`), with its flags' meanings (`--set` read by `parse_overrides`)."""
+    import tempfile
+
+    import yaml
+
+    from planc.commands.explain import explain_one, parse_overrides, workload_peak
+    from planc.compiler.train_memory import train_memory
+
+    compiled_for: dict[str, tuple] = {}
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for point in points:
+            key = json.dumps([point["family"], point["mode"], point["dp"], point["overrides"]], sort_keys=True)
+            if key not in compiled_for:
+                path = Path(tmp) / f"plan{len(compiled_for)}.yaml"
+                path.write_text(yaml.safe_dump(plan_of(point), sort_keys=False))
+                overrides = parse_overrides([f"{k}={v}" for k, v in point["overrides"].items()])
+                rc, compiled, model = explain_one(str(path), {}, overrides, "config")
+                assert rc == 0, point
+                compiled_for[key] = (compiled, model, train_memory(compiled, model) if point["mode"] != "serve" else None)
+            compiled, model, train = compiled_for[key]
+            workload = {"workload": "serve" if point["mode"] == "serve" else "train", "batch": point["batch"],
+                        "seq": point["seq"], "search": "batch", "capacity_factor": 1.0, "reserve": None,
+                        "device_type": point.get("device", "cpu")}
+            out.append(workload_peak(compiled, model, train, workload, None, "plan").to_json())
+    return out
+
+
 def measure(point: dict) -> dict:
     from tests.checkout_env import checkout_env
 
@@ -159,12 +189,14 @@ def main() -> int:
             if args.cache:  # written as points finish: a stopped run keeps what it measured
                 Path(args.cache).write_text(json.dumps(cache, indent=1))
     worst = 0.0
+    measured = [p for p in points if cache_key(p) in cache]
+    predictions = {cache_key(p): m for p, m in zip(measured, predict_all(measured))}
     for point in points:
         key = cache_key(point)
         if key in failed:
             print(f"{point['family']:12s} {point['mode']:10s} failed: {failed[key][-300:]}", flush=True)
             continue
-        predicted, real = predict(point), cache[key]
+        predicted, real = predictions[key], cache[key]
         error = predicted["peak_per_rank"] / real["peak"] - 1
         worst = max(worst, abs(error))
         reserved = f" {real['reserved'] / 2**30:>9.3f}G" if "reserved" in real else ""
