@@ -92,8 +92,8 @@ def cache_key(point: dict) -> str:
     return json.dumps({**point, "plan": digest}, sort_keys=True)
 
 
-def predict(point: dict) -> dict:
-    """`planc explain` on the same plan and config, as users ask."""
+def predict(point: dict, *extra: str) -> dict:
+    """`planc explain` on the same plan and config, as users ask (`extra`: more flags, e.g. `--device-memory`)."""
     import contextlib
     import io
     import tempfile
@@ -108,15 +108,45 @@ def predict(point: dict) -> dict:
         path.write_text(yaml.safe_dump(data, sort_keys=False))
         args = ["explain", str(path), "--format", "json", "--batch", str(point["batch"]), "--seq", str(point["seq"]),
                 "--train" if point["mode"] != "serve" else "--serve"]
-        if point["mode"] != "serve":  # torch's default AdamW on the point's device: for-loop on CPU, foreach on CUDA
-            args += ["--optimizer", "foreach" if point.get("device") == "cuda" else "for-loop"]
+        args += ["--device-type", point.get("device", "cpu")]  # CPU: the for-loop AdamW step, no cuBLAS workspaces
         for k, v in point["overrides"].items():
             args += ["--set", f"{k}={v}"]
+        args += extra
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             rc = main(args)
         assert rc == 0, out.getvalue()
     return json.loads(out.getvalue())["memory"]
+
+
+def predict_all(points: list[dict]) -> list[dict]:
+    """`predict` for many points, each plan and config compiled once: the functions `planc explain` runs
+    (`explain_one`, `train_memory`, `workload_peak`), with its flags' meanings (`--set` read by `parse_overrides`)."""
+    import tempfile
+
+    import yaml
+
+    from planc.commands.explain import explain_one, parse_overrides, workload_peak
+    from planc.compiler.train_memory import train_memory
+
+    compiled_for: dict[str, tuple] = {}
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for point in points:
+            key = json.dumps([point["family"], point["mode"], point["dp"], point["overrides"]], sort_keys=True)
+            if key not in compiled_for:
+                path = Path(tmp) / f"plan{len(compiled_for)}.yaml"
+                path.write_text(yaml.safe_dump(plan_of(point), sort_keys=False))
+                overrides = parse_overrides([f"{k}={v}" for k, v in point["overrides"].items()])
+                rc, compiled, model = explain_one(str(path), {}, overrides, "config")
+                assert rc == 0, point
+                compiled_for[key] = (compiled, model, train_memory(compiled, model) if point["mode"] != "serve" else None)
+            compiled, model, train = compiled_for[key]
+            workload = {"workload": "serve" if point["mode"] == "serve" else "train", "batch": point["batch"],
+                        "seq": point["seq"], "search": "batch", "capacity_factor": 1.0, "reserve": None,
+                        "device_type": point.get("device", "cpu")}
+            out.append(workload_peak(compiled, model, train, workload, None, "plan").to_json())
+    return out
 
 
 def measure(point: dict) -> dict:
@@ -159,12 +189,14 @@ def main() -> int:
             if args.cache:  # written as points finish: a stopped run keeps what it measured
                 Path(args.cache).write_text(json.dumps(cache, indent=1))
     worst = 0.0
+    measured = [p for p in points if cache_key(p) in cache]
+    predictions = {cache_key(p): m for p, m in zip(measured, predict_all(measured))}
     for point in points:
         key = cache_key(point)
         if key in failed:
             print(f"{point['family']:12s} {point['mode']:10s} failed: {failed[key][-300:]}", flush=True)
             continue
-        predicted, real = predict(point), cache[key]
+        predicted, real = predictions[key], cache[key]
         error = predicted["peak_per_rank"] / real["peak"] - 1
         worst = max(worst, abs(error))
         reserved = f" {real['reserved'] / 2**30:>9.3f}G" if "reserved" in real else ""

@@ -26,6 +26,7 @@ _CONFIG_METADATA = ("model_type", "architectures", "transformers_version", "auto
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from planc.compiler.devices import CARDS
+    from planc.compiler.optimizer_step import STEPS
 
     cards = ", ".join(c.name for c in CARDS.values())
     parser.add_argument("plans", nargs="+", metavar="PLAN", help="plan file(s) (YAML); pre-commit passes several")
@@ -78,9 +79,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="EP routing: rows a rank receives relative to a balanced load (default 1.0; the worst case is printed)",
     )
     parser.add_argument(
-        "--optimizer", choices=("foreach", "for-loop", "fused"), default="foreach",
-        help="how AdamW steps (--train): foreach, torch's default on CUDA, holds one more copy of exp_avg_sq per "
-        "dtype group; for-loop (CPU's default) and fused hold none (default foreach)",
+        "--optimizer", choices=STEPS,
+        help="how AdamW steps (--train), overriding the step the plan leads torch to on CUDA (printed under the "
+        "training table): foreach holds one more copy of exp_avg_sq per dtype group, for-loop (CPU's default) two "
+        "copies of the largest parameter's, fused none",
+    )
+    parser.add_argument(
+        "--device-type", choices=("cuda", "cpu"), default="cuda",
+        help="where the workload runs (default cuda): cuda prices torch's CUDA AdamW step and cuBLAS workspaces, cpu "
+        "(as planc verify --memory measures) the for-loop step and no workspaces",
     )
     parser.add_argument(
         "--reserve", metavar="SIZE",
@@ -194,6 +201,8 @@ def run(args: argparse.Namespace) -> int:
         config = read_config(config_path) if config_path else {}
         device = read_device_memory(args.device_memory) if args.device_memory else None
         device_memory = device.bytes if device is not None else None
+        if workload is not None and device is not None and device.card is not None:
+            workload["capability"] = device.card.capability  # the card's cuBLAS workspace size
         parallel = parse_parallel(args.parallel)
     except (OSError, ValueError) as e:
         sys.stderr.write(f"planc explain: {e}\n")
@@ -279,7 +288,8 @@ def parse_workload(args) -> dict | None:
         "seq": 1 if auto else positive("--seq", args.seq, 4096),
         "search": "seq" if auto else "batch",
         "capacity_factor": factor,
-        "optimizer": getattr(args, "optimizer", "foreach"),
+        "optimizer": getattr(args, "optimizer", None),
+        "device_type": getattr(args, "device_type", "cuda"),
         "reserve": parse_size(args.reserve) if args.reserve else None,
     }
 
@@ -298,7 +308,8 @@ def workload_peak(compiled, model, train, workload: dict, device_memory, path: s
     peak = peak_memory(
         compiled, walk_model(model), config, train, workload=workload["workload"], batch=workload["batch"],
         seq=workload["seq"], capacity_factor=workload["capacity_factor"], device_memory=device_memory,
-        optimizer=workload.get("optimizer", "foreach"),
+        optimizer=workload.get("optimizer"), device_type=workload.get("device_type", "cuda"),
+        capability=workload.get("capability"),
         reserve=workload["reserve"] if workload["reserve"] is not None else DEFAULT_RESERVE,
         search=workload["search"],
     )

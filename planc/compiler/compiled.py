@@ -174,6 +174,18 @@ class CompiledPlan:
         return DATA_PARALLEL_MODES[Training.model_fields["data_parallel"].default]
 
     @property
+    def data_parallel_wraps(self) -> bool:
+        """Whether `planc.runtime.data_parallel` wraps the model in FSDP2 units (every parameter then a DTensor):
+        more than one replica, experts that several ranks hold alike (world / ep_size > 1), or mixed precision; never
+        with inference-only experts (Mega MoE). One replica with nothing to shard is left as TP/EP made it."""
+        if any(e.strategy is not None and e.strategy.inference_only for e in self.experts):
+            return False
+        p = self.parallel
+        holders = p.tp_size * p.dp_size // p.ep_size if p.ep_size > 1 else 1
+        mixed = self.training is not None and self.training.mixed_precision is not None
+        return p.dp_size > 1 or holders > 1 or mixed
+
+    @property
     def experts_implementation(self) -> ExpertsImplementation:
         """The row of `experts.implementation` (planc.spec.choices): what install and checkpoint ask of the kernel."""
         return self.experts_settings.implementation_row

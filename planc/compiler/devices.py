@@ -4,6 +4,9 @@ A card name means the memory torch reports for that card (`torch.cuda.get_device
 what planc.load compares against), not the marketing figure: an "80 GB" H100 is 79.18 GiB to torch. Each row
 says where its number comes from; where only the driver's total (`nvidia-smi --query-gpu=memory.total`) is
 public, the row uses it and says so (torch reports about 0.5 GiB less: the driver's own reservation).
+
+A card also names its compute capability, which sets the cuBLAS workspaces torch allocates through its caching
+allocator (`cuda_workspaces`): they count in the peak a CUDA rank allocates.
 """
 
 from __future__ import annotations
@@ -24,29 +27,59 @@ class Card:
     title: str
     memory: int
     source: str
+    capability: tuple[int, int]  # CUDA compute capability (major, minor): sets torch's cuBLAS workspace size
 
 
 CARDS = {c.name.lower(): c for c in (
     Card("H100", "NVIDIA H100 80GB HBM3 (SXM)", 85_017_493_504,
          "torch.cuda.get_device_properties(0).total_memory, measured 2026-12-06 on two machines (torch 2.11.0+cu130, "
-         "driver 580.159.04); nvidia-smi: 81559 MiB"),
+         "driver 580.159.04); nvidia-smi: 81559 MiB", (9, 0)),
     Card("H200", "NVIDIA H200 141GB HBM3e (SXM)", round(139.81 * 2**30),
-         "torch's out-of-memory message on an H200: `total capacity of 139.81 GiB`; nvidia-smi: 143771 MiB"),
+         "torch's out-of-memory message on an H200: `total capacity of 139.81 GiB`; nvidia-smi: 143771 MiB", (9, 0)),
     Card("B200", "NVIDIA B200 (HBM3e)", round(178.35 * 2**30),
          "cudaDeviceProp.totalGlobalMem (what torch reports) 178.35 GiB (pytorch/ao#4002); nvidia-smi: 183359 MiB "
-         "(NVIDIA/TensorRT-LLM#10278)"),
-    Card("A100-80GB", "NVIDIA A100 80GB", 81_920 * MIB, "nvidia-smi memory.total 81920 MiB (modal-labs/modal-client#2797)"),
-    Card("A100-40GB", "NVIDIA A100 40GB", 40_960 * MIB, "nvidia-smi memory.total 40960 MiB (modal-labs/modal-client#2797)"),
-    Card("H20", "NVIDIA H20 96GB HBM3", 97_871 * MIB, "nvidia-smi memory.total 97871 MiB (NVIDIA/nvtrust#128)"),
+         "(NVIDIA/TensorRT-LLM#10278)", (10, 0)),
+    Card("A100-80GB", "NVIDIA A100 80GB", 81_920 * MIB, "nvidia-smi memory.total 81920 MiB (modal-labs/modal-client#2797)", (8, 0)),
+    Card("A100-40GB", "NVIDIA A100 40GB", 40_960 * MIB, "nvidia-smi memory.total 40960 MiB (modal-labs/modal-client#2797)", (8, 0)),
+    Card("H20", "NVIDIA H20 96GB HBM3", 97_871 * MIB, "nvidia-smi memory.total 97871 MiB (NVIDIA/nvtrust#128)", (9, 0)),
 )}
+
+
+# The cuBLAS workspaces torch hands each cuBLAS handle (pytorch/pytorch aten/src/ATen/cuda/CublasHandlePool.cpp, read
+# at commit 26a3905):
+# one workspace per (handle, stream), allocated through the caching allocator at the handle's first matmul and kept
+# for the process's life. Its size, without CUBLAS_WORKSPACE_CONFIG: 32 MiB on sm_90 (`4096 * 8 * 1024`), else
+# `:4096:2:16:8` (two 4 MiB and eight 16 KiB chunks). A matmul through cuBLASLt (a Linear with a bias: the bias
+# epilogue) gets a second, separate workspace per (handle, stream) unless TORCH_CUBLASLT_UNIFIED_WORKSPACE=1:
+# CUBLASLT_WORKSPACE_SIZE, default 1024 KiB, capped at the cuBLAS workspace.
+CUBLAS_WORKSPACE_SM90 = 4096 * 8 * 1024
+CUBLAS_WORKSPACE_DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8
+CUBLASLT_WORKSPACE = 1024 * 1024
+
+
+def cuda_workspace_per_handle(capability: tuple[int, int] | None) -> int:
+    """Bytes torch allocates for one cuBLAS handle on one stream on a card of `capability` (None: not known, the
+    sm_90 rule, the larger): the cuBLAS workspace and the cuBLASLt one (counted always: a model without a biased
+    Linear never allocates it, 1 MiB high)."""
+    cublas = CUBLAS_WORKSPACE_DEFAULT if capability is not None and capability != (9, 0) else CUBLAS_WORKSPACE_SM90
+    return cublas + min(CUBLASLT_WORKSPACE, cublas)
+
+
+def cuda_workspaces(capability: tuple[int, int] | None, workload: str) -> int:
+    """The workspaces one rank holds through a `workload`: one cuBLAS handle for the thread that runs the forward,
+    and in training a second for autograd's device thread, which runs the backward (torch hands each thread a
+    handle of its own, and each handle its own workspace)."""
+    return (2 if workload == "train" else 1) * cuda_workspace_per_handle(capability)
 
 
 @dataclass(frozen=True)
 class DeviceMemory:
-    """Bytes of device memory per rank and how `--device-memory` was read (printed with the budget)."""
+    """Bytes of device memory per rank and how `--device-memory` was read (printed with the budget); `card`: the
+    card it named, if any."""
 
     bytes: int
     how: str
+    card: Card | None = None
 
 
 def _key(text: str) -> str:
@@ -67,7 +100,7 @@ def read_device_memory(text: str) -> DeviceMemory:
                              f"{', '.join(c.name for c in started)}")
     if card is not None:
         return DeviceMemory(card.memory, f"{text} read as the {card.title}: {human_bytes(card.memory, 2)} "
-                                         f"({card.source})")
+                                         f"({card.source})", card)
     try:
         size = parse_size(text)
     except ValueError:

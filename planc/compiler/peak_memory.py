@@ -15,8 +15,9 @@ Training (one AdamW step), the peak is the largest of these moments:
   largest unit's gathered parameters, unsharded gradients and reduce-scatter input with the rest of its layer;
 - under fsdp, `lm_head backward (FSDP prefetch)`: the loss's gradients (two fp32 [tokens, vocab] and the logits'
   gradient in the compute dtype) while FSDP2 all-gathers the next unit (one unit's buffer);
-- `optimizer step`: parameters, gradients, AdamW state and the step's temporaries (`optimizer`: foreach, torch's
-  choice on CUDA, copies the largest dtype group's exp_avg_sq; for-loop two copies of the largest parameter's).
+- `optimizer step`: parameters, gradients, AdamW state and the step's temporaries (`optimizer`, by default the step
+  the plan leads torch to on CUDA, `planc.compiler.optimizer_step`: foreach copies the largest dtype group's
+  exp_avg_sq; for-loop two copies of the largest parameter's).
 Serving (one prefill under `no_grad`, `logits_to_keep=1` as `generate` runs it): parameters, the KV cache of
 every layer so far, the masks and residual streams the forward keeps, Mega MoE's symmetric buffer and the largest
 layer's transient. What a family's code allocates beyond its shapes is `planc.compiler.family_memory`'s; what the
@@ -34,7 +35,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional
 
 from planc.compiler import megamoe_buffers
+from planc.compiler.devices import cuda_workspaces
 from planc.compiler.family_memory import FamilyMemory, family_memory
+from planc.compiler.optimizer_step import STEPS
 from planc.compiler.train_memory import ITEMSIZE, TrainMemory
 from planc.compiler.units import human_bytes
 from planc.spec.choices import ACTIVATION_CHECKPOINTING_MODES
@@ -44,9 +47,9 @@ if TYPE_CHECKING:
     from planc.compiler.compiled import CompiledPlan
     from planc.compiler.walk import ModelWalk
 
-# What the CUDA context, cuBLAS/cuDNN workspaces and NCCL's communicators take outside PyTorch's allocator on each
-# rank: about 0.5 GiB for the context and kernels on an H100/H200 (CUDA 12) plus NCCL's buffers (NCCL_BUFFSIZE 4 MiB
-# per channel and peer). 2 GiB is a deliberate round allowance from those published sizes, not a measurement on
+# What the CUDA context, cuDNN and NCCL's communicators take outside PyTorch's allocator on each rank: about 0.5 GiB
+# for the context and kernels on an H100/H200 (CUDA 12) plus NCCL's buffers (NCCL_BUFFSIZE 4 MiB per channel and
+# peer). cuBLAS's workspaces are not in it: torch allocates them through its allocator (priced in the peak). 2 GiB is a deliberate round allowance from those published sizes, not a measurement on
 # this machine (it has no GPU); `--reserve` overrides it.
 DEFAULT_RESERVE = 2 * 2**30
 FP32 = 4
@@ -417,30 +420,44 @@ def peak_memory(
     device_memory: Optional[int] = None,
     reserve: int = DEFAULT_RESERVE,
     search: Optional[str] = None,
-    optimizer: str = "foreach",
+    optimizer: Optional[str] = None,
+    device_type: str = "cuda",
+    capability: Optional[tuple[int, int]] = None,
 ) -> PeakMemory:
     """The peak for `workload` ("train" needs `train`, the held model states) at `batch` x `seq`; with
-    `device_memory`, the largest batch (`search="batch"`) or sequence (`search="seq"`) that fits."""
+    `device_memory`, the largest batch (`search="batch"`) or sequence (`search="seq"`) that fits. `optimizer`: how
+    AdamW steps (`planc.compiler.optimizer_step.STEPS`); None: the step torch takes on `device_type` (on CUDA the one
+    the plan leads it to, on CPU the for-loop). On `cuda` the cuBLAS workspaces of a card of `capability` (None:
+    not known, the larger sm_90 rule) count too (`planc.compiler.devices.cuda_workspaces`)."""
     config = text_config(config)
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer {optimizer!r}: one of {', '.join(OPTIMIZERS)}")
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(f"device_type {device_type!r}: one of {', '.join(DEVICE_TYPES)}")
+    if optimizer is None and device_type == "cpu":
+        optimizer = "for-loop"  # torch has no foreach kernels on CPU
+    if optimizer is None:
+        optimizer = train.step.step if train is not None and train.step is not None else "foreach"
+    if optimizer not in STEPS:
+        raise ValueError(f"optimizer {optimizer!r}: one of {', '.join(STEPS)}")
     known: dict[int, list[LayerShape]] = {}
 
     def shapes_of(itemsize: int) -> list[LayerShape]:  # once per search, not once per batch it tries
         if itemsize not in known:
             known[itemsize] = layer_shapes(compiled, walk, config, itemsize)
         return known[itemsize]
-    best = _peak(compiled, walk, config, train, workload, batch, seq, capacity_factor, optimizer, shapes_of)
+    workspaces = cuda_workspaces(capability, workload) if device_type == "cuda" else 0
+
+    def peak_at(b: int, s: int) -> PeakMemory:
+        return _peak(compiled, walk, config, train, workload, b, s, capacity_factor, optimizer, shapes_of, workspaces)
+
+    best = peak_at(batch, seq)
     max_batch = max_seq = None
     if device_memory is not None:
         budget = device_memory - reserve
         if search in ("batch", None):
-            max_batch = _largest(lambda b: _peak(compiled, walk, config, train, workload, b, seq, capacity_factor, optimizer, shapes_of).peak,
-                                 budget, 1 << 20)
+            max_batch = _largest(lambda b: peak_at(b, seq).peak, budget, 1 << 20)
         if search == "seq":
             limit = int(_get(config, "max_position_embeddings", default=1 << 20) or 1 << 20)
-            max_seq = _largest(lambda s: _peak(compiled, walk, config, train, workload, batch, s, capacity_factor, optimizer, shapes_of).peak,
-                               budget, max(limit, 1))
+            max_seq = _largest(lambda s: peak_at(batch, s).peak, budget, max(limit, 1))
     return replace(best, device_memory=device_memory, reserve=reserve, max_batch=max_batch, max_seq=max_seq)
 
 
@@ -474,7 +491,7 @@ class _Moment(NamedTuple):
 
 def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], train: Optional[TrainMemory],
           workload: str, batch: int, seq: int, capacity_factor: float, optimizer: str,
-          shapes_of: Callable[[int], list[LayerShape]]) -> PeakMemory:
+          shapes_of: Callable[[int], list[LayerShape]], workspaces: int = 0) -> PeakMemory:
     p = compiled.parallel
     tp, ep = p.tp_size, p.ep_size
     dtypes = dict(compiled.bytes_per_rank_by_dtype)
@@ -511,6 +528,9 @@ def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], tr
         if top_k and not routed:
             notes.append("EP at inference over the TP group runs all_reduce: each rank runs its experts over every "
                          "token's top-k slots, whatever the routing")
+    if workspaces:  # held from the first matmul of each thread to the end: at every moment
+        best = _with_workspaces(best, workspaces)
+        worst = _with_workspaces(worst, workspaces)
     moment, total, breakdown, transients, kv, moments = best
     return PeakMemory(
         workload=workload, batch=batch, seq=seq, peak=total, moment=moment, breakdown=tuple(breakdown),
@@ -520,6 +540,18 @@ def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], tr
         worst_case_peak=worst[1], capacity_factor=capacity_factor, checkpointing=ckpt, notes=tuple(notes),
         unpriced=tuple(unpriced),
     )
+
+
+WORKSPACES = "cuBLAS workspaces (CUDA)"
+# where the workload runs: `cuda` prices torch's CUDA default AdamW step and cuBLAS workspaces, `cpu` (the CPU grid
+# and `planc verify --memory`, which run on CPU) the for-loop step and no workspaces
+DEVICE_TYPES = ("cuda", "cpu")
+
+
+def _with_workspaces(m: _Moment, workspaces: int) -> _Moment:
+    """The moment with the cuBLAS workspaces added to its total, its breakdown and every moment considered."""
+    return m._replace(total=m.total + workspaces, breakdown=[*m.breakdown, (WORKSPACES, workspaces)],
+                      moments=[(name, n + workspaces) for name, n in m.moments])
 
 
 # what the model prices: attention kernels (flash-attention and flex never hold the S x S scores, priced as sdpa),
@@ -598,8 +630,6 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
 
 
 LAST_LAYER_BACKWARD = "lm_head backward (FSDP prefetch)"
-# how AdamW steps: torch picks foreach when every parameter is on CUDA (plain or DTensor), for-loop on CPU
-OPTIMIZERS = ("foreach", "for-loop", "fused")
 
 
 def foreach_copy(train: TrainMemory, optimizer: str) -> int:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from planc.compiler.accounting import shard_divisor
+from planc.compiler.optimizer_step import AdamWStep, adamw_step
 from planc.compiler.units import human_bytes
 from planc.spec.choices import DATA_PARALLEL_MODES
 from planc.spec.styles import STYLE
@@ -68,6 +69,7 @@ class TrainMemory:
     units: tuple[tuple[str, str, int], ...] = ()
     frozen: int = 0  # parameter bytes of inference-only experts: held, without gradients or AdamW state
     largest_tensor: int = 0  # the most bytes one parameter holds on this rank (its gradient's transient copy)
+    step: Optional[AdamWStep] = None  # the AdamW step torch takes on CUDA (planc.compiler.optimizer_step)
 
     @property
     def parameter_bytes(self) -> int:
@@ -101,6 +103,7 @@ class TrainMemory:
             "gathered_layer": self.gathered_layer if self.shards else None,
             "gathered_unit": max((n for _, _, n in self.units), default=0) if self.shards else None,
             "gathered_units": {u: n for u, _, n in self.units} if self.shards else None,
+            "adamw_step": self.step.to_json() if self.step is not None else None,
         }
 
     def render(self) -> str:
@@ -117,6 +120,8 @@ class TrainMemory:
             f"  AdamW state:     {human_bytes(self.optimizer, 2)} (exp_avg, exp_avg_sq, step; {self.tensors} tensors)",
             f"  total:           {human_bytes(self.total, 2)}",
         ]
+        if self.step is not None:
+            lines.append(f"  AdamW step on CUDA: {self.step.step} ({self.step.why})")
         if self.frozen:
             lines.append(
                 f"  note: {human_bytes(self.frozen, 2)} of the parameters are experts of an inference-only EP strategy "
@@ -285,6 +290,7 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
         gathered_layer=max(gathered.values(), default=0),
         frozen=frozen,
         largest_tensor=largest,
+        step=adamw_step(compiled, walk),
         units=tuple((u, _layer_of(u + ".x", layers) if u not in layers else u, n) for u, n in unit_bytes.items()
                     if u),
     )

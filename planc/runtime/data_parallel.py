@@ -97,11 +97,9 @@ def install_data_parallel(model: nn.Module, compiled: CompiledPlan, groups: Grou
     for experts in ep_experts:
         experts._planc_grad_scale = scale
     mode, shards = compiled.data_parallel, compiled.data_parallel_mode.shards_parameters
-    holders = groups.efsdp_mesh.size() if groups.efsdp_mesh is not None else 1
-    mixed = compiled.training is not None and compiled.training.mixed_precision is not None
     if groups.tp_size > 1:
         _before_every_step()  # the replicated parameters stay plain beside TP's DTensors where nothing wraps them
-    if groups.dp_size == 1 and holders == 1 and not mixed:
+    if not compiled.data_parallel_wraps:
         return None  # one replica and nothing to shard: FSDP2 over one rank would only add copies to each step
     layers = decoder_layers(model, compiled)
     if not layers:

@@ -38,9 +38,9 @@ def predicted_peak(loaded: Any, config: Any, *, train: bool, batch: int, seq: in
     model = meta_model(config, dtype=torch.bfloat16)
     compiled = compile_plan(model, loaded)
     held = train_memory(compiled, model) if train else None
-    # the measured rank steps AdamW on the CPU, whose default is the for-loop step: price that step, not CUDA's foreach
+    # the measured rank runs on the CPU: torch's for-loop AdamW step, no cuBLAS workspaces
     peak = peak_memory(compiled, walk_model(model), config.to_dict(), held, workload="train" if train else "serve",
-                       batch=batch, seq=seq, optimizer="for-loop")
+                       batch=batch, seq=seq, device_type="cpu")
     return int(peak.peak)
 
 

@@ -56,30 +56,47 @@ def test_predicted_peak_is_what_rank0_allocates():
     assert run.returncode == 0, run.stderr[-3000:]
     measured = json.loads(run.stdout.strip().splitlines()[-1])
     for point, real in zip(points, measured):
-        flag = ["--serve"] if point["mode"] == "serve" else ["--train", "--optimizer", "for-loop"]
+        flag = ["--serve" if point["mode"] == "serve" else "--train", "--device-type", "cpu"]
         plan = (str(REPO / "plans" / f"{point['family']}.yaml"), "--set", "num_hidden_layers=1")
         predicted = memory(*plan, *flag, "--batch", "1", "--seq", "512")["peak_per_rank"]
         assert within(predicted, real["peak"]), (point["family"], point["mode"], predicted, real["peak"])
 
 
-def test_the_committed_grid_is_predicted_again():
-    """Every CPU point of the measured grid (bench/memory_grid_measured.json, docs/memory.md's table) predicted by
-    this checkout: a change to the model that moves any point out of tolerance fails here, without measuring."""
+# Plans whose GPU training points the model does not fit yet (docs/memory.md, "On a GPU"): their points are left out
+# of the H100 check below, and the check fails once every one of a listed plan's points is in tolerance (drop it here).
+GPU_NOT_YET_FIT = {
+    "qwen3_vl_moe": "training 14-28% over: a bound that holds, not a fit",
+    "deepseek_v4_allreduce": "training replicate 1 x 512 -14.6%, fsdp -15.3% / -6.7%: hyper-connections and "
+                             "compressed caches under training not priced right",
+}
+
+
+@pytest.mark.parametrize("cache, device", [("memory_grid_measured.json", "cpu"),
+                                           ("memory_grid_measured_h100.json", "cuda")])
+def test_the_committed_grid_is_predicted_again(cache, device):
+    """Every point of the measured grids (bench/memory_grid_measured.json on CPU, bench/memory_grid_measured_h100.json
+    on an H100: docs/memory.md's tables) predicted by this checkout: a change to the model that moves any point out
+    of tolerance fails here, without measuring."""
     sys.path.insert(0, str(REPO / "bench"))
     import memory_grid
 
-    cache = json.loads((REPO / "bench" / "memory_grid_measured.json").read_text())
-    checked, outside = 0, []
-    for point in memory_grid.grid():
-        real = cache.get(memory_grid.cache_key(point))
-        if real is None:
-            continue
-        predicted = memory_grid.predict(point)["peak_per_rank"]
-        checked += 1
-        if not within(predicted, real["peak"]):
-            outside.append((point["family"], point["mode"], point["batch"], point["seq"],
-                            f"{predicted / real['peak'] - 1:+.1%}"))
-    assert checked >= 30 and not outside, (checked, outside)
+    measured = json.loads((REPO / "bench" / cache).read_text())
+    points = [p for p in ({**q, "device": device} if device != "cpu" else q for q in memory_grid.grid())
+              if memory_grid.cache_key(p) in measured]
+    outside, not_yet = [], {family: 0 for family in GPU_NOT_YET_FIT}
+    for point, predicted in zip(points, memory_grid.predict_all(points)):
+        real = measured[memory_grid.cache_key(point)]
+        if not within(predicted["peak_per_rank"], real["peak"]):
+            where = (point["family"], point["mode"], point["batch"], point["seq"],
+                     f"{predicted['peak_per_rank'] / real['peak'] - 1:+.1%}")
+            if device == "cuda" and point["family"] in GPU_NOT_YET_FIT:
+                not_yet[point["family"]] += 1
+            else:
+                outside.append(where)
+    assert len(points) >= 30 and not outside, (len(points), outside)
+    if device == "cuda":
+        fit = [family for family, n in not_yet.items() if n == 0]
+        assert not fit, f"{fit}: every H100 point is now in tolerance: drop them from GPU_NOT_YET_FIT"
 
 
 def test_peak_json_text_and_max_batch():

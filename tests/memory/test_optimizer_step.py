@@ -1,0 +1,74 @@
+"""The AdamW step the compiled plan names (planc.compiler.optimizer_step) is the one torch takes on the applied model.
+
+Each world size runs in a process of its own: rank 0 under torch's fake process group, the shipped plan applied to
+its model on `meta` (2 layers), `torch.optim.AdamW(model.parameters())` built, planc's step pre-hook run on it. Torch
+steps foreach on CUDA when the group's `foreach` is left unset and every parameter is of a type its foreach path
+lists (`_default_to_fused_or_foreach`); the CPU box cannot run CUDA, so the test reads those two facts and the
+parameters' kinds, and compares them with what the compiler said without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.checkout_env import checkout_env
+from tests.memory.test_peak_memory import REPO
+
+# (plan, mode, dp, the step the compiler must name), one list per process: one world size (tp * dp) each
+WORLDS = [
+    [("mixtral", "replicate", 1, "for-loop"), ("deepseek_v3", "replicate", 1, "for-loop")],  # 8 ranks: TP beside plain
+    [("mixtral", "fsdp", 2, "foreach"), ("mixtral", "replicate", 2, "foreach")],  # 16: the data-parallel wrap
+]
+
+
+def test_the_compiled_step_is_the_one_torch_takes():
+    for cases in WORLDS:
+        run = subprocess.run([sys.executable, "-m", "tests.memory.test_optimizer_step", json.dumps(cases)], cwd=REPO,
+                             env=checkout_env(), capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        for (family, mode, dp, expected), seen in zip(cases, json.loads(run.stdout.strip().splitlines()[-1])):
+            assert seen["compiled"]["step"] == expected == seen["torch"], (family, mode, dp, seen)
+            assert seen["compiled"]["dtensor_parameters"] == seen["dtensors"], (family, mode, dp, seen)
+            assert seen["compiled"]["plain_parameters"] == seen["plain"], (family, mode, dp, seen)
+
+
+def _steps(cases: list) -> list[dict]:
+    """In the child: for each case, what the compiler names and what torch would take on CUDA."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.optim.optimizer import _foreach_supported_types
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import bench.memory_grid as memory_grid
+    from planc.compiler.optimizer_step import adamw_step
+    from planc.compiler.walk import walk_model
+    from planc.models.build import build_meta_model
+    from planc.runtime import install
+    from planc.runtime.data_parallel import loop_over_mixed_groups
+    from planc.verification.memory import plan_data
+
+    out = []
+    for family, mode, dp, _ in cases:
+        data = plan_data(family, mode, dp=dp, root=str(REPO))
+        if not dist.is_initialized():
+            world = data["parallel"]["tp_size"] * dp
+            dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+        model = build_meta_model(data["model"]["type"], dict(memory_grid.FAMILIES[family])).to(torch.bfloat16)
+        walk = walk_model(model)
+        compiled = install.apply(model, install.load_plan_on_every_rank(data, what="test"))
+        params = list(model.parameters())
+        optimizer = torch.optim.AdamW(params, lr=1e-4)
+        loop_over_mixed_groups(optimizer)  # planc's step pre-hook, as optimizer.step() runs it
+        group = optimizer.param_groups[0]
+        foreach = group["foreach"] is not False and all(type(p) in _foreach_supported_types for p in params)
+        dtensors = sum(isinstance(p, DTensor) for p in params)
+        out.append({"compiled": adamw_step(compiled, walk).to_json(), "torch": "foreach" if foreach else "for-loop",
+                    "dtensors": dtensors, "plain": len(params) - dtensors})
+    return out
+
+
+if __name__ == "__main__":  # python -m tests.memory.test_optimizer_step '<json list of cases of one world size>'
+    print(json.dumps(_steps(json.loads(sys.argv[1]))))
