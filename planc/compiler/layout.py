@@ -23,7 +23,7 @@ from typing import Any, Optional
 from planc.compiler.context import PlanRule, Resolution
 from planc.compiler.compiled import Assignment
 from planc.compiler.walk import ModelWalk, config_attr, generic_path
-from planc.spec.styles import REPLICATED, SHARDED, STYLE, Style
+from planc.spec.styles import REPLICATED, SHARDED, STYLE, STYLES, Style
 from planc.compiler import rule_examples as ex
 from planc.lint.registry import compile_rule
 
@@ -79,6 +79,23 @@ LAYOUT_MODULE_PARAM_CONFLICT = compile_rule(
     ex.TOP + "tp_plan:\n" + ex.ATTN + ex.HEAD + "  lm_head.weight: rowwise\n" + ex.EP, ex.GOOD, family="layout",
 )
 
+
+LAYOUT_PARTIAL_GRADIENT = compile_rule(
+    "PLC636", "whole-parameter-partial-gradient",
+    "a parameter kept whole on every rank that only each rank's heads use, its gradient not all-reduced",
+    "Once a `colwise` rule splits the heads, a parameter every rank keeps whole but uses only on its own heads "
+    "gets a partial gradient on each rank: a per-head norm's weight (Qwen3's q_norm/k_norm) sums over the "
+    "heads, MLA's shared rope key (the last slice of kv_a_proj_with_mqa's output) feeds every head. Each rank "
+    "would step with a different, partial gradient while the forward and the loss stay right. "
+    "`replicated_with_grad_allreduce` all-reduces the norm's gradient, `mla_kv_a_proj` the rope slice's; "
+    "serving is unchanged (the all-reduce runs in backward only).",
+    "version: 1\nmodel: {type: deepseek_v3}\nparallel: {tp_size: 2, ep_size: 2}\ntp_plan:\n"
+    "  model.layers.*.self_attn.{q_b_proj,kv_b_proj}: colwise\n  model.layers.*.self_attn.o_proj: rowwise\n" + ex.EP,
+    "version: 1\nmodel: {type: deepseek_v3}\nparallel: {tp_size: 2, ep_size: 2}\ntp_plan:\n"
+    "  model.layers.*.self_attn.{q_b_proj,kv_b_proj}: colwise\n  model.layers.*.self_attn.o_proj: rowwise\n"
+    "  model.layers.*.self_attn.kv_a_proj_with_mqa: mla_kv_a_proj\n" + ex.EP,
+    family="layout",
+)
 
 NAMED_CHAINS: tuple[tuple[frozenset[str], str], ...] = (
     (frozenset({"q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj"}), "o_proj"),
@@ -315,6 +332,7 @@ def _check_chain(c: Resolution, blocks: _Blocks, container: str, chain: Chain, m
         )
     elif sharded:
         _check_norms(c, blocks, container, producers, module_rule, assumed)
+        _check_partial_gradients(c, blocks, container, producers, sharded[0], module_rule, assumed)
     if _gives(consumer) == SHARDED:
         assert consumer_rule is not None  # a style that gives a sharded output has a rule
         c.problems.add(
@@ -393,6 +411,59 @@ def _check_norms(
                 "and `o_proj: rowwise_split_input` (transformers' own plan for such models), or replicate attention",
                 fqn,
             )
+
+
+# A module that stays whole in a container whose heads are split, whose gradient each rank holds only in part, and
+# the grad-reducing kind of style it needs (`Style.grad_allreduce`): MLA's kv_a_proj_with_mqa, whose rope slice every
+# head reads; per-head norms are found by their width (`_check_partial_gradients`).
+SHARED_BY_HEADS = {"kv_a_proj_with_mqa": "mla_rope"}
+_ADD_RULE = "add `{}: {}` to tp_plan"
+_ADDED_RULE = re.compile(r"add `([^`:]+): ([a-z_]+)` to tp_plan")
+
+
+def added_rule(hint: str) -> Optional[tuple[str, str]]:
+    """The (pattern, style) a PLC636 hint asks to add, or None; `planc init` adds it to the plan it writes."""
+    m = _ADDED_RULE.search(hint or "")
+    return (m.group(1), m.group(2)) if m else None
+
+
+def _check_partial_gradients(
+    c: Resolution, blocks: _Blocks, container: str, producers: dict[str, str], first: str, module_rule: ModuleRules,
+    assumed: str,
+) -> None:
+    """Modules of a container whose heads the plan splits that keep their parameters whole, although each rank
+    uses them on its own heads only (a per-head norm, MLA's shared rope key): without a style that all-reduces
+    their gradients, each rank's gradient is partial (the forward is right, training is not)."""
+    walk = c.walk
+    weights = [w.shape for f in producers.values() if (w := walk.params.get(f"{f}.weight")) is not None and len(w.shape) == 2]
+    for leaf, fqn in blocks.children[container].items():
+        need = SHARED_BY_HEADS.get(leaf)
+        if need is None and "norm" in leaf.lower():
+            w = walk.params.get(f"{fqn}.weight")
+            # per head: its width divides a projection's output (heads x head_dim) and is less than it; a norm as
+            # wide as a projection's input normalizes that whole input before it (MLA's q_a_layernorm): not per head
+            n = w.shape[0] if w is not None and len(w.shape) == 1 else None
+            if n and all(i != n for _, i in weights) and any(o > n and o % n == 0 for o, _ in weights):
+                need = "all"
+        if need is None:
+            continue
+        rule = module_rule.get(fqn)
+        spec = _style(rule)
+        if spec is not None and (spec.grad_allreduce == need or spec.shards):
+            continue  # reduced, or sharded (then the layout checks above speak for it)
+        style = next(s.name for s in STYLES if s.grad_allreduce == need)  # planc's own row for it
+        what = ("its weight is applied to every head" if need == "all"
+                else "the rope key in the last slice of its output is read by every head")
+        c.problems.add(
+            LAYOUT_PARTIAL_GRADIENT,
+            f"{leaf} stays whole on every rank ({_described(spec)}) and {what}, but the plan splits the heads over "
+            f"{c.tp} ranks: each rank's backward gives only its own heads' part of {leaf}'s gradient, so the ranks "
+            f"would step with different, partial gradients while the loss looks right ({assumed})",
+            (rule or module_rule[producers[first]]).source.where,
+            _ADD_RULE.format(generic_path(fqn), style) + " (it all-reduces the gradient in backward; serving is "
+            "unchanged)" + (f", in place of `{rule.pattern_text}: {spec.name}`" if rule is not None and spec else ""),
+            fqn,
+        )
 
 
 def _check_module_vs_parameters(

@@ -239,6 +239,8 @@ def _attempt(model_type, model, size: int, ep_on: bool, base: _Draft, impl: str,
         except PlanError as e:
             return draft, None, [str(e).splitlines()[0]]
         except CompileError as e:
+            if _add_reducing_rules(draft, e.problems):
+                continue
             fixable = []
             for p in e.problems:
                 rule = _rule_of(p.where)
@@ -261,6 +263,27 @@ def _attempt(model_type, model, size: int, ep_on: bool, base: _Draft, impl: str,
                 elif pattern in rules:
                     draft.drop(table, pattern, p.code, one_line(p.message))
     return draft, None, ["too many problems to repair"]
+
+
+def _add_reducing_rules(draft: _Draft, problems) -> bool:
+    """The rules PLC636 asks for (a per-head norm or MLA's rope key whose gradient each rank holds in part): added,
+    with a note, in place of the rule they replace. Whether any was added."""
+    from planc.compiler.layout import LAYOUT_PARTIAL_GRADIENT, added_rule
+
+    added = False
+    for p in problems:
+        rule = added_rule(p.hint) if p.code == LAYOUT_PARTIAL_GRADIENT else None
+        if rule is None or draft.tp.get(rule[0]) == rule[1]:
+            continue
+        pattern, style = rule
+        replaced = _rule_of(p.where)
+        if replaced is not None and replaced[0] == "tp_plan" and f"in place of `{replaced[1]}:" in p.hint:
+            draft.drop("tp_plan", replaced[1], p.code, "its gradient would be partial on each rank; replaced below")
+        draft.tp[pattern] = style
+        draft.notes.append(("tp_plan", pattern, style, "",
+                            f"added ({p.code}): each rank's heads give only part of its gradient, so it is all-reduced"))
+        added = True
+    return added
 
 
 def _experts_implementation(model) -> str:
@@ -349,7 +372,7 @@ def _render(fam, model_cls, prefix, version, size, ep_on, draft: _Draft, impl, w
     if impl != "grouped_mm":
         lines.append(f"# experts.implementation: {impl}: {model_cls} cannot switch its experts kernel (its own forward runs)")
     if draft.notes:
-        lines.append("# Rules dropped or changed (table, rule, code: reason):")
+        lines.append("# Rules dropped, added or changed (table, rule, code: reason):")
         for table, pattern, style, code, reason in draft.notes:
             lines.append(f"#   {table} `{pattern}: {style}`: {code + ': ' if code else ''}{reason}")
     lines += [

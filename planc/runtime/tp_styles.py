@@ -374,7 +374,7 @@ class MlaKvAProj(TPStyle):
         if not isinstance(rope, int) or rope < 0:
             raise ApplyError(
                 f"planc.runtime.tp_styles: `mla_kv_a_proj` on {module_path(module)} needs the rope width "
-                "(`qk_rope_head_dim` of its attention module or the model config); put `replicate` on it instead."
+                "(`qk_rope_head_dim` of its attention module or the model config); set `qk_rope_head_dim` in the config."
             )
         group = mesh.get_group()
 

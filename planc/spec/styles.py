@@ -49,6 +49,10 @@ class Style:
     # base layer is (`lora_B`: its rows, the base's output features; `lora_A`: its columns, the input features);
     # None: adapters cannot follow this style
     lora: Optional[Literal["whole", "lora_B", "lora_A"]] = None
+    # the gradients the style all-reduces over the TP group in backward, for parameters it keeps whole whose users
+    # run on each rank's heads only (their local gradient is partial): all of the module's parameters' (a per-head
+    # q_norm), or the rope slice of MLA's kv_a_proj_with_mqa output; None: no gradient is reduced (compiler PLC636)
+    grad_allreduce: Optional[Literal["all", "mla_rope"]] = None
 
     def placement(self, ndim: int) -> Optional[int]:
         """The dim split for a parameter of `ndim` dims, or None when it stays whole on every rank."""
@@ -94,9 +98,9 @@ STYLES: tuple[Style, ...] = (
     Style("unit_rowwise", "tp", "module", "rowwise in units that several ranks may share (KV heads < tp_size)",
           dims=(-1, None), input=S, output=R),
     Style("replicated_with_grad_allreduce", "tp", "module", "replicated params whose gradients are all-reduced",
-          runtime=True),
+          runtime=True, grad_allreduce="all"),
     Style("mla_kv_a_proj", "tp", "module", "MLA kv_a_proj_with_mqa: rope slice all-reduced in backward",
-          runtime=True),
+          runtime=True, grad_allreduce="mla_rope"),
     Style("all_reduce", "tp", "module", "run the module on its sharded bare parameters, all-reduce its partial output",
           input=R, output=R, runtime=True, local_forward=True),
     Style("moe_tp_experts", "tp", "module", "tensor-parallel experts (each rank a slice of every expert)",

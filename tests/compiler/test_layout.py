@@ -9,7 +9,7 @@ import pytest
 
 import planc
 from planc.compiler.experts_assignments import EXPERTS_NOT_DIVISIBLE, EXPERTS_UNCOVERED
-from planc.compiler.layout import LAYOUT_MODULE_PARAM_CONFLICT, LAYOUT_NORM_OVER_SHARDED, LAYOUT_OUTPUT_LEFT_SHARDED, LAYOUT_PRODUCERS_DISAGREE, LAYOUT_ROWWISE_WITHOUT_SHARDED, LAYOUT_SHARDED_INTO_REPLICATED
+from planc.compiler.layout import LAYOUT_MODULE_PARAM_CONFLICT, LAYOUT_NORM_OVER_SHARDED, LAYOUT_PARTIAL_GRADIENT, LAYOUT_OUTPUT_LEFT_SHARDED, LAYOUT_PRODUCERS_DISAGREE, LAYOUT_ROWWISE_WITHOUT_SHARDED, LAYOUT_SHARDED_INTO_REPLICATED
 from planc.errors import CompileError
 from planc.models.build import build_meta_model, build_tiny_model
 from planc.spec.sizes import Sizes, check_sizes, solve_sizes
@@ -125,6 +125,39 @@ def test_qwen3_per_head_norms_are_fine():
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     assert dict(model.named_parameters())[f"{attn}.q_norm.weight"].shape == (head_dim,)  # one head wide
     assert not [w for w in compiled.warnings if w.code.startswith("PLC63")]  # no layout warning either
+
+
+def test_whole_parameter_whose_gradient_is_partial(tmp_path):
+    # Qwen3's per-head q_norm/k_norm under colwise q/k: the forward is right on each rank's heads, but each rank's
+    # backward holds only its heads' part of the norm's gradient; `replicate` (or no rule) trains on partial grads
+    model = build_meta_model("qwen3_moe", {"num_hidden_layers": 2})
+    text = HEAD.replace("mixtral", "qwen3_moe") + "tp_plan:\n" + ATTN + (
+        "  model.layers.*.self_attn.{q,k}_norm: replicate\n") + EP
+    path, found = refused(tmp_path, text, model, LAYOUT_PARTIAL_GRADIENT)
+    assert {p.module.split(" ")[0] for p in found} == {"model.layers.*.self_attn.q_norm", "model.layers.*.self_attn.k_norm"}
+    assert found[0].where.startswith(f"{path}:7:3")  # the `replicate` rule's line
+    assert "partial" in found[0].message and "add `model.layers.*.self_attn.q_norm: replicated_with_grad_allreduce`" in found[0].hint
+    assert "in place of `model.layers.*.self_attn.{q,k}_norm: replicate`" in found[0].hint
+    (tmp_path / "ok.yaml").write_text(text.replace(": replicate\n", ": replicated_with_grad_allreduce\n"))
+    planc.compile(model, str(tmp_path / "ok.yaml"))
+    # attention left whole: every rank computes the whole norm gradient, nothing to reduce (Qwen3-Next's plan)
+    (tmp_path / "whole.yaml").write_text(HEAD.replace("mixtral", "qwen3_moe") + EP)
+    planc.compile(model, str(tmp_path / "whole.yaml"))
+
+
+def test_mla_rope_key_needs_its_own_reduction(tmp_path):
+    # MLA: the heads split on q_b_proj/kv_b_proj, and every head reads the rope key kv_a_proj_with_mqa's output
+    # ends with; only `mla_kv_a_proj` reduces that slice (replicated_with_grad_allreduce would double the rest)
+    model = build_meta_model("deepseek_v2", {"num_hidden_layers": 2, "first_k_dense_replace": 1})
+    attn = ("  model.layers.*.self_attn.{q_b_proj,kv_b_proj}: colwise\n  model.layers.*.self_attn.o_proj: rowwise\n")
+    head = "version: 1\nmodel: {type: deepseek_v2}\nparallel: {tp_size: 2, ep_size: 2}\ntp_plan:\n"
+    for wrong in ("", "  model.layers.*.self_attn.kv_a_proj_with_mqa: replicated_with_grad_allreduce\n"):
+        _, (p,) = refused(tmp_path, head + attn + wrong + EP, model, LAYOUT_PARTIAL_GRADIENT)
+        assert p.module.startswith("model.layers.*.self_attn.kv_a_proj_with_mqa") and "rope key" in p.message
+        assert "`model.layers.*.self_attn.kv_a_proj_with_mqa: mla_kv_a_proj`" in p.hint
+    # its q_a_layernorm/kv_a_layernorm normalize the low-rank input of the colwise projections: not per head
+    (tmp_path / "ok.yaml").write_text(head + attn + "  model.layers.*.self_attn.kv_a_proj_with_mqa: mla_kv_a_proj\n" + EP)
+    planc.compile(model, str(tmp_path / "ok.yaml"))
 
 
 def test_coverage_is_never_full_without_experts(capsys):
@@ -248,6 +281,7 @@ parallel: {tp_size: 2, ep_size: 2}
 tp_plan:
   model.language_model.layers.%s.self_attn.{q_b_proj,kv_b_proj}: colwise
   model.language_model.layers.%s.self_attn.o_proj: rowwise
+  model.language_model.layers.*.self_attn.kv_a_proj_with_mqa: mla_kv_a_proj
 ep_plan:
   model.language_model.layers.*.mlp.experts.{gate_up_proj,down_proj}: grouped_gemm
   model.language_model.layers.*.mlp.experts: ep_dispatch_experts

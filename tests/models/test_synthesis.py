@@ -132,6 +132,21 @@ def test_a_rule_that_suits_one_class_of_blocks_is_kept_for_their_layers():
     planc.compile(meta, text)
 
 
+def test_init_adds_the_gradient_reduction_per_head_norms_need():
+    """qwen3_vl_moe: transformers' text plan splits the heads but leaves the per-head q_norm/k_norm without a rule,
+    so each rank's norm gradient would be partial (PLC636); init adds the all-reducing rule and says why."""
+    import yaml
+
+    from planc.models.synthesis import init_plan
+
+    text = init_plan("qwen3_vl_moe", {}, {"text_config.num_hidden_layers": 2, "vision_config.depth": 1}, sizes=(2,))
+    tp = yaml.safe_load(text)["tp_plan"]
+    for norm in ("q_norm", "k_norm"):
+        assert tp[f"model.language_model.layers.*.self_attn.{norm}"] == "replicated_with_grad_allreduce"
+        assert f"self_attn.{norm}: replicated_with_grad_allreduce`: added (PLC636)" in text
+    assert tp["model.language_model.layers.*.self_attn.q_proj"] == "colwise"  # the heads stay split
+
+
 # (family, the config's expert-count field, the experts' TP rules init writes without EP)
 _TP_EXPERTS = [
     ("flex_olmo", "num_experts", {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}),

@@ -28,23 +28,34 @@ ep_plan:
 
 
 def mla_world(rank, world_size):
-    """{style: (|loss diff|, max |grad diff| of kv_a_proj_with_mqa, max |grad diff| of every parameter)}."""
+    """{"refused": apply's error for `replicate` on kv_a_proj_with_mqa, "mla_kv_a_proj" / "unwrapped":
+    (|loss diff|, max |grad diff| of kv_a_proj_with_mqa, max |grad diff| of every parameter)}: "unwrapped" is the
+    installed plan with the style's forward taken off kv_a_proj_with_mqa (the partial gradient it exists for)."""
     from planc import apply
+    from planc.errors import ApplyError, CompileError
     from planc.models.build import build_tiny_model
 
     out = {}
     base = build_tiny_model("deepseek_v2", seed=3)
-    for style in ("mla_kv_a_proj", "replicate"):
+    try:
+        apply(copy.deepcopy(base), PLAN.replace("KV_A_STYLE", "replicate"))
+        out["refused"] = ""
+    except (CompileError, ApplyError) as e:  # every rank's compile, in one error
+        out["refused"] = str(e)
+    for variant in ("mla_kv_a_proj", "unwrapped"):
         model, ref = copy.deepcopy(base), copy.deepcopy(base)
-        apply(model, PLAN.replace("KV_A_STYLE", style))
-        if style == "mla_kv_a_proj":
-            wrapped = model.model.layers[0].self_attn.kv_a_proj_with_mqa.forward
-            out["installed"] = getattr(wrapped, "planc_style", None)
+        apply(model, PLAN.replace("KV_A_STYLE", "mla_kv_a_proj"))
+        for layer in model.model.layers:
+            proj = layer.self_attn.kv_a_proj_with_mqa
+            if variant == "mla_kv_a_proj":
+                out["installed"] = getattr(proj.forward, "planc_style", None)
+            else:
+                del proj.forward  # the instance attribute the style set: back to nn.Linear's forward
         loss, _ = train_step_diff(model, ref, batch(4))
         _, kv_a = _kv_a_grads(model, ref)
         model.zero_grad(), ref.zero_grad()
         _, every = train_step_diff(model, ref, batch(4))
-        out[style] = (loss, kv_a, every)
+        out[variant] = (loss, kv_a, every)
     return out
 
 
