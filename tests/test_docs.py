@@ -322,9 +322,14 @@ def how_it_runs(b: Block) -> str | None:
 def test_every_block_runs_or_says_why_not():
     """Each block is run (here or by the test its marker names) or marked `not run` with its reason; the reasons
     are printed, so they are read."""
+    from planc.lint.registry import all_rules
+
+    examples = {(ex or "").strip() for r in all_rules() for ex in (r.bad, r.good)}
     problems, skipped = [], []
     for b in all_blocks():
         how = how_it_runs(b)
+        if b.generated and b.text.strip() not in examples:
+            problems.append(f"{b.where}: a block of the generated rule section that is no rule's example")
         if how is None:
             problems.append(f"{b.where}: a `{b.language}` block nothing runs: make it runnable here, or write "
                             f"`<!-- not run: REASON -->` right above it")
