@@ -7,7 +7,8 @@ the clone's plans/ and schemas/: each YAML plan is linted by `planc lint`, each 
 arguments, redirections and working directory as written, a console block's shown output is checked against what
 the command prints. The `planc` console script is `planc.cli:main`: the lines run through it in this one process,
 so torch is imported once for all of them, not once a line; a line that a runnable block runs too (the demo) is
-not run twice. Blocks another test runs say so (`<!-- runs in: ... -->`): docs/train.md's scripts
+not run twice. Fragments of a training script (gradient accumulation, save and export, the optimizer round trip) run
+in one 2-rank world whose prelude holds the names they use. Blocks another test runs say so (`<!-- runs in: ... -->`): docs/train.md's scripts
 (tests/train/test_train_doc.py), docs/lint.md's pre-commit recipe (tests/lint/test_precommit.py), docs/install.md's
 torch-free transcript (tests/test_torch_free.py), the README's two commands (.ci/run).
 """
@@ -256,7 +257,7 @@ def test_plan_format_lists_every_megamoe_backend():
     assert [v for v in MEGAMOE_BACKENDS if f"`{v}`" not in line] == [], line
 
 
-# ---- the command lines of the blocks that do not run here (a checkpoint, minutes of explain) ------------------------
+# ---- every command line parses, those of blocks marked `not run` too (a checkpoint, a GPU, minutes of verify) -------
 
 
 def command_lines() -> list[tuple[str, str]]:
