@@ -401,6 +401,17 @@ def test_every_block_runs_or_says_why_not():
     print("\n".join(skipped))
 
 
+def test_an_unmarked_block_a_bare_marker_and_a_stale_transcript_are_caught():
+    page = REPO / "docs" / "load.md"
+    assert how_it_runs(Block(page, 1, "python", "print(1)\n", (), False)) is None
+    assert how_it_runs(Block(page, 1, "python", "print(1)\n", (("not run", ""),), False)) is None  # no reason
+    assert how_it_runs(Block(page, 1, "bash", "planc lint | head\n", (), False)) is None  # not a plain planc line
+    printed = "memory:\n  held after loading: 158.11 GiB per rank (bfloat16 157.7 GiB)\n  device memory: OVER\n"
+    assert shown_output_differs(["...", "memory:", "  held after loading: 158.11 GiB ... (bfloat16 ...)"], printed) is None
+    assert shown_output_differs(["  held after loading: 158.12 GiB per rank"], printed) == "held after loading: 158.12 GiB per rank"
+    assert shown_output_differs(["device memory: OVER", "memory:"], printed) == "memory:"  # in order
+
+
 def test_the_two_commands_are_the_ones_ci_runs():
     """The README's set-up and test command are .ci/run's own (which adds `-q` to pip and a timeout to pytest); its
     `planc demo` runs from the built wheel there and from this checkout in tests/runtime/test_demo.py."""
