@@ -54,3 +54,16 @@ def test_torch_free_install_lints_and_names_the_extra_each_command_needs(torch_f
         assert f"hint: pip install 'planc[{extra}]'" in r.stderr, r.stderr
         # nothing else: no traceback, no follow-up hint about the model or the config
         assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 2, r.stderr
+
+
+def test_install_md_transcript_is_what_a_torch_free_install_prints(torch_free_planc):
+    """docs/install.md's console block, run on the torch-free install from a clone: the command, exit 2, and
+    the lines it shows (tests/test_docs.py leaves this block to this test)."""
+    from tests.doc_blocks import all_blocks
+
+    (block,) = [b for b in all_blocks() if b.page.name == "install.md" and b.language == "console"]
+    command, *shown = block.text.splitlines()
+    args = command.removeprefix("$ planc ").split(" #")[0].split()
+    r = _run(torch_free_planc, *args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert [" ".join(ln.split()) for ln in r.stderr.splitlines()] == [" ".join(ln.split()) for ln in shown], r.stderr

@@ -1,10 +1,13 @@
-"""The docs agree with the code: every rule documented (generated section current), examples linted."""
+"""The docs agree with the code: every rule documented (generated section current), codes the docs name exist.
+
+The plans of docs/plan-format.md (and every other page) are linted by tests/test_docs.py, each as its
+`<!-- lint: ... -->` marker expects.
+"""
 
 from __future__ import annotations
 
 import re
 
-import pytest
 
 from planc.lint.docs import render
 from planc.lint.registry import all_rules
@@ -34,19 +37,6 @@ def test_every_code_the_docs_mention_exists():
     for md in (LINT_MD, FORMAT_MD):
         for code in set(re.findall(r"PLC\d{3}", md.read_text())):
             assert code in codes, f"{md.name} mentions unknown {code}"
-
-
-EXAMPLES = re.findall(r"<!-- lint: (clean|PLC\d{3}) -->\n```yaml\n(.*?)```", FORMAT_MD.read_text(), re.S)
-
-
-def test_plan_format_has_tested_examples():
-    assert len(EXAMPLES) >= 4
-
-
-@pytest.mark.parametrize("expect, text", EXAMPLES)
-def test_plan_format_examples(expect, text):
-    got = [d.code for d in lint_text(text)]
-    assert (got == []) if expect == "clean" else (expect in got), got
 
 
 def test_lint_md_sample_output_is_what_planc_prints():
