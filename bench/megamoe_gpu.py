@@ -544,8 +544,10 @@ def main(argv=None):
         if copy_tbps is not None and row["bound"] == "fp4 read":  # the same bytes at a plain copy's rate
             row["copy_bound_us"] = row["bound_us"] * args.hbm_tbps / copy_tbps
         rows.append(row)
-        print(f"tokens {n}: triton {row['triton_us']:.0f} us, bound {row['bound_us']:.0f} us "
-              f"({row['ratio']:.2f}x), calc_diff {row.get('calc_diff', float('nan')):.2e}", file=sys.stderr)
+        print(f"tokens {n}: triton {row['triton_us']:.1f} us ({row['path']}), general kernels {row['general_us']:.1f} "
+              f"us, bound {row['bound_us']:.1f} us ({row['ratio']:.2f}x; general {row['general_us'] / row['bound_us']:.2f}x)"
+              f", copy bound {row.get('copy_bound_us', float('nan')):.1f} us, calc_diff vs general "
+              f"{row['calc_diff_vs_general']:.1e}, vs reference {row.get('calc_diff', float('nan')):.2e}", file=sys.stderr)
 
     stats = buffer_stats()
     result = dict(
