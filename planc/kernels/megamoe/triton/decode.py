@@ -168,7 +168,9 @@ if triton is not None:
             if _last_to_arrive(cnt_ptr + tl.program_id(0), SPLIT):
                 acc_g = tl.zeros((BN, BT), dtype=tl.float32)
                 acc_u = tl.zeros((BN, BT), dtype=tl.float32)
-                for s in tl.static_range(SPLIT):  # split order, as `jit.l1_reduce_kernel`
+                # split order, as `jit.l1_reduce_kernel`; a loop, not unrolled: the partials of all splits in
+                # registers at once would raise the whole kernel's register count (fewer programs per SM)
+                for s in tl.range(0, SPLIT, num_stages=1):
                     acc_g += tl.load(ws + s * split_stride, mask=row_ok[None, :], other=0.0, cache_modifier=".cg")
                     acc_u += tl.load(ws + s * split_stride + inter, mask=row_ok[None, :], other=0.0,
                                      cache_modifier=".cg")
@@ -253,7 +255,7 @@ if triton is not None:
             tl.store(ws + tl.program_id(1).to(tl.int64) * split_stride, acc, mask=row_ok[None, :])
             if _last_to_arrive(cnt_ptr + tl.program_id(0), SPLIT):
                 acc = tl.zeros((BN, BT), dtype=tl.float32)
-                for s in tl.static_range(SPLIT):
+                for s in tl.range(0, SPLIT, num_stages=1):
                     acc += tl.load(ws + s * split_stride, mask=row_ok[None, :], other=0.0, cache_modifier=".cg")
                 tl.store(out_ptrs, jit.bf16_rne(acc), mask=row_ok[None, :])
 
