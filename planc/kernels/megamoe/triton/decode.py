@@ -38,8 +38,11 @@ def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
     """`count` zeroed int32 arrival counters for the kernels launched next on the current stream of `device`,
     allocated once per (device, stream) and grown when a call needs more (no per-call fill: the kernels leave them at
     zero). Host bookkeeping only: no device read, so a call can be captured in a CUDA graph."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.type, device.index, stream)
+    index, stream = device.index, 0
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if index is None else index  # `cuda` and `cuda:0`: one set
+        stream = torch.cuda.current_stream(index).cuda_stream
+    key = (device.type, index, stream)
     have = _COUNTERS.get(key)
     if have is None or have.numel() < count:
         have = torch.zeros(max(count, 2 * (have.numel() if have is not None else 0)), dtype=torch.int32,
