@@ -86,6 +86,8 @@ def parse_args(argv=None):
     p.add_argument("--fp8-config", default=None, metavar="INTS",
                    help="replace the config of the FP8 path's table row (`config.FP8_CONFIGS`, its bound kept) for "
                         "this run: KernelConfig's fields as comma-separated ints, as in --configs")
+    p.add_argument("--general-only", action="store_true",
+                   help="run the general kernels at every batch size (no split-K decode rows: `general_path_only`)")
     p.add_argument("--profile", type=int, default=None, metavar="TOKENS",
                    help="print the GPU kernels of Triton layer calls at this batch size (torch.profiler) and stop")
     p.add_argument("--json", default=None, help="write the results here")
@@ -194,6 +196,15 @@ def bound_us(args, n, bytes_per_expert) -> tuple[float, str]:
     return (memory, "fp4 read") if memory >= compute else (compute, "bf16 math")
 
 
+def copy_bandwidth(device, measure, nbytes: int = 2 << 30) -> float:
+    """TB/s of a device-to-device copy of `nbytes` (bytes read + written over the time): the rate a plain stream of
+    these bytes reaches on this card, beside the datasheet's `--hbm-tbps`."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    us = measure(lambda: dst.copy_(src))
+    return 2 * nbytes / (us * 1e-6) / 1e12
+
+
 def dense_ceiling(args, n, device, measure, use_graph) -> dict:
     """cuBLAS's dense GEMMs of the layer's math at `n` tokens, µs: the ceiling for any kernel of these numerics.
 
@@ -247,6 +258,19 @@ def dense_ceiling(args, n, device, measure, use_graph) -> dict:
     except (ImportError, RuntimeError, ValueError, NotImplementedError) as e:
         out["fp8_1x32"] = f"refused: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
     return out
+
+
+@contextlib.contextmanager
+def general_path_only():
+    """The Triton backend without the split-K decode rows (`config.DECODE_CONFIGS`) and the FP8 path's rows: the
+    general kernels at every batch size, what it ran before the decode kernels, timed in the same process and on the
+    same card as the table with them."""
+    saved = triton_config.DECODE_CONFIGS, triton_config.FP8_CONFIGS
+    triton_config.DECODE_CONFIGS, triton_config.FP8_CONFIGS = (), ()
+    try:
+        yield
+    finally:
+        triton_config.DECODE_CONFIGS, triton_config.FP8_CONFIGS = saved
 
 
 @contextlib.contextmanager
@@ -370,9 +394,12 @@ def sweep(args, device, measure, packed):
         sf = float_to_ue8m0_bytes(sf)
         picked = device_config(n * args.topk, args.experts, args.hidden, args.intermediate, device)
         bf16 = device_config(n * args.topk, args.experts, args.hidden, args.intermediate, device, fp8=False)
-        row = {"tokens": n, "picked": picked.__dict__, "bf16_picked": bf16.__dict__, "configs": []}
+        with general_path_only():
+            general = device_config(n * args.topk, args.experts, args.hidden, args.intermediate, device)
+        row = {"tokens": n, "picked": picked.__dict__, "bf16_picked": bf16.__dict__, "general_picked": general.__dict__,
+               "configs": []}
         first = None  # the BF16-path pick's output: every other config's calc_diff is against it
-        for cfg in dict.fromkeys([bf16, picked, *(args.configs or SWEEP)]):
+        for cfg in dict.fromkeys([bf16, picked, general, *(args.configs or SWEEP)]):
             if n < 64 and cfg.block_t > 16:
                 continue  # big token tiles for a decode batch: never competitive
             try:
@@ -416,6 +443,8 @@ def print_sweep(results):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.general_only:
+        triton_config.DECODE_CONFIGS = ()
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(0)
@@ -460,6 +489,7 @@ def main(argv=None):
         reference_bytes = resident_fp4 + weights.gate_up.nbytes + weights.down.nbytes
         baseline = grouped_mm_baseline(cfg, weights)
 
+    copy_tbps = copy_bandwidth(device, measure) if device.type == "cuda" else None
     rows = []
     for n in args.tokens:
         x, w, idx = random_batch(args, n, device, seed=n)
@@ -475,13 +505,27 @@ def main(argv=None):
             row["triton_us"], y_tri = graph_or_eager(device, measure, lambda: tri_layer(x, idx, w), use_graph)
             if y_tri is None:
                 y_tri = tri_layer(x, idx, w)
-            with bf16_path_only():  # the backend before its FP8 path, in this process on this card
-                row["bf16_path_us"], y_bf16 = graph_or_eager(device, measure, lambda: tri_layer(x, idx, w), use_graph)
-                if y_bf16 is None:
-                    y_bf16 = tri_layer(x, idx, w)
+            if triton_config.FP8_CONFIGS:
+                with bf16_path_only():  # the backend before its FP8 path, in this process on this card
+                    row["bf16_path_us"], y_bf16 = graph_or_eager(device, measure, lambda: tri_layer(x, idx, w),
+                                                                 use_graph)
+                    if y_bf16 is None:
+                        y_bf16 = tri_layer(x, idx, w)
+            else:  # no FP8 rows in the table: the same kernels
+                row["bf16_path_us"], y_bf16 = row["triton_us"], y_tri
             row["calc_diff_vs_bf16_path"] = calc_diff(y_tri.float(), y_bf16.float())
-            row["path"] = "fp8" if device_config(n * args.topk, args.experts, args.hidden, args.intermediate,
-                                                 device).fp8 else "bf16"
+            picked = device_config(n * args.topk, args.experts, args.hidden, args.intermediate, device)
+            row["path"] = "fp8" if picked.fp8 else "decode" if picked.decode else "bf16"
+            row["picked"] = picked.__dict__
+            if picked.decode:  # the general kernels on this batch, as before the decode rows (`general_path_only`)
+                with general_path_only():
+                    row["general_us"], y_gen = graph_or_eager(device, measure, lambda: tri_layer(x, idx, w),
+                                                              use_graph)
+                    if y_gen is None:
+                        y_gen = tri_layer(x, idx, w)
+                row["calc_diff_vs_general"] = calc_diff(y_tri.float(), y_gen.float())
+            else:  # the same kernels either way
+                row["general_us"], row["calc_diff_vs_general"] = row["triton_us"], 0.0
             if baseline is not None:
                 row["reference_us"], y_ref = graph_or_eager(device, measure, lambda: ref_layer(x, idx, w), use_graph)
                 if y_ref is None:
@@ -497,9 +541,13 @@ def main(argv=None):
             row["ceiling"] = dense_ceiling(args, n, device, measure, use_graph)
         row["bound_us"], row["bound"] = bound_us(args, n, bytes_per_expert)
         row["ratio"] = row["triton_us"] / row["bound_us"]
+        if copy_tbps is not None and row["bound"] == "fp4 read":  # the same bytes at a plain copy's rate
+            row["copy_bound_us"] = row["bound_us"] * args.hbm_tbps / copy_tbps
         rows.append(row)
-        print(f"tokens {n}: triton {row['triton_us']:.0f} us, bound {row['bound_us']:.0f} us "
-              f"({row['ratio']:.2f}x), calc_diff {row.get('calc_diff', float('nan')):.2e}", file=sys.stderr)
+        print(f"tokens {n}: triton {row['triton_us']:.1f} us ({row['path']}), general kernels {row['general_us']:.1f} "
+              f"us, bound {row['bound_us']:.1f} us ({row['ratio']:.2f}x; general {row['general_us'] / row['bound_us']:.2f}x)"
+              f", copy bound {row.get('copy_bound_us', float('nan')):.1f} us, calc_diff vs general "
+              f"{row['calc_diff_vs_general']:.1e}, vs reference {row.get('calc_diff', float('nan')):.2e}", file=sys.stderr)
 
     stats = buffer_stats()
     result = dict(
@@ -508,6 +556,7 @@ def main(argv=None):
         torch=torch.__version__,
         shapes=dict(hidden=args.hidden, intermediate=args.intermediate, experts=args.experts, topk=args.topk),
         backend_reason=tri_state.reason,
+        copy_tbps=copy_tbps,
         resident_bytes=dict(triton=resident_fp4, reference=reference_bytes),
         buffer_allocations=stats.allocations, buffer_bytes=stats.live_bytes,
         rows=rows,
@@ -529,6 +578,18 @@ def main(argv=None):
               f"{f(gm)} | {f(r['bound_us'])} | {r['bound']} | {r['ratio']:.2f}x | "
               f"{f(gm / r['triton_us'] if gm else None, '.2f')} | {f(r.get('calc_diff'), '.1e')} | "
               f"{r['calc_diff_vs_bf16_path']:.1e} |")
+    print(f"\nSplit-K decode against the general kernels (same process, same card). bound: the FP4 read at "
+          f"{args.hbm_tbps} TB/s; copy bound: the same bytes at the rate a device-to-device copy reached here "
+          f"({f(copy_tbps, '.2f')} TB/s, bytes read + written)\n")
+    print("| tokens | path | triton | general kernels | general / triton | bound | triton / bound | general / bound | "
+          "copy bound | triton / copy bound | calc_diff vs general |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        cb = r.get("copy_bound_us")
+        print(f"| {r['tokens']} | {r['path']} | {f(r['triton_us'])} | {f(r['general_us'])} | "
+              f"{r['general_us'] / r['triton_us']:.2f}x | {f(r['bound_us'])} | {r['ratio']:.2f}x | "
+              f"{r['general_us'] / r['bound_us']:.2f}x | {f(cb)} | {f(r['triton_us'] / cb if cb else None, '.2f')} | "
+              f"{r['calc_diff_vs_general']:.1e} |")
     ceilings = [r for r in rows if "ceiling" in r]
     if ceilings:
         print("\nThe same math as cuBLAS dense GEMMs (no routing, padding or FP4; µs, and TFLOP/s of the layer's math)\n")

@@ -15,8 +15,10 @@ from planc.kernels.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantiz
 from planc.kernels.megamoe.reference import DequantizedExperts, ReferenceBuffer, local_experts_forward
 from planc.kernels.megamoe.reference import combine as reference_combine
 from planc.kernels.megamoe.reference import stage as reference_stage
+from planc.kernels.megamoe.triton import config as triton_config
 from planc.kernels.megamoe.triton import target
 from planc.kernels.megamoe.triton.config import KernelConfig, pick_config
+from planc.kernels.megamoe.triton.decode import arrival_counters
 from planc.kernels.megamoe.triton.forward import combine, dequantize_x, stage, triton_local_experts_forward
 from planc.kernels.megamoe.triton.layout import PackedExperts, shuffle_fp4
 from planc.kernels.megamoe.triton.routing import max_blocks, route, route_fused, route_torch
@@ -158,6 +160,49 @@ def test_l2_n_tiles_of_128_match_the_reference(experts, weight_stream):
                                                 config=cfg), ref)
 
 
+@pytest.fixture(scope="module")
+def wide_experts():
+    """4 experts of hidden 256, intermediate 128: 4 and 2 K tiles of 64, enough for both decode GEMMs to split."""
+    w1, w2 = full_weights(5, num_experts=4, hidden=256, inter=128)
+    q = quantize_experts_fp4(w1, w2)
+    params = (q.gate_up_proj, q.gate_up_proj_scale_inv, q.down_proj, q.down_proj_scale_inv)
+    return PackedExperts.from_params(*params), DequantizedExperts.from_fp4(*params)
+
+
+DECODE = KernelConfig(block_t=16, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_stages=3, decode=2)
+
+
+@pytest.mark.parametrize("prefetch,depth,l1_split,l2_split", [(1, 2, 2, 1), (0, 1, 4, 2)],
+                         ids=["prefetch_depth2", "pipeline_l2split"])
+def test_split_k_decode_kernels_match_the_reference(wide_experts, monkeypatch, prefetch, depth, l1_split, l2_split):
+    """The decode kernels (`decode`): both GEMMs split over K, each tile's last program reducing the partials; the
+    arrival counters are back at zero afterwards (the next call relies on it). With L2 unsplit, the same bits as the
+    general kernels with the same L1 split (the same FP32 partials, summed in the same order)."""
+    packed, deq = wide_experts
+    monkeypatch.setattr(target, "REGISTER_PREFETCH", True)
+    x, idx, w = routing(2, 8, num_experts=4, masked=0.3, hidden=256)
+    q, sf = quantize_fp8(x)
+    sf = float_to_ue8m0_bytes(sf)
+    cfg = dataclasses.replace(DECODE, prefetch=prefetch, decode=depth, l1_split=l1_split, l2_split=l2_split)
+    fit = cfg.fit(packed.hidden, packed.intermediate)
+    assert (fit.decode, fit.l1_split, fit.l2_split) == (depth, l1_split, l2_split)
+    ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=0.5)
+    out = triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=0.5, config=cfg)
+    assert_matches(out, ref)
+    assert not arrival_counters(out.device, 1).any()
+    if l2_split == 1:
+        general = dataclasses.replace(TINY, l1_n=64, l2_n=64, l1_split=l1_split)
+        assert torch.equal(out, triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0,
+                                                             activation_clamp=0.5, config=general))
+
+
+def test_decode_fit_keeps_whole_steps_per_slice():
+    """`fit` shrinks the depth to divide both K dimensions in tiles of 64, then each split to whole steps."""
+    assert dataclasses.replace(DECODE, decode=4, l1_split=8, l2_split=8).fit(512, 128) == dataclasses.replace(
+        DECODE, decode=2, l1_split=4, l2_split=1)
+    assert dataclasses.replace(DECODE, decode=3).fit(256, 192).decode == 1  # 3 K tiles of I: depth 1
+
+
 @pytest.mark.parametrize(
     "config",
     [TINY, dataclasses.replace(TINY, l1_k=128, l2_k=128), dataclasses.replace(TINY, l1_split=2)],
@@ -201,7 +246,21 @@ def test_local_expert_range_and_no_local_expert(experts):
     assert out.shape == (9, idx.shape[1], packed.hidden) and not out.any()
 
 
-def test_picked_config_fits_the_shapes():
+def test_decode_batches_pick_the_split_k_kernels():
+    """Up to 48 (token, slot) rows (8 tokens at top-6) the decode kernels run, their splits sized from the SM count."""
+    one = pick_config(6, 384, 7168, 3072)  # 1 token: 6 x 48 L1 tiles and 6 x 112 L2 tiles
+    assert (one.decode, one.l1_split, one.l2_split, one.block_t) == (2, 4, 2, 16)  # 1152 and 1344 programs
+    assert (pick_config(6, 384, 7168, 3072, num_sms=66).l1_split, pick_config(6, 384, 7168, 3072, num_sms=66)
+            .l2_split) == (2, 1)  # half the SMs: half the programs needed
+    assert [(c.l1_split, c.l2_split) for c in (pick_config(t * 6, 384, 7168, 3072) for t in (2, 4, 8))] == [
+        (2, 1), (1, 1), (1, 1)]
+    mid = pick_config(6, 64, 2048, 1408)  # mid-size: 22 L1 tiles of 64; 22 K tiles of I: no even L2 split
+    assert (mid.decode, mid.l1_split, mid.l2_split) == (2, 8, 1)
+    assert not pick_config(49, 384, 7168, 3072).decode and not pick_config(96, 384, 7168, 3072).decode
+
+
+def test_picked_config_fits_the_shapes(monkeypatch):
+    monkeypatch.setattr(triton_config, "DECODE_CONFIGS", ())  # the general kernels' rule at every batch size
     cfg = pick_config(6, 384, 7168, 3072)
     assert 7168 % cfg.l1_k == 0 and 3072 % cfg.l1_n == 0 and 3072 % cfg.l2_k == 0 and 7168 % cfg.l2_n == 0
     assert cfg.l1_split == 4 and 7168 % (cfg.l1_k * cfg.l1_split) == 0  # 1 token: 6 x 48 L1 programs, split in 4

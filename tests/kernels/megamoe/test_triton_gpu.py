@@ -11,7 +11,9 @@ import torch
 
 from planc.kernels.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_experts_fp4, quantize_fp8
 from planc.kernels.megamoe.reference import DequantizedExperts, local_experts_forward
+from planc.kernels.megamoe.triton import target
 from planc.kernels.megamoe.triton.config import KernelConfig
+from planc.kernels.megamoe.triton.decode import arrival_counters
 from planc.kernels.megamoe.triton.forward import combine, device_config, triton_local_experts_forward
 from planc.kernels.megamoe.triton.hopper_prefill import gluon_unavailable_reason
 from planc.kernels.megamoe.triton.layout import PackedExperts
@@ -73,6 +75,56 @@ def test_ragged_batches_match_the_reference(experts, num_tokens, clamp, config):
     ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=clamp)
     check(triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=clamp, config=config),
           ref, fp8=config is None and picks_fp8(idx.numel()))
+
+
+# The split-K decode kernels (`decode.py`), each way they stream the weights, both GEMMs split.
+DECODE_VARIANTS = [
+    KernelConfig(16, 64, 64, 64, 64, 4, 6, l1_split=4, prefetch=0, decode=1, l2_split=2),
+    KernelConfig(16, 64, 64, 64, 64, 4, 1, l1_split=2, prefetch=1, decode=2, l2_split=2),
+    KernelConfig(16, 64, 64, 64, 64, 4, 1, l1_split=2, prefetch=1, decode=4, l2_split=2),
+]
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8])
+@pytest.mark.parametrize("config", [None, *DECODE_VARIANTS], ids=["picked", "pipeline", "prefetch2", "prefetch4"])
+def test_split_k_decode_matches_the_reference_and_repeats_its_bits(experts, config, num_tokens):
+    """Each tile's last program reduces the split partials in split order: two runs give the same bits (a race on
+    the arrival counters or a stale partial would not), the counters are left at zero, and the result is the
+    reference's up to the FP32 sum order."""
+    packed, deq = experts
+    q, sf, idx, w = staged(num_tokens, 40 + num_tokens, masked=0.1)
+    picked = device_config(idx.numel(), NE, NH, NI, torch.device("cuda"))
+    assert picked.decode  # up to 48 rows
+    if config is not None and config.prefetch and not target.REGISTER_PREFETCH:
+        pytest.skip("this Triton streams by the cp.async pipeline only")
+    ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=0.05)
+    runs = [triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=0.05, config=config)
+            for _ in range(3)]
+    check(runs[0], ref)
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
+    torch.cuda.synchronize()
+    assert not arrival_counters(torch.device("cuda"), 1).any()
+
+
+def test_split_k_decode_on_deepseek_v4_shapes():
+    """The decode kernels at DeepSeek-V4's hidden and intermediate sizes (8 of its experts), 1 and 8 tokens, with
+    the splits `pick_config` gives this GPU, against the reference."""
+    e, h, i = 8, 7168, 3072
+    g = torch.Generator(device="cuda").manual_seed(7)
+    w1 = torch.randn(e, 2 * i, h, generator=g, device="cuda").bfloat16() * h**-0.5
+    w2 = torch.randn(e, h, i, generator=g, device="cuda").bfloat16() * i**-0.5
+    qw = quantize_experts_fp4(w1, w2)
+    del w1, w2
+    params = (qw.gate_up_proj, qw.gate_up_proj_scale_inv, qw.down_proj, qw.down_proj_scale_inv)
+    packed, deq = PackedExperts.from_params(*params), DequantizedExperts.from_fp4(*params)
+    for t in (1, 8):
+        x, idx, w = (a.cuda() for a in routing(t, t, num_experts=e, topk=NK, hidden=h))
+        q, sf = quantize_fp8(x)
+        sf = float_to_ue8m0_bytes(sf)
+        cfg = device_config(idx.numel(), e, h, i, torch.device("cuda"))
+        assert cfg.decode
+        ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=10.0)
+        check(triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=10.0), ref)
 
 
 def test_all_routes_to_one_expert(experts):

@@ -41,6 +41,11 @@ class KernelConfig:
     # weight rows are the MMA's M dimension, the expanded tile its register operand), 2 the block's rows are M (the
     # expanded tile is the shared-memory operand).
     fp8: int = 0
+    # The split-K decode kernels (`decode`: both GEMMs split over K, the partial sums reduced by each tile's last
+    # program, this many 64-deep K tiles in flight per program: 1, 2 or 4); 0 the general kernels. `l1_split` then
+    # splits L1's hidden dimension and `l2_split` L2's intermediate dimension; `l1_k` and `l2_k` are 64.
+    decode: int = 0
+    l2_split: int = 1
 
     # The block sizes the Gluon kernels have loop bodies for: a 64-row MMA and up to one (80) or two (96) 16-row MMAs;
     # 80-row blocks compile without the two-tail body, in fewer registers (see `GLUON_CONFIGS`).
@@ -77,6 +82,8 @@ class KernelConfig:
                                  f"them, got hidden={hidden}, intermediate={inter}, l1_n={self.l1_n}, "
                                  f"l2_n={self.l2_n}: `pick_config` picks them only where they fit")
             return dataclasses.replace(self, l1_k=128, l2_k=128, l1_split=1)
+        if self.decode:
+            return self._fit_decode(hidden, inter, div)
         l1_k = div(self.l1_k, hidden, 64)
         split = self.l1_split
         while split > 1 and hidden % (l1_k * split):
@@ -92,6 +99,22 @@ class KernelConfig:
             return self
         return dataclasses.replace(self, l1_n=div(self.l1_n, inter, 32), l1_k=l1_k, l2_n=div(self.l2_n, hidden, 32),
                                    l2_k=div(self.l2_k, inter, 64), l1_split=split)
+
+    def _fit_decode(self, hidden: int, inter: int, div) -> "KernelConfig":
+        """`fit` for the decode kernels: a depth of 1, 2 or 4 K tiles that divides both K dimensions in tiles of 64,
+        and splits (powers of two) that leave each slice a whole number of such steps."""
+        depth = 4 if self.decode >= 4 else 2 if self.decode >= 2 else 1
+        while depth > 1 and ((hidden // 64) % depth or (inter // 64) % depth):
+            depth //= 2
+
+        def split(s, k):
+            while s > 1 and (k // 64) % (depth * s):
+                s //= 2
+            return max(s, 1)
+
+        return dataclasses.replace(self, l1_n=div(self.l1_n, inter, 32), l1_k=64, l2_n=div(self.l2_n, hidden, 32),
+                                   l2_k=64, decode=depth, l1_split=split(self.l1_split, hidden),
+                                   l2_split=split(self.l2_split, inter), gluon=0, fp8=0)
 
     def cp_async_l2(self) -> "KernelConfig":
         """This Gluon config with the cp.async L2 (`hopper_prefill`) in place of the warp-specialized one, under L1's
@@ -146,6 +169,40 @@ GLUON_CONFIGS = (
 FP8_CONFIGS: tuple[tuple[int, KernelConfig], ...] = ()
 
 
+# The split-K decode kernels (`decode`): (up to this many (token, slot) rows in the batch, config), before the tables
+# above. 48 rows: 8 tokens at top-6, where a V4 batch's L1 tiles (row blocks x I / l1_n) no longer fall short of
+# `_DECODE_PROGRAMS_PER_SM` per SM. The weights stream through Triton's cp.async pipeline, 6 buffers deep (5 K tiles,
+# ~21 KB of gate/up words in flight per L1 program; register prefetch holds one copy in flight and one being used).
+# Measured against the general path by `bench/megamoe_gpu.py` (its `general_us` column) and swept with
+# `--sweep --configs` (`decode`, `l2_split` the last two fields).
+DECODE_CONFIGS: tuple[tuple[int, KernelConfig], ...] = (
+    (48, KernelConfig(block_t=16, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=6, prefetch=0,
+                      decode=2)),
+)
+# The decode kernels split each GEMM's K (`l1_split`, `l2_split`: powers of two up to 16) until its programs reach
+# this many per SM, each slice a whole number of steps of `decode` K tiles, at least 2.
+_DECODE_PROGRAMS_PER_SM = 8
+_DECODE_MAX_SPLIT = 16
+
+
+def _decode_splits(config: KernelConfig, num_rows: int, num_local_experts: int, hidden: int, inter: int,
+                   num_sms: int) -> KernelConfig:
+    """The decode config with its K splits for this batch: row blocks (one per expert that gets rows, at most) times
+    N tiles, times the split, up to `_DECODE_PROGRAMS_PER_SM` programs per SM."""
+    config = config.fit(hidden, inter)
+    blocks = max(min(num_rows, num_local_experts), -(-num_rows // config.block_t))
+
+    def split(tiles: int, k: int) -> int:
+        s = 1
+        while (s < _DECODE_MAX_SPLIT and tiles * s < _DECODE_PROGRAMS_PER_SM * num_sms
+               and (k // 64) % (config.decode * 2 * s) == 0 and (k // 64) // (config.decode * 2 * s) >= 2):
+            s *= 2
+        return s
+
+    return dataclasses.replace(config, l1_split=split(blocks * (inter // config.l1_n), hidden),
+                               l2_split=split(blocks * (hidden // config.l2_n), inter)).fit(hidden, inter)
+
+
 # L1 splits its hidden dimension (`l1_split`) until there are ~8 L1 programs per SM, keeping at least 4 pipeline
 # depths of K tiles per slice. One program streams weights at only a few GB/s (it waits on its loads and MMAs), so
 # a 1-token batch (6 experts x I / l1_n programs) needs several per SM: V4 at 1 token (288 programs) is fastest in 4
@@ -167,6 +224,9 @@ def pick_config(
     this Triton builds the warp-specialized L2 (`hopper_prefill_ws.unavailable_reason`), else the cp.async L2 runs
     under L1's register cap."""
     per_expert = num_rows / max(num_local_experts, 1)
+    for decode_bound, decode_config in DECODE_CONFIGS:
+        if num_rows <= decode_bound:
+            return _decode_splits(decode_config, num_rows, num_local_experts, hidden, inter, num_sms)
     if fp8 and hidden % 128 == 0 and inter % 128 == 0:
         for fp8_bound, fp8_config in reversed(FP8_CONFIGS):
             if per_expert >= fp8_bound:

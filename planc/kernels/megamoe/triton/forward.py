@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from planc.kernels.megamoe.triton import fp8, hopper_prefill, hopper_prefill_ws, jit, target
+from planc.kernels.megamoe.triton import decode, fp8, hopper_prefill, hopper_prefill_ws, jit, target
 from planc.kernels.megamoe.triton.config import KernelConfig, pick_config
 from planc.kernels.megamoe.triton.layout import PackedExperts
 from planc.kernels.megamoe.triton.routing import route
@@ -102,6 +102,12 @@ def triton_local_experts_forward(
     sorted_slots, block_expert, block_row, block_end = route(
         topk_idx, first_expert=first_expert, num_local_experts=num_local, block_t=cfg.block_t
     )
+    interpret = target.interpreting()
+    prefetch = bool(cfg.prefetch) and target.REGISTER_PREFETCH
+    if cfg.decode:
+        decode.decode_forward(x, (sorted_slots, block_expert, block_row, block_end), weights, experts, out,
+                              num_topk=k, clamp=clamp, config=cfg, prefetch=prefetch, interpret=interpret)
+        return out.view(m, k, hidden)
     nblocks = block_expert.numel()
     act = torch.empty((nblocks * cfg.block_t, inter), dtype=torch.bfloat16, device=device)
     w1, w2 = experts.w1, experts.w2
@@ -114,13 +120,11 @@ def triton_local_experts_forward(
         l2(act, w2, s2, sorted_slots, block_expert, block_row, block_end, out, hidden=hidden,
            large=experts.large_scales, config=cfg)
         return out.view(m, k, hidden)
-    interpret = target.interpreting()
     split = cfg.l1_split
     ws = torch.empty((split, nblocks * cfg.block_t, 2 * inter) if split > 1 else (1,), dtype=torch.float32,
                      device=device)
     common = dict(HAS_CLAMP=clamp is not None, BT=cfg.block_t, BN=cfg.l1_n)
     regs = cfg.launch_registers()
-    prefetch = bool(cfg.prefetch) and target.REGISTER_PREFETCH
     jit.l1_swiglu_kernel[(nblocks * (inter // cfg.l1_n), split)](
         x, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act, ws,
         hidden, inter, k, num_local,

@@ -1,0 +1,297 @@
+"""The split-K decode kernels: batches of a few tokens (1-8 at top-6) read every routed expert's weights once, spread
+over many more programs than the batch has output tiles, with several K tiles of weights in flight per program.
+
+Why: a 1-token V4 batch has 6 experts x 48 gate/up tiles for L1 and 6 x 112 hidden tiles for L2 (2.2 and 5.1
+programs per SM on 132 SMs), and each program of the general kernels (`jit.l1_swiglu_kernel`, `jit.l2_kernel`) keeps
+one 64-deep K tile (4 KB of L1 words, 2 KB of L2 words) in flight: a few KB per SM, far from what keeps HBM busy
+(bandwidth x latency: ~3.35 TB/s x ~1.5 µs is ~40 KB per SM). Here:
+- both GEMMs split their K dimension (L1: hidden, `l1_split`; L2: intermediate, `l2_split`), so a batch of one
+  token has several programs per SM in both kernels (`config.pick_config` sizes the splits from the SM count);
+- each program loads `depth` K tiles of 64 per iteration into registers while it expands and multiplies the previous
+  `depth` (`depth` x 4 KB in flight per L1 program, x 2 KB per L2 program);
+- the split partial sums are reduced by the last program of each output tile to arrive (a per-tile arrival counter,
+  `tl.atomic_add` with acquire-release order): it adds the partials in split order (deterministic: the same bits on
+  every run) and runs the epilogue (L1: SwiGLU, clamp, routing weight and FP8 requantization, `jit.swiglu_requant`;
+  L2: the BF16 rounding into the slot's output), so no reduction kernel is launched, and the counter is left at 0;
+- the weights stream either by register prefetch of `depth` K tiles (`KernelConfig.prefetch`) or through Triton's
+  cp.async pipeline of `num_stages` shared-memory buffers (`num_stages - 1` K tiles in flight, no registers held).
+Launches per call: the tokens' BF16 values, routing, the output's zero fill, L1, L2 (the general path has L1's
+reduction kernel besides).
+
+Numerics: the general path's (docs/megamoe.md, steps 3-6). L1 with the same `l1_split` sums the same FP32 partials
+in the same order as `jit.l1_reduce_kernel`; L2's split changes only the order of its FP32 sums.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from planc.kernels.megamoe.triton import jit
+from planc.kernels.megamoe.triton.target import tl, triton
+
+# Arrival counters (int32, zero between kernels: the last program of each tile puts its counter back to 0), one set
+# per device and stream: kernels on one stream run one after the other, so a set is never in use by two at once.
+_COUNTERS: dict[tuple[str, int | None, int], torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    """`count` zeroed int32 arrival counters for the kernels launched next on the current stream of `device`,
+    allocated once per (device, stream) and grown when a call needs more (no per-call fill: the kernels leave them at
+    zero). Host bookkeeping only: no device read, so a call can be captured in a CUDA graph."""
+    index, stream = device.index, 0
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if index is None else index  # `cuda` and `cuda:0`: one set
+        stream = torch.cuda.current_stream(index).cuda_stream
+    key = (device.type, index, stream)
+    have = _COUNTERS.get(key)
+    if have is None or have.numel() < count:
+        have = torch.zeros(max(count, 2 * (have.numel() if have is not None else 0)), dtype=torch.int32,
+                           device=device)
+        _COUNTERS[key] = have
+    return have
+
+
+if triton is not None:
+
+    @triton.jit
+    def _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok, kc, num_g):
+        """The gate words, gate scale words, up words, up scale words and tokens (``[64, BT]``) of the K tile at
+        64*kc, as loaded: nothing waits on them until their MMA."""
+        gw, gs = jit._fp4_load(w_base, s_base, wg_off, sg_off, kc, num_g)
+        uw, us = jit._fp4_load(w_base, s_base, wu_off, su_off, kc, num_g)
+        return gw, gs, uw, us, tl.load(x_ptrs + kc * 64, mask=row_ok[None, :], other=0.0)
+
+    @triton.jit
+    def _l1_mma(acc_g, acc_u, gw, gs, uw, us, x, BN: tl.constexpr, LARGE: tl.constexpr, INTERPRET: tl.constexpr):
+        if INTERPRET:
+            x = x.to(tl.float32)  # the interpreter's dot multiplies BF16 operands as integers
+        acc_g = tl.dot(jit._fp4_expand(gw, gs, BN, 64, LARGE, INTERPRET), x, acc_g)
+        acc_u = tl.dot(jit._fp4_expand(uw, us, BN, 64, LARGE, INTERPRET), x, acc_u)
+        return acc_g, acc_u
+
+    @triton.jit
+    def _last_to_arrive(cnt_ptr, SPLIT: tl.constexpr):
+        """Count this program's arrival at its tile (after its partial sums are stored) and say whether it is the
+        tile's last: then every other split's partials are visible to it (release by each, acquire by the last)
+        and it puts the counter back to 0 for the next launch."""
+        tl.debug_barrier()  # every thread's partial-sum stores come before the release below
+        arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+        last = arrived == SPLIT - 1
+        if last:
+            tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+        return last
+
+    @triton.jit
+    def decode_l1_kernel(
+        x_ptr, w_ptr, s_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr, block_end_ptr,
+        out_ptr, ws_ptr, cnt_ptr,
+        hidden, inter, num_topk, num_local,
+        stride_x, stride_we, stride_se, stride_out,
+        clamp,
+        HAS_CLAMP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr,
+        PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr, LARGE: tl.constexpr, INTERPRET: tl.constexpr,
+    ):
+        """L1 of one block of rows, BN gate (and as many up) columns and hidden slice `program_id(1)` of SPLIT; the
+        weights stream by register prefetch of DEPTH K tiles (PREFETCH) or through NUM_STAGES cp.async buffers; the
+        last slice to arrive sums the slices' FP32 partials in order and runs the SwiGLU epilogue (module
+        docstring)."""
+        pid_b, pid_n, num_blocks = jit.tile_ids(inter // BN)
+        expert = tl.load(block_expert_ptr + pid_b)
+        if expert >= num_local:
+            return
+        row_ok, slot = jit._block_slots(sorted_ptr, block_row_ptr, block_end_ptr, pid_b, BT)
+        token = slot // num_topk
+
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
+        s_base = s_ptr + expert.to(tl.int64) * stride_se
+        num_g = inter // 8  # 2I rows in groups of 16
+        wg_off, sg_off = jit._fp4_offsets(pid_n * (BN // 16), num_g, BN, 64)  # gate rows
+        wu_off, su_off = jit._fp4_offsets(pid_n * (BN // 16) + inter // 16, num_g, BN, 64)  # up rows
+        x_ptrs = x_ptr + token[None, :].to(tl.int64) * stride_x + tl.arange(0, 64)[:, None]  # [64, BT]
+
+        acc_g = tl.zeros((BN, BT), dtype=tl.float32)
+        acc_u = tl.zeros((BN, BT), dtype=tl.float32)
+        chunks = hidden // (SPLIT * 64)
+        kc0 = tl.program_id(1) * chunks
+        if PREFETCH:
+            # DEPTH K tiles in flight: chunks a, b (DEPTH >= 2), c and d (DEPTH 4), each its gate words and scale
+            # words, up words and scale words, and tokens; unpacked (loop-carried tuples lower differently across
+            # Triton versions)
+            iters = chunks // DEPTH
+            ag, ags, au, aus, ax = _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok, kc0,
+                                             num_g)
+            if DEPTH >= 2:
+                bg, bgs, bu, bus, bx = _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok,
+                                                 kc0 + 1, num_g)
+            if DEPTH >= 4:
+                cg, cgs, cu, cus, cx = _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok,
+                                                 kc0 + 2, num_g)
+                dg, dgs, du, dus, dx = _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok,
+                                                 kc0 + 3, num_g)
+            for i in tl.range(0, iters, num_stages=1):
+                kn = kc0 + tl.minimum(i + 1, iters - 1) * DEPTH  # the last iteration reloads its own tiles
+                ag0, ags0, au0, aus0, ax0 = ag, ags, au, aus, ax
+                ag, ags, au, aus, ax = _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok, kn,
+                                                 num_g)
+                if DEPTH >= 2:
+                    bg0, bgs0, bu0, bus0, bx0 = bg, bgs, bu, bus, bx
+                    bg, bgs, bu, bus, bx = _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok,
+                                                     kn + 1, num_g)
+                if DEPTH >= 4:
+                    cg0, cgs0, cu0, cus0, cx0 = cg, cgs, cu, cus, cx
+                    dg0, dgs0, du0, dus0, dx0 = dg, dgs, du, dus, dx
+                    cg, cgs, cu, cus, cx = _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok,
+                                                     kn + 2, num_g)
+                    dg, dgs, du, dus, dx = _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok,
+                                                     kn + 3, num_g)
+                acc_g, acc_u = _l1_mma(acc_g, acc_u, ag0, ags0, au0, aus0, ax0, BN, LARGE, INTERPRET)
+                if DEPTH >= 2:
+                    acc_g, acc_u = _l1_mma(acc_g, acc_u, bg0, bgs0, bu0, bus0, bx0, BN, LARGE, INTERPRET)
+                if DEPTH >= 4:
+                    acc_g, acc_u = _l1_mma(acc_g, acc_u, cg0, cgs0, cu0, cus0, cx0, BN, LARGE, INTERPRET)
+                    acc_g, acc_u = _l1_mma(acc_g, acc_u, dg0, dgs0, du0, dus0, dx0, BN, LARGE, INTERPRET)
+        else:  # Triton's software pipeline: NUM_STAGES - 1 K tiles in flight through shared memory
+            for kc in tl.range(kc0, kc0 + chunks, num_stages=NUM_STAGES):
+                gw, gs, uw, us, x = _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok, kc,
+                                              num_g)
+                acc_g, acc_u = _l1_mma(acc_g, acc_u, gw, gs, uw, us, x, BN, LARGE, INTERPRET)
+
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        out_rows = pid_b * BT + tl.arange(0, BT)
+        out_ptrs = out_ptr + out_rows[None, :].to(tl.int64) * stride_out + offs_n[:, None]
+        topw = tl.load(weight_ptr + slot, mask=row_ok, other=0.0)
+        if SPLIT == 1:
+            tl.store(out_ptrs, jit.swiglu_requant(acc_g, acc_u, topw, row_ok, clamp, HAS_CLAMP, BN, BT))
+        else:
+            split_stride = num_blocks.to(tl.int64) * BT * 2 * inter
+            ws = ws_ptr + out_rows[None, :].to(tl.int64) * (2 * inter) + offs_n[:, None]
+            mine = ws + tl.program_id(1).to(tl.int64) * split_stride
+            tl.store(mine, acc_g, mask=row_ok[None, :])
+            tl.store(mine + inter, acc_u, mask=row_ok[None, :])
+            if _last_to_arrive(cnt_ptr + tl.program_id(0), SPLIT):
+                acc_g = tl.zeros((BN, BT), dtype=tl.float32)
+                acc_u = tl.zeros((BN, BT), dtype=tl.float32)
+                # split order, as `jit.l1_reduce_kernel`; a loop, not unrolled: the partials of all splits in
+                # registers at once would raise the whole kernel's register count (fewer programs per SM)
+                for s in tl.range(0, SPLIT, num_stages=1):
+                    acc_g += tl.load(ws + s * split_stride, mask=row_ok[None, :], other=0.0, cache_modifier=".cg")
+                    acc_u += tl.load(ws + s * split_stride + inter, mask=row_ok[None, :], other=0.0,
+                                     cache_modifier=".cg")
+                tl.store(out_ptrs, jit.swiglu_requant(acc_g, acc_u, topw, row_ok, clamp, HAS_CLAMP, BN, BT))
+
+    @triton.jit
+    def _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kc, num_g):
+        w, sw = jit._fp4_load(w_base, s_base, w_off, s_off, kc, num_g)
+        return w, sw, tl.load(a_ptrs + kc * 64)
+
+    @triton.jit
+    def _l2_mma(acc, w, sw, x, BN: tl.constexpr, LARGE: tl.constexpr, INTERPRET: tl.constexpr):
+        if INTERPRET:
+            x = x.to(tl.float32)
+        return tl.dot(jit._fp4_expand(w, sw, BN, 64, LARGE, INTERPRET), x, acc)
+
+    @triton.jit
+    def decode_l2_kernel(
+        a_ptr, w_ptr, s_ptr, sorted_ptr, block_expert_ptr, block_row_ptr, block_end_ptr, out_ptr, ws_ptr, cnt_ptr,
+        hidden, inter, num_local,
+        stride_a, stride_we, stride_se, stride_out,
+        BT: tl.constexpr, BN: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
+        NUM_STAGES: tl.constexpr, LARGE: tl.constexpr, INTERPRET: tl.constexpr,
+    ):
+        """L2 of one block of rows, BN hidden columns and intermediate slice `program_id(1)` of SPLIT, the weights
+        streamed as in L1; the last slice to arrive sums the partials in split order, rounds to BF16 and writes each
+        row's slot."""
+        pid_b, pid_n, num_blocks = jit.tile_ids(hidden // BN)
+        expert = tl.load(block_expert_ptr + pid_b)
+        if expert >= num_local:
+            return
+        row_ok, slot = jit._block_slots(sorted_ptr, block_row_ptr, block_end_ptr, pid_b, BT)
+
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
+        s_base = s_ptr + expert.to(tl.int64) * stride_se
+        a_rows = pid_b * BT + tl.arange(0, BT)
+        a_ptrs = a_ptr + a_rows[None, :].to(tl.int64) * stride_a + tl.arange(0, 64)[:, None]  # [64, BT]
+        num_g = hidden // 16
+        w_off, s_off = jit._fp4_offsets(pid_n * (BN // 16), num_g, BN, 64)
+
+        acc = tl.zeros((BN, BT), dtype=tl.float32)
+        chunks = inter // (SPLIT * 64)
+        kc0 = tl.program_id(1) * chunks
+        if PREFETCH:
+            iters = chunks // DEPTH
+            aw, asw, ax = _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kc0, num_g)
+            if DEPTH >= 2:
+                bw, bsw, bx = _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kc0 + 1, num_g)
+            if DEPTH >= 4:
+                cw, csw, cx = _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kc0 + 2, num_g)
+                dw, dsw, dx = _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kc0 + 3, num_g)
+            for i in tl.range(0, iters, num_stages=1):
+                kn = kc0 + tl.minimum(i + 1, iters - 1) * DEPTH
+                aw0, asw0, ax0 = aw, asw, ax
+                aw, asw, ax = _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kn, num_g)
+                if DEPTH >= 2:
+                    bw0, bsw0, bx0 = bw, bsw, bx
+                    bw, bsw, bx = _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kn + 1, num_g)
+                if DEPTH >= 4:
+                    cw0, csw0, cx0 = cw, csw, cx
+                    dw0, dsw0, dx0 = dw, dsw, dx
+                    cw, csw, cx = _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kn + 2, num_g)
+                    dw, dsw, dx = _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kn + 3, num_g)
+                acc = _l2_mma(acc, aw0, asw0, ax0, BN, LARGE, INTERPRET)
+                if DEPTH >= 2:
+                    acc = _l2_mma(acc, bw0, bsw0, bx0, BN, LARGE, INTERPRET)
+                if DEPTH >= 4:
+                    acc = _l2_mma(acc, cw0, csw0, cx0, BN, LARGE, INTERPRET)
+                    acc = _l2_mma(acc, dw0, dsw0, dx0, BN, LARGE, INTERPRET)
+        else:
+            for kc in tl.range(kc0, kc0 + chunks, num_stages=NUM_STAGES):
+                w, sw, x = _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kc, num_g)
+                acc = _l2_mma(acc, w, sw, x, BN, LARGE, INTERPRET)
+
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        out_ptrs = out_ptr + slot[None, :].to(tl.int64) * stride_out + offs_n[:, None]
+        if SPLIT == 1:
+            tl.store(out_ptrs, jit.bf16_rne(acc), mask=row_ok[None, :])
+        else:
+            split_stride = num_blocks.to(tl.int64) * BT * hidden
+            ws = ws_ptr + a_rows[None, :].to(tl.int64) * hidden + offs_n[:, None]
+            tl.store(ws + tl.program_id(1).to(tl.int64) * split_stride, acc, mask=row_ok[None, :])
+            if _last_to_arrive(cnt_ptr + tl.program_id(0), SPLIT):
+                acc = tl.zeros((BN, BT), dtype=tl.float32)
+                for s in tl.range(0, SPLIT, num_stages=1):
+                    acc += tl.load(ws + s * split_stride, mask=row_ok[None, :], other=0.0, cache_modifier=".cg")
+                tl.store(out_ptrs, jit.bf16_rne(acc), mask=row_ok[None, :])
+
+
+def decode_forward(x: torch.Tensor, routed, weights: torch.Tensor, experts, out: torch.Tensor, *, num_topk: int,
+                   clamp: float | None, config, prefetch: bool, interpret: bool) -> None:
+    """L1 and L2 of a decode batch into `out` (``[M*K, H]`` BF16, zero for slots of no local expert): `x` the tokens'
+    exact BF16 values (`forward.dequantize_x`), `routed` `routing.route`'s output, `weights` the routing weights per
+    slot (FP32), `config` a fitted decode config (`KernelConfig.decode`)."""
+    sorted_slots, block_expert, block_row, block_end = routed
+    hidden, inter, num_local = experts.hidden, experts.intermediate, experts.num_local_experts
+    device = out.device
+    nblocks, bt = block_expert.numel(), config.block_t
+    l1_tiles, l2_tiles = nblocks * (inter // config.l1_n), nblocks * (hidden // config.l2_n)
+    s1, s2 = config.l1_split, config.l2_split
+    act = torch.empty((nblocks * bt, inter), dtype=torch.bfloat16, device=device)
+    ws1 = torch.empty((s1, nblocks * bt, 2 * inter) if s1 > 1 else (1,), dtype=torch.float32, device=device)
+    ws2 = torch.empty((s2, nblocks * bt, hidden) if s2 > 1 else (1,), dtype=torch.float32, device=device)
+    counters = arrival_counters(device, max(l1_tiles, l2_tiles))
+    s1w = experts.s1.reshape(num_local, -1).view(torch.int32)  # one int32 per (K block, row group, r)
+    s2w = experts.s2.reshape(num_local, -1).view(torch.int32)
+    stream = dict(BT=bt, DEPTH=config.decode, PREFETCH=prefetch, NUM_STAGES=config.num_stages,
+                  LARGE=experts.large_scales, INTERPRET=interpret, num_warps=config.num_warps)
+    decode_l1_kernel[(l1_tiles, s1)](
+        x, experts.w1, s1w, sorted_slots, weights, block_expert, block_row, block_end, act, ws1, counters,
+        hidden, inter, num_topk, num_local,
+        x.stride(0), experts.w1.stride(0), s1w.stride(0), act.stride(0),
+        0.0 if clamp is None else clamp,
+        HAS_CLAMP=clamp is not None, BN=config.l1_n, SPLIT=s1, **stream, **config.launch_registers(),
+    )
+    decode_l2_kernel[(l2_tiles, s2)](
+        act, experts.w2, s2w, sorted_slots, block_expert, block_row, block_end, out, ws2, counters,
+        hidden, inter, num_local,
+        act.stride(0), experts.w2.stride(0), s2w.stride(0), out.stride(0),
+        BN=config.l2_n, SPLIT=s2, **stream, **config.launch_registers("L2"),
+    )
