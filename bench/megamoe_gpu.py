@@ -316,7 +316,6 @@ SWEEP = (
     KernelConfig(16, 64, 64, 64, 64, 4, 4),
     KernelConfig(32, 64, 64, 64, 64, 4, 5),
     KernelConfig(64, 128, 64, 128, 64, 8, 4, maxnreg=128),
-    KernelConfig(128, 128, 64, 128, 64, 8, 4, prefetch=0),
     KernelConfig(16, 64, 64, 64, 64, 4, 4, prefetch=0),
     KernelConfig(64, 128, 64, 128, 64, 8, 4, maxnreg=128, prefetch=0),
     KernelConfig(128, 128, 64, 128, 64, 8, 4),

@@ -16,6 +16,7 @@ from planc.kernels.megamoe.reference import DequantizedExperts, ReferenceBuffer,
 from planc.kernels.megamoe.reference import combine as reference_combine
 from planc.kernels.megamoe.reference import stage as reference_stage
 from planc.kernels.megamoe.triton import config as triton_config
+from planc.kernels.megamoe.triton import routing as routing_module
 from planc.kernels.megamoe.triton import target
 from planc.kernels.megamoe.triton.config import KernelConfig, pick_config
 from planc.kernels.megamoe.triton.decode import arrival_counters
@@ -269,15 +270,15 @@ def test_picked_config_fits_the_shapes(monkeypatch):
     v4_prefill = pick_config(4096 * 6, 384, 7168, 3072)  # 64 rows per expert, registers capped: 2 programs per SM
     assert v4_prefill.block_t == 64 and v4_prefill.maxnreg == 128
     prefill = pick_config(4096 * 6, 64, 2048, 1408)  # mid-size prefill: 384 rows per expert, 192 row blocks
-    assert prefill.block_t == 128 and prefill.l1_split == 1  # blocks fill the GPU: no split-K
-    assert prefill.prefetch == 0 and v4_prefill.prefetch == 1  # 128-row blocks stream through the pipeline
+    assert prefill.block_t == 64 and prefill.l1_split == 1  # blocks fill the GPU: no split-K
+    assert prefill.prefetch == v4_prefill.prefetch == 1  # register prefetch: no cp.async pipeline
     assert pick_config(96, 384, 7168, 3072).l1_split == 1  # 16 tokens fill the GPU unsplit
     # L2 N tiles of 128 for 16-row blocks only with >= 16 such L2 programs per SM
     assert [pick_config(t * 6, 384, 7168, 3072).l2_n for t in (1, 16, 64, 256)] == [64, 128, 128, 128]
     assert [pick_config(t * 6, 64, 2048, 1408).l2_n for t in (1, 16, 64)] == [64, 64, 64]  # 0.7 / 7.8 / 7.8 per SM
     assert pick_config(96, 384, 7168, 3072, num_sms=528).l2_n == 64  # 4x the SMs: 10 per SM
     assert pick_config(597 * 6, 64, 2048, 1408).l1_split == 1  # 704 programs of 64-row blocks: prefill, no split
-    assert [pick_config(t * 6, 384, 7168, 3072).block_t for t in (256, 2048, 2560, 4096, 5120)] == [16, 32, 64, 64, 128]
+    assert [pick_config(t * 6, 384, 7168, 3072).block_t for t in (256, 2048, 2560, 4096, 5120)] == [16, 32, 64, 64, 64]
     small = pick_config(24576, 8, 128, 64)
     assert 64 % small.l1_n == 0 and 128 % small.l1_k == 0 and small.l1_n % 32 == 0
     assert KernelConfig(l1_k=256, maxnreg=56, prefetch=0).fit(128, 64) == KernelConfig(l1_k=128, l2_k=64, maxnreg=56,
@@ -293,15 +294,70 @@ def test_picked_config_fits_the_shapes(monkeypatch):
     plain = pick_config(4096 * 6, 384, 7168, 3072, gluon=True, warp_specialized=False)
     assert (plain.gluon, plain.l2_maxnreg, plain.maxnreg, plain.block_t) == (1, 0, 168, 80)
     assert not pick_config(256 * 6, 384, 7168, 3072, gluon=True).gluon  # decode: the Triton kernels
-    assert not pick_config(4096 * 6, 64, 2048, 1408, gluon=True).gluon  # 384 rows per expert: Triton's 128-row blocks
+    assert not pick_config(4096 * 6, 64, 2048, 1408, gluon=True).gluon  # 384 rows per expert: Triton's 64-row blocks
     assert not pick_config(4096 * 6, 384, 7168, 3072 - 64, gluon=True).gluon  # L2's K tiles do not pair: 3008 % 128
     assert pick_config(3072 * 6, 384, 7168, 3072, gluon=True).block_t == 80  # 48 rows per expert
     assert not pick_config(2560 * 6, 384, 7168, 3072, gluon=True).gluon  # 40 rows: Triton's 64-row blocks
     assert pick_config(4608 * 6, 384, 7168, 3072, gluon=True).block_t == 96  # 72 rows: an expert fits 96 rows, not 80
     assert pick_config(5120 * 6, 384, 7168, 3072, gluon=True).block_t == 96  # 80 rows: one 96-row block per expert
-    assert pick_config(6144 * 6, 384, 7168, 3072, gluon=True).block_t == 128  # 96 rows: Triton's 128-row blocks
+    assert pick_config(6144 * 6, 384, 7168, 3072, gluon=True).block_t == 64  # 96 rows: Triton's 64-row blocks
     with pytest.raises(ValueError, match="blocks of 80 or 96 rows, not block_t=64"):
         dataclasses.replace(gluon, block_t=64).fit(7168, 3072)  # the kernels have no loop body for it
+
+
+# The batches `planc verify` runs through one rank's experts: (gathered (token, slot) rows, local experts, hidden,
+# intermediate) for DeepSeek-V4 at ep_size 8 (32 of 256 experts, 8 ranks of 1, 24 and 256-8192 tokens gathered,
+# top-6), V4 with every expert local and the mid-size layer.
+VERIFY_BATCHES = [(8 * t * 6, 32, 4096, 2048) for t in (1, 24, 256, 1024, 2048, 4096, 8192)] + [
+    (t * 6, 384, 7168, 3072) for t in (1, 16, 256, 2048, 4096, 6144, 16384)] + [
+    (t * 6, 64, 2048, 1408) for t in (1, 16, 256, 597, 4096, 16384)]
+
+
+@pytest.mark.parametrize("register_prefetch", [True, False], ids=["triton_3.5+", "older_triton"])
+def test_no_batch_picks_a_config_whose_l2_races(register_prefetch):
+    """Blocks of 128 rows through Triton's cp.async pipeline (the verify prefill of DeepSeek-V4: 8 x 4096 tokens
+    gathered, ~770 rows on each of the rank's 32 experts) gave random slots of garbage on an H100: no batch picks
+    such a config, with or without the Gluon kernels."""
+    for rows, num_local, hidden, inter in VERIFY_BATCHES:
+        for gluon in (False, True):
+            cfg = pick_config(rows, num_local, hidden, inter, gluon=gluon)
+            assert cfg.pipeline_race(register_prefetch) is None, (rows, num_local, cfg)
+    v4_prefill = pick_config(8 * 4096 * 6, 32, 4096, 2048, gluon=True)
+    assert (v4_prefill.block_t, v4_prefill.prefetch, v4_prefill.gluon) == (64, 1, 0)
+
+
+def test_a_config_whose_l2_races_is_refused_before_any_launch(experts, monkeypatch):
+    packed, _ = experts
+    q, sf, idx, w = staged(5, 1)
+    racing = KernelConfig(block_t=128, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=8, num_stages=4, prefetch=0)
+    assert racing.pipeline_race(register_prefetch=True) is not None
+    assert dataclasses.replace(racing, prefetch=1).pipeline_race(register_prefetch=False) is not None  # the pipeline
+    assert dataclasses.replace(racing, prefetch=1).pipeline_race(register_prefetch=True) is None
+    assert dataclasses.replace(racing, num_stages=1).pipeline_race(register_prefetch=False) is None
+    assert dataclasses.replace(racing, block_t=64).pipeline_race(register_prefetch=False) is None
+    monkeypatch.setattr(target, "interpreting", lambda: False)  # compiled for a GPU: the check comes first
+    monkeypatch.setattr(target, "REGISTER_PREFETCH", True)
+    with pytest.raises(ValueError, match=r"block_t=128, num_stages=4\) with prefetch=0 .* races on blocks of 128\+ "
+                                         r"rows .*use block_t=64, num_stages=1, or prefetch=1"):
+        triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=None, config=racing)
+
+
+def test_a_gathered_prefill_with_several_blocks_per_expert_matches_the_reference(experts, monkeypatch):
+    """The verify prefill's structure at tiny widths: 4 ranks' tokens gathered, this rank owning experts [6, 8) of 8,
+    other ranks' slots in between, ~90 rows per local expert (two row blocks each), the config `pick_config` picks."""
+    packed, deq = experts
+    mine = PackedExperts(*(t[6:] for t in (packed.w1, packed.s1, packed.w2, packed.s2)))
+    q, sf, idx, w = staged(4 * 64, 9, masked=0.05)
+    monkeypatch.setattr(routing_module, "FUSED_ROUTE_MAX_SLOTS", 0)  # routed by torch ops, as a prefill is on a GPU
+    cfg = pick_config(idx.numel(), 2, packed.hidden, packed.intermediate).fit(packed.hidden, packed.intermediate)
+    assert cfg.block_t == 64 and cfg.pipeline_race(register_prefetch=True) is None
+    local = (idx >= 6) & (idx < 8)
+    assert int(torch.bincount(idx[local] - 6, minlength=2).min()) > cfg.block_t  # several blocks per expert
+    ref = local_experts_forward(q, sf, idx, w, DequantizedExperts(deq.gate_up[6:], deq.down[6:]), first_expert=6,
+                                activation_clamp=0.5)
+    out = triton_local_experts_forward(q, sf, idx, w, mine, first_expert=6, activation_clamp=0.5, config=cfg)
+    assert_matches(out, ref)
+    assert not out[~local].any() and out[local].any()
 
 
 def test_installed_backend_equals_the_reference_backend_and_keeps_fp4_only(world1):

@@ -56,6 +56,25 @@ class KernelConfig:
         that divide, and L2's K tiles of 64 in pairs."""
         return not (inter % self.l1_n or hidden % self.l2_n or inter % 128)
 
+    # From this many rows per block the BF16 L2 races through Triton's cp.async pipeline (`pipeline_race`).
+    PIPELINE_RACE_ROWS: ClassVar[int] = 128
+
+    def pipeline_race(self, register_prefetch: bool) -> str | None:
+        """Why this config's BF16 L2 would compute garbage on a GPU, or None. Streamed through Triton's cp.async
+        pipeline (`prefetch=0`, or a Triton without register prefetch) with blocks of 128 rows and `num_stages` > 1,
+        the L2 kernel races on its shared-memory activation tiles: on an H100 under Triton 3.6 (2026-12-06) a few
+        blocks' slots per call came out wrong, up to 1.9e38, at random (the same inputs gave 0 to 291 wrong slots);
+        L1 through the same pipeline, 64-row blocks and `num_stages=1` were exact in every run. The interpreter runs
+        programs one at a time: no race there."""
+        if self.gluon or self.fp8 or self.block_t < self.PIPELINE_RACE_ROWS or self.num_stages <= 1:
+            return None
+        if self.prefetch and register_prefetch:
+            return None
+        how = "prefetch=0" if not self.prefetch else "this Triton has no register prefetch (before 3.5)"
+        return (f"KernelConfig(block_t={self.block_t}, num_stages={self.num_stages}) with {how} streams the L2 "
+                f"kernel through Triton's cp.async pipeline, which races on blocks of {self.PIPELINE_RACE_ROWS}+ rows "
+                f"(random slots come out as garbage): use block_t=64, num_stages=1, or prefetch=1 on Triton 3.5+")
+
     def launch_registers(self, layer: str = "L1") -> dict:
         """The launch's register cap, where the config sets one and the kernels are compiled (not interpreted)."""
         cap = self.l2_maxnreg if layer == "L2" and self.l2_maxnreg else self.maxnreg
@@ -132,13 +151,13 @@ CONFIGS = (
     # 32-row blocks only while one block holds an average expert: at 40 rows per expert 64-row blocks are ~1.3x
     # faster on V4 and ~1.1x on the mid-size layer.
     (32, KernelConfig(block_t=32, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=5)),
-    # 64-row blocks: ptxas gives L1 175-191 registers, one program of 8 warps per SM; capped at 128 (no spill) two fit
-    # (V4 at 4096 tokens 9-14% faster).
-    (64, KernelConfig(block_t=64, l1_n=128, l1_k=64, l2_n=128, l2_k=64, num_warps=8, num_stages=4, maxnreg=128)),
-    # Above 64 rows per expert 128-row blocks pad no more than 64-row ones and expand each weight half as often
-    # (V4 14-19% faster at 80-96 rows, the mid-size layer 6-16%). Through the pipeline: with register prefetch L2
-    # holds 148 registers instead of 123 (L1 255 either way) and the mid-size layer at 4096 tokens runs ~1.26x slower.
-    (None, KernelConfig(block_t=128, l1_n=128, l1_k=64, l2_n=128, l2_k=64, num_warps=8, num_stages=4, prefetch=0)),
+    # 64-row blocks, every batch above 32 rows per expert: ptxas gives L1 175-191 registers, one program of 8 warps
+    # per SM; capped at 128 (no spill) two fit (V4 at 4096 tokens 9-14% faster). 128-row blocks no longer run: through
+    # Triton's cp.async pipeline their L2 races (`KernelConfig.pipeline_race`), and with register prefetch they ran
+    # slower than these on an H100 (2026-12-06, Triton 3.6; V4 layer, 32 of 256 experts, 8 x 4096 tokens gathered:
+    # 4.40 against 4.13 ms; 4096 tokens on 32 experts: 3.54 against 3.27 ms; the mid-size layer at 4096 tokens: 1.71
+    # against 1.48 ms).
+    (None, KernelConfig(block_t=64, l1_n=128, l1_k=64, l2_n=128, l2_k=64, num_warps=8, num_stages=4, maxnreg=128)),
 )
 
 

@@ -92,6 +92,9 @@ def triton_local_experts_forward(
         return out.view(m, k, hidden)
     cfg = config or device_config(m * k, num_local, hidden, inter, device)
     cfg = cfg.fit(hidden, inter)
+    race = None if target.interpreting() else cfg.pipeline_race(target.REGISTER_PREFETCH)
+    if race is not None:  # refuse before any launch: the kernels would run, and some slots would come back garbage
+        raise ValueError(race)
 
     clamp = bf16_clamp(activation_clamp)
     if cfg.fp8:
