@@ -152,7 +152,7 @@ CONFIGS = (
     # faster on V4 and ~1.1x on the mid-size layer.
     (32, KernelConfig(block_t=32, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=5)),
     # 64-row blocks, every batch above 32 rows per expert: ptxas gives L1 175-191 registers, one program of 8 warps
-    # per SM; capped at 128 (no spill) two fit (V4 at 4096 tokens 9-14% faster). 128-row blocks no longer run: through
+    # per SM; capped at 128 (no spill) two fit (V4 at 4096 tokens 9-14% faster). No batch picks 128-row blocks: through
     # Triton's cp.async pipeline their L2 races (`KernelConfig.pipeline_race`), and with register prefetch they ran
     # slower than these on an H100 (2026-12-06, Triton 3.6; V4 layer, 32 of 256 experts, 8 x 4096 tokens gathered:
     # 4.40 against 4.13 ms; 4096 tokens on 32 experts: 3.54 against 3.27 ms; the mid-size layer at 4096 tokens: 1.71
