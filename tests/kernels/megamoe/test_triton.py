@@ -248,16 +248,16 @@ def test_local_expert_range_and_no_local_expert(experts):
 
 
 def test_decode_batches_pick_the_split_k_kernels():
-    """Up to 48 (token, slot) rows (8 tokens at top-6) the decode kernels run, their splits sized from the SM count."""
+    """Up to 24 (token, slot) rows (4 tokens at top-6) the decode kernels run, their splits sized from the SM count."""
     one = pick_config(6, 384, 7168, 3072)  # 1 token: 6 x 48 L1 tiles and 6 x 112 L2 tiles
     assert (one.decode, one.l1_split, one.l2_split, one.block_t) == (2, 4, 2, 16)  # 1152 and 1344 programs
     assert (pick_config(6, 384, 7168, 3072, num_sms=66).l1_split, pick_config(6, 384, 7168, 3072, num_sms=66)
             .l2_split) == (2, 1)  # half the SMs: half the programs needed
-    assert [(c.l1_split, c.l2_split) for c in (pick_config(t * 6, 384, 7168, 3072) for t in (2, 4, 8))] == [
-        (2, 1), (1, 1), (1, 1)]
+    assert [(c.l1_split, c.l2_split) for c in (pick_config(t * 6, 384, 7168, 3072) for t in (2, 4))] == [
+        (2, 1), (1, 1)]
     mid = pick_config(6, 64, 2048, 1408)  # mid-size: 22 L1 tiles of 64; 22 K tiles of I: no even L2 split
     assert (mid.decode, mid.l1_split, mid.l2_split) == (2, 8, 1)
-    assert not pick_config(49, 384, 7168, 3072).decode and not pick_config(96, 384, 7168, 3072).decode
+    assert not pick_config(25, 384, 7168, 3072).decode and not pick_config(48, 384, 7168, 3072).decode
 
 
 def test_picked_config_fits_the_shapes(monkeypatch):

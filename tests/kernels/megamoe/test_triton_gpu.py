@@ -85,7 +85,7 @@ DECODE_VARIANTS = [
 ]
 
 
-@pytest.mark.parametrize("num_tokens", [1, 8])
+@pytest.mark.parametrize("num_tokens", [1, 4])
 @pytest.mark.parametrize("config", [None, *DECODE_VARIANTS], ids=["picked", "pipeline", "prefetch2", "prefetch4"])
 def test_split_k_decode_matches_the_reference_and_repeats_its_bits(experts, config, num_tokens):
     """Each tile's last program reduces the split partials in split order: two runs give the same bits (a race on
@@ -94,7 +94,7 @@ def test_split_k_decode_matches_the_reference_and_repeats_its_bits(experts, conf
     packed, deq = experts
     q, sf, idx, w = staged(num_tokens, 40 + num_tokens, masked=0.1)
     picked = device_config(idx.numel(), NE, NH, NI, torch.device("cuda"))
-    assert picked.decode  # up to 48 rows
+    assert picked.decode  # up to 24 rows
     if config is not None and config.prefetch and not target.REGISTER_PREFETCH:
         pytest.skip("this Triton streams by the cp.async pipeline only")
     ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=0.05)
@@ -107,7 +107,7 @@ def test_split_k_decode_matches_the_reference_and_repeats_its_bits(experts, conf
 
 
 def test_split_k_decode_on_deepseek_v4_shapes():
-    """The decode kernels at DeepSeek-V4's hidden and intermediate sizes (8 of its experts), 1 and 8 tokens, with
+    """The decode kernels at DeepSeek-V4's hidden and intermediate sizes (8 of its experts), 1 and 4 tokens, with
     the splits `pick_config` gives this GPU, against the reference."""
     e, h, i = 8, 7168, 3072
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -117,7 +117,7 @@ def test_split_k_decode_on_deepseek_v4_shapes():
     del w1, w2
     params = (qw.gate_up_proj, qw.gate_up_proj_scale_inv, qw.down_proj, qw.down_proj_scale_inv)
     packed, deq = PackedExperts.from_params(*params), DequantizedExperts.from_fp4(*params)
-    for t in (1, 8):
+    for t in (1, 4):
         x, idx, w = (a.cuda() for a in routing(t, t, num_experts=e, topk=NK, hidden=h))
         q, sf = quantize_fp8(x)
         sf = float_to_ue8m0_bytes(sf)

@@ -189,13 +189,13 @@ FP8_CONFIGS: tuple[tuple[int, KernelConfig], ...] = ()
 
 
 # The split-K decode kernels (`decode`): (up to this many (token, slot) rows in the batch, config), before the tables
-# above. 48 rows: 8 tokens at top-6, where a V4 batch's L1 tiles (row blocks x I / l1_n) no longer fall short of
-# `_DECODE_PROGRAMS_PER_SM` per SM. The weights stream through Triton's cp.async pipeline, 6 buffers deep (5 K tiles,
-# ~21 KB of gate/up words in flight per L1 program; register prefetch holds one copy in flight and one being used).
-# Measured against the general path by `bench/megamoe_gpu.py` (its `general_us` column) and swept with
-# `--sweep --configs` (`decode`, `l2_split` the last two fields).
+# above. Measured on an H100 (2026-12-06, Triton 3.6, V4 layer, docs/megamoe.md "Split-K decode"): the layer at 1 / 2 /
+# 4 tokens 1.14x / 1.07x / 1.08x faster than the general kernels in the same process (the experts computation alone at
+# 1 token 103.9 against 106.0 µs), at 8 tokens (48 rows) a tie (577.3 against 575.0 µs): up to 24 rows (4 tokens at
+# top-6). Of the swept rows at 1 token, 6 cp.async stages with L1 split in 4 and L2 in 2 (what `_decode_splits`
+# gives) ran fastest; 4 and 8 stages, other splits, register prefetch of 2 K tiles and 8 warps were 2-34% slower.
 DECODE_CONFIGS: tuple[tuple[int, KernelConfig], ...] = (
-    (48, KernelConfig(block_t=16, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=6, prefetch=0,
+    (24, KernelConfig(block_t=16, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=6, prefetch=0,
                       decode=2)),
 )
 # The decode kernels split each GEMM's K (`l1_split`, `l2_split`: powers of two up to 16) until its programs reach

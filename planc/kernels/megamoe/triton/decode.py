@@ -1,4 +1,4 @@
-"""The split-K decode kernels: batches of a few tokens (1-8 at top-6) read every routed expert's weights once, spread
+"""The split-K decode kernels: batches of a few tokens (1-4 at top-6) read every routed expert's weights once, spread
 over many more programs than the batch has output tiles, with several K tiles of weights in flight per program.
 
 Why: a 1-token V4 batch has 6 experts x 48 gate/up tiles for L1 and 6 x 112 hidden tiles for L2 (2.2 and 5.1
