@@ -87,7 +87,9 @@ def test_per_layer_config_gives_the_head_check_each_layers_head_dim():
     model = build_meta_model("gemma4_text", {"num_hidden_layers": 2})
     plan = {"version": 1, "model": {"type": "gemma4_text"}, "parallel": {"tp_size": 4},
             "tp_plan": {**_attention(), "model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
-                        "model.layers.*.mlp.down_proj": "rowwise"}}
+                        "model.layers.*.mlp.down_proj": "rowwise",
+                        # per-head q/k norms under split heads: their gradients are all-reduced (PLC636)
+                        "model.layers.*.self_attn.{q,k}_norm": "replicated_with_grad_allreduce"}}
     compiled = planc.compile(model, plan)  # 4 KV heads of each width: one whole head per rank
     assert compiled.bytes_per_rank < compiled.bytes_total
     plan["parallel"]["tp_size"] = 8
