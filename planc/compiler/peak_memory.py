@@ -33,9 +33,10 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional
 
-from planc.compiler import megamoe_buffers
+from planc.compiler import deepseek_v4_memory, megamoe_buffers
+from planc.compiler.deepseek_v4_memory import HyperConnectionLayer
 from planc.compiler.family_memory import FamilyMemory, family_memory
-from planc.compiler.train_memory import ITEMSIZE, TrainMemory
+from planc.compiler.train_memory import ITEMSIZE, TrainMemory, decoder_layers
 from planc.compiler.units import human_bytes
 from planc.spec.choices import ACTIVATION_CHECKPOINTING_MODES
 from planc.spec.styles import SHARDED, STYLE
@@ -80,6 +81,9 @@ class LayerShape:
     kv_heads: int = 0  # key/value heads on this rank (eager's repeat_kv copies them to `heads`)
     head_dim: int = 0
     linear: Optional[LinearAttention] = None  # a linear-attention layer (Qwen3-Next's gated delta rule)
+    layer_type: str = "full_attention"  # the config's `layer_types` entry (DeepSeek-V4: its compressor kind)
+    compress_rate: int = 0  # DeepSeek-V4: source tokens per compressed KV entry the layer appends to its keys
+    all_slots: bool = False  # AllReduceEP: this rank's experts run over every token's top-k slots, in training too
 
 
 class LinearAttention(NamedTuple):
@@ -232,6 +236,11 @@ def _layer_kinds(walk: ModelWalk) -> dict[str, tuple[bool, bool, bool]]:
                     flags[2] = True
                 break
     top = {f for f in out if not any(f.startswith(g + ".") for g in out if g != f)}
+    # a multimodal model's other numbered blocks (Qwen3-VL's vision blocks and mergers) do not run on text tokens:
+    # only the items of the list holding the experts' layers are decoder layers
+    decoder = decoder_layers(walk, [f for f, m in walk.modules.items() if m.experts is not None])
+    if decoder:
+        top &= decoder
     return {f: (v[0], v[1], v[2]) for f, v in out.items() if f in top}
 
 
@@ -312,7 +321,9 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
             dense_dispatch=experts is not None and experts.dispatch == "dense",
             megamoe=experts is not None and megamoe,
             top_k=(experts.top_k or int(_get(config, "num_experts_per_tok", default=1))) if experts is not None else 0,
-            attn_impl=impl, sinks=layer in sinks, kv_heads=kvh, head_dim=d, linear=linear,
+            attn_impl=impl, sinks=layer in sinks, kv_heads=kvh, head_dim=d, linear=linear, layer_type=kind,
+            compress_rate=int((config.get("compress_rates") or {}).get(kind) or 0),
+            all_slots=experts is not None and experts.strategy is not None and experts.strategy.name == "all_reduce",
         ))
     return shapes
 
@@ -331,7 +342,8 @@ def eager_scores(s: LayerShape, batch: int, seq: int, a: int) -> int:
     kernels that never materialise the scores (sdpa's flash and efficient paths, flex, flash-attention)."""
     if s.attn_impl != "eager" or s.attention == "linear":
         return 0
-    return batch * s.heads * seq * (seq + (1 if s.sinks else 0)) * a
+    compressed = seq // s.compress_rate if s.compress_rate else 0  # DeepSeek-V4's compressed entries join the keys
+    return batch * s.heads * seq * (seq + compressed + (1 if s.sinks else 0)) * a
 
 
 def _repeat_kv(s: LayerShape, tokens: int, a: int) -> int:
@@ -378,8 +390,6 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
         n += t * (a * (2 * s.q + 4 * s.k) + FP32 * s.heads)
     if fam.full_width_qk_norm:
         n += t * (FP32 + a) * (s.q + s.k)
-    if fam.residual_streams > 1:
-        n += t * FP32 * fam.residual_streams * hidden
     if fam.complex_rope_fp32 and s.attention != "linear":
         n += t * FP32 * (s.q + s.k)
     # MLP: its input norm + output
@@ -391,7 +401,7 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
         n += t * (FP32 * e + 8 * k + FP32 * k + FP32)  # router softmax, top-k ids and weights
         if fam.router_input_fp32:
             n += t * FP32 * hidden
-        per_rank = -(-t // tp)
+        per_rank = t if s.all_slots else -(-t // tp)
         if s.dense_dispatch:  # every token to every expert: the repeated input and its weighted copy
             n += 2 * e * t * a * hidden
             rows = max(rows, s.local_experts * per_rank)
@@ -491,6 +501,7 @@ def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], tr
     worst_rows = min(rows * ep, ep * -(-tokens // tp) * top_k) if ep > 1 else rows
     ckpt = compiled.training.activation_checkpointing if compiled.training is not None else "none"
     fam = family_memory(walk.model_type)
+    hc = deepseek_v4_memory.hyper_connections(config)
     notes = []
     unpriced = list(fam.unpriced) + unpriced_features(compiled, walk, config, shapes)
     # serving with EP over the TP group runs all_reduce (every rank, every slot: no routing assumption); else the
@@ -499,14 +510,16 @@ def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], tr
     if workload == "train":
         if train is None:
             raise ValueError("peak_memory: a training workload needs the model states (train_memory)")
-        best = _train_peak(train, shapes, hidden, vocab, a, batch, seq, rows, tp, ckpt, fam, optimizer)
-        worst = _train_peak(train, shapes, hidden, vocab, a, batch, seq, worst_rows, tp, ckpt, fam, optimizer)
+        best = _train_peak(train, shapes, hidden, vocab, a, batch, seq, rows, tp, ckpt, fam, optimizer, hc)
+        worst = _train_peak(train, shapes, hidden, vocab, a, batch, seq, worst_rows, tp, ckpt, fam, optimizer, hc)
     else:
         params = compiled.bytes_per_rank
         buf, work, mm_notes = _megamoe(compiled.experts_settings.megamoe, shapes, hidden, tokens, ep)
         notes.extend(mm_notes)
-        best = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, rows, tp, ep, fam, (buf, work))
-        worst = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, worst_rows, tp, ep, fam, (buf, work))
+        streams = hc.streams if hc is not None else 1
+        best = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, rows, tp, ep, fam, (buf, work), streams)
+        worst = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, worst_rows, tp, ep, fam, (buf, work),
+                            streams)
         notes.append("KV cache as transformers' DynamicCache holds it after prefill (no paged or quantized cache)")
         if top_k and not routed:
             notes.append("EP at inference over the TP group runs all_reduce: each rank runs its experts over every "
@@ -536,24 +549,44 @@ def unpriced_features(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[s
     impl = shapes[0].attn_impl if shapes else "sdpa"
     if impl not in _PRICED_ATTENTION:
         out.append(f"attention implementation `{impl}` (priced as eager: S x S scores in the model dtype)")
-    odd = sorted({t for t in config.get("layer_types") or [] if t not in _PRICED_LAYER_TYPES})
-    if odd and not family_memory(walk.model_type).unpriced:  # a family's own row names them (DeepSeek-V4)
+    types = set(config.get("layer_types") or [])
+    if deepseek_v4_memory.hyper_connections(config) is not None:
+        if deepseek_v4_memory.CSA in types:
+            out.append("DeepSeek-V4's compressed sparse attention layers (CSA compressor, Lightning indexer's fp32 "
+                       "scores): priced from transformers' code in training and as eager S x S scores and a "
+                       "full-attention cache in a prefill, not measured (the grid's layers are HCA)")
+        types -= {deepseek_v4_memory.CSA, deepseek_v4_memory.HCA}
+    odd = sorted(t for t in types if t not in _PRICED_LAYER_TYPES)
+    if odd:
         out.append(f"layer types {', '.join(odd)}: their caches and kernels are priced as full attention")
     return out
 
 
 def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab: int, a: int, batch: int, seq: int,
-                rows: int, tp: int, ckpt: str, fam: FamilyMemory, optimizer: str) -> _Moment:
+                rows: int, tp: int, ckpt: str, fam: FamilyMemory, optimizer: str,
+                hc: Optional[HyperConnectionLayer] = None) -> _Moment:
     recomputes = ACTIVATION_CHECKPOINTING_MODES[ckpt].recomputes_layers
     params, grads, optim = train.parameter_bytes, train.gradients, train.optimizer
     tokens = batch * seq
-    saved_layers = [layer_saved(s, hidden, a, tokens, rows if s.mlp == "moe" else 0, tp, fam, batch) for s in shapes]
+
+    def rows_of(s: LayerShape) -> int:  # AllReduceEP runs every slot on every rank, else the routed rows
+        return 0 if s.mlp != "moe" else tokens * s.top_k if s.all_slots else rows
+
+    if hc is not None:  # DeepSeek-V4's layer (planc.compiler.deepseek_v4_memory)
+        saved_layers = [deepseek_v4_memory.layer_saved(
+            hc, layer_type=s.layer_type, compress_rate=s.compress_rate, hidden=hidden, a=a, tokens=tokens, seq=seq,
+            heads=s.heads, head_dim=s.head_dim, rows=rows_of(s), moe_intermediate=s.moe_intermediate,
+            shared=s.shared, experts=s.num_experts) for s in shapes]
+        head = deepseek_v4_memory.head_saved(hc, hidden, a, tokens)
+    else:
+        saved_layers = [layer_saved(s, hidden, a, tokens, rows_of(s), tp, fam, batch) for s in shapes]
+        head = tokens * (_norm(hidden, a) + a * hidden)  # final norm + lm_head input
     if recomputes:
-        kept = tokens * a * hidden * len(shapes)  # each layer's input; the rest is recomputed in backward
+        # each layer's input (DeepSeek-V4: its hyper-connection streams); the rest is recomputed in backward
+        kept = tokens * a * hidden * (hc.streams if hc is not None else 1) * len(shapes)
         recompute = max(saved_layers, default=0)
     else:
         kept, recompute = sum(saved_layers), 0
-    head = tokens * (_norm(hidden, a) + a * hidden)  # final norm + lm_head input
     loss = 3 * FP32 * tokens * vocab  # log-softmax (kept), its gradient, the logits' gradient: fp32 [tokens, vocab]
     fsdp = train.shards
     gathered = (train.gathered_root + train.gathered_layer) if fsdp else 0
@@ -673,7 +706,8 @@ def _megamoe(settings: Any, shapes: list[LayerShape], hidden: int, tokens: int, 
 
 
 def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, a: int, batch: int, seq: int,
-                rows: int, tp: int, ep: int, fam: FamilyMemory, megamoe: tuple[int, int] = (0, 0)) -> _Moment:
+                rows: int, tp: int, ep: int, fam: FamilyMemory, megamoe: tuple[int, int] = (0, 0),
+                streams: int = 1) -> _Moment:
     tokens = batch * seq
     symmetric, megamoe_work = megamoe
     kv: dict[str, int] = {}
@@ -683,10 +717,10 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
         kv[s.cache_kind] = kv.get(s.cache_kind, 0) + held
     cache = sum(kv.values())
     masks = _masks(shapes, batch, seq, a)
-    if fam.residual_streams > 1:
-        # the hyper-connections' fp32 residual streams, alive through the forward, and their mixing's temporaries,
-        # not read from the code: counted as two more copies (family_memory lists them as not priced)
-        masks += 3 * tokens * FP32 * fam.residual_streams * hidden
+    if streams > 1:
+        # DeepSeek-V4's hyper-connection streams, alive through the forward, and a mixer's fp32 flattening and norm
+        # at once: three fp32-sized [tokens, streams, hidden] (the grid's DeepSeek-V4 serve points, docs/memory.md)
+        masks += 3 * tokens * FP32 * streams * hidden
     transients = []
     for s in shapes:
         if s.mlp == "moe":

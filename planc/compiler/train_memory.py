@@ -154,7 +154,7 @@ def _local_shape(
     return tuple(dims)
 
 
-def _decoder_layers(walk: ModelWalk, experts_fqns: Iterable[str]) -> set[str]:
+def decoder_layers(walk: ModelWalk, experts_fqns: Iterable[str]) -> set[str]:
     """Paths of the decoder layers: every item of each list holding an experts module's layer (as
     `planc.runtime.data_parallel.decoder_layers` wraps them)."""
     lists = set()
@@ -227,7 +227,7 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
     mp = compiled.training.mixed_precision if compiled.training is not None and shards else None
     styles = {a.fqn: a.style for a in compiled.assignments if a.target == "parameter"}
     ep_experts = [e.fqn for e in compiled.experts if e.mode == "ep" and ep > 1]
-    layers = _decoder_layers(walk, [e.fqn for e in compiled.experts])
+    layers = decoder_layers(walk, [e.fqn for e in compiled.experts])
     frozen_experts = [e.fqn for e in compiled.experts if e.strategy is not None and e.strategy.inference_only]
 
     params: dict[str, int] = {}

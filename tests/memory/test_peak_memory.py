@@ -192,17 +192,21 @@ def test_activation_checkpointing_lints(tmp_path):
 
 
 def test_what_is_not_priced_is_said_on_the_verdict_line_and_in_json():
-    """DeepSeek-V4's compressed caches and hyper-connections' temporaries are not priced: the verdict says so and
-    JSON lists them; a family the grid measured (Mixtral) has nothing flagged."""
-    v4 = (str(REPO / "plans" / "deepseek_v4_allreduce.yaml"), "--set", "num_hidden_layers=2", "--serve",
+    """DeepSeek-V4's compressed sparse attention layers are priced from the code, not measured: the verdict says so
+    and JSON lists them; its heavily compressed layers (the grid's) and a family the grid measured (Mixtral) have
+    nothing flagged."""
+    v4 = (str(REPO / "plans" / "deepseek_v4_allreduce.yaml"), "--set", "num_hidden_layers=4", "--serve",
           "--batch", "1", "--seq", "1024", "--device-memory", "141GiB")
     rc, text, err = explain(*v4)
     assert rc == 0, err
     verdict = next(line for line in text.splitlines() if "(CUDA context, NCCL):" in line)
-    assert verdict.endswith("[not priced: 2 item(s) below; the peak errs high]"), verdict
-    assert text.count("  not priced: ") == 2
+    assert verdict.endswith("[not priced: 1 item(s) below; the peak errs high]"), verdict
+    assert text.count("  not priced: ") == 1
     unpriced = memory(*v4)["unpriced"]
-    assert len(unpriced) == 2 and "compressed KV caches" in unpriced[0]
+    assert len(unpriced) == 1 and "compressed sparse attention" in unpriced[0]
+    hca = (str(REPO / "plans" / "deepseek_v4_allreduce.yaml"), "--set", "num_hidden_layers=2", "--train",
+           "--batch", "1", "--seq", "512")
+    assert memory(*hca)["unpriced"] == []
     assert memory(*MIXTRAL, "--serve", "--device-memory", "80GiB")["unpriced"] == []
 
 
