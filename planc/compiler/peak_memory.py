@@ -640,8 +640,8 @@ def foreach_copy(train: TrainMemory, optimizer: str) -> int:
     exp_avg_sq for each (device, dtype) group in turn: the largest group's bytes (exp_avg_sq is like its
     parameters). for-loop: `exp_avg_sq.sqrt() / bias_correction2_sqrt` holds two copies of one parameter's, the
     largest. fused: none."""
-    if optimizer == "foreach":
-        return max((n for _, n in train.parameters), default=0)
+    if optimizer == "foreach":  # over the parameters that get a gradient (not frozen or unreached ones)
+        return min(max((n for _, n in train.parameters), default=0), train.gradients)
     return 2 * train.largest_tensor if optimizer == "for-loop" else 0
 
 
@@ -696,6 +696,10 @@ def _megamoe(settings: Any, shapes: list[LayerShape], hidden: int, tokens: int, 
         buf, work = deep, out
     elif backend == "auto":
         buf, work = max(deep, ref), max(work, out)
+    elif backend == "reference":  # every layer's dequantized experts and the reference's per-slot work
+        layers = sum(1 for s in shapes if s.megamoe)
+        buf = ref + layers * megamoe_buffers.reference_experts_bytes(local, hidden, inter)
+        work = megamoe_buffers.reference_layer_bytes(ep, rows, k, hidden, inter)
     else:
         buf = ref
     notes = [f"Mega MoE ({backend}): the symmetric buffer for {cap} tokens per rank"

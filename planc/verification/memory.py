@@ -102,6 +102,30 @@ def _fill(model, seed: int = 0) -> None:
                 module.e_score_correction_bias.zero_()
 
 
+def _apply_with_weights(model, loaded, mesh, device: str) -> None:
+    """Install the plan on the meta model and give this rank's shards real values. A plan that quantizes its Mega MoE
+    experts to FP4 when applied needs real weights at that step: as `planc.load` does, the model is sharded on meta,
+    its shards are filled (random values) right after sharding, and the rest of the install runs on them."""
+    from planc.runtime import install
+
+    megamoe = loaded.plan.experts.megamoe
+    if not (loaded.plan.experts.implementation_row.megamoe and megamoe is not None and megamoe.quantize == "fp4"):
+        install.apply(model, loaded, mesh=mesh)
+        model.to_empty(device=device)
+        _fill(model)
+        return
+    compiled, problems = install.compile_and_check(model, loaded, mesh)
+    install.agree_across_ranks(compiled, problems)
+    assert compiled is not None  # agree_across_ranks raised otherwise
+    state = install.InstallState(model=model, compiled=compiled, groups=install.build_groups(compiled.parallel, mesh))
+
+    def fill(_state) -> None:
+        model.to_empty(device=device)
+        _fill(model)
+
+    install.install_atomically(state, after_sharding=fill)
+
+
 def plan_data(family: str, mode: str, *, dp: int = 1, root: str = ".") -> dict:
     """The shipped plan at its own tp/ep, with `dp` replicas and the training mode of `mode`."""
     from planc.lint.plan_loader import load_plan
@@ -148,9 +172,7 @@ def measure(family: str, mode: str, batch: int, seq: int, overrides: dict, *, dp
 
         sizes, names = mesh_dims(p["tp_size"], p["ep_size"], p["dp_size"])
         mesh = init_device_mesh(device, sizes, mesh_dim_names=names)
-    install.apply(model, install.load_plan_on_every_rank(data, what="planc verify --memory"), mesh=mesh)
-    model.to_empty(device=device)
-    _fill(model)
+    _apply_with_weights(model, install.load_plan_on_every_rank(data, what="planc verify --memory"), mesh, device)
     ids = torch.randint(0, model.config.get_text_config().vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
     ids = ids.to(device)
     if device != "cpu":
