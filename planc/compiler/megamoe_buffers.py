@@ -59,6 +59,13 @@ def reference_buffer_bytes(tokens: int, top_k: int, hidden: int) -> int:
     return tokens * (hidden + hidden // GRAN + 8 * top_k + 4 * top_k)
 
 
+def fp4_experts_bytes(local_experts: int, hidden: int, intermediate: int) -> int:
+    """One layer's local experts as FP4 (`experts.megamoe.quantize: fp4`, planc.kernels.megamoe.quant): two e2m1
+    values a byte and a UE8M0 scale byte per 32, for gate_up [E_loc, 2I, H] and down [E_loc, H, I]."""
+    weights = local_experts * 3 * hidden * intermediate
+    return weights // 2 + weights // GRAN
+
+
 def reference_experts_bytes(local_experts: int, hidden: int, intermediate: int, itemsize: int = 4) -> int:
     """The reference backend's dequantized copy of one layer's local experts, kept per module after its first call
     (`ReferenceRunner.weights`: gate_up [E_loc, 2I, H] and down [E_loc, H, I] in the compute dtype, fp32 on a CPU and
@@ -91,5 +98,6 @@ def triton_layer_bytes(ranks: int, rows: int, local_experts: int, top_k: int, hi
     return gathered + 2 * m * hidden + 2 * slots * hidden + 2 * act * intermediate + 4 * slots + 2 * rows * hidden
 
 
-__all__ = ["capacity", "deepgemm_symmetric_bytes", "reference_buffer_bytes", "reference_experts_bytes",
+__all__ = ["capacity", "deepgemm_symmetric_bytes", "fp4_experts_bytes", "reference_buffer_bytes",
+           "reference_experts_bytes",
            "reference_layer_bytes", "triton_layer_bytes"]

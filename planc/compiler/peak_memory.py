@@ -513,7 +513,7 @@ def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], tr
         best = _train_peak(train, shapes, hidden, vocab, a, batch, seq, rows, tp, ckpt, fam, optimizer, hc)
         worst = _train_peak(train, shapes, hidden, vocab, a, batch, seq, worst_rows, tp, ckpt, fam, optimizer, hc)
     else:
-        params = compiled.bytes_per_rank
+        params = compiled.bytes_per_rank - _fp4_saving(compiled, shapes, hidden, a)
         buf, work, mm_notes = _megamoe(compiled.experts_settings.megamoe, shapes, hidden, tokens, ep)
         notes.extend(mm_notes)
         streams = hc.streams if hc is not None else 1
@@ -677,6 +677,17 @@ def _masks(shapes: list[LayerShape], batch: int, seq: int, a: int) -> int:
     return out
 
 
+def _fp4_saving(compiled: CompiledPlan, shapes: list[LayerShape], hidden: int, a: int) -> int:
+    """Bytes the Mega MoE experts shed when the plan quantizes them to FP4 at apply (`megamoe.quantize: fp4`): the
+    compiled plan counts them in the model dtype."""
+    settings = compiled.experts_settings.megamoe
+    if settings is None or settings.quantize != "fp4":
+        return 0
+    return sum(s.local_experts * 3 * hidden * s.moe_intermediate * a
+               - megamoe_buffers.fp4_experts_bytes(s.local_experts, hidden, s.moe_intermediate)
+               for s in shapes if s.megamoe)
+
+
 def _megamoe(settings: Any, shapes: list[LayerShape], hidden: int, tokens: int, ep: int) -> tuple[int, int, list[str]]:
     """(the symmetric buffer every Mega MoE layer shares, one layer's work, notes) at `tokens` per rank; `auto`
     picks its backend by device, so both are priced and the larger counts."""
@@ -685,8 +696,11 @@ def _megamoe(settings: Any, shapes: list[LayerShape], hidden: int, tokens: int, 
         return 0, 0, []
     backend = settings.backend if settings is not None else "auto"
     limit = settings.max_tokens_per_rank if settings is not None else None
-    cap = megamoe_buffers.capacity(tokens, limit)
-    rows = tokens if ep == 1 else min(megamoe_buffers.capacity(tokens, None), cap)
+    # MegaMoeEP hands each rank of the EP group (which shares the batch) its equal slice, ceil(T / ep) tokens
+    # (planc.runtime.ep.megamoe); the slices' outputs are all-gathered back to T rows
+    per_rank = -(-tokens // max(ep, 1))
+    cap = megamoe_buffers.capacity(per_rank, limit)
+    rows = per_rank if ep == 1 else min(megamoe_buffers.capacity(per_rank, None), cap)
     k, inter, local = moe.top_k, moe.moe_intermediate, moe.local_experts
     deep = megamoe_buffers.deepgemm_symmetric_bytes(ep, moe.num_experts, cap, k, hidden, inter)
     ref = megamoe_buffers.reference_buffer_bytes(cap, k, hidden)
@@ -703,7 +717,7 @@ def _megamoe(settings: Any, shapes: list[LayerShape], hidden: int, tokens: int, 
     else:
         buf = ref
     notes = [f"Mega MoE ({backend}): the symmetric buffer for {cap} tokens per rank"
-             + (" (`max_tokens_per_rank` of the plan)" if limit is not None and tokens <= limit else
+             + (" (`max_tokens_per_rank` of the plan)" if limit is not None and per_rank <= limit else
                 " (the next power of two: the batch exceeds the plan's `max_tokens_per_rank`)" if limit else "")
              + (", the larger of deep_gemm's and triton's (`auto` picks by device)" if backend == "auto" else "")]
     return buf, work, notes

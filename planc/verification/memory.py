@@ -59,21 +59,29 @@ def symmetric_counts():
 def no_backward_hooks_without_grad():
     """MemTracker's module tracker registers a backward hook on every module input that requires grad, even under
     `no_grad`, where an input can require grad without a gradient function (Qwen3-Next's conv weight view in its
-    hub-kernel layer) and the registration fails: a prefill has no backward, so it registers none."""
+    hub-kernel layer) and the registration fails: a prefill has no backward, so it registers none. The same for the
+    gradient hooks MemTracker puts on every parameter (Mega MoE's FP4 experts do not require grad)."""
     from torch.distributed._tools import mod_tracker
+    from torch.distributed._tools.mem_tracker import MemTracker
 
     real = mod_tracker.register_multi_grad_hook
+    real_track = MemTracker._track_module_params_and_buffers
 
     def register(tensors, fn, *args, **kwargs):
         if not torch.is_grad_enabled():
             return None
         return real(tensors, fn, *args, **kwargs)
 
+    def track(self, module, install_grad_hooks: bool = True):
+        return real_track(self, module, install_grad_hooks=install_grad_hooks and torch.is_grad_enabled())
+
     mod_tracker.register_multi_grad_hook = register
+    MemTracker._track_module_params_and_buffers = track  # type: ignore[method-assign]
     try:
         yield
     finally:
         mod_tracker.register_multi_grad_hook = real
+        MemTracker._track_module_params_and_buffers = real_track  # type: ignore[method-assign]
 
 
 def _fill(model, seed: int = 0) -> None:

@@ -221,5 +221,12 @@ def test_megamoe_buffer_is_priced_at_the_capacity_the_runtime_allocates():
             "--batch", "1", "--seq", "4096")
     m = memory(*plan)
     buffer = m["breakdown"]["Mega MoE symmetric buffer"]
-    # backend auto: the larger of deep_gemm's and triton's buffers for 4096 tokens per rank
-    assert buffer == max(deepgemm_symmetric_bytes(8, 256, 4096, 6, 4096, 2048), reference_buffer_bytes(4096, 6, 4096))
+    # backend auto: the larger of deep_gemm's and triton's buffers for this rank's slice, 4096 / 8 tokens
+    # (MegaMoeEP hands each rank of the EP group that shares the batch an equal slice)
+    assert buffer == max(deepgemm_symmetric_bytes(8, 256, 512, 6, 4096, 2048), reference_buffer_bytes(512, 6, 4096))
+    # the experts are held as FP4 (`quantize: fp4`), not in the model dtype the compiled plan counts
+    held = memory(*plan[:3], "--serve", "--batch", "1", "--seq", "128")["breakdown"]["parameters"]
+    fp4 = (str(REPO / "plans" / "deepseek_v4_allreduce.yaml"), "--set", "num_hidden_layers=2", "--serve")
+    bf16_experts = 2 * 32 * 3 * 4096 * 2048 * 2  # two layers, 32 local experts, gate_up and down
+    assert memory(*fp4, "--batch", "1", "--seq", "128")["breakdown"]["parameters"] - held == \
+        bf16_experts - bf16_experts // 2 // 2 - bf16_experts // 2 // 32
