@@ -657,11 +657,15 @@ def _fsdp_backward(train: TrainMemory) -> tuple[int, int]:
     name, layer, largest = max(train.units, key=lambda u: u[2])
     rest = sum(n for u, lay, n in train.units if lay == layer and u != name)
     # an EP experts unit whose experts do not split evenly over efsdp (Mixtral: 1 expert per EP rank over 2): FSDP2
-    # pads dim 0, all-gathers into a padded buffer and copies each parameter out of it, so the prefetch holds the
-    # unit three times (the buffer, its padded output, the copied-out parameters: the Mixtral fsdp points of
-    # docs/memory.md, FSDPMemTracker's ALL_GATHER and UNSHARDED_PARAM at the peak)
-    uneven = name != layer and train.experts_sharded and train.local_experts % max(train.efsdp_size, 1) != 0
-    return (3 if uneven else 1) * largest, train.gathered_root + 3 * largest + rest
+    # pads dim 0, all-gathers into a buffer of the padded rows and copies each parameter out of it, so the prefetch
+    # holds the padded buffer and the unit (Mixtral: 2 + 1 units, FSDPMemTracker's ALL_GATHER and UNSHARDED_PARAM at
+    # its fsdp peak; Qwen3-VL-MoE, 15 experts over 2: 16/15 + 1)
+    efsdp, local = max(train.efsdp_size, 1), train.local_experts
+    if name != layer and train.experts_sharded and local % efsdp != 0:
+        prefetch = largest * (-(-local // efsdp) * efsdp) // local + largest
+    else:
+        prefetch = largest
+    return prefetch, train.gathered_root + 3 * largest + rest
 
 
 def _masks(shapes: list[LayerShape], batch: int, seq: int, a: int) -> int:
