@@ -516,6 +516,10 @@ def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], tr
         params = compiled.bytes_per_rank - _fp4_saving(compiled, shapes, hidden, a)
         buf, work, mm_notes = _megamoe(compiled.experts_settings.megamoe, shapes, hidden, tokens, ep)
         notes.extend(mm_notes)
+        settings = compiled.experts_settings.megamoe
+        if buf and (settings.backend if settings is not None else "auto") != "reference":
+            unpriced.append("Mega MoE's deep_gemm and Triton buffers: priced from DeepGEMM's sizing rule and planc's "
+                            "Triton buffer and layer work, not measured (the grid measures the reference backend)")
         streams = hc.streams if hc is not None else 1
         best = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, rows, tp, ep, fam, (buf, work), streams)
         worst = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, worst_rows, tp, ep, fam, (buf, work),
