@@ -507,6 +507,10 @@ def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], tr
     # serving with EP over the TP group runs all_reduce (every rank, every slot: no routing assumption); else the
     # all_to_all moves the routed rows and the balanced-load assumption applies
     routed = workload == "train" or ep > tp
+    if workload == "train" and any(s.all_slots for s in shapes):  # AllReduceEP: no routing assumption
+        routed = False
+        notes.append("EP all_reduce: each rank runs its experts over every token's top-k slots, in training too, "
+                     "whatever the routing")
     if workload == "train":
         if train is None:
             raise ValueError("peak_memory: a training workload needs the model states (train_memory)")
