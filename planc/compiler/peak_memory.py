@@ -664,13 +664,13 @@ def _fsdp_backward(train: TrainMemory) -> tuple[int, int]:
         return train.gathered_layer, train.gathered_root + 3 * train.gathered_layer
     name, layer, largest = max(train.units, key=lambda u: u[2])
     rest = sum(n for u, lay, n in train.units if lay == layer and u != name)
-    # an EP experts unit whose experts do not split evenly over efsdp (Mixtral: 1 expert per EP rank over 2): FSDP2
-    # pads dim 0, all-gathers into a buffer of the padded rows and copies each parameter out of it, so the prefetch
-    # holds the padded buffer and the unit (Mixtral: 2 + 1 units, FSDPMemTracker's ALL_GATHER and UNSHARDED_PARAM at
-    # its fsdp peak; Qwen3-VL-MoE, 15 experts over 2: 16/15 + 1)
+    # an EP experts unit whose experts do not split evenly over efsdp: FSDP2 pads dim 0 and all-gathers into a buffer
+    # of the padded rows, which the prefetch holds (Qwen3-VL-MoE, 15 experts over 2: 16/15 units, FSDPMemTracker's
+    # ALL_GATHER at its fsdp peak). Where a rank holds less than one expert (Mixtral: 1 expert per EP rank over 2)
+    # the unit copied out of it is live at the peak too (Mixtral: ALL_GATHER 2 units and one more UNSHARDED_PARAM)
     efsdp, local = max(train.efsdp_size, 1), train.local_experts
     if name != layer and train.experts_sharded and local % efsdp != 0:
-        prefetch = largest * (-(-local // efsdp) * efsdp) // local + largest
+        prefetch = largest * (-(-local // efsdp) * efsdp) // local + (largest if local < efsdp else 0)
     else:
         prefetch = largest
     return prefetch, train.gathered_root + 3 * largest + rest
