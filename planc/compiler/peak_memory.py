@@ -607,7 +607,9 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
         backward = 2 * train.largest_tensor
     moments = {
         "loss backward (fp32 logits and loss)": params + optim + kept + head + loss + gathered,
-        "end of backward": params + grads + optim + max(backward, recompute),
+        # a layer recomputed in backward (activation checkpointing): every gradient but the input embedding's, which
+        # backward reaches after the first layer
+        "end of backward": params + grads + optim + max(backward, recompute - train.embedding_gradient),
         "optimizer step": params + grads + optim + foreach_copy(train, optimizer),
     }
     if fsdp:

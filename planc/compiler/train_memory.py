@@ -71,6 +71,8 @@ class TrainMemory:
     units: tuple[tuple[str, str, int], ...] = ()
     frozen: int = 0  # parameter bytes of inference-only experts: held, without gradients or AdamW state
     text_unreached: int = 0  # parameter bytes a text batch does not run (a vision tower): no gradient or AdamW state
+    # the input embedding's gradient (untied): backward reaches it last, after every layer (recomputed ones too)
+    embedding_gradient: int = 0
     largest_tensor: int = 0  # the most bytes one parameter holds on this rank (its gradient's transient copy)
 
     @property
@@ -261,6 +263,10 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
     unit_of = _units(walk, layers, ep_experts)
     unit_bytes: dict[str, int] = {}
     seen: set[int] = set()
+    uses: dict[int, int] = {}
+    for info in walk.params.values():
+        uses[info.tensor_id] = uses.get(info.tensor_id, 0) + 1
+    embedding_gradient = 0
     for info in walk.params.values():
         if info.tensor_id in seen:
             continue
@@ -285,6 +291,8 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
         else:
             largest = max(largest, held)  # a gradient's transient copy: inference-only experts have none
             grads += held
+            if walk.modules[info.owner].class_name == "Embedding" and uses[info.tensor_id] == 1:
+                embedding_gradient += held
             optim += 2 * held + STEP_BYTES
             tensors += 1
         if shards:
@@ -313,6 +321,7 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
         gathered_layer=max(gathered.values(), default=0),
         frozen=frozen,
         text_unreached=untouched,
+        embedding_gradient=embedding_gradient,
         largest_tensor=largest,
         units=tuple((u, _layer_of(u + ".x", layers) if u not in layers else u, n) for u, n in unit_bytes.items()
                     if u),
