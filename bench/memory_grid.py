@@ -47,8 +47,12 @@ FAMILIES = {
                     "moe_intermediate_size": 1408},  # 1407 (the default) breaks grouped_mm's 16-byte strides
     "qwen3_vl_moe": {"text_config.num_hidden_layers": 2, "vision_config.depth": 1},
     "deepseek_v4_allreduce": {"num_hidden_layers": 2},
-    "deepseek_v4_megamoe": {"num_hidden_layers": 2},
+    # 64 routed experts (8 per EP rank): the reference backend keeps each layer's experts dequantized (fp32 on CPU)
+    "deepseek_v4_megamoe": {"num_hidden_layers": 2, "n_routed_experts": 64},
 }
+# Plan edits a family's points run with: Mega MoE's `auto` picks the reference backend on a CPU; the plan names it so
+# that the prediction prices the backend that runs
+PLAN_EDITS = {"deepseek_v4_megamoe": {"backend": "reference"}}
 # Training holds parameters, gradients and AdamW state: fewer routed experts where the full count would not fit
 # the shared machine (2-4 per EP rank); the prediction runs on the same config.
 TRAIN_OVERRIDES = {"deepseek_v3": {"n_routed_experts": 16}, "gpt_oss": {"num_local_experts": 32},
@@ -80,7 +84,10 @@ def grid(only=None, modes=MODES, points=None):
 def plan_of(point: dict) -> dict:
     from planc.verification.memory import plan_data
 
-    return plan_data(point["family"], point["mode"], dp=point["dp"], root=str(REPO))
+    data = plan_data(point["family"], point["mode"], dp=point["dp"], root=str(REPO))
+    if point["family"] in PLAN_EDITS:
+        data["experts"]["megamoe"] = {**data["experts"].get("megamoe", {}), **PLAN_EDITS[point["family"]]}
+    return data
 
 
 def cache_key(point: dict) -> str:
@@ -153,8 +160,10 @@ def measure(point: dict) -> dict:
     from tests.checkout_env import checkout_env
 
     env = checkout_env()
-    run = subprocess.run([sys.executable, "-m", "planc.verification.memory", json.dumps({**point, "root": str(REPO)})],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    edited = {"plan": plan_of(point)} if point["family"] in PLAN_EDITS else {}
+    run = subprocess.run([sys.executable, "-m", "planc.verification.memory",
+                          json.dumps({**point, **edited, "root": str(REPO)})],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
     if run.returncode:
         raise RuntimeError(run.stderr[-3000:])
     return json.loads(run.stdout.strip().splitlines()[-1])

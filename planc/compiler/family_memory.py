@@ -29,8 +29,6 @@ class FamilyMemory:
     full_width_qk_norm: bool = False
     # rotary in complex fp32 (`view_as_complex(x.float())`): fp32 copies of q and k
     complex_rope_fp32: bool = False
-    # hyper-connections: the residual is [tokens, streams, hidden], mixed in fp32 (DeepSeek-V4: 4 streams)
-    residual_streams: int = 1
     unpriced: tuple[str, ...] = ()
     measured: bool = True  # in the grid of docs/memory.md
 
@@ -54,15 +52,9 @@ FAMILIES: dict[str, FamilyMemory] = {
     # sigmoid(...).to(dtype); complex fp32 rotary (its dense expert dispatch is the compiled plan's: `dispatch`)
     "llama4_text": FamilyMemory(complex_rope_fp32=True),
     "llama4": FamilyMemory(complex_rope_fp32=True),
-    "deepseek_v4": FamilyMemory(
-        routing_weights_fp32=True, router_input_fp32=True, residual_streams=4,
-        unpriced=(
-            "DeepSeek-V4's compressed KV caches (CSA/HCA entries, indexer keys) and the CSA indexer's fp32 scores "
-            "(priced as a full-attention cache and eager S x S scores)",
-            "DeepSeek-V4's hyper-connections' mixing temporaries (counted as two more copies of the [tokens, 4, "
-            "hidden] fp32 residual in a prefill; the residual itself is priced)",
-        ),
-    ),
+    # F.linear(flat, weight) in the model dtype, weights gathered from the scores in it; its layer (hyper-connection
+    # streams, fp32-weighted norms, compressors) is planc.compiler.deepseek_v4_memory's
+    "deepseek_v4": FamilyMemory(),
 }
 
 UNMEASURED = FamilyMemory(

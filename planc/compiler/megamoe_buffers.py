@@ -9,6 +9,8 @@ Two backends allocate differently (`experts.megamoe.backend`, planc.spec.choices
 - `triton` and `reference`: planc's `ReferenceBuffer` (planc.kernels.megamoe.reference): FP8 x, its UE8M0
   scales, top-k ids (int64) and weights (fp32) per token, plus one layer's dispatch (every rank's staged rows
   all-gathered), the BF16 slot outputs and the SwiGLU activations (planc.kernels.megamoe.triton.forward).
+- `reference` also keeps every layer's local experts dequantized (fp32 on a CPU, bf16 on a GPU: priced fp32) and
+  runs each step over every gathered slot in the compute dtype (`reference_layer_bytes`).
 
 Both buffers are built for `capacity_for(tokens, experts.megamoe.max_tokens_per_rank)` tokens
 (planc.kernels.megamoe.buffers): the plan's size when the batch fits in it, else the next power of two.
@@ -20,6 +22,7 @@ from __future__ import annotations
 from typing import Optional
 
 GRAN = 32  # hidden elements per UE8M0 scale byte
+FP32 = 4
 _BLOCK_T = 64  # Triton backend rows per block: a local expert's last block is padded to it
 
 
@@ -56,6 +59,34 @@ def reference_buffer_bytes(tokens: int, top_k: int, hidden: int) -> int:
     return tokens * (hidden + hidden // GRAN + 8 * top_k + 4 * top_k)
 
 
+def fp4_experts_bytes(local_experts: int, hidden: int, intermediate: int) -> int:
+    """One layer's local experts as FP4 (`experts.megamoe.quantize: fp4`, planc.kernels.megamoe.quant): two e2m1
+    values a byte and a UE8M0 scale byte per 32, for gate_up [E_loc, 2I, H] and down [E_loc, H, I]."""
+    weights = local_experts * 3 * hidden * intermediate
+    return weights // 2 + weights // GRAN
+
+
+def reference_experts_bytes(local_experts: int, hidden: int, intermediate: int, itemsize: int = 4) -> int:
+    """The reference backend's dequantized copy of one layer's local experts, kept per module after its first call
+    (`ReferenceRunner.weights`: gate_up [E_loc, 2I, H] and down [E_loc, H, I] in the compute dtype, fp32 on a CPU and
+    bf16 on a GPU)."""
+    return local_experts * 3 * hidden * intermediate * itemsize
+
+
+def reference_layer_bytes(ranks: int, rows: int, top_k: int, hidden: int, intermediate: int, itemsize: int = 4) -> int:
+    """One layer's work on the reference backend (`local_experts_forward` over every gathered slot, then the
+    combine) with `rows` staged tokens per rank: the all-gathered dispatch; per slot the gathered FP8 row, its
+    dequantized copy, the BF16 L1 output, the fp32 gate, SiLU and activation, the FP8 requantized activation and its
+    dequantized copy, the L2 output in the compute dtype and in BF16 twice (masked, then placed back in order); the
+    combine's received slots and their fp32 sum."""
+    m = ranks * rows
+    slots = m * top_k
+    gathered = m * (hidden + hidden // GRAN + 12 * top_k)
+    per_slot = hidden * (1 + 2 * itemsize + 3 * 2) + intermediate * (2 * 2 + 3 * FP32 + 1 + itemsize) + 8 * 4
+    combine = slots * hidden * 2 + rows * top_k * hidden * FP32
+    return gathered + slots * per_slot + combine
+
+
 def triton_layer_bytes(ranks: int, rows: int, local_experts: int, top_k: int, hidden: int, intermediate: int) -> int:
     """One Mega MoE layer's work on the triton backend with `rows` staged tokens per rank: the all-gathered
     dispatch, the dequantized BF16 tokens, the BF16 slot outputs (zeros for other ranks' experts), the SwiGLU
@@ -67,4 +98,6 @@ def triton_layer_bytes(ranks: int, rows: int, local_experts: int, top_k: int, hi
     return gathered + 2 * m * hidden + 2 * slots * hidden + 2 * act * intermediate + 4 * slots + 2 * rows * hidden
 
 
-__all__ = ["capacity", "deepgemm_symmetric_bytes", "reference_buffer_bytes", "triton_layer_bytes"]
+__all__ = ["capacity", "deepgemm_symmetric_bytes", "fp4_experts_bytes", "reference_buffer_bytes",
+           "reference_experts_bytes",
+           "reference_layer_bytes", "triton_layer_bytes"]

@@ -34,11 +34,12 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional
 
-from planc.compiler import megamoe_buffers
+from planc.compiler import deepseek_v4_memory, megamoe_buffers
+from planc.compiler.deepseek_v4_memory import HyperConnectionLayer
 from planc.compiler.devices import cuda_workspaces
 from planc.compiler.family_memory import FamilyMemory, family_memory
 from planc.compiler.optimizer_step import STEPS
-from planc.compiler.train_memory import ITEMSIZE, TrainMemory
+from planc.compiler.train_memory import ITEMSIZE, TrainMemory, decoder_layers
 from planc.compiler.units import human_bytes
 from planc.spec.choices import ACTIVATION_CHECKPOINTING_MODES
 from planc.spec.styles import SHARDED, STYLE
@@ -83,6 +84,9 @@ class LayerShape:
     kv_heads: int = 0  # key/value heads on this rank (eager's repeat_kv copies them to `heads`)
     head_dim: int = 0
     linear: Optional[LinearAttention] = None  # a linear-attention layer (Qwen3-Next's gated delta rule)
+    layer_type: str = "full_attention"  # the config's `layer_types` entry (DeepSeek-V4: its compressor kind)
+    compress_rate: int = 0  # DeepSeek-V4: source tokens per compressed KV entry the layer appends to its keys
+    all_slots: bool = False  # AllReduceEP: this rank's experts run over every token's top-k slots, in training too
 
 
 class LinearAttention(NamedTuple):
@@ -235,6 +239,11 @@ def _layer_kinds(walk: ModelWalk) -> dict[str, tuple[bool, bool, bool]]:
                     flags[2] = True
                 break
     top = {f for f in out if not any(f.startswith(g + ".") for g in out if g != f)}
+    # a multimodal model's other numbered blocks (Qwen3-VL's vision blocks and mergers) do not run on text tokens:
+    # only the items of the list holding the experts' layers are decoder layers
+    decoder = decoder_layers(walk, [f for f, m in walk.modules.items() if m.experts is not None])
+    if decoder:
+        top &= decoder
     return {f: (v[0], v[1], v[2]) for f, v in out.items() if f in top}
 
 
@@ -315,7 +324,9 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
             dense_dispatch=experts is not None and experts.dispatch == "dense",
             megamoe=experts is not None and megamoe,
             top_k=(experts.top_k or int(_get(config, "num_experts_per_tok", default=1))) if experts is not None else 0,
-            attn_impl=impl, sinks=layer in sinks, kv_heads=kvh, head_dim=d, linear=linear,
+            attn_impl=impl, sinks=layer in sinks, kv_heads=kvh, head_dim=d, linear=linear, layer_type=kind,
+            compress_rate=int((config.get("compress_rates") or {}).get(kind) or 0),
+            all_slots=experts is not None and experts.strategy is not None and experts.strategy.name == "all_reduce",
         ))
     return shapes
 
@@ -334,7 +345,8 @@ def eager_scores(s: LayerShape, batch: int, seq: int, a: int) -> int:
     kernels that never materialise the scores (sdpa's flash and efficient paths, flex, flash-attention)."""
     if s.attn_impl != "eager" or s.attention == "linear":
         return 0
-    return batch * s.heads * seq * (seq + (1 if s.sinks else 0)) * a
+    compressed = seq // s.compress_rate if s.compress_rate else 0  # DeepSeek-V4's compressed entries join the keys
+    return batch * s.heads * seq * (seq + compressed + (1 if s.sinks else 0)) * a
 
 
 def _repeat_kv(s: LayerShape, tokens: int, a: int) -> int:
@@ -381,8 +393,6 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
         n += t * (a * (2 * s.q + 4 * s.k) + FP32 * s.heads)
     if fam.full_width_qk_norm:
         n += t * (FP32 + a) * (s.q + s.k)
-    if fam.residual_streams > 1:
-        n += t * FP32 * fam.residual_streams * hidden
     if fam.complex_rope_fp32 and s.attention != "linear":
         n += t * FP32 * (s.q + s.k)
     # MLP: its input norm + output
@@ -394,7 +404,7 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
         n += t * (FP32 * e + 8 * k + FP32 * k + FP32)  # router softmax, top-k ids and weights
         if fam.router_input_fp32:
             n += t * FP32 * hidden
-        per_rank = -(-t // tp)
+        per_rank = t if s.all_slots else -(-t // tp)
         if s.dense_dispatch:  # every token to every expert: the repeated input and its weighted copy
             n += 2 * e * t * a * hidden
             rows = max(rows, s.local_experts * per_rank)
@@ -508,22 +518,33 @@ def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], tr
     worst_rows = min(rows * ep, ep * -(-tokens // tp) * top_k) if ep > 1 else rows
     ckpt = compiled.training.activation_checkpointing if compiled.training is not None else "none"
     fam = family_memory(walk.model_type)
+    hc = deepseek_v4_memory.hyper_connections(config)
     notes = []
     unpriced = list(fam.unpriced) + unpriced_features(compiled, walk, config, shapes)
     # serving with EP over the TP group runs all_reduce (every rank, every slot: no routing assumption); else the
     # all_to_all moves the routed rows and the balanced-load assumption applies
     routed = workload == "train" or ep > tp
+    if workload == "train" and any(s.all_slots for s in shapes):  # AllReduceEP: no routing assumption
+        routed = False
+        notes.append("EP all_reduce: each rank runs its experts over every token's top-k slots, in training too, "
+                     "whatever the routing")
     if workload == "train":
         if train is None:
             raise ValueError("peak_memory: a training workload needs the model states (train_memory)")
-        best = _train_peak(train, shapes, hidden, vocab, a, batch, seq, rows, tp, ckpt, fam, optimizer)
-        worst = _train_peak(train, shapes, hidden, vocab, a, batch, seq, worst_rows, tp, ckpt, fam, optimizer)
+        best = _train_peak(train, shapes, hidden, vocab, a, batch, seq, rows, tp, ckpt, fam, optimizer, hc)
+        worst = _train_peak(train, shapes, hidden, vocab, a, batch, seq, worst_rows, tp, ckpt, fam, optimizer, hc)
     else:
-        params = compiled.bytes_per_rank
+        params = compiled.bytes_per_rank - _fp4_saving(compiled, shapes, hidden, a)
         buf, work, mm_notes = _megamoe(compiled.experts_settings.megamoe, shapes, hidden, tokens, ep)
         notes.extend(mm_notes)
-        best = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, rows, tp, ep, fam, (buf, work))
-        worst = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, worst_rows, tp, ep, fam, (buf, work))
+        settings = compiled.experts_settings.megamoe
+        if buf and (settings.backend if settings is not None else "auto") != "reference":
+            unpriced.append("Mega MoE's deep_gemm and Triton buffers: priced from DeepGEMM's sizing rule and planc's "
+                            "Triton buffer and layer work, not measured (the grid measures the reference backend)")
+        streams = hc.streams if hc is not None else 1
+        best = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, rows, tp, ep, fam, (buf, work), streams)
+        worst = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, worst_rows, tp, ep, fam, (buf, work),
+                            streams)
         notes.append("KV cache as transformers' DynamicCache holds it after prefill (no paged or quantized cache)")
         if top_k and not routed:
             notes.append("EP at inference over the TP group runs all_reduce: each rank runs its experts over every "
@@ -568,24 +589,44 @@ def unpriced_features(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[s
     impl = shapes[0].attn_impl if shapes else "sdpa"
     if impl not in _PRICED_ATTENTION:
         out.append(f"attention implementation `{impl}` (priced as eager: S x S scores in the model dtype)")
-    odd = sorted({t for t in config.get("layer_types") or [] if t not in _PRICED_LAYER_TYPES})
-    if odd and not family_memory(walk.model_type).unpriced:  # a family's own row names them (DeepSeek-V4)
+    types = set(config.get("layer_types") or [])
+    if deepseek_v4_memory.hyper_connections(config) is not None:
+        if deepseek_v4_memory.CSA in types:
+            out.append("DeepSeek-V4's compressed sparse attention layers (CSA compressor, Lightning indexer's fp32 "
+                       "scores): priced from transformers' code in training and as eager S x S scores and a "
+                       "full-attention cache in a prefill, not measured (the grid's layers are HCA)")
+        types -= {deepseek_v4_memory.CSA, deepseek_v4_memory.HCA}
+    odd = sorted(t for t in types if t not in _PRICED_LAYER_TYPES)
+    if odd:
         out.append(f"layer types {', '.join(odd)}: their caches and kernels are priced as full attention")
     return out
 
 
 def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab: int, a: int, batch: int, seq: int,
-                rows: int, tp: int, ckpt: str, fam: FamilyMemory, optimizer: str) -> _Moment:
+                rows: int, tp: int, ckpt: str, fam: FamilyMemory, optimizer: str,
+                hc: Optional[HyperConnectionLayer] = None) -> _Moment:
     recomputes = ACTIVATION_CHECKPOINTING_MODES[ckpt].recomputes_layers
     params, grads, optim = train.parameter_bytes, train.gradients, train.optimizer
     tokens = batch * seq
-    saved_layers = [layer_saved(s, hidden, a, tokens, rows if s.mlp == "moe" else 0, tp, fam, batch) for s in shapes]
+
+    def rows_of(s: LayerShape) -> int:  # AllReduceEP runs every slot on every rank, else the routed rows
+        return 0 if s.mlp != "moe" else tokens * s.top_k if s.all_slots else rows
+
+    if hc is not None:  # DeepSeek-V4's layer (planc.compiler.deepseek_v4_memory)
+        saved_layers = [deepseek_v4_memory.layer_saved(
+            hc, layer_type=s.layer_type, compress_rate=s.compress_rate, hidden=hidden, a=a, tokens=tokens, seq=seq,
+            heads=s.heads, head_dim=s.head_dim, rows=rows_of(s), moe_intermediate=s.moe_intermediate,
+            shared=s.shared, experts=s.num_experts) for s in shapes]
+        head = deepseek_v4_memory.head_saved(hc, hidden, a, tokens)
+    else:
+        saved_layers = [layer_saved(s, hidden, a, tokens, rows_of(s), tp, fam, batch) for s in shapes]
+        head = tokens * (_norm(hidden, a) + a * hidden)  # final norm + lm_head input
     if recomputes:
-        kept = tokens * a * hidden * len(shapes)  # each layer's input; the rest is recomputed in backward
+        # each layer's input (DeepSeek-V4: its hyper-connection streams); the rest is recomputed in backward
+        kept = tokens * a * hidden * (hc.streams if hc is not None else 1) * len(shapes)
         recompute = max(saved_layers, default=0)
     else:
         kept, recompute = sum(saved_layers), 0
-    head = tokens * (_norm(hidden, a) + a * hidden)  # final norm + lm_head input
     loss = 3 * FP32 * tokens * vocab  # log-softmax (kept), its gradient, the logits' gradient: fp32 [tokens, vocab]
     fsdp = train.shards
     gathered = (train.gathered_root + train.gathered_layer) if fsdp else 0
@@ -598,7 +639,9 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
         backward = 2 * train.largest_tensor
     moments = {
         "loss backward (fp32 logits and loss)": params + optim + kept + head + loss + gathered,
-        "end of backward": params + grads + optim + max(backward, recompute),
+        # a layer recomputed in backward (activation checkpointing): every gradient but the input embedding's, which
+        # backward reaches after the first layer
+        "end of backward": params + grads + optim + max(backward, recompute - train.embedding_gradient),
         "optimizer step": params + grads + optim + foreach_copy(train, optimizer),
     }
     if fsdp:
@@ -637,8 +680,8 @@ def foreach_copy(train: TrainMemory, optimizer: str) -> int:
     exp_avg_sq for each (device, dtype) group in turn: the largest group's bytes (exp_avg_sq is like its
     parameters). for-loop: `exp_avg_sq.sqrt() / bias_correction2_sqrt` holds two copies of one parameter's, the
     largest. fused: none."""
-    if optimizer == "foreach":
-        return max((n for _, n in train.parameters), default=0)
+    if optimizer == "foreach":  # over the parameters that get a gradient (not frozen or unreached ones)
+        return min(max((n for _, n in train.parameters), default=0), train.gradients)
     return 2 * train.largest_tensor if optimizer == "for-loop" else 0
 
 
@@ -653,12 +696,16 @@ def _fsdp_backward(train: TrainMemory) -> tuple[int, int]:
         return train.gathered_layer, train.gathered_root + 3 * train.gathered_layer
     name, layer, largest = max(train.units, key=lambda u: u[2])
     rest = sum(n for u, lay, n in train.units if lay == layer and u != name)
-    # an EP experts unit whose experts do not split evenly over efsdp (Mixtral: 1 expert per EP rank over 2): FSDP2
-    # pads dim 0, all-gathers into a padded buffer and copies each parameter out of it, so the prefetch holds the
-    # unit three times (the buffer, its padded output, the copied-out parameters: the Mixtral fsdp points of
-    # docs/memory.md, FSDPMemTracker's ALL_GATHER and UNSHARDED_PARAM at the peak)
-    uneven = name != layer and train.experts_sharded and train.local_experts % max(train.efsdp_size, 1) != 0
-    return (3 if uneven else 1) * largest, train.gathered_root + 3 * largest + rest
+    # an EP experts unit whose experts do not split evenly over efsdp: FSDP2 pads dim 0 and all-gathers into a buffer
+    # of the padded rows, which the prefetch holds (Qwen3-VL-MoE, 15 experts over 2: 16/15 units, FSDPMemTracker's
+    # ALL_GATHER at its fsdp peak). Where a rank holds less than one expert (Mixtral: 1 expert per EP rank over 2)
+    # the unit copied out of it is live at the peak too (Mixtral: ALL_GATHER 2 units and one more UNSHARDED_PARAM)
+    efsdp, local = max(train.efsdp_size, 1), train.local_experts
+    if name != layer and train.experts_sharded and local % efsdp != 0:
+        prefetch = largest * (-(-local // efsdp) * efsdp) // local + (largest if local < efsdp else 0)
+    else:
+        prefetch = largest
+    return prefetch, train.gathered_root + 3 * largest + rest
 
 
 def _masks(shapes: list[LayerShape], batch: int, seq: int, a: int) -> int:
@@ -674,6 +721,17 @@ def _masks(shapes: list[LayerShape], batch: int, seq: int, a: int) -> int:
     return out
 
 
+def _fp4_saving(compiled: CompiledPlan, shapes: list[LayerShape], hidden: int, a: int) -> int:
+    """Bytes the Mega MoE experts shed when the plan quantizes them to FP4 at apply (`megamoe.quantize: fp4`): the
+    compiled plan counts them in the model dtype."""
+    settings = compiled.experts_settings.megamoe
+    if settings is None or settings.quantize != "fp4":
+        return 0
+    return sum(s.local_experts * 3 * hidden * s.moe_intermediate * a
+               - megamoe_buffers.fp4_experts_bytes(s.local_experts, hidden, s.moe_intermediate)
+               for s in shapes if s.megamoe)
+
+
 def _megamoe(settings: Any, shapes: list[LayerShape], hidden: int, tokens: int, ep: int) -> tuple[int, int, list[str]]:
     """(the symmetric buffer every Mega MoE layer shares, one layer's work, notes) at `tokens` per rank; `auto`
     picks its backend by device, so both are priced and the larger counts."""
@@ -682,8 +740,11 @@ def _megamoe(settings: Any, shapes: list[LayerShape], hidden: int, tokens: int, 
         return 0, 0, []
     backend = settings.backend if settings is not None else "auto"
     limit = settings.max_tokens_per_rank if settings is not None else None
-    cap = megamoe_buffers.capacity(tokens, limit)
-    rows = tokens if ep == 1 else min(megamoe_buffers.capacity(tokens, None), cap)
+    # MegaMoeEP hands each rank of the EP group (which shares the batch) its equal slice, ceil(T / ep) tokens
+    # (planc.runtime.ep.megamoe); the slices' outputs are all-gathered back to T rows
+    per_rank = -(-tokens // max(ep, 1))
+    cap = megamoe_buffers.capacity(per_rank, limit)
+    rows = per_rank if ep == 1 else min(megamoe_buffers.capacity(per_rank, None), cap)
     k, inter, local = moe.top_k, moe.moe_intermediate, moe.local_experts
     deep = megamoe_buffers.deepgemm_symmetric_bytes(ep, moe.num_experts, cap, k, hidden, inter)
     ref = megamoe_buffers.reference_buffer_bytes(cap, k, hidden)
@@ -693,17 +754,22 @@ def _megamoe(settings: Any, shapes: list[LayerShape], hidden: int, tokens: int, 
         buf, work = deep, out
     elif backend == "auto":
         buf, work = max(deep, ref), max(work, out)
+    elif backend == "reference":  # every layer's dequantized experts and the reference's per-slot work
+        layers = sum(1 for s in shapes if s.megamoe)
+        buf = ref + layers * megamoe_buffers.reference_experts_bytes(local, hidden, inter)
+        work = megamoe_buffers.reference_layer_bytes(ep, rows, k, hidden, inter)
     else:
         buf = ref
     notes = [f"Mega MoE ({backend}): the symmetric buffer for {cap} tokens per rank"
-             + (" (`max_tokens_per_rank` of the plan)" if limit is not None and tokens <= limit else
+             + (" (`max_tokens_per_rank` of the plan)" if limit is not None and per_rank <= limit else
                 " (the next power of two: the batch exceeds the plan's `max_tokens_per_rank`)" if limit else "")
              + (", the larger of deep_gemm's and triton's (`auto` picks by device)" if backend == "auto" else "")]
     return buf, work, notes
 
 
 def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, a: int, batch: int, seq: int,
-                rows: int, tp: int, ep: int, fam: FamilyMemory, megamoe: tuple[int, int] = (0, 0)) -> _Moment:
+                rows: int, tp: int, ep: int, fam: FamilyMemory, megamoe: tuple[int, int] = (0, 0),
+                streams: int = 1) -> _Moment:
     tokens = batch * seq
     symmetric, megamoe_work = megamoe
     kv: dict[str, int] = {}
@@ -713,10 +779,10 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
         kv[s.cache_kind] = kv.get(s.cache_kind, 0) + held
     cache = sum(kv.values())
     masks = _masks(shapes, batch, seq, a)
-    if fam.residual_streams > 1:
-        # the hyper-connections' fp32 residual streams, alive through the forward, and their mixing's temporaries,
-        # not read from the code: counted as two more copies (family_memory lists them as not priced)
-        masks += 3 * tokens * FP32 * fam.residual_streams * hidden
+    if streams > 1:
+        # DeepSeek-V4's hyper-connection streams, alive through the forward, and a mixer's fp32 flattening and norm
+        # at once: three fp32-sized [tokens, streams, hidden] (the grid's DeepSeek-V4 serve points, docs/memory.md)
+        masks += 3 * tokens * FP32 * streams * hidden
     transients = []
     for s in shapes:
         if s.mlp == "moe":

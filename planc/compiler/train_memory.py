@@ -14,6 +14,9 @@ torch holds it once `planc.load`/`planc.apply` installed the plan (`planc.runtim
   parameter (torch's default, `capturable=False`).
 - experts whose EP strategy is inference-only (Mega MoE): their parameters are held, they get no gradient and no
   AdamW state (`frozen`).
+- a multimodal model's other towers (Qwen3-VL's vision blocks and mergers: the siblings of the language model that
+  holds the decoder layers): a text batch never runs them, so they are held without gradients or AdamW state
+  (`text_unreached`; AdamW skips a parameter whose gradient is None).
 - mixed precision (`fsdp` only): the sharded parameters, gradients and AdamW state stay in the model's dtype (the
   fp32 master copy); FSDP2 casts a unit's parameters to `param_dtype` when it all-gathers them for forward and
   backward and frees them when it reshards (after forward for every layer but the last; after backward for all,
@@ -68,6 +71,9 @@ class TrainMemory:
     # another dtype (the fp32 router) as units of their own (planc.runtime.data_parallel wraps them so).
     units: tuple[tuple[str, str, int], ...] = ()
     frozen: int = 0  # parameter bytes of inference-only experts: held, without gradients or AdamW state
+    text_unreached: int = 0  # parameter bytes a text batch does not run (a vision tower): no gradient or AdamW state
+    # the input embedding's gradient (untied): backward reaches it last, after every layer (recomputed ones too)
+    embedding_gradient: int = 0
     largest_tensor: int = 0  # the most bytes one parameter holds on this rank (its gradient's transient copy)
     step: Optional[AdamWStep] = None  # the AdamW step torch takes on CUDA (planc.compiler.optimizer_step)
 
@@ -99,6 +105,7 @@ class TrainMemory:
             "total_per_rank": self.total,
             "tensors": self.tensors,
             "inference_only_parameters_per_rank": self.frozen,
+            "text_unreached_parameters_per_rank": self.text_unreached,
             "gathered_root": self.gathered_root if self.shards else None,
             "gathered_layer": self.gathered_layer if self.shards else None,
             "gathered_unit": max((n for _, _, n in self.units), default=0) if self.shards else None,
@@ -126,6 +133,11 @@ class TrainMemory:
             lines.append(
                 f"  note: {human_bytes(self.frozen, 2)} of the parameters are experts of an inference-only EP strategy "
                 "(Mega MoE): held, without gradients or AdamW state"
+            )
+        if self.text_unreached:
+            lines.append(
+                f"  note: {human_bytes(self.text_unreached, 2)} of the parameters are outside the language model (a "
+                "vision tower) that a text batch does not run: held, without gradients or AdamW state"
             )
         if self.shards:
             dtype = self.param_dtype or "the parameters' dtype"
@@ -159,7 +171,7 @@ def _local_shape(
     return tuple(dims)
 
 
-def _decoder_layers(walk: ModelWalk, experts_fqns: Iterable[str]) -> set[str]:
+def decoder_layers(walk: ModelWalk, experts_fqns: Iterable[str]) -> set[str]:
     """Paths of the decoder layers: every item of each list holding an experts module's layer (as
     `planc.runtime.data_parallel.decoder_layers` wraps them)."""
     lists = set()
@@ -172,6 +184,20 @@ def _decoder_layers(walk: ModelWalk, experts_fqns: Iterable[str]) -> set[str]:
                 lists.add(parent)
                 break
     return {f for f in walk.modules if (m := _LAYER.match(f)) and m.group("list") in lists}
+
+
+def text_unreached_modules(walk: ModelWalk, layers: set[str]) -> list[str]:
+    """A multimodal model's modules a text batch does not run: the siblings of the language model that holds the
+    decoder layers (`model.visual` beside `model.language_model`); none when the decoder is the model itself."""
+    lists = {m.group("list") for f in layers if (m := _LAYER.match(f))}
+    text_models = {lst.rpartition(".")[0] for lst in lists}
+    out = []
+    for text in text_models:
+        parent, dot, _ = text.rpartition(".")
+        if not dot:  # `model.layers`: the decoder is the model (lm_head and the embeddings are its siblings)
+            continue
+        out += [f for f in walk.modules if f.rpartition(".")[0] == parent and f != text and f not in text_models]
+    return out
 
 
 def _mesh_of(fqn: str, ep_experts: list[str]) -> str:
@@ -232,15 +258,20 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
     mp = compiled.training.mixed_precision if compiled.training is not None and shards else None
     styles = {a.fqn: a.style for a in compiled.assignments if a.target == "parameter"}
     ep_experts = [e.fqn for e in compiled.experts if e.mode == "ep" and ep > 1]
-    layers = _decoder_layers(walk, [e.fqn for e in compiled.experts])
+    layers = decoder_layers(walk, [e.fqn for e in compiled.experts])
     frozen_experts = [e.fqn for e in compiled.experts if e.strategy is not None and e.strategy.inference_only]
+    unreached = text_unreached_modules(walk, layers)
 
     params: dict[str, int] = {}
-    grads = optim = tensors = frozen = largest = 0
+    grads = optim = tensors = frozen = untouched = largest = 0
     gathered: dict[str, int] = {}
     unit_of = _units(walk, layers, ep_experts)
     unit_bytes: dict[str, int] = {}
     seen: set[int] = set()
+    uses: dict[int, int] = {}
+    for info in walk.params.values():
+        uses[info.tensor_id] = uses.get(info.tensor_id, 0) + 1
+    embedding_gradient = 0
     for info in walk.params.values():
         if info.tensor_id in seen:
             continue
@@ -260,10 +291,15 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
         if any(info.fqn.startswith(e + ".") for e in frozen_experts):
             frozen += held
             continue
-        largest = max(largest, held)  # a gradient's transient copy: inference-only experts have none
-        grads += held
-        optim += 2 * held + STEP_BYTES
-        tensors += 1
+        if any(info.fqn.startswith(m + ".") for m in unreached):
+            untouched += held  # still gathered with the root under fsdp
+        else:
+            largest = max(largest, held)  # a gradient's transient copy: inference-only experts have none
+            grads += held
+            if walk.modules[info.owner].class_name == "Embedding" and uses[info.tensor_id] == 1:
+                embedding_gradient += held
+            optim += 2 * held + STEP_BYTES
+            tensors += 1
         if shards:
             gathered_itemsize = ITEMSIZE[mp.param_dtype] if mp is not None else itemsize
             layer = _layer_of(info.fqn, layers)  # a layer's EP experts unit is gathered inside the layer's forward
@@ -289,6 +325,8 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
         gathered_root=root,
         gathered_layer=max(gathered.values(), default=0),
         frozen=frozen,
+        text_unreached=untouched,
+        embedding_gradient=embedding_gradient,
         largest_tensor=largest,
         step=adamw_step(compiled, walk),
         units=tuple((u, _layer_of(u + ".x", layers) if u not in layers else u, n) for u, n in unit_bytes.items()
@@ -296,4 +334,4 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
     )
 
 
-__all__ = ["TrainMemory", "train_memory"]
+__all__ = ["TrainMemory", "decoder_layers", "text_unreached_modules", "train_memory"]

@@ -59,21 +59,29 @@ def symmetric_counts():
 def no_backward_hooks_without_grad():
     """MemTracker's module tracker registers a backward hook on every module input that requires grad, even under
     `no_grad`, where an input can require grad without a gradient function (Qwen3-Next's conv weight view in its
-    hub-kernel layer) and the registration fails: a prefill has no backward, so it registers none."""
+    hub-kernel layer) and the registration fails: a prefill has no backward, so it registers none. The same for the
+    gradient hooks MemTracker puts on every parameter (Mega MoE's FP4 experts do not require grad)."""
     from torch.distributed._tools import mod_tracker
+    from torch.distributed._tools.mem_tracker import MemTracker
 
     real = mod_tracker.register_multi_grad_hook
+    real_track = MemTracker._track_module_params_and_buffers
 
     def register(tensors, fn, *args, **kwargs):
         if not torch.is_grad_enabled():
             return None
         return real(tensors, fn, *args, **kwargs)
 
+    def track(self, module, install_grad_hooks: bool = True):
+        return real_track(self, module, install_grad_hooks=install_grad_hooks and torch.is_grad_enabled())
+
     mod_tracker.register_multi_grad_hook = register
+    MemTracker._track_module_params_and_buffers = track  # type: ignore[method-assign]
     try:
         yield
     finally:
         mod_tracker.register_multi_grad_hook = real
+        MemTracker._track_module_params_and_buffers = real_track  # type: ignore[method-assign]
 
 
 def _fill(model, seed: int = 0) -> None:
@@ -100,6 +108,31 @@ def _fill(model, seed: int = 0) -> None:
                     module.original_inv_freq = inv_freq
             elif hasattr(module, "e_score_correction_bias"):
                 module.e_score_correction_bias.zero_()
+
+
+def _apply_with_weights(model, loaded, mesh, device: str) -> None:
+    """Install the plan on the meta model and give this rank's shards real values. A plan that quantizes its Mega MoE
+    experts to FP4 when applied needs real weights at that step: as `planc.load` does, the model is sharded on meta,
+    its shards are filled (random values) right after sharding, and the rest of the install runs on them."""
+    from planc.runtime import install
+    from planc.runtime.mesh import build_groups
+
+    megamoe = loaded.plan.experts.megamoe
+    if not (loaded.plan.experts.implementation_row.megamoe and megamoe is not None and megamoe.quantize == "fp4"):
+        install.apply(model, loaded, mesh=mesh)
+        model.to_empty(device=device)
+        _fill(model)
+        return
+    compiled, problems = install.compile_and_check(model, loaded, mesh)
+    install.agree_across_ranks(compiled, problems)
+    assert compiled is not None  # agree_across_ranks raised otherwise
+    state = install.InstallState(model=model, compiled=compiled, groups=build_groups(compiled.parallel, mesh))
+
+    def fill(_state) -> None:
+        model.to_empty(device=device)
+        _fill(model)
+
+    install.install_atomically(state, after_sharding=fill)
 
 
 def plan_data(family: str, mode: str, *, dp: int = 1, root: str = ".") -> dict:
@@ -148,9 +181,7 @@ def measure(family: str, mode: str, batch: int, seq: int, overrides: dict, *, dp
 
         sizes, names = mesh_dims(p["tp_size"], p["ep_size"], p["dp_size"])
         mesh = init_device_mesh(device, sizes, mesh_dim_names=names)
-    install.apply(model, install.load_plan_on_every_rank(data, what="planc verify --memory"), mesh=mesh)
-    model.to_empty(device=device)
-    _fill(model)
+    _apply_with_weights(model, install.load_plan_on_every_rank(data, what="planc verify --memory"), mesh, device)
     ids = torch.randint(0, model.config.get_text_config().vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
     ids = ids.to(device)
     if device != "cpu":
