@@ -54,6 +54,11 @@ FAMILIES: dict[str, FamilyMemory] = {
     # sigmoid(...).to(dtype); complex fp32 rotary (its dense expert dispatch is the compiled plan's: `dispatch`)
     "llama4_text": FamilyMemory(complex_rope_fp32=True),
     "llama4": FamilyMemory(complex_rope_fp32=True),
+    # the families section of the grid (bench/memory_grid_families.py): planc init's plans, no shipped plan
+    # softmax(dtype=float) then `.to(router_logits.dtype)`; q_norm/k_norm over the whole projected width
+    "olmoe": FamilyMemory(full_width_qk_norm=True),
+    # softmax(dtype=float) then `.to(router_logits.dtype)`; a sigmoid-gated shared expert
+    "qwen2_moe": FamilyMemory(),
     "deepseek_v4": FamilyMemory(
         routing_weights_fp32=True, router_input_fp32=True, residual_streams=4,
         unpriced=(
