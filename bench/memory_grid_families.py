@@ -63,6 +63,14 @@ SHRINK: dict[str, dict] = {
     "kimi_linear": {"num_experts": 128}, "solar_open": {"n_routed_experts": 64}, "sarvam_moe": {"num_experts": 64},
 }
 
+# Layer overrides where the fewest layers of each kind hold no attention layer (transformers' hybrid cache needs one):
+# one mamba and one attention layer, both MoE (Jamba); one mamba2 and one attention layer (Granite MoE hybrid)
+LAYERS: dict[str, dict] = {
+    "jamba": {"num_hidden_layers": 2, "attn_layer_offset": 1, "attn_layer_period": 2, "expert_layer_offset": 0,
+              "expert_layer_period": 1},
+    "granitemoehybrid": {"num_hidden_layers": 2, "layer_types": ["linear_attention", "attention"]},
+}
+
 POINTS = {"serve": (1, 1024), "replicate": (1, 1024)}
 _LAYER_COUNTS = ("num_hidden_layers", "num_layers")
 _DENSE_FIRST = ("first_k_dense_replace", "num_dense_layers", "first_k_dense")
@@ -87,7 +95,7 @@ def layer_overrides(model_type: str) -> dict:
             out[k] = 1
     if isinstance(d.get("mlp_only_layers"), list) and d["mlp_only_layers"]:
         out["mlp_only_layers"] = [j for j, i in enumerate(keep) if i in d["mlp_only_layers"]]
-    return out
+    return {**out, **LAYERS.get(model_type, {})}
 
 
 def family_overrides(model_type: str) -> dict:
