@@ -172,8 +172,9 @@ def main() -> int:
                 continue
             # a point with its own plan is kept whole: predicting it again needs no `planc init`
             cache[key] = {**result, "point": point} if "plan" in point else result
-            if args.cache:  # written as points finish: a stopped run keeps what it measured
-                Path(args.cache).write_text(json.dumps(cache, indent=1))
+            if args.cache:  # written as points finish (merged by key): a stopped run keeps what it measured
+                on_disk = json.loads(Path(args.cache).read_text()) if Path(args.cache).exists() else {}
+                Path(args.cache).write_text(json.dumps({**on_disk, key: cache[key]}, indent=1))
     worst = 0.0
     for point in points:
         key = cache_key(point)

@@ -60,7 +60,7 @@ SIZES: dict[str, int] = {
 # docs/memory.md's families table).
 SHRINK: dict[str, dict] = {
     "mistral4": {"n_routed_experts": 64}, "deepseek_v32": {"n_routed_experts": 32}, "jamba": {"num_experts": 8},
-    "kimi_linear": {"num_experts": 128}, "solar_open": {"n_routed_experts": 64}, "sarvam_moe": {"num_experts": 64},
+    "kimi_linear": {"num_local_experts": 128}, "solar_open": {"n_routed_experts": 64}, "sarvam_moe": {"num_experts": 64},
 }
 
 # Layer overrides where the fewest layers of each kind hold no attention layer (transformers' hybrid cache needs one):
@@ -72,6 +72,9 @@ LAYERS: dict[str, dict] = {
 }
 
 POINTS = {"serve": (1, 1024), "replicate": (1, 1024)}
+# Kimi Delta Attention keeps several fp32 [tokens, heads, 64, key_dim] chunk tensors per layer for backward: 1024
+# tokens would not fit the shared machine
+POINTS_OF: dict[str, dict] = {"kimi_linear": {"replicate": (1, 256)}}
 _LAYER_COUNTS = ("num_hidden_layers", "num_layers")
 _DENSE_FIRST = ("first_k_dense_replace", "num_dense_layers", "first_k_dense")
 
@@ -123,7 +126,7 @@ def points(only=None, modes=("serve", "replicate")) -> list[dict]:
         overrides = family_overrides(model_type)
         base = init_plan_data(model_type, overrides)
         for mode in modes:
-            batch, seq = POINTS[mode]
+            batch, seq = POINTS_OF.get(model_type, {}).get(mode, POINTS[mode])
             plan = dict(base)
             if mode != "serve":
                 plan["training"] = {"data_parallel": "replicate"}

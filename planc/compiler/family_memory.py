@@ -31,6 +31,11 @@ class FamilyMemory:
     complex_rope_fp32: bool = False
     # hyper-connections: the residual is [tokens, streams, hidden], mixed in fp32 (DeepSeek-V4: 4 streams)
     residual_streams: int = 1
+    # what a `linear_attention` layer runs without its kernels: `chunk` (Qwen3-Next's gated delta rule, transformers'
+    # `torch_chunk_gated_delta_rule`), `chunk_per_key` (Kimi Delta Attention's `torch_chunk_kda`: the decay is per key
+    # channel, so its chunk matrices are [chunks, 64, 64, key_dim] fp32), `mamba` (Mamba's selective scan, the slow
+    # path: [tokens, d_inner, d_state] fp32 discretized A, B and B*u)
+    linear_scan: str = "chunk"
     unpriced: tuple[str, ...] = ()
     measured: bool = True  # in the grid of docs/memory.md
 
@@ -59,6 +64,10 @@ FAMILIES: dict[str, FamilyMemory] = {
     "olmoe": FamilyMemory(full_width_qk_norm=True),
     # softmax(dtype=float) then `.to(router_logits.dtype)`; a sigmoid-gated shared expert
     "qwen2_moe": FamilyMemory(),
+    # DeepSeek-V3's router (fp32 input and weights); Kimi Delta Attention's per-key decay; MLA full attention
+    "kimi_linear": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key"),
+    # softmax(dtype=float), top-k weights cast back; Mamba layers on the slow path (no mamba_ssm kernels)
+    "jamba": FamilyMemory(linear_scan="mamba"),
     "deepseek_v4": FamilyMemory(
         routing_weights_fp32=True, router_input_fp32=True, residual_streams=4,
         unpriced=(
