@@ -73,8 +73,9 @@ LAYERS: dict[str, dict] = {
 
 POINTS = {"serve": (1, 1024), "replicate": (1, 1024)}
 # Kimi Delta Attention keeps several fp32 [tokens, heads, 64, key_dim] chunk tensors per layer for backward: 1024
-# tokens would not fit the shared machine
-POINTS_OF: dict[str, dict] = {"kimi_linear": {"replicate": (1, 256)}}
+# tokens would not fit the shared machine. Jamba's slow Mamba scan is a Python loop over the tokens: 1024 of them
+# under MemTracker take over 15 minutes to train
+POINTS_OF: dict[str, dict] = {"kimi_linear": {"replicate": (1, 256)}, "jamba": {"replicate": (1, 128)}}
 _LAYER_COUNTS = ("num_hidden_layers", "num_layers")
 _DENSE_FIRST = ("first_k_dense_replace", "num_dense_layers", "first_k_dense")
 

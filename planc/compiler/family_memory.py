@@ -68,6 +68,8 @@ FAMILIES: dict[str, FamilyMemory] = {
     "kimi_linear": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key"),
     # softmax(dtype=float), top-k weights cast back; Mamba layers on the slow path (no mamba_ssm kernels)
     "jamba": FamilyMemory(linear_scan="mamba"),
+    # Qwen3-Next's layers (gated delta rule, gated attention), softmax then `.to(router_logits.dtype)`
+    "qwen3_5_moe_text": FamilyMemory(),
     "deepseek_v4": FamilyMemory(
         routing_weights_fp32=True, router_input_fp32=True, residual_streams=4,
         unpriced=(

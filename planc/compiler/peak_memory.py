@@ -739,7 +739,8 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
             transients.append(("dense MLP", tokens * a * (3 * s.intermediate + 3 * hidden)))
         if s.linear is not None:
             attn = tokens * (_linear_work(s, a) + a * 3 * hidden)
-            what = "selective scan, fp32 states" if s.linear.scan == "mamba" else "gated delta rule, fp32 chunks"
+            what = {"mamba": "selective scan, fp32 states", "chunk_per_key": "delta rule, per-key decay, fp32 chunks"
+                    }.get(s.linear.scan, "gated delta rule, fp32 chunks")
             transients.append((f"linear attention ({what})", attn))
             continue
         attn = tokens * (a * (2 * s.q + 3 * s.k + 2 * s.v) + a * 3 * hidden)
