@@ -37,4 +37,4 @@ def test_the_committed_families_grid_is_predicted_again():
         checked.add(point["family"])
         if not ok:
             outside.append((point["family"], point["mode"], f"{error:+.1%}", "validated" if validated else "flagged"))
-    assert len(checked) >= 10 and not outside, (sorted(checked), outside)
+    assert len(checked) >= 6 and not outside, (sorted(checked), outside)
