@@ -65,7 +65,11 @@ FAMILIES: dict[str, FamilyMemory] = {
     # softmax(dtype=float) then `.to(router_logits.dtype)`; a sigmoid-gated shared expert
     "qwen2_moe": FamilyMemory(),
     # DeepSeek-V3's router (fp32 input and weights); Kimi Delta Attention's per-key decay; MLA full attention
-    "kimi_linear": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key"),
+    "kimi_linear": FamilyMemory(
+        routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key",
+        unpriced=("Kimi Delta Attention's backward (training keeps twice the chunk rule's forward work, as Qwen3-Next's "
+                  "gated delta rule does; the grid measured 12% less at 1 x 256)",),
+    ),
     # softmax(dtype=float), top-k weights cast back; Mamba layers on the slow path (no mamba_ssm kernels)
     "jamba": FamilyMemory(linear_scan="mamba"),
     # Qwen3-Next's layers (gated delta rule, gated attention), softmax then `.to(router_logits.dtype)`
