@@ -74,6 +74,8 @@ FAMILIES: dict[str, FamilyMemory] = {
     "jamba": FamilyMemory(linear_scan="mamba"),
     # Qwen3-Next's layers (gated delta rule, gated attention), softmax then `.to(router_logits.dtype)`
     "qwen3_5_moe_text": FamilyMemory(),
+    # sparsemixer's softmax in the logits' dtype
+    "phimoe": FamilyMemory(),
     "deepseek_v4": FamilyMemory(
         routing_weights_fp32=True, router_input_fp32=True, residual_streams=4,
         unpriced=(
