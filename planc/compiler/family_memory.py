@@ -76,6 +76,8 @@ FAMILIES: dict[str, FamilyMemory] = {
     "qwen3_5_moe_text": FamilyMemory(),
     # sparsemixer's softmax in the logits' dtype
     "phimoe": FamilyMemory(),
+    # MLA; softmax in the logits' dtype (DeepSeek-V3's group-limited top-k without its fp32 router)
+    "mistral4": FamilyMemory(),
     "deepseek_v4": FamilyMemory(
         routing_weights_fp32=True, router_input_fp32=True, residual_streams=4,
         unpriced=(
