@@ -4,7 +4,7 @@ Each family runs the plan `planc init --from-transformers TYPE` writes for it (a
 on transformers' default config of the family at full width, cut to the fewest layers that hold one of each kind
 (`planc.models.tiny`'s rule, as `planc verify --memory --no-shrink` keeps them: usually two), with one dense and one
 MoE layer where the family starts with dense layers. Where a training point at full width would not fit the
-shared machine (~6 GiB, ~90 s a point), `SHRINK[family]` says what is smaller (routed experts first, then widths).
+shared machine (~6 GiB, ~90 s a point), `SHRINK[family]` says what is smaller (fewer routed experts).
 Two points a family: a prefill (`serve`) and a training step (`replicate`), rank 0 under the fake process group,
 measured and predicted by `bench/memory_grid.py --families` (which this module feeds).
 

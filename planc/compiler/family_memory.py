@@ -78,6 +78,8 @@ FAMILIES: dict[str, FamilyMemory] = {
     "phimoe": FamilyMemory(),
     # MLA; softmax in the logits' dtype (DeepSeek-V3's group-limited top-k without its fp32 router)
     "mistral4": FamilyMemory(),
+    # MLA; GLM-4.5's router: F.linear(x.float(), w.float()), sigmoid, weights kept fp32
+    "glm4_moe_lite": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
     "deepseek_v4": FamilyMemory(
         routing_weights_fp32=True, router_input_fp32=True, residual_streams=4,
         unpriced=(
