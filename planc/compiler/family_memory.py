@@ -80,6 +80,9 @@ FAMILIES: dict[str, FamilyMemory] = {
     "mistral4": FamilyMemory(),
     # MLA; GLM-4.5's router: F.linear(x.float(), w.float()), sigmoid, weights kept fp32
     "glm4_moe_lite": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    # softmax(router_logits.float()), weights kept fp32; its lightning attention layers (`linear_attention`) are
+    # priced as the gated delta rule's: both grid points hold (docs/memory.md)
+    "minimax": FamilyMemory(routing_weights_fp32=True),
     "deepseek_v4": FamilyMemory(
         routing_weights_fp32=True, router_input_fp32=True, residual_streams=4,
         unpriced=(
