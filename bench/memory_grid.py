@@ -82,8 +82,13 @@ def grid(only=None, modes=MODES, points=None):
 
 
 def plan_of(point: dict) -> dict:
+    """The point's own plan (the families section stores the one `planc init` wrote), else the shipped plan."""
+    import copy
+
     from planc.verification.memory import plan_data
 
+    if "plan" in point:  # the families section stores the plan `planc init` wrote
+        return copy.deepcopy(point["plan"])
     data = plan_data(point["family"], point["mode"], dp=point["dp"], root=str(REPO))
     if point["family"] in PLAN_EDITS:
         data["experts"]["megamoe"] = {**data["experts"].get("megamoe", {}), **PLAN_EDITS[point["family"]]}
@@ -175,6 +180,9 @@ def main() -> int:
     parser.add_argument("--modes", nargs="*", default=list(MODES))
     parser.add_argument("--points", type=int, help="only the first N (batch, seq) points of each family")
     parser.add_argument("--cache", help="a JSON file of measured points, read and extended")
+    parser.add_argument("--families", action="store_true",
+                        help="the families section (bench/memory_grid_families.py): families without a shipped plan, "
+                             "each on the plan `planc init` writes; its points are stored with their measurements")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--jobs", type=int, default=1, help="points measured at once (each in its own process)")
     args = parser.parse_args()
@@ -183,20 +191,29 @@ def main() -> int:
     cuda = args.device == "cuda"
     print(f"{'family':12s} {'mode':10s} {'batch':>5s} {'seq':>5s} {'predicted':>10s} {'measured':>10s} {'error':>7s}"
           + (f" {'reserved':>10s}" if cuda else "") + "  moment")
-    points = [{**p, "device": args.device} if cuda else p for p in grid(args.only, args.modes, args.points)]
+    if args.families:
+        import memory_grid_families
+
+        chosen = memory_grid_families.points(args.only, [m for m in args.modes if m in memory_grid_families.POINTS])
+    else:
+        chosen = list(grid(args.only, args.modes, args.points))
+    points = [{**p, "device": args.device} if cuda else p for p in chosen]
     pending = [p for p in points if cache_key(p) not in cache]
     t0 = time.perf_counter()
     failed: dict[str, str] = {}
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:  # each point is its own process: threads only wait
-        futures = {pool.submit(_measure_or_error, p): cache_key(p) for p in pending}
+        futures = {pool.submit(_measure_or_error, p): p for p in pending}
         for done in as_completed(futures):
-            key, result = futures[done], done.result()
+            point, result = futures[done], done.result()
+            key = cache_key(point)
             if isinstance(result, str):
                 failed[key] = result
                 continue
-            cache[key] = result
-            if args.cache:  # written as points finish: a stopped run keeps what it measured
-                Path(args.cache).write_text(json.dumps(cache, indent=1))
+            # a point with its own plan is kept whole: predicting it again needs no `planc init`
+            cache[key] = {**result, "point": point} if "plan" in point else result
+            if args.cache:  # written as points finish (merged by key): a stopped run keeps what it measured
+                on_disk = json.loads(Path(args.cache).read_text()) if Path(args.cache).exists() else {}
+                Path(args.cache).write_text(json.dumps({**on_disk, key: cache[key]}, indent=1))
     worst = 0.0
     measured = [p for p in points if cache_key(p) in cache]
     predictions = {cache_key(p): m for p, m in zip(measured, predict_all(measured))}

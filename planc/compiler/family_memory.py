@@ -29,6 +29,11 @@ class FamilyMemory:
     full_width_qk_norm: bool = False
     # rotary in complex fp32 (`view_as_complex(x.float())`): fp32 copies of q and k
     complex_rope_fp32: bool = False
+    # what a `linear_attention` layer runs without its kernels: `chunk` (Qwen3-Next's gated delta rule, transformers'
+    # `torch_chunk_gated_delta_rule`), `chunk_per_key` (Kimi Delta Attention's `torch_chunk_kda`: the decay is per key
+    # channel, so its chunk matrices are [chunks, 64, 64, key_dim] fp32), `mamba` (Mamba's selective scan, the slow
+    # path: [tokens, d_inner, d_state] fp32 discretized A, B and B*u)
+    linear_scan: str = "chunk"
     unpriced: tuple[str, ...] = ()
     measured: bool = True  # in the grid of docs/memory.md
 
@@ -52,6 +57,30 @@ FAMILIES: dict[str, FamilyMemory] = {
     # sigmoid(...).to(dtype); complex fp32 rotary (its dense expert dispatch is the compiled plan's: `dispatch`)
     "llama4_text": FamilyMemory(complex_rope_fp32=True),
     "llama4": FamilyMemory(complex_rope_fp32=True),
+    # the families section of the grid (bench/memory_grid_families.py): planc init's plans, no shipped plan
+    # softmax(dtype=float) then `.to(router_logits.dtype)`; q_norm/k_norm over the whole projected width
+    "olmoe": FamilyMemory(full_width_qk_norm=True),
+    # softmax(dtype=float) then `.to(router_logits.dtype)`; a sigmoid-gated shared expert
+    "qwen2_moe": FamilyMemory(),
+    # DeepSeek-V3's router (fp32 input and weights); Kimi Delta Attention's per-key decay; MLA full attention
+    "kimi_linear": FamilyMemory(
+        routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key",
+        unpriced=("Kimi Delta Attention's backward (training keeps twice the chunk rule's forward work, as Qwen3-Next's "
+                  "gated delta rule does; the grid measured 12% less at 1 x 256)",),
+    ),
+    # softmax(dtype=float), top-k weights cast back; Mamba layers on the slow path (no mamba_ssm kernels)
+    "jamba": FamilyMemory(linear_scan="mamba"),
+    # Qwen3-Next's layers (gated delta rule, gated attention), softmax then `.to(router_logits.dtype)`
+    "qwen3_5_moe_text": FamilyMemory(),
+    # sparsemixer's softmax in the logits' dtype
+    "phimoe": FamilyMemory(),
+    # MLA; softmax in the logits' dtype (DeepSeek-V3's group-limited top-k without its fp32 router)
+    "mistral4": FamilyMemory(),
+    # MLA; GLM-4.5's router: F.linear(x.float(), w.float()), sigmoid, weights kept fp32
+    "glm4_moe_lite": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    # softmax(router_logits.float()), weights kept fp32; its lightning attention layers (`linear_attention`) are
+    # priced as the gated delta rule's: both grid points hold (docs/memory.md)
+    "minimax": FamilyMemory(routing_weights_fp32=True),
     # F.linear(flat, weight) in the model dtype, weights gathered from the scores in it; its layer (hyper-connection
     # streams, fp32-weighted norms, compressors) is planc.compiler.deepseek_v4_memory's
     "deepseek_v4": FamilyMemory(),

@@ -97,6 +97,9 @@ class LinearAttention(NamedTuple):
     key_dim: int
     value_dim: int
     conv_kernel: int
+    # what the layer runs (planc.compiler.family_memory's `linear_scan`): chunk | chunk_per_key | mamba (a Mamba
+    # layer is d_inner value heads of width 1 with d_state keys)
+    scan: str = "chunk"
 
     @property
     def conv_channels(self) -> int:
@@ -270,11 +273,14 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
     kv_heads = int(_get(config, "num_key_value_heads", default=heads))
     head_dim = int(_get(config, "head_dim", default=0) or hidden // heads)
     window = _get(config, "sliding_window", "attention_chunk_size")
-    layer_types = config.get("layer_types") or []
+    # a config may compute its layer types (Jamba's property from attn_layer_period/offset): read the object too
+    text = walk.config.get_text_config() if hasattr(walk.config, "get_text_config") else walk.config
+    layer_types = config.get("layer_types") or list(getattr(text, "layer_types", None) or [])
     experts_by_layer = {e.fqn: e for e in compiled.experts}
     impl = attention_implementation(walk)
     megamoe = compiled.experts_implementation.megamoe
     sinks = {f.rsplit(".", 2)[0] for f in walk.params if f.endswith(".sinks")}
+    fam = family_memory(walk.model_type)
     shapes = []
     for index, (layer, (mla, moe, shared)) in enumerate(sorted(_layer_kinds(walk).items(),
                                                                key=lambda kv: _layer_index(kv[0]))):
@@ -292,13 +298,21 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
             # transformers caches the compressed latent and the rope key, [B, 1, S, kv_lora + rope], on every rank
             cache = (int(config["kv_lora_rank"]) + rope) * itemsize
             cache_kind, kvh, d = "MLA latent (kv_lora_rank + rope)", h, nope + rope
+        elif kind in _LINEAR and fam.linear_scan == "mamba":
+            inner = int(_get(config, "mamba_expand", default=2)) * hidden
+            linear = LinearAttention(key_heads=0, value_heads=inner, key_dim=int(_get(config, "mamba_d_state")),
+                                     value_dim=1, conv_kernel=int(_get(config, "mamba_d_conv", default=4)),
+                                     scan="mamba")
+            q = k = v = 0
+            cache, cache_kind = 0, "linear attention (conv and recurrent state)"
         elif kind in _LINEAR:
             linear = LinearAttention(
-                key_heads=int(_get(config, "linear_num_key_heads", default=heads)),
-                value_heads=int(_get(config, "linear_num_value_heads", default=heads)),
-                key_dim=int(_get(config, "linear_key_head_dim", default=head_dim)),
-                value_dim=int(_get(config, "linear_value_head_dim", default=head_dim)),
+                key_heads=int(_get(config, "linear_num_key_heads", "linear_num_heads", default=heads)),
+                value_heads=int(_get(config, "linear_num_value_heads", "linear_num_heads", default=heads)),
+                key_dim=int(_get(config, "linear_key_head_dim", "linear_head_dim", default=head_dim)),
+                value_dim=int(_get(config, "linear_value_head_dim", "linear_head_dim", default=head_dim)),
                 conv_kernel=int(_get(config, "linear_conv_kernel_dim", default=4)),
+                scan=fam.linear_scan,
             )
             q = k = v = 0
             cache, cache_kind = 0, "linear attention (conv and recurrent state)"
@@ -356,6 +370,9 @@ def _repeat_kv(s: LayerShape, tokens: int, a: int) -> int:
     return 2 * tokens * s.heads * s.head_dim * a
 
 
+CHUNK = 64  # the chunk length of transformers' torch chunk rules (gated delta rule, KDA)
+
+
 def _linear_work(s: LayerShape, a: int) -> int:
     """Bytes per token of a gated-delta-rule layer's prefill without the fla kernels (transformers'
     `torch_chunk_gated_delta_rule`): fp32 q, k, v, their beta-weighted and padded copies and the per-chunk outputs
@@ -364,8 +381,16 @@ def _linear_work(s: LayerShape, a: int) -> int:
     lin = s.linear
     if lin is None:
         return 0
-    return (FP32 * (10 * lin.value_heads * lin.key_dim + 3 * lin.value_heads * 64)
-            + a * (2 * lin.conv_channels + 2 * lin.value_heads * lin.value_dim))
+    io = a * (2 * lin.conv_channels + 2 * lin.value_heads * lin.value_dim)
+    if lin.scan == "mamba":
+        # the slow path's discretized A, B and B*u (three fp32 [tokens, d_inner, d_state]) and about ten
+        # [tokens, d_inner] in the model dtype: in_proj's hidden and gate, the conv and its activation, the time step
+        # and its softplus, the per-token scan outputs and their stack, the D residual, the gated output
+        return FP32 * 3 * lin.value_heads * lin.key_dim + a * 10 * lin.value_heads
+    # three chunk matrices per head; with a per-key decay (`torch_chunk_kda`) each carries the key width: the decay
+    # mask and the two products of `-(k_beta * key * decay_mask).sum(-1)` are live at once
+    chunk = 3 * lin.value_heads * CHUNK * (lin.key_dim if lin.scan == "chunk_per_key" else 1)
+    return FP32 * (10 * lin.value_heads * lin.key_dim + chunk) + io
 
 
 def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: int, fam: FamilyMemory,
@@ -810,7 +835,9 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
             transients.append(("dense MLP", tokens * a * (3 * s.intermediate + 3 * hidden)))
         if s.linear is not None:
             attn = tokens * (_linear_work(s, a) + a * 3 * hidden)
-            transients.append(("linear attention (gated delta rule, fp32 chunks)", attn))
+            what = {"mamba": "selective scan, fp32 states", "chunk_per_key": "delta rule, per-key decay, fp32 chunks"
+                    }.get(s.linear.scan, "gated delta rule, fp32 chunks")
+            transients.append((f"linear attention ({what})", attn))
             continue
         attn = tokens * (a * (2 * s.q + 3 * s.k + 2 * s.v) + a * 3 * hidden)
         if fam.full_width_qk_norm:

@@ -102,7 +102,7 @@ def _fill(model, seed: int = 0) -> None:
         for module in model.modules():
             init = getattr(module, "rope_init_fn", None)
             if init is not None and hasattr(module, "inv_freq"):
-                inv_freq, _ = init(module.config, "cpu")
+                inv_freq, _ = init(module.config)  # as transformers calls it (Phi-MoE takes only the config)
                 module.inv_freq.copy_(inv_freq)
                 if hasattr(module, "original_inv_freq"):
                     module.original_inv_freq = inv_freq

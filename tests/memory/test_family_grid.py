@@ -1,0 +1,40 @@
+"""The families section of the memory grid predicted again: families without a shipped plan, each on the plan
+`planc init` wrote for it, measured at full width by `bench/memory_grid.py --families` (docs/memory.md's families
+table). Each cached point holds its plan and config overrides, so predicting it needs no `planc init` and no torch
+run: a change to the peak model that moves a point out of tolerance fails here.
+
+A point whose verdict carries no flag (a family `planc.compiler.family_memory` has a row for, with nothing it leaves
+unpriced) is within 5% of the measured peak and never more than 2% under. A flagged point (a family without a row,
+or a row that names what it does not price) must never be under the measured peak: the verdict errs high.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from planc.compiler.family_memory import FAMILIES
+
+REPO = Path(__file__).resolve().parents[2]
+OVER, UNDER = 0.05, 0.02  # the acceptance: within 5% of the measured peak, never more than 2% under it
+CACHE = REPO / "bench" / "memory_grid_families.json"
+
+
+def test_the_committed_families_grid_is_predicted_again():
+    sys.path.insert(0, str(REPO / "bench"))
+    import memory_grid
+
+    cache = json.loads(CACHE.read_text())
+    checked, outside = set(), []
+    for real in cache.values():
+        point = real["point"]
+        predicted = memory_grid.predict(point)
+        error = predicted["peak_per_rank"] / real["peak"] - 1
+        validated = point["plan"]["model"]["type"] in FAMILIES
+        assert validated or predicted["unpriced"], f"{point['family']}: not validated, yet explain does not say so"
+        ok = error >= 0 if predicted["unpriced"] else -UNDER <= error <= OVER
+        checked.add(point["family"])
+        if not ok:
+            outside.append((point["family"], point["mode"], f"{error:+.1%}", "validated" if validated else "flagged"))
+    assert len(checked) >= 6 and not outside, (sorted(checked), outside)
