@@ -130,6 +130,9 @@ class PeakMemory:
     checkpointing: str = "none"
     notes: tuple[str, ...] = ()
     unpriced: tuple[str, ...] = ()  # what the family allocates that planc does not price: the verdict is not backed
+    # the family is one the memory grid measured (family_memory's rows): its unpriced items are priced on the safe
+    # side, so the peak errs high; an unmeasured family's may miss what its layers allocate, so it may be low
+    validated: bool = True
     device_memory: Optional[int] = None
     reserve: int = DEFAULT_RESERVE
     max_batch: Optional[int] = None
@@ -163,6 +166,7 @@ class PeakMemory:
             "max_batch": self.max_batch,
             "max_seq": self.max_seq,
             "unpriced": list(self.unpriced),
+            "validated": self.validated,
         }
 
     def render(self) -> str:
@@ -187,6 +191,9 @@ class PeakMemory:
             left = self.device_memory - self.reserve - self.peak
             verdict = "fits" if left >= 0 else "does NOT fit"
             flag = f" [not priced: {len(self.unpriced)} item(s) below; the peak errs high]" if self.unpriced else ""
+            if not self.validated:
+                flag = (f" [not validated: the memory grid has not measured this family, {len(self.unpriced)} item(s) "
+                        "below; the peak may be low]")
             lines.append(
                 f"  device memory {human_bytes(self.device_memory, 1)} - reserve {human_bytes(self.reserve, 1)} "
                 f"(CUDA context, NCCL): {verdict} ({'left' if left >= 0 else 'over by'} {human_bytes(abs(left), 2)})"
@@ -584,7 +591,7 @@ def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], tr
         kv_cache=tuple(kv), routed_rows=rows if top_k and routed else 0,
         routed_rows_worst=worst_rows if top_k and routed else 0,
         worst_case_peak=worst[1], capacity_factor=capacity_factor, checkpointing=ckpt, notes=tuple(notes),
-        unpriced=tuple(unpriced),
+        unpriced=tuple(unpriced), validated=fam.measured,
     )
 
 
