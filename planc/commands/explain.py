@@ -319,7 +319,8 @@ def workload_peak(compiled, model, train, workload: dict, device_memory, path: s
         # what no batch or sequence changes: parameters, plus gradients and AdamW state when training
         static = train.total if workload["workload"] == "train" and train is not None else compiled.bytes_per_rank
         situation = Situation(compiled, workload["workload"], static=static, room=device_memory - peak.reserve,
-                              batch=workload["batch"], train_flag=workload["workload"] == "train")
+                              batch=workload["batch"], train_flag=workload["workload"] == "train",
+                              moment=peak.moment, adamw_step=peak.adamw_step)
         sys.stderr.write(
             f"planc explain: {path}: PLC660 the peak per rank, {peak.peak / 2**30:.2f} GiB at {peak.moment}, plus the "
             f"{peak.reserve / 2**30:.1f} GiB reserve does not fit in {device_memory / 2**30:.1f} GiB of device memory"

@@ -127,6 +127,7 @@ class PeakMemory:
     reserve: int = DEFAULT_RESERVE
     max_batch: Optional[int] = None
     max_seq: Optional[int] = None
+    adamw_step: Optional[str] = None  # the AdamW step priced (train): planc.compiler.optimizer_step.STEPS
 
     @property
     def fits(self) -> Optional[bool]:
@@ -155,6 +156,7 @@ class PeakMemory:
             "fits": self.fits,
             "max_batch": self.max_batch,
             "max_seq": self.max_seq,
+            "adamw_step": self.adamw_step,
             "unpriced": list(self.unpriced),
         }
 
@@ -458,7 +460,8 @@ def peak_memory(
         if search == "seq":
             limit = int(_get(config, "max_position_embeddings", default=1 << 20) or 1 << 20)
             max_seq = _largest(lambda s: peak_at(batch, s).peak, budget, max(limit, 1))
-    return replace(best, device_memory=device_memory, reserve=reserve, max_batch=max_batch, max_seq=max_seq)
+    return replace(best, device_memory=device_memory, reserve=reserve, max_batch=max_batch, max_seq=max_seq,
+                   adamw_step=optimizer if workload == "train" else None)
 
 
 def _largest(peak_at: Callable[[int], int], budget: int, limit: int) -> int:
@@ -599,7 +602,7 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
     moments = {
         "loss backward (fp32 logits and loss)": params + optim + kept + head + loss + gathered,
         "end of backward": params + grads + optim + max(backward, recompute),
-        "optimizer step": params + grads + optim + foreach_copy(train, optimizer),
+        OPTIMIZER_STEP: params + grads + optim + foreach_copy(train, optimizer),
     }
     if fsdp:
         # lm_head's backward: the gradients of the log-softmax and of the logits (fp32) and the logits' gradient cast
@@ -630,6 +633,7 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
 
 
 LAST_LAYER_BACKWARD = "lm_head backward (FSDP prefetch)"
+OPTIMIZER_STEP = "optimizer step"
 
 
 def foreach_copy(train: TrainMemory, optimizer: str) -> int:
