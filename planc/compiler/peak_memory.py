@@ -637,13 +637,12 @@ OPTIMIZER_STEP = "optimizer step"
 
 
 def foreach_copy(train: TrainMemory, optimizer: str) -> int:
-    """AdamW's temporaries at its step. foreach: `_foreach_sqrt(exp_avg_sqs)` is its one out-of-place op, a copy of
-    exp_avg_sq for each (device, dtype) group in turn: the largest group's bytes (exp_avg_sq is like its
-    parameters). for-loop: `exp_avg_sq.sqrt() / bias_correction2_sqrt` holds two copies of one parameter's, the
-    largest. fused: none."""
+    """AdamW's temporaries at its step (planc.compiler.optimizer_step says what torch allocates): foreach a copy of
+    exp_avg_sq for each (device, dtype) group, the previous group's still bound; for-loop two copies of one
+    parameter's, the previous parameter's quotient still bound; fused none."""
     if optimizer == "foreach":
-        return max((n for _, n in train.parameters), default=0)
-    return 2 * train.largest_tensor if optimizer == "for-loop" else 0
+        return train.foreach_step
+    return train.for_loop_step if optimizer == "for-loop" else 0
 
 
 def _fsdp_backward(train: TrainMemory) -> tuple[int, int]:

@@ -34,6 +34,38 @@ def test_the_compiled_step_is_the_one_torch_takes():
             assert seen["compiled"]["plain_parameters"] == seen["plain"], (family, mode, dp, seen)
 
 
+def test_the_step_temporaries_are_what_torch_allocates():
+    """The bytes each AdamW step holds beyond parameters, gradients and state (planc.compiler.optimizer_step) against
+    torch's MemTracker over a second step, on parameters in two dtypes where two large ones are neighbours (the for-loop
+    step then holds three copies) and the small fp32 group follows the bf16 one (foreach then holds both groups)."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from planc.compiler.optimizer_step import for_loop_temporaries, foreach_temporaries
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024, bias=False), torch.nn.Linear(1024, 256, bias=False),
+                                torch.nn.Linear(256, 8, bias=False), torch.nn.Linear(8, 512, bias=False))
+    model[0].to(torch.bfloat16)
+    model[1].to(torch.bfloat16)
+    params = list(model.parameters())
+    sizes = [p.numel() * p.element_size() for p in params]
+    groups: dict[torch.dtype, int] = {}
+    for p, n in zip(params, sizes):
+        groups[p.dtype] = groups.get(p.dtype, 0) + n
+    for foreach, expected in ((False, for_loop_temporaries(sizes)), (True, foreach_temporaries(list(groups.values())))):
+        optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=foreach)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optimizer.step()  # the state exists: the second step is the one measured
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        with tracker:
+            optimizer.step()
+        snapshot = tracker.get_tracker_snapshot("peak")
+        held = 4 * sum(sizes) + 4 * len(params)  # parameters, gradients, exp_avg, exp_avg_sq; a float32 step each
+        assert snapshot[next(iter(snapshot))]["Total"] - held == expected, (foreach, snapshot, expected)
+
+
 def _steps(cases: list) -> list[dict]:
     """In the child: for each case, what the compiler names and what torch would take on CUDA."""
     import torch
