@@ -27,6 +27,7 @@ _CONFIG_METADATA = ("model_type", "architectures", "transformers_version", "auto
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from planc.compiler.devices import CARDS
     from planc.compiler.optimizer_step import STEPS
+    from planc.compiler.peak_memory import DEVICE_TYPES
 
     cards = ", ".join(c.name for c in CARDS.values())
     parser.add_argument("plans", nargs="+", metavar="PLAN", help="plan file(s) (YAML); pre-commit passes several")
@@ -85,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "copies of the largest parameter's, fused none",
     )
     parser.add_argument(
-        "--device-type", choices=("cuda", "cpu"), default="cuda",
+        "--device-type", choices=DEVICE_TYPES, default="cuda",
         help="where the workload runs (default cuda): cuda prices torch's CUDA AdamW step and cuBLAS workspaces, cpu "
         "(as planc verify --memory measures) the for-loop step and no workspaces",
     )

@@ -16,8 +16,8 @@ Training (one AdamW step), the peak is the largest of these moments:
 - under fsdp, `lm_head backward (FSDP prefetch)`: the loss's gradients (two fp32 [tokens, vocab] and the logits'
   gradient in the compute dtype) while FSDP2 all-gathers the next unit (one unit's buffer);
 - `optimizer step`: parameters, gradients, AdamW state and the step's temporaries (`optimizer`, by default the step
-  the plan leads torch to on CUDA, `planc.compiler.optimizer_step`: foreach copies the largest dtype group's
-  exp_avg_sq; for-loop two copies of the largest parameter's).
+  the plan leads torch to on CUDA; `planc.compiler.optimizer_step` says what foreach and for-loop hold).
+On CUDA, torch's cuBLAS workspaces (`planc.compiler.devices.cuda_workspaces`) are added to every moment.
 Serving (one prefill under `no_grad`, `logits_to_keep=1` as `generate` runs it): parameters, the KV cache of
 every layer so far, the masks and residual streams the forward keeps, Mega MoE's symmetric buffer and the largest
 layer's transient. What a family's code allocates beyond its shapes is `planc.compiler.family_memory`'s; what the
@@ -49,8 +49,9 @@ if TYPE_CHECKING:
 
 # What the CUDA context, cuDNN and NCCL's communicators take outside PyTorch's allocator on each rank: about 0.5 GiB
 # for the context and kernels on an H100/H200 (CUDA 12) plus NCCL's buffers (NCCL_BUFFSIZE 4 MiB per channel and
-# peer). cuBLAS's workspaces are not in it: torch allocates them through its allocator (priced in the peak). 2 GiB is a deliberate round allowance from those published sizes, not a measurement on
-# this machine (it has no GPU); `--reserve` overrides it.
+# peer). cuBLAS's workspaces are not in it: torch allocates them through its allocator (priced in the peak). 2 GiB
+# is a deliberate round allowance from those published sizes, not a measurement on this machine (it has no GPU);
+# `--reserve` overrides it.
 DEFAULT_RESERVE = 2 * 2**30
 FP32 = 4
 
