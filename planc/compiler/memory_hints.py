@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from planc.compiler.compiled import CompiledPlan
-from planc.compiler.peak_memory import OPTIMIZER_STEP
+from planc.compiler.optimizer_step import OPTIMIZER_STEP
 from planc.compiler.units import human_bytes
 
 WIDE_DTYPES = ("bfloat16", "float16", "float32")

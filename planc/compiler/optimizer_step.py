@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 # How AdamW can step: foreach (torch's CUDA default), for-loop (tensor by tensor: CPU's default), fused (opt-in).
 STEPS = ("foreach", "for-loop", "fused")
+# The training moment the step's temporaries set (planc.compiler.peak_memory; the fused-step hint reads it).
+OPTIMIZER_STEP = "optimizer step"
 
 
 @dataclass(frozen=True)
@@ -99,4 +101,4 @@ def adamw_step(compiled: CompiledPlan, walk: ModelWalk) -> AdamWStep:
     return AdamWStep("foreach", f"every parameter is one kind ({kind}): torch's CUDA default, foreach", dtensors, plain)
 
 
-__all__ = ["STEPS", "AdamWStep", "adamw_step", "for_loop_temporaries", "foreach_temporaries", "is_dtensor"]
+__all__ = ["OPTIMIZER_STEP", "STEPS", "AdamWStep", "adamw_step", "for_loop_temporaries", "foreach_temporaries", "is_dtensor"]

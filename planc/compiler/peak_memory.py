@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional
 from planc.compiler import megamoe_buffers
 from planc.compiler.devices import cuda_workspaces
 from planc.compiler.family_memory import FamilyMemory, family_memory
-from planc.compiler.optimizer_step import STEPS
+from planc.compiler.optimizer_step import OPTIMIZER_STEP, STEPS
 from planc.compiler.train_memory import ITEMSIZE, TrainMemory
 from planc.compiler.units import human_bytes
 from planc.spec.choices import ACTIVATION_CHECKPOINTING_MODES
@@ -634,7 +634,6 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
 
 
 LAST_LAYER_BACKWARD = "lm_head backward (FSDP prefetch)"
-OPTIMIZER_STEP = "optimizer step"
 
 
 def foreach_copy(train: TrainMemory, optimizer: str) -> int:
