@@ -11,6 +11,11 @@ Points run one at a time (each stays under ~6 GiB). Prints one row per point and
                                                 # a rerun predicts again, measuring only points whose plan changed
     python bench/memory_grid.py --device cuda --jobs 4  # on one GPU: torch.cuda.max_memory_allocated (and the
                                                 # allocator's reserved high-water mark), 4 points at a time
+    python bench/memory_grid.py --device cuda --cache bench/memory_grid_measured_h100.json  # the H100 grid of
+                                                # docs/memory.md, predicted again (no GPU needed: every point is cached)
+
+CPU points are predicted with `--device-type cpu` (torch's for-loop AdamW step, no cuBLAS workspaces), CUDA points
+with `--device-type cuda` (the AdamW step the plan leads torch to, the cuBLAS workspaces of sm_90).
 """
 
 from __future__ import annotations

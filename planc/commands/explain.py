@@ -27,6 +27,7 @@ _CONFIG_METADATA = ("model_type", "architectures", "transformers_version", "auto
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from planc.compiler.devices import CARDS
     from planc.compiler.optimizer_step import STEPS
+    from planc.compiler.peak_memory import DEVICE_TYPES
 
     cards = ", ".join(c.name for c in CARDS.values())
     parser.add_argument("plans", nargs="+", metavar="PLAN", help="plan file(s) (YAML); pre-commit passes several")
@@ -85,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "copies of the largest parameter's, fused none",
     )
     parser.add_argument(
-        "--device-type", choices=("cuda", "cpu"), default="cuda",
+        "--device-type", choices=DEVICE_TYPES, default="cuda",
         help="where the workload runs (default cuda): cuda prices torch's CUDA AdamW step and cuBLAS workspaces, cpu "
         "(as planc verify --memory measures) the for-loop step and no workspaces",
     )
@@ -319,7 +320,8 @@ def workload_peak(compiled, model, train, workload: dict, device_memory, path: s
         # what no batch or sequence changes: parameters, plus gradients and AdamW state when training
         static = train.total if workload["workload"] == "train" and train is not None else compiled.bytes_per_rank
         situation = Situation(compiled, workload["workload"], static=static, room=device_memory - peak.reserve,
-                              batch=workload["batch"], train_flag=workload["workload"] == "train")
+                              batch=workload["batch"], train_flag=workload["workload"] == "train",
+                              moment=peak.moment, adamw_step=peak.adamw_step)
         sys.stderr.write(
             f"planc explain: {path}: PLC660 the peak per rank, {peak.peak / 2**30:.2f} GiB at {peak.moment}, plus the "
             f"{peak.reserve / 2**30:.1f} GiB reserve does not fit in {device_memory / 2**30:.1f} GiB of device memory"

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from planc.compiler.compiled import CompiledPlan
+from planc.compiler.optimizer_step import OPTIMIZER_STEP
 from planc.compiler.units import human_bytes
 
 WIDE_DTYPES = ("bfloat16", "float16", "float32")
@@ -23,7 +24,8 @@ class Situation:
 
     `workload`: "train", "serve", or None (the parameters held after loading, no workload priced). `static`: the
     bytes per rank no batch or sequence changes (parameters, plus gradients and AdamW state when training);
-    `room`: what the device leaves for them. `train_flag`: `--train` was given (the weights will be trained)."""
+    `room`: what the device leaves for them. `train_flag`: `--train` was given (the weights will be trained).
+    `moment`, `adamw_step`: the peak's moment and the AdamW step it priced."""
 
     compiled: CompiledPlan
     workload: Optional[str]
@@ -31,6 +33,8 @@ class Situation:
     room: int
     batch: int = 1
     train_flag: bool = False
+    moment: Optional[str] = None  # the peak's moment (planc.compiler.peak_memory), when a workload was priced
+    adamw_step: Optional[str] = None  # the AdamW step priced (planc.compiler.optimizer_step.STEPS)
 
     @property
     def training(self) -> bool:
@@ -65,6 +69,11 @@ def _more_ranks(s: Situation) -> str:
     return f"more ranks (a larger tp_size/ep_size than {p.tp_size}/{p.ep_size})"
 
 
+def _fused_step(s: Situation) -> str:
+    return (f"the fused AdamW step (`torch.optim.AdamW(params, fused=True)`, priced with --optimizer fused): the "
+            f"{s.adamw_step} step's temporaries set this peak, the fused step holds none")
+
+
 def _fp8(s: Situation) -> str:
     need = s.compiled.bytes_per_rank
     return (f"a checkpoint with FP8 weights (`quantization_config: fp8`): its 16-bit weights take half the bytes, "
@@ -82,6 +91,9 @@ class HintRule:
 
 HINT_RULES: tuple[HintRule, ...] = (
     HintRule("more-ranks", lambda s: s.workload is None or s.compiled.bytes_sharded_per_rank > 0, _more_ranks),
+    # the peak is the optimizer step itself: the step torch takes by default holds temporaries, the fused one none
+    HintRule("fused-adamw", lambda s: s.training and s.moment == OPTIMIZER_STEP and s.adamw_step != "fused",
+             _fused_step),
     HintRule("fsdp", lambda s: s.training and not s.fsdp,
              lambda s: "`training: {data_parallel: fsdp}` (parameters, gradients and AdamW state sharded over dp)"),
     HintRule("more-dp", lambda s: s.training and s.fsdp,

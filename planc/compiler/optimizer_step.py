@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 # How AdamW can step: foreach (torch's CUDA default), for-loop (tensor by tensor: CPU's default), fused (opt-in).
 STEPS = ("foreach", "for-loop", "fused")
+# The training moment the step's temporaries set (planc.compiler.peak_memory; the fused-step hint reads it).
+OPTIMIZER_STEP = "optimizer step"
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,24 @@ class AdamWStep:
     def to_json(self) -> dict[str, object]:
         return {"step": self.step, "why": self.why, "dtensor_parameters": self.dtensors,
                 "plain_parameters": self.plain}
+
+
+def for_loop_temporaries(sizes: list[int]) -> int:
+    """The most the for-loop step holds beyond the model states, for parameters of `sizes` bytes in step order.
+
+    `_single_tensor_adam` computes `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)` for each
+    parameter: the square root and the quotient (two copies of it) while the previous parameter's `denom` is still
+    bound (the name is rebound only when the new one is complete)."""
+    return max((prev + 2 * size for prev, size in zip([0, *sizes], sizes)), default=0)
+
+
+def foreach_temporaries(groups: list[int]) -> int:
+    """The most the foreach step holds beyond the model states, for (device, dtype) groups of `groups` bytes in the
+    order torch steps them (first appearance in the parameter group).
+
+    `_multi_tensor_adam`'s one out-of-place op is `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`: a copy of
+    the group's exp_avg_sq (like its parameters), while the previous group's list is still bound."""
+    return max((prev + size for prev, size in zip([0, *groups], groups)), default=0)
 
 
 def is_dtensor(style: str) -> bool:
@@ -81,4 +101,4 @@ def adamw_step(compiled: CompiledPlan, walk: ModelWalk) -> AdamWStep:
     return AdamWStep("foreach", f"every parameter is one kind ({kind}): torch's CUDA default, foreach", dtensors, plain)
 
 
-__all__ = ["STEPS", "AdamWStep", "adamw_step", "is_dtensor"]
+__all__ = ["OPTIMIZER_STEP", "STEPS", "AdamWStep", "adamw_step", "for_loop_temporaries", "foreach_temporaries", "is_dtensor"]

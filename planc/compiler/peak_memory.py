@@ -16,8 +16,8 @@ Training (one AdamW step), the peak is the largest of these moments:
 - under fsdp, `lm_head backward (FSDP prefetch)`: the loss's gradients (two fp32 [tokens, vocab] and the logits'
   gradient in the compute dtype) while FSDP2 all-gathers the next unit (one unit's buffer);
 - `optimizer step`: parameters, gradients, AdamW state and the step's temporaries (`optimizer`, by default the step
-  the plan leads torch to on CUDA, `planc.compiler.optimizer_step`: foreach copies the largest dtype group's
-  exp_avg_sq; for-loop two copies of the largest parameter's).
+  the plan leads torch to on CUDA; `planc.compiler.optimizer_step` says what foreach and for-loop hold).
+On CUDA, torch's cuBLAS workspaces (`planc.compiler.devices.cuda_workspaces`) are added to every moment.
 Serving (one prefill under `no_grad`, `logits_to_keep=1` as `generate` runs it): parameters, the KV cache of
 every layer so far, the masks and residual streams the forward keeps, Mega MoE's symmetric buffer and the largest
 layer's transient. What a family's code allocates beyond its shapes is `planc.compiler.family_memory`'s; what the
@@ -38,7 +38,7 @@ from planc.compiler import deepseek_v4_memory, megamoe_buffers
 from planc.compiler.deepseek_v4_memory import HyperConnectionLayer
 from planc.compiler.devices import cuda_workspaces
 from planc.compiler.family_memory import FamilyMemory, family_memory
-from planc.compiler.optimizer_step import STEPS
+from planc.compiler.optimizer_step import OPTIMIZER_STEP, STEPS
 from planc.compiler.train_memory import ITEMSIZE, TrainMemory, decoder_layers
 from planc.compiler.units import human_bytes
 from planc.spec.choices import ACTIVATION_CHECKPOINTING_MODES
@@ -50,8 +50,9 @@ if TYPE_CHECKING:
 
 # What the CUDA context, cuDNN and NCCL's communicators take outside PyTorch's allocator on each rank: about 0.5 GiB
 # for the context and kernels on an H100/H200 (CUDA 12) plus NCCL's buffers (NCCL_BUFFSIZE 4 MiB per channel and
-# peer). cuBLAS's workspaces are not in it: torch allocates them through its allocator (priced in the peak). 2 GiB is a deliberate round allowance from those published sizes, not a measurement on
-# this machine (it has no GPU); `--reserve` overrides it.
+# peer). cuBLAS's workspaces are not in it: torch allocates them through its allocator (priced in the peak). 2 GiB
+# is a deliberate round allowance from those published sizes, not a measurement on this machine (it has no GPU);
+# `--reserve` overrides it.
 DEFAULT_RESERVE = 2 * 2**30
 FP32 = 4
 
@@ -137,6 +138,7 @@ class PeakMemory:
     reserve: int = DEFAULT_RESERVE
     max_batch: Optional[int] = None
     max_seq: Optional[int] = None
+    adamw_step: Optional[str] = None  # the AdamW step priced (train): planc.compiler.optimizer_step.STEPS
 
     @property
     def fits(self) -> Optional[bool]:
@@ -165,6 +167,7 @@ class PeakMemory:
             "fits": self.fits,
             "max_batch": self.max_batch,
             "max_seq": self.max_seq,
+            "adamw_step": self.adamw_step,
             "unpriced": list(self.unpriced),
             "validated": self.validated,
         }
@@ -500,7 +503,8 @@ def peak_memory(
         if search == "seq":
             limit = int(_get(config, "max_position_embeddings", default=1 << 20) or 1 << 20)
             max_seq = _largest(lambda s: peak_at(batch, s).peak, budget, max(limit, 1))
-    return replace(best, device_memory=device_memory, reserve=reserve, max_batch=max_batch, max_seq=max_seq)
+    return replace(best, device_memory=device_memory, reserve=reserve, max_batch=max_batch, max_seq=max_seq,
+                   adamw_step=optimizer if workload == "train" else None)
 
 
 def _largest(peak_at: Callable[[int], int], budget: int, limit: int) -> int:
@@ -674,7 +678,7 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
         # a layer recomputed in backward (activation checkpointing): every gradient but the input embedding's, which
         # backward reaches after the first layer
         "end of backward": params + grads + optim + max(backward, recompute - train.embedding_gradient),
-        "optimizer step": params + grads + optim + foreach_copy(train, optimizer),
+        OPTIMIZER_STEP: params + grads + optim + foreach_copy(train, optimizer),
     }
     if fsdp:
         # lm_head's backward: the gradients of the log-softmax and of the logits (fp32) and the logits' gradient cast
@@ -708,13 +712,12 @@ LAST_LAYER_BACKWARD = "lm_head backward (FSDP prefetch)"
 
 
 def foreach_copy(train: TrainMemory, optimizer: str) -> int:
-    """AdamW's temporaries at its step. foreach: `_foreach_sqrt(exp_avg_sqs)` is its one out-of-place op, a copy of
-    exp_avg_sq for each (device, dtype) group in turn: the largest group's bytes (exp_avg_sq is like its
-    parameters). for-loop: `exp_avg_sq.sqrt() / bias_correction2_sqrt` holds two copies of one parameter's, the
-    largest. fused: none."""
-    if optimizer == "foreach":  # over the parameters that get a gradient (not frozen or unreached ones)
-        return min(max((n for _, n in train.parameters), default=0), train.gradients)
-    return 2 * train.largest_tensor if optimizer == "for-loop" else 0
+    """AdamW's temporaries at its step (planc.compiler.optimizer_step says what torch allocates): foreach a copy of
+    exp_avg_sq for each (device, dtype) group, the previous group's still bound; for-loop two copies of one
+    parameter's, the previous parameter's quotient still bound; fused none."""
+    if optimizer == "foreach":
+        return train.foreach_step
+    return train.for_loop_step if optimizer == "for-loop" else 0
 
 
 def _fsdp_backward(train: TrainMemory) -> tuple[int, int]:

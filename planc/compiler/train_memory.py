@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from planc.compiler.accounting import shard_divisor
-from planc.compiler.optimizer_step import AdamWStep, adamw_step
+from planc.compiler.optimizer_step import AdamWStep, adamw_step, for_loop_temporaries, foreach_temporaries
 from planc.compiler.units import human_bytes
 from planc.spec.choices import DATA_PARALLEL_MODES
 from planc.spec.styles import STYLE
@@ -76,6 +76,8 @@ class TrainMemory:
     embedding_gradient: int = 0
     largest_tensor: int = 0  # the most bytes one parameter holds on this rank (its gradient's transient copy)
     step: Optional[AdamWStep] = None  # the AdamW step torch takes on CUDA (planc.compiler.optimizer_step)
+    for_loop_step: int = 0  # what the for-loop AdamW step holds beyond the states (planc.compiler.optimizer_step)
+    foreach_step: int = 0  # what the foreach AdamW step holds beyond the states
 
     @property
     def parameter_bytes(self) -> int:
@@ -264,6 +266,8 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
 
     params: dict[str, int] = {}
     grads = optim = tensors = frozen = untouched = largest = 0
+    stepped: list[int] = []  # bytes of each parameter AdamW steps, in model.parameters() order
+    stepped_by_dtype: dict[str, int] = {}  # the foreach step's (device, dtype) groups, in order of first appearance
     gathered: dict[str, int] = {}
     unit_of = _units(walk, layers, ep_experts)
     unit_bytes: dict[str, int] = {}
@@ -295,6 +299,8 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
             untouched += held  # still gathered with the root under fsdp
         else:
             largest = max(largest, held)  # a gradient's transient copy: inference-only experts have none
+            stepped.append(held)
+            stepped_by_dtype[info.dtype] = stepped_by_dtype.get(info.dtype, 0) + held
             grads += held
             if walk.modules[info.owner].class_name == "Embedding" and uses[info.tensor_id] == 1:
                 embedding_gradient += held
@@ -329,6 +335,8 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
         embedding_gradient=embedding_gradient,
         largest_tensor=largest,
         step=adamw_step(compiled, walk),
+        for_loop_step=for_loop_temporaries(stepped),
+        foreach_step=foreach_temporaries(list(stepped_by_dtype.values())),
         units=tuple((u, _layer_of(u + ".x", layers) if u not in layers else u, n) for u, n in unit_bytes.items()
                     if u),
     )

@@ -86,3 +86,16 @@ def test_the_parameters_held_line_says_when_it_applies_under_fsdp(compiled_pair)
             "rank's TP/EP shard first); the training table below counts them after") in problem.message
     (problem,) = budget_problems(plain, GIB // 4, where="p.yaml")
     assert "while loading" not in problem.message
+
+
+def test_fused_adamw_is_suggested_only_where_the_step_sets_the_peak(tmp_path, capsys):
+    """replicate over dp 2: every parameter a DTensor, so CUDA's foreach step, whose copy of exp_avg_sq is the peak at
+    a short sequence; priced fused, the step no longer sets it and the hint is gone."""
+    plan = _plan(tmp_path, "{data_parallel: replicate}")
+    args = ["explain", plan, *SMALL, "--train", "--batch", "1", "--seq", "128", "--device-memory", "5.5GiB"]
+    assert main(args) == 1
+    hint = capsys.readouterr().err.split("PLC660 the peak per rank", 1)[1]
+    assert "at optimizer step" in hint and "the fused AdamW step" in hint and "the foreach step's" in hint, hint
+    main([*args, "--optimizer", "fused"])
+    err = capsys.readouterr().err
+    assert "fused AdamW" not in err and "at optimizer step" not in err, err

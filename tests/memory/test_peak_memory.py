@@ -281,3 +281,19 @@ def test_megamoe_buffer_is_priced_at_the_capacity_the_runtime_allocates():
     bf16_experts = 2 * 32 * 3 * 4096 * 2048 * 2  # two layers, 32 local experts, gate_up and down
     assert memory(*fp4, "--batch", "1", "--seq", "128")["breakdown"]["parameters"] - held == \
         bf16_experts - bf16_experts // 2 // 2 - bf16_experts // 2 // 32
+
+
+def test_cuda_prices_cublas_workspaces_per_handle_and_card():
+    """torch's cuBLAS workspaces (planc.compiler.devices): 32 MiB + 1 MiB cuBLASLt per handle on compute capability
+    9.0, 8.125 MiB + 1 MiB elsewhere; one handle serving, two training (autograd's backward thread); none on CPU."""
+    mib, key = 2**20, "cuBLAS workspaces (CUDA)"
+    serve = [*MIXTRAL, "--serve", "--batch", "1", "--seq", "512"]
+    h100 = memory(*serve, "--device-memory", "H100")
+    a100 = memory(*serve, "--device-memory", "A100-80GB")
+    assert h100["breakdown"][key] == 33 * mib and a100["breakdown"][key] == 9 * mib + 128 * 1024
+    assert memory(*serve)["breakdown"][key] == 33 * mib  # a plain size or none: the larger sm_90 rule
+    cpu = memory(*serve, "--device-type", "cpu")
+    assert key not in cpu["breakdown"] and cpu["peak_per_rank"] == h100["peak_per_rank"] - 33 * mib
+    train = memory(*MIXTRAL, "--train", "--batch", "1", "--seq", "512", "--device-memory", "H100")
+    assert train["breakdown"][key] == 66 * mib and train["adamw_step"] == "for-loop"
+    assert memory(*MIXTRAL, "--train", "--batch", "1", "--seq", "512", "--device-type", "cpu")["adamw_step"] == "for-loop"
