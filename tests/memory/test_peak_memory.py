@@ -62,15 +62,6 @@ def test_predicted_peak_is_what_rank0_allocates():
         assert within(predicted, real["peak"]), (point["family"], point["mode"], predicted, real["peak"])
 
 
-# Plans whose GPU training points the model does not fit yet (docs/memory.md, "On a GPU"): their points are left out
-# of the H100 check below, and the check fails once every one of a listed plan's points is in tolerance (drop it here).
-GPU_NOT_YET_FIT = {
-    "qwen3_vl_moe": "training 14-28% over: a bound that holds, not a fit",
-    "deepseek_v4_allreduce": "training replicate 1 x 512 -14.6%, fsdp -15.3% / -6.7%: hyper-connections and "
-                             "compressed caches under training not priced right",
-}
-
-
 @pytest.mark.parametrize("cache, device", [("memory_grid_measured.json", "cpu"),
                                            ("memory_grid_measured_h100.json", "cuda")])
 def test_the_committed_grid_is_predicted_again(cache, device):
@@ -83,20 +74,13 @@ def test_the_committed_grid_is_predicted_again(cache, device):
     measured = json.loads((REPO / "bench" / cache).read_text())
     points = [p for p in ({**q, "device": device} if device != "cpu" else q for q in memory_grid.grid())
               if memory_grid.cache_key(p) in measured]
-    outside, not_yet = [], {family: 0 for family in GPU_NOT_YET_FIT}
+    outside = []
     for point, predicted in zip(points, memory_grid.predict_all(points)):
         real = measured[memory_grid.cache_key(point)]
         if not within(predicted["peak_per_rank"], real["peak"]):
-            where = (point["family"], point["mode"], point["batch"], point["seq"],
-                     f"{predicted['peak_per_rank'] / real['peak'] - 1:+.1%}")
-            if device == "cuda" and point["family"] in GPU_NOT_YET_FIT:
-                not_yet[point["family"]] += 1
-            else:
-                outside.append(where)
+            outside.append((point["family"], point["mode"], point["batch"], point["seq"],
+                            f"{predicted['peak_per_rank'] / real['peak'] - 1:+.1%}"))
     assert len(points) >= 30 and not outside, (len(points), outside)
-    if device == "cuda":
-        fit = [family for family, n in not_yet.items() if n == 0]
-        assert not fit, f"{fit}: every H100 point is now in tolerance: drop them from GPU_NOT_YET_FIT"
 
 
 def test_peak_json_text_and_max_batch():
