@@ -440,10 +440,11 @@ def _check_partial_gradients(
         need = SHARED_BY_HEADS.get(leaf)
         if need is None and "norm" in leaf.lower():
             w = walk.params.get(f"{fqn}.weight")
-            # per head: its width divides a projection's output (heads x head_dim) and is less than it; a norm as
-            # wide as a projection's input normalizes that whole input before it (MLA's q_a_layernorm): not per head
+            # per head: its width divides every projection's output (heads x head_dim) and is less than each (a
+            # norm over all of q's or k's heads, OLMoE's, is as wide as one of them: PLC633's); a norm as wide as a
+            # projection's input normalizes that whole input before it (MLA's q_a_layernorm): not per head
             n = w.shape[0] if w is not None and len(w.shape) == 1 else None
-            if n and all(i != n for _, i in weights) and any(o > n and o % n == 0 for o, _ in weights):
+            if n and weights and all(i != n for _, i in weights) and all(o > n and o % n == 0 for o, _ in weights):
                 need = "all"
         if need is None:
             continue
