@@ -94,7 +94,7 @@ def triton_layer_bytes(ranks: int, rows: int, local_experts: int, top_k: int, hi
     m = ranks * rows
     gathered = m * (hidden + hidden // GRAN + 12 * top_k)
     slots = m * top_k
-    act = min(slots, m * top_k) + local_experts * _BLOCK_T
+    act = slots + local_experts * _BLOCK_T
     return gathered + 2 * m * hidden + 2 * slots * hidden + 2 * act * intermediate + 4 * slots + 2 * rows * hidden
 
 

@@ -260,12 +260,18 @@ def _layer_kinds(walk: ModelWalk) -> dict[str, tuple[bool, bool, bool]]:
     return {f: (v[0], v[1], v[2]) for f, v in out.items() if f in top}
 
 
+def _text_config_object(walk: ModelWalk) -> Any:
+    """The model's config object for its decoder: a multimodal config's text config (`get_text_config`), else itself."""
+    config = walk.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def attention_implementation(walk: ModelWalk) -> str:
     """The attention transformers runs for this model (`config._attn_implementation`: sdpa by default, eager where the
     family supports nothing else, gpt-oss and DeepSeek-V4); a multimodal model's text config decides its decoder."""
-    config = walk.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return str(getattr(text, "_attn_implementation", None) or getattr(config, "_attn_implementation", None) or "sdpa")
+    text = _text_config_object(walk)
+    return str(getattr(text, "_attn_implementation", None) or getattr(walk.config, "_attn_implementation", None)
+               or "sdpa")
 
 
 # Layer types whose cache transformers keeps as a sliding window (after a prefill the layer still holds all S tokens'
@@ -284,8 +290,7 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
     head_dim = int(_get(config, "head_dim", default=0) or hidden // heads)
     window = _get(config, "sliding_window", "attention_chunk_size")
     # a config may compute its layer types (Jamba's property from attn_layer_period/offset): read the object too
-    text = walk.config.get_text_config() if hasattr(walk.config, "get_text_config") else walk.config
-    layer_types = config.get("layer_types") or list(getattr(text, "layer_types", None) or [])
+    layer_types = config.get("layer_types") or list(getattr(_text_config_object(walk), "layer_types", None) or [])
     experts_by_layer = {e.fqn: e for e in compiled.experts}
     impl = attention_implementation(walk)
     megamoe = compiled.experts_implementation.megamoe
@@ -571,12 +576,9 @@ def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], tr
         worst = _train_peak(train, shapes, hidden, vocab, a, batch, seq, worst_rows, tp, ckpt, fam, optimizer, hc)
     else:
         params = compiled.bytes_per_rank - _fp4_saving(compiled, shapes, hidden, a)
-        buf, work, mm_notes = _megamoe(compiled.experts_settings.megamoe, shapes, hidden, tokens, ep)
+        buf, work, mm_notes, mm_unpriced = _megamoe(compiled.experts_settings.megamoe, shapes, hidden, tokens, ep)
         notes.extend(mm_notes)
-        settings = compiled.experts_settings.megamoe
-        if buf and (settings.backend if settings is not None else "auto") != "reference":
-            unpriced.append("Mega MoE's deep_gemm and Triton buffers: priced from DeepGEMM's sizing rule and planc's "
-                            "Triton buffer and layer work, not measured (the grid measures the reference backend)")
+        unpriced.extend(mm_unpriced)
         streams = hc.streams if hc is not None else 1
         best = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, rows, tp, ep, fam, (buf, work), streams)
         worst = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, worst_rows, tp, ep, fam, (buf, work),
@@ -767,12 +769,13 @@ def _fp4_saving(compiled: CompiledPlan, shapes: list[LayerShape], hidden: int, a
                for s in shapes if s.megamoe)
 
 
-def _megamoe(settings: Any, shapes: list[LayerShape], hidden: int, tokens: int, ep: int) -> tuple[int, int, list[str]]:
-    """(the symmetric buffer every Mega MoE layer shares, one layer's work, notes) at `tokens` per rank; `auto`
-    picks its backend by device, so both are priced and the larger counts."""
+def _megamoe(settings: Any, shapes: list[LayerShape], hidden: int, tokens: int,
+             ep: int) -> tuple[int, int, list[str], list[str]]:
+    """(the symmetric buffer every Mega MoE layer shares, one layer's work, notes, what is not priced) at `tokens`
+    per rank; `auto` picks its backend by device, so both are priced and the larger counts."""
     moe = next((s for s in shapes if s.megamoe), None)
     if moe is None:
-        return 0, 0, []
+        return 0, 0, [], []
     backend = settings.backend if settings is not None else "auto"
     limit = settings.max_tokens_per_rank if settings is not None else None
     # MegaMoeEP hands each rank of the EP group (which shares the batch) its equal slice, ceil(T / ep) tokens
@@ -799,7 +802,10 @@ def _megamoe(settings: Any, shapes: list[LayerShape], hidden: int, tokens: int, 
              + (" (`max_tokens_per_rank` of the plan)" if limit is not None and per_rank <= limit else
                 " (the next power of two: the batch exceeds the plan's `max_tokens_per_rank`)" if limit else "")
              + (", the larger of deep_gemm's and triton's (`auto` picks by device)" if backend == "auto" else "")]
-    return buf, work, notes
+    unpriced = [] if backend == "reference" else [
+        "Mega MoE's deep_gemm and Triton buffers: priced from DeepGEMM's sizing rule and planc's Triton buffer and "
+        "layer work, not measured (the grid measures the reference backend)"]
+    return buf, work, notes, unpriced
 
 
 def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, a: int, batch: int, seq: int,

@@ -92,7 +92,8 @@ def triton_local_experts_forward(
         return out.view(m, k, hidden)
     cfg = config or device_config(m * k, num_local, hidden, inter, device)
     cfg = cfg.fit(hidden, inter)
-    race = None if target.interpreting() else cfg.pipeline_race(target.REGISTER_PREFETCH)
+    interpret = target.interpreting()
+    race = None if interpret else cfg.pipeline_race(target.REGISTER_PREFETCH)
     if race is not None:  # refuse before any launch: the kernels would run, and some slots would come back garbage
         raise ValueError(race)
 
@@ -105,7 +106,6 @@ def triton_local_experts_forward(
     sorted_slots, block_expert, block_row, block_end = route(
         topk_idx, first_expert=first_expert, num_local_experts=num_local, block_t=cfg.block_t
     )
-    interpret = target.interpreting()
     prefetch = bool(cfg.prefetch) and target.REGISTER_PREFETCH
     if cfg.decode:
         decode.decode_forward(x, (sorted_slots, block_expert, block_row, block_end), weights, experts, out,
