@@ -55,19 +55,21 @@ if TYPE_CHECKING:
     from planc.spec.model import MegaMoe
 
 
-def apply(model: nn.Module, loaded: LoadedPlan, *, mesh: Optional[Any] = None) -> CompiledPlan:
+def apply(model: nn.Module, loaded: LoadedPlan, *, mesh: Optional[Any] = None,
+          after_sharding: Optional[Callable[[InstallState], None]] = None) -> CompiledPlan:
     """Compile `loaded` against `model`, then shard and install it on every rank (all or nothing).
 
     `loaded`: the plan as `load_plan_on_every_rank` loaded it (at the sizes it runs at). `mesh`: an optional
     DeviceMesh, planc's root (planc.spec.sizes.mesh_dims) or ("dp", "tp"); planc builds the root from the plan's
-    sizes otherwise. Returns the CompiledPlan.
+    sizes otherwise. `after_sharding`: run once the parameters are sharded, before the rest of the install (what
+    gives a model sharded on meta its values: `install_atomically`). Returns the CompiledPlan.
     """
     compiled, problems = compile_and_check(model, loaded, mesh)
     agree_across_ranks(compiled, problems)
     assert compiled is not None  # agree_across_ranks raised on every rank otherwise
     groups = build_groups(compiled.parallel, mesh)
     state = InstallState(model=model, compiled=compiled, groups=groups)
-    install_atomically(state)
+    install_atomically(state, after_sharding=after_sharding)
     return compiled
 
 

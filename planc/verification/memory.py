@@ -115,7 +115,6 @@ def _apply_with_weights(model, loaded, mesh, device: str) -> None:
     experts to FP4 when applied needs real weights at that step: as `planc.load` does, the model is sharded on meta,
     its shards are filled (random values) right after sharding, and the rest of the install runs on them."""
     from planc.runtime import install
-    from planc.runtime.mesh import build_groups
 
     megamoe = loaded.plan.experts.megamoe
     if not (loaded.plan.experts.implementation_row.megamoe and megamoe is not None and megamoe.quantize == "fp4"):
@@ -123,16 +122,12 @@ def _apply_with_weights(model, loaded, mesh, device: str) -> None:
         model.to_empty(device=device)
         _fill(model)
         return
-    compiled, problems = install.compile_and_check(model, loaded, mesh)
-    install.agree_across_ranks(compiled, problems)
-    assert compiled is not None  # agree_across_ranks raised otherwise
-    state = install.InstallState(model=model, compiled=compiled, groups=build_groups(compiled.parallel, mesh))
 
     def fill(_state) -> None:
         model.to_empty(device=device)
         _fill(model)
 
-    install.install_atomically(state, after_sharding=fill)
+    install.apply(model, loaded, mesh=mesh, after_sharding=fill)
 
 
 def plan_data(family: str, mode: str, *, dp: int = 1, root: str = ".") -> dict:
