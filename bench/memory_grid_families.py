@@ -45,6 +45,37 @@ ORDER = (
     "laguna",
     "lara_mini",
     "openai_privacy_filter",
+    "axk1",
+    "axk2",
+    "bailing_hybrid",
+    "beam",
+    "dots3_note_text",
+    "ergo",
+    "ernie4_5_vl_moe_text",
+    "flint",
+    "gemma4_text",
+    "glm4v_moe_text",
+    "glm5_next_text",
+    "glm_moe_dsa",
+    "granitemoe_swa",
+    "hy_v3",
+    "hy_v4",
+    "hy_v4_vl_text",
+    "inkling2_loop_text",
+    "inkling2_text",
+    "inkling_text",
+    "kolibri1",
+    "kolibri1_1",
+    "longcat_flash",
+    "mimo_v2_flash",
+    "minicpm5_moe",
+    "minimax_m3_vl_text",
+    "mistral_large4_text",
+    "nemotron_h",
+    "qwen3_omni_moe_text",
+    "sarvam_mla",
+    "step3p5",
+    "unlimited_ocr_text",
 )
 
 # tp_size = ep_size of the plan `planc init` writes (a family absent here runs at 2): larger where rank 0 of a
@@ -53,14 +84,28 @@ SIZES: dict[str, int] = {
     "olmoe": 4, "qwen2_moe": 4, "jamba": 8, "granitemoehybrid": 8, "kimi_linear": 8, "qwen3_5_moe_text": 8,
     "mistral4": 8, "glm4_moe_lite": 4, "phimoe": 8, "minimax": 8, "deepseek_v32": 8, "cohere2_moe": 8,
     "ernie4_5_moe": 4, "granitemoeshared": 8, "exaone_moe": 8, "sarvam_moe": 8, "flex_olmo": 8, "granitemoe": 8,
-    "aria_text": 4, "afmoe": 4, "param2moe": 4, "zaya": 8, "solar_open": 8, "mellum": 4, "laguna": 4,
+    "aria_text": 4, "afmoe": 4, "param2moe": 4, "zaya": 8, "solar_open": 8, "mellum": 4, "laguna": 4, "axk1": 8,
+    "axk2": 2, "bailing_hybrid": 8, "beam": 8, "dots3_note_text": 8, "ergo": 8, "ernie4_5_vl_moe_text": 4,
+    "flint": 4, "gemma4_text": 8, "glm4v_moe_text": 8, "glm5_next_text": 8, "glm_moe_dsa": 8, "granitemoe_swa": 4,
+    "hy_v3": 8, "hy_v4": 8, "hy_v4_vl_text": 8, "inkling2_loop_text": 8, "inkling2_text": 8, "inkling_text": 8,
+    "kolibri1": 8, "kolibri1_1": 8, "lara_mini": 2, "longcat_flash": 8, "mimo_v2_flash": 8, "minicpm5_moe": 2,
+    "minimax_m3_vl_text": 8, "mistral_large4_text": 8, "nemotron_h": 8, "openai_privacy_filter": 2,
+    "qwen3_omni_moe_text": 2, "sarvam_mla": 8, "step3p5": 8, "unlimited_ocr_text": 2,
 }
 
 # What is smaller than the family's default config, where full width at SIZES would still not fit (stated in
 # docs/memory.md's families table).
 SHRINK: dict[str, dict] = {
-    "mistral4": {"n_routed_experts": 64}, "deepseek_v32": {"n_routed_experts": 32}, "jamba": {"num_experts": 8},
-    "kimi_linear": {"num_local_experts": 128}, "solar_open": {"n_routed_experts": 64}, "sarvam_moe": {"num_experts": 64},
+    "mistral4": {'n_routed_experts': 64}, "deepseek_v32": {'n_routed_experts': 32}, "jamba": {'num_experts': 8},
+    "kimi_linear": {'num_local_experts': 128}, "solar_open": {'n_routed_experts': 64},
+    "sarvam_moe": {'num_experts': 64}, "axk1": {'n_routed_experts': 48}, "beam": {'num_experts': 32},
+    "dots3_note_text": {'n_routed_experts': 16}, "ergo": {'num_experts': 16},
+    "glm5_next_text": {'n_routed_experts': 16}, "glm_moe_dsa": {'n_routed_experts': 64},
+    "hy_v4_vl_text": {'n_routed_experts': 16}, "inkling2_loop_text": {'n_routed_experts': 64},
+    "inkling2_text": {'n_routed_experts': 24}, "inkling_text": {'n_routed_experts': 16},
+    "longcat_flash": {'n_routed_experts': 32}, "mimo_v2_flash": {'n_routed_experts': 32},
+    "minimax_m3_vl_text": {'num_local_experts': 16}, "mistral_large4_text": {'n_routed_experts': 16},
+    "sarvam_mla": {'n_routed_experts': 64}, "step3p5": {'n_routed_experts': 16},
 }
 
 # Layer overrides where the fewest layers of each kind hold no attention layer (transformers' hybrid cache needs one):
@@ -82,28 +127,62 @@ _DENSE_FIRST = ("first_k_dense_replace", "num_dense_layers", "first_k_dense")
 
 def layer_overrides(model_type: str) -> dict:
     """Config overrides for the fewest layers of each kind (per-layer lists cut to them), one dense layer first
-    where the family starts dense, `mlp_only_layers` renumbered."""
+    where the family starts dense, `mlp_only_layers` renumbered. Keys are dotted from the plan's model config: a
+    family whose decoder sits in a composite model (`glm4v_moe_text` in `glm4v_moe`) gets `text_config.` keys, and
+    every other tower of that model (vision, audio, a second decoder) is cut to one layer: a text batch never runs
+    them, so they only hold their weights."""
     from planc.models.build import overridden_config
+    from planc.models.families import family
     from planc.models.tiny import _kept_layers
 
-    d = overridden_config(model_type, SHRINK.get(model_type, {})).to_dict()
-    key = next(k for k in _LAYER_COUNTS if isinstance(d.get(k), int))
-    n = d[key]
-    keep = _kept_layers(d, n)
-    out: dict = {key: len(keep)}
-    for k, v in d.items():
-        if isinstance(v, list) and len(v) == n and n > 1:
-            out[k] = [v[i] for i in keep]
-    for k in _DENSE_FIRST:
-        if isinstance(d.get(k), int) and d[k] > 0:
-            out[k] = 1
-    if isinstance(d.get("mlp_only_layers"), list) and d["mlp_only_layers"]:
-        out["mlp_only_layers"] = [j for j, i in enumerate(keep) if i in d["mlp_only_layers"]]
-    return {**out, **LAYERS.get(model_type, {})}
+    fam = family(model_type)
+    prefix = "".join(f"{p}." for p in fam.config_path)
+    top = overridden_config(fam.model_type, {prefix + k: v for k, v in SHRINK.get(model_type, {}).items()})
+    config = top
+    for part in fam.config_path:
+        config = getattr(config, part)
+    d = config.to_dict()
+    key = next((k for k in _LAYER_COUNTS if isinstance(d.get(k), int)), None)
+    out: dict = {}
+    if key is not None:  # else the layers are a per-kind list already (Nemotron-H's `layers_block_type`)
+        n = d[key]
+        keep = _kept_layers(d, n)
+        out[key] = len(keep)
+        for k, v in d.items():
+            if isinstance(v, list) and len(v) == n and n > 1:
+                out[k] = [v[i] for i in keep]
+        for k in _DENSE_FIRST:
+            if isinstance(d.get(k), int) and d[k] > 0:
+                out[k] = 1
+        if isinstance(d.get("mlp_only_layers"), list) and d["mlp_only_layers"]:
+            out["mlp_only_layers"] = [j for j, i in enumerate(keep) if i in d["mlp_only_layers"]]
+    out = {prefix + k: v for k, v in {**out, **LAYERS.get(model_type, {})}.items()}
+    return {**out, **_other_towers(top, fam.config_path)}
+
+
+def _other_towers(config, text_path: tuple, path: tuple = ()) -> dict:
+    """`{dotted key: 1}` for the layer count of every sub-config of `config` not on `text_path`."""
+    out = {}
+    for attr in getattr(type(config), "sub_configs", None) or {}:
+        sub = getattr(config, attr, None)
+        if sub is None or (*path, attr) == text_path[: len(path) + 1]:
+            if sub is not None and (*path, attr) != text_path:
+                out.update(_other_towers(sub, text_path, (*path, attr)))
+            continue
+        for k in (*_LAYER_COUNTS, "depth", "encoder_layers"):
+            if isinstance(getattr(sub, k, None), int):
+                if getattr(sub, k) > 1:
+                    out[".".join((*path, attr, k))] = 1
+                break
+        out.update(_other_towers(sub, (), (*path, attr)))
+    return out
 
 
 def family_overrides(model_type: str) -> dict:
-    return {**SHRINK.get(model_type, {}), **layer_overrides(model_type)}
+    from planc.models.families import family
+
+    prefix = "".join(f"{p}." for p in family(model_type).config_path)
+    return {**{prefix + k: v for k, v in SHRINK.get(model_type, {}).items()}, **layer_overrides(model_type)}
 
 
 def init_plan_data(model_type: str, overrides: dict, size: Optional[int] = None) -> dict:
