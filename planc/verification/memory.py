@@ -110,6 +110,15 @@ def _fill(model, seed: int = 0) -> None:
                 module.e_score_correction_bias.zero_()
 
 
+def _materialize(model, device: str) -> None:
+    """Real memory for the sharded meta model, tied weights tied. `to_empty` gives every module a tensor of its own,
+    so a tied `lm_head` would hold a second copy of the embedding; `planc.load` ends with transformers' finalisation,
+    which ties them again (one tensor, as `planc explain` counts it), and so does this."""
+    model.to_empty(device=device)
+    _fill(model)
+    model.tie_weights()
+
+
 def _apply_with_weights(model, loaded, mesh, device: str) -> None:
     """Install the plan on the meta model and give this rank's shards real values. A plan that quantizes its Mega MoE
     experts to FP4 when applied needs real weights at that step: as `planc.load` does, the model is sharded on meta,
@@ -119,13 +128,11 @@ def _apply_with_weights(model, loaded, mesh, device: str) -> None:
     megamoe = loaded.plan.experts.megamoe
     if not (loaded.plan.experts.implementation_row.megamoe and megamoe is not None and megamoe.quantize == "fp4"):
         install.apply(model, loaded, mesh=mesh)
-        model.to_empty(device=device)
-        _fill(model)
+        _materialize(model, device)
         return
 
     def fill(_state) -> None:
-        model.to_empty(device=device)
-        _fill(model)
+        _materialize(model, device)
 
     install.apply(model, loaded, mesh=mesh, after_sharding=fill)
 
