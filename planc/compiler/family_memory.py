@@ -32,8 +32,12 @@ class FamilyMemory:
     # what a `linear_attention` layer runs without its kernels: `chunk` (Qwen3-Next's gated delta rule, transformers'
     # `torch_chunk_gated_delta_rule`), `chunk_per_key` (Kimi Delta Attention's `torch_chunk_kda`: the decay is per key
     # channel, so its chunk matrices are [chunks, 64, 64, key_dim] fp32), `mamba` (Mamba's selective scan, the slow
-    # path: [tokens, d_inner, d_state] fp32 discretized A, B and B*u)
+    # path: [tokens, d_inner, d_state] fp32 discretized A, B and B*u), `mamba2` (Mamba2's chunked scan,
+    # transformers' `mamba2_chunk_scan`: planc.compiler.ssm_memory)
     linear_scan: str = "chunk"
+    # the family's own names for layer types the peak model prices as one of its kinds (`layer_types` entries:
+    # name -> full_attention | sliding_attention | chunked_attention | linear_attention)
+    layer_types: tuple[tuple[str, str], ...] = ()
     unpriced: tuple[str, ...] = ()
     measured: bool = True  # in the grid of docs/memory.md
 
@@ -84,6 +88,25 @@ FAMILIES: dict[str, FamilyMemory] = {
     # F.linear(flat, weight) in the model dtype, weights gathered from the scores in it; its layer (hyper-connection
     # streams, fp32-weighted norms, compressors) is planc.compiler.deepseek_v4_memory's
     "deepseek_v4": FamilyMemory(),
+    # linear attention, SSM and hybrid layers of the families sweep (read from each family's modeling file, 5.25)
+    # DeepSeek-V3's router (F.linear(x.float(), w.float()), sigmoid, weights kept fp32); its `linear_attention`
+    # layers run Kimi Delta Attention (`chunk_kimi_delta_attention`, per-key decay: `torch_chunk_kda`'s rule)
+    "bailing_hybrid": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key"),
+    # the same router and Kimi Delta Attention; hyper-connection streams (hc_mult, planc.compiler.deepseek_v4_memory)
+    "glm5_next": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key"),
+    "glm5_next_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key"),
+    # Mamba2 mixers on transformers' reference chunked scan (no mamba_ssm kernels: planc.compiler.ssm_memory);
+    # GraniteMoeHybridTopKRouter: softmax over the top-k logits in their dtype (the model dtype)
+    "granitemoehybrid": FamilyMemory(linear_scan="mamba2"),
+    # NemotronHTopkRouter: F.linear(x.float(), w.float()), sigmoid, weights kept fp32; each block one mixer
+    "nemotron_h": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="mamba2"),
+    # ZayaRouter: an MLP router, softmax in the model dtype; its `hybrid` layers are GQA attention whose q/k come
+    # through a causal conv (CCA, `ZayaCCAProjection`): a full-attention KV cache plus a conv state and the last
+    # token's delayed value, `hybrid_sliding` the same over a window
+    # LaraMiniTopKRouter: F.linear(x.float(), w.float()), softmax, top-k weights cast back to the model dtype;
+    # Qwen3-Next's gated delta rule in its `linear_attention` layers, sliding and full attention layers
+    "lara_mini": FamilyMemory(router_input_fp32=True),
+    "zaya": FamilyMemory(layer_types=(("hybrid", "full_attention"), ("hybrid_sliding", "sliding_attention"))),
 }
 
 UNMEASURED = FamilyMemory(

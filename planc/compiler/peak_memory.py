@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional
 
-from planc.compiler import deepseek_v4_memory, megamoe_buffers
+from planc.compiler import deepseek_v4_memory, megamoe_buffers, ssm_memory
 from planc.compiler.deepseek_v4_memory import HyperConnectionLayer
 from planc.compiler.devices import cuda_workspaces
 from planc.compiler.family_memory import FamilyMemory, family_memory
@@ -99,8 +99,10 @@ class LinearAttention(NamedTuple):
     value_dim: int
     conv_kernel: int
     # what the layer runs (planc.compiler.family_memory's `linear_scan`): chunk | chunk_per_key | mamba (a Mamba
-    # layer is d_inner value heads of width 1 with d_state keys)
+    # layer is d_inner value heads of width 1 with d_state keys) | mamba2 (a Mamba2 layer: its groups of B and C are
+    # the key heads, d_state the key width, its heads and head_dim the values')
     scan: str = "chunk"
+    chunk: int = 64  # tokens per chunk of the chunked scan (Mamba2's `chunk_size`; the torch chunk rules' 64)
 
     @property
     def conv_channels(self) -> int:
@@ -303,6 +305,7 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
         split = tp if attn_tp else 1
         mlp_tp = tp if any(f.startswith(layer + ".mlp.") and _splits_output(s) for f, s in styles.items()) else 1
         kind = layer_types[index] if index < len(layer_types) else "full_attention"
+        kind = dict(fam.layer_types).get(kind, kind)  # a family's own name for a kind priced here (Zaya's hybrid)
         experts = next((e for f, e in experts_by_layer.items() if f.startswith(layer + ".")), None)
         linear = None
         h, kvh, d = heads // split, max(1, kv_heads // split), head_dim
@@ -318,6 +321,10 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
             linear = LinearAttention(key_heads=0, value_heads=inner, key_dim=int(_get(config, "mamba_d_state")),
                                      value_dim=1, conv_kernel=int(_get(config, "mamba_d_conv", default=4)),
                                      scan="mamba")
+            q = k = v = 0
+            cache, cache_kind = 0, "linear attention (conv and recurrent state)"
+        elif kind in _LINEAR and fam.linear_scan == "mamba2":
+            linear = mamba2_layer(config)
             q = k = v = 0
             cache, cache_kind = 0, "linear attention (conv and recurrent state)"
         elif kind in _LINEAR:
@@ -358,6 +365,32 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
             all_slots=experts is not None and experts.strategy is not None and experts.strategy.name == "all_reduce",
         ))
     return shapes
+
+
+def mamba2_layer(config: Mapping[str, Any]) -> LinearAttention:
+    """A Mamba2 mixer's widths from its config (Granite MoE hybrid's `mamba_*` names or Nemotron-H's): it is not
+    split by TP (`planc init` leaves the mixer whole)."""
+    hidden = int(config["hidden_size"])
+    heads = int(_get(config, "mamba_n_heads", "mamba_num_heads"))
+    return LinearAttention(
+        key_heads=int(_get(config, "mamba_n_groups", "n_groups", default=1)), value_heads=heads,
+        key_dim=int(_get(config, "mamba_d_state", "ssm_state_size")),
+        value_dim=int(_get(config, "mamba_d_head", "mamba_head_dim",
+                           default=int(_get(config, "mamba_expand", "expand", default=2)) * hidden // heads)),
+        conv_kernel=int(_get(config, "mamba_d_conv", "conv_kernel", default=4)), scan="mamba2",
+        chunk=int(_get(config, "mamba_chunk_size", "chunk_size", default=256)),
+    )
+
+
+def linear_prefill(s: LayerShape, a: int, batch: int, seq: int) -> int:
+    """Bytes a linear-attention layer's prefill allocates at its peak, without its kernels."""
+    lin = s.linear
+    if lin is None:
+        return 0
+    if lin.scan == "mamba2":
+        return ssm_memory.mamba2_prefill_bytes(heads=lin.value_heads, head_dim=lin.value_dim, d_state=lin.key_dim,
+                                               groups=lin.key_heads, chunk=lin.chunk, batch=batch, seq=seq, a=a)
+    return batch * seq * _linear_work(s, a)
 
 
 def _layer_index(fqn: str) -> tuple[int, ...]:
@@ -420,6 +453,10 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
         n += t * (a * s.q_lora + _norm(s.q_lora, a) + a * s.q_lora)
         n += t * (a * (s.kv_lora + 64) + _norm(s.kv_lora, a) + a * s.kv_lora)
         n += t * (a * (3 * s.q + 3 * s.k + s.v + 2 * s.v) + FP32 * s.heads)
+    elif s.linear is not None and s.linear.scan == "mamba2":
+        lin = s.linear
+        n += ssm_memory.mamba2_saved_bytes(heads=lin.value_heads, head_dim=lin.value_dim, d_state=lin.key_dim,
+                                           groups=lin.key_heads, chunk=lin.chunk, batch=batch, seq=seq, a=a)
     elif s.attention == "linear":
         # autograd keeps the chunk rule's fp32 intermediates and their per-chunk products: about twice its forward
         # work (read off the grid's Qwen3-Next training point, docs/memory.md)
@@ -627,7 +664,8 @@ def unpriced_features(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[s
     impl = shapes[0].attn_impl if shapes else "sdpa"
     if impl not in _PRICED_ATTENTION:
         out.append(f"attention implementation `{impl}` (priced as eager: S x S scores in the model dtype)")
-    types = set(config.get("layer_types") or [])
+    own = dict(family_memory(walk.model_type).layer_types)
+    types = {own.get(t, t) for t in config.get("layer_types") or []}
     if deepseek_v4_memory.hyper_connections(config) is not None:
         if deepseek_v4_memory.CSA in types:
             out.append("DeepSeek-V4's compressed sparse attention layers (CSA compressor, Lightning indexer's fp32 "
@@ -850,9 +888,9 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
         else:
             transients.append(("dense MLP", tokens * a * (3 * s.intermediate + 3 * hidden)))
         if s.linear is not None:
-            attn = tokens * (_linear_work(s, a) + a * 3 * hidden)
-            what = {"mamba": "selective scan, fp32 states", "chunk_per_key": "delta rule, per-key decay, fp32 chunks"
-                    }.get(s.linear.scan, "gated delta rule, fp32 chunks")
+            attn = linear_prefill(s, a, batch, seq) + tokens * a * 3 * hidden
+            what = {"mamba": "selective scan, fp32 states", "chunk_per_key": "delta rule, per-key decay, fp32 chunks",
+                    "mamba2": "Mamba2 chunked scan, fp32 chunks"}.get(s.linear.scan, "gated delta rule, fp32 chunks")
             transients.append((f"linear attention ({what})", attn))
             continue
         attn = tokens * (a * (2 * s.q + 3 * s.k + 2 * s.v) + a * 3 * hidden)
