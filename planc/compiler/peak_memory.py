@@ -720,6 +720,10 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
         "end of backward": params + grads + optim + max(backward, recompute - train.embedding_gradient),
         OPTIMIZER_STEP: params + grads + optim + foreach_copy(train, optimizer),
     }
+    if not recomputes and hc is None:
+        mamba2 = _mamba2_backward(shapes, saved_layers, hidden, a, tokens)
+        if mamba2:  # the layers before it keep their activations; the gradients but its in_proj's and the embedding's
+            moments[MAMBA2_BACKWARD] = params + optim + grads - train.embedding_gradient + mamba2
     if fsdp:
         # lm_head's backward: the gradients of the log-softmax and of the logits (fp32) and the logits' gradient cast
         # to the compute dtype, while FSDP2 all-gathers the next unit to run backward (its buffer: one unit)
@@ -730,6 +734,9 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
                  ("optimizer state", optim),
                  ("activations kept for backward", kept + head if forward_side else 0)]
     transients = [("fp32 logits and loss", loss)]
+    if MAMBA2_BACKWARD in moments:
+        transients.append((f"{MAMBA2_BACKWARD}: the activations still kept and the norm's backward",
+                           moments[MAMBA2_BACKWARD] - params - optim - grads))
     if optimizer != "fused":
         transients.append((f"AdamW {optimizer} step: exp_avg_sq's square root", foreach_copy(train, optimizer)))
     if fsdp:
@@ -749,6 +756,28 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
 
 
 LAST_LAYER_BACKWARD = "lm_head backward (FSDP prefetch)"
+MAMBA2_BACKWARD = "Mamba2 mixer backward (gated norm)"
+
+
+def _mamba2_backward(shapes: list[LayerShape], saved: list[int], hidden: int, a: int, tokens: int) -> int:
+    """Backward in a Mamba2 mixer, at its gated norm, beyond the parameters, AdamW state and the gradients of the
+    layers after it: the activations the layers before it keep, its own input norm's and scan's (`ssm_memory`; its
+    MLP has run backward and freed its part), and the norm's backward, four fp32 `[tokens, d_inner]`, less the
+    gradient of the mixer's `in_proj`, not computed yet. The largest over the model's Mamba2 layers (the grid's
+    Granite MoE hybrid training peak: its first layer's mixer); 0 without one."""
+    worst = 0
+    for i, s in enumerate(shapes):
+        lin = s.linear
+        if lin is None or lin.scan != "mamba2":
+            continue
+        inner = lin.value_heads * lin.value_dim
+        conv = inner + 2 * lin.key_heads * lin.key_dim
+        own = tokens * (_norm(hidden, a) + a * hidden) + ssm_memory.mamba2_saved_bytes(
+            heads=lin.value_heads, head_dim=lin.value_dim, d_state=lin.key_dim, groups=lin.key_heads, chunk=lin.chunk,
+            batch=1, seq=tokens, a=a)
+        in_proj = hidden * (inner + conv + lin.value_heads) * a
+        worst = max(worst, sum(saved[:i]) + own + 4 * FP32 * tokens * inner - in_proj)
+    return worst
 
 
 def foreach_copy(train: TrainMemory, optimizer: str) -> int:
