@@ -38,9 +38,17 @@ class FamilyMemory:
     # the family's own names for layer types the peak model prices as one of its kinds (`layer_types` entries:
     # name -> full_attention | sliding_attention | chunked_attention | linear_attention)
     layer_types: tuple[tuple[str, str], ...] = ()
+    # each decoder layer is one mixer its layer type names, after one norm (Nemotron-H's blocks: `linear_attention`,
+    # `full_attention`, `moe`, `mlp`), not an attention and an MLP
+    mixer_blocks: bool = False
     unpriced: tuple[str, ...] = ()
     measured: bool = True  # in the grid of docs/memory.md
 
+
+# Kimi Delta Attention's backward (`chunk_per_key` layers in training) is priced on the safe side, not measured
+# within 5%: every family whose linear attention runs it says so
+KDA_BACKWARD = ("Kimi Delta Attention's backward (training keeps twice the chunk rule's forward work, as Qwen3-Next's "
+                "gated delta rule does; the grid measured 12% less at 1 x 256 on Kimi Linear)")
 
 FAMILIES: dict[str, FamilyMemory] = {
     # softmax(router_logits.float()), top-k weights kept fp32
@@ -68,9 +76,7 @@ FAMILIES: dict[str, FamilyMemory] = {
     "qwen2_moe": FamilyMemory(),
     # DeepSeek-V3's router (fp32 input and weights); Kimi Delta Attention's per-key decay; MLA full attention
     "kimi_linear": FamilyMemory(
-        routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key",
-        unpriced=("Kimi Delta Attention's backward (training keeps twice the chunk rule's forward work, as Qwen3-Next's "
-                  "gated delta rule does; the grid measured 12% less at 1 x 256)",),
+        routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key", unpriced=(KDA_BACKWARD,),
     ),
     # softmax(dtype=float), top-k weights cast back; Mamba layers on the slow path (no mamba_ssm kernels)
     "jamba": FamilyMemory(linear_scan="mamba"),
@@ -91,15 +97,19 @@ FAMILIES: dict[str, FamilyMemory] = {
     # linear attention, SSM and hybrid layers of the families sweep (read from each family's modeling file, 5.25)
     # DeepSeek-V3's router (F.linear(x.float(), w.float()), sigmoid, weights kept fp32); its `linear_attention`
     # layers run Kimi Delta Attention (`chunk_kimi_delta_attention`, per-key decay: `torch_chunk_kda`'s rule)
-    "bailing_hybrid": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key"),
+    "bailing_hybrid": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key",
+                                   unpriced=(KDA_BACKWARD,)),
     # the same router and Kimi Delta Attention; hyper-connection streams (hc_mult, planc.compiler.deepseek_v4_memory)
-    "glm5_next": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key"),
-    "glm5_next_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key"),
+    "glm5_next": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key",
+                              unpriced=(KDA_BACKWARD,)),
+    "glm5_next_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key",
+                                   unpriced=(KDA_BACKWARD,)),
     # Mamba2 mixers on transformers' reference chunked scan (no mamba_ssm kernels: planc.compiler.ssm_memory);
     # GraniteMoeHybridTopKRouter: softmax over the top-k logits in their dtype (the model dtype)
     "granitemoehybrid": FamilyMemory(linear_scan="mamba2"),
     # NemotronHTopkRouter: F.linear(x.float(), w.float()), sigmoid, weights kept fp32; each block one mixer
-    "nemotron_h": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="mamba2"),
+    "nemotron_h": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="mamba2",
+                               mixer_blocks=True),
     # ZayaRouter: an MLP router, softmax in the model dtype; its `hybrid` layers are GQA attention whose q/k come
     # through a causal conv (CCA, `ZayaCCAProjection`): a full-attention KV cache plus a conv state and the last
     # token's delayed value, `hybrid_sliding` the same over a window

@@ -364,7 +364,22 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
             compress_rate=int((config.get("compress_rates") or {}).get(kind) or 0),
             all_slots=experts is not None and experts.strategy is not None and experts.strategy.name == "all_reduce",
         ))
+        if fam.mixer_blocks:
+            shapes[-1] = _one_mixer(shapes[-1], kind)
     return shapes
+
+
+_MLP_MIXERS = {"moe", "mlp"}  # the layer types of a one-mixer block that run an MLP (Nemotron-H's `mlp`, `moe`)
+
+
+def _one_mixer(s: LayerShape, kind: str) -> LayerShape:
+    """A block that runs one mixer, as its layer type says (planc.compiler.family_memory's `mixer_blocks`): an MLP
+    or MoE block has no attention (and no cache), an attention or linear-attention block no MLP."""
+    if kind in _MLP_MIXERS:
+        return replace(s, attention="none", q=0, k=0, v=0, heads=0, cache=0, cache_kind="none", window=None,
+                       mlp="moe" if kind == "moe" else "dense")
+    return replace(s, mlp="none", intermediate=0, shared=0, moe_intermediate=0, num_experts=0, top_k=0,
+                   local_experts=0)
 
 
 def mamba2_layer(config: Mapping[str, Any]) -> LinearAttention:
@@ -405,7 +420,7 @@ def _norm(width: int, a: int) -> int:
 def eager_scores(s: LayerShape, batch: int, seq: int, a: int) -> int:
     """One [B, heads, S, S] score tensor of eager attention (S + 1 columns with a sink), in the model dtype; 0 for
     kernels that never materialise the scores (sdpa's flash and efficient paths, flex, flash-attention)."""
-    if s.attn_impl != "eager" or s.attention == "linear":
+    if s.attn_impl != "eager" or s.attention in ("linear", "none"):
         return 0
     compressed = seq // s.compress_rate if s.compress_rate else 0  # DeepSeek-V4's compressed entries join the keys
     return batch * s.heads * seq * (seq + compressed + (1 if s.sinks else 0)) * a
@@ -457,6 +472,8 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
         lin = s.linear
         n += ssm_memory.mamba2_saved_bytes(heads=lin.value_heads, head_dim=lin.value_dim, d_state=lin.key_dim,
                                            groups=lin.key_heads, chunk=lin.chunk, batch=batch, seq=seq, a=a)
+    elif s.attention == "none":  # a one-mixer MLP block: its norm and the mixer's input only
+        pass
     elif s.attention == "linear":
         # autograd keeps the chunk rule's fp32 intermediates and their per-chunk products: about twice its forward
         # work (read off the grid's Qwen3-Next training point, docs/memory.md)
@@ -472,9 +489,12 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
         n += t * (FP32 + a) * (s.q + s.k)
     if fam.complex_rope_fp32 and s.attention != "linear":
         n += t * FP32 * (s.q + s.k)
-    # MLP: its input norm + output
-    n += t * (_norm(hidden, a) + a * hidden)
-    if s.mlp == "dense":
+    # MLP: its input norm + output (a one-mixer block has one norm, counted above)
+    if s.mlp != "none" and s.attention != "none":
+        n += t * (_norm(hidden, a) + a * hidden)
+    if s.mlp == "none":
+        pass
+    elif s.mlp == "dense":
         n += t * 4 * a * s.intermediate
     else:
         e, k = s.num_experts, s.top_k
@@ -816,7 +836,7 @@ def _masks(shapes: list[LayerShape], batch: int, seq: int, a: int) -> int:
     """The attention masks a forward builds once per layer type and keeps to its end: eager's [B, 1, S, S] in the
     model dtype; sdpa's boolean one for a sliding window the prefill outgrows (full causal layers need none)."""
     out = 0
-    for kind in {(s.attn_impl, s.cache_kind, s.window) for s in shapes if s.attention != "linear"}:
+    for kind in {(s.attn_impl, s.cache_kind, s.window) for s in shapes if s.attention not in ("linear", "none")}:
         impl, cache_kind, window = kind
         if impl == "eager":
             out += batch * seq * seq * a
@@ -884,7 +904,8 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
     for s in shapes:
         # a sliding or chunked layer still holds all S tokens after the prefill (trimmed at the next update)
         held = s.linear.state_bytes(a) * batch if s.linear else batch * seq * s.cache
-        kv[s.cache_kind] = kv.get(s.cache_kind, 0) + held
+        if s.attention != "none":  # a one-mixer MLP block holds no cache
+            kv[s.cache_kind] = kv.get(s.cache_kind, 0) + held
     cache = sum(kv.values())
     masks = _masks(shapes, batch, seq, a)
     if streams > 1:
@@ -914,13 +935,15 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
             work += tokens * 8 * s.top_k * 3
             cause = "Mega MoE layer" if s.megamoe else "EP experts (all_reduce dispatch buffers)"
             transients.append((cause, work + tokens * a * hidden * 3))
-        else:
+        elif s.mlp == "dense":
             transients.append(("dense MLP", tokens * a * (3 * s.intermediate + 3 * hidden)))
         if s.linear is not None:
             attn = linear_prefill(s, a, batch, seq) + tokens * a * 3 * hidden
             what = {"mamba": "selective scan, fp32 states", "chunk_per_key": "delta rule, per-key decay, fp32 chunks",
                     "mamba2": "Mamba2 chunked scan, fp32 chunks"}.get(s.linear.scan, "gated delta rule, fp32 chunks")
             transients.append((f"linear attention ({what})", attn))
+            continue
+        if s.attention == "none":
             continue
         attn = tokens * (a * (2 * s.q + 3 * s.k + 2 * s.v) + a * 3 * hidden)
         if fam.full_width_qk_norm:
