@@ -408,6 +408,19 @@ def linear_prefill(s: LayerShape, a: int, batch: int, seq: int) -> int:
     return batch * seq * _linear_work(s, a)
 
 
+def linear_saved(s: LayerShape, a: int, batch: int, seq: int) -> int:
+    """Bytes a linear-attention layer's scan keeps for backward, without its kernels: Mamba2's from its code
+    (planc.compiler.ssm_memory); the chunk rules' fp32 intermediates and their per-chunk products, about twice their
+    forward work (read off the grid's Qwen3-Next training point, docs/memory.md)."""
+    lin = s.linear
+    if lin is None:
+        return 0
+    if lin.scan == "mamba2":
+        return ssm_memory.mamba2_saved_bytes(heads=lin.value_heads, head_dim=lin.value_dim, d_state=lin.key_dim,
+                                             groups=lin.key_heads, chunk=lin.chunk, batch=batch, seq=seq, a=a)
+    return 2 * batch * seq * _linear_work(s, a)
+
+
 def _layer_index(fqn: str) -> tuple[int, ...]:
     return tuple(int(p) for p in fqn.split(".") if p.isdigit())
 
@@ -468,16 +481,10 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
         n += t * (a * s.q_lora + _norm(s.q_lora, a) + a * s.q_lora)
         n += t * (a * (s.kv_lora + 64) + _norm(s.kv_lora, a) + a * s.kv_lora)
         n += t * (a * (3 * s.q + 3 * s.k + s.v + 2 * s.v) + FP32 * s.heads)
-    elif s.linear is not None and s.linear.scan == "mamba2":
-        lin = s.linear
-        n += ssm_memory.mamba2_saved_bytes(heads=lin.value_heads, head_dim=lin.value_dim, d_state=lin.key_dim,
-                                           groups=lin.key_heads, chunk=lin.chunk, batch=batch, seq=seq, a=a)
     elif s.attention == "none":  # a one-mixer MLP block: its norm and the mixer's input only
         pass
     elif s.attention == "linear":
-        # autograd keeps the chunk rule's fp32 intermediates and their per-chunk products: about twice its forward
-        # work (read off the grid's Qwen3-Next training point, docs/memory.md)
-        n += 2 * t * _linear_work(s, a)
+        n += linear_saved(s, a, batch, seq)
     elif s.attn_impl == "eager":
         # q, k, v after rotary, the probabilities the output matmul keeps, K and V repeated to every head, the
         # argmax indices of the sink's max subtraction (int64 per head and token)
@@ -712,7 +719,9 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
         saved_layers = [deepseek_v4_memory.layer_saved(
             hc, layer_type=s.layer_type, compress_rate=s.compress_rate, hidden=hidden, a=a, tokens=tokens, seq=seq,
             heads=s.heads, head_dim=s.head_dim, rows=rows_of(s), moe_intermediate=s.moe_intermediate,
-            shared=s.shared, experts=s.num_experts) for s in shapes]
+            shared=s.shared, experts=s.num_experts)
+            # a hyper-connection layer whose mixer is linear attention (GLM-5-Next) keeps its scan's work too
+            + linear_saved(s, a, batch, seq) for s in shapes]
         head = deepseek_v4_memory.head_saved(hc, hidden, a, tokens)
     else:
         saved_layers = [layer_saved(s, hidden, a, tokens, rows_of(s), tp, fam, batch) for s in shapes]
