@@ -45,10 +45,12 @@ class FamilyMemory:
     measured: bool = True  # in the grid of docs/memory.md
 
 
-# Kimi Delta Attention's backward (`chunk_per_key` layers in training) is priced on the safe side, not measured
-# within 5%: every family whose linear attention runs it says so
-KDA_BACKWARD = ("Kimi Delta Attention's backward (training keeps twice the chunk rule's forward work, as Qwen3-Next's "
-                "gated delta rule does; the grid measured 12% less at 1 x 256 on Kimi Linear)")
+# Kimi Delta Attention's backward (`chunk_per_key` layers in training) is priced from `torch_chunk_kda` on the high
+# side, with every gradient but the embedding's computed: not within 5% on every measured point, so every family
+# whose linear attention runs it says so
+KDA_BACKWARD = ("Kimi Delta Attention's backward (its three per-key chunk tensors kept and three more in its backward, "
+                "with every gradient but the embedding's counted; measured 4-11% less: Kimi Linear at 1 x 256 on "
+                "CPU, Ling's hybrid and GLM-5-Next at 1 x 1024 on an H100)")
 
 FAMILIES: dict[str, FamilyMemory] = {
     # softmax(router_logits.float()), top-k weights kept fp32

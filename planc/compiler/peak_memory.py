@@ -418,6 +418,14 @@ def linear_saved(s: LayerShape, a: int, batch: int, seq: int) -> int:
     if lin.scan == "mamba2":
         return ssm_memory.mamba2_saved_bytes(heads=lin.value_heads, head_dim=lin.value_dim, d_state=lin.key_dim,
                                              groups=lin.key_heads, chunk=lin.chunk, batch=batch, seq=seq, a=a)
+    if lin.scan == "chunk_per_key":
+        # `chunk_kimi_delta_attention` keeps its three per-key chunk tensors (the decay mask, `k_beta * key * decay`
+        # and every chunk's `q_i * k_i * decay`), and about 34 fp32 [tokens, heads, key_dim]: the fp32 casts and
+        # l2 norms, the padded and beta-weighted copies, the cumulative decay, the per-chunk inter/intra terms and
+        # state updates, the forget gate's and the gated output norm's fp32 work (Ling's hybrid layer at 1 x 256
+        # tokens kept 919 MiB, the rule 920)
+        per_key = 3 * lin.value_heads * CHUNK * lin.key_dim
+        return batch * seq * (FP32 * (34 * lin.value_heads * lin.key_dim + per_key) + _linear_io(lin, a))
     return 2 * batch * seq * _linear_work(s, a)
 
 
@@ -449,6 +457,11 @@ def _repeat_kv(s: LayerShape, tokens: int, a: int) -> int:
 CHUNK = 64  # the chunk length of transformers' torch chunk rules (gated delta rule, KDA)
 
 
+def _linear_io(lin: LinearAttention, a: int) -> int:
+    """Per token, a linear-attention layer's projections and conv in the model dtype."""
+    return a * (2 * lin.conv_channels + 2 * lin.value_heads * lin.value_dim)
+
+
 def _linear_work(s: LayerShape, a: int) -> int:
     """Bytes per token of a gated-delta-rule layer's prefill without the fla kernels (transformers'
     `torch_chunk_gated_delta_rule`): fp32 q, k, v, their beta-weighted and padded copies and the per-chunk outputs
@@ -457,7 +470,7 @@ def _linear_work(s: LayerShape, a: int) -> int:
     lin = s.linear
     if lin is None:
         return 0
-    io = a * (2 * lin.conv_channels + 2 * lin.value_heads * lin.value_dim)
+    io = _linear_io(lin, a)
     if lin.scan == "mamba":
         # the slow path's discretized A, B and B*u (three fp32 [tokens, d_inner, d_state]) and about ten
         # [tokens, d_inner] in the model dtype: in_proj's hidden and gate, the conv and its activation, the time step
@@ -749,10 +762,10 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
         "end of backward": params + grads + optim + max(backward, recompute - train.embedding_gradient),
         OPTIMIZER_STEP: params + grads + optim + foreach_copy(train, optimizer),
     }
-    if not recomputes and hc is None:
-        mamba2 = _mamba2_backward(shapes, saved_layers, hidden, a, tokens)
-        if mamba2:  # the layers before it keep their activations; the gradients but its in_proj's and the embedding's
-            moments[MAMBA2_BACKWARD] = params + optim + grads - train.embedding_gradient + mamba2
+    if not recomputes:
+        linear_backward = _linear_backward(shapes, saved_layers, hidden, a, batch, seq)
+        if linear_backward:  # every gradient but the embedding's counted (the layer's own are not computed yet)
+            moments[LINEAR_BACKWARD] = params + optim + grads - train.embedding_gradient + linear_backward
     if fsdp:
         # lm_head's backward: the gradients of the log-softmax and of the logits (fp32) and the logits' gradient cast
         # to the compute dtype, while FSDP2 all-gathers the next unit to run backward (its buffer: one unit)
@@ -763,9 +776,9 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
                  ("optimizer state", optim),
                  ("activations kept for backward", kept + head if forward_side else 0)]
     transients = [("fp32 logits and loss", loss)]
-    if MAMBA2_BACKWARD in moments:
-        transients.append((f"{MAMBA2_BACKWARD}: the activations still kept and the norm's backward",
-                           moments[MAMBA2_BACKWARD] - params - optim - grads))
+    if LINEAR_BACKWARD in moments:
+        transients.append((f"{LINEAR_BACKWARD}: the activations still kept and the scan's backward",
+                           moments[LINEAR_BACKWARD] - params - optim - grads))
     if optimizer != "fused":
         transients.append((f"AdamW {optimizer} step: exp_avg_sq's square root", foreach_copy(train, optimizer)))
     if fsdp:
@@ -785,27 +798,29 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
 
 
 LAST_LAYER_BACKWARD = "lm_head backward (FSDP prefetch)"
-MAMBA2_BACKWARD = "Mamba2 mixer backward (gated norm)"
+LINEAR_BACKWARD = "linear attention backward (Mamba2's gated norm, KDA's decay mask)"
 
 
-def _mamba2_backward(shapes: list[LayerShape], saved: list[int], hidden: int, a: int, tokens: int) -> int:
-    """Backward in a Mamba2 mixer, at its gated norm, beyond the parameters, AdamW state and the gradients of the
-    layers after it: the activations the layers before it keep, its own input norm's and scan's (`ssm_memory`; its
-    MLP has run backward and freed its part), and the norm's backward, four fp32 `[tokens, d_inner]`, less the
-    gradient of the mixer's `in_proj`, not computed yet. The largest over the model's Mamba2 layers (the grid's
-    Granite MoE hybrid training peak: its first layer's mixer); 0 without one."""
-    worst = 0
+def _linear_backward(shapes: list[LayerShape], saved: list[int], hidden: int, a: int, batch: int, seq: int) -> int:
+    """Backward in a linear-attention layer, beyond the parameters, AdamW state and the gradients of the layers after
+    it: the activations the layers before it keep, its own input norm's and scan's (its MLP has run backward and
+    freed its part), and the scan's backward. A Mamba2 mixer at its gated norm: four fp32 `[tokens, d_inner]`, less
+    the gradient of its `in_proj`, not computed yet (the grid's Granite MoE hybrid training peak). Kimi Delta
+    Attention: `decay_mask[:, :, i]`'s gradient is a zero-filled full-size tensor per chunk, two of them and their
+    running sum live at once: three per-key chunk tensors more. The largest over the model's layers; 0 without one."""
+    worst, tokens = 0, batch * seq
     for i, s in enumerate(shapes):
         lin = s.linear
-        if lin is None or lin.scan != "mamba2":
+        if lin is None or lin.scan not in ("mamba2", "chunk_per_key"):
             continue
-        inner = lin.value_heads * lin.value_dim
-        conv = inner + 2 * lin.key_heads * lin.key_dim
-        own = tokens * (_norm(hidden, a) + a * hidden) + ssm_memory.mamba2_saved_bytes(
-            heads=lin.value_heads, head_dim=lin.value_dim, d_state=lin.key_dim, groups=lin.key_heads, chunk=lin.chunk,
-            batch=1, seq=tokens, a=a)
-        in_proj = hidden * (inner + conv + lin.value_heads) * a
-        worst = max(worst, sum(saved[:i]) + own + 4 * FP32 * tokens * inner - in_proj)
+        own = tokens * (_norm(hidden, a) + a * hidden) + linear_saved(s, a, batch, seq)
+        if lin.scan == "mamba2":
+            inner = lin.value_heads * lin.value_dim
+            conv = inner + 2 * lin.key_heads * lin.key_dim
+            work = 4 * FP32 * tokens * inner - hidden * (inner + conv + lin.value_heads) * a
+        else:
+            work = 3 * FP32 * tokens * lin.value_heads * CHUNK * lin.key_dim
+        worst = max(worst, sum(saved[:i]) + own + work)
     return worst
 
 
