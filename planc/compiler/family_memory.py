@@ -27,6 +27,9 @@ class FamilyMemory:
     router_input_fp32: bool = False
     # q_norm/k_norm normalise the whole projected q/k width (not per head): an fp32 copy of q and k in forward
     full_width_qk_norm: bool = False
+    # the residual stream is fp32 between layers (Zaya's `residual_in_fp32`), and each of a layer's two residual
+    # scalings keeps `residual + bias` (fp32) and `hidden + bias` (model dtype) for its products with the scales
+    residual_fp32: bool = False
     # rotary in complex fp32 (`view_as_complex(x.float())`): fp32 copies of q and k
     complex_rope_fp32: bool = False
     # what a `linear_attention` layer runs without its kernels: `chunk` (Qwen3-Next's gated delta rule, transformers'
@@ -112,13 +115,14 @@ FAMILIES: dict[str, FamilyMemory] = {
     # NemotronHTopkRouter: F.linear(x.float(), w.float()), sigmoid, weights kept fp32; each block one mixer
     "nemotron_h": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="mamba2",
                                mixer_blocks=True),
-    # ZayaRouter: an MLP router, softmax in the model dtype; its `hybrid` layers are GQA attention whose q/k come
-    # through a causal conv (CCA, `ZayaCCAProjection`): a full-attention KV cache plus a conv state and the last
-    # token's delayed value, `hybrid_sliding` the same over a window
     # LaraMiniTopKRouter: F.linear(x.float(), w.float()), softmax, top-k weights cast back to the model dtype;
     # Qwen3-Next's gated delta rule in its `linear_attention` layers, sliding and full attention layers
     "lara_mini": FamilyMemory(router_input_fp32=True),
-    "zaya": FamilyMemory(layer_types=(("hybrid", "full_attention"), ("hybrid_sliding", "sliding_attention"))),
+    # ZayaRouter: an MLP router, softmax in the model dtype; ZayaResidualScaling keeps the residual in fp32; its
+    # `hybrid` layers are GQA attention whose q/k pass a causal conv (CCA, `ZayaCCAProjection`): a full-attention
+    # KV cache plus a conv state and the last token's delayed value, `hybrid_sliding` the same over a window
+    "zaya": FamilyMemory(layer_types=(("hybrid", "full_attention"), ("hybrid_sliding", "sliding_attention")),
+                         residual_fp32=True),
 }
 
 UNMEASURED = FamilyMemory(

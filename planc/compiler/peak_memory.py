@@ -507,6 +507,8 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
         n += t * (a * (2 * s.q + 4 * s.k) + FP32 * s.heads)
     if fam.full_width_qk_norm:
         n += t * (FP32 + a) * (s.q + s.k)
+    if fam.residual_fp32:
+        n += 2 * t * hidden * (FP32 + a)
     if fam.complex_rope_fp32 and s.attention != "linear":
         n += t * FP32 * (s.q + s.k)
     # MLP: its input norm + output (a one-mixer block has one norm, counted above)
@@ -932,6 +934,8 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
             kv[s.cache_kind] = kv.get(s.cache_kind, 0) + held
     cache = sum(kv.values())
     masks = _masks(shapes, batch, seq, a)
+    if fam.residual_fp32:  # the residual stream in fp32 rather than the model dtype, through the forward
+        masks += tokens * hidden * (FP32 - a)
     if streams > 1:
         # DeepSeek-V4's hyper-connection streams, alive through the forward, and a mixer's fp32 flattening and norm
         # at once: three fp32-sized [tokens, streams, hidden] (the grid's DeepSeek-V4 serve points, docs/memory.md)
