@@ -49,7 +49,7 @@ def mamba2_saved_bytes(*, heads: int, head_dim: int, d_state: int, groups: int, 
 
     Autograd keeps L, G and M; five `[tokens, heads, d_state]` (a padded B, the permuted copies of C and B that G's
     bmm takes, B_decay's for the states' einsum, C's for the last one); the chunk states; eleven fp32
-    `[tokens, d_inner]` (x upcast and padded, the permuted copies the einsums take and the last bmm's output, the
+    `[tokens, d_inner]` (x padded, the permuted copies the einsums take and the last bmm's output; x upcast, the
     scan's output and the gated norm's fp32 gate, its SiLU, their product and the normalised product); and in the
     model dtype in_proj's output, the conv's, and out_proj's input. Granite MoE hybrid's and Nemotron-H's mixers at
     1 x 1024 tokens kept 1485 and 975 MiB besides their output; the rule says 1482 and 972."""
@@ -57,7 +57,9 @@ def mamba2_saved_bytes(*, heads: int, head_dim: int, d_state: int, groups: int, 
     conv = inner + 2 * groups * d_state
     chunks = -(-seq // chunk)
     padded = batch * chunks * chunk
-    fp32 = 3 * padded * chunk * heads + 5 * padded * heads * d_state + 11 * padded * inner
+    # x's padded copy and the einsums' copies and output are padded to whole chunks; x upcast, the scan's output and
+    # the gated norm's four are not
+    fp32 = 3 * padded * chunk * heads + 5 * padded * heads * d_state + 5 * padded * inner + 6 * batch * seq * inner
     fp32 += (chunks + 1) * batch * heads * head_dim * d_state
     return FP32 * fp32 + batch * seq * a * (inner + conv + heads + conv + inner)
 
