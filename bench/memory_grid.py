@@ -188,6 +188,7 @@ def main() -> int:
     parser.add_argument("--families", action="store_true",
                         help="the families section (bench/memory_grid_families.py): families without a shipped plan, "
                              "each on the plan `planc init` writes; its points are stored with their measurements")
+    parser.add_argument("--shapes", nargs="*", help="only points of these BATCHxSEQ shapes (e.g. 2x512)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--jobs", type=int, default=1, help="points measured at once (each in its own process)")
     args = parser.parse_args()
@@ -202,6 +203,8 @@ def main() -> int:
         chosen = memory_grid_families.points(args.only, [m for m in args.modes if m in memory_grid_families.POINTS])
     else:
         chosen = list(grid(args.only, args.modes, args.points))
+    if args.shapes:
+        chosen = [p for p in chosen if f"{p['batch']}x{p['seq']}" in args.shapes]
     points = [{**p, "device": args.device} if cuda else p for p in chosen]
     pending = [p for p in points if cache_key(p) not in cache]
     t0 = time.perf_counter()

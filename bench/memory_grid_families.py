@@ -117,6 +117,8 @@ LAYERS: dict[str, dict] = {
 }
 
 POINTS = {"serve": (1, 1024), "replicate": (1, 1024)}
+# A second prefill shape per family, measured after the pricing of its first points was written: the held-out check
+HELD_OUT = {"serve": (2, 512)}
 # Kimi Delta Attention keeps several fp32 [tokens, heads, 64, key_dim] chunk tensors per layer for backward: 1024
 # tokens would not fit the shared machine. Jamba's slow Mamba scan is a Python loop over the tokens: 1024 of them
 # under MemTracker take over 15 minutes to train
@@ -197,7 +199,7 @@ def init_plan_data(model_type: str, overrides: dict, size: Optional[int] = None)
     return data
 
 
-def points(only=None, modes=("serve", "replicate")) -> list[dict]:
+def points(only=None, modes=("serve", "replicate"), held_out: bool = True) -> list[dict]:
     """The grid points of the families section (plans written by `planc init`, so this costs seconds a family)."""
     out = []
     for model_type in ORDER:
@@ -206,10 +208,12 @@ def points(only=None, modes=("serve", "replicate")) -> list[dict]:
         overrides = family_overrides(model_type)
         base = init_plan_data(model_type, overrides)
         for mode in modes:
-            batch, seq = POINTS_OF.get(model_type, {}).get(mode, POINTS[mode])
+            shapes = [POINTS_OF.get(model_type, {}).get(mode, POINTS[mode])]
+            if held_out and mode in HELD_OUT:
+                shapes.append(HELD_OUT[mode])
             plan = dict(base)
             if mode != "serve":
                 plan["training"] = {"data_parallel": "replicate"}
-            out.append({"family": model_type, "mode": mode, "batch": batch, "seq": seq, "overrides": overrides,
-                        "dp": 1, "plan": plan})
+            out += [{"family": model_type, "mode": mode, "batch": batch, "seq": seq, "overrides": overrides, "dp": 1,
+                     "plan": plan} for batch, seq in shapes]
     return out
