@@ -193,8 +193,9 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=1, help="points measured at once (each in its own process)")
     args = parser.parse_args()
     cache = json.loads(Path(args.cache).read_text()) if args.cache and Path(args.cache).exists() else {}
-    print(describe())
     cuda = args.device == "cuda"
+    machine = describe("cuda" if cuda else "cpu")
+    print(machine)
     print(f"{'family':12s} {'mode':10s} {'batch':>5s} {'seq':>5s} {'predicted':>10s} {'measured':>10s} {'error':>7s}"
           + (f" {'reserved':>10s}" if cuda else "") + "  moment")
     if args.families:
@@ -219,6 +220,7 @@ def main() -> int:
                 continue
             # a point with its own plan is kept whole: predicting it again needs no `planc init`
             cache[key] = {**result, "point": point} if "plan" in point else result
+            cache[key]["machine"] = machine
             if args.cache:  # written as points finish (merged by key): a stopped run keeps what it measured
                 on_disk = json.loads(Path(args.cache).read_text()) if Path(args.cache).exists() else {}
                 Path(args.cache).write_text(json.dumps({**on_disk, key: cache[key]}, indent=1))
