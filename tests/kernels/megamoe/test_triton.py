@@ -16,9 +16,10 @@ from planc.kernels.megamoe.reference import DequantizedExperts, ReferenceBuffer,
 from planc.kernels.megamoe.reference import combine as reference_combine
 from planc.kernels.megamoe.reference import stage as reference_stage
 from planc.kernels.megamoe.triton import config as triton_config
+from planc.kernels.megamoe.triton import decode
 from planc.kernels.megamoe.triton import routing as routing_module
 from planc.kernels.megamoe.triton import target
-from planc.kernels.megamoe.triton.config import KernelConfig, pick_config
+from planc.kernels.megamoe.triton.config import KernelConfig, local_rows, pick_config
 from planc.kernels.megamoe.triton.decode import arrival_counters
 from planc.kernels.megamoe.triton.forward import combine, dequantize_x, stage, triton_local_experts_forward
 from planc.kernels.megamoe.triton.layout import PackedExperts, shuffle_fp4
@@ -197,6 +198,42 @@ def test_split_k_decode_kernels_match_the_reference(wide_experts, monkeypatch, p
                                                              activation_clamp=0.5, config=general))
 
 
+@pytest.mark.parametrize("first_expert,num_tokens", [(0, 1), (2, 3)], ids=["all_local", "half_local"])
+def test_decode_prologue_gives_the_bits_of_the_separate_launches(wide_experts, first_expert, num_tokens):
+    """The decode prologue (routing, the tokens' BF16 values and the zeros of slots on no local expert in one launch)
+    against the three launches it replaces: the same output bits, zeros where no local expert (or -1) is named;
+    `prologue` alone, on an output of NaNs, shows a slot it misses."""
+    packed, deq = wide_experts
+    half = PackedExperts(*(t[2:] for t in (packed.w1, packed.s1, packed.w2, packed.s2)), packed.large_scales)
+    x, idx, w = routing(num_tokens, 17, num_experts=4, masked=0.3, hidden=256)
+    idx[0, -1], w[0, -1] = -1, 0.0  # an unused slot in every case
+    q, sf = quantize_fp8(x)
+    sf = float_to_ue8m0_bytes(sf)
+    experts = packed if first_expert == 0 else half
+    cfg = dataclasses.replace(DECODE, decode=1, l1_split=2, l2_split=2)
+    runs = [triton_local_experts_forward(q, sf, idx, w, experts, first_expert=first_expert, activation_clamp=0.5,
+                                         config=dataclasses.replace(cfg, prologue=p)) for p in (1, 0)]
+    assert torch.equal(runs[0], runs[1])
+    other = (idx < first_expert) | (idx >= first_expert + experts.num_local_experts)
+    assert other.any() and not runs[0][other].any() and runs[0][~other].abs().sum(-1).all()
+    if first_expert == 0:
+        assert_matches(runs[0], local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=0.5))
+
+
+def test_decode_prologue_routes_dequantizes_and_zeroes_the_other_slots():
+    x, idx, _ = routing(5, 3, num_experts=8, masked=0.3, hidden=256)
+    q, sf = quantize_fp8(x)
+    sf = float_to_ue8m0_bytes(sf)
+    out = torch.full((idx.numel(), 256), float("nan"), dtype=torch.bfloat16)
+    xb, routed = decode.prologue(q, sf, idx, out, first_expert=2, num_local_experts=3, block_t=16)
+    assert torch.equal(xb, dequantize_x(q, sf))
+    for got, want in zip(routed, route_torch(idx, first_expert=2, num_local_experts=3, block_t=16)):
+        assert torch.equal(got, want)
+    other = ((idx < 2) | (idx >= 5)).reshape(-1)
+    assert other.any() and (~other).any()
+    assert torch.equal(out[other], torch.zeros_like(out[other])) and out[~other].isnan().all()
+
+
 def test_decode_fit_keeps_whole_steps_per_slice():
     """`fit` shrinks the depth to divide both K dimensions in tiles of 64, then each split to whole steps."""
     assert dataclasses.replace(DECODE, decode=4, l1_split=8, l2_split=8).fit(512, 128) == dataclasses.replace(
@@ -258,6 +295,25 @@ def test_decode_batches_pick_the_split_k_kernels():
     mid = pick_config(6, 64, 2048, 1408)  # mid-size: 22 L1 tiles of 64; 22 K tiles of I: no even L2 split
     assert (mid.decode, mid.l1_split, mid.l2_split) == (2, 8, 1)
     assert not pick_config(25, 384, 7168, 3072).decode and not pick_config(48, 384, 7168, 3072).decode
+
+
+def test_ep_picks_tiles_for_the_rows_a_local_expert_receives():
+    """Under EP the gathered rows are ep_size times what the local experts receive (uniform routing): the pick is the
+    one-rank pick of those rows, not of every rank's rows over the local experts."""
+    assert local_rows(8 * 32 * 8, 32, 256) == 32 * 8 and local_rows(6, 384) == 6
+    # DeepSeek-V3-like layer, EP 8 (32 of 256 experts per rank), 24 tokens per rank padded to 32, top-8: 2048 slots
+    # gathered, 8 rows per expert; counted over the local experts alone it looked like 64 (80-row Gluon blocks)
+    v3 = pick_config(8 * 32 * 8, 32, 7168, 2048, gluon=True, num_experts=256)
+    assert v3.block_t == 16 and not v3.gluon
+    assert pick_config(8 * 32 * 8, 32, 7168, 2048, gluon=True).block_t == 80  # the EP-blind count
+    for ep, tokens in ((8, 1), (8, 4), (8, 16), (4, 256), (8, 4096)):
+        gathered = ep * tokens * 6
+        assert pick_config(gathered, 384 // ep, 7168, 3072, gluon=True, num_experts=384) == pick_config(
+            tokens * 6, 384 // ep, 7168, 3072, gluon=True), (ep, tokens)
+    one = pick_config(8 * 6, 48, 7168, 3072, num_experts=384)  # 1 token per rank at EP 8: 6 local rows, decode
+    assert one.decode and one == pick_config(6, 48, 7168, 3072)
+    with pytest.raises(ValueError, match="384 local experts of 48 global"):
+        pick_config(6, 384, 7168, 3072, num_experts=48)
 
 
 def test_picked_config_fits_the_shapes(monkeypatch):

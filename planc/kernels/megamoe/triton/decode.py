@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from planc.kernels.megamoe.triton import jit
+from planc.kernels.megamoe.triton import jit, routing
 from planc.kernels.megamoe.triton.target import tl, triton
 
 # Arrival counters (int32, zero between kernels: the last program of each tile puts its counter back to 0), one set
@@ -52,6 +52,33 @@ def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
 
 
 if triton is not None:
+
+    @triton.jit
+    def prologue_kernel(
+        idx_ptr, sorted_ptr, blocks_ptr, scratch_ptr, num_slots, first, num_local, num_blocks,
+        q_ptr, sf_ptr, x_ptr, out_ptr, hidden, stride_out,
+        BS: tl.constexpr, BE: tl.constexpr, BB: tl.constexpr, BT: tl.constexpr, LOG_BE: tl.constexpr,
+        NUM_TOPK: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr,
+    ):
+        """What a decode batch needs before L1, in one launch: program 0 routes (`jit.route_kernel`); program
+        1 + r * chunks + c dequantizes channels [c * BH, +BH) of token row r to BF16 (`jit.dequant_x_chunk`) and
+        writes zeros there in the row's slots whose expert is not local (-1 and other ranks' experts: the combine
+        adds them), so the slot output needs no fill of its own and L2 writes only the local slots."""
+        pid = tl.program_id(0)
+        if pid == 0:
+            jit.route_kernel(idx_ptr, sorted_ptr, blocks_ptr, scratch_ptr, num_slots, first, num_local, num_blocks,
+                             BS, BE, BB, BT, LOG_BE)
+        else:
+            chunks = tl.cdiv(hidden, BH)
+            row = ((pid - 1) // chunks).to(tl.int64)
+            chunk = (pid - 1) % chunks
+            jit.dequant_x_chunk(q_ptr, sf_ptr, x_ptr, row, chunk, hidden, BH)
+            j = tl.arange(0, BK)
+            e = tl.load(idx_ptr + row * NUM_TOPK + j, mask=j < NUM_TOPK, other=first)
+            other = (j < NUM_TOPK) & ((e < first) | (e >= first + num_local))
+            col = chunk * BH + tl.arange(0, BH)
+            ptrs = out_ptr + (row * NUM_TOPK + j)[:, None] * stride_out + col[None, :]
+            tl.store(ptrs, tl.zeros((BK, BH), dtype=tl.bfloat16), mask=other[:, None] & (col < hidden)[None, :])
 
     @triton.jit
     def _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok, kc, num_g):
@@ -261,6 +288,24 @@ if triton is not None:
                 for s in tl.range(0, SPLIT, num_stages=1):
                     acc += tl.load(ws + s * split_stride, mask=row_ok[None, :], other=0.0, cache_modifier=".cg")
                 tl.store(out_ptrs, jit.bf16_rne(acc), mask=row_ok[None, :])
+
+
+def prologue(x_fp8: torch.Tensor, x_sf: torch.Tensor, topk_idx: torch.Tensor, out: torch.Tensor, *, first_expert: int,
+             num_local_experts: int, block_t: int):
+    """`prologue_kernel`: the tokens' exact BF16 values ``[M, H]`` (what `forward.dequantize_x` gives), `routing.route`'s
+    output for `block_t`-row blocks, and zeros written into `out`'s ``[M*K, H]`` rows of slots on no local expert."""
+    m, hidden = x_fp8.shape
+    num_topk = topk_idx.shape[1]
+    x = torch.empty((m, hidden), dtype=torch.bfloat16, device=x_fp8.device)
+    idx = topk_idx.reshape(-1)
+    routed, args, constexprs = routing.fused_route_launch(idx, first_expert=first_expert,
+                                                          num_local_experts=num_local_experts, block_t=block_t)
+    bh = min(1024, triton.next_power_of_2(hidden))
+    prologue_kernel[(1 + m * triton.cdiv(hidden, bh),)](
+        idx, *args, x_fp8.contiguous().view(torch.uint8), x_sf.contiguous(), x, out, hidden, out.stride(0),
+        **constexprs, NUM_TOPK=num_topk, BK=triton.next_power_of_2(num_topk), BH=bh, num_warps=4,
+    )
+    return x, routed
 
 
 def decode_forward(x: torch.Tensor, routed, weights: torch.Tensor, experts, out: torch.Tensor, *, num_topk: int,
