@@ -50,6 +50,9 @@ class KernelConfig:
     # (`decode.prologue_kernel`), 0 in three (the general path's routing, dequantization and fill), as the decode
     # path ran before the prologue: kept to time one against the other (`bench/megamoe_gpu.py`).
     prologue: int = 1
+    # With `decode`: 1 runs L1 and L2 as one persistent launch (`decode.decode_persistent_kernel`: work items by
+    # ticket, an L2 item waiting for its block's L1 tiles), 0 as two launches.
+    persistent: int = 0
 
     # The block sizes the Gluon kernels have loop bodies for: a 64-row MMA and up to one (80) or two (96) 16-row MMAs;
     # 80-row blocks compile without the two-tail body, in fewer registers (see `GLUON_CONFIGS`).
