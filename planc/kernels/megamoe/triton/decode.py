@@ -51,10 +51,15 @@ def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
     return have
 
 
-# The persistent decode kernel (`KernelConfig.persistent`): programs per SM (those that do not fit wait for a slot,
-# start when the others leave, find no ticket and leave), and how many polls an L2 item waits for its block's L1
-# tiles before it gives up and counts a stall (`stalls`): ~a second of polling, where a wait takes microseconds.
-_PERSISTENT_PROGRAMS_PER_SM = 8
+# The persistent decode kernel (`KernelConfig.persistent`): its register cap where the config sets none, programs
+# per SM, and how many polls an L2 item waits for its block's L1 tiles before it gives up and counts a stall
+# (`stalls`): ~a second of polling, where a wait takes microseconds. Compiled for sm_90 by Triton 3.6 (6 cp.async
+# stages, 16-row blocks, N tiles of 64), the two-launch L1 holds 79 registers and 37.9 KB of shared memory (5
+# programs per SM), L2 56; the persistent kernel, both bodies in one loop, 168 uncapped (3 per SM): capped at 96 it
+# spills 32 bytes and fits 5 by registers and by shared memory, as L1 does. One program more per SM than fit: it
+# starts when the others leave, finds no ticket and leaves.
+_PERSISTENT_MAXNREG = 96
+_PERSISTENT_PROGRAMS_PER_SM = 6
 _MAX_POLLS = 1 << 20
 _STALLS: dict[tuple[str, int | None], torch.Tensor] = {}
 
@@ -453,7 +458,7 @@ def decode_forward(x: torch.Tensor, routed, weights: torch.Tensor, experts, out:
             x.stride(0), experts.w1.stride(0), s1w.stride(0), experts.w2.stride(0), s2w.stride(0), act.stride(0),
             out.stride(0), 0.0 if clamp is None else clamp, _MAX_POLLS,
             HAS_CLAMP=clamp is not None, BN1=config.l1_n, BN2=config.l2_n, SPLIT1=s1, SPLIT2=s2, **stream,
-            **config.launch_registers(),
+            **({} if interpret else {"maxnreg": config.maxnreg or _PERSISTENT_MAXNREG}),
         )
         return
     counters = arrival_counters(device, max(l1_tiles, l2_tiles))
