@@ -15,8 +15,10 @@ one 64-deep K tile (4 KB of L1 words, 2 KB of L2 words) in flight: a few KB per 
   L2: the BF16 rounding into the slot's output), so no reduction kernel is launched, and the counter is left at 0;
 - the weights stream either by register prefetch of `depth` K tiles (`KernelConfig.prefetch`) or through Triton's
   cp.async pipeline of `num_stages` shared-memory buffers (`num_stages - 1` K tiles in flight, no registers held).
-Launches per call: the tokens' BF16 values, routing, the output's zero fill, L1, L2 (the general path has L1's
-reduction kernel besides).
+Launches per call: the prologue (`prologue_kernel`: routing, the tokens' BF16 values and the zeros of slots on no
+local expert, one launch; `KernelConfig.prologue=0`: three, as the general path), then L1 and L2, or both as one
+persistent launch (`decode_persistent_kernel`, `KernelConfig.persistent`: work items by ticket, an L2 item waiting
+for its block's L1 tiles). The general path has L1's reduction kernel besides.
 
 Numerics: the general path's (docs/megamoe.md, steps 3-6). L1 with the same `l1_split` sums the same FP32 partials
 in the same order as `jit.l1_reduce_kernel`; L2's split changes only the order of its FP32 sums.
