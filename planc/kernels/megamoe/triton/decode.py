@@ -357,7 +357,7 @@ if triton is not None:
         clamp, max_polls,
         HAS_CLAMP: tl.constexpr, BT: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, DEPTH: tl.constexpr,
         SPLIT1: tl.constexpr, SPLIT2: tl.constexpr, PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr,
-        LARGE: tl.constexpr, INTERPRET: tl.constexpr,
+        NUM_STAGES2: tl.constexpr, LARGE: tl.constexpr, INTERPRET: tl.constexpr,
     ):
         """L1 and L2 in one launch of a few programs per SM, each taking work items by ticket (an atomic counter)
         until none is left: first every L1 item (`_l1_item`, in the order of `decode_l1_kernel`'s grid), then every
@@ -401,7 +401,7 @@ if triton is not None:
                         tl.atomic_add(stalls_ptr, 1, sem="relaxed", scope="gpu")
                 _l2_item(act_ptr, w2_ptr, s2_ptr, sorted_ptr, block_expert_ptr, block_row_ptr, block_end_ptr,
                          out_ptr, ws2_ptr, l2_cnt, hidden, inter, num_local, stride_act, stride_w2, stride_s2,
-                         stride_out, tile, u // l2_tiles, num_blocks, BT, BN2, DEPTH, SPLIT2, PREFETCH, NUM_STAGES,
+                         stride_out, tile, u // l2_tiles, num_blocks, BT, BN2, DEPTH, SPLIT2, PREFETCH, NUM_STAGES2,
                          LARGE, INTERPRET)
             t = tl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
         left = tl.atomic_add(exit_ptr, 1, sem="acq_rel", scope="gpu")
@@ -459,7 +459,8 @@ def decode_forward(x: torch.Tensor, routed, weights: torch.Tensor, experts, out:
             hidden, inter, num_topk, num_local, nblocks,
             x.stride(0), experts.w1.stride(0), s1w.stride(0), experts.w2.stride(0), s2w.stride(0), act.stride(0),
             out.stride(0), 0.0 if clamp is None else clamp, _MAX_POLLS,
-            HAS_CLAMP=clamp is not None, BN1=config.l1_n, BN2=config.l2_n, SPLIT1=s1, SPLIT2=s2, **stream,
+            HAS_CLAMP=clamp is not None, BN1=config.l1_n, BN2=config.l2_n, SPLIT1=s1, SPLIT2=s2,
+            NUM_STAGES2=config.l2_stages or config.num_stages, **stream,
             **({} if interpret else {"maxnreg": config.maxnreg or _PERSISTENT_MAXNREG}),
         )
         return
@@ -475,5 +476,6 @@ def decode_forward(x: torch.Tensor, routed, weights: torch.Tensor, experts, out:
         act, experts.w2, s2w, sorted_slots, block_expert, block_row, block_end, out, ws2, counters,
         hidden, inter, num_local,
         act.stride(0), experts.w2.stride(0), s2w.stride(0), out.stride(0),
-        BN=config.l2_n, SPLIT=s2, **stream, **config.launch_registers("L2"),
+        BN=config.l2_n, SPLIT=s2, **{**stream, "NUM_STAGES": config.l2_stages or config.num_stages},
+        **config.launch_registers("L2"),
     )
