@@ -88,7 +88,7 @@ def parse_args(argv=None):
                         "this run: KernelConfig's fields as comma-separated ints, as in --configs")
     p.add_argument("--general-only", action="store_true",
                    help="run the general kernels at every batch size (no split-K decode rows: `general_path_only`)")
-    p.add_argument("--decode-variant", default=None, choices=["three_launches", "prologue", "persistent"],
+    p.add_argument("--decode-variant", default=None, choices=list(DECODE_VARIANTS),
                    help="run the decode rows as this variant (`DECODE_VARIANTS`) throughout, e.g. with --profile")
     p.add_argument("--no-variants", action="store_true",
                    help="do not time the decode rows' variants (`DECODE_VARIANTS`: the path before, each new part)")
@@ -297,6 +297,9 @@ DECODE_VARIANTS = {
     "three_launches": dict(prologue=0, persistent=0),
     "prologue": dict(prologue=1, persistent=0),
     "persistent": dict(prologue=1, persistent=1),
+    "persistent_l2s8": dict(prologue=1, persistent=1, l2_stages=8),
+    "prologue_pdl": dict(prologue=1, persistent=0, pdl=1),
+    "persistent_pdl": dict(prologue=1, persistent=1, l2_stages=8, pdl=1),
 }
 
 

@@ -85,12 +85,16 @@ DECODE_VARIANTS = [
     KernelConfig(16, 64, 64, 64, 64, 4, 6, l1_split=4, prefetch=0, decode=1, l2_split=2, persistent=1),
     KernelConfig(16, 64, 64, 64, 64, 4, 1, l1_split=2, prefetch=1, decode=2, l2_split=2, persistent=1),
     KernelConfig(16, 64, 64, 64, 64, 4, 6, l1_split=4, prefetch=0, decode=1, l2_split=2, prologue=0),
+    KernelConfig(16, 64, 64, 64, 64, 4, 6, l1_split=4, prefetch=0, decode=1, l2_split=2, persistent=1, l2_stages=8,
+                 pdl=1),
+    KernelConfig(16, 64, 64, 64, 64, 4, 6, l1_split=4, prefetch=0, decode=1, l2_split=2, pdl=1),
 ]
 
 
 @pytest.mark.parametrize("num_tokens", [1, 4])
 @pytest.mark.parametrize("config", [None, *DECODE_VARIANTS], ids=["picked", "pipeline", "prefetch2", "prefetch4",
-                                                                  "persistent", "persistent_prefetch2", "three_launches"])
+                                                                  "persistent", "persistent_prefetch2", "three_launches",
+                                                                  "persistent_pdl", "pdl"])
 def test_split_k_decode_matches_the_reference_and_repeats_its_bits(experts, config, num_tokens):
     """Each tile's last program reduces the split partials in split order: two runs give the same bits (a race on
     the arrival counters or a stale partial would not), the counters are left at zero, and the result is the
@@ -130,7 +134,8 @@ def test_split_k_decode_on_deepseek_v4_shapes():
         ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=10.0)
         out = triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=10.0)
         check(out, ref)
-        for variant in (dict(persistent=1 - cfg.persistent), dict(prologue=1 - cfg.prologue)):
+        for variant in (dict(persistent=1 - cfg.persistent), dict(prologue=1 - cfg.prologue),
+                        dict(persistent=1, pdl=1, l2_stages=8)):
             other = dataclasses.replace(cfg, **variant)  # the same partial sums in the same order: the same bits
             assert torch.equal(out, triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0,
                                                                  activation_clamp=10.0, config=other)), variant

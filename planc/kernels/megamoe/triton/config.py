@@ -56,6 +56,9 @@ class KernelConfig:
     # With `decode` and the cp.async pipeline: L2's stages where they differ from L1's (0: `num_stages`). An L2 K tile
     # of 64 N rows is half an L1 tile (no up rows): 6 stages keep ~10 KB in flight per program against L1's ~20 KB.
     l2_stages: int = 0
+    # With `decode`: 1 launches the prologue, L1 and L2 (or the persistent kernel) with programmatic dependent launch
+    # where the device has it (`target.pdl_available`): each starts while the one before finishes, then waits.
+    pdl: int = 0
 
     # The block sizes the Gluon kernels have loop bodies for: a 64-row MMA and up to one (80) or two (96) 16-row MMAs;
     # 80-row blocks compile without the two-tail body, in fewer registers (see `GLUON_CONFIGS`).

@@ -79,16 +79,26 @@ def stalls(device: torch.device) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
+    def _dependent_launch(PDL: tl.constexpr):
+        """With PDL (the kernel launched with programmatic dependent launch): wait until the kernel before it on the
+        stream has finished and its writes are visible (before this kernel touches any memory, so completions stay
+        ordered down the chain), then let the next kernel launch: its programs take SM slots as this one's leave."""
+        if PDL:
+            target.gdc_wait()
+            target.gdc_launch_dependents()
+
+    @triton.jit
     def prologue_kernel(
         idx_ptr, sorted_ptr, blocks_ptr, scratch_ptr, num_slots, first, num_local, num_blocks,
         q_ptr, sf_ptr, x_ptr, out_ptr, hidden, stride_out,
         BS: tl.constexpr, BE: tl.constexpr, BB: tl.constexpr, BT: tl.constexpr, LOG_BE: tl.constexpr,
-        NUM_TOPK: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr,
+        NUM_TOPK: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr,
     ):
         """What a decode batch needs before L1, in one launch: program 0 routes (`jit.route_kernel`); program
         1 + r * chunks + c dequantizes channels [c * BH, +BH) of token row r to BF16 (`jit.dequant_x_chunk`) and
         writes zeros there in the row's slots whose expert is not local (-1 and other ranks' experts: the combine
         adds them), so the slot output needs no fill of its own and L2 writes only the local slots."""
+        _dependent_launch(PDL)
         pid = tl.program_id(0)
         if pid == 0:
             jit.route_kernel(idx_ptr, sorted_ptr, blocks_ptr, scratch_ptr, num_slots, first, num_local, num_blocks,
@@ -244,8 +254,10 @@ if triton is not None:
         clamp,
         HAS_CLAMP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr,
         PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr, LARGE: tl.constexpr, INTERPRET: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """`_l1_item` of tile `program_id(0)`, slice `program_id(1)`."""
+        _dependent_launch(PDL)
         _l1_item(x_ptr, w_ptr, s_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr, block_end_ptr,
                  out_ptr, ws_ptr, cnt_ptr, hidden, inter, num_topk, num_local, stride_x, stride_we, stride_se,
                  stride_out, clamp, tl.program_id(0), tl.program_id(1), tl.num_programs(0) // (inter // BN),
@@ -340,9 +352,10 @@ if triton is not None:
         hidden, inter, num_local,
         stride_a, stride_we, stride_se, stride_out,
         BT: tl.constexpr, BN: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
-        NUM_STAGES: tl.constexpr, LARGE: tl.constexpr, INTERPRET: tl.constexpr,
+        NUM_STAGES: tl.constexpr, LARGE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
     ):
         """`_l2_item` of tile `program_id(0)`, slice `program_id(1)`."""
+        _dependent_launch(PDL)
         _l2_item(a_ptr, w_ptr, s_ptr, sorted_ptr, block_expert_ptr, block_row_ptr, block_end_ptr, out_ptr, ws_ptr,
                  cnt_ptr, hidden, inter, num_local, stride_a, stride_we, stride_se, stride_out, tl.program_id(0),
                  tl.program_id(1), tl.num_programs(0) // (hidden // BN), BT, BN, DEPTH, SPLIT, PREFETCH, NUM_STAGES,
@@ -357,7 +370,7 @@ if triton is not None:
         clamp, max_polls,
         HAS_CLAMP: tl.constexpr, BT: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, DEPTH: tl.constexpr,
         SPLIT1: tl.constexpr, SPLIT2: tl.constexpr, PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr,
-        NUM_STAGES2: tl.constexpr, LARGE: tl.constexpr, INTERPRET: tl.constexpr,
+        NUM_STAGES2: tl.constexpr, LARGE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
     ):
         """L1 and L2 in one launch of a few programs per SM, each taking work items by ticket (an atomic counter)
         until none is left: first every L1 item (`_l1_item`, in the order of `decode_l1_kernel`'s grid), then every
@@ -366,6 +379,7 @@ if triton is not None:
         tickets, already taken by programs that are running and wait on nothing. A wait is cut off after
         `max_polls` polls and counted in `stalls` (never expected: the tests check it stays 0), so a fault cannot
         hang the GPU. The last program to leave puts the tickets and counters back to 0 for the next launch."""
+        _dependent_launch(PDL)
         l1_tiles = num_blocks * (inter // BN1)
         l2_tiles = num_blocks * (hidden // BN2)
         n_l1 = l1_tiles * SPLIT1
@@ -412,10 +426,16 @@ if triton is not None:
                 tl.atomic_xchg(done_ptr + i, 0, sem="relaxed", scope="gpu")
 
 
+def _pdl_launch(pdl: bool) -> dict:
+    """A decode kernel's PDL constexpr and, where set, the launch option that goes with it."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
+
+
 def prologue(x_fp8: torch.Tensor, x_sf: torch.Tensor, topk_idx: torch.Tensor, out: torch.Tensor, *, first_expert: int,
-             num_local_experts: int, block_t: int):
+             num_local_experts: int, block_t: int, pdl: bool = False):
     """`prologue_kernel`: the tokens' exact BF16 values ``[M, H]`` (what `forward.dequantize_x` gives), `routing.route`'s
-    output for `block_t`-row blocks, and zeros written into `out`'s ``[M*K, H]`` rows of slots on no local expert."""
+    output for `block_t`-row blocks, and zeros written into `out`'s ``[M*K, H]`` rows of slots on no local expert;
+    `pdl`: launched with programmatic dependent launch where the device has it (`KernelConfig.pdl`)."""
     m, hidden = x_fp8.shape
     num_topk = topk_idx.shape[1]
     x = torch.empty((m, hidden), dtype=torch.bfloat16, device=x_fp8.device)
@@ -426,6 +446,7 @@ def prologue(x_fp8: torch.Tensor, x_sf: torch.Tensor, topk_idx: torch.Tensor, ou
     prologue_kernel[(1 + m * triton.cdiv(hidden, bh),)](
         idx, *args, x_fp8.contiguous().view(torch.uint8), x_sf.contiguous(), x, out, hidden, out.stride(0),
         **constexprs, NUM_TOPK=num_topk, BK=triton.next_power_of_2(num_topk), BH=bh, num_warps=4,
+        **_pdl_launch(pdl and target.pdl_available(x_fp8.device)),
     )
     return x, routed
 
@@ -446,8 +467,9 @@ def decode_forward(x: torch.Tensor, routed, weights: torch.Tensor, experts, out:
     ws2 = torch.empty((s2, nblocks * bt, hidden) if s2 > 1 else (1,), dtype=torch.float32, device=device)
     s1w = experts.s1.reshape(num_local, -1).view(torch.int32)  # one int32 per (K block, row group, r)
     s2w = experts.s2.reshape(num_local, -1).view(torch.int32)
+    pdl = bool(config.pdl) and target.pdl_available(device)
     stream = dict(BT=bt, DEPTH=config.decode, PREFETCH=prefetch, NUM_STAGES=config.num_stages,
-                  LARGE=experts.large_scales, INTERPRET=interpret, num_warps=config.num_warps)
+                  LARGE=experts.large_scales, INTERPRET=interpret, num_warps=config.num_warps, **_pdl_launch(pdl))
     if config.persistent:
         # both kernels' arrival counters side by side, then per block its L1 tiles written, the ticket, the exits
         counters = arrival_counters(device, l1_tiles + l2_tiles + nblocks + 2)

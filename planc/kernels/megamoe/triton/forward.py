@@ -109,7 +109,7 @@ def triton_local_experts_forward(
         # one launch routes, dequantizes the tokens and zeroes the slots of no local expert; then L1 and L2
         out = torch.empty((m * k, hidden), dtype=torch.bfloat16, device=device)
         x, routed = decode.prologue(x_fp8, x_sf, topk_idx, out, first_expert=first_expert,
-                                    num_local_experts=num_local, block_t=cfg.block_t)
+                                    num_local_experts=num_local, block_t=cfg.block_t, pdl=bool(cfg.pdl))
         decode.decode_forward(x, routed, weights, experts, out, num_topk=k, clamp=clamp, config=cfg,
                               prefetch=prefetch, interpret=interpret)
         return out.view(m, k, hidden)
