@@ -16,6 +16,12 @@ them once to BF16). Per batch size (decode 1/16/64/256, prefill 4096), CUDA-even
 `--ceiling` also times cuBLAS's dense GEMMs of the same math per batch size (`dense_ceiling`): what the vendor's
 best kernels take with no routing, padding or FP4 expansion, in BF16 and in FP8 with the finest block scaling
 Hopper's cuBLAS has (1x128 x 128x128; the kernel's 1x32 MX scales are SM100-only, and the attempt is recorded).
+Peers: SGLang's FP8 `fused_moe` is probed in a child process (`sglang_peer`); where it does not import (the device
+has no SGLang) the bench says so and goes on without its column. DeepGEMM's SM90 FP8 Mega MoE has no column: it
+exists only in sgl-project/DeepGEMM (`sm90_fp8_fp4_mega_moe.cuh`, fork commit b9bb630); the device has nvcc 13.0
+and CUDA's and torch's headers, but no whole source tree of the fork at that commit (with its CUTLASS and fmt
+submodules) can be brought there, and its build (`deep_gemm._C`, then an nvcc JIT per batch band) and weight layout
+are a device call and a binding of their own (docs/megamoe.md, "Peers").
 `--sweep` times each candidate tile config of the Triton kernels per batch size instead (graph replay of the
 experts computation alone) and prints the best: the table in `planc.kernels.megamoe.triton.config` comes from it.
 
@@ -309,7 +315,7 @@ def sglang_peer() -> dict:
     CUDA context). Where it cannot, the bench says why and goes on without the column."""
     import subprocess
 
-    probe = "from sglang.srt.layers.moe.fused_moe_triton.fused_moe import fused_moe; print('ok')"
+    probe = "from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe; print('ok')"
     try:
         done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
