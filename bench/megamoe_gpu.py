@@ -619,6 +619,10 @@ def main(argv=None):
         if copy_tbps is not None and row["bound"] == "fp4 read":  # the same bytes at a plain copy's rate
             row["copy_bound_us"] = row["bound_us"] * args.hbm_tbps / copy_tbps
         rows.append(row)
+        if args.json:  # the rows so far, in case a time limit stops the run before the end
+            with open(args.json, "w") as f:
+                json.dump(dict(partial=True, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                               rows=rows), f, indent=2)
         print(f"tokens {n}: triton {row['triton_us']:.1f} us ({row['path']}), general kernels {row['general_us']:.1f} "
               f"us, bound {row['bound_us']:.1f} us ({row['ratio']:.2f}x; general {row['general_us'] / row['bound_us']:.2f}x)"
               f", copy bound {row.get('copy_bound_us', float('nan')):.1f} us, calc_diff vs general "
