@@ -56,10 +56,10 @@ def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
 # The persistent decode kernel (`KernelConfig.persistent`): its register cap where the config sets none, programs
 # per SM, and how many polls an L2 item waits for its block's L1 tiles before it gives up and counts a stall
 # (`stalls`): ~a second of polling, where a wait takes microseconds. Compiled for sm_90 by Triton 3.6 (6 cp.async
-# stages, 16-row blocks, N tiles of 64), the two-launch L1 holds 79 registers and 37.9 KB of shared memory (5
-# programs per SM), L2 56; the persistent kernel, both bodies in one loop, 168 uncapped (3 per SM): capped at 96 it
-# spills 32 bytes and fits 5 by registers and by shared memory, as L1 does. One program more per SM than fit: it
-# starts when the others leave, finds no ticket and leaves.
+# stages, 16-row blocks, N tiles of 64, the V4 layer's 16-divisible sizes and strides), the two-launch L1 holds 79
+# registers and 37.9 KB of shared memory (5 programs per SM), L2 56; the persistent kernel, both bodies in one loop,
+# 168 uncapped (3 per SM): capped at 96 it spills 32 bytes and fits 5 by registers and by shared memory, as L1 does.
+# One program more per SM than fit: it starts when the others leave, finds no ticket and leaves.
 _PERSISTENT_MAXNREG = 96
 _PERSISTENT_PROGRAMS_PER_SM = 6
 _MAX_POLLS = 1 << 20
