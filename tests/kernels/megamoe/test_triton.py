@@ -174,18 +174,21 @@ def wide_experts():
 DECODE = KernelConfig(block_t=16, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_stages=3, decode=2)
 
 
-@pytest.mark.parametrize("prefetch,depth,l1_split,l2_split", [(1, 2, 2, 1), (0, 1, 4, 2)],
-                         ids=["prefetch_depth2", "pipeline_l2split"])
-def test_split_k_decode_kernels_match_the_reference(wide_experts, monkeypatch, prefetch, depth, l1_split, l2_split):
-    """The decode kernels (`decode`): both GEMMs split over K, each tile's last program reducing the partials; the
-    arrival counters are back at zero afterwards (the next call relies on it). With L2 unsplit, the same bits as the
-    general kernels with the same L1 split (the same FP32 partials, summed in the same order)."""
+@pytest.mark.parametrize("prefetch,depth,l1_split,l2_split,extra", [
+    (1, 2, 2, 1, {}), (0, 1, 4, 2, {}), (0, 1, 2, 2, dict(persistent=1, l2_n=128))],
+    ids=["prefetch_depth2", "pipeline_l2split", "persistent_l2n128"])
+def test_split_k_decode_kernels_match_the_reference(wide_experts, monkeypatch, prefetch, depth, l1_split, l2_split,
+                                                    extra):
+    """The decode kernels (`decode`): both GEMMs split over K, each tile's last program reducing the partials (also
+    as one persistent launch with L2 N tiles of 128); the arrival counters are back at zero afterwards (the next call
+    relies on it). With L2 unsplit, the same bits as the general kernels with the same L1 split (the same FP32
+    partials, summed in the same order)."""
     packed, deq = wide_experts
     monkeypatch.setattr(target, "REGISTER_PREFETCH", True)
     x, idx, w = routing(2, 8, num_experts=4, masked=0.3, hidden=256)
     q, sf = quantize_fp8(x)
     sf = float_to_ue8m0_bytes(sf)
-    cfg = dataclasses.replace(DECODE, prefetch=prefetch, decode=depth, l1_split=l1_split, l2_split=l2_split)
+    cfg = dataclasses.replace(DECODE, prefetch=prefetch, decode=depth, l1_split=l1_split, l2_split=l2_split, **extra)
     fit = cfg.fit(packed.hidden, packed.intermediate)
     assert (fit.decode, fit.l1_split, fit.l2_split) == (depth, l1_split, l2_split)
     ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=0.5)
