@@ -89,13 +89,15 @@ DECODE_VARIANTS = [
                  pdl=1),
     KernelConfig(16, 64, 64, 64, 64, 4, 6, l1_split=4, prefetch=0, decode=1, l2_split=2, pdl=1),
     KernelConfig(16, 64, 64, 128, 64, 4, 6, l1_split=4, prefetch=0, decode=1, l2_split=4, persistent=1, maxnreg=128),
+    KernelConfig(16, 128, 64, 128, 64, 4, 6, l1_split=8, prefetch=0, decode=1, l2_split=4),
 ]
 
 
 @pytest.mark.parametrize("num_tokens", [1, 4])
 @pytest.mark.parametrize("config", [None, *DECODE_VARIANTS], ids=["picked", "pipeline", "prefetch2", "prefetch4",
                                                                   "persistent", "persistent_prefetch2", "three_launches",
-                                                                  "persistent_pdl", "pdl", "persistent_l2n128"])
+                                                                  "persistent_pdl", "pdl", "persistent_l2n128",
+                                                                  "n128"])
 def test_split_k_decode_matches_the_reference_and_repeats_its_bits(experts, config, num_tokens):
     """Each tile's last program reduces the split partials in split order: two runs give the same bits (a race on
     the arrival counters or a stale partial would not), the counters are left at zero, and the result is the
