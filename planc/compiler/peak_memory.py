@@ -132,7 +132,8 @@ class PeakMemory:
     notes: tuple[str, ...] = ()
     unpriced: tuple[str, ...] = ()  # what the family allocates that planc does not price: the verdict is not backed
     # the family is one the memory grid measured (family_memory's rows): its unpriced items are priced on the safe
-    # side, so the peak errs high; an unmeasured family's may miss what its layers allocate, so it may be low
+    # side, so the peak errs high; an unmeasured family's may miss what its layers allocate, so it may be low and
+    # explain gives no verdict (no fits, no largest batch) for it
     validated: bool = True
     device_memory: Optional[int] = None
     reserve: int = DEFAULT_RESERVE
@@ -142,7 +143,10 @@ class PeakMemory:
 
     @property
     def fits(self) -> Optional[bool]:
-        return None if self.device_memory is None else self.peak + self.reserve <= self.device_memory
+        """None without a device size, or for a family the grid has not validated (no verdict)."""
+        if self.device_memory is None or not self.validated:
+            return None
+        return self.peak + self.reserve <= self.device_memory
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -193,14 +197,15 @@ class PeakMemory:
         if self.device_memory is not None:
             left = self.device_memory - self.reserve - self.peak
             verdict = "fits" if left >= 0 else "does NOT fit"
+            verdict += f" ({'left' if left >= 0 else 'over by'} {human_bytes(abs(left), 2)})"
             flag = f" [not priced: {len(self.unpriced)} item(s) below; the peak errs high]" if self.unpriced else ""
             if not self.validated:
-                flag = (f" [not validated: the memory grid has not measured this family, {len(self.unpriced)} item(s) "
-                        "below; the peak may be low]")
+                verdict = (f"no verdict [not validated: the memory grid has not measured this family, "
+                           f"{len(self.unpriced)} item(s) below; the peak above may be low]")
+                flag = ""
             lines.append(
                 f"  device memory {human_bytes(self.device_memory, 1)} - reserve {human_bytes(self.reserve, 1)} "
-                f"(CUDA context, NCCL): {verdict} ({'left' if left >= 0 else 'over by'} {human_bytes(abs(left), 2)})"
-                + flag
+                f"(CUDA context, NCCL): {verdict}" + flag
             )
             lines.append("  counts live tensors: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the default "
                          "allocator fragments: +16% measured, docs/memory.md)")
@@ -501,7 +506,7 @@ def peak_memory(
 
     best = peak_at(batch, seq)
     max_batch = max_seq = None
-    if device_memory is not None:
+    if device_memory is not None and best.validated:  # no largest batch where no verdict is given
         budget = device_memory - reserve
         if search in ("batch", None):
             max_batch = _largest(lambda b: peak_at(b, seq).peak, budget, 1 << 20)
