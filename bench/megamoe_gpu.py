@@ -297,23 +297,15 @@ def decode_row(**fields):
         triton_config.DECODE_CONFIGS = saved
 
 
-# The decode variants the layer rows time beside the table's pick (`decode_row`): the path before this change, and
-# each new part alone and together.
+# The decode variants the layer rows time beside the table's pick (`decode_row`): the path before the prologue, the
+# prologue, the persistent kernel and PDL. On an H100 (2026-12-06, main 562fe97) these and five more (L2 stages, N
+# tiles of 128, the persistent kernel with PDL) ran: none beat the prologue by more than 1% (docs/megamoe.md); any
+# other is a `--sweep --configs` away.
 DECODE_VARIANTS = {
     "three_launches": dict(prologue=0, persistent=0),
     "prologue": dict(prologue=1, persistent=0),
     "persistent": dict(prologue=1, persistent=1),
-    "persistent_l2s8": dict(prologue=1, persistent=1, l2_stages=8),
     "prologue_pdl": dict(prologue=1, persistent=0, pdl=1),
-    "persistent_pdl": dict(prologue=1, persistent=1, l2_stages=8, pdl=1),
-    # L2 N tiles of 128 (4 warps): the L2 loop issues 225 instructions per 64-deep K tile of 128 rows (4352 bytes)
-    # against 152 for 64 rows (2176 bytes) under Triton 3.6 for sm_90: 67% against 90% of an SM's issue slots at a
-    # 3 TB/s read. The persistent kernel then needs 128 registers (40 bytes of spills; 198 uncapped).
-    "prologue_l2n128": dict(prologue=1, persistent=0, l2_n=128),
-    "persistent_l2n128": dict(prologue=1, persistent=1, l2_n=128, maxnreg=128),
-    # Both N tiles of 128: L1 issues 387 per 8704 bytes (58% at 3 TB/s), 89 registers and 63.5 KB (3 per SM); its
-    # split re-sized to 8 (depth 1), which changes L1's FP32 sum order: not the pick's bits, its calc_diff.
-    "prologue_n128": dict(prologue=1, persistent=0, l1_n=128, l2_n=128, decode=1),
 }
 
 

@@ -207,6 +207,10 @@ FP8_CONFIGS: tuple[tuple[int, KernelConfig], ...] = ()
 # 1 token 103.9 against 106.0 µs), at 8 tokens (48 rows) a tie (577.3 against 575.0 µs): up to 24 rows (4 tokens at
 # top-6). Of the swept rows at 1 token, 6 cp.async stages with L1 split in 4 and L2 in 2 (what `_decode_splits`
 # gives) ran fastest; 4 and 8 stages, other splits, register prefetch of 2 K tiles and 8 warps were 2-34% slower.
+# The row runs the prologue (`KernelConfig.prologue`: routing, dequantization and zero fill in one launch): on an H100
+# (2026-12-06, main 562fe97) the layer at 1 / 2 / 4 tokens took 105.0 / 177.6 / 319.0 µs against 108.8 / 180.8 / 323.4
+# with the three launches; the persistent kernel (111.6 / 182.9 / 324.8), PDL (within 1%) and N tiles of 128 (6-33%
+# slower) measured no better, so the row sets none of them (docs/megamoe.md, "Launches at decode").
 DECODE_CONFIGS: tuple[tuple[int, KernelConfig], ...] = (
     (24, KernelConfig(block_t=16, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=6, prefetch=0,
                       decode=2)),
