@@ -16,13 +16,15 @@ import warnings
 from typing import Any, Optional
 
 from planc.compiler.walk import ExpertsInfo, ModelWalk, ParamInfo, WalkIndex
+from planc.errors import PlancError
 
 # Bumped whenever the data below changes meaning; a stored walk of another format is never read.
 WALK_FORMAT = 1
 
 
-class Unencodable(ValueError):
-    """A value JSON cannot hold exactly (an object, a NaN): the walk is not stored, the live one is used."""
+class Unencodable(PlancError):
+    """A value JSON cannot hold exactly (an object, a NaN): the walk is not stored, the live one is used. Never
+    reaches a user: planc.models.walk_cache turns it into a miss."""
 
 
 def encode(value: Any) -> Any:

@@ -3,7 +3,7 @@
 Building a full-size model on `meta` takes seconds, nearly all of it importing torch and transformers; the compiler
 and the memory model read only its walk (planc.compiler.walk_data). `explain_walk` looks for the walk under a key of
 everything the walk depends on: the model type, the config values given (`--config`, `--set`), `--dtype`, the
-installed transformers and torch versions, the walk format and the source of the code that makes and reads walks. A
+installed transformers version, the walk format and the source of the code that makes and reads walks. A
 transformers config is a function of its model type, the values given and the transformers version, so the key
 stands for the full config after overrides without building it. A hit reads JSON and imports neither torch nor
 transformers; a miss builds the model, walks it and stores the walk.
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 CACHE_ENV = "PLANC_WALK_CACHE"
+KEEP = 64  # walks kept in the user's cache (the most recently written); a walk is 50-200 KB
 SHIPPED = Path(__file__).resolve().parent / "walks"
 # keys of a saved config.json that are metadata, not constructor arguments
 CONFIG_METADATA = ("model_type", "architectures", "transformers_version", "auto_map", "_name_or_path")
@@ -68,7 +69,7 @@ def walk_key(model_type: str, config: dict, dtype: str) -> Optional[dict]:
     except Unencodable:
         return None
     return {"format": WALK_FORMAT, "code": _code_digest(), "transformers": _version("transformers"),
-            "torch": _version("torch"), "model_type": model_type, "config": values, "dtype": dtype}
+            "model_type": model_type, "config": values, "dtype": dtype}
 
 
 def _digest(key: dict) -> str:
@@ -110,7 +111,8 @@ def render(key: dict, walk) -> Optional[str]:
 
 
 def store_walk(key: dict, walk) -> None:
-    """Write `walk` to the user's cache under `key`; a cache that cannot be written is skipped, never an error."""
+    """Write `walk` to the user's cache under `key`, keeping the KEEP most recent walks; a cache that cannot be written
+    is skipped, never an error."""
     text = render(key, walk)
     if text is None:
         return
@@ -120,6 +122,9 @@ def store_walk(key: dict, walk) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
+        stored = sorted(path.parent.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in stored[KEEP:]:
+            old.unlink()
     except OSError:
         try:
             tmp.unlink()
