@@ -42,34 +42,48 @@ def cache_dir() -> Path:
     return Path(base) / "planc" / "walks"
 
 
-def _version(dist: str) -> Optional[str]:
-    from importlib.metadata import PackageNotFoundError, version
+def _version(package: str) -> Optional[str]:
+    """The `__version__` of the `package` an import would load, read from its source without importing it (a checkout
+    on PYTHONPATH may differ from the installed distribution's metadata); None when it is not there."""
+    import importlib.util
+    import re
 
     try:
-        return version(dist)
-    except PackageNotFoundError:
+        spec = importlib.util.find_spec(package)
+        if spec is None or spec.origin is None:
+            return None
+        with open(spec.origin, encoding="utf-8") as f:
+            found = re.search(r"^__version__\s*=\s*[\"']([^\"']+)[\"']", f.read(), re.MULTILINE)
+    except (ImportError, OSError, ValueError):
         return None
+    return found.group(1) if found else None
 
 
-def _code_digest() -> str:
+def _code_digest() -> Optional[str]:
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for name in _WALK_CODE:
-        h.update((root / name).read_bytes())
+    try:
+        for name in _WALK_CODE:
+            h.update((root / name).read_bytes())
+    except OSError:  # the source is not there to read (a zipped install): no key, nothing stored
+        return None
     return h.hexdigest()[:16]
 
 
 def walk_key(model_type: str, config: dict, dtype: str) -> Optional[dict]:
     """The key of the walk of `model_type` built from `config` (constructor values) in `dtype`; None when a config value
-    is not plain data (the walk is then always built)."""
+    is not plain data or transformers or the walk code cannot be read (the walk is then always built)."""
     from planc.compiler.walk_data import WALK_FORMAT, Unencodable, encode
 
     try:
         values = encode({k: v for k, v in config.items() if k not in CONFIG_METADATA})
     except Unencodable:
         return None
-    return {"format": WALK_FORMAT, "code": _code_digest(), "transformers": _version("transformers"),
-            "model_type": model_type, "config": values, "dtype": dtype}
+    code, transformers = _code_digest(), _version("transformers")
+    if code is None or transformers is None:
+        return None
+    return {"format": WALK_FORMAT, "code": code, "transformers": transformers, "model_type": model_type,
+            "config": values, "dtype": dtype}
 
 
 def _digest(key: dict) -> str:
