@@ -167,6 +167,12 @@ def _path_to(config: Any, target: Any, depth: int = 0) -> list[str]:
 
 
 def config_from_data(data: dict[str, Any]) -> ConfigSnapshot:
+    """The snapshot `config_to_data` wrote; ValueError for names it never writes (a class name that is not an
+    identifier, a dunder or internal attribute), which would reach Python's own machinery."""
+    names = [*data["class_values"], *data["values"], *data["nested"], *data["sub_configs"]]
+    if not str(data["class"]).isidentifier() or any(not isinstance(n, str) or n.startswith(("__", "_planc_"))
+                                                     for n in names):
+        raise ValueError("a config snapshot with a name config_to_data never writes")
     nested = {name: config_from_data(sub) for name, sub in data["nested"].items()}
     namespace = {name: decode(v) for name, v in data["class_values"].items()}
     namespace["sub_configs"] = {name: type(nested[name]) if name in nested else None for name in data["sub_configs"]}

@@ -100,7 +100,7 @@ def _read(path: Path, key: dict):
         if not isinstance(stored, dict) or stored.get("key") != key:
             return None
         return walk_from_data(stored["walk"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):  # not a walk this planc wrote
         return None
 
 

@@ -147,6 +147,12 @@ def test_a_miss_builds_stores_and_the_next_run_reads_it(monkeypatch, tmp_path):
     assert _explain(*argv) == first
     stored.write_text("{not json")  # a damaged file is a miss: built again, written again
     assert _explain(*argv) == first and json.loads(stored.read_text())["key"] == key
+    # a file under the right key with a name planc never writes reaches no Python machinery: a miss too
+    hostile = json.loads(stored.read_text())
+    hostile["walk"]["config"]["class_values"]["__getattr__"] = "not a function"
+    stored.write_text(json.dumps(hostile))
+    assert walk_cache.cached_walk(key) is None
+    assert _explain(*argv) == first and "__getattr__" not in stored.read_text()
     # a config key the config class does not have is refused every time, never stored
     bad = ("plans/mixtral.yaml", "--set", "num_hiden_layers=2")
     assert _explain(*bad)[0] == 2 and _explain(*bad)[0] == 2
