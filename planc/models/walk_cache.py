@@ -37,8 +37,14 @@ def enabled() -> bool:
     return os.environ.get(CACHE_ENV, "").strip().lower() not in ("off", "0", "no", "false")
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+def cache_dir() -> Optional[Path]:
+    """The user's walk cache; None without an absolute XDG_CACHE_HOME or a home directory (nowhere to keep one)."""
+    base = os.environ.get("XDG_CACHE_HOME") or ""
+    if not os.path.isabs(base):  # the XDG spec: a relative path is ignored
+        home = os.path.expanduser("~")
+        if not os.path.isabs(home):
+            return None
+        base = os.path.join(home, ".cache")
     return Path(base) / "planc" / "walks"
 
 
@@ -106,7 +112,9 @@ def _read(path: Path, key: dict):
 
 def cached_walk(key: dict):
     """The stored walk for `key`: the user's cache, then the shipped walk of the model type; None on a miss."""
-    return _read(cache_dir() / f"{_digest(key)}.json", key) or _read(SHIPPED / f"{key['model_type']}.json", key)
+    user = cache_dir()
+    stored = _read(user / f"{_digest(key)}.json", key) if user is not None else None
+    return stored or _read(SHIPPED / f"{key['model_type']}.json", key)
 
 
 def render(key: dict, walk) -> Optional[str]:
@@ -127,10 +135,10 @@ def render(key: dict, walk) -> Optional[str]:
 def store_walk(key: dict, walk) -> None:
     """Write `walk` to the user's cache under `key`, keeping the KEEP most recent walks; a cache that cannot be written
     is skipped, never an error."""
-    text = render(key, walk)
-    if text is None:
+    text, user = render(key, walk), cache_dir()
+    if text is None or user is None:
         return
-    path = cache_dir() / f"{_digest(key)}.json"
+    path = user / f"{_digest(key)}.json"
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
