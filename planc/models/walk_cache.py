@@ -211,7 +211,7 @@ def render_shipped(model_type: str) -> Optional[str]:
     return render(key, walk_model(meta_model_at(model_type, {}, "config")))
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main() -> int:
     """`python -m planc.models.walk_cache`: rewrite planc/models/walks/ for the installed transformers."""
     SHIPPED.mkdir(exist_ok=True)
     wanted = shipped_model_types()
