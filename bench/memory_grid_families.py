@@ -117,8 +117,9 @@ LAYERS: dict[str, dict] = {
 }
 
 POINTS = {"serve": (1, 1024), "replicate": (1, 1024)}
-# A second prefill shape per family, measured after the pricing of its first points was written: the held-out check
-HELD_OUT = {"serve": (2, 512)}
+# Prefill shapes per family measured after the pricing of its first points was written: the held-out check (the
+# same tokens in two sequences; twice the tokens)
+HELD_OUT = {"serve": ((2, 512), (1, 2048))}
 # Kimi Delta Attention keeps several fp32 [tokens, heads, 64, key_dim] chunk tensors per layer for backward: 1024
 # tokens would not fit the shared machine. Jamba's slow Mamba scan is a Python loop over the tokens: 1024 of them
 # under MemTracker take over 15 minutes to train
@@ -209,8 +210,8 @@ def points(only=None, modes=("serve", "replicate"), held_out: bool = True) -> li
         base = init_plan_data(model_type, overrides)
         for mode in modes:
             shapes = [POINTS_OF.get(model_type, {}).get(mode, POINTS[mode])]
-            if held_out and mode in HELD_OUT:
-                shapes.append(HELD_OUT[mode])
+            if held_out:
+                shapes += HELD_OUT.get(mode, ())
             plan = dict(base)
             if mode != "serve":
                 plan["training"] = {"data_parallel": "replicate"}
@@ -236,7 +237,8 @@ def table(cache: dict, predictions: dict) -> str:
 
     def order(key: str):
         p = cache[key]["point"]
-        return (rank.get(p["family"], len(rank)), p["mode"] != "serve", (p["batch"], p["seq"]) == HELD_OUT.get(p["mode"]))
+        return (rank.get(p["family"], len(rank)), p["mode"] != "serve", p.get("device", "cpu"),
+                (p["batch"], p["seq"]) in HELD_OUT.get(p["mode"], ()), p["seq"])
 
     for key in sorted(cache, key=order):
         entry, pred = cache[key], predictions[key]
@@ -244,7 +246,7 @@ def table(cache: dict, predictions: dict) -> str:
         par = p["plan"]["parallel"]
         changed = ", ".join(f"{k.rsplit('.', 1)[-1]} {v}" for k, v in SHRINK.get(p["family"], {}).items()) or "-"
         layers = next((v for k, v in p["overrides"].items() if k.rsplit(".", 1)[-1] in _LAYER_COUNTS), "default")
-        held = (p["batch"], p["seq"]) == HELD_OUT.get(p["mode"])
+        held = (p["batch"], p["seq"]) in HELD_OUT.get(p["mode"], ())
         error = pred["peak_per_rank"] / entry["peak"] - 1
         verdict = "flagged" if pred.get("unpriced") else "validated"
         rows.append(f"| {p['family']} | {p['mode']} | tp {par['tp_size']} / ep {par.get('ep_size', 1)} | {layers} | "
