@@ -337,6 +337,8 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
             cache_kind = "sliding window" if kind in _WINDOWED and window else "full attention"
         inter = int(_get(config, "intermediate_size", default=0) or 0) // mlp_tp
         moe_inter = experts.intermediate_size if experts is not None and experts.intermediate_size else 0
+        if experts is not None and experts.mode == "tp":  # moe_tp_experts: each rank runs a slice of every expert
+            moe_inter //= tp
         n_shared = int(_get(config, "n_shared_experts", "num_shared_experts", default=0) or 0)
         shared_w = (moe_inter * n_shared) // mlp_tp if shared else 0
         if shared and not shared_w:  # one shared expert of its own width (Qwen3-Next, Llama 4)
