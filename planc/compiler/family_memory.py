@@ -34,6 +34,9 @@ class FamilyMemory:
     # channel, so its chunk matrices are [chunks, 64, 64, key_dim] fp32), `mamba` (Mamba's selective scan, the slow
     # path: [tokens, d_inner, d_state] fp32 discretized A, B and B*u)
     linear_scan: str = "chunk"
+    # a per-head relative-position bias materialised densely (Inkling's `InklingRelativeLogits`): [B, heads, S,
+    # extent] logits, gathered to [B, heads, S, S] and masked, all three in the model dtype, in every attention layer
+    relative_position_bias: bool = False
     unpriced: tuple[str, ...] = ()
     measured: bool = True  # in the grid of docs/memory.md
 
@@ -102,15 +105,19 @@ FAMILIES: dict[str, FamilyMemory] = {
     "hy_v3": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
     # F.linear(x.float(), w.float()); softmax (Mistral Large 4, LongCat-Flash: `.to(router_logits.dtype)`, fp32) or
     # softmax(dtype=float32) (Unlimited-OCR), the gathered weights kept fp32
+    "mistral_large4": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
     "mistral_large4_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
     "longcat_flash": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "unlimited_ocr": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
     "unlimited_ocr_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
     # F.linear(x.type(float32), w.type(float32)) (off CUDA or with grad; torch.mm(out_dtype=float32) otherwise), the
     # gathered logits' sigmoid kept fp32
     "kolibri1": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
     "kolibri1_1": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
-    # F.linear(x.float(), w.float()), logsigmoid weights cast back `.to(hidden_states.dtype)`
-    "inkling_text": FamilyMemory(router_input_fp32=True),
+    # F.linear(x.float(), w.float()), logsigmoid weights cast back `.to(hidden_states.dtype)`; a dense relative-position
+    # bias in every attention layer (sdpa drops it, but it is built); its `hybrid`/`hybrid_sliding` layers (short
+    # convolutions on keys, values and both residual branches, in fp32) are flagged as layer types planc does not know
+    "inkling_text": FamilyMemory(router_input_fp32=True, relative_position_bias=True),
     # the router Linear in the model dtype, `.to(float32)`, sigmoid: fp32 weights, no fp32 input copy
     "afmoe": FamilyMemory(routing_weights_fp32=True),
     "minimax_m3_vl_text": FamilyMemory(routing_weights_fp32=True),

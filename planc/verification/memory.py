@@ -116,15 +116,17 @@ def _apply_with_weights(model, loaded, mesh, device: str) -> None:
     its shards are filled (random values) right after sharding, and the rest of the install runs on them."""
     from planc.runtime import install
 
+    from planc.checkpoint.dcp import _materialize
+
     megamoe = loaded.plan.experts.megamoe
     if not (loaded.plan.experts.implementation_row.megamoe and megamoe is not None and megamoe.quantize == "fp4"):
         install.apply(model, loaded, mesh=mesh)
-        model.to_empty(device=device)
+        _materialize(model, torch.device(device))  # as planc.load: tied weights stay one tensor (`to_empty` splits them)
         _fill(model)
         return
 
     def fill(_state) -> None:
-        model.to_empty(device=device)
+        _materialize(model, torch.device(device))
         _fill(model)
 
     install.apply(model, loaded, mesh=mesh, after_sharding=fill)
@@ -165,9 +167,11 @@ def measure(family: str, mode: str, batch: int, seq: int, overrides: dict, *, dp
     if config_dir is not None:
         from transformers import AutoConfig
 
-        model = meta_model(AutoConfig.from_pretrained(config_dir)).to(torch.bfloat16)
+        model = meta_model(AutoConfig.from_pretrained(config_dir), dtype=torch.bfloat16)
     else:
-        model = build_meta_model(data["model"]["type"], dict(overrides)).to(torch.bfloat16)
+        # built in bf16 as `from_pretrained(dtype=)` and `planc.load` build it: the modules transformers keeps in fp32
+        # (`_keep_in_fp32_modules`, parameters its code creates in fp32) stay fp32, as `planc explain` counts them
+        model = build_meta_model(data["model"]["type"], dict(overrides), dtype=torch.bfloat16)
     mesh = None
     if device != "cpu":  # the fake backend is not NCCL, so planc would build a CPU mesh: FSDP2 allocates on its device
         from torch.distributed.device_mesh import init_device_mesh
