@@ -34,6 +34,9 @@ class FamilyMemory:
     # channel, so its chunk matrices are [chunks, 64, 64, key_dim] fp32), `mamba` (Mamba's selective scan, the slow
     # path: [tokens, d_inner, d_state] fp32 discretized A, B and B*u)
     linear_scan: str = "chunk"
+    # a per-head relative-position bias materialised densely (Inkling's `InklingRelativeLogits`): [B, heads, S,
+    # extent] logits, gathered to [B, heads, S, S] and masked, all three in the model dtype, in every attention layer
+    relative_position_bias: bool = False
     unpriced: tuple[str, ...] = ()
     measured: bool = True  # in the grid of docs/memory.md
 
@@ -84,6 +87,51 @@ FAMILIES: dict[str, FamilyMemory] = {
     # F.linear(flat, weight) in the model dtype, weights gathered from the scores in it; its layer (hyper-connection
     # streams, fp32-weighted norms, compressors) is planc.compiler.deepseek_v4_memory's
     "deepseek_v4": FamilyMemory(),
+    # The families sweep's routers and attentions (bench/memory_grid_families.py), each read from its modeling file in
+    # transformers 5.25 (modeling_<family>.py; sarvam_mla builds DeepSeek-V3's model, sarvam_moe GLM-4.5's)
+    # DeepSeek-V3's router: F.linear(x.type(float32), w.type(float32)), sigmoid, the gathered weights kept fp32
+    "axk1": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "axk2": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "beam": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "deepseek_v32": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "exaone_moe": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "glm_moe_dsa": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "minicpm5_moe": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "sarvam_mla": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "sarvam_moe": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "solar_open": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    # F.linear(x.float(), w.float()), sigmoid, weights kept fp32 (its fp32 combine of routed and shared output is
+    # one [tokens, hidden] pair after the experts' output stage)
+    "hy_v3": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    # F.linear(x.float(), w.float()); softmax (Mistral Large 4, LongCat-Flash: `.to(router_logits.dtype)`, fp32) or
+    # softmax(dtype=float32) (Unlimited-OCR), the gathered weights kept fp32
+    "mistral_large4": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "mistral_large4_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "longcat_flash": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "unlimited_ocr": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "unlimited_ocr_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    # F.linear(x.type(float32), w.type(float32)) (off CUDA or with grad; torch.mm(out_dtype=float32) otherwise), the
+    # gathered logits' sigmoid kept fp32
+    "kolibri1": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "kolibri1_1": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    # F.linear(x.float(), w.float()), logsigmoid weights cast back `.to(hidden_states.dtype)`; a dense relative-position
+    # bias in every attention layer (sdpa drops it, but it is built); its `hybrid`/`hybrid_sliding` layers (short
+    # convolutions on keys, values and both residual branches, in fp32) are flagged as layer types planc does not know
+    "inkling_text": FamilyMemory(router_input_fp32=True, relative_position_bias=True),
+    # the router Linear in the model dtype, `.to(float32)`, sigmoid: fp32 weights, no fp32 input copy
+    "afmoe": FamilyMemory(routing_weights_fp32=True),
+    "minimax_m3_vl_text": FamilyMemory(routing_weights_fp32=True),
+    # softmax over the top-k logits in the model dtype
+    "aria_text": FamilyMemory(),
+    # F.linear(...).float(), softmax over the top-k, `.type_as(hidden_states)`
+    "granitemoe": FamilyMemory(),
+    "granitemoeshared": FamilyMemory(),
+    "granitemoe_swa": FamilyMemory(),
+    # softmax(dtype=float) then `.to(router_logits.dtype)` (Mellum, FlexOlmo); sigmoid of `.float()` logits cast
+    # `.to(hidden_states.dtype)` (Laguna); q/k norms per head (Mellum, Laguna), over the whole width (FlexOlmo)
+    "mellum": FamilyMemory(),
+    "laguna": FamilyMemory(),
+    "flex_olmo": FamilyMemory(full_width_qk_norm=True),
 }
 
 UNMEASURED = FamilyMemory(

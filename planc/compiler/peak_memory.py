@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional
 
-from planc.compiler import deepseek_v4_memory, megamoe_buffers
+from planc.compiler import deepseek_v4_memory, indexer_memory, megamoe_buffers
 from planc.compiler.deepseek_v4_memory import HyperConnectionLayer
 from planc.compiler.devices import cuda_workspaces
 from planc.compiler.family_memory import FamilyMemory, family_memory
@@ -88,6 +88,9 @@ class LayerShape:
     layer_type: str = "full_attention"  # the config's `layer_types` entry (DeepSeek-V4: its compressor kind)
     compress_rate: int = 0  # DeepSeek-V4: source tokens per compressed KV entry the layer appends to its keys
     all_slots: bool = False  # AllReduceEP: this rank's experts run over every token's top-k slots, in training too
+    indexer_heads: int = 0  # DeepSeek Sparse Attention's indexer on this layer (planc.compiler.indexer_memory)
+    relative_extent: int = 0  # distances a dense relative-position bias covers (family_memory's relative_position_bias)
+    indexer_dim: int = 0
 
 
 class LinearAttention(NamedTuple):
@@ -342,6 +345,11 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
             cache_kind = "sliding window" if kind in _WINDOWED and window else "full attention"
         inter = int(_get(config, "intermediate_size", default=0) or 0) // mlp_tp
         moe_inter = experts.intermediate_size if experts is not None and experts.intermediate_size else 0
+        if experts is not None and experts.mode == "tp":  # moe_tp_experts: each rank runs a slice of every expert
+            moe_inter //= tp
+        index_heads, index_dim = indexer_memory.indexer_shape(config, kind, index)
+        if index_heads:  # the indexer's keys are cached beside the attention's
+            cache += indexer_memory.cache_bytes_per_token(index_dim, itemsize)
         n_shared = int(_get(config, "n_shared_experts", "num_shared_experts", default=0) or 0)
         shared_w = (moe_inter * n_shared) // mlp_tp if shared else 0
         if shared and not shared_w:  # one shared expert of its own width (Qwen3-Next, Llama 4)
@@ -361,8 +369,23 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
             attn_impl=impl, sinks=layer in sinks, kv_heads=kvh, head_dim=d, linear=linear, layer_type=kind,
             compress_rate=int((config.get("compress_rates") or {}).get(kind) or 0),
             all_slots=experts is not None and experts.strategy is not None and experts.strategy.name == "all_reduce",
+            indexer_heads=index_heads, indexer_dim=index_dim,
+            relative_extent=relative_extent(config, kind) if fam.relative_position_bias and not linear else 0,
         ))
     return shapes
+
+
+def relative_extent(config: Mapping[str, Any], layer_type: str) -> int:
+    """The distances a layer's relative-position bias covers: Inkling's sliding layers (`hybrid_sliding`) their window,
+    the others `rel_extent`."""
+    sliding = layer_type.endswith("sliding") or layer_type in _WINDOWED
+    return int(_get(config, "sliding_window_size", "sliding_window") if sliding else _get(config, "rel_extent"))
+
+
+def relative_bias_bytes(s: LayerShape, batch: int, seq: int, a: int) -> int:
+    """A dense relative-position bias in a prefill: the [B, heads, S, extent] logits, their gather to [B, heads, S, S]
+    and its masked copy, at once."""
+    return batch * s.heads * seq * (s.relative_extent + 2 * seq) * a if s.relative_extent else 0
 
 
 def _layer_index(fqn: str) -> tuple[int, ...]:
@@ -440,6 +463,7 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
         n += t * (FP32 + a) * (s.q + s.k)
     if fam.complex_rope_fp32 and s.attention != "linear":
         n += t * FP32 * (s.q + s.k)
+    n += indexer_memory.saved_mask_bytes(batch, seq, s.indexer_heads)
     # MLP: its input norm + output
     n += t * (_norm(hidden, a) + a * hidden)
     if s.mlp == "dense":
@@ -621,7 +645,8 @@ def _with_workspaces(m: _Moment, workspaces: int) -> _Moment:
 # what the model prices: attention kernels (flash-attention and flex never hold the S x S scores, priced as sdpa),
 # and the layer types whose cache it knows
 _PRICED_ATTENTION = {"sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", "paged_attention"}
-_PRICED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "linear_attention"}
+_PRICED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "linear_attention",
+                       indexer_memory.INDEXED}
 
 
 def unpriced_features(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any],
@@ -865,6 +890,8 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
             attn += tokens * (FP32 + a) * (s.q + s.k)
         if fam.complex_rope_fp32:
             attn += tokens * 2 * FP32 * (s.q + s.k)
+        attn += indexer_memory.prefill_bytes(batch, seq, s.indexer_heads, s.indexer_dim)
+        attn += relative_bias_bytes(s, batch, seq, a)
         scores = eager_scores(s, batch, seq, a)
         if scores:
             # scores x scale + mask, the sink column joined, the max subtracted, softmax: three [B, h, S, S(+1)]

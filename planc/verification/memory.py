@@ -119,30 +119,24 @@ def _fill(model, seed: int = 0) -> None:
                 module.e_score_correction_bias.zero_()
 
 
-def _materialize(model, device: str) -> None:
-    """Real memory for the meta model (`to_empty`) and random values in it. `to_empty` gives each module its own new
-    tensor, so parameters the config ties (`tie_word_embeddings`: lm_head reads the embedding) come apart; they are
-    tied again as `planc.load` leaves them (transformers' `tie_weights`), so the model holds one copy."""
-    model.to_empty(device=device)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
-    _fill(model)
-
-
 def _apply_with_weights(model, loaded, mesh, device: str) -> None:
     """Install the plan on the meta model and give this rank's shards real values. A plan that quantizes its Mega MoE
     experts to FP4 when applied needs real weights at that step: as `planc.load` does, the model is sharded on meta,
     its shards are filled (random values) right after sharding, and the rest of the install runs on them."""
     from planc.runtime import install
 
+    from planc.checkpoint.dcp import materialize
+
     megamoe = loaded.plan.experts.megamoe
     if not (loaded.plan.experts.implementation_row.megamoe and megamoe is not None and megamoe.quantize == "fp4"):
         install.apply(model, loaded, mesh=mesh)
-        _materialize(model, device)
+        materialize(model, torch.device(device))  # as planc.load: tied weights stay one tensor (`to_empty` splits them)
+        _fill(model)
         return
 
     def fill(_state) -> None:
-        _materialize(model, device)
+        materialize(model, torch.device(device))
+        _fill(model)
 
     install.apply(model, loaded, mesh=mesh, after_sharding=fill)
 
@@ -182,9 +176,11 @@ def measure(family: str, mode: str, batch: int, seq: int, overrides: dict, *, dp
     if config_dir is not None:
         from transformers import AutoConfig
 
-        model = meta_model(AutoConfig.from_pretrained(config_dir)).to(torch.bfloat16)
+        model = meta_model(AutoConfig.from_pretrained(config_dir), dtype=torch.bfloat16)
     else:
-        model = build_meta_model(data["model"]["type"], dict(overrides)).to(torch.bfloat16)
+        # built in bf16 as `from_pretrained(dtype=)` and `planc.load` build it: the modules transformers keeps in fp32
+        # (`_keep_in_fp32_modules`, parameters its code creates in fp32) stay fp32, as `planc explain` counts them
+        model = build_meta_model(data["model"]["type"], dict(overrides), dtype=torch.bfloat16)
     mesh = None
     if device != "cpu":  # the fake backend is not NCCL, so planc would build a CPU mesh: FSDP2 allocates on its device
         from torch.distributed.device_mesh import init_device_mesh
