@@ -110,6 +110,16 @@ def _fill(model, seed: int = 0) -> None:
                 module.e_score_correction_bias.zero_()
 
 
+def _materialize(model, device: str) -> None:
+    """Real memory for the meta model (`to_empty`) and random values in it. `to_empty` gives each module its own new
+    tensor, so parameters the config ties (`tie_word_embeddings`: lm_head reads the embedding) come apart; they are
+    tied again as `planc.load` leaves them (transformers' `tie_weights`), so the model holds one copy."""
+    model.to_empty(device=device)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    _fill(model)
+
+
 def _apply_with_weights(model, loaded, mesh, device: str) -> None:
     """Install the plan on the meta model and give this rank's shards real values. A plan that quantizes its Mega MoE
     experts to FP4 when applied needs real weights at that step: as `planc.load` does, the model is sharded on meta,
@@ -119,13 +129,11 @@ def _apply_with_weights(model, loaded, mesh, device: str) -> None:
     megamoe = loaded.plan.experts.megamoe
     if not (loaded.plan.experts.implementation_row.megamoe and megamoe is not None and megamoe.quantize == "fp4"):
         install.apply(model, loaded, mesh=mesh)
-        model.to_empty(device=device)
-        _fill(model)
+        _materialize(model, device)
         return
 
     def fill(_state) -> None:
-        model.to_empty(device=device)
-        _fill(model)
+        _materialize(model, device)
 
     install.apply(model, loaded, mesh=mesh, after_sharding=fill)
 
