@@ -23,6 +23,7 @@ import contextlib
 import gc
 import json
 import sys
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -60,9 +61,12 @@ def no_backward_hooks_without_grad():
     """MemTracker's module tracker registers a backward hook on every module input that requires grad, even under
     `no_grad`, where an input can require grad without a gradient function (Qwen3-Next's conv weight view in its
     hub-kernel layer) and the registration fails: a prefill has no backward, so it registers none. The same for the
-    gradient hooks MemTracker puts on every parameter (Mega MoE's FP4 experts do not require grad)."""
+    gradient hooks MemTracker puts on every parameter (Mega MoE's FP4 experts do not require grad). In training, a
+    parameter that does not require grad (ERNIE 4.5's `e_score_correction_bias`) gets no gradient hook: it never has
+    a gradient, and torch refuses the hook."""
     from torch.distributed._tools import mod_tracker
     from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.hooks import RemovableHandle
 
     real = mod_tracker.register_multi_grad_hook
     real_track = MemTracker._track_module_params_and_buffers
@@ -73,7 +77,12 @@ def no_backward_hooks_without_grad():
         return real(tensors, fn, *args, **kwargs)
 
     def track(self, module, install_grad_hooks: bool = True):
-        return real_track(self, module, install_grad_hooks=install_grad_hooks and torch.is_grad_enabled())
+        install = install_grad_hooks and torch.is_grad_enabled()
+        if install:  # MemTracker skips a parameter whose hooks it holds: hold no-op handles for these
+            for param in module.parameters():
+                if not param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                    self._param_to_grad_hook_handles[param] = (RemovableHandle(OrderedDict()), RemovableHandle(OrderedDict()))
+        return real_track(self, module, install_grad_hooks=install)
 
     mod_tracker.register_multi_grad_hook = register
     MemTracker._track_module_params_and_buffers = track  # type: ignore[method-assign]
@@ -205,7 +214,7 @@ def measure(family: str, mode: str, batch: int, seq: int, overrides: dict, *, dp
             tracker = FSDPMemTracker(model, optimizer) if fsdp else MemTracker()
             if not fsdp:
                 tracker.track_external(model, optimizer)
-            with tracker:
+            with no_backward_hooks_without_grad(), tracker:
                 for _ in range(2):
                     tracker.reset_mod_stats()  # per-module stats are per iteration; the peak stays
                     loss = model(ids, labels=ids).loss
