@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional
 
-from planc.compiler import deepseek_v4_memory, megamoe_buffers
+from planc.compiler import attention_memory, deepseek_v4_memory, megamoe_buffers
 from planc.compiler.deepseek_v4_memory import HyperConnectionLayer
 from planc.compiler.devices import cuda_workspaces
 from planc.compiler.family_memory import FamilyMemory, family_memory
@@ -88,6 +88,9 @@ class LayerShape:
     layer_type: str = "full_attention"  # the config's `layer_types` entry (DeepSeek-V4: its compressor kind)
     compress_rate: int = 0  # DeepSeek-V4: source tokens per compressed KV entry the layer appends to its keys
     all_slots: bool = False  # AllReduceEP: this rank's experts run over every token's top-k slots, in training too
+    sdpa_math: bool = False  # sdpa runs its math path: fp32 S x S scores (planc.compiler.attention_memory)
+    index_heads: int = 0  # a sparse-attention indexer's heads (`indexed_attention` layers: DeepSeek-V3.2's DSA)
+    index_dim: int = 0  # its key width (the indexer key cache holds one fp32 key per token)
 
 
 class LinearAttention(NamedTuple):
@@ -332,9 +335,12 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
             q = k = v = 0
             cache, cache_kind = 0, "linear attention (conv and recurrent state)"
         else:
+            d = _attention_head_dim(walk, layer) or d  # a layer's own head width (Gemma 4's full layers: 512)
             q, k, v = h * d, kvh * d, kvh * d
             cache = (k + v) * itemsize
             cache_kind = "sliding window" if kind in _WINDOWED and window else "full attention"
+        index_heads, index_dim = attention_memory.indexer(kind, config)
+        cache += index_dim * FP32
         inter = int(_get(config, "intermediate_size", default=0) or 0) // mlp_tp
         moe_inter = experts.intermediate_size if experts is not None and experts.intermediate_size else 0
         n_shared = int(_get(config, "n_shared_experts", "num_shared_experts", default=0) or 0)
@@ -352,12 +358,31 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
             local_experts=experts.num_local_experts if experts is not None else 0,
             dense_dispatch=experts is not None and experts.dispatch == "dense",
             megamoe=experts is not None and megamoe,
-            top_k=(experts.top_k or int(_get(config, "num_experts_per_tok", default=1))) if experts is not None else 0,
+            top_k=(experts.top_k or _top_k(walk, config)) if experts is not None else 0,
             attn_impl=impl, sinks=layer in sinks, kv_heads=kvh, head_dim=d, linear=linear, layer_type=kind,
             compress_rate=int((config.get("compress_rates") or {}).get(kind) or 0),
             all_slots=experts is not None and experts.strategy is not None and experts.strategy.name == "all_reduce",
+            index_heads=index_heads, index_dim=index_dim,
         ))
     return shapes
+
+
+def _attention_head_dim(walk: ModelWalk, layer: str) -> Optional[int]:
+    """The head width the layer's attention module computes with (its `head_dim`), where a family sets it per layer
+    (Gemma 4's `per_layer_config`); None when the module does not say."""
+    for fqn, m in walk.modules.items():
+        if m.head_dims and m.head_dims[0] and fqn.startswith(layer + ".") and fqn.count(".") == layer.count(".") + 1:
+            return m.head_dims[0]
+    return None
+
+
+def _top_k(walk: ModelWalk, config: Mapping[str, Any]) -> int:
+    """Experts per token from the decoder's config: its object first, whose `attribute_map` resolves a family's own
+    name (ERNIE 4.5's `moe_k`), which the config's dict does not carry."""
+    value = getattr(_text_config_object(walk), "num_experts_per_tok", None)
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return int(_get(config, "num_experts_per_tok", default=1))
 
 
 def _layer_index(fqn: str) -> tuple[int, ...]:
@@ -428,9 +453,12 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
         # q, k, v after rotary, the probabilities the output matmul keeps, K and V repeated to every head, the
         # argmax indices of the sink's max subtraction (int64 per head and token)
         n += t * a * (2 * s.q + 4 * s.k) + eager_scores(s, batch, seq, a) + _repeat_kv(s, t, a)
+        n += attention_memory.eager_kept_fp32(eager_scores(s, batch, seq, 1), t, s, fam)
         n += t * 8 * s.heads if s.sinks else t * FP32 * s.heads * seq
     else:
         n += t * (a * (2 * s.q + 4 * s.k) + FP32 * s.heads)
+    if s.sdpa_math:
+        n += attention_memory.sdpa_math_kept(s, batch, seq)
     if fam.full_width_qk_norm:
         n += t * (FP32 + a) * (s.q + s.k)
     if fam.complex_rope_fp32 and s.attention != "linear":
@@ -492,7 +520,8 @@ def peak_memory(
 
     def shapes_of(itemsize: int) -> list[LayerShape]:  # once per search, not once per batch it tries
         if itemsize not in known:
-            known[itemsize] = layer_shapes(compiled, walk, config, itemsize)
+            known[itemsize] = attention_memory.with_sdpa_math(layer_shapes(compiled, walk, config, itemsize),
+                                                              device_type)
         return known[itemsize]
     workspaces = cuda_workspaces(capability, workload) if device_type == "cuda" else 0
 
@@ -616,7 +645,8 @@ def _with_workspaces(m: _Moment, workspaces: int) -> _Moment:
 # what the model prices: attention kernels (flash-attention and flex never hold the S x S scores, priced as sdpa),
 # and the layer types whose cache it knows
 _PRICED_ATTENTION = {"sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", "paged_attention"}
-_PRICED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "linear_attention"}
+_PRICED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "linear_attention",
+                       attention_memory.INDEXED}
 
 
 def unpriced_features(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any],
@@ -858,15 +888,25 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
         attn = tokens * (a * (2 * s.q + 3 * s.k + 2 * s.v) + a * 3 * hidden)
         if fam.full_width_qk_norm:
             attn += tokens * (FP32 + a) * (s.q + s.k)
+        if fam.qk_norm_fp32:
+            attn += tokens * 2 * FP32 * s.q
         if fam.complex_rope_fp32:
             attn += tokens * 2 * FP32 * (s.q + s.k)
         scores = eager_scores(s, batch, seq, a)
         if scores:
-            # scores x scale + mask, the sink column joined, the max subtracted, softmax: three [B, h, S, S(+1)]
-            # at once; K and V repeated to every head
-            transients.append(("eager attention (S x S scores)", 3 * scores + _repeat_kv(s, tokens, a) + attn))
+            # the family's [B, h, S, S(+1)] score tensors at once (gpt-oss: scores x scale + mask, the sink column
+            # joined, the max subtracted, softmax: three in the model dtype); K and V repeated to every head
+            transients.append(("eager attention (S x S scores)",
+                               attention_memory.eager_prefill(eager_scores(s, batch, seq, 1), a, fam)
+                               + _repeat_kv(s, tokens, a) + attn))
+        elif s.sdpa_math:
+            transients.append(("sdpa math path (fp32 S x S scores)",
+                               attention_memory.sdpa_math_prefill(s, batch, seq) + attn))
         else:
             transients.append(("attention workspace", attn))
+        if s.index_heads:
+            transients.append(("sparse attention indexer (fp32 scores)",
+                               attention_memory.indexer_prefill(s, batch, seq) + tokens * a * 3 * hidden))
     transients.append(("logits (last token)", batch * vocab * (a + FP32) * 2))
     worst = max(transients, key=lambda kv: kv[1]) if transients else ("none", 0)
     dedup: dict[str, int] = {}
