@@ -117,6 +117,8 @@ LAYERS: dict[str, dict] = {
 }
 
 POINTS = {"serve": (1, 1024), "replicate": (1, 1024)}
+# A second prefill shape per family, measured after the pricing of its first points was written: the held-out check
+HELD_OUT = {"serve": (2, 512)}
 # Kimi Delta Attention keeps several fp32 [tokens, heads, 64, key_dim] chunk tensors per layer for backward: 1024
 # tokens would not fit the shared machine. Jamba's slow Mamba scan is a Python loop over the tokens: 1024 of them
 # under MemTracker take over 15 minutes to train
@@ -197,7 +199,7 @@ def init_plan_data(model_type: str, overrides: dict, size: Optional[int] = None)
     return data
 
 
-def points(only=None, modes=("serve", "replicate")) -> list[dict]:
+def points(only=None, modes=("serve", "replicate"), held_out: bool = True) -> list[dict]:
     """The grid points of the families section (plans written by `planc init`, so this costs seconds a family)."""
     out = []
     for model_type in ORDER:
@@ -206,10 +208,76 @@ def points(only=None, modes=("serve", "replicate")) -> list[dict]:
         overrides = family_overrides(model_type)
         base = init_plan_data(model_type, overrides)
         for mode in modes:
-            batch, seq = POINTS_OF.get(model_type, {}).get(mode, POINTS[mode])
+            shapes = [POINTS_OF.get(model_type, {}).get(mode, POINTS[mode])]
+            if held_out and mode in HELD_OUT:
+                shapes.append(HELD_OUT[mode])
             plan = dict(base)
             if mode != "serve":
                 plan["training"] = {"data_parallel": "replicate"}
-            out.append({"family": model_type, "mode": mode, "batch": batch, "seq": seq, "overrides": overrides,
-                        "dp": 1, "plan": plan})
+            out += [{"family": model_type, "mode": mode, "batch": batch, "seq": seq, "overrides": overrides, "dp": 1,
+                     "plan": plan} for batch, seq in shapes]
     return out
+
+
+def _machine(entry: dict) -> str:
+    machine = entry.get("machine", "")
+    if entry["point"].get("device") == "cuda":
+        return machine.split(",")[0]
+    return "GPU host's CPU" if "16 cores" in machine else "2-core CPU"
+
+
+def table(cache: dict, predictions: dict) -> str:
+    """docs/memory.md's families table: one row per cached point (`predictions`: cache key -> `planc explain`'s
+    memory JSON for it), families in ORDER, first points before held-out ones."""
+    rows = ["| family | mode | plan (`planc init`) | layers | config changed | batch x seq | predicted GiB | "
+            "measured GiB | error | point | explain | measured on | peak moment |",
+            "| --- | --- | --- | ---: | --- | --- | ---: | ---: | ---: | --- | --- | --- | --- |"]
+    rank = {f: i for i, f in enumerate(ORDER)}
+
+    def order(key: str):
+        p = cache[key]["point"]
+        return (rank.get(p["family"], len(rank)), p["mode"] != "serve", (p["batch"], p["seq"]) == HELD_OUT.get(p["mode"]))
+
+    for key in sorted(cache, key=order):
+        entry, pred = cache[key], predictions[key]
+        p = entry["point"]
+        par = p["plan"]["parallel"]
+        changed = ", ".join(f"{k.rsplit('.', 1)[-1]} {v}" for k, v in SHRINK.get(p["family"], {}).items()) or "-"
+        layers = next((v for k, v in p["overrides"].items() if k.rsplit(".", 1)[-1] in _LAYER_COUNTS), "default")
+        held = (p["batch"], p["seq"]) == HELD_OUT.get(p["mode"])
+        error = pred["peak_per_rank"] / entry["peak"] - 1
+        verdict = "flagged" if pred.get("unpriced") else "validated"
+        rows.append(f"| {p['family']} | {p['mode']} | tp {par['tp_size']} / ep {par.get('ep_size', 1)} | {layers} | "
+                     f"{changed} | {p['batch']} x {p['seq']} | {pred['peak_per_rank'] / 2**30:.3f} | "
+                     f"{entry['peak'] / 2**30:.3f} | {error:+.1%} | {'held out' if held else 'fit'} | {verdict} | "
+                     f"{_machine(entry)} | {pred['peak_moment']} |")
+    return "\n".join(rows) + "\n"
+
+
+TABLE_MARKERS = ("<!-- families table -->\n", "<!-- end families table -->")
+
+
+def with_table(doc: str, rendered: str) -> str:
+    """`doc` with the text between TABLE_MARKERS replaced by `rendered`."""
+    head, rest = doc.split(TABLE_MARKERS[0], 1)
+    _, tail = rest.split(TABLE_MARKERS[1], 1)
+    return head + TABLE_MARKERS[0] + rendered + TABLE_MARKERS[1] + tail
+
+
+if __name__ == "__main__":  # python bench/memory_grid_families.py [docs/memory.md]: print (or write) the table
+    import json
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    sys.path.insert(0, str(here.parent))
+    sys.path.insert(0, str(here))
+    from memory_grid import predict_all
+
+    cache = json.loads((here / "memory_grid_families.json").read_text())
+    keys = list(cache)
+    rendered = table(cache, dict(zip(keys, predict_all([cache[k]["point"] for k in keys]))))
+    if len(sys.argv) > 1:
+        Path(sys.argv[1]).write_text(with_table(Path(sys.argv[1]).read_text(), rendered))
+    else:
+        print(rendered, end="")
