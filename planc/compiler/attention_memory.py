@@ -65,8 +65,18 @@ def sdpa_math_prefill(s: LayerShape, batch: int, seq: int) -> int:
 
 def sdpa_math_kept(s: LayerShape, batch: int, seq: int) -> int:
     """What sdpa's math path keeps for backward: the fp32 softmax output [B, heads, S, S] and the fp32 scaled q, k
-    and v its matmuls read."""
-    return FP32 * batch * s.heads * seq * seq + batch * seq * FP32 * (s.q + s.k + s.v)
+    and v its matmuls read. An MLA layer's saved q, k and v (`peak_memory.layer_saved`) were read off the CPU grid,
+    where this path runs: they hold the fp32 copies already."""
+    qkv = 0 if s.attention == "mla" else batch * seq * FP32 * (s.q + s.k + s.v)
+    return FP32 * batch * s.heads * seq * seq + qkv
+
+
+def mla_efficient_kept(s: LayerShape, a: int) -> int:
+    """Bytes per token an MLA layer keeps for backward around sdpa's memory-efficient kernel (CUDA): the query and the
+    key it builds (`cat`, `new_empty` + copies), kv_b's output (the value is a view of it; counted as k + v wide, its
+    k_nope and value halves bound above), the kernel's output and the output projection's input (or the output gate's
+    product: either way two [tokens, heads x v_head_dim]), and the fp32 log-sum-exp."""
+    return a * (s.q + 2 * s.k + 3 * s.v) + FP32 * s.heads
 
 
 def indexer(layer_type: str, config: Mapping[str, Any]) -> tuple[int, int]:
@@ -83,5 +93,5 @@ def indexer_prefill(s: LayerShape, batch: int, seq: int) -> int:
     return 2 * FP32 * batch * seq * s.index_heads * seq + batch * seq * s.index_heads * s.index_dim * (2 + FP32)
 
 
-__all__ = ["INDEXED", "indexer", "indexer_prefill", "eager_kept_fp32", "eager_prefill", "runs_sdpa_math", "sdpa_math_kept", "sdpa_math_prefill",
+__all__ = ["INDEXED", "indexer", "indexer_prefill", "mla_efficient_kept", "eager_kept_fp32", "eager_prefill", "runs_sdpa_math", "sdpa_math_kept", "sdpa_math_prefill",
            "with_sdpa_math"]

@@ -444,7 +444,10 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
         # q_a -> norm -> q_b, kv_a -> norm -> kv_b, the rope'd q/k, sdpa's q, k, v, out and logsumexp
         n += t * (a * s.q_lora + _norm(s.q_lora, a) + a * s.q_lora)
         n += t * (a * (s.kv_lora + 64) + _norm(s.kv_lora, a) + a * s.kv_lora)
-        n += t * (a * (3 * s.q + 3 * s.k + s.v + 2 * s.v) + FP32 * s.heads)
+        if s.sdpa_math or s.attn_impl != "sdpa":  # as the CPU grid measured it: sdpa's math path
+            n += t * (a * (3 * s.q + 3 * s.k + s.v + 2 * s.v) + FP32 * s.heads)
+        else:
+            n += t * attention_memory.mla_efficient_kept(s, a)
     elif s.attention == "linear":
         # autograd keeps the chunk rule's fp32 intermediates and their per-chunk products: about twice its forward
         # work (read off the grid's Qwen3-Next training point, docs/memory.md)
