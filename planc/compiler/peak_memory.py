@@ -299,6 +299,7 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
     megamoe = compiled.experts_implementation.megamoe
     sinks = {f.rsplit(".", 2)[0] for f in walk.params if f.endswith(".sinks")}
     fam = family_memory(walk.model_type)
+    own_head_dims = _attention_head_dims(walk)
     shapes = []
     for index, (layer, (mla, moe, shared)) in enumerate(sorted(_layer_kinds(walk).items(),
                                                                key=lambda kv: _layer_index(kv[0]))):
@@ -335,7 +336,7 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
             q = k = v = 0
             cache, cache_kind = 0, "linear attention (conv and recurrent state)"
         else:
-            d = _attention_head_dim(walk, layer) or d  # a layer's own head width (Gemma 4's full layers: 512)
+            d = own_head_dims.get(layer) or d  # a layer's own head width (Gemma 4's full layers: 512)
             q, k, v = h * d, kvh * d, kvh * d
             cache = (k + v) * itemsize
             cache_kind = "sliding window" if kind in _WINDOWED and window else "full attention"
@@ -367,13 +368,10 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
     return shapes
 
 
-def _attention_head_dim(walk: ModelWalk, layer: str) -> Optional[int]:
-    """The head width the layer's attention module computes with (its `head_dim`), where a family sets it per layer
-    (Gemma 4's `per_layer_config`); None when the module does not say."""
-    for fqn, m in walk.modules.items():
-        if m.head_dims and m.head_dims[0] and fqn.startswith(layer + ".") and fqn.count(".") == layer.count(".") + 1:
-            return m.head_dims[0]
-    return None
+def _attention_head_dims(walk: ModelWalk) -> dict[str, int]:
+    """Layer path -> the head width its attention module computes with (the module's `head_dim`), where a family
+    sets it per layer (Gemma 4's `per_layer_config`); a layer whose module does not say is absent."""
+    return {fqn.rpartition(".")[0]: m.head_dims[0] for fqn, m in walk.modules.items() if m.head_dims and m.head_dims[0]}
 
 
 def _top_k(walk: ModelWalk, config: Mapping[str, Any]) -> int:
