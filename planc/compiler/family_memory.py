@@ -27,6 +27,9 @@ class FamilyMemory:
     router_input_fp32: bool = False
     # q_norm/k_norm normalise the whole projected q/k width (not per head): an fp32 copy of q and k in forward
     full_width_qk_norm: bool = False
+    # q_norm/k_norm per head compute in fp32 to the scale (`_norm(x.float()) * weight.float()`, Gemma's RMSNorm): two
+    # fp32 copies of q at once in a prefill
+    qk_norm_fp32: bool = False
     # rotary in complex fp32 (`view_as_complex(x.float())`): fp32 copies of q and k
     complex_rope_fp32: bool = False
     # what a `linear_attention` layer runs without its kernels: `chunk` (Qwen3-Next's gated delta rule, transformers'
@@ -37,6 +40,15 @@ class FamilyMemory:
     # a per-head relative-position bias materialised densely (Inkling's `InklingRelativeLogits`): [B, heads, S,
     # extent] logits, gathered to [B, heads, S, S] and masked, all three in the model dtype, in every attention layer
     relative_position_bias: bool = False
+    # eager attention's [B, heads, S, S(+1)] score tensors alive at once at its peak in a prefill, (in the model
+    # dtype, in fp32), read off the family's `eager_attention_forward` (planc.compiler.attention_memory): gpt-oss's
+    # scores + mask, the sink joined and the max subtracted, softmax, all in the model dtype: three
+    eager_scores: tuple[int, int] = (3, 0)
+    # eager's softmax runs in fp32 and is cast back (`softmax(..., dtype=float32).to(dtype)`): training keeps its
+    # fp32 output beside the cast probabilities the output matmul reads
+    eager_softmax_fp32: bool = False
+    # eager upcasts q and k for QK^T (`matmul(query.float(), key.float())`): training keeps fp32 q and repeated k
+    eager_qk_fp32: bool = False
     unpriced: tuple[str, ...] = ()
     measured: bool = True  # in the grid of docs/memory.md
 
@@ -132,10 +144,43 @@ FAMILIES: dict[str, FamilyMemory] = {
     "mellum": FamilyMemory(),
     "laguna": FamilyMemory(),
     "flex_olmo": FamilyMemory(full_width_qk_norm=True),
+    # --- attention, embeddings, routers (the families grid's fp32 routers, eager attention with sinks, per-layer
+    # embeddings), each read from its transformers 5.25 modeling file
+    # modeling_ernie4_5_moe.py: `F.linear(hidden.float(), weight.float())` and softmax in fp32 (the weight is kept
+    # fp32: `_keep_in_fp32_modules_strict`), the top-k weights cast back to the hidden dtype; rotary in fp32 on q and
+    # k (`q.float() * cos + rotate_half(q).float() * sin`), cast back
+    "ernie4_5_moe": FamilyMemory(router_input_fp32=True, complex_rope_fp32=True),
+    # modeling_ernie4_5_vl_moe.py: ERNIE 4.5's router and rotary; text tokens run only the text experts
+    "ernie4_5_vl_moe": FamilyMemory(router_input_fp32=True, complex_rope_fp32=True),
+    "ernie4_5_vl_moe_text": FamilyMemory(router_input_fp32=True, complex_rope_fp32=True),
+    # Param2MoE is GLM-4.5's model (auto maps it to Glm4MoeForCausalLM): its fp32 router and weights
+    "param2moe": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    # modeling_gemma4.py (the text decoder; the grid's config is dense, `enable_moe_block` off): sdpa, sliding and
+    # full layers, the full layers at their own head width (`per_layer_config`, read from the attention module);
+    # q_norm/k_norm/v_norm per head in fp32 to the scale; per-layer embeddings [tokens, layers x 256] (small beside
+    # the hidden stream); its router (an MoE config) softmax in fp32, the top-k weights kept fp32 and scaled
+    "gemma4_text": FamilyMemory(routing_weights_fp32=True, qk_norm_fp32=True),
+    "gemma4": FamilyMemory(routing_weights_fp32=True, qk_norm_fp32=True),
+    # modeling_dots3_note.py (the text decoder): MLA at 128 heads with DeepSeek Sparse Attention's indexer
+    # (`indexed_attention` layers: fp32 indexer scores and key cache, planc.compiler.attention_memory) and sliding
+    # MLA layers; on a CPU sdpa runs its math path (q/k 192 wide, v 128): fp32 scores. DeepSeek-V3's router:
+    # `F.linear(hidden.float(), weight.float())`, sigmoid, the top-k weights gathered from the fp32 scores
+    "dots3_note_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    # modeling_flint.py: eager only (sdpa cannot add its sinks); `matmul(query.float(), key.float())`, the mask added,
+    # the sink joined and the softmax, all fp32: three fp32 scores at once; `.to(value dtype)` after. Its router:
+    # `F.linear(hidden.float(), weight.float())`, sigmoid, top-k weights kept fp32
+    "flint": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, eager_scores=(0, 3),
+                          eager_softmax_fp32=True, eager_qk_fp32=True),
+    # modeling_openai_privacy_filter.py: eager only; scores + mask and the max subtracted in the model dtype, the
+    # softmax in fp32 (`dtype=torch.float32`: an fp32 copy and its output), two of each at once. Its router:
+    # `F.linear(hidden.float(), weight.float(), bias.float())`, softmax over the top-k in fp32, weights kept fp32
+    "openai_privacy_filter": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, eager_scores=(2, 2),
+                                          eager_softmax_fp32=True),
 }
 
 UNMEASURED = FamilyMemory(
     routing_weights_fp32=True, router_input_fp32=True, measured=False,
+    eager_scores=(0, 3), eager_softmax_fp32=True, eager_qk_fp32=True,  # the most a family's eager holds: all fp32
     unpriced=("this family's own allocations were not measured (priced on the safe side: fp32 routing weights "
               "and an fp32 router input)",),
 )

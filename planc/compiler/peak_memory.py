@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional
 
-from planc.compiler import deepseek_v4_memory, indexer_memory, megamoe_buffers
+from planc.compiler import attention_memory, deepseek_v4_memory, indexer_memory, megamoe_buffers
 from planc.compiler.deepseek_v4_memory import HyperConnectionLayer
 from planc.compiler.devices import cuda_workspaces
 from planc.compiler.family_memory import FamilyMemory, family_memory
@@ -91,6 +91,7 @@ class LayerShape:
     indexer_heads: int = 0  # DeepSeek Sparse Attention's indexer on this layer (planc.compiler.indexer_memory)
     relative_extent: int = 0  # distances a dense relative-position bias covers (family_memory's relative_position_bias)
     indexer_dim: int = 0
+    sdpa_math: bool = False  # sdpa runs its math path: fp32 S x S scores (planc.compiler.attention_memory)
 
 
 class LinearAttention(NamedTuple):
@@ -304,6 +305,7 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
     megamoe = compiled.experts_implementation.megamoe
     sinks = {f.rsplit(".", 2)[0] for f in walk.params if f.endswith(".sinks")}
     fam = family_memory(walk.model_type)
+    own_head_dims = _attention_head_dims(walk)
     shapes = []
     for index, (layer, (mla, moe, shared)) in enumerate(sorted(_layer_kinds(walk).items(),
                                                                key=lambda kv: _layer_index(kv[0]))):
@@ -340,6 +342,7 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
             q = k = v = 0
             cache, cache_kind = 0, "linear attention (conv and recurrent state)"
         else:
+            d = own_head_dims.get(layer) or d  # a layer's own head width (Gemma 4's full layers: 512)
             q, k, v = h * d, kvh * d, kvh * d
             cache = (k + v) * itemsize
             cache_kind = "sliding window" if kind in _WINDOWED and window else "full attention"
@@ -365,7 +368,7 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
             local_experts=experts.num_local_experts if experts is not None else 0,
             dense_dispatch=experts is not None and experts.dispatch == "dense",
             megamoe=experts is not None and megamoe,
-            top_k=(experts.top_k or int(_get(config, "num_experts_per_tok", default=1))) if experts is not None else 0,
+            top_k=(experts.top_k or _top_k(walk, config)) if experts is not None else 0,
             attn_impl=impl, sinks=layer in sinks, kv_heads=kvh, head_dim=d, linear=linear, layer_type=kind,
             compress_rate=int((config.get("compress_rates") or {}).get(kind) or 0),
             all_slots=experts is not None and experts.strategy is not None and experts.strategy.name == "all_reduce",
@@ -386,6 +389,21 @@ def relative_bias_bytes(s: LayerShape, batch: int, seq: int, a: int) -> int:
     """A dense relative-position bias in a prefill: the [B, heads, S, extent] logits, their gather to [B, heads, S, S]
     and its masked copy, at once."""
     return batch * s.heads * seq * (s.relative_extent + 2 * seq) * a if s.relative_extent else 0
+
+
+def _attention_head_dims(walk: ModelWalk) -> dict[str, int]:
+    """Layer path -> the head width its attention module computes with (the module's `head_dim`), where a family
+    sets it per layer (Gemma 4's `per_layer_config`); a layer whose module does not say is absent."""
+    return {fqn.rpartition(".")[0]: m.head_dims[0] for fqn, m in walk.modules.items() if m.head_dims and m.head_dims[0]}
+
+
+def _top_k(walk: ModelWalk, config: Mapping[str, Any]) -> int:
+    """Experts per token from the decoder's config: its object first, whose `attribute_map` resolves a family's own
+    name (ERNIE 4.5's `moe_k`), which the config's dict does not carry."""
+    value = getattr(_text_config_object(walk), "num_experts_per_tok", None)
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return int(_get(config, "num_experts_per_tok", default=1))
 
 
 def _layer_index(fqn: str) -> tuple[int, ...]:
@@ -447,7 +465,10 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
         # q_a -> norm -> q_b, kv_a -> norm -> kv_b, the rope'd q/k, sdpa's q, k, v, out and logsumexp
         n += t * (a * s.q_lora + _norm(s.q_lora, a) + a * s.q_lora)
         n += t * (a * (s.kv_lora + 64) + _norm(s.kv_lora, a) + a * s.kv_lora)
-        n += t * (a * (3 * s.q + 3 * s.k + s.v + 2 * s.v) + FP32 * s.heads)
+        if s.sdpa_math or s.attn_impl != "sdpa":  # as the CPU grid measured it: sdpa's math path
+            n += t * (a * (3 * s.q + 3 * s.k + s.v + 2 * s.v) + FP32 * s.heads)
+        else:
+            n += t * attention_memory.mla_efficient_kept(s, a)
     elif s.attention == "linear":
         # autograd keeps the chunk rule's fp32 intermediates and their per-chunk products: about twice its forward
         # work (read off the grid's Qwen3-Next training point, docs/memory.md)
@@ -456,9 +477,12 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
         # q, k, v after rotary, the probabilities the output matmul keeps, K and V repeated to every head, the
         # argmax indices of the sink's max subtraction (int64 per head and token)
         n += t * a * (2 * s.q + 4 * s.k) + eager_scores(s, batch, seq, a) + _repeat_kv(s, t, a)
+        n += attention_memory.eager_kept_fp32(eager_scores(s, batch, seq, 1), t, s, fam)
         n += t * 8 * s.heads if s.sinks else t * FP32 * s.heads * seq
     else:
         n += t * (a * (2 * s.q + 4 * s.k) + FP32 * s.heads)
+    if s.sdpa_math:
+        n += attention_memory.sdpa_math_kept(s, batch, seq)
     if fam.full_width_qk_norm:
         n += t * (FP32 + a) * (s.q + s.k)
     if fam.complex_rope_fp32 and s.attention != "linear":
@@ -521,7 +545,8 @@ def peak_memory(
 
     def shapes_of(itemsize: int) -> list[LayerShape]:  # once per search, not once per batch it tries
         if itemsize not in known:
-            known[itemsize] = layer_shapes(compiled, walk, config, itemsize)
+            known[itemsize] = attention_memory.with_sdpa_math(layer_shapes(compiled, walk, config, itemsize),
+                                                              device_type)
         return known[itemsize]
     workspaces = cuda_workspaces(capability, workload) if device_type == "cuda" else 0
 
@@ -888,17 +913,27 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
         attn = tokens * (a * (2 * s.q + 3 * s.k + 2 * s.v) + a * 3 * hidden)
         if fam.full_width_qk_norm:
             attn += tokens * (FP32 + a) * (s.q + s.k)
+        if fam.qk_norm_fp32:
+            attn += tokens * 2 * FP32 * s.q
         if fam.complex_rope_fp32:
             attn += tokens * 2 * FP32 * (s.q + s.k)
-        attn += indexer_memory.prefill_bytes(batch, seq, s.indexer_heads, s.indexer_dim)
         attn += relative_bias_bytes(s, batch, seq, a)
         scores = eager_scores(s, batch, seq, a)
         if scores:
-            # scores x scale + mask, the sink column joined, the max subtracted, softmax: three [B, h, S, S(+1)]
-            # at once; K and V repeated to every head
-            transients.append(("eager attention (S x S scores)", 3 * scores + _repeat_kv(s, tokens, a) + attn))
+            # the family's [B, h, S, S(+1)] score tensors at once (gpt-oss: scores x scale + mask, the sink column
+            # joined, the max subtracted, softmax: three in the model dtype); K and V repeated to every head
+            transients.append(("eager attention (S x S scores)",
+                               attention_memory.eager_prefill(eager_scores(s, batch, seq, 1), a, fam)
+                               + _repeat_kv(s, tokens, a) + attn))
+        elif s.sdpa_math:
+            transients.append(("sdpa math path (fp32 S x S scores)",
+                               attention_memory.sdpa_math_prefill(s, batch, seq) + attn))
         else:
             transients.append(("attention workspace", attn))
+        if s.indexer_heads:  # the indexer runs before the attention, under no_grad: its scores are gone when it starts
+            transients.append(("sparse attention indexer (fp32 scores)",
+                               indexer_memory.prefill_bytes(batch, seq, s.indexer_heads, s.indexer_dim)
+                               + tokens * a * 3 * hidden))
     transients.append(("logits (last token)", batch * vocab * (a + FP32) * 2))
     worst = max(transients, key=lambda kv: kv[1]) if transients else ("none", 0)
     dedup: dict[str, int] = {}
