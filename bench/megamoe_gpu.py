@@ -16,6 +16,12 @@ them once to BF16). Per batch size (decode 1/16/64/256, prefill 4096), CUDA-even
 `--ceiling` also times cuBLAS's dense GEMMs of the same math per batch size (`dense_ceiling`): what the vendor's
 best kernels take with no routing, padding or FP4 expansion, in BF16 and in FP8 with the finest block scaling
 Hopper's cuBLAS has (1x128 x 128x128; the kernel's 1x32 MX scales are SM100-only, and the attempt is recorded).
+Peers: SGLang's FP8 `fused_moe` is probed in a child process (`sglang_peer`); where it does not import (the device
+has no SGLang) the bench says so and goes on without its column. DeepGEMM's SM90 FP8 Mega MoE has no column: it
+exists only in sgl-project/DeepGEMM (`sm90_fp8_fp4_mega_moe.cuh`, fork commit b9bb630); the device has nvcc 13.0
+and CUDA's and torch's headers, but no whole source tree of the fork at that commit (with its CUTLASS and fmt
+submodules) can be brought there, and its build (`deep_gemm._C`, then an nvcc JIT per batch band) and weight layout
+are a device call and a binding of their own (docs/megamoe.md, "Peers").
 `--sweep` times each candidate tile config of the Triton kernels per batch size instead (graph replay of the
 experts computation alone) and prints the best: the table in `planc.kernels.megamoe.triton.config` comes from it.
 
@@ -88,6 +94,10 @@ def parse_args(argv=None):
                         "this run: KernelConfig's fields as comma-separated ints, as in --configs")
     p.add_argument("--general-only", action="store_true",
                    help="run the general kernels at every batch size (no split-K decode rows: `general_path_only`)")
+    p.add_argument("--decode-variant", default=None, choices=list(DECODE_VARIANTS),
+                   help="run the decode rows as this variant (`DECODE_VARIANTS`) throughout, e.g. with --profile")
+    p.add_argument("--no-variants", action="store_true",
+                   help="do not time the decode rows' variants (`DECODE_VARIANTS`: the path before, each new part)")
     p.add_argument("--profile", type=int, default=None, metavar="TOKENS",
                    help="print the GPU kernels of Triton layer calls at this batch size (torch.profiler) and stop")
     p.add_argument("--json", default=None, help="write the results here")
@@ -274,6 +284,49 @@ def general_path_only():
 
 
 @contextlib.contextmanager
+def decode_row(**fields):
+    """The split-K decode rows of the config table (`config.DECODE_CONFIGS`) with these `KernelConfig` fields
+    replaced: `prologue=0, persistent=0` is the decode path as it was before the prologue and the persistent kernel
+    (five launches for the experts: routing, FP8 dequantization, the output's fill, L1, L2), timed in the same
+    process and on the same card as the table's own rows."""
+    saved = triton_config.DECODE_CONFIGS
+    triton_config.DECODE_CONFIGS = tuple((bound, dataclasses.replace(cfg, **fields)) for bound, cfg in saved)
+    try:
+        yield
+    finally:
+        triton_config.DECODE_CONFIGS = saved
+
+
+# The decode variants the layer rows time beside the table's pick (`decode_row`): the path before the prologue, the
+# prologue, the persistent kernel and PDL. On an H100 (2026-12-06, main 562fe97) these and five more (L2 stages, N
+# tiles of 128, the persistent kernel with PDL) ran: none beat the prologue by more than 1% (docs/megamoe.md); any
+# other is a `--sweep --configs` away.
+DECODE_VARIANTS = {
+    "three_launches": dict(prologue=0, persistent=0),
+    "prologue": dict(prologue=1, persistent=0),
+    "persistent": dict(prologue=1, persistent=1),
+    "prologue_pdl": dict(prologue=1, persistent=0, pdl=1),
+}
+
+
+def sglang_peer() -> dict:
+    """Whether SGLang's FP8 `fused_moe` (the peer the issue's table names) can be imported here, asked in a child
+    process (its import pulls in SGLang's serving stack and `sgl_kernel`; a failure must not touch this process's
+    CUDA context). Where it cannot, the bench says why and goes on without the column."""
+    import subprocess
+
+    probe = "from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe; print('ok')"
+    try:
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return dict(available=False, why="importing sglang's fused_moe took over 120 s")
+    if done.returncode == 0 and done.stdout.strip().endswith("ok"):
+        return dict(available=True, why="importable; its timing is not wired into this bench (docs/megamoe.md)")
+    last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    return dict(available=False, why=f"not importable here: {last[:200]}")
+
+
+@contextlib.contextmanager
 def bf16_path_only():
     """The Triton backend without the FP8 path's rows of the config table (`config.FP8_CONFIGS`): what it ran before
     that path existed, timed in the same process and on the same card as the table with them."""
@@ -444,6 +497,10 @@ def main(argv=None):
     args = parse_args(argv)
     if args.general_only:
         triton_config.DECODE_CONFIGS = ()
+    if args.decode_variant:
+        fields = DECODE_VARIANTS[args.decode_variant]
+        triton_config.DECODE_CONFIGS = tuple((b, dataclasses.replace(c, **fields))
+                                             for b, c in triton_config.DECODE_CONFIGS)
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(0)
@@ -488,6 +545,9 @@ def main(argv=None):
         reference_bytes = resident_fp4 + weights.gate_up.nbytes + weights.down.nbytes
         baseline = grouped_mm_baseline(cfg, weights)
 
+    peer = sglang_peer()
+    print(f"SGLang fused_moe peer: {'available' if peer['available'] else 'not measured'} ({peer['why']})",
+          file=sys.stderr)
     copy_tbps = copy_bandwidth(device, measure) if device.type == "cuda" else None
     rows = []
     for n in args.tokens:
@@ -525,6 +585,23 @@ def main(argv=None):
                 row["calc_diff_vs_general"] = calc_diff(y_tri.float(), y_gen.float())
             else:  # the same kernels either way
                 row["general_us"], row["calc_diff_vs_general"] = row["triton_us"], 0.0
+            if picked.decode and not args.no_variants:  # the decode path's variants, each on the same batch
+                row["variants"] = {}
+                for name, fields in DECODE_VARIANTS.items():
+                    try:
+                        with decode_row(**fields):
+                            us, y_var = graph_or_eager(device, measure, lambda: tri_layer(x, idx, w), use_graph)
+                            if y_var is None:
+                                y_var = tri_layer(x, idx, w)
+                        row["variants"][name] = dict(us=us, same_bits=bool(torch.equal(y_var, y_tri)),
+                                                     calc_diff=calc_diff(y_var.float(), y_tri.float()))
+                    except Exception as e:  # noqa: BLE001 - a variant that fails on this Triton: say so, go on
+                        row["variants"][name] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+                    print(f"  tokens {n} decode variant {name}: {row['variants'][name]}", file=sys.stderr)
+                if device.type == "cuda":
+                    from planc.kernels.megamoe.triton import decode as decode_kernels
+
+                    row["persistent_stalls"] = int(decode_kernels.stalls(device).item())
             if baseline is not None:
                 row["reference_us"], y_ref = graph_or_eager(device, measure, lambda: ref_layer(x, idx, w), use_graph)
                 if y_ref is None:
@@ -543,6 +620,10 @@ def main(argv=None):
         if copy_tbps is not None and row["bound"] == "fp4 read":  # the same bytes at a plain copy's rate
             row["copy_bound_us"] = row["bound_us"] * args.hbm_tbps / copy_tbps
         rows.append(row)
+        if args.json:  # the rows so far, in case a time limit stops the run before the end
+            with open(args.json, "w") as f:
+                json.dump(dict(partial=True, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                               rows=rows), f, indent=2)
         print(f"tokens {n}: triton {row['triton_us']:.1f} us ({row['path']}), general kernels {row['general_us']:.1f} "
               f"us, bound {row['bound_us']:.1f} us ({row['ratio']:.2f}x; general {row['general_us'] / row['bound_us']:.2f}x)"
               f", copy bound {row.get('copy_bound_us', float('nan')):.1f} us, calc_diff vs general "
@@ -556,6 +637,7 @@ def main(argv=None):
         shapes=dict(hidden=args.hidden, intermediate=args.intermediate, experts=args.experts, topk=args.topk),
         backend_reason=tri_state.reason,
         copy_tbps=copy_tbps,
+        sglang=peer,
         resident_bytes=dict(triton=resident_fp4, reference=reference_bytes),
         buffer_allocations=stats.allocations, buffer_bytes=stats.live_bytes,
         rows=rows,
@@ -589,6 +671,28 @@ def main(argv=None):
               f"{r['general_us'] / r['triton_us']:.2f}x | {f(r['bound_us'])} | {r['ratio']:.2f}x | "
               f"{r['general_us'] / r['bound_us']:.2f}x | {f(cb)} | {f(r['triton_us'] / cb if cb else None, '.2f')} | "
               f"{r['calc_diff_vs_general']:.1e} |")
+    varied = [r for r in rows if r.get("variants")]
+    if varied:
+        names = list(DECODE_VARIANTS)
+        print("\nDecode variants (the layer, same process, same card, µs; three_launches: the decode path before the "
+              "prologue and the persistent kernel; ratio: three_launches / variant; bits: the same output as the pick)\n")
+        print("| tokens | picked | " + " | ".join(names) + " | " + " | ".join(f"{v} speed-up" for v in names[1:])
+              + " | best / bound | bits |")
+        print("|---:|---:|" + "---:|" * len(names) + "---:|" * (len(names) - 1) + "---:|---|")
+        for r in varied:
+            v = r["variants"]
+            us = {k: v[k].get("us") for k in names}
+            base = us["three_launches"]
+            best = min([r["triton_us"], *(u for u in us.values() if u is not None)])
+            ratios = [f(base / us[k] if base and us[k] else None, ".2f") for k in names[1:]]
+            bits = ", ".join(f"{k} differs (calc_diff {v[k]['calc_diff']:.1e})" for k in names
+                             if v[k].get("same_bits") is False) or "same"
+            errors = [f"{k}: {v[k]['error']}" for k in names if "error" in v[k]]
+            print(f"| {r['tokens']} | {f(r['triton_us'])} | " + " | ".join(f(us[k]) for k in names) + " | "
+                  + " | ".join(ratios) + f" | {best / r['bound_us']:.2f}x | {bits}{'; ' + '; '.join(errors) if errors else ''} |")
+        stalls = [r.get("persistent_stalls") for r in varied if r.get("persistent_stalls")]
+        print(f"persistent kernel stalls (L2 items that stopped waiting; must be 0): {max(stalls) if stalls else 0}")
+    print(f"SGLang fused_moe: {'available' if peer['available'] else 'not measured'}: {peer['why']}")
     ceilings = [r for r in rows if "ceiling" in r]
     if ceilings:
         print("\nThe same math as cuBLAS dense GEMMs (no routing, padding or FP4; µs, and TFLOP/s of the layer's math)\n")

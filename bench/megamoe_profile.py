@@ -28,7 +28,9 @@ from planc.kernels.megamoe.quant import float_to_ue8m0_bytes, quantize_fp8
 from planc.kernels.megamoe.triton.forward import triton_local_experts_forward
 from planc.kernels.megamoe.triton.layout import PackedExperts
 
-from megamoe_gpu import add_layer_args, kernel_table, random_batch, tiny_shapes  # this folder
+from megamoe_gpu import (  # this folder
+    DECODE_VARIANTS, add_layer_args, decode_row, kernel_table, random_batch, tiny_shapes,
+)
 
 
 def random_packed_experts(experts: int, hidden: int, inter: int, device, generator) -> PackedExperts:
@@ -53,7 +55,16 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--calls", type=int, default=5)
     p.add_argument("--table", action="store_true", help="print torch.profiler's kernel table of the timed calls")
+    p.add_argument("--decode-variant", default=None, choices=list(DECODE_VARIANTS),
+                   help="run the decode rows as this variant (megamoe_gpu.py's `DECODE_VARIANTS`)")
     args = p.parse_args(argv)
+    if args.decode_variant:
+        with decode_row(**DECODE_VARIANTS[args.decode_variant]):
+            return run(args)
+    return run(args)
+
+
+def run(args):
     tiny_shapes(args)
     device = torch.device(args.device)
     g = torch.Generator(device=device).manual_seed(0)

@@ -188,12 +188,14 @@ def main() -> int:
     parser.add_argument("--families", action="store_true",
                         help="the families section (bench/memory_grid_families.py): families without a shipped plan, "
                              "each on the plan `planc init` writes; its points are stored with their measurements")
+    parser.add_argument("--shapes", nargs="*", help="only points of these BATCHxSEQ shapes (e.g. 2x512)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--jobs", type=int, default=1, help="points measured at once (each in its own process)")
     args = parser.parse_args()
     cache = json.loads(Path(args.cache).read_text()) if args.cache and Path(args.cache).exists() else {}
-    print(describe())
     cuda = args.device == "cuda"
+    machine = describe("cuda" if cuda else "cpu")
+    print(machine)
     print(f"{'family':12s} {'mode':10s} {'batch':>5s} {'seq':>5s} {'predicted':>10s} {'measured':>10s} {'error':>7s}"
           + (f" {'reserved':>10s}" if cuda else "") + "  moment")
     if args.families:
@@ -202,6 +204,8 @@ def main() -> int:
         chosen = memory_grid_families.points(args.only, [m for m in args.modes if m in memory_grid_families.POINTS])
     else:
         chosen = list(grid(args.only, args.modes, args.points))
+    if args.shapes:
+        chosen = [p for p in chosen if f"{p['batch']}x{p['seq']}" in args.shapes]
     points = [{**p, "device": args.device} if cuda else p for p in chosen]
     pending = [p for p in points if cache_key(p) not in cache]
     t0 = time.perf_counter()
@@ -216,6 +220,7 @@ def main() -> int:
                 continue
             # a point with its own plan is kept whole: predicting it again needs no `planc init`
             cache[key] = {**result, "point": point} if "plan" in point else result
+            cache[key]["machine"] = machine
             if args.cache:  # written as points finish (merged by key): a stopped run keeps what it measured
                 on_disk = json.loads(Path(args.cache).read_text()) if Path(args.cache).exists() else {}
                 Path(args.cache).write_text(json.dumps({**on_disk, key: cache[key]}, indent=1))

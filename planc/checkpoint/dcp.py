@@ -51,7 +51,7 @@ def _empty_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=device)
 
 
-def _materialize(model: nn.Module, device: torch.device) -> None:
+def materialize(model: nn.Module, device: torch.device) -> None:
     """Replace every meta parameter and buffer by empty storage on `device`; a tensor shared by several
     modules (tied weights) gets one new tensor, assigned to all of them."""
     new: dict[int, torch.Tensor] = {}
@@ -197,7 +197,7 @@ def fill_from_dcp(
     agree(error, what)
 
     assert reader is not None  # the ranks agreed that the metadata was read
-    _materialize(model, device)
+    materialize(model, device)
     targets = _targets(model, compiled, groups, saved_np)
     strided: dict[str, DTensor] = {k: t for k, t in targets.items() if has_strided(t)}
     load_state = {k: (dcp_layout(cast(DTensor, strided[k].detach())) if k in strided else t) for k, t in targets.items()}

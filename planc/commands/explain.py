@@ -20,8 +20,6 @@ import os
 import sys
 
 DTYPES = ("config", "float32", "bfloat16", "float16")
-# keys of a saved config.json that are metadata, not constructor arguments
-_CONFIG_METADATA = ("model_type", "architectures", "transformers_version", "auto_map", "_name_or_path")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -159,23 +157,10 @@ def read_config(path: str) -> dict:
 
 
 def _meta_model_at(model_type: str, config: dict, dtype: str):
-    """The model users load for `config` on the meta device (planc.models.build.build_meta_model) in the dtype the
-    byte counts should use (`config`: the config's own, else bfloat16), built in it as `from_pretrained(dtype=)`
-    builds it: the modules transformers keeps in fp32 (`_keep_in_fp32_modules`, e.g. DeepSeek-V3's router) stay
-    fp32, and the byte counts show them so."""
-    import torch
+    """The meta model explain resolves against (planc.models.walk_cache.meta_model_at)."""
+    from planc.models.walk_cache import meta_model_at
 
-    from planc.models.build import meta_model, overridden_config
-
-    kwargs = {k: v for k, v in config.items() if k not in _CONFIG_METADATA}
-    built = overridden_config(model_type, kwargs)
-    if dtype == "config":
-        name = getattr(built, "dtype", None) or kwargs.get("torch_dtype") or "bfloat16"
-        dtype = str(name).replace("torch.", "")
-    resolved = getattr(torch, dtype)
-    if not isinstance(resolved, torch.dtype):
-        raise TypeError(f"{dtype!r} is not a torch dtype")
-    return meta_model(built, dtype=resolved)
+    return meta_model_at(model_type, config, dtype)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -211,9 +196,9 @@ def run(args: argparse.Namespace) -> int:
     status, compiled, budgets, trains, peaks = 0, [], [], [], []
     for path in args.plans:
         rc, loaded = load_one(path, parallel)
-        c, model = None, None
+        c, walk = None, None
         if loaded is not None:
-            rc, c, model = compile_one(path, loaded, config, overrides, args.dtype)
+            rc, c, walk = compile_one(path, loaded, config, overrides, args.dtype)
         status = max(status, rc)
         if loaded is None or c is None:
             continue
@@ -227,11 +212,11 @@ def run(args: argparse.Namespace) -> int:
             status = max(status, 1)
         compiled.append(c)
         budgets.append(budget(c, device_memory, reads, device.how if device is not None else None))
-        train = train_memory(c, model) if args.train else None
+        train = train_memory(c, walk) if args.train else None
         trains.append(train)
         peak = None
         if workload is not None:
-            peak = workload_peak(c, model, train, workload, device_memory, path)
+            peak = workload_peak(c, walk, train, workload, device_memory, path)
             if peak.fits is False:
                 status = max(status, 1)
         peaks.append(peak)
@@ -295,19 +280,20 @@ def parse_workload(args) -> dict | None:
     }
 
 
-def workload_peak(compiled, model, train, workload: dict, device_memory, path: str):
-    """The peak per rank (planc.compiler.peak_memory) on the config of the meta model explain resolved against;
-    a sequence past the model's `max_position_embeddings` is a warning on stderr."""
+def workload_peak(compiled, model_or_walk, train, workload: dict, device_memory, path: str):
+    """The peak per rank (planc.compiler.peak_memory) on the config of the model (or its ModelWalk) explain resolved
+    against; a sequence past the model's `max_position_embeddings` is a warning on stderr."""
     from planc.compiler.peak_memory import DEFAULT_RESERVE, peak_memory
-    from planc.compiler.walk import walk_model
+    from planc.compiler.walk import ModelWalk, walk_model
 
-    config = model.config.to_dict()
+    walk = model_or_walk if isinstance(model_or_walk, ModelWalk) else walk_model(model_or_walk)
+    config = walk.config.to_dict()
     limit = config.get("max_position_embeddings")
     if limit and workload["seq"] > limit:
         sys.stderr.write(f"planc explain: {path}: warning: --seq {workload['seq']} is beyond the model's "
                          f"max_position_embeddings {limit}\n")
     peak = peak_memory(
-        compiled, walk_model(model), config, train, workload=workload["workload"], batch=workload["batch"],
+        compiled, walk, config, train, workload=workload["workload"], batch=workload["batch"],
         seq=workload["seq"], capacity_factor=workload["capacity_factor"], device_memory=device_memory,
         optimizer=workload.get("optimizer"), device_type=workload.get("device_type", "cuda"),
         capability=workload.get("capability"),
@@ -372,8 +358,8 @@ def check_checkpoint(directory: str, plan_path: str, loaded, dtype: str, compile
 
 
 def explain_one(path: str, config: dict, overrides: dict, dtype: str, parallel=None):
-    """(exit status, CompiledPlan or None, the meta model it resolved against or None) for one plan file; the
-    problems go to stderr. `--train` counts on that same model rather than building it again."""
+    """(exit status, CompiledPlan or None, the walk of the meta model it resolved against or None) for one plan file;
+    the problems go to stderr. `--train` and the peak count on that same walk rather than building it again."""
     rc, loaded = load_one(path, parallel)
     if loaded is None:
         return rc, None, None
@@ -400,15 +386,15 @@ def load_one(path: str, parallel=None):
 
 
 def compile_one(path: str, loaded, config: dict, overrides: dict, dtype: str):
-    """(exit status, CompiledPlan or None, the meta model it resolved against or None) for a loaded plan."""
+    """(exit status, CompiledPlan or None, the walk of the meta model it resolved against or None) for a loaded plan;
+    the walk is read from data when one is stored for this model and config (planc.models.walk_cache)."""
     from planc.compiler.resolve import compile_plan
     from planc.errors import CompileError, ModelBuildError
-    from planc.models.build import check_override_keys
+    from planc.models.walk_cache import explain_walk
 
     model_type = config.get("model_type") or loaded.plan.model.type
     try:
-        check_override_keys(model_type, overrides)
-        model = _meta_model_at(model_type, {**config, **overrides}, dtype)
+        walk = explain_walk(model_type, {**config, **overrides}, dtype, overrides)
     except ModelBuildError as e:  # one line that names the model type (planc.models.build)
         sys.stderr.write(f"planc explain: {e}\n")
         return 2, None, None
@@ -416,8 +402,8 @@ def compile_one(path: str, loaded, config: dict, overrides: dict, dtype: str):
         sys.stderr.write(f"planc explain: cannot build a `{model_type}` model: {e}\n")
         return 2, None, None
     try:
-        compiled = compile_plan(model, loaded)
+        compiled = compile_plan(walk, loaded)
     except CompileError as e:
-        sys.stderr.write(f"planc explain: {path} does not resolve against {type(model).__name__}:\n{e}\n")
+        sys.stderr.write(f"planc explain: {path} does not resolve against {walk.model_class}:\n{e}\n")
         return 1, None, None
-    return 0, compiled, model
+    return 0, compiled, walk

@@ -30,6 +30,9 @@ class FamilyMemory:
     # the residual stream is fp32 between layers (Zaya's `residual_in_fp32`), and each of a layer's two residual
     # scalings keeps `residual + bias` (fp32) and `hidden + bias` (model dtype) for its products with the scales
     residual_fp32: bool = False
+    # q_norm/k_norm per head compute in fp32 to the scale (`_norm(x.float()) * weight.float()`, Gemma's RMSNorm): two
+    # fp32 copies of q at once in a prefill
+    qk_norm_fp32: bool = False
     # rotary in complex fp32 (`view_as_complex(x.float())`): fp32 copies of q and k
     complex_rope_fp32: bool = False
     # what a `linear_attention` layer runs without its kernels: `chunk` (Qwen3-Next's gated delta rule, transformers'
@@ -44,6 +47,18 @@ class FamilyMemory:
     # each decoder layer is one mixer its layer type names, after one norm (Nemotron-H's blocks: `linear_attention`,
     # `full_attention`, `moe`, `mlp`), not an attention and an MLP
     mixer_blocks: bool = False
+    # a per-head relative-position bias materialised densely (Inkling's `InklingRelativeLogits`): [B, heads, S,
+    # extent] logits, gathered to [B, heads, S, S] and masked, all three in the model dtype, in every attention layer
+    relative_position_bias: bool = False
+    # eager attention's [B, heads, S, S(+1)] score tensors alive at once at its peak in a prefill, (in the model
+    # dtype, in fp32), read off the family's `eager_attention_forward` (planc.compiler.attention_memory): gpt-oss's
+    # scores + mask, the sink joined and the max subtracted, softmax, all in the model dtype: three
+    eager_scores: tuple[int, int] = (3, 0)
+    # eager's softmax runs in fp32 and is cast back (`softmax(..., dtype=float32).to(dtype)`): training keeps its
+    # fp32 output beside the cast probabilities the output matmul reads
+    eager_softmax_fp32: bool = False
+    # eager upcasts q and k for QK^T (`matmul(query.float(), key.float())`): training keeps fp32 q and repeated k
+    eager_qk_fp32: bool = False
     unpriced: tuple[str, ...] = ()
     measured: bool = True  # in the grid of docs/memory.md
 
@@ -99,6 +114,83 @@ FAMILIES: dict[str, FamilyMemory] = {
     # F.linear(flat, weight) in the model dtype, weights gathered from the scores in it; its layer (hyper-connection
     # streams, fp32-weighted norms, compressors) is planc.compiler.deepseek_v4_memory's
     "deepseek_v4": FamilyMemory(),
+    # The families sweep's routers and attentions (bench/memory_grid_families.py), each read from its modeling file in
+    # transformers 5.25 (modeling_<family>.py; sarvam_mla builds DeepSeek-V3's model, sarvam_moe GLM-4.5's)
+    # DeepSeek-V3's router: F.linear(x.type(float32), w.type(float32)), sigmoid, the gathered weights kept fp32
+    "axk1": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "axk2": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "beam": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "deepseek_v32": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "exaone_moe": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "glm_moe_dsa": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "minicpm5_moe": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "sarvam_mla": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "sarvam_moe": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "solar_open": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    # F.linear(x.float(), w.float()), sigmoid, weights kept fp32 (its fp32 combine of routed and shared output is
+    # one [tokens, hidden] pair after the experts' output stage)
+    "hy_v3": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    # F.linear(x.float(), w.float()); softmax (Mistral Large 4, LongCat-Flash: `.to(router_logits.dtype)`, fp32) or
+    # softmax(dtype=float32) (Unlimited-OCR), the gathered weights kept fp32
+    "mistral_large4": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "mistral_large4_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "longcat_flash": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "unlimited_ocr": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "unlimited_ocr_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    # F.linear(x.type(float32), w.type(float32)) (off CUDA or with grad; torch.mm(out_dtype=float32) otherwise), the
+    # gathered logits' sigmoid kept fp32
+    "kolibri1": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "kolibri1_1": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    # F.linear(x.float(), w.float()), logsigmoid weights cast back `.to(hidden_states.dtype)`; a dense relative-position
+    # bias in every attention layer (sdpa drops it, but it is built); its `hybrid`/`hybrid_sliding` layers (short
+    # convolutions on keys, values and both residual branches, in fp32) are flagged as layer types planc does not know
+    "inkling_text": FamilyMemory(router_input_fp32=True, relative_position_bias=True),
+    # the router Linear in the model dtype, `.to(float32)`, sigmoid: fp32 weights, no fp32 input copy
+    "afmoe": FamilyMemory(routing_weights_fp32=True),
+    "minimax_m3_vl_text": FamilyMemory(routing_weights_fp32=True),
+    # softmax over the top-k logits in the model dtype
+    "aria_text": FamilyMemory(),
+    # F.linear(...).float(), softmax over the top-k, `.type_as(hidden_states)`
+    "granitemoe": FamilyMemory(),
+    "granitemoeshared": FamilyMemory(),
+    "granitemoe_swa": FamilyMemory(),
+    # softmax(dtype=float) then `.to(router_logits.dtype)` (Mellum, FlexOlmo); sigmoid of `.float()` logits cast
+    # `.to(hidden_states.dtype)` (Laguna); q/k norms per head (Mellum, Laguna), over the whole width (FlexOlmo)
+    "mellum": FamilyMemory(),
+    "laguna": FamilyMemory(),
+    "flex_olmo": FamilyMemory(full_width_qk_norm=True),
+    # --- attention, embeddings, routers (the families grid's fp32 routers, eager attention with sinks, per-layer
+    # embeddings), each read from its transformers 5.25 modeling file
+    # modeling_ernie4_5_moe.py: `F.linear(hidden.float(), weight.float())` and softmax in fp32 (the weight is kept
+    # fp32: `_keep_in_fp32_modules_strict`), the top-k weights cast back to the hidden dtype; rotary in fp32 on q and
+    # k (`q.float() * cos + rotate_half(q).float() * sin`), cast back
+    "ernie4_5_moe": FamilyMemory(router_input_fp32=True, complex_rope_fp32=True),
+    # modeling_ernie4_5_vl_moe.py: ERNIE 4.5's router and rotary; text tokens run only the text experts
+    "ernie4_5_vl_moe": FamilyMemory(router_input_fp32=True, complex_rope_fp32=True),
+    "ernie4_5_vl_moe_text": FamilyMemory(router_input_fp32=True, complex_rope_fp32=True),
+    # Param2MoE is GLM-4.5's model (auto maps it to Glm4MoeForCausalLM): its fp32 router and weights
+    "param2moe": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    # modeling_gemma4.py (the text decoder; the grid's config is dense, `enable_moe_block` off): sdpa, sliding and
+    # full layers, the full layers at their own head width (`per_layer_config`, read from the attention module);
+    # q_norm/k_norm/v_norm per head in fp32 to the scale; per-layer embeddings [tokens, layers x 256] (small beside
+    # the hidden stream); its router (an MoE config) softmax in fp32, the top-k weights kept fp32 and scaled
+    "gemma4_text": FamilyMemory(routing_weights_fp32=True, qk_norm_fp32=True),
+    "gemma4": FamilyMemory(routing_weights_fp32=True, qk_norm_fp32=True),
+    # modeling_dots3_note.py (the text decoder): MLA at 128 heads with DeepSeek Sparse Attention's indexer
+    # (`indexed_attention` layers: fp32 indexer scores and key cache, planc.compiler.attention_memory) and sliding
+    # MLA layers; on a CPU sdpa runs its math path (q/k 192 wide, v 128): fp32 scores. DeepSeek-V3's router:
+    # `F.linear(hidden.float(), weight.float())`, sigmoid, the top-k weights gathered from the fp32 scores
+    "dots3_note_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    # modeling_flint.py: eager only (sdpa cannot add its sinks); `matmul(query.float(), key.float())`, the mask added,
+    # the sink joined and the softmax, all fp32: three fp32 scores at once; `.to(value dtype)` after. Its router:
+    # `F.linear(hidden.float(), weight.float())`, sigmoid, top-k weights kept fp32
+    "flint": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, eager_scores=(0, 3),
+                          eager_softmax_fp32=True, eager_qk_fp32=True),
+    # modeling_openai_privacy_filter.py: eager only; scores + mask and the max subtracted in the model dtype, the
+    # softmax in fp32 (`dtype=torch.float32`: an fp32 copy and its output), two of each at once. Its router:
+    # `F.linear(hidden.float(), weight.float(), bias.float())`, softmax over the top-k in fp32, weights kept fp32
+    "openai_privacy_filter": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, eager_scores=(2, 2),
+                                          eager_softmax_fp32=True),
     # linear attention, SSM and hybrid layers of the families sweep (read from each family's modeling file, 5.25)
     # DeepSeek-V3's router (F.linear(x.float(), w.float()), sigmoid, weights kept fp32); its `linear_attention`
     # layers run Kimi Delta Attention (`chunk_kimi_delta_attention`, per-key decay: `torch_chunk_kda`'s rule)
@@ -127,6 +219,7 @@ FAMILIES: dict[str, FamilyMemory] = {
 
 UNMEASURED = FamilyMemory(
     routing_weights_fp32=True, router_input_fp32=True, measured=False,
+    eager_scores=(0, 3), eager_softmax_fp32=True, eager_qk_fp32=True,  # the most a family's eager holds: all fp32
     unpriced=("this family's own allocations were not measured (priced on the safe side: fp32 routing weights "
               "and an fp32 router input)",),
 )

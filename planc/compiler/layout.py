@@ -97,6 +97,30 @@ LAYOUT_PARTIAL_GRADIENT = compile_rule(
     family="layout",
 )
 
+_SINKS_WHOLE_HEADS = (
+    "version: 1\nmodel: {type: granitemoe_swa}\nparallel: {tp_size: 2}\ntp_plan:\n"
+    "  model.layers.*.self_attn.o_proj: rowwise_split_input\n"
+    "  model.layers.*.self_attn.sinks: colwise\n  model.layers.*.self_attn: local_params\n"
+    "  model.layers.*.block_sparse_moe.experts.gate_up_proj: packed_colwise\n"
+    "  model.layers.*.block_sparse_moe.experts.down_proj: rowwise\n"
+    "  model.layers.*.block_sparse_moe.experts: moe_tp_experts\n"
+)
+LAYOUT_PER_HEAD_SPLIT_HEADS_WHOLE = compile_rule(
+    "PLC637", "per-head-parameter-split-heads-whole",
+    "a per-head parameter split over the TP ranks while its module's heads stay whole",
+    "`local_params` runs a module (an attention) on the local shards of its own per-head parameters (attention "
+    "sinks), which holds only when a `colwise` rule on its projections splits the heads the same way. With the "
+    "heads whole on every rank, each rank would meet all the heads with 1/tp of the sinks (a shape error at the "
+    "first call, or a silent broadcast). Split the heads (`colwise` q/k/v, `rowwise` o_proj) where their counts "
+    "divide by tp_size, or keep the per-head parameter whole.",
+    _SINKS_WHOLE_HEADS,
+    "version: 1\nmodel: {type: granitemoe_swa}\nparallel: {tp_size: 2}\ntp_plan:\n"
+    "  model.layers.*.block_sparse_moe.experts.gate_up_proj: packed_colwise\n"
+    "  model.layers.*.block_sparse_moe.experts.down_proj: rowwise\n"
+    "  model.layers.*.block_sparse_moe.experts: moe_tp_experts\n",
+    family="layout",
+)
+
 NAMED_CHAINS: tuple[tuple[frozenset[str], str], ...] = (
     (frozenset({"q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj"}), "o_proj"),
     (frozenset({"gate_proj", "up_proj"}), "down_proj"),
@@ -219,6 +243,7 @@ def check_layouts(c: Resolution, assignments: list[Assignment], final: dict[str,
     walk = c.walk
     module_rule = {a.fqn: final[a.fqn] for a in assignments if a.target == "module" and a.table == "tp"}
     _check_module_vs_parameters(c, assignments, final, module_rule)
+    _check_split_per_head_parameters(c, assignments, final, module_rule)
     blocks = _Blocks(walk)
     explained: set[str] = set()  # modules already reported as part of a chain
     for container in blocks.children:
@@ -464,6 +489,37 @@ def _check_partial_gradients(
             _ADD_RULE.format(generic_path(fqn), style) + " (it all-reduces the gradient in backward; serving is "
             "unchanged)" + (f", in place of `{rule.pattern_text}: {spec.name}`" if rule is not None and spec else ""),
             fqn,
+        )
+
+
+def _check_split_per_head_parameters(
+    c: Resolution, assignments: list[Assignment], final: dict[str, PlanRule], module_rule: ModuleRules
+) -> None:
+    """A bare parameter split under a `local_params` module none of whose children splits its output: the
+    per-head parameter is split while the heads it goes with stay whole on every rank."""
+    walk = c.walk
+    for a in assignments:
+        spec = STYLE.get(a.style)
+        if a.target != "parameter" or spec is None or spec.mesh != "tp" or not spec.shards:
+            continue
+        owner = walk.params[a.fqn].owner
+        mspec = _style(module_rule.get(owner))
+        if mspec is None or not mspec.local_forward or mspec.shards or mspec.experts_mode:
+            continue
+        inside = [_style(r) for f, r in module_rule.items() if f.startswith(owner + ".")]
+        if any(s is not None and s.output == SHARDED for s in inside):
+            continue
+        rule = final[a.fqn]
+        c.problems.add(
+            LAYOUT_PER_HEAD_SPLIT_HEADS_WHOLE,
+            f"`{a.style}` splits {a.fqn.rsplit('.', 1)[-1]} of {generic_path(owner)} over {c.tp} ranks, but no rule "
+            f"splits that module's heads (none of its projections is `colwise`): each rank would meet every head "
+            f"with 1/{c.tp} of {a.fqn.rsplit('.', 1)[-1]}",
+            rule.source.where,
+            f"delete `{rule.pattern_text}` (and `{generic_path(owner)}: local_params`) to keep it whole, or split the "
+            f"heads with `colwise` on the projections of {generic_path(owner)} and `rowwise` on its output "
+            "projection where the head counts divide by tp_size",
+            a.fqn,
         )
 
 

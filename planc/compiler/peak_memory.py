@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional
 
-from planc.compiler import deepseek_v4_memory, megamoe_buffers, ssm_memory
+from planc.compiler import attention_memory, deepseek_v4_memory, indexer_memory, megamoe_buffers, ssm_memory
 from planc.compiler.deepseek_v4_memory import HyperConnectionLayer
 from planc.compiler.devices import cuda_workspaces
 from planc.compiler.family_memory import FamilyMemory, family_memory
@@ -88,6 +88,10 @@ class LayerShape:
     layer_type: str = "full_attention"  # the config's `layer_types` entry (DeepSeek-V4: its compressor kind)
     compress_rate: int = 0  # DeepSeek-V4: source tokens per compressed KV entry the layer appends to its keys
     all_slots: bool = False  # AllReduceEP: this rank's experts run over every token's top-k slots, in training too
+    indexer_heads: int = 0  # DeepSeek Sparse Attention's indexer on this layer (planc.compiler.indexer_memory)
+    relative_extent: int = 0  # distances a dense relative-position bias covers (family_memory's relative_position_bias)
+    indexer_dim: int = 0
+    sdpa_math: bool = False  # sdpa runs its math path: fp32 S x S scores (planc.compiler.attention_memory)
 
 
 class LinearAttention(NamedTuple):
@@ -134,7 +138,8 @@ class PeakMemory:
     notes: tuple[str, ...] = ()
     unpriced: tuple[str, ...] = ()  # what the family allocates that planc does not price: the verdict is not backed
     # the family is one the memory grid measured (family_memory's rows): its unpriced items are priced on the safe
-    # side, so the peak errs high; an unmeasured family's may miss what its layers allocate, so it may be low
+    # side, so the peak errs high; an unmeasured family's may miss what its layers allocate, so it may be low and
+    # explain gives no verdict (no fits, no largest batch) for it
     validated: bool = True
     device_memory: Optional[int] = None
     reserve: int = DEFAULT_RESERVE
@@ -144,7 +149,10 @@ class PeakMemory:
 
     @property
     def fits(self) -> Optional[bool]:
-        return None if self.device_memory is None else self.peak + self.reserve <= self.device_memory
+        """None without a device size, or for a family the grid has not validated (no verdict)."""
+        if self.device_memory is None or not self.validated:
+            return None
+        return self.peak + self.reserve <= self.device_memory
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -195,14 +203,15 @@ class PeakMemory:
         if self.device_memory is not None:
             left = self.device_memory - self.reserve - self.peak
             verdict = "fits" if left >= 0 else "does NOT fit"
+            verdict += f" ({'left' if left >= 0 else 'over by'} {human_bytes(abs(left), 2)})"
             flag = f" [not priced: {len(self.unpriced)} item(s) below; the peak errs high]" if self.unpriced else ""
             if not self.validated:
-                flag = (f" [not validated: the memory grid has not measured this family, {len(self.unpriced)} item(s) "
-                        "below; the peak may be low]")
+                verdict = (f"no verdict [not validated: the memory grid has not measured this family, "
+                           f"{len(self.unpriced)} item(s) below; the peak above may be low]")
+                flag = ""
             lines.append(
                 f"  device memory {human_bytes(self.device_memory, 1)} - reserve {human_bytes(self.reserve, 1)} "
-                f"(CUDA context, NCCL): {verdict} ({'left' if left >= 0 else 'over by'} {human_bytes(abs(left), 2)})"
-                + flag
+                f"(CUDA context, NCCL): {verdict}" + flag
             )
             lines.append("  counts live tensors: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the default "
                          "allocator fragments: +16% measured, docs/memory.md)")
@@ -298,6 +307,7 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
     megamoe = compiled.experts_implementation.megamoe
     sinks = {f.rsplit(".", 2)[0] for f in walk.params if f.endswith(".sinks")}
     fam = family_memory(walk.model_type)
+    own_head_dims = _attention_head_dims(walk)
     shapes = []
     for index, (layer, (mla, moe, shared)) in enumerate(sorted(_layer_kinds(walk).items(),
                                                                key=lambda kv: _layer_index(kv[0]))):
@@ -339,11 +349,17 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
             q = k = v = 0
             cache, cache_kind = 0, "linear attention (conv and recurrent state)"
         else:
+            d = own_head_dims.get(layer) or d  # a layer's own head width (Gemma 4's full layers: 512)
             q, k, v = h * d, kvh * d, kvh * d
             cache = (k + v) * itemsize
             cache_kind = "sliding window" if kind in _WINDOWED and window else "full attention"
         inter = int(_get(config, "intermediate_size", default=0) or 0) // mlp_tp
         moe_inter = experts.intermediate_size if experts is not None and experts.intermediate_size else 0
+        if experts is not None and experts.mode == "tp":  # moe_tp_experts: each rank runs a slice of every expert
+            moe_inter //= tp
+        index_heads, index_dim = indexer_memory.indexer_shape(config, kind, index)
+        if index_heads:  # the indexer's keys are cached beside the attention's
+            cache += indexer_memory.cache_bytes_per_token(index_dim, itemsize)
         n_shared = int(_get(config, "n_shared_experts", "num_shared_experts", default=0) or 0)
         shared_w = (moe_inter * n_shared) // mlp_tp if shared else 0
         if shared and not shared_w:  # one shared expert of its own width (Qwen3-Next, Llama 4)
@@ -359,10 +375,12 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
             local_experts=experts.num_local_experts if experts is not None else 0,
             dense_dispatch=experts is not None and experts.dispatch == "dense",
             megamoe=experts is not None and megamoe,
-            top_k=(experts.top_k or int(_get(config, "num_experts_per_tok", default=1))) if experts is not None else 0,
+            top_k=(experts.top_k or _top_k(walk, config)) if experts is not None else 0,
             attn_impl=impl, sinks=layer in sinks, kv_heads=kvh, head_dim=d, linear=linear, layer_type=kind,
             compress_rate=int((config.get("compress_rates") or {}).get(kind) or 0),
             all_slots=experts is not None and experts.strategy is not None and experts.strategy.name == "all_reduce",
+            indexer_heads=index_heads, indexer_dim=index_dim,
+            relative_extent=relative_extent(config, kind) if fam.relative_position_bias and not linear else 0,
         ))
         if fam.mixer_blocks:
             shapes[-1] = _one_mixer(shapes[-1], kind)
@@ -429,6 +447,34 @@ def linear_saved(s: LayerShape, a: int, batch: int, seq: int) -> int:
     return 2 * batch * seq * _linear_work(s, a)
 
 
+def relative_extent(config: Mapping[str, Any], layer_type: str) -> int:
+    """The distances a layer's relative-position bias covers: Inkling's sliding layers (`hybrid_sliding`) their window,
+    the others `rel_extent`."""
+    sliding = layer_type.endswith("sliding") or layer_type in _WINDOWED
+    return int(_get(config, "sliding_window_size", "sliding_window") if sliding else _get(config, "rel_extent"))
+
+
+def relative_bias_bytes(s: LayerShape, batch: int, seq: int, a: int) -> int:
+    """A dense relative-position bias in a prefill: the [B, heads, S, extent] logits, their gather to [B, heads, S, S]
+    and its masked copy, at once."""
+    return batch * s.heads * seq * (s.relative_extent + 2 * seq) * a if s.relative_extent else 0
+
+
+def _attention_head_dims(walk: ModelWalk) -> dict[str, int]:
+    """Layer path -> the head width its attention module computes with (the module's `head_dim`), where a family
+    sets it per layer (Gemma 4's `per_layer_config`); a layer whose module does not say is absent."""
+    return {fqn.rpartition(".")[0]: m.head_dims[0] for fqn, m in walk.modules.items() if m.head_dims and m.head_dims[0]}
+
+
+def _top_k(walk: ModelWalk, config: Mapping[str, Any]) -> int:
+    """Experts per token from the decoder's config: its object first, whose `attribute_map` resolves a family's own
+    name (ERNIE 4.5's `moe_k`), which the config's dict does not carry."""
+    value = getattr(_text_config_object(walk), "num_experts_per_tok", None)
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return int(_get(config, "num_experts_per_tok", default=1))
+
+
 def _layer_index(fqn: str) -> tuple[int, ...]:
     return tuple(int(p) for p in fqn.split(".") if p.isdigit())
 
@@ -493,7 +539,10 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
         # q_a -> norm -> q_b, kv_a -> norm -> kv_b, the rope'd q/k, sdpa's q, k, v, out and logsumexp
         n += t * (a * s.q_lora + _norm(s.q_lora, a) + a * s.q_lora)
         n += t * (a * (s.kv_lora + 64) + _norm(s.kv_lora, a) + a * s.kv_lora)
-        n += t * (a * (3 * s.q + 3 * s.k + s.v + 2 * s.v) + FP32 * s.heads)
+        if s.sdpa_math or s.attn_impl != "sdpa":  # as the CPU grid measured it: sdpa's math path
+            n += t * (a * (3 * s.q + 3 * s.k + s.v + 2 * s.v) + FP32 * s.heads)
+        else:
+            n += t * attention_memory.mla_efficient_kept(s, a)
     elif s.attention == "none":  # a one-mixer MLP block: its norm and the mixer's input only
         pass
     elif s.attention == "linear":
@@ -502,15 +551,19 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
         # q, k, v after rotary, the probabilities the output matmul keeps, K and V repeated to every head, the
         # argmax indices of the sink's max subtraction (int64 per head and token)
         n += t * a * (2 * s.q + 4 * s.k) + eager_scores(s, batch, seq, a) + _repeat_kv(s, t, a)
+        n += attention_memory.eager_kept_fp32(eager_scores(s, batch, seq, 1), t, s, fam)
         n += t * 8 * s.heads if s.sinks else t * FP32 * s.heads * seq
     else:
         n += t * (a * (2 * s.q + 4 * s.k) + FP32 * s.heads)
+    if s.sdpa_math:
+        n += attention_memory.sdpa_math_kept(s, batch, seq)
     if fam.full_width_qk_norm:
         n += t * (FP32 + a) * (s.q + s.k)
     if fam.residual_fp32:
         n += 2 * t * hidden * (FP32 + a)
     if fam.complex_rope_fp32 and s.attention != "linear":
         n += t * FP32 * (s.q + s.k)
+    n += indexer_memory.saved_mask_bytes(batch, seq, s.indexer_heads)
     # MLP: its input norm + output (a one-mixer block has one norm, counted above)
     if s.mlp != "none" and s.attention != "none":
         n += t * (_norm(hidden, a) + a * hidden)
@@ -571,7 +624,8 @@ def peak_memory(
 
     def shapes_of(itemsize: int) -> list[LayerShape]:  # once per search, not once per batch it tries
         if itemsize not in known:
-            known[itemsize] = layer_shapes(compiled, walk, config, itemsize)
+            known[itemsize] = attention_memory.with_sdpa_math(layer_shapes(compiled, walk, config, itemsize),
+                                                              device_type)
         return known[itemsize]
     workspaces = cuda_workspaces(capability, workload) if device_type == "cuda" else 0
 
@@ -580,7 +634,7 @@ def peak_memory(
 
     best = peak_at(batch, seq)
     max_batch = max_seq = None
-    if device_memory is not None:
+    if device_memory is not None and best.validated:  # no largest batch where no verdict is given
         budget = device_memory - reserve
         if search in ("batch", None):
             max_batch = _largest(lambda b: peak_at(b, seq).peak, budget, 1 << 20)
@@ -695,7 +749,8 @@ def _with_workspaces(m: _Moment, workspaces: int) -> _Moment:
 # what the model prices: attention kernels (flash-attention and flex never hold the S x S scores, priced as sdpa),
 # and the layer types whose cache it knows
 _PRICED_ATTENTION = {"sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", "paged_attention"}
-_PRICED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "linear_attention"}
+_PRICED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "linear_attention",
+                       indexer_memory.INDEXED}
 
 
 def unpriced_features(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any],
@@ -976,15 +1031,27 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
         attn = tokens * (a * (2 * s.q + 3 * s.k + 2 * s.v) + a * 3 * hidden)
         if fam.full_width_qk_norm:
             attn += tokens * (FP32 + a) * (s.q + s.k)
+        if fam.qk_norm_fp32:
+            attn += tokens * 2 * FP32 * s.q
         if fam.complex_rope_fp32:
             attn += tokens * 2 * FP32 * (s.q + s.k)
+        attn += relative_bias_bytes(s, batch, seq, a)
         scores = eager_scores(s, batch, seq, a)
         if scores:
-            # scores x scale + mask, the sink column joined, the max subtracted, softmax: three [B, h, S, S(+1)]
-            # at once; K and V repeated to every head
-            transients.append(("eager attention (S x S scores)", 3 * scores + _repeat_kv(s, tokens, a) + attn))
+            # the family's [B, h, S, S(+1)] score tensors at once (gpt-oss: scores x scale + mask, the sink column
+            # joined, the max subtracted, softmax: three in the model dtype); K and V repeated to every head
+            transients.append(("eager attention (S x S scores)",
+                               attention_memory.eager_prefill(eager_scores(s, batch, seq, 1), a, fam)
+                               + _repeat_kv(s, tokens, a) + attn))
+        elif s.sdpa_math:
+            transients.append(("sdpa math path (fp32 S x S scores)",
+                               attention_memory.sdpa_math_prefill(s, batch, seq) + attn))
         else:
             transients.append(("attention workspace", attn))
+        if s.indexer_heads:  # the indexer runs before the attention, under no_grad: its scores are gone when it starts
+            transients.append(("sparse attention indexer (fp32 scores)",
+                               indexer_memory.prefill_bytes(batch, seq, s.indexer_heads, s.indexer_dim)
+                               + tokens * a * 3 * hidden))
     transients.append(("logits (last token)", batch * vocab * (a + FP32) * 2))
     worst = max(transients, key=lambda kv: kv[1]) if transients else ("none", 0)
     dedup: dict[str, int] = {}

@@ -173,7 +173,8 @@ def sizes_for_world(loaded: LoadedPlan, model: Any, world: int, limit: int = 3) 
 
 
 def compile_plan(model: Any, loaded: LoadedPlan) -> CompiledPlan:
-    """Resolve `loaded` against `model`; never changes the model.
+    """Resolve `loaded` against `model` (a model, or its ModelWalk: `planc explain` reads a stored one); never changes
+    the model.
 
     Raises CompileError listing every problem found (each with module path, plan position and hint). Every other
     plan source (path, YAML text, mapping, Plan) is loaded once, at the public face: `planc.compile`,
@@ -184,4 +185,4 @@ def compile_plan(model: Any, loaded: LoadedPlan) -> CompiledPlan:
             f"compile_plan takes a LoadedPlan (planc.load_plan), not {type(loaded).__name__}; planc.compile(model, "
             "plan) takes any plan source"
         )
-    return Resolver(loaded, walk_model(model)).run()
+    return Resolver(loaded, model if isinstance(model, ModelWalk) else walk_model(model)).run()

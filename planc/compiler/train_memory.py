@@ -199,6 +199,10 @@ def text_unreached_modules(walk: ModelWalk, layers: set[str]) -> list[str]:
         if not dot:  # `model.layers`: the decoder is the model (lm_head and the embeddings are its siblings)
             continue
         out += [f for f in walk.modules if f.rpartition(".")[0] == parent and f != text and f not in text_models]
+    # modality-isolated experts inside the decoder layers (ERNIE 4.5 VL's `mlp.vision_moe`, its own router and
+    # experts): they run only on image tokens
+    out += [f for f in walk.modules if f.rpartition(".")[2].startswith("vision_")
+            and any(f.startswith(layer + ".") for layer in layers)]
     return out
 
 

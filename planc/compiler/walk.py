@@ -225,17 +225,8 @@ def walk_model(model: Any) -> ModelWalk:
         config=config,
         can_switch_experts=can_switch_experts(type(model)),
     )
-    modules, params, by_generic = walk.modules, walk.params, walk.by_generic
-    generic_of: dict[str, str] = {"": ""}  # parents come before children in named_modules()
+    index = WalkIndex(walk)
     for mname, module in model.named_modules():
-        parent, _, leaf = mname.rpartition(".")
-        pgen = generic_of.get(parent)
-        if pgen is None:
-            mgen = generic_path(mname)
-        else:
-            leaf = "*" if leaf.isdigit() else leaf
-            mgen = f"{pgen}.{leaf}" if pgen else leaf
-        generic_of[mname] = mgen
         own: dict[str, ParamInfo] = {}
         # `_parameters` is nn.Module's own dict (no generator, no memo): 3x faster than
         # named_parameters(recurse=False) on a 1500-module model; other objects use the public method.
@@ -256,11 +247,33 @@ def walk_model(model: Any) -> ModelWalk:
                 tensor_id=id(p),
             )
         experts = _experts_info(module, own, config) if own else None
-        modules[mname] = ModuleInfo(mname, type(module).__name__, tuple(own), experts, mgen, _head_dims(module))
+        index.add(mname, type(module).__name__, own, experts, _head_dims(module))
+    return walk
+
+
+class WalkIndex:
+    """Adds modules to a ModelWalk in `named_modules()` order with their generic paths: the one indexing of the live
+    walk and of a walk read back from data (planc.compiler.walk_data)."""
+
+    def __init__(self, walk: ModelWalk):
+        self.walk = walk
+        self.generic_of: dict[str, str] = {"": ""}  # parents come before children in named_modules()
+
+    def add(self, mname: str, class_name: str, own: dict[str, ParamInfo], experts: Optional[ExpertsInfo],
+            head_dims: Optional[tuple[Optional[int], Optional[int]]]) -> None:
+        walk, by_generic = self.walk, self.walk.by_generic
+        parent, _, leaf = mname.rpartition(".")
+        pgen = self.generic_of.get(parent)
+        if pgen is None:
+            mgen = generic_path(mname)
+        else:
+            leaf = "*" if leaf.isdigit() else leaf
+            mgen = f"{pgen}.{leaf}" if pgen else leaf
+        self.generic_of[mname] = mgen
+        walk.modules[mname] = ModuleInfo(mname, class_name, tuple(own), experts, mgen, head_dims)
         if mname:
             by_generic.setdefault(mgen, []).append(mname)
         for fqn, info in own.items():
-            params[fqn] = info
+            walk.params[fqn] = info
             pname = "*" if info.name.isdigit() else info.name
             by_generic.setdefault(f"{mgen}.{pname}" if mgen else pname, []).append(fqn)
-    return walk

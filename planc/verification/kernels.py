@@ -192,7 +192,7 @@ def _run_side(side: _Side, layer: KernelLayer, rank: int, x, idx, weights, setti
         parts.append((buf.x.view(torch.uint8), buf.x_sf, buf.topk_idx, buf.topk_weights))
     gx, gsf, gidx, gw = (torch.cat(t) for t in zip(*parts))
     slots = side.local(gx.view(torch.float8_e4m3fn), gsf, gidx, gw, side.weights,
-                       first_expert=rank * layer.local_experts, activation_clamp=clamp)
+                       first_expert=rank * layer.local_experts, activation_clamp=clamp, num_experts=layer.num_experts)
     # after the exchange each token's rank sums the slots it receives in FP32 (one owner each: exact), then combines
     combined = side.combine(slots.float() if ep > 1 else slots)
     return slots, gidx, combined.view(ep, rows, layer.hidden)[:, :tokens]
@@ -276,7 +276,8 @@ def _run_layer(layer: KernelLayer, rank: int, n: int, batches: tuple[int, ...], 
         x, idx, w = _batch(layer, t, device, seed * 100_003 + n * 1009 + t)
         slots_t, gidx, y_t = _run_side(triton, layer, rank, x, idx, w, settings, clamp)
         slots_r, _, y_r = _run_side(reference, layer, rank, x, idx, w, settings, clamp)
-        cfg = device_config(gidx.numel(), layer.local_experts, layer.hidden, layer.intermediate, device)
+        cfg = device_config(gidx.numel(), layer.local_experts, layer.hidden, layer.intermediate, device,
+                            num_experts=layer.num_experts)
         tol = kernel_tolerance(bool(cfg.fp8))
         d = calc_diff(y_t.float(), y_r.float())
         first = rank * layer.local_experts

@@ -23,6 +23,7 @@ import contextlib
 import gc
 import json
 import sys
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -60,9 +61,12 @@ def no_backward_hooks_without_grad():
     """MemTracker's module tracker registers a backward hook on every module input that requires grad, even under
     `no_grad`, where an input can require grad without a gradient function (Qwen3-Next's conv weight view in its
     hub-kernel layer) and the registration fails: a prefill has no backward, so it registers none. The same for the
-    gradient hooks MemTracker puts on every parameter (Mega MoE's FP4 experts do not require grad)."""
+    gradient hooks MemTracker puts on every parameter (Mega MoE's FP4 experts do not require grad). In training, a
+    parameter that does not require grad (ERNIE 4.5's `e_score_correction_bias`) gets no gradient hook: it never has
+    a gradient, and torch refuses the hook."""
     from torch.distributed._tools import mod_tracker
     from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.hooks import RemovableHandle
 
     real = mod_tracker.register_multi_grad_hook
     real_track = MemTracker._track_module_params_and_buffers
@@ -73,7 +77,12 @@ def no_backward_hooks_without_grad():
         return real(tensors, fn, *args, **kwargs)
 
     def track(self, module, install_grad_hooks: bool = True):
-        return real_track(self, module, install_grad_hooks=install_grad_hooks and torch.is_grad_enabled())
+        install = install_grad_hooks and torch.is_grad_enabled()
+        if install:  # MemTracker skips a parameter whose hooks it holds: hold no-op handles for these
+            for param in module.parameters():
+                if not param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                    self._param_to_grad_hook_handles[param] = (RemovableHandle(OrderedDict()), RemovableHandle(OrderedDict()))
+        return real_track(self, module, install_grad_hooks=install)
 
     mod_tracker.register_multi_grad_hook = register
     MemTracker._track_module_params_and_buffers = track  # type: ignore[method-assign]
@@ -110,29 +119,24 @@ def _fill(model, seed: int = 0) -> None:
                 module.e_score_correction_bias.zero_()
 
 
-def _materialize(model, device: str) -> None:
-    """Real memory for the sharded meta model, tied weights tied. `to_empty` gives every module a tensor of its own,
-    so a tied `lm_head` would hold a second copy of the embedding; `planc.load` ends with transformers' finalisation,
-    which ties them again (one tensor, as `planc explain` counts it), and so does this."""
-    model.to_empty(device=device)
-    _fill(model)
-    model.tie_weights()
-
-
 def _apply_with_weights(model, loaded, mesh, device: str) -> None:
     """Install the plan on the meta model and give this rank's shards real values. A plan that quantizes its Mega MoE
     experts to FP4 when applied needs real weights at that step: as `planc.load` does, the model is sharded on meta,
     its shards are filled (random values) right after sharding, and the rest of the install runs on them."""
     from planc.runtime import install
 
+    from planc.checkpoint.dcp import materialize
+
     megamoe = loaded.plan.experts.megamoe
     if not (loaded.plan.experts.implementation_row.megamoe and megamoe is not None and megamoe.quantize == "fp4"):
         install.apply(model, loaded, mesh=mesh)
-        _materialize(model, device)
+        materialize(model, torch.device(device))  # as planc.load: tied weights stay one tensor (`to_empty` splits them)
+        _fill(model)
         return
 
     def fill(_state) -> None:
-        _materialize(model, device)
+        materialize(model, torch.device(device))
+        _fill(model)
 
     install.apply(model, loaded, mesh=mesh, after_sharding=fill)
 
@@ -172,9 +176,11 @@ def measure(family: str, mode: str, batch: int, seq: int, overrides: dict, *, dp
     if config_dir is not None:
         from transformers import AutoConfig
 
-        model = meta_model(AutoConfig.from_pretrained(config_dir)).to(torch.bfloat16)
+        model = meta_model(AutoConfig.from_pretrained(config_dir), dtype=torch.bfloat16)
     else:
-        model = build_meta_model(data["model"]["type"], dict(overrides)).to(torch.bfloat16)
+        # built in bf16 as `from_pretrained(dtype=)` and `planc.load` build it: the modules transformers keeps in fp32
+        # (`_keep_in_fp32_modules`, parameters its code creates in fp32) stay fp32, as `planc explain` counts them
+        model = build_meta_model(data["model"]["type"], dict(overrides), dtype=torch.bfloat16)
     mesh = None
     if device != "cpu":  # the fake backend is not NCCL, so planc would build a CPU mesh: FSDP2 allocates on its device
         from torch.distributed.device_mesh import init_device_mesh
@@ -204,7 +210,7 @@ def measure(family: str, mode: str, batch: int, seq: int, overrides: dict, *, dp
             tracker = FSDPMemTracker(model, optimizer) if fsdp else MemTracker()
             if not fsdp:
                 tracker.track_external(model, optimizer)
-            with tracker:
+            with no_backward_hooks_without_grad(), tracker:
                 for _ in range(2):
                     tracker.reset_mod_stats()  # per-module stats are per iteration; the peak stays
                     loss = model(ids, labels=ids).loss

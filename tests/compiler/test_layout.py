@@ -9,7 +9,11 @@ import pytest
 
 import planc
 from planc.compiler.experts_assignments import EXPERTS_NOT_DIVISIBLE, EXPERTS_UNCOVERED
-from planc.compiler.layout import LAYOUT_MODULE_PARAM_CONFLICT, LAYOUT_NORM_OVER_SHARDED, LAYOUT_PARTIAL_GRADIENT, LAYOUT_OUTPUT_LEFT_SHARDED, LAYOUT_PRODUCERS_DISAGREE, LAYOUT_ROWWISE_WITHOUT_SHARDED, LAYOUT_SHARDED_INTO_REPLICATED
+from planc.compiler.layout import (
+    LAYOUT_MODULE_PARAM_CONFLICT, LAYOUT_NORM_OVER_SHARDED, LAYOUT_OUTPUT_LEFT_SHARDED, LAYOUT_PARTIAL_GRADIENT,
+    LAYOUT_PER_HEAD_SPLIT_HEADS_WHOLE, LAYOUT_PRODUCERS_DISAGREE, LAYOUT_ROWWISE_WITHOUT_SHARDED,
+    LAYOUT_SHARDED_INTO_REPLICATED,
+)
 from planc.errors import CompileError
 from planc.models.build import build_meta_model, build_tiny_model
 from planc.spec.sizes import Sizes, check_sizes, solve_sizes
@@ -143,6 +147,24 @@ def test_whole_parameter_whose_gradient_is_partial(tmp_path):
     # attention left whole: every rank computes the whole norm gradient, nothing to reduce (Qwen3-Next's plan)
     (tmp_path / "whole.yaml").write_text(HEAD.replace("mixtral", "qwen3_moe") + EP)
     planc.compile(model, str(tmp_path / "whole.yaml"))
+
+
+def test_per_head_parameter_split_while_the_heads_stay_whole(tmp_path):
+    # sinks split under `local_params` while no projection splits the heads (q/k/v left whole, as init leaves them
+    # when the kv heads do not divide): each rank would meet every head with 1/tp of the sinks
+    model = build_meta_model("granitemoe_swa", {"num_hidden_layers": 2})
+    head = "version: 1\nmodel: {type: granitemoe_swa}\nparallel: {tp_size: 2}\ntp_plan:\n"
+    moe = ("  model.layers.*.block_sparse_moe.experts.gate_up_proj: packed_colwise\n"
+           "  model.layers.*.block_sparse_moe.experts.down_proj: rowwise\n"
+           "  model.layers.*.block_sparse_moe.experts: moe_tp_experts\n")
+    sinks = "  model.layers.*.self_attn.sinks: colwise\n  model.layers.*.self_attn: local_params\n"
+    path, (p,) = refused(tmp_path, head + sinks + moe, model, LAYOUT_PER_HEAD_SPLIT_HEADS_WHOLE)
+    assert p.where.startswith(f"{path}:5:3") and p.module.startswith("model.layers.*.self_attn.sinks")
+    assert "1/2 of sinks" in p.message and "delete `model.layers.*.self_attn.sinks`" in p.hint
+    # the heads split with them: the sinks go with their heads
+    attn = ("  model.layers.*.self_attn.{q,k,v}_proj: colwise\n  model.layers.*.self_attn.o_proj: rowwise\n")
+    (tmp_path / "ok.yaml").write_text(head + attn + sinks + moe)
+    planc.compile(model, str(tmp_path / "ok.yaml"))
 
 
 def test_mla_rope_key_needs_its_own_reduction(tmp_path):

@@ -1,7 +1,8 @@
 """The families section of the memory grid predicted again: families without a shipped plan, each on the plan
 `planc init` wrote for it, measured at full width by `bench/memory_grid.py --families` (docs/memory.md's families
 table). Each cached point holds its plan and config overrides, so predicting it needs no `planc init` and no torch
-run: a change to the peak model that moves a point out of tolerance fails here.
+run: a change to the peak model that moves a point out of tolerance fails here, and so does a docs/memory.md
+families table that is not what the cache and the model give now.
 
 A point whose verdict carries no flag (a family `planc.compiler.family_memory` has a row for, with nothing it leaves
 unpriced) is within 5% of the measured peak and never more than 2% under. A flagged point (a family without a row,
@@ -25,11 +26,14 @@ def test_the_committed_families_grid_is_predicted_again():
     sys.path.insert(0, str(REPO / "bench"))
     import memory_grid
 
+    import memory_grid_families
+
     cache = json.loads(CACHE.read_text())
+    keys = list(cache)
+    predictions = dict(zip(keys, memory_grid.predict_all([cache[k]["point"] for k in keys])))
     checked, outside = set(), []
-    for real in cache.values():
-        point = real["point"]
-        predicted = memory_grid.predict(point)
+    for key, real in cache.items():
+        point, predicted = real["point"], predictions[key]
         error = predicted["peak_per_rank"] / real["peak"] - 1
         validated = point["plan"]["model"]["type"] in FAMILIES
         assert validated or predicted["unpriced"], f"{point['family']}: not validated, yet explain does not say so"
@@ -38,3 +42,6 @@ def test_the_committed_families_grid_is_predicted_again():
         if not ok:
             outside.append((point["family"], point["mode"], f"{error:+.1%}", "validated" if validated else "flagged"))
     assert len(checked) >= 6 and not outside, (sorted(checked), outside)
+    doc = (REPO / "docs" / "memory.md").read_text()
+    assert memory_grid_families.with_table(doc, memory_grid_families.table(cache, predictions)) == doc, (
+        "docs/memory.md's families table is stale: run `python bench/memory_grid_families.py docs/memory.md`")

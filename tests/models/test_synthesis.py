@@ -147,6 +147,19 @@ def test_init_adds_the_gradient_reduction_per_head_norms_need():
     assert tp["model.language_model.layers.*.self_attn.q_proj"] == "colwise"  # the heads stay split
 
 
+def test_init_keeps_sinks_whole_when_the_heads_stay_whole():
+    """mimo_v2_flash at tp 8: its 4 kv heads do not divide, so init drops the q/k/v rules; the per-head sinks must
+    go with them (PLC637), else each rank would meet 64 heads with 8 sinks."""
+    import yaml
+
+    from planc.models.synthesis import init_plan
+
+    text = init_plan("mimo_v2_flash", None, {"num_hidden_layers": 2, "n_routed_experts": 8}, sizes=(8,))
+    tp = yaml.safe_load(text)["tp_plan"]
+    assert "model.layers.*.self_attn.q_proj" not in tp and "model.layers.*.self_attn.sinks" not in tp
+    assert "`model.layers.*.self_attn.sinks: colwise`: PLC637" in text
+
+
 # (family, the config's expert-count field, the experts' TP rules init writes without EP)
 _TP_EXPERTS = [
     ("flex_olmo", "num_experts", {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}),

@@ -132,11 +132,14 @@ def local_experts_forward(
     *,
     first_expert: int,
     activation_clamp: float | None,
+    num_experts: int | None = None,
 ) -> torch.Tensor:
     """Steps 3-6 for every (token, slot) whose expert is in ``[first_expert, first_expert + E_loc)``.
 
     Inputs are the gathered rows: ``x_fp8 [M, H]``, ``x_sf`` UE8M0 bytes ``[M, H/32]``, ``topk_idx`` and
     ``topk_weights [M, K]``. Returns BF16 ``[M, K, H]``: each owned slot's L2 output, zeros elsewhere.
+    `num_experts` (the layer's global expert count) is what a kernel backend sizes its tiles by (the rows each local
+    expert receives); the arithmetic here does not depend on it.
     """
     m, k = topk_idx.shape
     num_local = experts.num_local_experts
@@ -269,7 +272,7 @@ def reference_mega_moe(
 
     slots = local_forward(
         gx.view(torch.float8_e4m3fn), gsf, gidx, gw, experts,
-        first_expert=rank * experts.num_local_experts, activation_clamp=activation_clamp,
+        first_expert=rank * experts.num_local_experts, activation_clamp=activation_clamp, num_experts=num_experts,
     )  # [size * rows, K, H]: my experts' outputs for everyone's tokens
 
     if size > 1:  # combine: each token's slot outputs go back to its rank

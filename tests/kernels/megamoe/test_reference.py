@@ -109,3 +109,19 @@ def test_wrong_expert_count_is_refused(experts):
     x, idx, w = routing(4, seed=7)
     with pytest.raises(ValueError, match="global experts"):
         reference_mega_moe(x, idx, w, experts["deq"], num_experts=2 * E)
+
+
+def test_the_local_forward_gets_the_layers_expert_count(experts):
+    """A kernel backend sizes its tiles by the rows its local experts receive, which needs the layer's global expert
+    count (under EP the gathered rows are ep_size times that share): the layer hands it to `local_forward`."""
+    from planc.kernels.megamoe.reference import local_experts_forward
+
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("num_experts"))
+        return local_experts_forward(*args, **kwargs)
+
+    x, idx, w = routing(5, 1)
+    y = reference_mega_moe(x, idx, w, experts["deq"], num_experts=E, local_forward=recording)
+    assert seen == [E] and torch.equal(y, run(experts, x, idx, w))

@@ -16,9 +16,10 @@ from planc.kernels.megamoe.reference import DequantizedExperts, ReferenceBuffer,
 from planc.kernels.megamoe.reference import combine as reference_combine
 from planc.kernels.megamoe.reference import stage as reference_stage
 from planc.kernels.megamoe.triton import config as triton_config
+from planc.kernels.megamoe.triton import decode
 from planc.kernels.megamoe.triton import routing as routing_module
 from planc.kernels.megamoe.triton import target
-from planc.kernels.megamoe.triton.config import KernelConfig, pick_config
+from planc.kernels.megamoe.triton.config import KernelConfig, local_rows, pick_config
 from planc.kernels.megamoe.triton.decode import arrival_counters
 from planc.kernels.megamoe.triton.forward import combine, dequantize_x, stage, triton_local_experts_forward
 from planc.kernels.megamoe.triton.layout import PackedExperts, shuffle_fp4
@@ -173,18 +174,21 @@ def wide_experts():
 DECODE = KernelConfig(block_t=16, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_stages=3, decode=2)
 
 
-@pytest.mark.parametrize("prefetch,depth,l1_split,l2_split", [(1, 2, 2, 1), (0, 1, 4, 2)],
-                         ids=["prefetch_depth2", "pipeline_l2split"])
-def test_split_k_decode_kernels_match_the_reference(wide_experts, monkeypatch, prefetch, depth, l1_split, l2_split):
-    """The decode kernels (`decode`): both GEMMs split over K, each tile's last program reducing the partials; the
-    arrival counters are back at zero afterwards (the next call relies on it). With L2 unsplit, the same bits as the
-    general kernels with the same L1 split (the same FP32 partials, summed in the same order)."""
+@pytest.mark.parametrize("prefetch,depth,l1_split,l2_split,extra", [
+    (1, 2, 2, 1, {}), (0, 1, 4, 2, {}), (0, 1, 2, 2, dict(persistent=1, l2_n=128))],
+    ids=["prefetch_depth2", "pipeline_l2split", "persistent_l2n128"])
+def test_split_k_decode_kernels_match_the_reference(wide_experts, monkeypatch, prefetch, depth, l1_split, l2_split,
+                                                    extra):
+    """The decode kernels (`decode`): both GEMMs split over K, each tile's last program reducing the partials (also
+    as one persistent launch with L2 N tiles of 128); the arrival counters are back at zero afterwards (the next call
+    relies on it). With L2 unsplit, the same bits as the general kernels with the same L1 split (the same FP32
+    partials, summed in the same order)."""
     packed, deq = wide_experts
     monkeypatch.setattr(target, "REGISTER_PREFETCH", True)
     x, idx, w = routing(2, 8, num_experts=4, masked=0.3, hidden=256)
     q, sf = quantize_fp8(x)
     sf = float_to_ue8m0_bytes(sf)
-    cfg = dataclasses.replace(DECODE, prefetch=prefetch, decode=depth, l1_split=l1_split, l2_split=l2_split)
+    cfg = dataclasses.replace(DECODE, prefetch=prefetch, decode=depth, l1_split=l1_split, l2_split=l2_split, **extra)
     fit = cfg.fit(packed.hidden, packed.intermediate)
     assert (fit.decode, fit.l1_split, fit.l2_split) == (depth, l1_split, l2_split)
     ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=0.5)
@@ -195,6 +199,43 @@ def test_split_k_decode_kernels_match_the_reference(wide_experts, monkeypatch, p
         general = dataclasses.replace(TINY, l1_n=64, l2_n=64, l1_split=l1_split)
         assert torch.equal(out, triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0,
                                                              activation_clamp=0.5, config=general))
+
+
+def test_decode_prologue_and_persistent_kernel_give_the_bits_of_the_separate_launches(wide_experts):
+    """The decode prologue (routing, the tokens' BF16 values and the zeros of slots on no local expert in one launch)
+    against the three launches it replaces, and L1 with L2 in one persistent launch (work items by ticket) against
+    two launches: the same output bits (the same partial sums in the same order), the arrival counters and tickets
+    back at 0, no stalled wait, zeros where no local expert (or -1) is named;
+    `prologue` alone, on an output of NaNs, shows a slot it misses."""
+    packed, _ = wide_experts
+    first_expert = 2  # this rank holds experts 2 and 3 of 4
+    experts = PackedExperts(*(t[2:] for t in (packed.w1, packed.s1, packed.w2, packed.s2)), packed.large_scales)
+    x, idx, w = routing(3, 17, num_experts=4, masked=0.3, hidden=256)
+    idx[0, -1], w[0, -1] = -1, 0.0  # an unused slot
+    q, sf = quantize_fp8(x)
+    sf = float_to_ue8m0_bytes(sf)
+    cfg = dataclasses.replace(DECODE, decode=1, l1_split=2, l2_split=2)
+    runs = [triton_local_experts_forward(q, sf, idx, w, experts, first_expert=first_expert, activation_clamp=0.5,
+                                         config=dataclasses.replace(cfg, prologue=p, persistent=t))
+            for p, t in ((1, 0), (0, 0), (1, 1))]
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
+    assert not arrival_counters(q.device, 1).any() and not decode.stalls(q.device).any()
+    other = (idx < first_expert) | (idx >= first_expert + experts.num_local_experts)
+    assert other.any() and not runs[0][other].any() and runs[0][~other].abs().sum(-1).all()
+
+
+def test_decode_prologue_routes_dequantizes_and_zeroes_the_other_slots():
+    x, idx, _ = routing(5, 3, num_experts=8, masked=0.3, hidden=256)
+    q, sf = quantize_fp8(x)
+    sf = float_to_ue8m0_bytes(sf)
+    out = torch.full((idx.numel(), 256), float("nan"), dtype=torch.bfloat16)
+    xb, routed = decode.prologue(q, sf, idx, out, first_expert=2, num_local_experts=3, block_t=16)
+    assert torch.equal(xb, dequantize_x(q, sf))
+    for got, want in zip(routed, route_torch(idx, first_expert=2, num_local_experts=3, block_t=16)):
+        assert torch.equal(got, want)
+    other = ((idx < 2) | (idx >= 5)).reshape(-1)
+    assert other.any() and (~other).any()
+    assert torch.equal(out[other], torch.zeros_like(out[other])) and out[~other].isnan().all()
 
 
 def test_decode_fit_keeps_whole_steps_per_slice():
@@ -258,6 +299,25 @@ def test_decode_batches_pick_the_split_k_kernels():
     mid = pick_config(6, 64, 2048, 1408)  # mid-size: 22 L1 tiles of 64; 22 K tiles of I: no even L2 split
     assert (mid.decode, mid.l1_split, mid.l2_split) == (2, 8, 1)
     assert not pick_config(25, 384, 7168, 3072).decode and not pick_config(48, 384, 7168, 3072).decode
+
+
+def test_ep_picks_tiles_for_the_rows_a_local_expert_receives():
+    """Under EP the gathered rows are ep_size times what the local experts receive (uniform routing): the pick is the
+    one-rank pick of those rows, not of every rank's rows over the local experts."""
+    assert local_rows(8 * 32 * 8, 32, 256) == 32 * 8 and local_rows(6, 384) == 6
+    # DeepSeek-V3-like layer, EP 8 (32 of 256 experts per rank), 24 tokens per rank padded to 32, top-8: 2048 slots
+    # gathered, 8 rows per expert; counted over the local experts alone it looked like 64 (80-row Gluon blocks)
+    v3 = pick_config(8 * 32 * 8, 32, 7168, 2048, gluon=True, num_experts=256)
+    assert v3.block_t == 16 and not v3.gluon
+    assert pick_config(8 * 32 * 8, 32, 7168, 2048, gluon=True).block_t == 80  # the EP-blind count
+    for ep, tokens in ((8, 1), (8, 4), (8, 16), (4, 256), (8, 4096)):
+        gathered = ep * tokens * 6
+        assert pick_config(gathered, 384 // ep, 7168, 3072, gluon=True, num_experts=384) == pick_config(
+            tokens * 6, 384 // ep, 7168, 3072, gluon=True), (ep, tokens)
+    one = pick_config(8 * 6, 48, 7168, 3072, num_experts=384)  # 1 token per rank at EP 8: 6 local rows, decode
+    assert one.decode and one == pick_config(6, 48, 7168, 3072)
+    with pytest.raises(ValueError, match="384 local experts of 48 global"):
+        pick_config(6, 384, 7168, 3072, num_experts=48)
 
 
 def test_picked_config_fits_the_shapes(monkeypatch):

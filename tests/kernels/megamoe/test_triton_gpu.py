@@ -11,7 +11,7 @@ import torch
 
 from planc.kernels.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_experts_fp4, quantize_fp8
 from planc.kernels.megamoe.reference import DequantizedExperts, local_experts_forward
-from planc.kernels.megamoe.triton import target
+from planc.kernels.megamoe.triton import decode, target
 from planc.kernels.megamoe.triton.config import KernelConfig
 from planc.kernels.megamoe.triton.decode import arrival_counters
 from planc.kernels.megamoe.triton.forward import combine, device_config, triton_local_experts_forward
@@ -82,11 +82,22 @@ DECODE_VARIANTS = [
     KernelConfig(16, 64, 64, 64, 64, 4, 6, l1_split=4, prefetch=0, decode=1, l2_split=2),
     KernelConfig(16, 64, 64, 64, 64, 4, 1, l1_split=2, prefetch=1, decode=2, l2_split=2),
     KernelConfig(16, 64, 64, 64, 64, 4, 1, l1_split=2, prefetch=1, decode=4, l2_split=2),
+    KernelConfig(16, 64, 64, 64, 64, 4, 6, l1_split=4, prefetch=0, decode=1, l2_split=2, persistent=1),
+    KernelConfig(16, 64, 64, 64, 64, 4, 1, l1_split=2, prefetch=1, decode=2, l2_split=2, persistent=1),
+    KernelConfig(16, 64, 64, 64, 64, 4, 6, l1_split=4, prefetch=0, decode=1, l2_split=2, prologue=0),
+    KernelConfig(16, 64, 64, 64, 64, 4, 6, l1_split=4, prefetch=0, decode=1, l2_split=2, persistent=1, l2_stages=8,
+                 pdl=1),
+    KernelConfig(16, 64, 64, 64, 64, 4, 6, l1_split=4, prefetch=0, decode=1, l2_split=2, pdl=1),
+    KernelConfig(16, 64, 64, 128, 64, 4, 6, l1_split=4, prefetch=0, decode=1, l2_split=4, persistent=1, maxnreg=128),
+    KernelConfig(16, 128, 64, 128, 64, 4, 6, l1_split=8, prefetch=0, decode=1, l2_split=4),
 ]
 
 
 @pytest.mark.parametrize("num_tokens", [1, 4])
-@pytest.mark.parametrize("config", [None, *DECODE_VARIANTS], ids=["picked", "pipeline", "prefetch2", "prefetch4"])
+@pytest.mark.parametrize("config", [None, *DECODE_VARIANTS], ids=["picked", "pipeline", "prefetch2", "prefetch4",
+                                                                  "persistent", "persistent_prefetch2", "three_launches",
+                                                                  "persistent_pdl", "pdl", "persistent_l2n128",
+                                                                  "n128"])
 def test_split_k_decode_matches_the_reference_and_repeats_its_bits(experts, config, num_tokens):
     """Each tile's last program reduces the split partials in split order: two runs give the same bits (a race on
     the arrival counters or a stale partial would not), the counters are left at zero, and the result is the
@@ -103,7 +114,7 @@ def test_split_k_decode_matches_the_reference_and_repeats_its_bits(experts, conf
     check(runs[0], ref)
     assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
     torch.cuda.synchronize()
-    assert not arrival_counters(torch.device("cuda"), 1).any()
+    assert not arrival_counters(torch.device("cuda"), 1).any() and not decode.stalls(torch.device("cuda")).any()
 
 
 def test_split_k_decode_on_deepseek_v4_shapes():
@@ -124,7 +135,15 @@ def test_split_k_decode_on_deepseek_v4_shapes():
         cfg = device_config(idx.numel(), e, h, i, torch.device("cuda"))
         assert cfg.decode
         ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=10.0)
-        check(triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=10.0), ref)
+        out = triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=10.0)
+        check(out, ref)
+        for variant in (dict(persistent=1 - cfg.persistent), dict(prologue=1 - cfg.prologue),
+                        dict(persistent=1, pdl=1, l2_stages=8)):
+            other = dataclasses.replace(cfg, **variant)  # the same partial sums in the same order: the same bits
+            assert torch.equal(out, triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0,
+                                                                 activation_clamp=10.0, config=other)), variant
+    torch.cuda.synchronize()
+    assert not arrival_counters(torch.device("cuda"), 1).any() and not decode.stalls(torch.device("cuda")).any()
 
 
 def test_all_routes_to_one_expert(experts):

@@ -46,6 +46,19 @@ class KernelConfig:
     # splits L1's hidden dimension and `l2_split` L2's intermediate dimension; `l1_k` and `l2_k` are 64.
     decode: int = 0
     l2_split: int = 1
+    # With `decode`: 1 routes, dequantizes the tokens and zeroes the slots of no local expert in one launch
+    # (`decode.prologue_kernel`), 0 in three (the general path's routing, dequantization and fill), as the decode
+    # path ran before the prologue: kept to time one against the other (`bench/megamoe_gpu.py`).
+    prologue: int = 1
+    # With `decode`: 1 runs L1 and L2 as one persistent launch (`decode.decode_persistent_kernel`: work items by
+    # ticket, an L2 item waiting for its block's L1 tiles), 0 as two launches.
+    persistent: int = 0
+    # With `decode` and the cp.async pipeline: L2's stages where they differ from L1's (0: `num_stages`). An L2 K tile
+    # of 64 N rows is half an L1 tile (no up rows): 6 stages keep ~10 KB in flight per program against L1's ~20 KB.
+    l2_stages: int = 0
+    # With `decode`: 1 launches the prologue, L1 and L2 (or the persistent kernel) with programmatic dependent launch
+    # where the device has it (`target.pdl_available`): each starts while the one before finishes, then waits.
+    pdl: int = 0
 
     # The block sizes the Gluon kernels have loop bodies for: a 64-row MMA and up to one (80) or two (96) 16-row MMAs;
     # 80-row blocks compile without the two-tail body, in fewer registers (see `GLUON_CONFIGS`).
@@ -194,6 +207,10 @@ FP8_CONFIGS: tuple[tuple[int, KernelConfig], ...] = ()
 # 1 token 103.9 against 106.0 µs), at 8 tokens (48 rows) a tie (577.3 against 575.0 µs): up to 24 rows (4 tokens at
 # top-6). Of the swept rows at 1 token, 6 cp.async stages with L1 split in 4 and L2 in 2 (what `_decode_splits`
 # gives) ran fastest; 4 and 8 stages, other splits, register prefetch of 2 K tiles and 8 warps were 2-34% slower.
+# The row runs the prologue (`KernelConfig.prologue`: routing, dequantization and zero fill in one launch): on an H100
+# (2026-12-06, main 562fe97) the layer at 1 / 2 / 4 tokens took 105.0 / 177.6 / 319.0 µs against 108.8 / 180.8 / 323.4
+# with the three launches; the persistent kernel (111.6 / 182.9 / 324.8), PDL (within 1%) and N tiles of 128 (6-33%
+# slower) measured no better, so the row sets none of them (docs/megamoe.md, "Launches at decode").
 DECODE_CONFIGS: tuple[tuple[int, KernelConfig], ...] = (
     (24, KernelConfig(block_t=16, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=6, prefetch=0,
                       decode=2)),
@@ -234,18 +251,32 @@ _L1_MIN_SLICE_STAGES = 4
 _L2_WIDE_PROGRAMS_PER_SM = 16
 
 
+def local_rows(num_rows: int, num_local_experts: int, num_experts: int | None = None) -> float:
+    """The (token, slot) rows this rank's experts receive out of `num_rows` gathered from every rank, under uniform
+    routing: each slot names one of `num_experts` global experts, `num_local_experts` of them here (None: every
+    expert is local, one rank). Under EP the gathered rows are ep_size times what the local experts get."""
+    total = num_local_experts if num_experts is None else num_experts
+    if total < num_local_experts or num_local_experts < 1:
+        raise ValueError(f"{num_local_experts} local experts of {total} global ones: the local experts must be a "
+                         f"non-empty part of the layer's experts")
+    return num_rows * num_local_experts / total
+
+
 def pick_config(
     num_rows: int, num_local_experts: int, hidden: int, inter: int, num_sms: int = TUNED_SMS, gluon: bool = False,
-    warp_specialized: bool = True, fp8: bool = False,
+    warp_specialized: bool = True, fp8: bool = False, num_experts: int | None = None,
 ) -> KernelConfig:
-    """The tuned config for a batch of `num_rows` (token, slot) pairs (shapes and SM count only: no device read);
-    `fp8`: the device has FP8 MMAs (`FP8_CONFIGS` then takes large batches); `gluon`: the Hopper Gluon kernels can run (`hopper_prefill.gluon_unavailable_reason`); `warp_specialized`: and
-    this Triton builds the warp-specialized L2 (`hopper_prefill_ws.unavailable_reason`), else the cp.async L2 runs
-    under L1's register cap."""
-    per_expert = num_rows / max(num_local_experts, 1)
+    """The tuned config for a batch of `num_rows` (token, slot) pairs gathered from every rank, of which this rank's
+    `num_local_experts` of the layer's `num_experts` (None: all of them) get their share (`local_rows`; shapes and SM
+    count only: no device read); `fp8`: the device has FP8 MMAs (`FP8_CONFIGS` then takes large batches); `gluon`:
+    the Hopper Gluon kernels can run (`hopper_prefill.gluon_unavailable_reason`); `warp_specialized`: and this Triton
+    builds the warp-specialized L2 (`hopper_prefill_ws.unavailable_reason`), else the cp.async L2 runs under L1's
+    register cap."""
+    rows = local_rows(num_rows, num_local_experts, num_experts)
+    per_expert = rows / num_local_experts
     for decode_bound, decode_config in DECODE_CONFIGS:
-        if num_rows <= decode_bound:
-            return _decode_splits(decode_config, num_rows, num_local_experts, hidden, inter, num_sms)
+        if rows <= decode_bound:
+            return _decode_splits(decode_config, max(round(rows), 1), num_local_experts, hidden, inter, num_sms)
     if fp8 and hidden % 128 == 0 and inter % 128 == 0:
         for fp8_bound, fp8_config in reversed(FP8_CONFIGS):
             if per_expert >= fp8_bound:
@@ -261,7 +292,7 @@ def pick_config(
     # L1 programs: row blocks (at least one per expert that gets rows) times N tiles. A prefill batch (blocks of 64
     # rows and more) must not split, even with few programs: the mid-size layer at 56-80 rows per expert (704
     # programs of 64-row blocks) runs 9-13% slower split in 2.
-    blocks = max(min(num_rows, num_local_experts), -(-num_rows // config.block_t))
+    blocks = max(min(rows, num_local_experts), -(-rows // config.block_t))
     programs = blocks * max(inter // config.l1_n, 1)
     k_tiles = hidden // config.l1_k
     split = 1

@@ -15,8 +15,10 @@ one 64-deep K tile (4 KB of L1 words, 2 KB of L2 words) in flight: a few KB per 
   L2: the BF16 rounding into the slot's output), so no reduction kernel is launched, and the counter is left at 0;
 - the weights stream either by register prefetch of `depth` K tiles (`KernelConfig.prefetch`) or through Triton's
   cp.async pipeline of `num_stages` shared-memory buffers (`num_stages - 1` K tiles in flight, no registers held).
-Launches per call: the tokens' BF16 values, routing, the output's zero fill, L1, L2 (the general path has L1's
-reduction kernel besides).
+Launches per call: the prologue (`prologue_kernel`: routing, the tokens' BF16 values and the zeros of slots on no
+local expert, one launch; `KernelConfig.prologue=0`: three, as the general path), then L1 and L2, or both as one
+persistent launch (`decode_persistent_kernel`, `KernelConfig.persistent`: work items by ticket, an L2 item waiting
+for its block's L1 tiles). The general path has L1's reduction kernel besides.
 
 Numerics: the general path's (docs/megamoe.md, steps 3-6). L1 with the same `l1_split` sums the same FP32 partials
 in the same order as `jit.l1_reduce_kernel`; L2's split changes only the order of its FP32 sums.
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from planc.kernels.megamoe.triton import jit
+from planc.kernels.megamoe.triton import jit, routing, target
 from planc.kernels.megamoe.triton.target import tl, triton
 
 # Arrival counters (int32, zero between kernels: the last program of each tile puts its counter back to 0), one set
@@ -51,7 +53,69 @@ def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
     return have
 
 
+# The persistent decode kernel (`KernelConfig.persistent`): its register cap where the config sets none, programs
+# per SM, and how many polls an L2 item waits for its block's L1 tiles before it gives up and counts a stall
+# (`stalls`): ~a second of polling, where a wait takes microseconds. Compiled for sm_90 by Triton 3.6 (6 cp.async
+# stages, 16-row blocks, N tiles of 64, the V4 layer's 16-divisible sizes and strides), the two-launch L1 holds 79
+# registers and 37.9 KB of shared memory (5 programs per SM), L2 56; the persistent kernel, both bodies in one loop,
+# 168 uncapped (3 per SM): capped at 96 it spills 32 bytes and fits 5 by registers and by shared memory, as L1 does.
+# One program more per SM than fit: it starts when the others leave, finds no ticket and leaves. Measured on an H100
+# (2026-12-06) it ran the V4 layer at 1 token in 111.6 µs against 105.0 for the two launches: the table does not pick
+# it (`config.DECODE_CONFIGS`).
+_PERSISTENT_MAXNREG = 96
+_PERSISTENT_PROGRAMS_PER_SM = 6
+_MAX_POLLS = 1 << 20
+_STALLS: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def stalls(device: torch.device) -> torch.Tensor:
+    """The count (int32, one per device, never reset) of L2 items of the persistent decode kernel that stopped
+    waiting for their block's L1 tiles (`_MAX_POLLS`): their slots are wrong. 0 unless something is broken."""
+    key = (device.type, device.index if device.type != "cuda" or device.index is not None
+           else torch.cuda.current_device())
+    if key not in _STALLS:
+        _STALLS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _STALLS[key]
+
+
 if triton is not None:
+
+    @triton.jit
+    def _dependent_launch(PDL: tl.constexpr):
+        """With PDL (the kernel launched with programmatic dependent launch): wait until the kernel before it on the
+        stream has finished and its writes are visible (before this kernel touches any memory, so completions stay
+        ordered down the chain), then let the next kernel launch: its programs take SM slots as this one's leave."""
+        if PDL:
+            target.gdc_wait()
+            target.gdc_launch_dependents()
+
+    @triton.jit
+    def prologue_kernel(
+        idx_ptr, sorted_ptr, blocks_ptr, scratch_ptr, num_slots, first, num_local, num_blocks,
+        q_ptr, sf_ptr, x_ptr, out_ptr, hidden, stride_out,
+        BS: tl.constexpr, BE: tl.constexpr, BB: tl.constexpr, BT: tl.constexpr, LOG_BE: tl.constexpr,
+        NUM_TOPK: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr,
+    ):
+        """What a decode batch needs before L1, in one launch: program 0 routes (`jit.route_kernel`); program
+        1 + r * chunks + c dequantizes channels [c * BH, +BH) of token row r to BF16 (`jit.dequant_x_chunk`) and
+        writes zeros there in the row's slots whose expert is not local (-1 and other ranks' experts: the combine
+        adds them), so the slot output needs no fill of its own and L2 writes only the local slots."""
+        _dependent_launch(PDL)
+        pid = tl.program_id(0)
+        if pid == 0:
+            jit.route_kernel(idx_ptr, sorted_ptr, blocks_ptr, scratch_ptr, num_slots, first, num_local, num_blocks,
+                             BS, BE, BB, BT, LOG_BE)
+        else:
+            chunks = tl.cdiv(hidden, BH)
+            row = ((pid - 1) // chunks).to(tl.int64)
+            chunk = (pid - 1) % chunks
+            jit.dequant_x_chunk(q_ptr, sf_ptr, x_ptr, row, chunk, hidden, BH)
+            j = tl.arange(0, BK)
+            e = tl.load(idx_ptr + row * NUM_TOPK + j, mask=j < NUM_TOPK, other=first)
+            other = (j < NUM_TOPK) & ((e < first) | (e >= first + num_local))
+            col = chunk * BH + tl.arange(0, BH)
+            ptrs = out_ptr + (row * NUM_TOPK + j)[:, None] * stride_out + col[None, :]
+            tl.store(ptrs, tl.zeros((BK, BH), dtype=tl.bfloat16), mask=other[:, None] & (col < hidden)[None, :])
 
     @triton.jit
     def _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok, kc, num_g):
@@ -82,6 +146,108 @@ if triton is not None:
         return last
 
     @triton.jit
+    def _l1_item(
+        x_ptr, w_ptr, s_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr, block_end_ptr,
+        out_ptr, ws_ptr, cnt_ptr,
+        hidden, inter, num_topk, num_local,
+        stride_x, stride_we, stride_se, stride_out,
+        clamp, tile, sid, num_blocks,
+        HAS_CLAMP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr,
+        PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr, LARGE: tl.constexpr, INTERPRET: tl.constexpr,
+    ):
+        """L1 of one block of rows, BN gate (and as many up) columns (`tile`: block * (inter / BN) + N tile) and
+        hidden slice `sid` of SPLIT; the weights stream by register prefetch of DEPTH K tiles (PREFETCH) or through
+        NUM_STAGES cp.async buffers; the last slice to arrive sums the slices' FP32 partials in order and runs the
+        SwiGLU epilogue (module docstring). Returns 1 where this call wrote the tile's activations, else 0."""
+        pid_b = tile // (inter // BN)
+        pid_n = tile % (inter // BN)
+        done = pid_b * 0
+        expert = tl.load(block_expert_ptr + pid_b)
+        if expert < num_local:
+            row_ok, slot = jit._block_slots(sorted_ptr, block_row_ptr, block_end_ptr, pid_b, BT)
+            token = slot // num_topk
+
+            w_base = w_ptr + expert.to(tl.int64) * stride_we
+            s_base = s_ptr + expert.to(tl.int64) * stride_se
+            num_g = inter // 8  # 2I rows in groups of 16
+            wg_off, sg_off = jit._fp4_offsets(pid_n * (BN // 16), num_g, BN, 64)  # gate rows
+            wu_off, su_off = jit._fp4_offsets(pid_n * (BN // 16) + inter // 16, num_g, BN, 64)  # up rows
+            x_ptrs = x_ptr + token[None, :].to(tl.int64) * stride_x + tl.arange(0, 64)[:, None]  # [64, BT]
+
+            acc_g = tl.zeros((BN, BT), dtype=tl.float32)
+            acc_u = tl.zeros((BN, BT), dtype=tl.float32)
+            chunks = hidden // (SPLIT * 64)
+            kc0 = sid * chunks
+            if PREFETCH:
+                # DEPTH K tiles in flight: chunks a, b (DEPTH >= 2), c and d (DEPTH 4), each its gate words and scale
+                # words, up words and scale words, and tokens; unpacked (loop-carried tuples lower differently across
+                # Triton versions)
+                iters = chunks // DEPTH
+                ag, ags, au, aus, ax = _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok, kc0,
+                                                 num_g)
+                if DEPTH >= 2:
+                    bg, bgs, bu, bus, bx = _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok,
+                                                     kc0 + 1, num_g)
+                if DEPTH >= 4:
+                    cg, cgs, cu, cus, cx = _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok,
+                                                     kc0 + 2, num_g)
+                    dg, dgs, du, dus, dx = _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok,
+                                                     kc0 + 3, num_g)
+                for i in tl.range(0, iters, num_stages=1):
+                    kn = kc0 + tl.minimum(i + 1, iters - 1) * DEPTH  # the last iteration reloads its own tiles
+                    ag0, ags0, au0, aus0, ax0 = ag, ags, au, aus, ax
+                    ag, ags, au, aus, ax = _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok, kn,
+                                                     num_g)
+                    if DEPTH >= 2:
+                        bg0, bgs0, bu0, bus0, bx0 = bg, bgs, bu, bus, bx
+                        bg, bgs, bu, bus, bx = _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok,
+                                                         kn + 1, num_g)
+                    if DEPTH >= 4:
+                        cg0, cgs0, cu0, cus0, cx0 = cg, cgs, cu, cus, cx
+                        dg0, dgs0, du0, dus0, dx0 = dg, dgs, du, dus, dx
+                        cg, cgs, cu, cus, cx = _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok,
+                                                         kn + 2, num_g)
+                        dg, dgs, du, dus, dx = _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok,
+                                                         kn + 3, num_g)
+                    acc_g, acc_u = _l1_mma(acc_g, acc_u, ag0, ags0, au0, aus0, ax0, BN, LARGE, INTERPRET)
+                    if DEPTH >= 2:
+                        acc_g, acc_u = _l1_mma(acc_g, acc_u, bg0, bgs0, bu0, bus0, bx0, BN, LARGE, INTERPRET)
+                    if DEPTH >= 4:
+                        acc_g, acc_u = _l1_mma(acc_g, acc_u, cg0, cgs0, cu0, cus0, cx0, BN, LARGE, INTERPRET)
+                        acc_g, acc_u = _l1_mma(acc_g, acc_u, dg0, dgs0, du0, dus0, dx0, BN, LARGE, INTERPRET)
+            else:  # Triton's software pipeline: NUM_STAGES - 1 K tiles in flight through shared memory
+                for kc in tl.range(kc0, kc0 + chunks, num_stages=NUM_STAGES):
+                    gw, gs, uw, us, x = _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok, kc,
+                                                  num_g)
+                    acc_g, acc_u = _l1_mma(acc_g, acc_u, gw, gs, uw, us, x, BN, LARGE, INTERPRET)
+
+            offs_n = pid_n * BN + tl.arange(0, BN)
+            out_rows = pid_b * BT + tl.arange(0, BT)
+            out_ptrs = out_ptr + out_rows[None, :].to(tl.int64) * stride_out + offs_n[:, None]
+            topw = tl.load(weight_ptr + slot, mask=row_ok, other=0.0)
+            if SPLIT == 1:
+                tl.store(out_ptrs, jit.swiglu_requant(acc_g, acc_u, topw, row_ok, clamp, HAS_CLAMP, BN, BT))
+                done = done + 1
+            else:
+                split_stride = num_blocks.to(tl.int64) * BT * 2 * inter
+                ws = ws_ptr + out_rows[None, :].to(tl.int64) * (2 * inter) + offs_n[:, None]
+                mine = ws + sid.to(tl.int64) * split_stride
+                tl.store(mine, acc_g, mask=row_ok[None, :])
+                tl.store(mine + inter, acc_u, mask=row_ok[None, :])
+                if _last_to_arrive(cnt_ptr + tile, SPLIT):
+                    acc_g = tl.zeros((BN, BT), dtype=tl.float32)
+                    acc_u = tl.zeros((BN, BT), dtype=tl.float32)
+                    # split order, as `jit.l1_reduce_kernel`; a loop, not unrolled: the partials of all splits in
+                    # registers at once would raise the whole kernel's register count (fewer programs per SM)
+                    for s in tl.range(0, SPLIT, num_stages=1):
+                        acc_g += tl.load(ws + s * split_stride, mask=row_ok[None, :], other=0.0, cache_modifier=".cg")
+                        acc_u += tl.load(ws + s * split_stride + inter, mask=row_ok[None, :], other=0.0,
+                                         cache_modifier=".cg")
+                    tl.store(out_ptrs, jit.swiglu_requant(acc_g, acc_u, topw, row_ok, clamp, HAS_CLAMP, BN, BT))
+                    done = done + 1
+        return done
+
+    @triton.jit
     def decode_l1_kernel(
         x_ptr, w_ptr, s_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr, block_end_ptr,
         out_ptr, ws_ptr, cnt_ptr,
@@ -90,94 +256,14 @@ if triton is not None:
         clamp,
         HAS_CLAMP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr,
         PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr, LARGE: tl.constexpr, INTERPRET: tl.constexpr,
+        PDL: tl.constexpr,
     ):
-        """L1 of one block of rows, BN gate (and as many up) columns and hidden slice `program_id(1)` of SPLIT; the
-        weights stream by register prefetch of DEPTH K tiles (PREFETCH) or through NUM_STAGES cp.async buffers; the
-        last slice to arrive sums the slices' FP32 partials in order and runs the SwiGLU epilogue (module
-        docstring)."""
-        pid_b, pid_n, num_blocks = jit.tile_ids(inter // BN)
-        expert = tl.load(block_expert_ptr + pid_b)
-        if expert >= num_local:
-            return
-        row_ok, slot = jit._block_slots(sorted_ptr, block_row_ptr, block_end_ptr, pid_b, BT)
-        token = slot // num_topk
-
-        w_base = w_ptr + expert.to(tl.int64) * stride_we
-        s_base = s_ptr + expert.to(tl.int64) * stride_se
-        num_g = inter // 8  # 2I rows in groups of 16
-        wg_off, sg_off = jit._fp4_offsets(pid_n * (BN // 16), num_g, BN, 64)  # gate rows
-        wu_off, su_off = jit._fp4_offsets(pid_n * (BN // 16) + inter // 16, num_g, BN, 64)  # up rows
-        x_ptrs = x_ptr + token[None, :].to(tl.int64) * stride_x + tl.arange(0, 64)[:, None]  # [64, BT]
-
-        acc_g = tl.zeros((BN, BT), dtype=tl.float32)
-        acc_u = tl.zeros((BN, BT), dtype=tl.float32)
-        chunks = hidden // (SPLIT * 64)
-        kc0 = tl.program_id(1) * chunks
-        if PREFETCH:
-            # DEPTH K tiles in flight: chunks a, b (DEPTH >= 2), c and d (DEPTH 4), each its gate words and scale
-            # words, up words and scale words, and tokens; unpacked (loop-carried tuples lower differently across
-            # Triton versions)
-            iters = chunks // DEPTH
-            ag, ags, au, aus, ax = _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok, kc0,
-                                             num_g)
-            if DEPTH >= 2:
-                bg, bgs, bu, bus, bx = _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok,
-                                                 kc0 + 1, num_g)
-            if DEPTH >= 4:
-                cg, cgs, cu, cus, cx = _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok,
-                                                 kc0 + 2, num_g)
-                dg, dgs, du, dus, dx = _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok,
-                                                 kc0 + 3, num_g)
-            for i in tl.range(0, iters, num_stages=1):
-                kn = kc0 + tl.minimum(i + 1, iters - 1) * DEPTH  # the last iteration reloads its own tiles
-                ag0, ags0, au0, aus0, ax0 = ag, ags, au, aus, ax
-                ag, ags, au, aus, ax = _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok, kn,
-                                                 num_g)
-                if DEPTH >= 2:
-                    bg0, bgs0, bu0, bus0, bx0 = bg, bgs, bu, bus, bx
-                    bg, bgs, bu, bus, bx = _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok,
-                                                     kn + 1, num_g)
-                if DEPTH >= 4:
-                    cg0, cgs0, cu0, cus0, cx0 = cg, cgs, cu, cus, cx
-                    dg0, dgs0, du0, dus0, dx0 = dg, dgs, du, dus, dx
-                    cg, cgs, cu, cus, cx = _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok,
-                                                     kn + 2, num_g)
-                    dg, dgs, du, dus, dx = _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok,
-                                                     kn + 3, num_g)
-                acc_g, acc_u = _l1_mma(acc_g, acc_u, ag0, ags0, au0, aus0, ax0, BN, LARGE, INTERPRET)
-                if DEPTH >= 2:
-                    acc_g, acc_u = _l1_mma(acc_g, acc_u, bg0, bgs0, bu0, bus0, bx0, BN, LARGE, INTERPRET)
-                if DEPTH >= 4:
-                    acc_g, acc_u = _l1_mma(acc_g, acc_u, cg0, cgs0, cu0, cus0, cx0, BN, LARGE, INTERPRET)
-                    acc_g, acc_u = _l1_mma(acc_g, acc_u, dg0, dgs0, du0, dus0, dx0, BN, LARGE, INTERPRET)
-        else:  # Triton's software pipeline: NUM_STAGES - 1 K tiles in flight through shared memory
-            for kc in tl.range(kc0, kc0 + chunks, num_stages=NUM_STAGES):
-                gw, gs, uw, us, x = _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok, kc,
-                                              num_g)
-                acc_g, acc_u = _l1_mma(acc_g, acc_u, gw, gs, uw, us, x, BN, LARGE, INTERPRET)
-
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        out_rows = pid_b * BT + tl.arange(0, BT)
-        out_ptrs = out_ptr + out_rows[None, :].to(tl.int64) * stride_out + offs_n[:, None]
-        topw = tl.load(weight_ptr + slot, mask=row_ok, other=0.0)
-        if SPLIT == 1:
-            tl.store(out_ptrs, jit.swiglu_requant(acc_g, acc_u, topw, row_ok, clamp, HAS_CLAMP, BN, BT))
-        else:
-            split_stride = num_blocks.to(tl.int64) * BT * 2 * inter
-            ws = ws_ptr + out_rows[None, :].to(tl.int64) * (2 * inter) + offs_n[:, None]
-            mine = ws + tl.program_id(1).to(tl.int64) * split_stride
-            tl.store(mine, acc_g, mask=row_ok[None, :])
-            tl.store(mine + inter, acc_u, mask=row_ok[None, :])
-            if _last_to_arrive(cnt_ptr + tl.program_id(0), SPLIT):
-                acc_g = tl.zeros((BN, BT), dtype=tl.float32)
-                acc_u = tl.zeros((BN, BT), dtype=tl.float32)
-                # split order, as `jit.l1_reduce_kernel`; a loop, not unrolled: the partials of all splits in
-                # registers at once would raise the whole kernel's register count (fewer programs per SM)
-                for s in tl.range(0, SPLIT, num_stages=1):
-                    acc_g += tl.load(ws + s * split_stride, mask=row_ok[None, :], other=0.0, cache_modifier=".cg")
-                    acc_u += tl.load(ws + s * split_stride + inter, mask=row_ok[None, :], other=0.0,
-                                     cache_modifier=".cg")
-                tl.store(out_ptrs, jit.swiglu_requant(acc_g, acc_u, topw, row_ok, clamp, HAS_CLAMP, BN, BT))
+        """`_l1_item` of tile `program_id(0)`, slice `program_id(1)`."""
+        _dependent_launch(PDL)
+        _l1_item(x_ptr, w_ptr, s_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr, block_end_ptr,
+                 out_ptr, ws_ptr, cnt_ptr, hidden, inter, num_topk, num_local, stride_x, stride_we, stride_se,
+                 stride_out, clamp, tl.program_id(0), tl.program_id(1), tl.num_programs(0) // (inter // BN),
+                 HAS_CLAMP, BT, BN, DEPTH, SPLIT, PREFETCH, NUM_STAGES, LARGE, INTERPRET)
 
     @triton.jit
     def _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kc, num_g):
@@ -191,76 +277,180 @@ if triton is not None:
         return tl.dot(jit._fp4_expand(w, sw, BN, 64, LARGE, INTERPRET), x, acc)
 
     @triton.jit
+    def _l2_item(
+        a_ptr, w_ptr, s_ptr, sorted_ptr, block_expert_ptr, block_row_ptr, block_end_ptr, out_ptr, ws_ptr, cnt_ptr,
+        hidden, inter, num_local,
+        stride_a, stride_we, stride_se, stride_out, tile, sid, num_blocks,
+        BT: tl.constexpr, BN: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
+        NUM_STAGES: tl.constexpr, LARGE: tl.constexpr, INTERPRET: tl.constexpr,
+    ):
+        """L2 of one block of rows, BN hidden columns (`tile`: block * (hidden / BN) + N tile) and intermediate slice
+        `sid` of SPLIT, the weights streamed as in L1; the last slice to arrive sums the partials in split order,
+        rounds to BF16 and writes each row's slot."""
+        pid_b = tile // (hidden // BN)
+        pid_n = tile % (hidden // BN)
+        expert = tl.load(block_expert_ptr + pid_b)
+        if expert < num_local:
+            row_ok, slot = jit._block_slots(sorted_ptr, block_row_ptr, block_end_ptr, pid_b, BT)
+
+            w_base = w_ptr + expert.to(tl.int64) * stride_we
+            s_base = s_ptr + expert.to(tl.int64) * stride_se
+            a_rows = pid_b * BT + tl.arange(0, BT)
+            a_ptrs = a_ptr + a_rows[None, :].to(tl.int64) * stride_a + tl.arange(0, 64)[:, None]  # [64, BT]
+            num_g = hidden // 16
+            w_off, s_off = jit._fp4_offsets(pid_n * (BN // 16), num_g, BN, 64)
+
+            acc = tl.zeros((BN, BT), dtype=tl.float32)
+            chunks = inter // (SPLIT * 64)
+            kc0 = sid * chunks
+            if PREFETCH:
+                iters = chunks // DEPTH
+                aw, asw, ax = _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kc0, num_g)
+                if DEPTH >= 2:
+                    bw, bsw, bx = _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kc0 + 1, num_g)
+                if DEPTH >= 4:
+                    cw, csw, cx = _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kc0 + 2, num_g)
+                    dw, dsw, dx = _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kc0 + 3, num_g)
+                for i in tl.range(0, iters, num_stages=1):
+                    kn = kc0 + tl.minimum(i + 1, iters - 1) * DEPTH
+                    aw0, asw0, ax0 = aw, asw, ax
+                    aw, asw, ax = _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kn, num_g)
+                    if DEPTH >= 2:
+                        bw0, bsw0, bx0 = bw, bsw, bx
+                        bw, bsw, bx = _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kn + 1, num_g)
+                    if DEPTH >= 4:
+                        cw0, csw0, cx0 = cw, csw, cx
+                        dw0, dsw0, dx0 = dw, dsw, dx
+                        cw, csw, cx = _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kn + 2, num_g)
+                        dw, dsw, dx = _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kn + 3, num_g)
+                    acc = _l2_mma(acc, aw0, asw0, ax0, BN, LARGE, INTERPRET)
+                    if DEPTH >= 2:
+                        acc = _l2_mma(acc, bw0, bsw0, bx0, BN, LARGE, INTERPRET)
+                    if DEPTH >= 4:
+                        acc = _l2_mma(acc, cw0, csw0, cx0, BN, LARGE, INTERPRET)
+                        acc = _l2_mma(acc, dw0, dsw0, dx0, BN, LARGE, INTERPRET)
+            else:
+                for kc in tl.range(kc0, kc0 + chunks, num_stages=NUM_STAGES):
+                    w, sw, x = _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kc, num_g)
+                    acc = _l2_mma(acc, w, sw, x, BN, LARGE, INTERPRET)
+
+            offs_n = pid_n * BN + tl.arange(0, BN)
+            out_ptrs = out_ptr + slot[None, :].to(tl.int64) * stride_out + offs_n[:, None]
+            if SPLIT == 1:
+                tl.store(out_ptrs, jit.bf16_rne(acc), mask=row_ok[None, :])
+            else:
+                split_stride = num_blocks.to(tl.int64) * BT * hidden
+                ws = ws_ptr + a_rows[None, :].to(tl.int64) * hidden + offs_n[:, None]
+                tl.store(ws + sid.to(tl.int64) * split_stride, acc, mask=row_ok[None, :])
+                if _last_to_arrive(cnt_ptr + tile, SPLIT):
+                    acc = tl.zeros((BN, BT), dtype=tl.float32)
+                    for s in tl.range(0, SPLIT, num_stages=1):
+                        acc += tl.load(ws + s * split_stride, mask=row_ok[None, :], other=0.0, cache_modifier=".cg")
+                    tl.store(out_ptrs, jit.bf16_rne(acc), mask=row_ok[None, :])
+
+    @triton.jit
     def decode_l2_kernel(
         a_ptr, w_ptr, s_ptr, sorted_ptr, block_expert_ptr, block_row_ptr, block_end_ptr, out_ptr, ws_ptr, cnt_ptr,
         hidden, inter, num_local,
         stride_a, stride_we, stride_se, stride_out,
         BT: tl.constexpr, BN: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
-        NUM_STAGES: tl.constexpr, LARGE: tl.constexpr, INTERPRET: tl.constexpr,
+        NUM_STAGES: tl.constexpr, LARGE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
     ):
-        """L2 of one block of rows, BN hidden columns and intermediate slice `program_id(1)` of SPLIT, the weights
-        streamed as in L1; the last slice to arrive sums the partials in split order, rounds to BF16 and writes each
-        row's slot."""
-        pid_b, pid_n, num_blocks = jit.tile_ids(hidden // BN)
-        expert = tl.load(block_expert_ptr + pid_b)
-        if expert >= num_local:
-            return
-        row_ok, slot = jit._block_slots(sorted_ptr, block_row_ptr, block_end_ptr, pid_b, BT)
+        """`_l2_item` of tile `program_id(0)`, slice `program_id(1)`."""
+        _dependent_launch(PDL)
+        _l2_item(a_ptr, w_ptr, s_ptr, sorted_ptr, block_expert_ptr, block_row_ptr, block_end_ptr, out_ptr, ws_ptr,
+                 cnt_ptr, hidden, inter, num_local, stride_a, stride_we, stride_se, stride_out, tl.program_id(0),
+                 tl.program_id(1), tl.num_programs(0) // (hidden // BN), BT, BN, DEPTH, SPLIT, PREFETCH, NUM_STAGES,
+                 LARGE, INTERPRET)
 
-        w_base = w_ptr + expert.to(tl.int64) * stride_we
-        s_base = s_ptr + expert.to(tl.int64) * stride_se
-        a_rows = pid_b * BT + tl.arange(0, BT)
-        a_ptrs = a_ptr + a_rows[None, :].to(tl.int64) * stride_a + tl.arange(0, 64)[:, None]  # [64, BT]
-        num_g = hidden // 16
-        w_off, s_off = jit._fp4_offsets(pid_n * (BN // 16), num_g, BN, 64)
+    @triton.jit
+    def decode_persistent_kernel(
+        x_ptr, w1_ptr, s1_ptr, w2_ptr, s2_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr,
+        block_end_ptr, act_ptr, out_ptr, ws1_ptr, ws2_ptr, cnt_ptr, stalls_ptr,
+        hidden, inter, num_topk, num_local, num_blocks,
+        stride_x, stride_w1, stride_s1, stride_w2, stride_s2, stride_act, stride_out,
+        clamp, max_polls,
+        HAS_CLAMP: tl.constexpr, BT: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, DEPTH: tl.constexpr,
+        SPLIT1: tl.constexpr, SPLIT2: tl.constexpr, PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr,
+        NUM_STAGES2: tl.constexpr, LARGE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    ):
+        """L1 and L2 in one launch of a few programs per SM, each taking work items by ticket (an atomic counter)
+        until none is left: first every L1 item (`_l1_item`, in the order of `decode_l1_kernel`'s grid), then every
+        L2 item (`_l2_item`). An L2 item waits (polls with acquire) until its block's L1 tiles are all written,
+        which each tile's writer counts with release. Why it cannot deadlock: an item waits only on items of lower
+        tickets, already taken by programs that are running and wait on nothing. A wait is cut off after
+        `max_polls` polls and counted in `stalls` (never expected: the tests check it stays 0), so a fault cannot
+        hang the GPU. The last program to leave puts the tickets and counters back to 0 for the next launch."""
+        _dependent_launch(PDL)
+        l1_tiles = num_blocks * (inter // BN1)
+        l2_tiles = num_blocks * (hidden // BN2)
+        n_l1 = l1_tiles * SPLIT1
+        total = n_l1 + l2_tiles * SPLIT2
+        l2_cnt = cnt_ptr + l1_tiles
+        done_ptr = l2_cnt + l2_tiles  # per block: its L1 tiles written
+        ticket_ptr = done_ptr + num_blocks
+        exit_ptr = ticket_ptr + 1
+        t = tl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
+        while t < total:
+            if t < n_l1:
+                tile = t % l1_tiles
+                written = _l1_item(x_ptr, w1_ptr, s1_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr,
+                                   block_end_ptr, act_ptr, ws1_ptr, cnt_ptr, hidden, inter, num_topk, num_local,
+                                   stride_x, stride_w1, stride_s1, stride_act, clamp, tile, t // l1_tiles,
+                                   num_blocks, HAS_CLAMP, BT, BN1, DEPTH, SPLIT1, PREFETCH, NUM_STAGES, LARGE,
+                                   INTERPRET)
+                if written > 0:
+                    tl.debug_barrier()  # every thread's activation stores come before the release below
+                    tl.atomic_add(done_ptr + tile // (inter // BN1), 1, sem="release", scope="gpu")
+            else:
+                u = t - n_l1
+                tile = u % l2_tiles
+                b = tile // (hidden // BN2)
+                if tl.load(block_expert_ptr + b) < num_local:
+                    need = inter // BN1
+                    have = tl.atomic_add(done_ptr + b, 0, sem="acquire", scope="gpu")
+                    polls = have * 0
+                    while (have < need) & (polls < max_polls):
+                        have = tl.atomic_add(done_ptr + b, 0, sem="acquire", scope="gpu")
+                        polls += 1
+                    if have < need:
+                        tl.atomic_add(stalls_ptr, 1, sem="relaxed", scope="gpu")
+                _l2_item(act_ptr, w2_ptr, s2_ptr, sorted_ptr, block_expert_ptr, block_row_ptr, block_end_ptr,
+                         out_ptr, ws2_ptr, l2_cnt, hidden, inter, num_local, stride_act, stride_w2, stride_s2,
+                         stride_out, tile, u // l2_tiles, num_blocks, BT, BN2, DEPTH, SPLIT2, PREFETCH, NUM_STAGES2,
+                         LARGE, INTERPRET)
+            t = tl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
+        left = tl.atomic_add(exit_ptr, 1, sem="acq_rel", scope="gpu")
+        if left == tl.num_programs(0) - 1:  # every other program has left: no ticket is taken after this
+            tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(exit_ptr, 0, sem="relaxed", scope="gpu")
+            for i in tl.range(0, num_blocks):
+                tl.atomic_xchg(done_ptr + i, 0, sem="relaxed", scope="gpu")
 
-        acc = tl.zeros((BN, BT), dtype=tl.float32)
-        chunks = inter // (SPLIT * 64)
-        kc0 = tl.program_id(1) * chunks
-        if PREFETCH:
-            iters = chunks // DEPTH
-            aw, asw, ax = _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kc0, num_g)
-            if DEPTH >= 2:
-                bw, bsw, bx = _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kc0 + 1, num_g)
-            if DEPTH >= 4:
-                cw, csw, cx = _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kc0 + 2, num_g)
-                dw, dsw, dx = _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kc0 + 3, num_g)
-            for i in tl.range(0, iters, num_stages=1):
-                kn = kc0 + tl.minimum(i + 1, iters - 1) * DEPTH
-                aw0, asw0, ax0 = aw, asw, ax
-                aw, asw, ax = _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kn, num_g)
-                if DEPTH >= 2:
-                    bw0, bsw0, bx0 = bw, bsw, bx
-                    bw, bsw, bx = _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kn + 1, num_g)
-                if DEPTH >= 4:
-                    cw0, csw0, cx0 = cw, csw, cx
-                    dw0, dsw0, dx0 = dw, dsw, dx
-                    cw, csw, cx = _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kn + 2, num_g)
-                    dw, dsw, dx = _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kn + 3, num_g)
-                acc = _l2_mma(acc, aw0, asw0, ax0, BN, LARGE, INTERPRET)
-                if DEPTH >= 2:
-                    acc = _l2_mma(acc, bw0, bsw0, bx0, BN, LARGE, INTERPRET)
-                if DEPTH >= 4:
-                    acc = _l2_mma(acc, cw0, csw0, cx0, BN, LARGE, INTERPRET)
-                    acc = _l2_mma(acc, dw0, dsw0, dx0, BN, LARGE, INTERPRET)
-        else:
-            for kc in tl.range(kc0, kc0 + chunks, num_stages=NUM_STAGES):
-                w, sw, x = _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kc, num_g)
-                acc = _l2_mma(acc, w, sw, x, BN, LARGE, INTERPRET)
 
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        out_ptrs = out_ptr + slot[None, :].to(tl.int64) * stride_out + offs_n[:, None]
-        if SPLIT == 1:
-            tl.store(out_ptrs, jit.bf16_rne(acc), mask=row_ok[None, :])
-        else:
-            split_stride = num_blocks.to(tl.int64) * BT * hidden
-            ws = ws_ptr + a_rows[None, :].to(tl.int64) * hidden + offs_n[:, None]
-            tl.store(ws + tl.program_id(1).to(tl.int64) * split_stride, acc, mask=row_ok[None, :])
-            if _last_to_arrive(cnt_ptr + tl.program_id(0), SPLIT):
-                acc = tl.zeros((BN, BT), dtype=tl.float32)
-                for s in tl.range(0, SPLIT, num_stages=1):
-                    acc += tl.load(ws + s * split_stride, mask=row_ok[None, :], other=0.0, cache_modifier=".cg")
-                tl.store(out_ptrs, jit.bf16_rne(acc), mask=row_ok[None, :])
+def _pdl_launch(pdl: bool) -> dict:
+    """A decode kernel's PDL constexpr and, where set, the launch option that goes with it."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
+
+
+def prologue(x_fp8: torch.Tensor, x_sf: torch.Tensor, topk_idx: torch.Tensor, out: torch.Tensor, *, first_expert: int,
+             num_local_experts: int, block_t: int, pdl: bool = False):
+    """`prologue_kernel`: the tokens' exact BF16 values ``[M, H]`` (what `forward.dequantize_x` gives), `routing.route`'s
+    output for `block_t`-row blocks, and zeros written into `out`'s ``[M*K, H]`` rows of slots on no local expert;
+    `pdl`: launched with programmatic dependent launch where the device has it (`KernelConfig.pdl`)."""
+    m, hidden = x_fp8.shape
+    num_topk = topk_idx.shape[1]
+    x = torch.empty((m, hidden), dtype=torch.bfloat16, device=x_fp8.device)
+    idx = topk_idx.reshape(-1)
+    routed, args, constexprs = routing.fused_route_launch(idx, first_expert=first_expert,
+                                                          num_local_experts=num_local_experts, block_t=block_t)
+    bh = min(1024, triton.next_power_of_2(hidden))
+    prologue_kernel[(1 + m * triton.cdiv(hidden, bh),)](
+        idx, *args, x_fp8.contiguous().view(torch.uint8), x_sf.contiguous(), x, out, hidden, out.stride(0),
+        **constexprs, NUM_TOPK=num_topk, BK=triton.next_power_of_2(num_topk), BH=bh, num_warps=4,
+        **_pdl_launch(pdl and target.pdl_available(x_fp8.device)),
+    )
+    return x, routed
 
 
 def decode_forward(x: torch.Tensor, routed, weights: torch.Tensor, experts, out: torch.Tensor, *, num_topk: int,
@@ -277,11 +467,28 @@ def decode_forward(x: torch.Tensor, routed, weights: torch.Tensor, experts, out:
     act = torch.empty((nblocks * bt, inter), dtype=torch.bfloat16, device=device)
     ws1 = torch.empty((s1, nblocks * bt, 2 * inter) if s1 > 1 else (1,), dtype=torch.float32, device=device)
     ws2 = torch.empty((s2, nblocks * bt, hidden) if s2 > 1 else (1,), dtype=torch.float32, device=device)
-    counters = arrival_counters(device, max(l1_tiles, l2_tiles))
     s1w = experts.s1.reshape(num_local, -1).view(torch.int32)  # one int32 per (K block, row group, r)
     s2w = experts.s2.reshape(num_local, -1).view(torch.int32)
+    pdl = bool(config.pdl) and target.pdl_available(device)
     stream = dict(BT=bt, DEPTH=config.decode, PREFETCH=prefetch, NUM_STAGES=config.num_stages,
-                  LARGE=experts.large_scales, INTERPRET=interpret, num_warps=config.num_warps)
+                  LARGE=experts.large_scales, INTERPRET=interpret, num_warps=config.num_warps, **_pdl_launch(pdl))
+    if config.persistent:
+        # both kernels' arrival counters side by side, then per block its L1 tiles written, the ticket, the exits
+        counters = arrival_counters(device, l1_tiles + l2_tiles + nblocks + 2)
+        items = l1_tiles * s1 + l2_tiles * s2
+        programs = min(items, _PERSISTENT_PROGRAMS_PER_SM * target.sm_count(device))
+        decode_persistent_kernel[(programs,)](
+            x, experts.w1, s1w, experts.w2, s2w, sorted_slots, weights, block_expert, block_row, block_end, act, out,
+            ws1, ws2, counters, stalls(device),
+            hidden, inter, num_topk, num_local, nblocks,
+            x.stride(0), experts.w1.stride(0), s1w.stride(0), experts.w2.stride(0), s2w.stride(0), act.stride(0),
+            out.stride(0), 0.0 if clamp is None else clamp, _MAX_POLLS,
+            HAS_CLAMP=clamp is not None, BN1=config.l1_n, BN2=config.l2_n, SPLIT1=s1, SPLIT2=s2,
+            NUM_STAGES2=config.l2_stages or config.num_stages, **stream,
+            **({} if interpret else {"maxnreg": config.maxnreg or _PERSISTENT_MAXNREG}),
+        )
+        return
+    counters = arrival_counters(device, max(l1_tiles, l2_tiles))
     decode_l1_kernel[(l1_tiles, s1)](
         x, experts.w1, s1w, sorted_slots, weights, block_expert, block_row, block_end, act, ws1, counters,
         hidden, inter, num_topk, num_local,
@@ -293,5 +500,6 @@ def decode_forward(x: torch.Tensor, routed, weights: torch.Tensor, experts, out:
         act, experts.w2, s2w, sorted_slots, block_expert, block_row, block_end, out, ws2, counters,
         hidden, inter, num_local,
         act.stride(0), experts.w2.stride(0), s2w.stride(0), out.stride(0),
-        BN=config.l2_n, SPLIT=s2, **stream, **config.launch_registers("L2"),
+        BN=config.l2_n, SPLIT=s2, **{**stream, "NUM_STAGES": config.l2_stages or config.num_stages},
+        **config.launch_registers("L2"),
     )

@@ -8,19 +8,20 @@ import torch
 from planc.kernels.megamoe.triton import decode, fp8, hopper_prefill, hopper_prefill_ws, jit, target
 from planc.kernels.megamoe.triton.config import KernelConfig, pick_config
 from planc.kernels.megamoe.triton.layout import PackedExperts
-from planc.kernels.megamoe.triton.routing import route
+from planc.kernels.megamoe.triton.routing import FUSED_ROUTE_MAX_SLOTS, route
 from planc.kernels.megamoe.triton.target import triton
 
 
 def device_config(num_rows: int, num_local_experts: int, hidden: int, inter: int, device: torch.device,
-                  fp8: bool | None = None) -> KernelConfig:
+                  fp8: bool | None = None, num_experts: int | None = None) -> KernelConfig:
     """`pick_config` for this device: its SM count and whether the Gluon kernels (and the warp-specialized L2) and
     FP8 MMAs run on it (what a forward without an explicit config runs; the benchmark's sweep marks it); `fp8=False`:
-    the pick without the FP8 path's rows."""
+    the pick without the FP8 path's rows; `num_experts`: the layer's global expert count (None: all are local)."""
     return pick_config(num_rows, num_local_experts, hidden, inter, target.sm_count(device),
                        gluon=hopper_prefill.gluon_unavailable_reason(device) is None,
                        warp_specialized=hopper_prefill_ws.unavailable_reason is None,
-                       fp8=target.has_fp8_mma(device) if fp8 is None else fp8 and target.has_fp8_mma(device))
+                       fp8=target.has_fp8_mma(device) if fp8 is None else fp8 and target.has_fp8_mma(device),
+                       num_experts=num_experts)
 
 
 def bf16_clamp(activation_clamp: float | None) -> float | None:
@@ -80,17 +81,18 @@ def triton_local_experts_forward(
     *,
     first_expert: int,
     activation_clamp: float | None,
+    num_experts: int | None = None,
     config: KernelConfig | None = None,
 ) -> torch.Tensor:
     """`reference.local_experts_forward` on packed FP4 weights: BF16 ``[M, K, H]`` slot outputs, zeros for
-    slots whose expert is not in ``[first_expert, first_expert + E_loc)``."""
+    slots whose expert is not in ``[first_expert, first_expert + E_loc)``. Without a `config`, the tiles are picked
+    for the rows the local experts receive of the layer's `num_experts` (`config.local_rows`)."""
     m, k = topk_idx.shape
     hidden, inter, num_local = experts.hidden, experts.intermediate, experts.num_local_experts
     device = x_fp8.device
-    out = torch.zeros((m * k, hidden), dtype=torch.bfloat16, device=device)
     if m == 0:
-        return out.view(m, k, hidden)
-    cfg = config or device_config(m * k, num_local, hidden, inter, device)
+        return torch.zeros((m, k, hidden), dtype=torch.bfloat16, device=device)
+    cfg = config or device_config(m * k, num_local, hidden, inter, device, num_experts=num_experts)
     cfg = cfg.fit(hidden, inter)
     interpret = target.interpreting()
     race = None if interpret else cfg.pipeline_race(target.REGISTER_PREFETCH)
@@ -101,12 +103,21 @@ def triton_local_experts_forward(
     if cfg.fp8:
         return fp8.fp8_local_experts_forward(x_fp8, x_sf, topk_idx, topk_weights, experts, first_expert=first_expert,
                                              clamp=clamp, config=cfg)
-    x = dequantize_x(x_fp8, x_sf)  # read by the L1 kernel by token
     weights = topk_weights.reshape(-1).float().contiguous()
+    prefetch = bool(cfg.prefetch) and target.REGISTER_PREFETCH
+    if cfg.decode and cfg.prologue and m * k <= FUSED_ROUTE_MAX_SLOTS:
+        # one launch routes, dequantizes the tokens and zeroes the slots of no local expert; then L1 and L2
+        out = torch.empty((m * k, hidden), dtype=torch.bfloat16, device=device)
+        x, routed = decode.prologue(x_fp8, x_sf, topk_idx, out, first_expert=first_expert,
+                                    num_local_experts=num_local, block_t=cfg.block_t, pdl=bool(cfg.pdl))
+        decode.decode_forward(x, routed, weights, experts, out, num_topk=k, clamp=clamp, config=cfg,
+                              prefetch=prefetch, interpret=interpret)
+        return out.view(m, k, hidden)
+    out = torch.zeros((m * k, hidden), dtype=torch.bfloat16, device=device)
+    x = dequantize_x(x_fp8, x_sf)  # read by the L1 kernel by token
     sorted_slots, block_expert, block_row, block_end = route(
         topk_idx, first_expert=first_expert, num_local_experts=num_local, block_t=cfg.block_t
     )
-    prefetch = bool(cfg.prefetch) and target.REGISTER_PREFETCH
     if cfg.decode:
         decode.decode_forward(x, (sorted_slots, block_expert, block_row, block_end), weights, experts, out,
                               num_topk=k, clamp=clamp, config=cfg, prefetch=prefetch, interpret=interpret)

@@ -273,8 +273,12 @@ if triton is not None:
     def dequant_x_kernel(q_ptr, sf_ptr, out_ptr, hidden, BH: tl.constexpr):
         """FP8 bytes times their UE8M0 scales -> BF16 (exact: an e4m3 value times a power of two), for one row and
         BH channels: what L1 reads."""
-        row = tl.program_id(0).to(tl.int64)
-        col = tl.program_id(1) * BH + tl.arange(0, BH)
+        dequant_x_chunk(q_ptr, sf_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), hidden, BH)
+
+    @triton.jit
+    def dequant_x_chunk(q_ptr, sf_ptr, out_ptr, row, chunk, hidden, BH: tl.constexpr):
+        """`dequant_x_kernel`'s arithmetic for channels [chunk * BH, +BH) of `row` (int64)."""
+        col = chunk * BH + tl.arange(0, BH)
         ok = col < hidden
         b = tl.load(q_ptr + row * hidden + col, mask=ok, other=0).to(tl.int32)
         s = tl.load(sf_ptr + row * (hidden // 32) + col // 32, mask=ok, other=0).to(tl.int32)

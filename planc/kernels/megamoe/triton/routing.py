@@ -33,7 +33,10 @@ def route(topk_idx: torch.Tensor, *, first_expert: int, num_local_experts: int, 
     return route_torch(topk_idx, first_expert=first_expert, num_local_experts=num_local_experts, block_t=block_t)
 
 
-def route_fused(topk_idx: torch.Tensor, *, first_expert: int, num_local_experts: int, block_t: int):
+def fused_route_launch(topk_idx: torch.Tensor, *, first_expert: int, num_local_experts: int, block_t: int):
+    """The outputs of `jit.route_kernel` (sorted slots, the 3 block arrays as one tensor), and its arguments after
+    `topk_idx` and its constexprs: for `route_fused` and for a kernel that routes in one of its programs
+    (`decode.prologue_kernel`)."""
     device = topk_idx.device
     num_slots = topk_idx.numel()
     nb = max_blocks(num_slots, num_local_experts, block_t)
@@ -41,12 +44,17 @@ def route_fused(topk_idx: torch.Tensor, *, first_expert: int, num_local_experts:
     blocks = torch.empty((3, nb), dtype=torch.int32, device=device)
     be = triton.next_power_of_2(num_local_experts + 1)
     scratch = torch.empty((3, be), dtype=torch.int32, device=device)
-    jit.route_kernel[(1,)](
-        topk_idx.reshape(-1), sorted_slots, blocks, scratch, num_slots, first_expert, num_local_experts, nb,
-        BS=triton.next_power_of_2(num_slots), BE=be, BB=triton.next_power_of_2(nb), BT=block_t,
-        LOG_BE=be.bit_length() - 1, num_warps=4,
-    )
-    return sorted_slots, blocks[0], blocks[1], blocks[2]
+    args = (sorted_slots, blocks, scratch, num_slots, first_expert, num_local_experts, nb)
+    constexprs = dict(BS=triton.next_power_of_2(num_slots), BE=be, BB=triton.next_power_of_2(nb), BT=block_t,
+                      LOG_BE=be.bit_length() - 1)
+    return (sorted_slots, blocks[0], blocks[1], blocks[2]), args, constexprs
+
+
+def route_fused(topk_idx: torch.Tensor, *, first_expert: int, num_local_experts: int, block_t: int):
+    routed, args, constexprs = fused_route_launch(topk_idx, first_expert=first_expert,
+                                                  num_local_experts=num_local_experts, block_t=block_t)
+    jit.route_kernel[(1,)](topk_idx.reshape(-1), *args, **constexprs, num_warps=4)
+    return routed
 
 
 def route_torch(topk_idx: torch.Tensor, *, first_expert: int, num_local_experts: int, block_t: int):

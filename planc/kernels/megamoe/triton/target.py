@@ -63,6 +63,22 @@ def _triton_at_least(major: int, minor: int) -> bool:
 # pipeline (`num_stages` cp.async buffers; `num_stages` means nothing to the prefetch loop).
 REGISTER_PREFETCH = triton is not None and _triton_at_least(3, 5)
 
+# Programmatic dependent launch (`KernelConfig.pdl`): a kernel launched with it may start while the kernel before it
+# on the stream still runs, and waits (`griddepcontrol.wait`) before it touches memory that kernel wrote. Hopper
+# (sm_90) and later; Triton exposes it from 3.4 (`gdc_wait`, `launch_pdl`).
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - an older Triton (or none): no kernel asks for it there
+    gdc_launch_dependents = gdc_wait = None
+
+
+def pdl_available(device: torch.device) -> bool:
+    """Whether a kernel can be launched with programmatic dependent launch on `device`: compiled (not interpreted),
+    a Triton that has it, sm_90 or later."""
+    return (gdc_wait is not None and not interpreting() and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
 TUNED_SMS = 132  # the H200 the table was tuned on (`config`): the SM count assumed off the GPU (the interpreter)
 
 

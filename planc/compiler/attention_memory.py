@@ -1,0 +1,81 @@
+"""What an attention kernel holds of the S x S scores, beyond the layer's shapes: eager's score dtypes, which differ
+by family, and sdpa's math path, which torch takes on a CPU when the query and value head widths differ (MLA).
+
+Eager attention is each family's own `eager_attention_forward` in transformers 5.25: gpt-oss keeps its scores, the
+sink column and the softmax in the model dtype, OpenAI's privacy filter runs the softmax in fp32
+(`softmax(..., dtype=float32)`), Flint upcasts q and k before QK^T and stays in fp32 to the softmax. How many
+[B, heads, S, S(+1)] tensors are alive at once, and in which dtype, is the family's row
+(`planc.compiler.family_memory`: `eager_scores`, `eager_softmax_fp32`, `eager_qk_fp32`).
+
+sdpa on a CPU runs its fused flash kernel only when q, k and v have one head width; otherwise (MLA: q/k
+`qk_nope + qk_rope`, v `v_head_dim`) torch falls back to `_scaled_dot_product_attention_math`, which upcasts a bf16
+q, k and v to fp32, scales q, and holds the fp32 `q @ k^T` and its sum with the mask at once (softmax follows when
+the product is freed). On CUDA the memory-efficient kernel takes different value widths: no scores there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from planc.compiler.family_memory import FamilyMemory
+
+if TYPE_CHECKING:
+    from planc.compiler.peak_memory import LayerShape
+
+FP32 = 4
+
+
+def eager_prefill(elements: int, a: int, fam: FamilyMemory) -> int:
+    """Bytes of the score tensors eager attention holds at once at its peak in a prefill, `elements` each: the
+    family's count in the model dtype (`a` bytes) and in fp32."""
+    in_model, in_fp32 = fam.eager_scores
+    return elements * (in_model * a + in_fp32 * FP32)
+
+
+def eager_kept_fp32(elements: int, tokens: int, s: LayerShape, fam: FamilyMemory) -> int:
+    """What eager keeps for backward beyond its model-dtype probabilities: the fp32 softmax output (a softmax in fp32,
+    cast back for the output matmul) and the fp32 q and repeated k of an fp32 QK^T."""
+    n = elements * FP32 if fam.eager_softmax_fp32 else 0
+    if fam.eager_qk_fp32:
+        n += tokens * FP32 * (s.q + s.heads * s.head_dim)
+    return n
+
+
+def runs_sdpa_math(s: LayerShape, device_type: str) -> bool:
+    """sdpa falls back to its math path: on a CPU, with a value head width other than the query's (MLA)."""
+    if device_type != "cpu" or s.attn_impl != "sdpa" or s.attention == "linear" or not s.heads or not s.kv_heads:
+        return False
+    return s.q // s.heads != s.v // s.kv_heads
+
+
+def with_sdpa_math(shapes: list[LayerShape], device_type: str) -> list[LayerShape]:
+    """The layers with `sdpa_math` set where torch takes sdpa's math path on `device_type`."""
+    return [replace(s, sdpa_math=True) if runs_sdpa_math(s, device_type) else s for s in shapes]
+
+
+def sdpa_math_prefill(s: LayerShape, batch: int, seq: int) -> int:
+    """sdpa's math path at its peak in a prefill: two fp32 [B, heads, S, S] (q @ k^T and its sum with the mask) and
+    fp32 q, scaled q, k and v."""
+    tokens = batch * seq
+    return 2 * FP32 * batch * s.heads * seq * seq + tokens * FP32 * (2 * s.q + s.k + s.v)
+
+
+def sdpa_math_kept(s: LayerShape, batch: int, seq: int) -> int:
+    """What sdpa's math path keeps for backward: the fp32 softmax output [B, heads, S, S] and the fp32 scaled q, k
+    and v its matmuls read. An MLA layer's saved q, k and v (`peak_memory.layer_saved`) were read off the CPU grid,
+    where this path runs: they hold the fp32 copies already."""
+    qkv = 0 if s.attention == "mla" else batch * seq * FP32 * (s.q + s.k + s.v)
+    return FP32 * batch * s.heads * seq * seq + qkv
+
+
+def mla_efficient_kept(s: LayerShape, a: int) -> int:
+    """Bytes per token an MLA layer keeps for backward around sdpa's memory-efficient kernel (CUDA): the query and the
+    key it builds (`cat`, `new_empty` + copies), kv_b's output (the value is a view of it; counted as k + v wide, its
+    k_nope and value halves bound above), the kernel's output and the output projection's input (or the output gate's
+    product: either way two [tokens, heads x v_head_dim]), and the fp32 log-sum-exp."""
+    return a * (s.q + 2 * s.k + 3 * s.v) + FP32 * s.heads
+
+
+__all__ = ["eager_kept_fp32", "eager_prefill", "mla_efficient_kept", "runs_sdpa_math", "sdpa_math_kept",
+           "sdpa_math_prefill", "with_sdpa_math"]
