@@ -876,11 +876,14 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
         kv[s.cache_kind] = kv.get(s.cache_kind, 0) + held
     cache = sum(kv.values())
     masks = _masks(shapes, batch, seq, a)
-    if streams > 1:
-        # DeepSeek-V4's hyper-connection streams, alive through the forward, and a mixer's fp32 flattening and norm
-        # at once: three fp32-sized [tokens, streams, hidden] (the grid's DeepSeek-V4 serve points, docs/memory.md)
-        masks += 3 * tokens * FP32 * streams * hidden
     transients = []
+    if streams > 1:
+        # hyper-connection streams [tokens, streams, hidden] in the model dtype (DeepSeek-V4, HY-V4): a layer's input,
+        # which the decoder loop still holds, and the attention's post-mixed residual live through its MLP
+        masks += 2 * tokens * a * streams * hidden
+        # a mixer flattens the streams to fp32 and squares them for its norm (HY-V4's `input_norm`), then weights them
+        # in fp32 (`pre * streams`): two fp32 copies besides the streams, a transient of its own
+        transients.append(("hyper-connection mixer (fp32 streams)", 2 * tokens * FP32 * streams * hidden))
     for s in shapes:
         if s.mlp == "moe":
             # all_reduce EP at inference: every rank runs its experts over all tokens' top-k slots: the slots'
