@@ -59,6 +59,12 @@ class FamilyMemory:
     eager_softmax_fp32: bool = False
     # eager upcasts q and k for QK^T (`matmul(query.float(), key.float())`): training keeps fp32 q and repeated k
     eager_qk_fp32: bool = False
+    # SwiGLU evaluated in fp32 (`act_fn(gate.float()) * up.float()`) in the experts' `_apply_gate` and the dense MLP
+    swiglu_fp32: bool = False
+    # two more RMSNorms over the hidden in each layer (after the attention and after the MLP: Gemma's sandwich)
+    sandwich_norms: bool = False
+    # the norm's weight multiplies the fp32 normalized states, `(weight * x).to(dtype)`: the fp32 states are kept
+    norm_weight_fp32: bool = False
     unpriced: tuple[str, ...] = ()
     measured: bool = True  # in the grid of docs/memory.md
 
@@ -119,7 +125,8 @@ FAMILIES: dict[str, FamilyMemory] = {
     # DeepSeek-V3's router: F.linear(x.type(float32), w.type(float32)), sigmoid, the gathered weights kept fp32
     "axk1": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
     "axk2": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
-    "beam": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    # ...and Beam evaluates SwiGLU in fp32 in its experts (`_apply_gate`) and dense MLP
+    "beam": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, swiglu_fp32=True),
     "deepseek_v32": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
     "exaone_moe": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
     "glm_moe_dsa": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
@@ -145,8 +152,10 @@ FAMILIES: dict[str, FamilyMemory] = {
     # bias in every attention layer (sdpa drops it, but it is built); its `hybrid`/`hybrid_sliding` layers (short
     # convolutions on keys, values and both residual branches, in fp32) are flagged as layer types planc does not know
     "inkling_text": FamilyMemory(router_input_fp32=True, relative_position_bias=True),
+    # the router Linear in the model dtype, `.to(float32)`, sigmoid: fp32 weights, no fp32 input copy; AfMoE's layer
+    # normalizes before and after both attention and MLP, each norm `(weight * x_fp32).to(dtype)`
+    "afmoe": FamilyMemory(routing_weights_fp32=True, sandwich_norms=True, norm_weight_fp32=True),
     # the router Linear in the model dtype, `.to(float32)`, sigmoid: fp32 weights, no fp32 input copy
-    "afmoe": FamilyMemory(routing_weights_fp32=True),
     "minimax_m3_vl_text": FamilyMemory(routing_weights_fp32=True),
     # softmax over the top-k logits in the model dtype
     "aria_text": FamilyMemory(),

@@ -287,7 +287,9 @@ def attention_implementation(walk: ModelWalk) -> str:
 
 # Layer types whose cache transformers keeps as a sliding window (after a prefill the layer still holds all S tokens'
 # storage: `DynamicSlidingWindowLayer` trims at the next update)
-_WINDOWED = {"sliding_attention", "chunked_attention"}
+# Unlimited-OCR's reference sliding window (`reference_sliding_attention`) keeps every prefill token for good and slides
+# over decoded ones: a prefill holds all S tokens, as a sliding layer does
+_WINDOWED = {"sliding_attention", "chunked_attention", "reference_sliding_attention"}
 _LINEAR = {"linear_attention"}
 
 
@@ -567,10 +569,11 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
     # MLP: its input norm + output (a one-mixer block has one norm, counted above)
     if s.mlp != "none" and s.attention != "none":
         n += t * (_norm(hidden, a) + a * hidden)
+        n += t * family_norms_kept(fam, hidden, a)
     if s.mlp == "none":
         pass
     elif s.mlp == "dense":
-        n += t * 4 * a * s.intermediate
+        n += t * 4 * a * s.intermediate + t * swiglu_fp32_kept(fam, s.intermediate)
     else:
         e, k = s.num_experts, s.top_k
         n += t * (FP32 * e + 8 * k + FP32 * k + FP32)  # router softmax, top-k ids and weights
@@ -582,7 +585,32 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
             rows = max(rows, s.local_experts * per_rank)
         n += rows * a * (hidden + 4 * s.moe_intermediate) + per_rank * k * a * hidden
         n += t * 4 * a * s.shared
+        n += rows * swiglu_fp32_kept(fam, s.moe_intermediate) + t * swiglu_fp32_kept(fam, s.shared)
     return n
+
+
+def family_norms_kept(fam: FamilyMemory, hidden: int, a: int) -> int:
+    """Bytes per token a layer's norms keep beyond the input and MLP norms `layer_saved` counts: a sandwich layer's
+    two more norms over the hidden (after the attention and after the MLP), and, where the norm's weight multiplies
+    the fp32 normalized states (`(weight * x).to(dtype)`), that fp32 product's input in place of the model dtype's,
+    in each norm."""
+    norms = 2 + (2 if fam.sandwich_norms else 0)
+    extra = 2 * (_norm(hidden, a) + a * hidden) if fam.sandwich_norms else 0
+    return extra + (norms * (FP32 - a) * hidden if fam.norm_weight_fp32 else 0)
+
+
+def swiglu_fp32_kept(fam: FamilyMemory, width: int) -> int:
+    """Bytes per row training keeps beyond the model dtype's gate/up/activation where the family evaluates SwiGLU in
+    fp32 (`act_fn(gate.float()) * up.float()`): the fp32 gate the activation's backward reads, the fp32 activation
+    and up the product's backward reads."""
+    return 3 * FP32 * width if fam.swiglu_fp32 else 0
+
+
+def softcapped_logits_kept(config: Mapping[str, Any], a: int) -> int:
+    """Bytes per (token, vocab entry) a soft-capped head adds to training's loss (`final_logit_softcapping`:
+    `tanh(logits.float() / cap) * cap`, as Gemma 2-4, Beam and Muse Spark run it): tanh's fp32 output, kept for its
+    backward, and the logits the forward returns in fp32 instead of the model dtype."""
+    return 2 * FP32 - a if _get(config, "final_logit_softcapping") else 0
 
 
 def routed_rows(tokens: int, tp: int, top_k: int, capacity_factor: float) -> int:
@@ -705,8 +733,10 @@ def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], tr
     if workload == "train":
         if train is None:
             raise ValueError("peak_memory: a training workload needs the model states (train_memory)")
-        best = _train_peak(train, shapes, hidden, vocab, a, batch, seq, rows, tp, ckpt, fam, optimizer, hc)
-        worst = _train_peak(train, shapes, hidden, vocab, a, batch, seq, worst_rows, tp, ckpt, fam, optimizer, hc)
+        softcap = softcapped_logits_kept(config, a) * batch * seq * vocab
+        best = _train_peak(train, shapes, hidden, vocab, a, batch, seq, rows, tp, ckpt, fam, optimizer, hc, softcap)
+        worst = _train_peak(train, shapes, hidden, vocab, a, batch, seq, worst_rows, tp, ckpt, fam, optimizer, hc,
+                            softcap)
     else:
         params = compiled.bytes_per_rank - _fp4_saving(compiled, shapes, hidden, a)
         buf, work, mm_notes, mm_unpriced = _megamoe(compiled.experts_settings.megamoe, shapes, hidden, tokens, ep)
@@ -749,8 +779,7 @@ def _with_workspaces(m: _Moment, workspaces: int) -> _Moment:
 # what the model prices: attention kernels (flash-attention and flex never hold the S x S scores, priced as sdpa),
 # and the layer types whose cache it knows
 _PRICED_ATTENTION = {"sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", "paged_attention"}
-_PRICED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "linear_attention",
-                       indexer_memory.INDEXED}
+_PRICED_LAYER_TYPES = {"full_attention", "linear_attention", indexer_memory.INDEXED, *_WINDOWED}
 
 
 def unpriced_features(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any],
@@ -777,7 +806,7 @@ def unpriced_features(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[s
 
 def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab: int, a: int, batch: int, seq: int,
                 rows: int, tp: int, ckpt: str, fam: FamilyMemory, optimizer: str,
-                hc: Optional[HyperConnectionLayer] = None) -> _Moment:
+                hc: Optional[HyperConnectionLayer] = None, softcap: int = 0) -> _Moment:
     recomputes = ACTIVATION_CHECKPOINTING_MODES[ckpt].recomputes_layers
     params, grads, optim = train.parameter_bytes, train.gradients, train.optimizer
     tokens = batch * seq
@@ -802,7 +831,8 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
         recompute = max(saved_layers, default=0)
     else:
         kept, recompute = sum(saved_layers), 0
-    loss = 3 * FP32 * tokens * vocab  # log-softmax (kept), its gradient, the logits' gradient: fp32 [tokens, vocab]
+    # log-softmax (kept), its gradient, the logits' gradient: fp32 [tokens, vocab]; a soft-capped head's fp32 chain
+    loss = 3 * FP32 * tokens * vocab + softcap
     fsdp = train.shards
     gathered = (train.gathered_root + train.gathered_layer) if fsdp else 0
     if fsdp:
@@ -826,7 +856,8 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
     if fsdp:
         # lm_head's backward: the gradients of the log-softmax and of the logits (fp32) and the logits' gradient cast
         # to the compute dtype, while FSDP2 all-gathers the next unit to run backward (its buffer: one unit)
-        moments[LAST_LAYER_BACKWARD] = params + optim + kept + head + (2 * FP32 + a) * tokens * vocab + gathered + prefetch
+        moments[LAST_LAYER_BACKWARD] = (params + optim + kept + head + (2 * FP32 + a) * tokens * vocab + softcap + gathered
+                                        + prefetch)
     moment = max(moments, key=lambda m: moments[m])
     forward_side = moment in ("loss backward (fp32 logits and loss)", LAST_LAYER_BACKWARD)
     breakdown = [("parameters", params), ("gradients", 0 if forward_side else grads),
@@ -991,11 +1022,14 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
     masks = _masks(shapes, batch, seq, a)
     if fam.residual_fp32:  # the residual stream in fp32 rather than the model dtype, through the forward
         masks += tokens * hidden * (FP32 - a)
-    if streams > 1:
-        # DeepSeek-V4's hyper-connection streams, alive through the forward, and a mixer's fp32 flattening and norm
-        # at once: three fp32-sized [tokens, streams, hidden] (the grid's DeepSeek-V4 serve points, docs/memory.md)
-        masks += 3 * tokens * FP32 * streams * hidden
     transients = []
+    if streams > 1:
+        # hyper-connection streams [tokens, streams, hidden] in the model dtype (DeepSeek-V4, HY-V4): a layer's input,
+        # which the decoder loop still holds, and the attention's post-mixed residual live through its MLP
+        masks += 2 * tokens * a * streams * hidden
+        # a mixer flattens the streams to fp32 and squares them for its norm (HY-V4's `input_norm`), then weights them
+        # in fp32 (`pre * streams`): two fp32 copies besides the streams, a transient of its own
+        transients.append(("hyper-connection mixer (fp32 streams)", 2 * tokens * FP32 * streams * hidden))
     for s in shapes:
         if s.mlp == "moe":
             # all_reduce EP at inference: every rank runs its experts over all tokens' top-k slots: the slots'

@@ -290,3 +290,36 @@ def test_cuda_prices_cublas_workspaces_per_handle_and_card():
     train = memory(*MIXTRAL, "--train", "--batch", "1", "--seq", "512", "--device-memory", "H100")
     assert train["breakdown"][key] == 66 * mib and train["adamw_step"] == "for-loop"
     assert memory(*MIXTRAL, "--train", "--batch", "1", "--seq", "512", "--device-type", "cpu")["adamw_step"] == "for-loop"
+
+
+# ParaM2-MoE ties its embedding to lm_head (`tie_word_embeddings`); the plan `planc init` writes at tp 2, narrowed
+PARAM2 = {"version": 1, "model": {"type": "param2moe"}, "parallel": {"tp_size": 2, "ep_size": 2, "dp_size": 1},
+          "experts": {"implementation": "grouped_mm", "ep_implementation": "auto"},
+          "tp_plan": {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.k_proj": "colwise",
+                      "model.layers.*.self_attn.v_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise",
+                      "model.layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+                      "model.layers.*.self_attn.k_norm": "replicated_with_grad_allreduce"},
+          "ep_plan": {"model.layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+                      "model.layers.*.mlp.experts.down_proj": "grouped_gemm",
+                      "model.layers.*.mlp.experts": "ep_dispatch_experts"}}
+PARAM2_NARROW = {"hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 2,
+                 "vocab_size": 4096}
+
+
+def test_the_harness_holds_tied_weights_once(tmp_path):
+    """The harness materializes the model as `planc.load` does, so a tied embedding and lm_head stay one tensor and
+    rank 0's measured parameters are the bytes `planc explain` counts, to the byte (`to_empty` split them: every
+    tied family measured one more embedding a rank, up to 1.1 GiB)."""
+    import yaml
+
+    point = {"family": "param2moe", "mode": "serve", "batch": 1, "seq": 64, "overrides": PARAM2_NARROW, "dp": 1,
+             "plan": PARAM2, "root": str(REPO)}
+    run = subprocess.run([sys.executable, "-m", "planc.verification.memory", json.dumps(point)], cwd=REPO,
+                         env=checkout_env(), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    measured = json.loads(run.stdout.strip().splitlines()[-1])["by_category"]["_MemRefType.PARAM"]
+    path = tmp_path / "param2moe.yaml"
+    path.write_text(yaml.safe_dump(PARAM2))
+    sets = [a for k, v in PARAM2_NARROW.items() for a in ("--set", f"{k}={v}")]
+    predicted = memory(str(path), *sets, "--serve", "--batch", "1", "--seq", "64")["breakdown"]["parameters"]
+    assert measured == predicted, (measured, predicted)
