@@ -1082,10 +1082,11 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
                                attention_memory.sdpa_math_prefill(s, batch, seq) + attn))
         else:
             transients.append(("attention workspace", attn))
-        if s.indexer_heads:  # the indexer runs before the attention, under no_grad: its scores are gone when it starts
+        if s.indexer_heads:
+            # the indexer runs inside the attention, once its q/k/v are projected (the attention's workspace alive),
+            # and its scores are freed before the attention's own: a transient beside the attention's, not on top
             transients.append(("sparse attention indexer (fp32 scores)",
-                               indexer_memory.prefill_bytes(batch, seq, s.indexer_heads, s.indexer_dim)
-                               + tokens * a * 3 * hidden))
+                               indexer_memory.prefill_bytes(batch, seq, s.indexer_heads, s.indexer_dim) + attn))
     transients.append(("logits (last token)", batch * vocab * (a + FP32) * 2))
     worst = max(transients, key=lambda kv: kv[1]) if transients else ("none", 0)
     dedup: dict[str, int] = {}
