@@ -166,8 +166,8 @@ LAYERS: dict[str, dict] = {
 }
 
 POINTS = {"serve": (1, 1024), "replicate": (1, 1024)}
-# Prefill shapes per family measured after the pricing of its first points was written: the held-out check (the
-# same tokens in two sequences; twice the tokens)
+# Prefill shapes per family measured to check the pricing on points it was not written against (the same tokens in
+# two sequences; twice the tokens); a cached point kept from the pricing until it was written says `held_out`
 HELD_OUT = {"serve": ((2, 512), (1, 2048))}
 # Kimi Delta Attention keeps several fp32 [tokens, heads, 64, key_dim] chunk tensors per layer for backward: 1024
 # tokens would not fit the shared machine. Jamba's slow Mamba scan is a Python loop over the tokens: 1024 of them
@@ -310,9 +310,10 @@ def table(cache: dict, predictions: dict) -> str:
         par = p["plan"]["parallel"]
         changed = ", ".join(f"{k.rsplit('.', 1)[-1]} {v}" for k, v in SHRINK.get(p["family"], {}).items()) or "-"
         layers = next((v for k, v in p["overrides"].items() if k.rsplit(".", 1)[-1] in _LAYER_COUNTS), "default")
-        held = (p["batch"], p["seq"]) in HELD_OUT.get(p["mode"], ())
+        held = entry.get("held_out", False)
         error = pred["peak_per_rank"] / entry["peak"] - 1
-        verdict = "flagged" if pred.get("unpriced") else "validated"
+        verdict = ("no verdict" if not pred.get("validated", True) else "flagged" if pred.get("unpriced")
+                   else "validated")
         rows.append(f"| {p['family']} | {p['mode']} | tp {par['tp_size']} / ep {par.get('ep_size', 1)} | {layers} | "
                      f"{changed} | {p['batch']} x {p['seq']} | {pred['peak_per_rank'] / 2**30:.3f} | "
                      f"{entry['peak'] / 2**30:.3f} | {error:+.1%} | {'held out' if held else 'fit'} | {verdict} | "

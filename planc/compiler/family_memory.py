@@ -137,6 +137,24 @@ FAMILIES: dict[str, FamilyMemory] = {
     # F.linear(x.float(), w.float()), sigmoid, weights kept fp32 (its fp32 combine of routed and shared output is
     # one [tokens, hidden] pair after the experts' output stage)
     "hy_v3": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    # HY-V4 (and its VL model's text decoder) route as DeepSeek-V3 does: an fp32 router input, the weights kept fp32;
+    # their hyper-connection streams are the layer's (planc.compiler.deepseek_v4_memory's rule, read from HY-V4)
+    "hy_v4": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "hy_v4_vl": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "hy_v4_vl_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    # the families whose default configs cannot be built (their points take a checkpoint's values,
+    # bench/memory_grid_families.py's CONFIG): an fp32 router input and fp32 weights (DeepSeek-OCR 2's DeepSeek-V3
+    # router, dots.llm1, Hunyuan-A13B whose gate weight is fp32, Muse Spark)
+    "deepseek_ocr2": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "deepseek_ocr2_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "dots1": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "hunyuan_v1_moe": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    # routers in the model dtype throughout (Cohere 2 MoE, Qwen3-Omni's thinker, Qwen4-Exp); LFM2-MoE's has no row:
+    # its short-convolution layers are not priced, and its prefill point measured 0.3% above the prediction
+    "cohere2_moe": FamilyMemory(),
+    "qwen3_omni_moe_thinker": FamilyMemory(),
+    "qwen3_omni_moe_text": FamilyMemory(),
+    "qwen4_exp_text": FamilyMemory(),
     # F.linear(x.float(), w.float()); softmax (Mistral Large 4, LongCat-Flash: `.to(router_logits.dtype)`, fp32) or
     # softmax(dtype=float32) (Unlimited-OCR), the gathered weights kept fp32
     "mistral_large4": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),

@@ -800,7 +800,8 @@ def unpriced_features(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[s
         types -= {deepseek_v4_memory.CSA, deepseek_v4_memory.HCA}
     odd = sorted(t for t in types if t not in _PRICED_LAYER_TYPES)
     if odd:
-        out.append(f"layer types {', '.join(odd)}: their caches and kernels are priced as full attention")
+        out.append(f"layer types {', '.join(odd)}: their caches and kernels are priced as full attention, with an fp32 "
+                   "copy of q/k/v and of both residual branches in a prefill (on the safe side)")
     return out
 
 
@@ -1063,6 +1064,10 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
         if s.attention == "none":
             continue
         attn = tokens * (a * (2 * s.q + 3 * s.k + 2 * s.v) + a * 3 * hidden)
+        if s.layer_type not in _PRICED_LAYER_TYPES and s.attention != "linear":
+            # a layer type planc does not know (flagged): on the safe side, an fp32 copy of its q/k/v and of both
+            # residual branches (what Inkling's fp32 short convolutions on keys, values and the residuals hold)
+            attn += tokens * FP32 * (s.q + s.k + s.v + 2 * hidden)
         if fam.full_width_qk_norm:
             attn += tokens * (FP32 + a) * (s.q + s.k)
         if fam.qk_norm_fp32:
