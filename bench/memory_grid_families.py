@@ -308,7 +308,9 @@ def table(cache: dict, predictions: dict) -> str:
         entry, pred = cache[key], predictions[key]
         p = entry["point"]
         par = p["plan"]["parallel"]
-        changed = ", ".join(f"{k.rsplit('.', 1)[-1]} {v}" for k, v in SHRINK.get(p["family"], {}).items()) or "-"
+        changed = ", ".join([*(f"{k.rsplit('.', 1)[-1]} {v}" for k, v in SHRINK.get(p["family"], {}).items()),
+                             *([f"a checkpoint's {', '.join(CONFIG[p['family']])}"] if p["family"] in CONFIG else [])])
+        changed = changed or "-"
         layers = next((v for k, v in p["overrides"].items() if k.rsplit(".", 1)[-1] in _LAYER_COUNTS), "default")
         held = entry.get("held_out", False)
         error = pred["peak_per_rank"] / entry["peak"] - 1
