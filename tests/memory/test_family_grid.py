@@ -36,10 +36,10 @@ def test_the_committed_families_grid_is_predicted_again():
     for key, real in cache.items():
         point, predicted = real["point"], predictions[key]
         error = predicted["peak_per_rank"] / real["peak"] - 1
-        validated = point["plan"]["model"]["type"] in FAMILIES
-        assert validated == predicted["validated"] and (validated or predicted["unpriced"]), (
+        validated = predicted["validated"]
+        assert (validated <= (point["plan"]["model"]["type"] in FAMILIES)) and (validated or predicted["unpriced"]), (
             f"{point['family']}: not validated, yet explain does not say so")
-        if not validated:  # no verdict: the number is printed as possibly low
+        if not validated:  # no verdict (no row, or a point its row does not back): printed as possibly low
             checked.add(point["family"])
             continue
         ok = error >= 0 if predicted["unpriced"] else -UNDER <= error <= OVER
