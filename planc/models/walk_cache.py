@@ -3,7 +3,7 @@
 Building a full-size model on `meta` takes seconds, nearly all of it importing torch and transformers; the compiler
 and the memory model read only its walk (planc.compiler.walk_data). `explain_walk` looks for the walk under a key of
 everything the walk depends on: the model type, the config values given (`--config`, `--set`), `--dtype`, the
-installed transformers version, the walk format and the source of the code that makes and reads walks. A
+installed transformers version, the walk format and the source of the code that builds the model and makes and reads walks. A
 transformers config is a function of its model type, the values given and the transformers version, so the key
 stands for the full config after overrides without building it. A hit reads JSON and imports neither torch nor
 transformers; a miss builds the model, walks it and stores the walk.
@@ -29,8 +29,8 @@ KEEP = 64  # walks kept in the user's cache (the most recently written); a walk 
 SHIPPED = Path(__file__).resolve().parent / "walks"
 # keys of a saved config.json that are metadata, not constructor arguments
 CONFIG_METADATA = ("model_type", "architectures", "transformers_version", "auto_map", "_name_or_path")
-# the code that makes and reads a walk: its source is part of the key
-_WALK_CODE = ("compiler/walk.py", "compiler/walk_data.py", "models/walk_cache.py")
+# the code that builds the model, makes and reads a walk: its source is part of the key
+_WALK_CODE = ("compiler/walk.py", "compiler/walk_data.py", "models/walk_cache.py", "models/build.py")
 
 
 def enabled() -> bool:
