@@ -3,9 +3,9 @@
 Building a full-size model on `meta` takes seconds, nearly all of it importing torch and transformers; the compiler
 and the memory model read only its walk (planc.compiler.walk_data). `explain_walk` looks for the walk under a key of
 everything the walk depends on: the model type, the config values given (`--config`, `--set`), `--dtype`, the
-installed transformers version, the walk format and the source of the code that builds the model and makes and reads walks. A
-transformers config is a function of its model type, the values given and the transformers version, so the key
-stands for the full config after overrides without building it. A hit reads JSON and imports neither torch nor
+installed transformers version, the walk format and the source of the code that builds the model and makes and reads
+walks. A transformers config is a function of its model type, the values given and the transformers version, so the
+key stands for the full config after overrides without building it. A hit reads JSON and imports neither torch nor
 transformers; a miss builds the model, walks it and stores the walk.
 
 Where walks are: the user's cache (`$XDG_CACHE_HOME/planc/walks`, else `~/.cache/planc/walks`), then the walks of the
