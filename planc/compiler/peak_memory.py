@@ -727,6 +727,9 @@ def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], tr
     # DeepSeek Sparse Attention's indexer over more than one sequence: two held-out prefills at 2 x 512 measured 4.0%
     # and 9.4% above the prediction (Mistral Large 4, A.X K2; docs/memory.md): no verdict there until it is priced
     batch_unbacked = batch > 1 and any(s.indexer_heads for s in shapes)
+    if workload == "train" and fam.measured and not fam.train_measured:
+        unpriced.append("this family's training is not in the memory grid (planc.compiler.family_memory's "
+                        "NO_TRAINING_POINT: its prefills hold; its training may be low); no verdict")
     if batch_unbacked:
         unpriced.append("DeepSeek Sparse Attention's indexer over more than one sequence: measured up to 9.4% above "
                         "the prediction at batch 2 (docs/memory.md); no verdict")
@@ -767,9 +770,11 @@ def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], tr
         kv_cache=tuple(kv), routed_rows=rows if top_k and routed else 0,
         routed_rows_worst=worst_rows if top_k and routed else 0,
         worst_case_peak=worst[1], capacity_factor=capacity_factor, checkpointing=ckpt, notes=tuple(notes),
-        unpriced=tuple(unpriced), validated=fam.measured and not batch_unbacked,
-        why_not_validated=("DeepSeek Sparse Attention's indexer over more than one sequence is not priced"
-                           if fam.measured and batch_unbacked else PeakMemory.why_not_validated),
+        unpriced=tuple(unpriced), validated=fam.measured and not batch_unbacked and (
+            workload != "train" or fam.train_measured),
+        why_not_validated=(PeakMemory.why_not_validated if not fam.measured
+                           else "DeepSeek Sparse Attention's indexer over more than one sequence is not priced"
+                           if batch_unbacked else "the memory grid has not measured this family's training"),
     )
 
 
