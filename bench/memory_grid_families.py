@@ -226,17 +226,16 @@ def _other_towers(config, text_path: tuple, path: tuple = ()) -> dict:
     """`{dotted key: 1}` for the layer count of every sub-config of `config` not on `text_path`."""
     out = {}
     for attr in getattr(type(config), "sub_configs", None) or {}:
-        sub = getattr(config, attr, None)
-        if sub is None or (*path, attr) == text_path[: len(path) + 1]:
-            if sub is not None and (*path, attr) != text_path:
-                out.update(_other_towers(sub, text_path, (*path, attr)))
+        sub, here = getattr(config, attr, None), (*path, attr)
+        if sub is None or here == text_path:
             continue
-        for k in (*_LAYER_COUNTS, "depth", "encoder_layers"):
-            if isinstance(getattr(sub, k, None), int):
-                if getattr(sub, k) > 1:
-                    out[".".join((*path, attr, k))] = 1
-                break
-        out.update(_other_towers(sub, (), (*path, attr)))
+        on_path = here == text_path[: len(here)]  # a config holding the text decoder (Qwen3-Omni's thinker)
+        if not on_path:  # a tower of its own: one layer
+            count = next((k for k in (*_LAYER_COUNTS, "depth", "encoder_layers")
+                          if isinstance(getattr(sub, k, None), int)), None)
+            if count is not None and getattr(sub, count) > 1:
+                out[".".join((*here, count))] = 1
+        out.update(_other_towers(sub, text_path if on_path else (), here))
     return out
 
 

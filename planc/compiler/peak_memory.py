@@ -418,14 +418,20 @@ def mamba2_layer(config: Mapping[str, Any]) -> LinearAttention:
     )
 
 
+def _mamba2_widths(lin: LinearAttention) -> dict[str, int]:
+    """A Mamba2 layer's widths as planc.compiler.ssm_memory names them (`mamba2_layer` stores them as a linear
+    attention's: B/C groups as key heads, d_state as the key width)."""
+    return dict(heads=lin.value_heads, head_dim=lin.value_dim, d_state=lin.key_dim, groups=lin.key_heads,
+                chunk=lin.chunk)
+
+
 def linear_prefill(s: LayerShape, a: int, batch: int, seq: int) -> int:
     """Bytes a linear-attention layer's prefill allocates at its peak, without its kernels."""
     lin = s.linear
     if lin is None:
         return 0
     if lin.scan == "mamba2":
-        return ssm_memory.mamba2_prefill_bytes(heads=lin.value_heads, head_dim=lin.value_dim, d_state=lin.key_dim,
-                                               groups=lin.key_heads, chunk=lin.chunk, batch=batch, seq=seq, a=a)
+        return ssm_memory.mamba2_prefill_bytes(**_mamba2_widths(lin), batch=batch, seq=seq, a=a)
     return batch * seq * _linear_work(s, a)
 
 
@@ -437,8 +443,7 @@ def linear_saved(s: LayerShape, a: int, batch: int, seq: int) -> int:
     if lin is None:
         return 0
     if lin.scan == "mamba2":
-        return ssm_memory.mamba2_saved_bytes(heads=lin.value_heads, head_dim=lin.value_dim, d_state=lin.key_dim,
-                                             groups=lin.key_heads, chunk=lin.chunk, batch=batch, seq=seq, a=a)
+        return ssm_memory.mamba2_saved_bytes(**_mamba2_widths(lin), batch=batch, seq=seq, a=a)
     if lin.scan == "chunk_per_key":
         # `chunk_kimi_delta_attention` keeps its three per-key chunk tensors (the decay mask, `k_beta * key * decay`
         # and every chunk's `q_i * k_i * decay`), and about 34 fp32 [tokens, heads, key_dim]: the fp32 casts and
@@ -553,8 +558,9 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
     elif s.attn_impl == "eager":
         # q, k, v after rotary, the probabilities the output matmul keeps, K and V repeated to every head, the
         # argmax indices of the sink's max subtraction (int64 per head and token)
-        n += t * a * (2 * s.q + 4 * s.k) + eager_scores(s, batch, seq, a) + _repeat_kv(s, t, a)
-        n += attention_memory.eager_kept_fp32(eager_scores(s, batch, seq, 1), t, s, fam)
+        elements = eager_scores(s, batch, seq, 1)
+        n += t * a * (2 * s.q + 4 * s.k) + elements * a + _repeat_kv(s, t, a)
+        n += attention_memory.eager_kept_fp32(elements, t, s, fam)
         n += t * 8 * s.heads if s.sinks else t * FP32 * s.heads * seq
     else:
         n += t * (a * (2 * s.q + 4 * s.k) + FP32 * s.heads)
@@ -1089,13 +1095,12 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
         if fam.complex_rope_fp32:
             attn += tokens * 2 * FP32 * (s.q + s.k)
         attn += relative_bias_bytes(s, batch, seq, a)
-        scores = eager_scores(s, batch, seq, a)
-        if scores:
+        elements = eager_scores(s, batch, seq, 1)
+        if elements:
             # the family's [B, h, S, S(+1)] score tensors at once (gpt-oss: scores x scale + mask, the sink column
             # joined, the max subtracted, softmax: three in the model dtype); K and V repeated to every head
             transients.append(("eager attention (S x S scores)",
-                               attention_memory.eager_prefill(eager_scores(s, batch, seq, 1), a, fam)
-                               + _repeat_kv(s, tokens, a) + attn))
+                               attention_memory.eager_prefill(elements, a, fam) + _repeat_kv(s, tokens, a) + attn))
         elif s.sdpa_math:
             transients.append(("sdpa math path (fp32 S x S scores)",
                                attention_memory.sdpa_math_prefill(s, batch, seq) + attn))
