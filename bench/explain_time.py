@@ -17,25 +17,21 @@ import argparse
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+import machine  # noqa: E402  (same directory)
+
 
 def wall(cmd: list[str], env: dict[str, str]) -> float:
     cache = tempfile.mkdtemp(prefix="planc-explain-time-")
-    start = time.perf_counter()
-    r = subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                       env={**env, "XDG_CACHE_HOME": cache})
-    elapsed = time.perf_counter() - start
-    shutil.rmtree(cache, ignore_errors=True)
-    if r.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr[-500:]}")
-    return elapsed
+    try:
+        return machine.wall(cmd, REPO, {**env, "XDG_CACHE_HOME": cache})
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 def main() -> int:

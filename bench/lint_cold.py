@@ -16,26 +16,17 @@ import glob
 import os
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from machine import wall  # noqa: E402  (same directory)
 
 
 def tool(name: str) -> list[str] | None:
     local = os.path.join(os.path.dirname(sys.executable), name)
     found = local if os.path.exists(local) else shutil.which(name)
     return [found] if found else None
-
-
-def wall(cmd: list[str]) -> float:
-    start = time.perf_counter()
-    r = subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    elapsed = time.perf_counter() - start
-    if r.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr[-500:]}")
-    return elapsed
 
 
 def main() -> int:
@@ -53,10 +44,10 @@ def main() -> int:
     cjs = cjs_exe + ["--schemafile", "schemas/plan.schema.json", *rel]
 
     times: dict[str, list[float]] = {"planc": [], "check-jsonschema": []}
-    wall(planc), wall(cjs)  # warm-up: OS file cache, .pyc files
+    wall(planc, REPO), wall(cjs, REPO)  # warm-up: OS file cache, .pyc files
     for _ in range(args.runs):
-        times["planc"].append(wall(planc))
-        times["check-jsonschema"].append(wall(cjs))
+        times["planc"].append(wall(planc, REPO))
+        times["check-jsonschema"].append(wall(cjs, REPO))
 
     print(f"{len(files)} plan files, {args.runs} cold runs each (python {sys.version.split()[0]}, {os.cpu_count()} cpus)")
     print(f"  planc:            {' '.join(planc[-2:])}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
+import time
 
 
 def describe(device: str = "cpu", *, world: int | None = None, threads: bool = False, load: bool = False) -> str:
@@ -23,3 +25,13 @@ def describe(device: str = "cpu", *, world: int | None = None, threads: bool = F
         if load and hasattr(os, "getloadavg"):
             what += f" (load {os.getloadavg()[0]:.1f} at the end)"
     return f"{what}, torch {torch.__version__}, transformers {transformers.__version__}"
+
+
+def wall(cmd: list[str], cwd: str, env: dict[str, str] | None = None) -> float:
+    """Seconds `cmd` takes in a fresh process (its output discarded); SystemExit with its stderr's end if it fails."""
+    start = time.perf_counter()
+    r = subprocess.run(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    elapsed = time.perf_counter() - start
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr[-500:]}")
+    return elapsed
