@@ -57,6 +57,9 @@ class FamilyMemory:
     # eager's softmax runs in fp32 and is cast back (`softmax(..., dtype=float32).to(dtype)`): training keeps its
     # fp32 output beside the cast probabilities the output matmul reads
     eager_softmax_fp32: bool = False
+    # eager subtracts the row max in every layer, with or without a sink column (MiMo-V2-Flash's
+    # `eager_attention_forward`): backward keeps the max's int64 indices and no fp32 softmax
+    eager_max_subtracted: bool = False
     # eager upcasts q and k for QK^T (`matmul(query.float(), key.float())`): training keeps fp32 q and repeated k
     eager_qk_fp32: bool = False
     # SwiGLU evaluated in fp32 (`act_fn(gate.float()) * up.float()`) in the experts' `_apply_gate` and the dense MLP
@@ -245,6 +248,23 @@ FAMILIES: dict[str, FamilyMemory] = {
     # KV cache plus a conv state and the last token's delayed value, `hybrid_sliding` the same over a window
     "zaya": FamilyMemory(layer_types=(("hybrid", "full_attention"), ("hybrid_sliding", "sliding_attention")),
                          residual_fp32=True),
+    # --- families new to the grid (GLM-4.5V, MiMo-V2-Flash, Step 3.5), each read from its transformers 5.25 modeling
+    # file; checked on this box's CPU at 1 x 256 and 1 x 512 prefills (-0.3% to -0.1%), not yet at the grid's points:
+    # `measured=False` (no verdict) until they are in bench/memory_grid_families.json
+    # modeling_glm4v_moe.py: GLM-4.5's router (`F.linear(hidden.type(float32), weight.type(float32))`, sigmoid, the
+    # gathered weights kept fp32, the gate weight kept fp32) and attention (partial rotary, cos/sin in the model dtype)
+    "glm4v_moe": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, measured=False),
+    "glm4v_moe_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, measured=False),
+    # modeling_mimo_v2_flash.py: DeepSeek-V3's router (fp32 input, sigmoid, fp32 weights); eager only (sdpa has no
+    # sinks). Its `eager_attention_forward` rebinds one name at each step (scores x scale, + mask, the sink column
+    # joined in sliding layers, the max subtracted, softmax in the model dtype): two [B, h, S, S(+1)] at once
+    "mimo_v2_flash": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, eager_scores=(2, 0),
+                                  eager_max_subtracted=True, measured=False),
+    # modeling_step3p7.py (`step3p5`, the text decoder of Step 3.7): the router Linear in the model dtype,
+    # `sigmoid(logits.float())`, the gathered weights kept fp32; q_norm/k_norm per head `_norm(x.float()) *
+    # (1 + weight.float())` (two fp32 copies of q at once); every RMSNorm keeps its fp32 normalized states
+    "step3p5": FamilyMemory(routing_weights_fp32=True, qk_norm_fp32=True, norm_weight_fp32=True, measured=False),
+    "step3p7": FamilyMemory(routing_weights_fp32=True, qk_norm_fp32=True, norm_weight_fp32=True, measured=False),
 }
 
 # Families whose prefills the grid validated but whose training it has not (no training point: the H100 time was
