@@ -249,12 +249,13 @@ FAMILIES: dict[str, FamilyMemory] = {
     "zaya": FamilyMemory(layer_types=(("hybrid", "full_attention"), ("hybrid_sliding", "sliding_attention")),
                          residual_fp32=True),
     # --- families new to the grid (GLM-4.5V, MiMo-V2-Flash, Step 3.5), each read from its transformers 5.25 modeling
-    # file; GLM-4.5V and Step 3.5 checked on this box's CPU at 1 x 256 prefills (-0.2%, -0.1%), not yet at the grid's
-    # points: `measured=False` (no verdict) until they are in bench/memory_grid_families.json
+    # file. Step 3.5 is checked on this box's CPU at a 1 x 256 prefill (-0.1%), not yet at the grid's points:
+    # `measured=False` (no verdict) until they are in bench/memory_grid_families.json; GLM-4.5V has its 1 x 1024
+    # prefill and no training point yet
     # modeling_glm4v_moe.py: GLM-4.5's router (`F.linear(hidden.type(float32), weight.type(float32))`, sigmoid, the
     # gathered weights kept fp32, the gate weight kept fp32) and attention (partial rotary, cos/sin in the model dtype)
-    "glm4v_moe": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, measured=False),
-    "glm4v_moe_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, measured=False),
+    "glm4v_moe": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, train_measured=False),
+    "glm4v_moe_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, train_measured=False),
     # modeling_mimo_v2_flash.py: DeepSeek-V3's router (fp32 input, sigmoid, fp32 weights); eager only (sdpa has no
     # sinks). Its `eager_attention_forward` rebinds one name at each step (scores x scale, + mask, the sink column
     # joined in sliding layers, the max subtracted, softmax in the model dtype): two [B, h, S, S(+1)] at once
