@@ -249,7 +249,7 @@ FAMILIES: dict[str, FamilyMemory] = {
     "zaya": FamilyMemory(layer_types=(("hybrid", "full_attention"), ("hybrid_sliding", "sliding_attention")),
                          residual_fp32=True),
     # --- families new to the grid (GLM-4.5V, MiMo-V2-Flash, Step 3.5), each read from its transformers 5.25 modeling
-    # file. Step 3.5 is checked on this box's CPU at a 1 x 256 prefill (-0.1%), not yet at the grid's points:
+    # file. Step 3.5 is checked on this box's CPU at 1 x 256 and 1 x 512 prefills (-0.1%, -0.2%), not at the grid's:
     # `measured=False` (no verdict) until they are in bench/memory_grid_families.json; GLM-4.5V has its 1 x 1024
     # prefill and no training point yet
     # modeling_glm4v_moe.py: GLM-4.5's router (`F.linear(hidden.type(float32), weight.type(float32))`, sigmoid, the
