@@ -68,6 +68,10 @@ class FamilyMemory:
     sandwich_norms: bool = False
     # the norm's weight multiplies the fp32 normalized states, `(weight * x).to(dtype)`: the fp32 states are kept
     norm_weight_fp32: bool = False
+    # the attention's inputs are a block attention residual's fp32 outputs (Inkling 2's `BlockAttentionResidual`: an
+    # eager attention of learned queries over the fp32 stacked block states): this many fp32 [tokens, hidden] and
+    # their normed model-dtype copies alive through the attention (Inkling 2's full layers: 3, its sliding ones 1)
+    block_residual_inputs: int = 0
     unpriced: tuple[str, ...] = ()
     measured: bool = True  # in the grid of docs/memory.md
     # a training step of the family is in the grid too: without one, `--train` gets no verdict (three families whose
@@ -81,6 +85,14 @@ class FamilyMemory:
 KDA_BACKWARD = ("Kimi Delta Attention's backward (its three per-key chunk tensors kept and three more in its backward, "
                 "with every gradient but the embedding's counted; measured 4-11% less: Kimi Linear at 1 x 256 on "
                 "CPU, Ling's hybrid and GLM-5-Next at 1 x 1024 on an H100)")
+
+INKLING2 = FamilyMemory(
+    routing_weights_fp32=True, router_input_fp32=True, relative_position_bias=True, eager_scores=(2, 2),
+    eager_softmax_fp32=True, block_residual_inputs=3, train_measured=False,
+    unpriced=("Inkling 2's block attention residuals over fp32 stacked block states, its fp32 short convolutions "
+              "(dynamic ones on keys and values) and fp32 expert accumulation, priced on the safe side (its prefills "
+              "measured 0.9-11.8% less)",),
+)
 
 FAMILIES: dict[str, FamilyMemory] = {
     # softmax(router_logits.float()), top-k weights kept fp32
@@ -266,6 +278,16 @@ FAMILIES: dict[str, FamilyMemory] = {
     # (1 + weight.float())` (two fp32 copies of q at once); every RMSNorm keeps its fp32 normalized states
     "step3p5": FamilyMemory(routing_weights_fp32=True, qk_norm_fp32=True, norm_weight_fp32=True, measured=False),
     "step3p7": FamilyMemory(routing_weights_fp32=True, qk_norm_fp32=True, norm_weight_fp32=True, measured=False),
+    # modeling_inkling2.py and modeling_inkling2_loop.py (the text decoders): the router on `hidden.float()` with an
+    # fp32 weight, sigmoid, the gathered weights fp32 into an fp32 expert accumulation; eager only, over a dense
+    # relative-position bias and a per-token sink: scores x scale, + bias, + mask rebind one name (two in the model
+    # dtype at once), the sink column joined and `.float()`, the softmax in fp32, then `[..., :-1].to(dtype)`: two
+    # [B, h, S, S(+1)] in the model dtype and two in fp32 at its peak; its full layers' query, key and value inputs
+    # are three fp32 block-residual mixes (on every layer here: the safe side). What it runs beyond these is flagged
+    "inkling2": INKLING2,
+    "inkling2_text": INKLING2,
+    "inkling2_loop": INKLING2,
+    "inkling2_loop_text": INKLING2,
 }
 
 # Families whose prefills the grid validated but whose training it has not: no training point (Gemma 4, FlexOlmo

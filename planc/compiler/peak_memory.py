@@ -1088,6 +1088,9 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
         if s.attention == "none":
             continue
         attn = tokens * (a * (2 * s.q + 3 * s.k + 2 * s.v) + a * 3 * hidden)
+        # a block attention residual's fp32 mixes feeding the attention (Inkling 2's full layers: query, key and value
+        # each their own), each with its own norm's model-dtype output, alive through it (family_memory)
+        attn += tokens * hidden * fam.block_residual_inputs * (FP32 + a)
         if s.layer_type not in _PRICED_LAYER_TYPES and s.attention != "linear":
             # a layer type planc does not know (flagged): on the safe side, an fp32 copy of its q/k/v and of both
             # residual branches (what Inkling's fp32 short convolutions on keys, values and the residuals hold)
