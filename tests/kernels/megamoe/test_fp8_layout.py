@@ -1,0 +1,110 @@
+"""The FP8 wgmma path's weight layout (`layout.shuffle_fp4_e4m3`) and activation order, on CPU.
+
+The Gluon kernels that read them (`hopper_fp8`) run only on a Hopper GPU (`test_triton_gpu.py` checks their outputs
+against the float64 emulation); here the layout itself: every e2m1 code lands in the word, nibble and sign bit the
+kernel's expansion reads for its MMA position (`layout.fp8_k_order`), the UE8M0 bytes in the scale word of its row and
+K block, L1's rows in L2's K order, and the activations in the same order (`fp8.x_blocks(permute=True)`, under the
+interpreter).
+"""
+
+import pytest
+import torch
+
+from planc.kernels.megamoe.quant import float_to_ue8m0_bytes, quantize_experts_fp4, quantize_fp8
+from planc.kernels.megamoe.triton import target
+from planc.kernels.megamoe.triton.layout import (
+    E4m3Experts,
+    PackedExperts,
+    fp8_k_order,
+    shuffle_fp4,
+    unshuffle_fp4,
+)
+from tests.kernels.megamoe.common import full_weights
+from tests.kernels.megamoe.emulation import E2M1, fp8_weights, round_e4m3
+
+
+def test_unshuffle_undoes_the_bf16_layout():
+    g = torch.Generator().manual_seed(0)
+    packed = torch.randint(0, 256, (2, 32, 64), generator=g, dtype=torch.uint8)
+    scales = torch.randint(100, 140, (2, 32, 4), generator=g, dtype=torch.uint8)
+    back = unshuffle_fp4(*shuffle_fp4(packed, scales))
+    assert torch.equal(back[0], packed) and torch.equal(back[1], scales)
+
+
+def test_k_order_is_a_permutation_that_gives_each_lane_one_32_group():
+    order = fp8_k_order()
+    assert sorted(order.tolist()) == list(range(128))
+    pos = torch.arange(128)
+    lane_q = (pos // 4) % 4  # an 8-bit A fragment: lane 4 r + q holds MMA K 4 q + {0..3} (+16) of each 32-deep step
+    assert torch.equal(order // 32, lane_q)
+
+
+def decode(words: torch.Tensor, sbytes: torch.Tensor) -> torch.Tensor:
+    """One expert's FP8-layout words int32 [N, K/8] and scale bytes [N, K/32] -> float64 [N, K] weights at the MMA's
+    K positions, by the kernel's recipe: per word (8 codes of one row and 32-group) the table of the group's byte,
+    e4m3(|code| x 2**(s - ref + 1)), looked up by the magnitude nibbles, the sign from its bit; times 2**(ref - 128)."""
+    n, k = words.shape[0], 8 * words.shape[1]
+    w = (words.to(torch.int64) & 0xFFFFFFFF).view(k // 128, n // 16, 2, 8, 4, 2, 2)  # kb g sh r q sl m8
+    s = sbytes.reshape(k // 128, n, 4).long()  # [kb, row, group]
+    ref = s.amax(-1)
+    out = torch.zeros(n, k, dtype=torch.float64)
+    e2m1 = torch.tensor(E2M1, dtype=torch.float64)
+    for c in range(8):
+        h, i = divmod(c, 4)
+        mag = (w >> (4 * c)) & 7
+        sign = (w >> (8 * c + 7 if c < 4 else 8 * i + 3)) & 1
+        for kb in range(k // 128):
+            for g in range(n // 16):
+                for m8 in range(2):
+                    rows = 16 * g + 8 * m8 + torch.arange(8)  # [r]
+                    q = torch.arange(4)
+                    sq = s[kb, rows][:, q]  # [r, q]: the byte of the lane's group
+                    table = round_e4m3(e2m1[None, None, :] * torch.pow(2.0, (sq - ref[kb, rows, None] + 1).double())[
+                        ..., None])  # [r, q, 8]
+                    for sh in range(2):
+                        for sl in range(2):
+                            m = mag[kb, g, sh, :, :, sl, m8]  # [r, q]
+                            v = torch.gather(table, 2, m[..., None])[..., 0]
+                            v = torch.where(sign[kb, g, sh, :, :, sl, m8] == 1, -v, v)
+                            v = v * torch.pow(2.0, ref[kb, rows].double() - 128)[:, None]
+                            pos = 128 * kb + 32 * (2 * sh + sl) + 16 * h + 4 * q + i  # MMA K of lane q
+                            out[rows[:, None], pos[None, :]] = v
+    return out
+
+
+@pytest.mark.parametrize("spread", [False, True])
+def test_words_expand_to_the_emulated_weights_in_the_mma_k_order(spread):
+    w1, w2 = full_weights(3, num_experts=2, hidden=256, inter=128)
+    if spread:  # groups 2**-12 and 2**-30 below their block's largest: rounded on the e4m3 grid, or to 0
+        w1[:, ::3, 32:64] *= 2.0**-12
+        w2[:, 1::4, 96:128] *= 2.0**-30
+    fp4 = quantize_experts_fp4(w1, w2)
+    packed = PackedExperts.from_params(fp4.gate_up_proj, fp4.gate_up_proj_scale_inv, fp4.down_proj,
+                                       fp4.down_proj_scale_inv)
+    e4 = E4m3Experts.from_packed(packed)
+    order = fp8_k_order()
+    inter = 128
+    l1_rows = torch.cat([torch.arange(0, 2 * inter, 128)[:, None] + order[None, :]], dim=0).reshape(-1)
+    for e in range(2):
+        want1 = fp8_weights(fp4.gate_up_proj[e], float_to_ue8m0_bytes(fp4.gate_up_proj_scale_inv[e]))
+        want2 = fp8_weights(fp4.down_proj[e], float_to_ue8m0_bytes(fp4.down_proj_scale_inv[e]))
+        got1 = decode(e4.w1[e], e4.s1[e])
+        got2 = decode(e4.w2[e], e4.s2[e])
+        # MMA K position j holds weight K 128 kb + order[j]; L1's row j of each 128 is the module's row order[j]
+        perm1 = (torch.arange(0, 256, 128)[:, None] + order[None, :]).reshape(-1)
+        perm2 = (torch.arange(0, inter, 128)[:, None] + order[None, :]).reshape(-1)
+        assert torch.equal(got1, want1[l1_rows][:, perm1])
+        assert torch.equal(got2, want2[:, perm2])
+
+
+@pytest.mark.skipif(not target.interpreting(), reason="CPU tensors need Triton's interpreter")
+def test_activations_are_stored_in_the_mma_k_order():
+    from planc.kernels.megamoe.triton.fp8 import x_blocks
+
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
+    q, sf = quantize_fp8(x)
+    sf = float_to_ue8m0_bytes(sf)
+    plain, s_plain = x_blocks(q, sf)
+    permuted, s_perm = x_blocks(q, sf, permute=True)
+    perm = (torch.arange(0, 256, 128)[:, None] + fp8_k_order()[None, :]).reshape(-1)
+    assert torch.equal(permuted, plain[:, perm]) and torch.equal(s_perm, s_plain)
