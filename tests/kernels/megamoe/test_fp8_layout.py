@@ -44,40 +44,29 @@ def decode(words: torch.Tensor, sbytes: torch.Tensor) -> torch.Tensor:
     K positions, by the kernel's recipe: per word (8 codes of one row and 32-group) the table of the group's byte,
     e4m3(|code| x 2**(s - ref + 1)), looked up by the magnitude nibbles, the sign from its bit; times 2**(ref - 128)."""
     n, k = words.shape[0], 8 * words.shape[1]
-    w = (words.to(torch.int64) & 0xFFFFFFFF).view(k // 128, n // 16, 2, 8, 4, 2, 2)  # kb g sh r q sl m8
-    s = sbytes.reshape(k // 128, n, 4).long()  # [kb, row, group]
-    ref = s.amax(-1)
-    out = torch.zeros(n, k, dtype=torch.float64)
+    kbs, gs = k // 128, n // 16
+    w = (words.to(torch.int64) & 0xFFFFFFFF).view(kbs, gs, 2, 8, 4, 2, 2)  # kb g sh r q sl m8
+    s = sbytes.reshape(kbs, gs, 2, 8, 4).long().permute(0, 1, 3, 4, 2)  # kb g r q m8: row 16 g + 8 m8 + r, group q
+    ref = s.amax(3, keepdim=True)  # the row's largest byte in the K block
+    shift = (s - ref + 1).double()[:, :, None, :, :, None, :]  # broadcast over sh, sl
+    block = torch.pow(2.0, ref.double() - 128)[:, :, None, :, :, None, :]
     e2m1 = torch.tensor(E2M1, dtype=torch.float64)
-    for c in range(8):
-        h, i = divmod(c, 4)
+    vals = []
+    for c in range(8):  # code c of a word is A register h = c // 4, byte i = c % 4
         mag = (w >> (4 * c)) & 7
-        sign = (w >> (8 * c + 7 if c < 4 else 8 * i + 3)) & 1
-        for kb in range(k // 128):
-            for g in range(n // 16):
-                for m8 in range(2):
-                    rows = 16 * g + 8 * m8 + torch.arange(8)  # [r]
-                    q = torch.arange(4)
-                    sq = s[kb, rows][:, q]  # [r, q]: the byte of the lane's group
-                    table = round_e4m3(e2m1[None, None, :] * torch.pow(2.0, (sq - ref[kb, rows, None] + 1).double())[
-                        ..., None])  # [r, q, 8]
-                    for sh in range(2):
-                        for sl in range(2):
-                            m = mag[kb, g, sh, :, :, sl, m8]  # [r, q]
-                            v = torch.gather(table, 2, m[..., None])[..., 0]
-                            v = torch.where(sign[kb, g, sh, :, :, sl, m8] == 1, -v, v)
-                            v = v * torch.pow(2.0, ref[kb, rows].double() - 128)[:, None]
-                            pos = 128 * kb + 32 * (2 * sh + sl) + 16 * h + 4 * q + i  # MMA K of lane q
-                            out[rows[:, None], pos[None, :]] = v
-    return out
+        sign = (w >> (8 * c + 7 if c < 4 else 8 * (c - 4) + 3)) & 1
+        v = round_e4m3(e2m1[mag] * torch.pow(2.0, shift)) * block
+        vals.append(torch.where(sign == 1, -v, v))
+    v = torch.stack(vals, -1).view(kbs, gs, 2, 8, 4, 2, 2, 2, 4)  # kb g sh r q sl m8 h i
+    # row 16 g + 8 m8 + r; MMA K 128 kb + 32 (2 sh + sl) + 16 h + 4 q + i
+    return v.permute(1, 6, 3, 0, 2, 5, 7, 4, 8).reshape(n, k)
 
 
-@pytest.mark.parametrize("spread", [False, True])
-def test_words_expand_to_the_emulated_weights_in_the_mma_k_order(spread):
+def test_words_expand_to_the_emulated_weights_in_the_mma_k_order():
     w1, w2 = full_weights(3, num_experts=2, hidden=256, inter=128)
-    if spread:  # groups 2**-12 and 2**-30 below their block's largest: rounded on the e4m3 grid, or to 0
-        w1[:, ::3, 32:64] *= 2.0**-12
-        w2[:, 1::4, 96:128] *= 2.0**-30
+    # groups 2**-12 and 2**-30 below their block's largest: rounded on the e4m3 grid, or to 0
+    w1[:, ::3, 32:64] *= 2.0**-12
+    w2[:, 1::4, 96:128] *= 2.0**-30
     fp4 = quantize_experts_fp4(w1, w2)
     packed = PackedExperts.from_params(fp4.gate_up_proj, fp4.gate_up_proj_scale_inv, fp4.down_proj,
                                        fp4.down_proj_scale_inv)
