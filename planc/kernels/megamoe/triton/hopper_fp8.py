@@ -113,24 +113,29 @@ if hp.gluon is not None:
         return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r,r,r", [c], dtype=gl.int8, is_pure=True, pack=4)
 
     @gluon.jit
-    def expand_e4m3(w, sw, qs, AL: gl.constexpr):
-        """Words [G, 2, 32, 2, 2] and scale words [G, 32, 2] (rows r, r + 8 of each lane) -> the [16 G, 128] e4m3 A
-        operand in layout AL, and the two int32 register tensors it is made of (kept alive by the caller until the
-        wgmma that reads them is waited for)."""
-        G: gl.constexpr = w.shape[0]
+    def expand_e4m3(w, sw, qs):
+        """Words [G, 2, 32, 2, 2] and scale words [G, 32, 2] (rows r, r + 8 of each lane) -> the e4m3 A registers,
+        two int32 tensors of the words' shape (h = 0: codes 0-3, h = 1: codes 4-7; `operand` makes them the wgmma's
+        operand). An async wgmma reads its operand registers until it is waited for, and ptxas reuses a register once
+        PTX no longer uses it: the caller passes these to that wait."""
         lo, hi = gl.inline_asm_elementwise(_TABLE_PTX, "=r,=r,r,r", [sw, qs], dtype=(gl.int32, gl.int32),
                                            is_pure=True, pack=1)
         lo = gl.expand_dims(gl.expand_dims(lo, 1), 3)
         hi = gl.expand_dims(gl.expand_dims(hi, 1), 3)
         lo, _ = gl.broadcast(lo, w)
         hi, _ = gl.broadcast(hi, w)
-        d0, d1 = gl.inline_asm_elementwise(_EXPAND_E4M3_PTX, "=r,=r,r,r,r", [w, lo, hi], dtype=(gl.int32, gl.int32),
-                                           is_pure=True, pack=1)
+        return gl.inline_asm_elementwise(_EXPAND_E4M3_PTX, "=r,=r,r,r,r", [w, lo, hi], dtype=(gl.int32, gl.int32),
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def operand(d0, d1, AL: gl.constexpr):
+        """The A registers of `expand_e4m3` as the [16 G, 128] e4m3 wgmma operand in layout AL (a renaming)."""
+        G: gl.constexpr = d0.shape[0]
         b = gl.join(_bytes(d0), _bytes(d1))  # [g, sh, lane, sl, m8, i, h]
         b = gl.reshape(b, (G, 2, 8, 4, 2, 2, 4, 2))  # g sh r q sl m8 i h
         b = gl.permute(b, (0, 5, 2, 1, 4, 7, 3, 6))  # g m8 r sh sl h q i: rows, then the MMA's K
         a = gl.reshape(b, (16 * G, 128)).to(gl.float8e4nv, bitcast=True)
-        return gl.convert_layout(a, AL, assert_trivial=True), d0, d1
+        return gl.convert_layout(a, AL, assert_trivial=True)
 
     @gluon.jit
     def _row_scales(s_base, kb, n_rows, n0, BN: gl.constexpr, L: gl.constexpr):
@@ -219,26 +224,27 @@ if hp.gluon is not None:
         pa = gl.zeros([BN, ROWS], gl.float32, MMA)
         pb = gl.zeros([BN, ROWS], gl.float32, MMA)
         swb = gl.zeros([BN], gl.float32, gl.SliceLayout(1, MMA))
-        # One iteration: a's block multiplies while b's last block sum is promoted and b's next operand expanded;
-        # then b's multiplies alone until the wait for both (ptxas serializes every wgmma of the kernel when a block
-        # sum is read while a wgmma issued in the previous iteration may be in flight), and a's sum is promoted.
-        for i in range(0, k_blocks, 1 if GATED else 2):
-            st = _next_block(i, k_blocks, w_base, wa_off, wb_off, step, x_ptrs, wa_s, wb_s, x_s, STAGES, GATED)
+        STEP: gl.constexpr = 1 if GATED else 2
+        st = _next_block(0, k_blocks, w_base, wa_off, wb_off, step, x_ptrs, wa_s, wb_s, x_s, STAGES, GATED)
+        sw, qs = _expansion_scales(s_base, 0, n_rows, na0, G, WL)
+        ka0, ka1 = expand_e4m3(wa_s.index(st).load(WL), sw, qs)
+        # One iteration: a's block multiplies while b's last block sum is promoted and b's operand expanded; b's block
+        # multiplies while a's sum is promoted and the next a operand expanded (from the next stage). Each block sum is
+        # read while the other operand's wgmma is in flight, but never across the loop's back edge: there ptxas
+        # cannot tell which group a wait retired and serializes every wgmma of the kernel (C7514), so the iteration
+        # ends waiting for b. The wait after each promotion pins it before the next MMA into the same registers (sunk
+        # below it, the block sum would need a copy, which reads a wgmma's accumulator in flight).
+        for i in range(0, k_blocks, STEP):
             x_t = x_s.index(st).permute((1, 0))
-            sw, qs = _expansion_scales(s_base, i, n_rows, na0, G, WL)
-            opa, ka0, ka1 = expand_e4m3(wa_s.index(st).load(WL), sw, qs, AL)
-            pa = warpgroup_mma(opa, x_t, pa, use_acc=False, is_async=True)
+            pa = warpgroup_mma(operand(ka0, ka1, AL), x_t, pa, use_acc=False, is_async=True)
             pa, pb, ka0, ka1 = warpgroup_mma_wait(1, deps=(pa, pb, ka0, ka1))
-            # b's last block sum (its factors reloaded: fewer registers across the loop). The wait after each
-            # promotion pins it before the next MMA into the same registers: sunk below it, the block sum would need
-            # a copy, which reads a wgmma's accumulator in flight.
-            kb_prev = gl.maximum(i - 1, 0)
-            sxb = gl.load(xs_ptrs + kb_prev * total_rows)
+            # b's last block sum (its factors reloaded: fewer registers across the loop)
+            sxb = gl.load(xs_ptrs + gl.maximum(i - 1, 0) * total_rows)
             if GATED:
                 acc_b = warpgroup_mma_wait(1, deps=(acc_b + pb * (swb[:, None] * sxb[None, :]),))
                 sw, qs = _expansion_scales(s_base, i, n_rows, nb0, G, WL)
                 swb = _row_scales(s_base, i, n_rows, nb0, BN, MMA)
-                opb, kb0, kb1 = expand_e4m3(wb_s.index(st).load(WL), sw, qs, AL)
+                kb0, kb1 = expand_e4m3(wb_s.index(st).load(WL), sw, qs)
             else:
                 acc_a = warpgroup_mma_wait(1, deps=(acc_a + pb * (swb[:, None] * sxb[None, :]),))
                 st = _next_block(i + 1, k_blocks, w_base, wa_off, wb_off, step, x_ptrs, wa_s, wb_s, x_s, STAGES,
@@ -246,11 +252,19 @@ if hp.gluon is not None:
                 x_t = x_s.index(st).permute((1, 0))
                 sw, qs = _expansion_scales(s_base, i + 1, n_rows, na0, G, WL)
                 swb = _row_scales(s_base, i + 1, n_rows, na0, BN, MMA)
-                opb, kb0, kb1 = expand_e4m3(wa_s.index(st).load(WL), sw, qs, AL)
-            pb = warpgroup_mma(opb, x_t, pb, use_acc=False, is_async=True)
-            pa, pb, kb0, kb1 = warpgroup_mma_wait(0, deps=(pa, pb, kb0, kb1))
+                kb0, kb1 = expand_e4m3(wa_s.index(st).load(WL), sw, qs)
+            pb = warpgroup_mma(operand(kb0, kb1, AL), x_t, pb, use_acc=False, is_async=True)
+            pa, pb, ka0, ka1, kb0, kb1 = warpgroup_mma_wait(1, deps=(pa, pb, ka0, ka1, kb0, kb1))
             swa = _row_scales(s_base, i, n_rows, na0, BN, MMA)
-            acc_a = acc_a + pa * (swa[:, None] * gl.load(xs_ptrs + i * total_rows)[None, :])
+            sxa = gl.load(xs_ptrs + i * total_rows)
+            acc_a = warpgroup_mma_wait(1, deps=(acc_a + pa * (swa[:, None] * sxa[None, :]),))
+            # the next a operand (past the end: the last block's again, never multiplied)
+            nxt = gl.minimum(i + STEP, k_blocks - 1)
+            st = _next_block(i + STEP, k_blocks, w_base, wa_off, wb_off, step, x_ptrs, wa_s, wb_s, x_s, STAGES,
+                             GATED)
+            sw, qs = _expansion_scales(s_base, nxt, n_rows, na0, G, WL)
+            ka0, ka1 = expand_e4m3(wa_s.index(st).load(WL), sw, qs)
+            pb, kb0, kb1, ka0, ka1 = warpgroup_mma_wait(0, deps=(pb, kb0, kb1, ka0, ka1))
         # b's last block
         sxb = gl.load(xs_ptrs + (k_blocks - 1) * total_rows)
         _cp.wait_group(0)
