@@ -13,8 +13,10 @@ import torch
 from planc.kernels.megamoe.quant import float_to_ue8m0_bytes, quantize_experts_fp4, quantize_fp8
 from planc.kernels.megamoe.triton import target
 from planc.kernels.megamoe.triton.layout import (
+    E4M3_TABLE_ROWS,
     E4m3Experts,
     PackedExperts,
+    e4m3_tables,
     fp8_k_order,
     shuffle_fp4,
     unshuffle_fp4,
@@ -40,16 +42,17 @@ def test_k_order_is_a_permutation_that_gives_each_lane_one_32_group():
 
 
 def decode(words: torch.Tensor, sbytes: torch.Tensor) -> torch.Tensor:
-    """One expert's FP8-layout words int32 [N, K/8] and scale bytes [N, K/32] -> float64 [N, K] weights at the MMA's
-    K positions, by the kernel's recipe: per word (8 codes of one row and 32-group) the table of the group's byte,
-    e4m3(|code| x 2**(s - ref + 1)), looked up by the magnitude nibbles, the sign from its bit; times 2**(ref - 128)."""
+    """One expert's FP8-layout words int32 [N, K/8] and scale words (bytes) [N, K/32] -> float64 [N, K] weights at the
+    MMA's K positions, by the kernel's recipe: per word (8 codes of one row and 32-group) the table row t of its group,
+    e4m3(|code| x 2**(1 - t)), looked up by the magnitude nibbles, the sign from its bit; times 2**(ref - 128)."""
     n, k = words.shape[0], 8 * words.shape[1]
     kbs, gs = k // 128, n // 16
     w = (words.to(torch.int64) & 0xFFFFFFFF).view(kbs, gs, 2, 8, 4, 2, 2)  # kb g sh r q sl m8
-    s = sbytes.reshape(kbs, gs, 2, 8, 4).long().permute(0, 1, 3, 4, 2)  # kb g r q m8: row 16 g + 8 m8 + r, group q
-    ref = s.amax(3, keepdim=True)  # the row's largest byte in the K block
-    shift = (s - ref + 1).double()[:, :, None, :, :, None, :]  # broadcast over sh, sl
-    block = torch.pow(2.0, ref.double() - 128)[:, :, None, :, :, None, :]
+    sw = sbytes.contiguous().view(torch.int32).to(torch.int64).view(kbs, gs, 2, 8, 1)  # kb g m8 r: row 16 g + 8 m8 + r
+    t = (sw >> (8 + 5 * torch.arange(4))) & 31  # [kb, g, m8, r, q]: the table row of group q
+    ref = sw & 0xFF  # the row's block scale 2**(ref - 128)
+    shift = (1 - t).double().permute(0, 1, 3, 4, 2)[:, :, None, :, :, None, :]  # kb sh r q sl m8, broadcast over sh, sl
+    block = torch.pow(2.0, ref.double() - 128).permute(0, 1, 3, 4, 2)[:, :, None, :, :, None, :]
     e2m1 = torch.tensor(E2M1, dtype=torch.float64)
     vals = []
     for c in range(8):  # code c of a word is A register h = c // 4, byte i = c % 4
@@ -84,6 +87,16 @@ def test_words_expand_to_the_emulated_weights_in_the_mma_k_order():
         perm2 = (torch.arange(0, inter, 128)[:, None] + order[None, :]).reshape(-1)
         assert torch.equal(got1, want1[l1_rows][:, perm1])
         assert torch.equal(got2, want2[:, perm2])
+
+
+def test_tables_hold_the_emulated_e4m3_bytes():
+    """Row t, byte m: e2m1 magnitude m times 2**(1 - t) rounded to e4m3 (the emulation's rounding), as bytes."""
+    tab = e4m3_tables(torch.device("cpu"))
+    got = torch.stack([(tab >> (8 * m)) & 0xFF for m in range(8)], -1).to(torch.uint8).view(torch.float8_e4m3fn)
+    t = torch.arange(E4M3_TABLE_ROWS, dtype=torch.float64)
+    want = round_e4m3(torch.tensor(E2M1, dtype=torch.float64)[None, :] * torch.pow(2.0, 1 - t)[:, None])
+    assert torch.equal(got.double(), want)
+    assert not got[-1].double().any()  # the clamped row (a group 16+ binades below its block's largest): all zero
 
 
 @pytest.mark.skipif(not target.interpreting(), reason="CPU tensors need Triton's interpreter")

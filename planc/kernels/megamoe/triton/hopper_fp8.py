@@ -9,8 +9,9 @@ path. Here (`KernelConfig(fp8=3)`), written as the BF16 Gluon kernels (`hopper_p
   block's 64 rows its N, from shared memory;
 - the weights are in the FP8 layout (`layout.shuffle_fp4_e4m3`): each int32 word is 8 codes of one (row, 32-group),
   turned into two A-operand registers of 4 e4m3 bytes by two `prmt` lookups in the group's 8-entry table
-  (e4m3(|code| x 2**(s - ref + 1)), made by `cvt` from the UE8M0 bytes, so RNE below e4m3's normal range as the
-  numerics say) and one OR of the sign bits each: 7 instructions per 8 weights;
+  (e4m3(|code| x 2**(s - ref + 1)), RNE below e4m3's normal range as the numerics say: one of the 17 rows of
+  `layout.e4m3_tables`, an 8-byte load picked by the group's index in its row's scale word) and one OR of the sign
+  bits each: 7 instructions per 8 weights;
 - each 128-deep K block's wgmma writes a fresh FP32 block sum and is waited for one step later: the promotion
   (acc += part x sw x sx) of one block runs while the next block's MMA does, and the next operand is expanded then
   too (L1: gate and up blocks alternate; L2: K blocks in pairs);
@@ -28,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from planc.kernels.megamoe.triton import hopper_prefill as hp
+from planc.kernels.megamoe.triton.layout import e4m3_tables
 
 if hp.gluon is not None:
     import triton
@@ -40,40 +42,6 @@ if hp.gluon is not None:
 
     _async_load = hp._async_load
     _cta_barrier = hp._cta_barrier
-
-    # A (row, 128 K) scale word (its four UE8M0 bytes) and the lane's group q (as 8 q) -> the two words of the
-    # group's table: byte m = e4m3(|e2m1 code m| x 2**(s_q - ref + 1)), ref the largest byte (RNE: `cvt`).
-    _TABLE_PTX: gl.constexpr = gl.constexpr("""{
-    .reg .b32 b0, b1, b2, b3, m, s, e, f;
-    .reg .f32 x, a1, a2, a3, a4, a5, a6, a7, z;
-    .reg .b16 h0, h1, h2, h3;
-    bfe.u32 b0, $2, 0, 8;
-    bfe.u32 b1, $2, 8, 8;
-    bfe.u32 b2, $2, 16, 8;
-    shr.u32 b3, $2, 24;
-    max.u32 m, b0, b1;
-    max.u32 m, m, b2;
-    max.u32 m, m, b3;
-    bfe.u32 s, $2, $3, 8;
-    sub.s32 e, s, m;
-    max.s32 e, e, -127;
-    add.s32 e, e, 128;
-    shl.b32 f, e, 23;
-    mov.b32 x, f;
-    mov.f32 z, 0f00000000;
-    mul.f32 a1, x, 0f3F000000;
-    mul.f32 a3, x, 0f3FC00000;
-    mul.f32 a4, x, 0f40000000;
-    mul.f32 a5, x, 0f40400000;
-    mul.f32 a6, x, 0f40800000;
-    mul.f32 a7, x, 0f40C00000;
-    cvt.rn.satfinite.e4m3x2.f32 h0, a1, z;
-    cvt.rn.satfinite.e4m3x2.f32 h1, a3, x;
-    cvt.rn.satfinite.e4m3x2.f32 h2, a5, a4;
-    cvt.rn.satfinite.e4m3x2.f32 h3, a7, a6;
-    mov.b32 $0, {h0, h1};
-    mov.b32 $1, {h2, h3};
-    }""")
 
     # A word (8 codes, `layout.shuffle_fp4_e4m3`) and its table -> A registers h = 0 (codes 0-3) and h = 1 (4-7).
     _EXPAND_E4M3_PTX: gl.constexpr = gl.constexpr("""{
@@ -113,13 +81,11 @@ if hp.gluon is not None:
         return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r,r,r", [c], dtype=gl.int8, is_pure=True, pack=4)
 
     @gluon.jit
-    def expand_e4m3(w, sw, qs):
-        """Words [G, 2, 32, 2, 2] and scale words [G, 32, 2] (rows r, r + 8 of each lane) -> the e4m3 A registers,
-        two int32 tensors of the words' shape (h = 0: codes 0-3, h = 1: codes 4-7; `operand` makes them the wgmma's
-        operand). An async wgmma reads its operand registers until it is waited for, and ptxas reuses a register once
-        PTX no longer uses it: the caller passes these to that wait."""
-        lo, hi = gl.inline_asm_elementwise(_TABLE_PTX, "=r,=r,r,r", [sw, qs], dtype=(gl.int32, gl.int32),
-                                           is_pure=True, pack=1)
+    def expand_e4m3(w, lo, hi):
+        """Words [G, 2, 32, 2, 2] and their groups' tables [G, 32, 2] (`_tables`) -> the e4m3 A registers, two int32
+        tensors of the words' shape (h = 0: codes 0-3, h = 1: codes 4-7; `operand` makes them the wgmma's operand). An
+        async wgmma reads its operand registers until it is waited for, and ptxas reuses a register once PTX no longer
+        uses it: the caller passes these to that wait."""
         lo = gl.expand_dims(gl.expand_dims(lo, 1), 3)
         hi = gl.expand_dims(gl.expand_dims(hi, 1), 3)
         lo, _ = gl.broadcast(lo, w)
@@ -139,25 +105,25 @@ if hp.gluon is not None:
 
     @gluon.jit
     def _row_scales(s_base, kb, n_rows, n0, BN: gl.constexpr, L: gl.constexpr):
-        """The K block's weight block scales 2**(ref - 128) of rows n0.. [BN] (ref: the row's largest byte)."""
+        """The K block's weight block scales 2**(ref - 128) of rows n0.. [BN] (ref: the scale word's low byte)."""
         r = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, L))
-        s = gl.load(s_base + kb * n_rows + r)
-        ref = gl.maximum(gl.maximum(s & 0xFF, (s >> 8) & 0xFF), gl.maximum((s >> 16) & 0xFF, (s >> 24) & 0xFF))
+        ref = gl.load(s_base + kb * n_rows + r) & 0xFF
         bits = gl.where(ref >= 2, (ref - 1) << 23, 0x800000 >> (2 - gl.minimum(ref, 2)))
         return bits.to(gl.float32, bitcast=True)
 
     @gluon.jit
-    def _expansion_scales(s_base, kb, n_rows, n0, G: gl.constexpr, WL: gl.constexpr):
-        """The K block's scale words [G, 32, 2] in the expansion's layout (lane 4 r + q: rows 16 g + 8 m8 + r) and
-        the lanes' byte positions 8 q."""
+    def _tables(s_base, tab_ptr, kb, n_rows, n0, G: gl.constexpr, WL: gl.constexpr):
+        """The e4m3 tables (`layout.e4m3_tables`, low and high word) of each lane's 32-group in the K block, [G, 32, 2]
+        in the expansion's layout: lane 4 r + q, rows 16 g + 8 m8 + r, table index t_q of the row's scale word."""
         SL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, WL))
         g = gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, SL)))
         lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, SL)))
         m8 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, SL)))
         row = n0 + g[:, None, None] * 16 + m8[None, None, :] * 8 + (lane // 4)[None, :, None]
         sw = gl.load(s_base + kb * n_rows + row)
-        qs = gl.zeros_like(sw) + ((lane % 4) * 8)[None, :, None]
-        return sw, qs
+        t = (sw >> (8 + 5 * (lane % 4))[None, :, None]) & 31
+        tab = gl.load(tab_ptr + t)
+        return tab.to(gl.int32), (tab >> 32).to(gl.int32)
 
     @gluon.jit
     def _word_offsets(g0, num_g, G: gl.constexpr, WL: gl.constexpr):
@@ -198,7 +164,7 @@ if hp.gluon is not None:
         return kb % STAGES
 
     @gluon.jit
-    def _gemm(x_ptrs, xs_ptrs, total_rows, w_base, s_base, wa_off, wb_off, na0, nb0, n_rows, num_g, k_blocks,
+    def _gemm(x_ptrs, xs_ptrs, total_rows, w_base, s_base, tab_ptr, wa_off, wb_off, na0, nb0, n_rows, num_g, k_blocks,
               BN: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr,
               num_warps: gl.constexpr):
         """FP32 sums [BN, ROWS] of operand a (rows na0..; and b, rows nb0.., when GATED) times the block's
@@ -226,8 +192,8 @@ if hp.gluon is not None:
         swb = gl.zeros([BN], gl.float32, gl.SliceLayout(1, MMA))
         STEP: gl.constexpr = 1 if GATED else 2
         st = _next_block(0, k_blocks, w_base, wa_off, wb_off, step, x_ptrs, wa_s, wb_s, x_s, STAGES, GATED)
-        sw, qs = _expansion_scales(s_base, 0, n_rows, na0, G, WL)
-        ka0, ka1 = expand_e4m3(wa_s.index(st).load(WL), sw, qs)
+        lo, hi = _tables(s_base, tab_ptr, 0, n_rows, na0, G, WL)
+        ka0, ka1 = expand_e4m3(wa_s.index(st).load(WL), lo, hi)
         # One iteration: a's block multiplies while b's last block sum is promoted and b's operand expanded; b's block
         # multiplies while a's sum is promoted and the next a operand expanded (from the next stage). Each block sum is
         # read while the other operand's wgmma is in flight, but never across the loop's back edge: there ptxas
@@ -242,17 +208,17 @@ if hp.gluon is not None:
             sxb = gl.load(xs_ptrs + gl.maximum(i - 1, 0) * total_rows)
             if GATED:
                 acc_b = warpgroup_mma_wait(1, deps=(acc_b + pb * (swb[:, None] * sxb[None, :]),))
-                sw, qs = _expansion_scales(s_base, i, n_rows, nb0, G, WL)
+                lo, hi = _tables(s_base, tab_ptr, i, n_rows, nb0, G, WL)
                 swb = _row_scales(s_base, i, n_rows, nb0, BN, MMA)
-                kb0, kb1 = expand_e4m3(wb_s.index(st).load(WL), sw, qs)
+                kb0, kb1 = expand_e4m3(wb_s.index(st).load(WL), lo, hi)
             else:
                 acc_a = warpgroup_mma_wait(1, deps=(acc_a + pb * (swb[:, None] * sxb[None, :]),))
                 st = _next_block(i + 1, k_blocks, w_base, wa_off, wb_off, step, x_ptrs, wa_s, wb_s, x_s, STAGES,
                                  GATED)
                 x_t = x_s.index(st).permute((1, 0))
-                sw, qs = _expansion_scales(s_base, i + 1, n_rows, na0, G, WL)
+                lo, hi = _tables(s_base, tab_ptr, i + 1, n_rows, na0, G, WL)
                 swb = _row_scales(s_base, i + 1, n_rows, na0, BN, MMA)
-                kb0, kb1 = expand_e4m3(wa_s.index(st).load(WL), sw, qs)
+                kb0, kb1 = expand_e4m3(wa_s.index(st).load(WL), lo, hi)
             pb = warpgroup_mma(operand(kb0, kb1, AL), x_t, pb, use_acc=False, is_async=True)
             pa, pb, ka0, ka1, kb0, kb1 = warpgroup_mma_wait(1, deps=(pa, pb, ka0, ka1, kb0, kb1))
             swa = _row_scales(s_base, i, n_rows, na0, BN, MMA)
@@ -262,8 +228,8 @@ if hp.gluon is not None:
             nxt = gl.minimum(i + STEP, k_blocks - 1)
             st = _next_block(i + STEP, k_blocks, w_base, wa_off, wb_off, step, x_ptrs, wa_s, wb_s, x_s, STAGES,
                              GATED)
-            sw, qs = _expansion_scales(s_base, nxt, n_rows, na0, G, WL)
-            ka0, ka1 = expand_e4m3(wa_s.index(st).load(WL), sw, qs)
+            lo, hi = _tables(s_base, tab_ptr, nxt, n_rows, na0, G, WL)
+            ka0, ka1 = expand_e4m3(wa_s.index(st).load(WL), lo, hi)
             pb, kb0, kb1, ka0, ka1 = warpgroup_mma_wait(0, deps=(pb, kb0, kb1, ka0, ka1))
         # b's last block
         sxb = gl.load(xs_ptrs + (k_blocks - 1) * total_rows)
@@ -276,7 +242,7 @@ if hp.gluon is not None:
 
     @gluon.jit
     def l1_kernel(
-        x8_ptr, xs_ptr, w_ptr, s_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr, block_end_ptr,
+        x8_ptr, xs_ptr, w_ptr, s_ptr, tab_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr, block_end_ptr,
         out_ptr, outs_ptr, hidden, inter, num_topk, num_local, total_rows, stride_we, stride_se, clamp,
         HAS_CLAMP: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
     ):
@@ -304,7 +270,7 @@ if hp.gluon is not None:
             okc = tc < nrows
             slotc = gl.load(sorted_ptr + row0 + tc, mask=okc, other=0)
             out_rows = pid_b * ROWS + tc
-            acc_g, acc_u = _gemm(x_ptrs, xs_ptr + out_rows, total_rows, w_base, s_base, wg_off, wu_off, pid_n * BN,
+            acc_g, acc_u = _gemm(x_ptrs, xs_ptr + out_rows, total_rows, w_base, s_base, tab_ptr, wg_off, wu_off, pid_n * BN,
                                  inter + pid_n * BN, 2 * inter, num_g, hidden // 128, BN, ROWS, STAGES, True,
                                  num_warps)
             topw = gl.load(weight_ptr + slotc, mask=okc, other=0.0)
@@ -319,7 +285,7 @@ if hp.gluon is not None:
 
     @gluon.jit
     def l2_kernel(
-        a8_ptr, as_ptr, w_ptr, s_ptr, sorted_ptr, block_expert_ptr, block_row_ptr, block_end_ptr, out_ptr,
+        a8_ptr, as_ptr, w_ptr, s_ptr, tab_ptr, sorted_ptr, block_expert_ptr, block_row_ptr, block_end_ptr, out_ptr,
         hidden, inter, num_local, total_rows, stride_we, stride_se, stride_out,
         ROWS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
     ):
@@ -341,12 +307,22 @@ if hp.gluon is not None:
             a_ptrs = a8_ptr + rows[:, None] * inter + gl.arange(0, 128, layout=gl.SliceLayout(0, XL))[None, :]
             tc = gl.arange(0, ROWS, layout=gl.SliceLayout(0, MMA))
             okc = tc < nrows
-            acc, _ = _gemm(a_ptrs, as_ptr + pid_b * ROWS + tc, total_rows, w_base, s_base, w_off, w_off, pid_n * BN, pid_n * BN, hidden,
+            acc, _ = _gemm(a_ptrs, as_ptr + pid_b * ROWS + tc, total_rows, w_base, s_base, tab_ptr, w_off, w_off, pid_n * BN, pid_n * BN, hidden,
                            num_g, inter // 128, BN, ROWS, STAGES, False, num_warps)
             slot = gl.load(sorted_ptr + row0 + tc, mask=okc, other=0)
             offs = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
             gl.store(out_ptr + slot[None, :].to(gl.int64) * stride_out + offs[:, None], bf16_rne(acc),
                      mask=okc[None, :])
+
+
+_TABLES: dict = {}
+
+
+def tables(device) -> torch.Tensor:
+    """`layout.e4m3_tables` on `device`, made once."""
+    if device not in _TABLES:
+        _TABLES[device] = e4m3_tables(device)
+    return _TABLES[device]
 
 
 def l1(x8, xs, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act, act_s, *, clamp, num_topk,
@@ -355,7 +331,7 @@ def l1(x8, xs, w1, s1, sorted_slots, weights, block_expert, block_row, block_end
     `config.block_t` rows; `xs`: the activations' scales in block-row order [H/128, R] (`block_row_scales`)."""
     hidden, inter, num_local = x8.shape[1], w1.shape[1] // 2, w1.shape[0]
     l1_kernel[(block_expert.numel() * (inter // 128),)](
-        x8, xs, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act, act_s,
+        x8, xs, w1, s1, tables(x8.device), sorted_slots, weights, block_expert, block_row, block_end, act, act_s,
         hidden, inter, num_topk, num_local, act.shape[0], w1.stride(0), s1.stride(0), 0.0 if clamp is None else clamp,
         HAS_CLAMP=clamp is not None, ROWS=config.block_t, STAGES=config.num_stages, num_warps=8,
         **config.launch_registers(),
@@ -367,7 +343,7 @@ def l2(act, act_s, w2, s2, sorted_slots, block_expert, block_row, block_end, out
     l2_n / 16 warps)."""
     inter, hidden, num_local = act.shape[1], w2.shape[1], w2.shape[0]
     l2_kernel[(block_expert.numel() * (hidden // config.l2_n),)](
-        act, act_s, w2, s2, sorted_slots, block_expert, block_row, block_end, out,
+        act, act_s, w2, s2, tables(act.device), sorted_slots, block_expert, block_row, block_end, out,
         hidden, inter, num_local, act.shape[0], w2.stride(0), s2.stride(0), out.stride(0),
         ROWS=config.block_t, STAGES=config.num_stages, num_warps=config.l2_n // 16,
         **config.launch_registers("L2"),

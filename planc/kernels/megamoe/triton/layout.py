@@ -139,7 +139,10 @@ def size_problem(hidden: int, inter: int) -> str | None:
 #   word (kb, g, sh, lane = 4 r + q, sl, m8) at int32 offset ((((kb N/16 + g) 2 + sh) 32 + lane) 2 + sl) 2 + m8 holds
 #   codes c = 0..7: magnitude bits in nibble c's bits 0-2; the sign of code c < 4 in bit 8 c + 7 (nibble 2c + 1's bit
 #   3), of code 4 + i in bit 8 i + 3; A register h (h = 0: codes 0-3, h = 1: codes 4-7) byte i is code 4 h + i.
-#   Scales: int32 (kb, n) at offset kb N + n: the row's four UE8M0 bytes of K [128 kb, +128) (byte q: group q).
+#   Scales: int32 (kb, n) at offset kb N + n, for row n and K [128 kb, +128): bits 0-7 ref, the largest of the row's four
+#   UE8M0 bytes there (the block scale is 2**(ref - 128)); bits 8 + 5 q.. (5 bits) t_q = min(ref - s_q, 16), group q's
+#   row of `e4m3_tables` (its codes times 2**(1 - t_q); from t = 14 on every entry rounds to 0, so the clamp loses
+#   nothing these numerics keep).
 def fp8_k_order() -> torch.Tensor:
     """The weight K (0..127) at each MMA position of a 128-deep block: position 32 s + 16 h + 4 q + i <- 32 q + 8 s +
     4 h + i."""
@@ -158,7 +161,7 @@ def _e4m3_word_bits(codes: torch.Tensor) -> torch.Tensor:
 def shuffle_fp4_e4m3(packed: torch.Tensor, scales: torch.Tensor, *, reorder_rows: bool = False,
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed e2m1 uint8 ``[E, N, K/2]`` and UE8M0 bytes ``[E, N, K/32]`` -> the FP8 path's layout (above): words int32
-    ``[E, N, K/8]`` and scale bytes uint8 ``[E, N, K/32]`` (shapes kept, order changed). `reorder_rows`: L1's gate|up
+    ``[E, N, K/8]`` and scale words (as bytes) uint8 ``[E, N, K/32]`` (the same sizes). `reorder_rows`: L1's gate|up
     matrix, whose rows of each half go in `fp8_k_order` within each 128 (L1's output channels in L2's K order)."""
     e, n, kh = packed.shape
     k = 2 * kh
@@ -178,8 +181,24 @@ def shuffle_fp4_e4m3(packed: torch.Tensor, scales: torch.Tensor, *, reorder_rows
         codes = codes.permute(3, 0, 5, 2, 4, 6, 1, 7)  # kb g sh r q sl m8 c
         w = _e4m3_word_bits(codes)
         words[i] = (w - ((w >> 31) << 32)).to(torch.int32).reshape(n, k // 8)
-    sbytes = scales.reshape(e, n, kbs, 4).permute(0, 2, 1, 3).reshape(e, n, k // 32).contiguous()
+    sb = scales.reshape(e, n, kbs, 4).permute(0, 2, 1, 3).to(torch.int64)  # [E, kb, N, q]
+    ref = sb.amax(-1)
+    t = (ref[..., None] - sb).clamp(max=E4M3_TABLE_ROWS - 1)
+    word = ref | (t << (8 + 5 * torch.arange(4, device=scales.device))).sum(-1)
+    sbytes = word.to(torch.int32).view(torch.uint8).reshape(e, n, k // 32)
     return words, sbytes
+
+
+E4M3_TABLE_ROWS = 17
+
+
+def e4m3_tables(device: torch.device) -> torch.Tensor:
+    """The FP8 path's lookup tables: int64 ``[17]``, row t the e4m3 bytes of the 8 e2m1 magnitudes times 2**(1 - t)
+    (RNE, as the emulation rounds), byte m = magnitude code m (the kernel's `prmt` selects them by the codes)."""
+    mags = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    t = torch.arange(E4M3_TABLE_ROWS, dtype=torch.float32)
+    codes = (mags[None, :] * torch.pow(2.0, 1 - t)[:, None]).to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int64)
+    return (codes << (8 * torch.arange(8))).sum(-1).to(device)
 
 
 def unshuffle_fp4(words: torch.Tensor, sbytes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
