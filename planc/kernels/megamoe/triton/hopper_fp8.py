@@ -241,47 +241,86 @@ if hp.gluon is not None:
         return acc_a, acc_b
 
     @gluon.jit
+    def _l1_block(x8_ptr, xs_ptr, w_base, s_base, tab_ptr, sorted_ptr, weight_ptr, out_ptr, outs_ptr, pid_b, pid_n,
+                  row0, nrows, hidden, inter, num_topk, total_rows, clamp, HAS_CLAMP: gl.constexpr, N: gl.constexpr,
+                  ROWS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+        """L1 of the block's first N rows (of ROWS): the K loop, the SwiGLU epilogue and the output's cast (rows past
+        N are the expert's none, and L2 reads only N of them: the same branch on the same rows)."""
+        BN: gl.constexpr = 16 * num_warps
+        G: gl.constexpr = BN // 16
+        WL: gl.constexpr = words_layout(num_warps)
+        MMA: gl.constexpr = mma_layout(num_warps, N)
+        XL: gl.constexpr = _x_layout(num_warps)
+        num_g = inter // 8  # 2I rows in groups of 16
+        wg_off = _word_offsets(pid_n * G, num_g, G, WL)
+        wu_off = _word_offsets(pid_n * G + inter // 16, num_g, G, WL)
+        t = gl.arange(0, N, layout=gl.SliceLayout(1, XL))
+        ok = t < nrows
+        slot = gl.load(sorted_ptr + row0 + t, mask=ok, other=0)
+        token = gl.where(ok, slot // num_topk, 0).to(gl.int64)
+        x_ptrs = x8_ptr + token[:, None] * hidden + gl.arange(0, 128, layout=gl.SliceLayout(0, XL))[None, :]
+        tc = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
+        okc = tc < nrows
+        slotc = gl.load(sorted_ptr + row0 + tc, mask=okc, other=0)
+        out_rows = pid_b * ROWS + tc
+        acc_g, acc_u = _gemm(x_ptrs, xs_ptr + out_rows, total_rows, w_base, s_base, tab_ptr, wg_off, wu_off,
+                             pid_n * BN, inter + pid_n * BN, 2 * inter, num_g, hidden // 128, BN, N, STAGES, True,
+                             num_warps)
+        topw = gl.load(weight_ptr + slotc, mask=okc, other=0.0)
+        a = swiglu(acc_g, acc_u, topw, okc, clamp, HAS_CLAMP)  # [BN, N]
+        amax = gl.max(gl.abs(a), axis=0)
+        e = gl.minimum(_pow2_ceil_exponent(amax * (1.0 / 448.0)), 254)
+        sf_inv = (gl.minimum(gl.maximum(254 - e, 0), 254) << 23).to(gl.float32, bitcast=True)
+        q = _e4m3_bits(gl.minimum(gl.maximum(a * sf_inv[None, :], -448.0), 448.0))
+        offs = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+        gl.store(out_ptr + out_rows[None, :].to(gl.int64) * inter + offs[:, None], q)
+        gl.store(outs_ptr + pid_n * total_rows + out_rows, (e << 23).to(gl.float32, bitcast=True))
+
+    @gluon.jit
     def l1_kernel(
         x8_ptr, xs_ptr, w_ptr, s_ptr, tab_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr, block_end_ptr,
         out_ptr, outs_ptr, hidden, inter, num_topk, num_local, total_rows, stride_we, stride_se, clamp,
         HAS_CLAMP: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
     ):
-        """L1 of one block of ROWS rows and 128 gate (and 128 up) channels in FP8, the SwiGLU epilogue, and the
-        output's e4m3 cast per (row, 128 channels): `fp8.fp8_l1_kernel`'s numerics."""
-        BN: gl.constexpr = 16 * num_warps
-        G: gl.constexpr = BN // 16
-        WL: gl.constexpr = words_layout(num_warps)
-        MMA: gl.constexpr = mma_layout(num_warps, ROWS)
-        XL: gl.constexpr = _x_layout(num_warps)
+        """L1 of one block of up to ROWS rows and 128 gate (and 128 up) channels in FP8, the SwiGLU epilogue, and the
+        output's e4m3 cast per (row, 128 channels): `fp8.fp8_l1_kernel`'s numerics. A block of at most half ROWS
+        rows (an expert's last) runs an MMA half as wide."""
         pid_b, pid_n, expert, row0, nrows = hp.program_block(block_expert_ptr, block_row_ptr, block_end_ptr,
-                                                             inter // BN)
+                                                             inter // (16 * num_warps))
         if expert < num_local:
             w_base = w_ptr + expert.to(gl.int64) * stride_we
             s_base = s_ptr + expert.to(gl.int64) * stride_se
-            num_g = inter // 8  # 2I rows in groups of 16
-            wg_off = _word_offsets(pid_n * G, num_g, G, WL)
-            wu_off = _word_offsets(pid_n * G + inter // 16, num_g, G, WL)
-            t = gl.arange(0, ROWS, layout=gl.SliceLayout(1, XL))
-            ok = t < nrows
-            slot = gl.load(sorted_ptr + row0 + t, mask=ok, other=0)
-            token = gl.where(ok, slot // num_topk, 0).to(gl.int64)
-            x_ptrs = x8_ptr + token[:, None] * hidden + gl.arange(0, 128, layout=gl.SliceLayout(0, XL))[None, :]
-            tc = gl.arange(0, ROWS, layout=gl.SliceLayout(0, MMA))
-            okc = tc < nrows
-            slotc = gl.load(sorted_ptr + row0 + tc, mask=okc, other=0)
-            out_rows = pid_b * ROWS + tc
-            acc_g, acc_u = _gemm(x_ptrs, xs_ptr + out_rows, total_rows, w_base, s_base, tab_ptr, wg_off, wu_off, pid_n * BN,
-                                 inter + pid_n * BN, 2 * inter, num_g, hidden // 128, BN, ROWS, STAGES, True,
-                                 num_warps)
-            topw = gl.load(weight_ptr + slotc, mask=okc, other=0.0)
-            a = swiglu(acc_g, acc_u, topw, okc, clamp, HAS_CLAMP)  # [BN, ROWS]
-            amax = gl.max(gl.abs(a), axis=0)
-            e = gl.minimum(_pow2_ceil_exponent(amax * (1.0 / 448.0)), 254)
-            sf_inv = (gl.minimum(gl.maximum(254 - e, 0), 254) << 23).to(gl.float32, bitcast=True)
-            q = _e4m3_bits(gl.minimum(gl.maximum(a * sf_inv[None, :], -448.0), 448.0))
-            offs = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
-            gl.store(out_ptr + out_rows[None, :].to(gl.int64) * inter + offs[:, None], q)
-            gl.store(outs_ptr + pid_n * total_rows + out_rows, (e << 23).to(gl.float32, bitcast=True))
+            if ROWS > 32 and nrows <= ROWS // 2:
+                _l1_block(x8_ptr, xs_ptr, w_base, s_base, tab_ptr, sorted_ptr, weight_ptr, out_ptr, outs_ptr, pid_b,
+                          pid_n, row0, nrows, hidden, inter, num_topk, total_rows, clamp, HAS_CLAMP, ROWS // 2, ROWS,
+                          STAGES, num_warps)
+            else:
+                _l1_block(x8_ptr, xs_ptr, w_base, s_base, tab_ptr, sorted_ptr, weight_ptr, out_ptr, outs_ptr, pid_b,
+                          pid_n, row0, nrows, hidden, inter, num_topk, total_rows, clamp, HAS_CLAMP, ROWS, ROWS,
+                          STAGES, num_warps)
+
+    @gluon.jit
+    def _l2_block(a8_ptr, as_ptr, w_base, s_base, tab_ptr, sorted_ptr, out_ptr, pid_b, pid_n, row0, nrows, hidden,
+                  inter, total_rows, stride_out, N: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr,
+                  num_warps: gl.constexpr):
+        """L2 of the block's first N rows (of ROWS)."""
+        BN: gl.constexpr = 16 * num_warps
+        G: gl.constexpr = BN // 16
+        WL: gl.constexpr = words_layout(num_warps)
+        MMA: gl.constexpr = mma_layout(num_warps, N)
+        XL: gl.constexpr = _x_layout(num_warps)
+        num_g = hidden // 16
+        w_off = _word_offsets(pid_n * G, num_g, G, WL)
+        t = gl.arange(0, N, layout=gl.SliceLayout(1, XL))
+        rows = (pid_b * ROWS + t).to(gl.int64)
+        a_ptrs = a8_ptr + rows[:, None] * inter + gl.arange(0, 128, layout=gl.SliceLayout(0, XL))[None, :]
+        tc = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
+        okc = tc < nrows
+        acc, _ = _gemm(a_ptrs, as_ptr + pid_b * ROWS + tc, total_rows, w_base, s_base, tab_ptr, w_off, w_off,
+                       pid_n * BN, pid_n * BN, hidden, num_g, inter // 128, BN, N, STAGES, False, num_warps)
+        slot = gl.load(sorted_ptr + row0 + tc, mask=okc, other=0)
+        offs = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+        gl.store(out_ptr + slot[None, :].to(gl.int64) * stride_out + offs[:, None], bf16_rne(acc), mask=okc[None, :])
 
     @gluon.jit
     def l2_kernel(
@@ -289,30 +328,19 @@ if hp.gluon is not None:
         hidden, inter, num_local, total_rows, stride_we, stride_se, stride_out,
         ROWS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
     ):
-        """L2 of one block of ROWS rows and 16 x num_warps hidden columns in FP8; BF16 outputs to their slots."""
-        BN: gl.constexpr = 16 * num_warps
-        G: gl.constexpr = BN // 16
-        WL: gl.constexpr = words_layout(num_warps)
-        MMA: gl.constexpr = mma_layout(num_warps, ROWS)
-        XL: gl.constexpr = _x_layout(num_warps)
+        """L2 of one block of up to ROWS rows and 16 x num_warps hidden columns in FP8; BF16 outputs to their slots.
+        A block of at most half ROWS rows runs an MMA half as wide."""
         pid_b, pid_n, expert, row0, nrows = hp.program_block(block_expert_ptr, block_row_ptr, block_end_ptr,
-                                                             hidden // BN)
+                                                             hidden // (16 * num_warps))
         if expert < num_local:
             w_base = w_ptr + expert.to(gl.int64) * stride_we
             s_base = s_ptr + expert.to(gl.int64) * stride_se
-            num_g = hidden // 16
-            w_off = _word_offsets(pid_n * G, num_g, G, WL)
-            t = gl.arange(0, ROWS, layout=gl.SliceLayout(1, XL))
-            rows = (pid_b * ROWS + t).to(gl.int64)
-            a_ptrs = a8_ptr + rows[:, None] * inter + gl.arange(0, 128, layout=gl.SliceLayout(0, XL))[None, :]
-            tc = gl.arange(0, ROWS, layout=gl.SliceLayout(0, MMA))
-            okc = tc < nrows
-            acc, _ = _gemm(a_ptrs, as_ptr + pid_b * ROWS + tc, total_rows, w_base, s_base, tab_ptr, w_off, w_off, pid_n * BN, pid_n * BN, hidden,
-                           num_g, inter // 128, BN, ROWS, STAGES, False, num_warps)
-            slot = gl.load(sorted_ptr + row0 + tc, mask=okc, other=0)
-            offs = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
-            gl.store(out_ptr + slot[None, :].to(gl.int64) * stride_out + offs[:, None], bf16_rne(acc),
-                     mask=okc[None, :])
+            if ROWS > 32 and nrows <= ROWS // 2:
+                _l2_block(a8_ptr, as_ptr, w_base, s_base, tab_ptr, sorted_ptr, out_ptr, pid_b, pid_n, row0, nrows,
+                          hidden, inter, total_rows, stride_out, ROWS // 2, ROWS, STAGES, num_warps)
+            else:
+                _l2_block(a8_ptr, as_ptr, w_base, s_base, tab_ptr, sorted_ptr, out_ptr, pid_b, pid_n, row0, nrows,
+                          hidden, inter, total_rows, stride_out, ROWS, ROWS, STAGES, num_warps)
 
 
 _TABLES: dict = {}
