@@ -244,13 +244,15 @@ if hp.gluon is not None:
             x_t = x_s.index(st).permute((1, 0))
             pa = warpgroup_mma(operand(ka0, ka1, AL), x_t, pa, use_acc=False, is_async=True)
             pa, pb, ka0, ka1 = warpgroup_mma_wait(1, deps=(pa, pb, ka0, ka1))
-            # b's last block sum (block i - 1: its stage is reused only from the next block's copies on)
+            # b's last block sum (block i - 1: its stage is reused only from the next block's copies on); the next b
+            # operand's shared-memory reads go first, so that their latency passes under the promotion
             sxb = sx_s.index(gl.maximum(i - 1, 0) % STAGES).load(SXL)
             if GATED:
-                acc_b = warpgroup_mma_wait(1, deps=(acc_b + pb * (swb[:, None] * sxb[None, :]),))
                 lo, hi = _tables(sb_s.index(st).permute((0, 2, 1)), tab_ptr, WL, num_warps)
+                wb = wb_s.index(st).load(WL)
+                acc_b = warpgroup_mma_wait(1, deps=(acc_b + pb * (swb[:, None] * sxb[None, :]),))
                 swb = _row_scales(sb_s.index(st), BN, gl.SliceLayout(1, MMA))
-                kb0, kb1 = expand_e4m3(wb_s.index(st).load(WL), lo, hi)
+                kb0, kb1 = expand_e4m3(wb, lo, hi)
             else:
                 acc_a = warpgroup_mma_wait(1, deps=(acc_a + pb * (swb[:, None] * sxb[None, :]),))
                 st = _next_block(i + 1, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs,
@@ -264,12 +266,14 @@ if hp.gluon is not None:
             sta = i % STAGES
             swa = _row_scales(sa_s.index(sta), BN, gl.SliceLayout(1, MMA))
             sxa = sx_s.index(sta).load(SXL)
-            acc_a = warpgroup_mma_wait(1, deps=(acc_a + pa * (swa[:, None] * sxa[None, :]),))
-            # the next a operand (past the end: the last block's again, never multiplied)
+            # the next a operand (past the end: the last block's again, never multiplied): its stage's reads go out
+            # before a's promotion (block i's stage is rewritten only from block i + STAGES - 1's copies on)
             st = _next_block(i + STEP, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs,
                              total_rows, wa_s, wb_s, sa_s, sb_s, x_s, sx_s, STAGES, GATED)
             lo, hi = _tables(sa_s.index(st).permute((0, 2, 1)), tab_ptr, WL, num_warps)
-            ka0, ka1 = expand_e4m3(wa_s.index(st).load(WL), lo, hi)
+            wa = wa_s.index(st).load(WL)
+            acc_a = warpgroup_mma_wait(1, deps=(acc_a + pa * (swa[:, None] * sxa[None, :]),))
+            ka0, ka1 = expand_e4m3(wa, lo, hi)
             pb, kb0, kb1, ka0, ka1 = warpgroup_mma_wait(0, deps=(pb, kb0, kb1, ka0, ka1))
         # b's last block
         _cp.wait_group(0)
