@@ -206,8 +206,9 @@ GLUON_CONFIGS = (
 # The FP8-math path (`fp8`): rows (from this many rows per local expert on average, config) that `pick_config` takes
 # on devices with FP8 MMAs (sm_89+) before the BF16 table. Empty: measured on an H100 (2026-12-06, Triton 3.6, V4
 # layer, `bench/megamoe_gpu.py --sweep --configs ...`, docs/megamoe.md) the FP8 kernels run the experts 4.4-8.1x
-# slower than the BF16 path's pick at 2048 and 4096 tokens (34.8-66.6 ms against 7.8-8.2 ms), so no batch size
-# takes them; they run where a config asks for them (`KernelConfig(fp8=1 or 2)`).
+# slower than the BF16 path's pick at 2048 and 4096 tokens (34.8-66.6 ms against 7.8-8.2 ms), and the Gluon FP8
+# kernels (`fp8=3`, `hopper_fp8`) 1.3-2.2x slower at 1024-4096 tokens (H100, 2026-12-06, commit f51beff: 14.8 against
+# 7.6 ms at 4096), so no batch size takes them; they run where a config asks for them (`KernelConfig(fp8=1, 2 or 3)`).
 FP8_CONFIGS: tuple[tuple[int, KernelConfig], ...] = ()
 
 
