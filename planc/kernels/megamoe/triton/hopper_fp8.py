@@ -285,11 +285,12 @@ if hp.gluon is not None:
         return acc_a, acc_b
 
     @gluon.jit
-    def _l1_block(x8_ptr, xs_ptr, w_base, s_base, tab_ptr, sorted_ptr, weight_ptr, out_ptr, outs_ptr, pid_b, pid_n,
-                  row0, nrows, hidden, inter, num_topk, total_rows, clamp, HAS_CLAMP: gl.constexpr, N: gl.constexpr,
-                  ROWS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    def _l1_block(x8_ptr, xs_ptr, w_base, s_base, tab_ptr, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b,
+                  pid_n, row0, nrows, hidden, inter, num_topk, total_rows, clamp, HAS_CLAMP: gl.constexpr,
+                  N: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
         """L1 of the block's first N rows (of ROWS): the K loop, the SwiGLU epilogue and the output's cast (rows past
-        N are the expert's none, and L2 reads only N of them: the same branch on the same rows)."""
+        N are the expert's none, and L2 reads only N of them: the same branch on the same rows). With 4 warps (64
+        channels, half a scale block) the SwiGLU output goes out in FP32 to `a32` and `fp8.l1_out_blocks` casts it."""
         BN: gl.constexpr = 16 * num_warps
         G: gl.constexpr = BN // 16
         WL: gl.constexpr = words_layout(num_warps)
@@ -307,40 +308,44 @@ if hp.gluon is not None:
         okc = tc < nrows
         slotc = gl.load(sorted_ptr + row0 + tc, mask=okc, other=0)
         out_rows = pid_b * ROWS + tc
-        acc_g, acc_u = _gemm(x_ptrs, xs_ptr + pid_b * ROWS + gl.arange(0, N, layout=_sx_layout(num_warps)), total_rows, w_base, s_base, tab_ptr, wg_off, wu_off,
-                             pid_n * BN, inter + pid_n * BN, 2 * inter, num_g, hidden // 128, BN, N, STAGES, True,
-                             num_warps)
+        sx_ptrs = xs_ptr + pid_b * ROWS + gl.arange(0, N, layout=_sx_layout(num_warps))
+        acc_g, acc_u = _gemm(x_ptrs, sx_ptrs, total_rows, w_base, s_base, tab_ptr, wg_off, wu_off, pid_n * BN,
+                             inter + pid_n * BN, 2 * inter, num_g, hidden // 128, BN, N, STAGES, True, num_warps)
         topw = gl.load(weight_ptr + slotc, mask=okc, other=0.0)
         a = swiglu(acc_g, acc_u, topw, okc, clamp, HAS_CLAMP)  # [BN, N]
+        offs = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+        if BN < 128:
+            gl.store(a32_ptr + out_rows[None, :].to(gl.int64) * inter + offs[:, None], a)
+            return
         amax = gl.max(gl.abs(a), axis=0)
         e = gl.minimum(_pow2_ceil_exponent(amax * (1.0 / 448.0)), 254)
         sf_inv = (gl.minimum(gl.maximum(254 - e, 0), 254) << 23).to(gl.float32, bitcast=True)
         q = _e4m3_bits(gl.minimum(gl.maximum(a * sf_inv[None, :], -448.0), 448.0))
-        offs = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
         gl.store(out_ptr + out_rows[None, :].to(gl.int64) * inter + offs[:, None], q)
         gl.store(outs_ptr + pid_n * total_rows + out_rows, (e << 23).to(gl.float32, bitcast=True))
 
     @gluon.jit
     def l1_kernel(
         x8_ptr, xs_ptr, w_ptr, s_ptr, tab_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr, block_end_ptr,
-        out_ptr, outs_ptr, hidden, inter, num_topk, num_local, total_rows, stride_we, stride_se, clamp,
+        out_ptr, outs_ptr, a32_ptr, hidden, inter, num_topk, num_local, total_rows, stride_we, stride_se, clamp,
         HAS_CLAMP: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
     ):
-        """L1 of one block of up to ROWS rows and 128 gate (and 128 up) channels in FP8, the SwiGLU epilogue, and the
-        output's e4m3 cast per (row, 128 channels): `fp8.fp8_l1_kernel`'s numerics. A block of at most half ROWS
-        rows (an expert's last) runs an MMA half as wide."""
+        """L1 of one block of up to ROWS rows and 16 x num_warps gate (and as many up) channels in FP8, the SwiGLU
+        epilogue, and (with 8 warps: 128 channels) the output's e4m3 cast per (row, 128 channels):
+        `fp8.fp8_l1_kernel`'s numerics. A block of at most half ROWS rows (an expert's last) runs an MMA half as
+        wide."""
         pid_b, pid_n, expert, row0, nrows = hp.program_block(block_expert_ptr, block_row_ptr, block_end_ptr,
                                                              inter // (16 * num_warps))
         if expert < num_local:
             w_base = w_ptr + expert.to(gl.int64) * stride_we
             s_base = s_ptr + expert.to(gl.int64) * stride_se
             if ROWS > 32 and nrows <= ROWS // 2:
-                _l1_block(x8_ptr, xs_ptr, w_base, s_base, tab_ptr, sorted_ptr, weight_ptr, out_ptr, outs_ptr, pid_b,
-                          pid_n, row0, nrows, hidden, inter, num_topk, total_rows, clamp, HAS_CLAMP, ROWS // 2, ROWS,
+                _l1_block(x8_ptr, xs_ptr, w_base, s_base, tab_ptr, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr,
+                          pid_b, pid_n, row0, nrows, hidden, inter, num_topk, total_rows, clamp, HAS_CLAMP, ROWS // 2, ROWS,
                           STAGES, num_warps)
             else:
-                _l1_block(x8_ptr, xs_ptr, w_base, s_base, tab_ptr, sorted_ptr, weight_ptr, out_ptr, outs_ptr, pid_b,
-                          pid_n, row0, nrows, hidden, inter, num_topk, total_rows, clamp, HAS_CLAMP, ROWS, ROWS,
+                _l1_block(x8_ptr, xs_ptr, w_base, s_base, tab_ptr, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr,
+                          pid_b, pid_n, row0, nrows, hidden, inter, num_topk, total_rows, clamp, HAS_CLAMP, ROWS, ROWS,
                           STAGES, num_warps)
 
     @gluon.jit
@@ -360,8 +365,9 @@ if hp.gluon is not None:
         a_ptrs = a8_ptr + rows[:, None] * inter + gl.arange(0, 128, layout=gl.SliceLayout(0, XL))[None, :]
         tc = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
         okc = tc < nrows
-        acc, _ = _gemm(a_ptrs, as_ptr + pid_b * ROWS + gl.arange(0, N, layout=_sx_layout(num_warps)), total_rows, w_base, s_base, tab_ptr, w_off, w_off,
-                       pid_n * BN, pid_n * BN, hidden, num_g, inter // 128, BN, N, STAGES, False, num_warps)
+        sx_ptrs = as_ptr + pid_b * ROWS + gl.arange(0, N, layout=_sx_layout(num_warps))
+        acc, _ = _gemm(a_ptrs, sx_ptrs, total_rows, w_base, s_base, tab_ptr, w_off, w_off, pid_n * BN, pid_n * BN,
+                       hidden, num_g, inter // 128, BN, N, STAGES, False, num_warps)
         slot = gl.load(sorted_ptr + row0 + tc, mask=okc, other=0)
         offs = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
         gl.store(out_ptr + slot[None, :].to(gl.int64) * stride_out + offs[:, None], bf16_rne(acc), mask=okc[None, :])
@@ -398,14 +404,18 @@ def tables(device) -> torch.Tensor:
 
 
 def l1(x8, xs, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act, act_s, *, clamp, num_topk,
-       config):
+       config, a32=None):
     """L1 into `act` (e4m3 bytes [R, I], R block rows) and `act_s` (their FP32 scales [I/128, R]), blocks of
-    `config.block_t` rows; `xs`: the activations' scales in block-row order [H/128, R] (`block_row_scales`)."""
+    `config.block_t` rows, 16 x `config.num_warps` channels a program; `xs`: the activations' scales in block-row
+    order [H/128, R] (`block_row_scales`). With 4 warps the SwiGLU output goes to `a32` (FP32 [R, I]) instead, for
+    `fp8.l1_out_blocks` to cast."""
     hidden, inter, num_local = x8.shape[1], w1.shape[1] // 2, w1.shape[0]
-    l1_kernel[(block_expert.numel() * (inter // 128),)](
+    bn = 16 * config.num_warps
+    l1_kernel[(block_expert.numel() * (inter // bn),)](
         x8, xs, w1, s1, tables(x8.device), sorted_slots, weights, block_expert, block_row, block_end, act, act_s,
+        act_s if a32 is None else a32,
         hidden, inter, num_topk, num_local, act.shape[0], w1.stride(0), s1.stride(0), 0.0 if clamp is None else clamp,
-        HAS_CLAMP=clamp is not None, ROWS=config.block_t, STAGES=config.num_stages, num_warps=8,
+        HAS_CLAMP=clamp is not None, ROWS=config.block_t, STAGES=config.num_stages, num_warps=config.num_warps,
         **config.launch_registers(),
     )
 
