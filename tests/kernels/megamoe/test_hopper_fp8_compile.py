@@ -28,7 +28,7 @@ VARIANTS = [("L1", 64, 8, 4, 0), ("L2", 64, 4, 4, 0)]
 FP8_COMPILE = COMPILE[:COMPILE.index("out = {}")] + r'''
 from planc.kernels.megamoe.triton import hopper_fp8
 POINTERS = {"x8_ptr": "*fp8e4nv", "a8_ptr": "*fp8e4nv", "out_ptr": "*bf16", "weight_ptr": "*fp32",
-            "xs_ptr": "*fp32", "as_ptr": "*fp32", "outs_ptr": "*fp32", "tab_ptr": "*i64"}
+            "xs_ptr": "*fp32", "as_ptr": "*fp32", "outs_ptr": "*fp32", "tab_ptr": "*i64", "a32_ptr": "*fp32"}
 def usage(cubin):
     """cuobjdump's resource usage line of a cubin (registers, stack)."""
     with tempfile.TemporaryDirectory() as d:

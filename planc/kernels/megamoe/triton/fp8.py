@@ -79,6 +79,22 @@ if triton is not None:
         tl.store(xs_ptr + row * (hidden // 128) + blk, tl.reshape(sf, (BH // 128,)))
 
     @triton.jit
+    def l1_out_blocks_kernel(a_ptr, q_ptr, s_ptr, block_expert_ptr, inter, total_rows, num_local,
+                             BT: tl.constexpr, BC: tl.constexpr):
+        """L1's FP32 SwiGLU outputs of one block row and BC channels -> e4m3 bytes and one FP32 scale per 128
+        channels, no floor (`_cast_blocks`), the scales stored ``[I/128, R]`` (what the Gluon L2 reads); rows of
+        blocks past the routed ones are skipped (never read)."""
+        row = tl.program_id(0)
+        if tl.load(block_expert_ptr + row // BT) >= num_local:
+            return
+        col = tl.program_id(1) * BC + tl.arange(0, BC)
+        v = tl.load(a_ptr + row.to(tl.int64) * inter + col)
+        q, sf = _cast_blocks(tl.reshape(v, (1, BC)), 1, BC, False)
+        tl.store(q_ptr + row.to(tl.int64) * inter + col, tl.reshape(q, (BC,)))
+        blk = tl.program_id(1) * (BC // 128) + tl.arange(0, BC // 128)
+        tl.store(s_ptr + blk * total_rows + row, tl.reshape(sf, (BC // 128,)))
+
+    @triton.jit
     def _weight_block(w_base, s_base, w_off, s_off, kc, num_g, BN: tl.constexpr, INTERPRET: tl.constexpr):
         """The [BN, 128] weight tile at K 64*kc as e4m3 (FP32 values of the e4m3 grid under the interpreter) and its
         row scales ``[BN]``: each row's codes times 2**(s - ref + 1), ref its largest scale byte in the tile; the
@@ -218,6 +234,16 @@ def x_blocks(x_fp8: torch.Tensor, x_sf: torch.Tensor, permute: bool = False) -> 
     return x8, xs
 
 
+def l1_out_blocks(a32: torch.Tensor, act: torch.Tensor, act_s: torch.Tensor, block_expert: torch.Tensor,
+                  num_local: int, block_t: int) -> None:
+    """L1's FP32 outputs ``[R, I]`` -> e4m3 bytes `act` ``[R, I]`` and scales `act_s` ``[I/128, R]`` per (row, 128
+    channels), as the fused L1 epilogue casts them (`hopper_fp8` with 4 warps a program)."""
+    rows, inter = a32.shape
+    bc = 1024 if inter % 1024 == 0 else BLOCK
+    l1_out_blocks_kernel[(rows, inter // bc)](a32, act, act_s, block_expert, inter, rows, num_local, BT=block_t,
+                                              BC=bc, num_warps=4)
+
+
 def size_problem(hidden: int, inter: int) -> str | None:
     """None when the FP8 path takes these shapes (its scale blocks are 128 deep), else why not."""
     if hidden % BLOCK or inter % BLOCK:
@@ -258,8 +284,12 @@ def fp8_local_experts_forward(
         xs = hopper_fp8.block_row_scales(xs, sorted_slots, block_row, block_end, num_topk=k, block_t=bt)
         s1 = e4.s1.reshape(num_local, -1).view(torch.int32)
         s2 = e4.s2.reshape(num_local, -1).view(torch.int32)
+        a32 = None if config.num_warps == 8 else torch.empty((nblocks * bt, inter), dtype=torch.float32,
+                                                              device=device)
         hopper_fp8.l1(x8.view(torch.float8_e4m3fn), xs, e4.w1, s1, sorted_slots, weights, block_expert, block_row,
-                      block_end, act, act_s, clamp=clamp, num_topk=k, config=config)
+                      block_end, act, act_s, clamp=clamp, num_topk=k, config=config, a32=a32)
+        if a32 is not None:
+            l1_out_blocks(a32, act, act_s, block_expert, num_local, bt)
         hopper_fp8.l2(act.view(torch.float8_e4m3fn), act_s, e4.w2, s2, sorted_slots, block_expert, block_row,
                       block_end, out, config=config)
         return out.view(m, k, hidden)

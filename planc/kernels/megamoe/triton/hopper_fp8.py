@@ -68,6 +68,11 @@ if hp.gluon is not None:
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 32])
 
     @triton.constexpr_function
+    def _sx_layout(num_warps):
+        """[rows] block scales of the activations (cp.async, 4 bytes a thread)."""
+        return gl.BlockedLayout([1], [32], [num_warps], [0])
+
+    @triton.constexpr_function
     def _x_layout(num_warps):
         """[rows, 128] e4m3 activation tiles: 16 contiguous bytes a thread (cp.async)."""
         return gl.BlockedLayout([1, 16], [4, 8], [num_warps, 1], [1, 0])
@@ -103,25 +108,40 @@ if hp.gluon is not None:
         a = gl.reshape(b, (16 * G, 128)).to(gl.float8e4nv, bitcast=True)
         return gl.convert_layout(a, AL, assert_trivial=True)
 
+    @triton.constexpr_function
+    def scale_layout(num_warps):
+        """[G, 8, 4, 2]: lane 4 r + q holds the scale words of rows 16 g + r and + 8 (m8), g its warp's group."""
+        return gl.BlockedLayout([1, 1, 1, 2], [1, 8, 4, 1], [num_warps, 1, 1, 1], [3, 2, 1, 0])
+
     @gluon.jit
-    def _row_scales(s_base, kb, n_rows, n0, BN: gl.constexpr, L: gl.constexpr):
-        """The K block's weight block scales 2**(ref - 128) of rows n0.. [BN] (ref: the scale word's low byte)."""
-        r = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, L))
-        ref = gl.load(s_base + kb * n_rows + r) & 0xFF
+    def _scale_offsets(n0, G: gl.constexpr, num_warps: gl.constexpr):
+        """int32 offsets [G, 8, 2] of the scale words of rows n0 + 16 g + 8 m8 + r (a K block's, in row order)."""
+        SL: gl.constexpr = gl.SliceLayout(2, scale_layout(num_warps))
+        g = gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, SL)))
+        r = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, SL)))
+        m8 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, SL)))
+        return n0 + g[:, None, None] * 16 + m8[None, None, :] * 8 + r[None, :, None]
+
+    @gluon.jit
+    def _row_scales(s_tile, BN: gl.constexpr, L: gl.constexpr):
+        """A stage's scale words [G, 2, 8] (rows 16 g + 8 m8 + r, in order) -> the weight block scales 2**(ref - 128)
+        of its rows [BN] in layout L (ref: the scale word's low byte)."""
+        ref = s_tile.reshape([BN]).load(L) & 0xFF
         bits = gl.where(ref >= 2, (ref - 1) << 23, 0x800000 >> (2 - gl.minimum(ref, 2)))
         return bits.to(gl.float32, bitcast=True)
 
     @gluon.jit
-    def _tables(s_base, tab_ptr, kb, n_rows, n0, G: gl.constexpr, WL: gl.constexpr):
-        """The e4m3 tables (`layout.e4m3_tables`, low and high word) of each lane's 32-group in the K block, [G, 32, 2]
-        in the expansion's layout: lane 4 r + q, rows 16 g + 8 m8 + r, table index t_q of the row's scale word."""
-        SL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, WL))
-        g = gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, SL)))
-        lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, SL)))
-        m8 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, SL)))
-        row = n0 + g[:, None, None] * 16 + m8[None, None, :] * 8 + (lane // 4)[None, :, None]
-        sw = gl.load(s_base + kb * n_rows + row)
-        t = (sw >> (8 + 5 * (lane % 4))[None, :, None]) & 31
+    def _tables(s_tile, tab_ptr, WL: gl.constexpr, num_warps: gl.constexpr):
+        """A stage's scale words as [G, 8, 2] (r, m8) -> the e4m3 tables (`layout.e4m3_tables`, low and high word) of each
+        lane's 32-group, [G, 32, 2] in the expansion's layout: lane 4 r + q, rows 16 g + 8 m8 + r, the table row t_q
+        of the row's scale word."""
+        L4: gl.constexpr = scale_layout(num_warps)
+        s8 = s_tile.load(gl.SliceLayout(2, L4))
+        G: gl.constexpr = s8.shape[0]
+        sw = gl.broadcast(gl.expand_dims(s8, 2), gl.zeros([G, 8, 4, 2], gl.int32, L4))[0]
+        q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4))))
+        t = (sw >> (8 + 5 * q)[None, None, :, None]) & 31
+        t = gl.convert_layout(gl.reshape(t, (G, 32, 2)), gl.SliceLayout(1, gl.SliceLayout(3, WL)), assert_trivial=True)
         tab = gl.load(tab_ptr + t)
         return tab.to(gl.int32), (tab >> 32).to(gl.int32)
 
@@ -141,58 +161,78 @@ if hp.gluon is not None:
             + m8[None, None, None, None, :]
 
     @gluon.jit
-    def _issue(kb, k_blocks, w_base, wa_off, wb_off, step, x_ptrs, wa_s, wb_s, x_s, stage, GATED: gl.constexpr):
-        """cp.async K block `kb` (the last one again past the end) into stage `stage`: words of one or two operands
-        and the activation tile; one commit group."""
+    def _issue(kb, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s, wb_s,
+               sa_s, sb_s, x_s, sx_s, stage, GATED: gl.constexpr):
+        """cp.async K block `kb` (the last one again past the end) into stage `stage`: the words and scale words of
+        one or two operands, the activation tile and its block scales; one commit group."""
         k = gl.minimum(kb, k_blocks - 1)
-        _async_load(wa_s.index(stage), w_base + k * step + wa_off)
+        _async_load(wa_s.index(stage), wa_ptrs + k * step)
+        _async_load(sa_s.index(stage), sa_ptrs + k * n_rows)
         if GATED:
-            _async_load(wb_s.index(stage), w_base + k * step + wb_off)
+            _async_load(wb_s.index(stage), wb_ptrs + k * step)
+            _async_load(sb_s.index(stage), sb_ptrs + k * n_rows)
         _async_load(x_s.index(stage), x_ptrs + k * 128)
+        _async_load(sx_s.index(stage), sx_ptrs + k * total_rows)
         _cp.commit_group()
 
     @gluon.jit
-    def _next_block(kb, k_blocks, w_base, wa_off, wb_off, step, x_ptrs, wa_s, wb_s, x_s, STAGES: gl.constexpr,
-                    GATED: gl.constexpr):
+    def _next_block(kb, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s,
+                    wb_s, sa_s, sb_s, x_s, sx_s, STAGES: gl.constexpr, GATED: gl.constexpr):
         """Wait for block kb's copies, issue block kb + STAGES - 2's (into the stage of block kb - 2, whose MMAs are
-        retired), fence: `hopper_prefill._next_tile`'s order. Returns kb's stage."""
+        retired and whose scales are read), fence: `hopper_prefill._next_tile`'s order. Returns kb's stage."""
         _cp.wait_group(STAGES - 3)
         _cta_barrier()
         nxt = kb + STAGES - 2
-        _issue(nxt, k_blocks, w_base, wa_off, wb_off, step, x_ptrs, wa_s, wb_s, x_s, nxt % STAGES, GATED)
+        _issue(nxt, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s,
+               wb_s, sa_s, sb_s, x_s, sx_s, nxt % STAGES, GATED)
         fence_async_shared()
         return kb % STAGES
 
     @gluon.jit
-    def _gemm(x_ptrs, xs_ptrs, total_rows, w_base, s_base, tab_ptr, wa_off, wb_off, na0, nb0, n_rows, num_g, k_blocks,
+    def _gemm(x_ptrs, sx_ptrs, total_rows, w_base, s_base, tab_ptr, wa_off, wb_off, na0, nb0, n_rows, num_g, k_blocks,
               BN: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr,
               num_warps: gl.constexpr):
         """FP32 sums [BN, ROWS] of operand a (rows na0..; and b, rows nb0.., when GATED) times the block's
         activations, promoted per 128-deep K block. GATED: a and b alternate (each expanded and promoted while the
-        other multiplies); else K blocks in pairs into one sum (returned as a, b unused)."""
+        other multiplies); else K blocks in pairs into one sum (returned as a, b unused). Per K block a stage of the
+        cp.async ring holds the words, the scale words (one per row), the activation tile and its block scales."""
         G: gl.constexpr = BN // 16
         WL: gl.constexpr = words_layout(num_warps)
         MMA: gl.constexpr = mma_layout(num_warps, ROWS)
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
         XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         WS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[4, 3, 2, 1, 0])
+        SS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
+        S1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         wa_s = gl.allocate_shared_memory(gl.int32, [STAGES, G, 2, 32, 2, 2], WS)
+        sa_s = gl.allocate_shared_memory(gl.int32, [STAGES, G, 2, 8], SS)
         if GATED:
             wb_s = gl.allocate_shared_memory(gl.int32, [STAGES, G, 2, 32, 2, 2], WS)
+            sb_s = gl.allocate_shared_memory(gl.int32, [STAGES, G, 2, 8], SS)
         else:
             wb_s = wa_s
+            sb_s = sa_s
         x_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, ROWS, 128], XS)
+        sx_s = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], S1)
         step = num_g * 256
+        wa_ptrs = w_base + wa_off
+        wb_ptrs = w_base + wb_off
+        s_off = _scale_offsets(0, G, num_warps)
+        sa_ptrs = s_base + na0 + gl.permute(s_off, (0, 2, 1))
+        sb_ptrs = s_base + nb0 + gl.permute(s_off, (0, 2, 1))
         for s in gl.static_range(STAGES - 2):
-            _issue(s, k_blocks, w_base, wa_off, wb_off, step, x_ptrs, wa_s, wb_s, x_s, s, GATED)
+            _issue(s, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s,
+                   wb_s, sa_s, sb_s, x_s, sx_s, s, GATED)
         acc_a = gl.zeros([BN, ROWS], gl.float32, MMA)
         acc_b = gl.zeros([BN, ROWS], gl.float32, MMA)
         pa = gl.zeros([BN, ROWS], gl.float32, MMA)
         pb = gl.zeros([BN, ROWS], gl.float32, MMA)
         swb = gl.zeros([BN], gl.float32, gl.SliceLayout(1, MMA))
+        SXL: gl.constexpr = gl.SliceLayout(0, MMA)
         STEP: gl.constexpr = 1 if GATED else 2
-        st = _next_block(0, k_blocks, w_base, wa_off, wb_off, step, x_ptrs, wa_s, wb_s, x_s, STAGES, GATED)
-        lo, hi = _tables(s_base, tab_ptr, 0, n_rows, na0, G, WL)
+        st = _next_block(0, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows,
+                         wa_s, wb_s, sa_s, sb_s, x_s, sx_s, STAGES, GATED)
+        lo, hi = _tables(sa_s.index(st).permute((0, 2, 1)), tab_ptr, WL, num_warps)
         ka0, ka1 = expand_e4m3(wa_s.index(st).load(WL), lo, hi)
         # One iteration: a's block multiplies while b's last block sum is promoted and b's operand expanded; b's block
         # multiplies while a's sum is promoted and the next a operand expanded (from the next stage). Each block sum is
@@ -204,36 +244,40 @@ if hp.gluon is not None:
             x_t = x_s.index(st).permute((1, 0))
             pa = warpgroup_mma(operand(ka0, ka1, AL), x_t, pa, use_acc=False, is_async=True)
             pa, pb, ka0, ka1 = warpgroup_mma_wait(1, deps=(pa, pb, ka0, ka1))
-            # b's last block sum (its factors reloaded: fewer registers across the loop)
-            sxb = gl.load(xs_ptrs + gl.maximum(i - 1, 0) * total_rows)
+            # b's last block sum (block i - 1: its stage is reused only from the next block's copies on); the next b
+            # operand's shared-memory reads go first, so that their latency passes under the promotion
+            sxb = sx_s.index(gl.maximum(i - 1, 0) % STAGES).load(SXL)
             if GATED:
+                lo, hi = _tables(sb_s.index(st).permute((0, 2, 1)), tab_ptr, WL, num_warps)
+                wb = wb_s.index(st).load(WL)
                 acc_b = warpgroup_mma_wait(1, deps=(acc_b + pb * (swb[:, None] * sxb[None, :]),))
-                lo, hi = _tables(s_base, tab_ptr, i, n_rows, nb0, G, WL)
-                swb = _row_scales(s_base, i, n_rows, nb0, BN, MMA)
-                kb0, kb1 = expand_e4m3(wb_s.index(st).load(WL), lo, hi)
+                swb = _row_scales(sb_s.index(st), BN, gl.SliceLayout(1, MMA))
+                kb0, kb1 = expand_e4m3(wb, lo, hi)
             else:
                 acc_a = warpgroup_mma_wait(1, deps=(acc_a + pb * (swb[:, None] * sxb[None, :]),))
-                st = _next_block(i + 1, k_blocks, w_base, wa_off, wb_off, step, x_ptrs, wa_s, wb_s, x_s, STAGES,
-                                 GATED)
+                st = _next_block(i + 1, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs,
+                                 total_rows, wa_s, wb_s, sa_s, sb_s, x_s, sx_s, STAGES, GATED)
                 x_t = x_s.index(st).permute((1, 0))
-                lo, hi = _tables(s_base, tab_ptr, i + 1, n_rows, na0, G, WL)
-                swb = _row_scales(s_base, i + 1, n_rows, na0, BN, MMA)
+                lo, hi = _tables(sa_s.index(st).permute((0, 2, 1)), tab_ptr, WL, num_warps)
+                swb = _row_scales(sa_s.index(st), BN, gl.SliceLayout(1, MMA))
                 kb0, kb1 = expand_e4m3(wa_s.index(st).load(WL), lo, hi)
             pb = warpgroup_mma(operand(kb0, kb1, AL), x_t, pb, use_acc=False, is_async=True)
             pa, pb, ka0, ka1, kb0, kb1 = warpgroup_mma_wait(1, deps=(pa, pb, ka0, ka1, kb0, kb1))
-            swa = _row_scales(s_base, i, n_rows, na0, BN, MMA)
-            sxa = gl.load(xs_ptrs + i * total_rows)
+            sta = i % STAGES
+            swa = _row_scales(sa_s.index(sta), BN, gl.SliceLayout(1, MMA))
+            sxa = sx_s.index(sta).load(SXL)
+            # the next a operand (past the end: the last block's again, never multiplied): its stage's reads go out
+            # before a's promotion (block i's stage is rewritten only from block i + STAGES - 1's copies on)
+            st = _next_block(i + STEP, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs,
+                             total_rows, wa_s, wb_s, sa_s, sb_s, x_s, sx_s, STAGES, GATED)
+            lo, hi = _tables(sa_s.index(st).permute((0, 2, 1)), tab_ptr, WL, num_warps)
+            wa = wa_s.index(st).load(WL)
             acc_a = warpgroup_mma_wait(1, deps=(acc_a + pa * (swa[:, None] * sxa[None, :]),))
-            # the next a operand (past the end: the last block's again, never multiplied)
-            nxt = gl.minimum(i + STEP, k_blocks - 1)
-            st = _next_block(i + STEP, k_blocks, w_base, wa_off, wb_off, step, x_ptrs, wa_s, wb_s, x_s, STAGES,
-                             GATED)
-            lo, hi = _tables(s_base, tab_ptr, nxt, n_rows, na0, G, WL)
-            ka0, ka1 = expand_e4m3(wa_s.index(st).load(WL), lo, hi)
+            ka0, ka1 = expand_e4m3(wa, lo, hi)
             pb, kb0, kb1, ka0, ka1 = warpgroup_mma_wait(0, deps=(pb, kb0, kb1, ka0, ka1))
         # b's last block
-        sxb = gl.load(xs_ptrs + (k_blocks - 1) * total_rows)
         _cp.wait_group(0)
+        sxb = sx_s.index((k_blocks - 1) % STAGES).load(SXL)
         if GATED:
             acc_b += pb * (swb[:, None] * sxb[None, :])
         else:
@@ -241,11 +285,12 @@ if hp.gluon is not None:
         return acc_a, acc_b
 
     @gluon.jit
-    def _l1_block(x8_ptr, xs_ptr, w_base, s_base, tab_ptr, sorted_ptr, weight_ptr, out_ptr, outs_ptr, pid_b, pid_n,
-                  row0, nrows, hidden, inter, num_topk, total_rows, clamp, HAS_CLAMP: gl.constexpr, N: gl.constexpr,
-                  ROWS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    def _l1_block(x8_ptr, xs_ptr, w_base, s_base, tab_ptr, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b,
+                  pid_n, row0, nrows, hidden, inter, num_topk, total_rows, clamp, HAS_CLAMP: gl.constexpr,
+                  N: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
         """L1 of the block's first N rows (of ROWS): the K loop, the SwiGLU epilogue and the output's cast (rows past
-        N are the expert's none, and L2 reads only N of them: the same branch on the same rows)."""
+        N are the expert's none, and L2 reads only N of them: the same branch on the same rows). With 4 warps (64
+        channels, half a scale block) the SwiGLU output goes out in FP32 to `a32` and `fp8.l1_out_blocks` casts it."""
         BN: gl.constexpr = 16 * num_warps
         G: gl.constexpr = BN // 16
         WL: gl.constexpr = words_layout(num_warps)
@@ -263,40 +308,44 @@ if hp.gluon is not None:
         okc = tc < nrows
         slotc = gl.load(sorted_ptr + row0 + tc, mask=okc, other=0)
         out_rows = pid_b * ROWS + tc
-        acc_g, acc_u = _gemm(x_ptrs, xs_ptr + out_rows, total_rows, w_base, s_base, tab_ptr, wg_off, wu_off,
-                             pid_n * BN, inter + pid_n * BN, 2 * inter, num_g, hidden // 128, BN, N, STAGES, True,
-                             num_warps)
+        sx_ptrs = xs_ptr + pid_b * ROWS + gl.arange(0, N, layout=_sx_layout(num_warps))
+        acc_g, acc_u = _gemm(x_ptrs, sx_ptrs, total_rows, w_base, s_base, tab_ptr, wg_off, wu_off, pid_n * BN,
+                             inter + pid_n * BN, 2 * inter, num_g, hidden // 128, BN, N, STAGES, True, num_warps)
         topw = gl.load(weight_ptr + slotc, mask=okc, other=0.0)
         a = swiglu(acc_g, acc_u, topw, okc, clamp, HAS_CLAMP)  # [BN, N]
+        offs = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+        if BN < 128:
+            gl.store(a32_ptr + out_rows[None, :].to(gl.int64) * inter + offs[:, None], a)
+            return
         amax = gl.max(gl.abs(a), axis=0)
         e = gl.minimum(_pow2_ceil_exponent(amax * (1.0 / 448.0)), 254)
         sf_inv = (gl.minimum(gl.maximum(254 - e, 0), 254) << 23).to(gl.float32, bitcast=True)
         q = _e4m3_bits(gl.minimum(gl.maximum(a * sf_inv[None, :], -448.0), 448.0))
-        offs = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
         gl.store(out_ptr + out_rows[None, :].to(gl.int64) * inter + offs[:, None], q)
         gl.store(outs_ptr + pid_n * total_rows + out_rows, (e << 23).to(gl.float32, bitcast=True))
 
     @gluon.jit
     def l1_kernel(
         x8_ptr, xs_ptr, w_ptr, s_ptr, tab_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr, block_end_ptr,
-        out_ptr, outs_ptr, hidden, inter, num_topk, num_local, total_rows, stride_we, stride_se, clamp,
+        out_ptr, outs_ptr, a32_ptr, hidden, inter, num_topk, num_local, total_rows, stride_we, stride_se, clamp,
         HAS_CLAMP: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
     ):
-        """L1 of one block of up to ROWS rows and 128 gate (and 128 up) channels in FP8, the SwiGLU epilogue, and the
-        output's e4m3 cast per (row, 128 channels): `fp8.fp8_l1_kernel`'s numerics. A block of at most half ROWS
-        rows (an expert's last) runs an MMA half as wide."""
+        """L1 of one block of up to ROWS rows and 16 x num_warps gate (and as many up) channels in FP8, the SwiGLU
+        epilogue, and (with 8 warps: 128 channels) the output's e4m3 cast per (row, 128 channels):
+        `fp8.fp8_l1_kernel`'s numerics. A block of at most half ROWS rows (an expert's last) runs an MMA half as
+        wide."""
         pid_b, pid_n, expert, row0, nrows = hp.program_block(block_expert_ptr, block_row_ptr, block_end_ptr,
                                                              inter // (16 * num_warps))
         if expert < num_local:
             w_base = w_ptr + expert.to(gl.int64) * stride_we
             s_base = s_ptr + expert.to(gl.int64) * stride_se
             if ROWS > 32 and nrows <= ROWS // 2:
-                _l1_block(x8_ptr, xs_ptr, w_base, s_base, tab_ptr, sorted_ptr, weight_ptr, out_ptr, outs_ptr, pid_b,
-                          pid_n, row0, nrows, hidden, inter, num_topk, total_rows, clamp, HAS_CLAMP, ROWS // 2, ROWS,
+                _l1_block(x8_ptr, xs_ptr, w_base, s_base, tab_ptr, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr,
+                          pid_b, pid_n, row0, nrows, hidden, inter, num_topk, total_rows, clamp, HAS_CLAMP, ROWS // 2, ROWS,
                           STAGES, num_warps)
             else:
-                _l1_block(x8_ptr, xs_ptr, w_base, s_base, tab_ptr, sorted_ptr, weight_ptr, out_ptr, outs_ptr, pid_b,
-                          pid_n, row0, nrows, hidden, inter, num_topk, total_rows, clamp, HAS_CLAMP, ROWS, ROWS,
+                _l1_block(x8_ptr, xs_ptr, w_base, s_base, tab_ptr, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr,
+                          pid_b, pid_n, row0, nrows, hidden, inter, num_topk, total_rows, clamp, HAS_CLAMP, ROWS, ROWS,
                           STAGES, num_warps)
 
     @gluon.jit
@@ -316,8 +365,9 @@ if hp.gluon is not None:
         a_ptrs = a8_ptr + rows[:, None] * inter + gl.arange(0, 128, layout=gl.SliceLayout(0, XL))[None, :]
         tc = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
         okc = tc < nrows
-        acc, _ = _gemm(a_ptrs, as_ptr + pid_b * ROWS + tc, total_rows, w_base, s_base, tab_ptr, w_off, w_off,
-                       pid_n * BN, pid_n * BN, hidden, num_g, inter // 128, BN, N, STAGES, False, num_warps)
+        sx_ptrs = as_ptr + pid_b * ROWS + gl.arange(0, N, layout=_sx_layout(num_warps))
+        acc, _ = _gemm(a_ptrs, sx_ptrs, total_rows, w_base, s_base, tab_ptr, w_off, w_off, pid_n * BN, pid_n * BN,
+                       hidden, num_g, inter // 128, BN, N, STAGES, False, num_warps)
         slot = gl.load(sorted_ptr + row0 + tc, mask=okc, other=0)
         offs = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
         gl.store(out_ptr + slot[None, :].to(gl.int64) * stride_out + offs[:, None], bf16_rne(acc), mask=okc[None, :])
@@ -354,14 +404,18 @@ def tables(device) -> torch.Tensor:
 
 
 def l1(x8, xs, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act, act_s, *, clamp, num_topk,
-       config):
+       config, a32=None):
     """L1 into `act` (e4m3 bytes [R, I], R block rows) and `act_s` (their FP32 scales [I/128, R]), blocks of
-    `config.block_t` rows; `xs`: the activations' scales in block-row order [H/128, R] (`block_row_scales`)."""
+    `config.block_t` rows, 16 x `config.num_warps` channels a program; `xs`: the activations' scales in block-row
+    order [H/128, R] (`block_row_scales`). With 4 warps the SwiGLU output goes to `a32` (FP32 [R, I]) instead, for
+    `fp8.l1_out_blocks` to cast."""
     hidden, inter, num_local = x8.shape[1], w1.shape[1] // 2, w1.shape[0]
-    l1_kernel[(block_expert.numel() * (inter // 128),)](
+    bn = 16 * config.num_warps
+    l1_kernel[(block_expert.numel() * (inter // bn),)](
         x8, xs, w1, s1, tables(x8.device), sorted_slots, weights, block_expert, block_row, block_end, act, act_s,
+        act_s if a32 is None else a32,
         hidden, inter, num_topk, num_local, act.shape[0], w1.stride(0), s1.stride(0), 0.0 if clamp is None else clamp,
-        HAS_CLAMP=clamp is not None, ROWS=config.block_t, STAGES=config.num_stages, num_warps=8,
+        HAS_CLAMP=clamp is not None, ROWS=config.block_t, STAGES=config.num_stages, num_warps=config.num_warps,
         **config.launch_registers(),
     )
 
