@@ -72,13 +72,6 @@ class FamilyMemory:
     train_measured: bool = True
 
 
-# Kimi Delta Attention's backward (`chunk_per_key` layers in training) is priced from `torch_chunk_kda` on the high
-# side, with every gradient but the embedding's computed: not within 5% on every measured point, so every family
-# whose linear attention runs it says so
-KDA_BACKWARD = ("Kimi Delta Attention's backward (its three per-key chunk tensors kept and three more in its backward, "
-                "with every gradient but the embedding's counted; measured 4-11% less: Kimi Linear at 1 x 256 on "
-                "CPU, Ling's hybrid and GLM-5-Next at 1 x 1024 on an H100)")
-
 FAMILIES: dict[str, FamilyMemory] = {
     # softmax(router_logits.float()), top-k weights kept fp32
     "mixtral": FamilyMemory(routing_weights_fp32=True),
@@ -103,10 +96,9 @@ FAMILIES: dict[str, FamilyMemory] = {
     "olmoe": FamilyMemory(full_width_qk_norm=True),
     # softmax(dtype=float) then `.to(router_logits.dtype)`; a sigmoid-gated shared expert
     "qwen2_moe": FamilyMemory(),
-    # DeepSeek-V3's router (fp32 input and weights); Kimi Delta Attention's per-key decay; MLA full attention
-    "kimi_linear": FamilyMemory(
-        routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key", unpriced=(KDA_BACKWARD,),
-    ),
+    # DeepSeek-V3's router (fp32 input and weights); Kimi Delta Attention's per-key decay (`torch_chunk_kda`, its
+    # forward and backward: planc.compiler.peak_memory's `linear_saved` and `_linear_backward`); MLA full attention
+    "kimi_linear": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key"),
     # softmax(dtype=float), top-k weights cast back; Mamba layers on the slow path (no mamba_ssm kernels)
     "jamba": FamilyMemory(linear_scan="mamba"),
     # Qwen3-Next's layers (gated delta rule, gated attention), softmax then `.to(router_logits.dtype)`
@@ -224,13 +216,10 @@ FAMILIES: dict[str, FamilyMemory] = {
     # linear attention, SSM and hybrid layers of the families sweep (read from each family's modeling file, 5.25)
     # DeepSeek-V3's router (F.linear(x.float(), w.float()), sigmoid, weights kept fp32); its `linear_attention`
     # layers run Kimi Delta Attention (`chunk_kimi_delta_attention`, per-key decay: `torch_chunk_kda`'s rule)
-    "bailing_hybrid": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key",
-                                   unpriced=(KDA_BACKWARD,)),
+    "bailing_hybrid": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key"),
     # the same router and Kimi Delta Attention; hyper-connection streams (hc_mult, planc.compiler.deepseek_v4_memory)
-    "glm5_next": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key",
-                              unpriced=(KDA_BACKWARD,)),
-    "glm5_next_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key",
-                                   unpriced=(KDA_BACKWARD,)),
+    "glm5_next": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key"),
+    "glm5_next_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key"),
     # Mamba2 mixers on transformers' reference chunked scan (no mamba_ssm kernels: planc.compiler.ssm_memory);
     # GraniteMoeHybridTopKRouter: softmax over the top-k logits in their dtype (the model dtype)
     "granitemoehybrid": FamilyMemory(linear_scan="mamba2"),

@@ -915,8 +915,10 @@ def _linear_backward(shapes: list[LayerShape], saved: list[int], hidden: int, a:
     it: the activations the layers before it keep, its own input norm's and scan's (its MLP has run backward and
     freed its part), and the scan's backward. A Mamba2 mixer at its gated norm: four fp32 `[tokens, d_inner]`, less
     the gradient of its `in_proj`, not computed yet (the grid's Granite MoE hybrid training peak). Kimi Delta
-    Attention: `decay_mask[:, :, i]`'s gradient is a zero-filled full-size tensor per chunk, two of them and their
-    running sum live at once: three per-key chunk tensors more. The largest over the model's layers; 0 without one."""
+    Attention (`torch_chunk_kda`) at the backward of `k_beta * key * decay_mask`: the gradients of both factors, two
+    per-key chunk tensors more, while both factors and `decay_mask`'s gradient summed over the chunks (accumulated
+    in place) are held: the three per-key tensors kept count the product's factors and the chunks' `q_i * k_i`,
+    freed by then, whose place the summed gradient takes. The largest over the model's layers; 0 without one."""
     worst, tokens = 0, batch * seq
     for i, s in enumerate(shapes):
         lin = s.linear
@@ -928,7 +930,7 @@ def _linear_backward(shapes: list[LayerShape], saved: list[int], hidden: int, a:
             conv = inner + 2 * lin.key_heads * lin.key_dim
             work = 4 * FP32 * tokens * inner - hidden * (inner + conv + lin.value_heads) * a
         else:
-            work = 3 * FP32 * tokens * lin.value_heads * CHUNK * lin.key_dim
+            work = 2 * FP32 * tokens * lin.value_heads * CHUNK * lin.key_dim
         worst = max(worst, sum(saved[:i]) + own + work)
     return worst
 
