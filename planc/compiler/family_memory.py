@@ -30,6 +30,10 @@ class FamilyMemory:
     # the residual stream is fp32 between layers (Zaya's `residual_in_fp32`), and each of a layer's two residual
     # scalings keeps `residual + bias` (fp32) and `hidden + bias` (model dtype) for its products with the scales
     residual_fp32: bool = False
+    # keys, values and both residual branches (the attention's and the MLP's output) pass a causal short convolution
+    # in fp32 (Inkling's `InklingShortConvolution`: `x.float()`, the conv, `+ x`, cast back): a prefill holds three fp32
+    # [tokens, hidden] at a branch's conv; training keeps each conv's fp32 input
+    residual_short_conv: bool = False
     # q_norm/k_norm per head compute in fp32 to the scale (`_norm(x.float()) * weight.float()`, Gemma's RMSNorm): two
     # fp32 copies of q at once in a prefill
     qk_norm_fp32: bool = False
@@ -161,10 +165,13 @@ FAMILIES: dict[str, FamilyMemory] = {
     # gathered logits' sigmoid kept fp32
     "kolibri1": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
     "kolibri1_1": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
-    # F.linear(x.float(), w.float()), logsigmoid weights cast back `.to(hidden_states.dtype)`; a dense relative-position
-    # bias in every attention layer (sdpa drops it, but it is built); its `hybrid`/`hybrid_sliding` layers (short
-    # convolutions on keys, values and both residual branches, in fp32) are flagged as layer types planc does not know
-    "inkling_text": FamilyMemory(router_input_fp32=True, relative_position_bias=True),
+    # modeling_inkling.py: F.linear(x.float(), w.float()), logsigmoid weights cast back `.to(hidden_states.dtype)`; a
+    # dense relative-position bias in every attention layer (sdpa drops it, but it is built). Its `hybrid` layers are
+    # full attention and `hybrid_sliding` sliding attention (the text model picks their masks so; transformers' cache
+    # keeps their keys and values as those kinds', beside four [B, channels, 4] fp32 conv states, under 1 MiB a
+    # layer), with fp32 short convolutions on keys, values and both residual branches (`residual_short_conv`)
+    "inkling_text": FamilyMemory(router_input_fp32=True, relative_position_bias=True, residual_short_conv=True,
+                                 layer_types=(("hybrid", "full_attention"), ("hybrid_sliding", "sliding_attention"))),
     # the router Linear in the model dtype, `.to(float32)`, sigmoid: fp32 weights, no fp32 input copy; AfMoE's layer
     # normalizes before and after both attention and MLP, each norm `(weight * x_fp32).to(dtype)`
     "afmoe": FamilyMemory(routing_weights_fp32=True, sandwich_norms=True, norm_weight_fp32=True),
