@@ -243,13 +243,13 @@ FAMILIES: dict[str, FamilyMemory] = {
                          residual_fp32=True),
 }
 
-# Families whose prefills the grid validated but whose training it has not (no training point: the H100 time was
-# spent; or their training points measured under: Kolibri 1 and 1.1 -3.4% and -6.7%, FlexOlmo -2.9%, CPU 1 x 1024)
+# Families whose prefills the grid validated but whose training it has not: no training point (OpenAI's privacy
+# filter fails in cuBLAS under the harness on the H100), or training points off the band (1 x 1024:
+# Kolibri 1 and 1.1 -3.4% and -6.7% on CPU and H100, FlexOlmo -2.9% on CPU and H100, LongCat-Flash and Qwen4-Exp -5.7%,
+# MiniMax-M3-VL -3.7%, HY-V4-VL +7.6%, Mistral Large 4 +8.3% on the H100)
 NO_TRAINING_POINT = frozenset({
-    "cohere2_moe", "deepseek_ocr2", "deepseek_ocr2_text", "dots1", "flex_olmo", "gemma4", "gemma4_text", "hy_v4_vl",
-    "hy_v4_vl_text", "inkling_text", "kolibri1", "kolibri1_1", "longcat_flash", "minimax_m3_vl_text", "mistral_large4",
-    "mistral_large4_text", "nemotron_h", "openai_privacy_filter", "qwen4_exp_text", "sarvam_mla", "unlimited_ocr",
-    "unlimited_ocr_text",
+    "flex_olmo", "hy_v4_vl", "hy_v4_vl_text", "kolibri1", "kolibri1_1", "longcat_flash",
+    "minimax_m3_vl_text", "mistral_large4", "mistral_large4_text", "openai_privacy_filter", "qwen4_exp_text",
 })
 FAMILIES.update({name: replace(FAMILIES[name], train_measured=False) for name in NO_TRAINING_POINT})
 

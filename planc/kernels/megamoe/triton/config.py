@@ -39,7 +39,9 @@ class KernelConfig:
     # The FP8-math kernels (`fp8`: e4m3 operands, FP32 promotion per 128-deep K block, l1_n = 128 channels per
     # scale block, K tiles of 128; the numerics of the FP8 path, docs/megamoe.md, not the BF16 path's): 1 swap-AB (the
     # weight rows are the MMA's M dimension, the expanded tile its register operand), 2 the block's rows are M (the
-    # expanded tile is the shared-memory operand).
+    # expanded tile is the shared-memory operand), 3 the Hopper Gluon kernels (`hopper_fp8`: FP8 async wgmma on the
+    # FP8 weight layout, blocks of `FP8_GLUON_BLOCK_ROWS`, L1 128 gate and 128 up rows on 8 warps, L2 `l2_n` rows on
+    # l2_n / 16 warps, `num_stages` cp.async stages).
     fp8: int = 0
     # The split-K decode kernels (`decode`: both GEMMs split over K, the partial sums reduced by each tile's last
     # program, this many 64-deep K tiles in flight per program: 1, 2 or 4); 0 the general kernels. `l1_split` then
@@ -68,6 +70,9 @@ class KernelConfig:
         """Whether the Gluon kernels run these tiles on these shapes as they are (they do not shrink them): N tiles
         that divide, and L2's K tiles of 64 in pairs."""
         return not (inter % self.l1_n or hidden % self.l2_n or inter % 128)
+
+    # The block sizes the FP8 Gluon kernels (`fp8=3`) take: the wgmma's N, one MMA per block.
+    FP8_GLUON_BLOCK_ROWS: ClassVar[tuple[int, ...]] = (32, 64)
 
     # From this many rows per block the BF16 L2 races through Triton's cp.async pipeline (`pipeline_race`).
     PIPELINE_RACE_ROWS: ClassVar[int] = 128
@@ -113,6 +118,11 @@ class KernelConfig:
                 raise ValueError(f"the FP8 kernels need hidden and intermediate % 128 and N tiles of 128 that divide "
                                  f"them, got hidden={hidden}, intermediate={inter}, l1_n={self.l1_n}, "
                                  f"l2_n={self.l2_n}: `pick_config` picks them only where they fit")
+            if self.fp8 == 3 and (self.block_t not in self.FP8_GLUON_BLOCK_ROWS or self.l1_n != 128
+                                  or self.l2_n not in (64, 128) or self.num_stages < 3):
+                raise ValueError(f"the FP8 Gluon kernels (fp8=3) take block_t in {self.FP8_GLUON_BLOCK_ROWS}, "
+                                 f"l1_n=128, l2_n 64 or 128 and num_stages >= 3, got block_t={self.block_t}, "
+                                 f"l1_n={self.l1_n}, l2_n={self.l2_n}, num_stages={self.num_stages}")
             return dataclasses.replace(self, l1_k=128, l2_k=128, l1_split=1)
         if self.decode:
             return self._fit_decode(hidden, inter, div)
