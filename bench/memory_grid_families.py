@@ -182,6 +182,9 @@ HELD_OUT = {"serve": ((2, 512), (1, 2048))}
 # tokens would not fit the shared machine. Jamba's slow Mamba scan is a Python loop over the tokens: 1024 of them
 # under MemTracker take over 15 minutes to train
 POINTS_OF: dict[str, dict] = {"kimi_linear": {"replicate": (1, 256)}, "jamba": {"replicate": (1, 128)}}
+# Training shapes held out from a family's training rule read off its first point (Kimi Delta Attention's backward,
+# read at 1 x 256): another batch and another token count
+HELD_OUT_OF: dict[str, dict] = {"kimi_linear": {"replicate": ((2, 192),)}}
 _LAYER_COUNTS = ("num_hidden_layers", "num_layers")
 _DENSE_FIRST = ("first_k_dense_replace", "num_dense_layers", "first_k_dense")
 
@@ -283,7 +286,7 @@ def points(only=None, modes=("serve", "replicate"), held_out: bool = True) -> li
         for mode in modes:
             shapes = [POINTS_OF.get(model_type, {}).get(mode, POINTS[mode])]
             if held_out:
-                shapes += HELD_OUT.get(mode, ())
+                shapes += HELD_OUT.get(mode, ()) + HELD_OUT_OF.get(model_type, {}).get(mode, ())
             plan = dict(base)
             if mode != "serve":
                 plan["training"] = {"data_parallel": "replicate"}

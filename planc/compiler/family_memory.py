@@ -30,6 +30,10 @@ class FamilyMemory:
     # the residual stream is fp32 between layers (Zaya's `residual_in_fp32`), and each of a layer's two residual
     # scalings keeps `residual + bias` (fp32) and `hidden + bias` (model dtype) for its products with the scales
     residual_fp32: bool = False
+    # keys, values and both residual branches (the attention's and the MLP's output) pass a causal short convolution
+    # in fp32 (Inkling's `InklingShortConvolution`: `x.float()`, the conv, `+ x`, cast back): a prefill holds three fp32
+    # [tokens, hidden] at a branch's conv; training keeps each conv's fp32 input
+    residual_short_conv: bool = False
     # q_norm/k_norm per head compute in fp32 to the scale (`_norm(x.float()) * weight.float()`, Gemma's RMSNorm): two
     # fp32 copies of q at once in a prefill
     qk_norm_fp32: bool = False
@@ -79,13 +83,6 @@ class FamilyMemory:
     train_measured: bool = True
 
 
-# Kimi Delta Attention's backward (`chunk_per_key` layers in training) is priced from `torch_chunk_kda` on the high
-# side, with every gradient but the embedding's computed: not within 5% on every measured point, so every family
-# whose linear attention runs it says so
-KDA_BACKWARD = ("Kimi Delta Attention's backward (its three per-key chunk tensors kept and three more in its backward, "
-                "with every gradient but the embedding's counted; measured 4-11% less: Kimi Linear at 1 x 256 on "
-                "CPU, Ling's hybrid and GLM-5-Next at 1 x 1024 on an H100)")
-
 INKLING2 = FamilyMemory(
     routing_weights_fp32=True, router_input_fp32=True, relative_position_bias=True, eager_scores=(2, 2),
     eager_softmax_fp32=True, block_residual_inputs=3, train_measured=False,
@@ -118,10 +115,9 @@ FAMILIES: dict[str, FamilyMemory] = {
     "olmoe": FamilyMemory(full_width_qk_norm=True),
     # softmax(dtype=float) then `.to(router_logits.dtype)`; a sigmoid-gated shared expert
     "qwen2_moe": FamilyMemory(),
-    # DeepSeek-V3's router (fp32 input and weights); Kimi Delta Attention's per-key decay; MLA full attention
-    "kimi_linear": FamilyMemory(
-        routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key", unpriced=(KDA_BACKWARD,),
-    ),
+    # DeepSeek-V3's router (fp32 input and weights); Kimi Delta Attention's per-key decay (`torch_chunk_kda`, its
+    # forward and backward: planc.compiler.peak_memory's `linear_saved` and `_linear_backward`); MLA full attention
+    "kimi_linear": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key"),
     # softmax(dtype=float), top-k weights cast back; Mamba layers on the slow path (no mamba_ssm kernels)
     "jamba": FamilyMemory(linear_scan="mamba"),
     # Qwen3-Next's layers (gated delta rule, gated attention), softmax then `.to(router_logits.dtype)`
@@ -184,10 +180,13 @@ FAMILIES: dict[str, FamilyMemory] = {
     # gathered logits' sigmoid kept fp32
     "kolibri1": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
     "kolibri1_1": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
-    # F.linear(x.float(), w.float()), logsigmoid weights cast back `.to(hidden_states.dtype)`; a dense relative-position
-    # bias in every attention layer (sdpa drops it, but it is built); its `hybrid`/`hybrid_sliding` layers (short
-    # convolutions on keys, values and both residual branches, in fp32) are flagged as layer types planc does not know
-    "inkling_text": FamilyMemory(router_input_fp32=True, relative_position_bias=True),
+    # modeling_inkling.py: F.linear(x.float(), w.float()), logsigmoid weights cast back `.to(hidden_states.dtype)`; a
+    # dense relative-position bias in every attention layer (sdpa drops it, but it is built). Its `hybrid` layers are
+    # full attention and `hybrid_sliding` sliding attention (the text model picks their masks so; transformers' cache
+    # keeps their keys and values as those kinds', beside four [B, channels, 4] fp32 conv states, under 1 MiB a
+    # layer), with fp32 short convolutions on keys, values and both residual branches (`residual_short_conv`)
+    "inkling_text": FamilyMemory(router_input_fp32=True, relative_position_bias=True, residual_short_conv=True,
+                                 layer_types=(("hybrid", "full_attention"), ("hybrid_sliding", "sliding_attention"))),
     # the router Linear in the model dtype, `.to(float32)`, sigmoid: fp32 weights, no fp32 input copy; AfMoE's layer
     # normalizes before and after both attention and MLP, each norm `(weight * x_fp32).to(dtype)`
     "afmoe": FamilyMemory(routing_weights_fp32=True, sandwich_norms=True, norm_weight_fp32=True),
@@ -239,13 +238,10 @@ FAMILIES: dict[str, FamilyMemory] = {
     # linear attention, SSM and hybrid layers of the families sweep (read from each family's modeling file, 5.25)
     # DeepSeek-V3's router (F.linear(x.float(), w.float()), sigmoid, weights kept fp32); its `linear_attention`
     # layers run Kimi Delta Attention (`chunk_kimi_delta_attention`, per-key decay: `torch_chunk_kda`'s rule)
-    "bailing_hybrid": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key",
-                                   unpriced=(KDA_BACKWARD,)),
+    "bailing_hybrid": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key"),
     # the same router and Kimi Delta Attention; hyper-connection streams (hc_mult, planc.compiler.deepseek_v4_memory)
-    "glm5_next": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key",
-                              unpriced=(KDA_BACKWARD,)),
-    "glm5_next_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key",
-                                   unpriced=(KDA_BACKWARD,)),
+    "glm5_next": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key"),
+    "glm5_next_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, linear_scan="chunk_per_key"),
     # Mamba2 mixers on transformers' reference chunked scan (no mamba_ssm kernels: planc.compiler.ssm_memory);
     # GraniteMoeHybridTopKRouter: softmax over the top-k logits in their dtype (the model dtype)
     "granitemoehybrid": FamilyMemory(linear_scan="mamba2"),

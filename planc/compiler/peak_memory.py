@@ -311,6 +311,7 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
     sinks = {f.rsplit(".", 2)[0] for f in walk.params if f.endswith(".sinks")}
     fam = family_memory(walk.model_type)
     own_head_dims = _attention_head_dims(walk)
+    own_kv_widths = _attention_kv_widths(walk)
     shapes = []
     for index, (layer, (mla, moe, shared)) in enumerate(sorted(_layer_kinds(walk).items(),
                                                                key=lambda kv: _layer_index(kv[0]))):
@@ -353,6 +354,8 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
             cache, cache_kind = 0, "linear attention (conv and recurrent state)"
         else:
             d = own_head_dims.get(layer) or d  # a layer's own head width (Gemma 4's full layers: 512)
+            if own_kv_widths.get(layer):  # a layer's own key/value heads (Inkling's sliding layers: 16, its full 8)
+                kvh = max(1, own_kv_widths[layer] // d // split)
             q, k, v = h * d, kvh * d, kvh * d
             cache = (k + v) * itemsize
             cache_kind = "sliding window" if kind in _WINDOWED and window else "full attention"
@@ -464,14 +467,30 @@ def relative_extent(config: Mapping[str, Any], layer_type: str) -> int:
 
 def relative_bias_bytes(s: LayerShape, batch: int, seq: int, a: int) -> int:
     """A dense relative-position bias in a prefill: the [B, heads, S, extent] logits, their gather to [B, heads, S, S]
-    and its masked copy, at once."""
-    return batch * s.heads * seq * (s.relative_extent + 2 * seq) * a if s.relative_extent else 0
+    and its masked copy, at once, beside the [S, S] int64 distances, their clamp (the gather's index, expanded over
+    the batch and heads as a view) and the boolean out-of-range mask the masked fill reads."""
+    if not s.relative_extent:
+        return 0
+    return batch * s.heads * seq * (s.relative_extent + 2 * seq) * a + seq * seq * (2 * 8 + 1)
 
 
 def _attention_head_dims(walk: ModelWalk) -> dict[str, int]:
     """Layer path -> the head width its attention module computes with (the module's `head_dim`), where a family
     sets it per layer (Gemma 4's `per_layer_config`); a layer whose module does not say is absent."""
     return {fqn.rpartition(".")[0]: m.head_dims[0] for fqn, m in walk.modules.items() if m.head_dims and m.head_dims[0]}
+
+
+def _attention_kv_widths(walk: ModelWalk) -> dict[str, int]:
+    """Layer path -> the width of its attention's `k_proj` (key heads x head width, the whole model's), where a layer
+    type has key heads of its own (Inkling's `swa_num_key_value_heads`): the config's `num_key_value_heads` names only
+    one kind. Read from the parameter's shape; a layer without a `k_proj` weight is absent."""
+    out = {}
+    for fqn, m in walk.modules.items():
+        if m.head_dims:
+            weight = walk.params.get(f"{fqn}.k_proj.weight")
+            if weight is not None and len(weight.shape) == 2:
+                out[fqn.rpartition(".")[0]] = weight.shape[0]
+    return out
 
 
 def _top_k(walk: ModelWalk, config: Mapping[str, Any]) -> int:
@@ -570,6 +589,8 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
         n += t * (FP32 + a) * (s.q + s.k)
     if fam.residual_fp32:
         n += 2 * t * hidden * (FP32 + a)
+    if fam.residual_short_conv and s.attention not in ("linear", "none"):  # each conv's fp32 input, for its weight
+        n += t * FP32 * (2 * hidden + s.k + s.v)
     if fam.complex_rope_fp32 and s.attention != "linear":
         n += t * FP32 * (s.q + s.k)
     n += indexer_memory.saved_mask_bytes(batch, seq, s.indexer_heads)
@@ -915,8 +936,10 @@ def _linear_backward(shapes: list[LayerShape], saved: list[int], hidden: int, a:
     it: the activations the layers before it keep, its own input norm's and scan's (its MLP has run backward and
     freed its part), and the scan's backward. A Mamba2 mixer at its gated norm: four fp32 `[tokens, d_inner]`, less
     the gradient of its `in_proj`, not computed yet (the grid's Granite MoE hybrid training peak). Kimi Delta
-    Attention: `decay_mask[:, :, i]`'s gradient is a zero-filled full-size tensor per chunk, two of them and their
-    running sum live at once: three per-key chunk tensors more. The largest over the model's layers; 0 without one."""
+    Attention (`torch_chunk_kda`) at the backward of `k_beta * key * decay_mask`: the gradients of both factors, two
+    per-key chunk tensors more, while both factors and `decay_mask`'s gradient summed over the chunks (accumulated
+    in place) are held: the three per-key tensors kept count the product's factors and the chunks' `q_i * k_i`,
+    freed by then, whose place the summed gradient takes. The largest over the model's layers; 0 without one."""
     worst, tokens = 0, batch * seq
     for i, s in enumerate(shapes):
         lin = s.linear
@@ -928,7 +951,7 @@ def _linear_backward(shapes: list[LayerShape], saved: list[int], hidden: int, a:
             conv = inner + 2 * lin.key_heads * lin.key_dim
             work = 4 * FP32 * tokens * inner - hidden * (inner + conv + lin.value_heads) * a
         else:
-            work = 3 * FP32 * tokens * lin.value_heads * CHUNK * lin.key_dim
+            work = 2 * FP32 * tokens * lin.value_heads * CHUNK * lin.key_dim
         worst = max(worst, sum(saved[:i]) + own + work)
     return worst
 
@@ -1079,6 +1102,10 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
             transients.append((cause, work + tokens * a * hidden * 3 + kept_weights))
         elif s.mlp == "dense":
             transients.append(("dense MLP", tokens * a * (3 * s.intermediate + 3 * hidden) + kept_weights))
+        if fam.residual_short_conv:
+            # a residual branch's fp32 short convolution: its upcast, the conv's output and their sum, beside the
+            # branch's output and the residual stream in the model dtype
+            transients.append(("short convolution (fp32)", tokens * hidden * (3 * FP32 + 3 * a)))
         if s.linear is not None:
             attn = linear_prefill(s, a, batch, seq) + tokens * a * 3 * hidden
             what = {"mamba": "selective scan, fp32 states", "chunk_per_key": "delta rule, per-key decay, fp32 chunks",
