@@ -72,6 +72,9 @@ class FamilyMemory:
     sandwich_norms: bool = False
     # the norm's weight multiplies the fp32 normalized states, `(weight * x).to(dtype)`: the fp32 states are kept
     norm_weight_fp32: bool = False
+    # the indexed layers' rotary is computed from `inputs_embeds.float()` (dots.llm3): the indexer's rotated queries
+    # and their concatenation are fp32 (planc.compiler.indexer_memory)
+    indexer_rope_fp32: bool = False
     # the attention's inputs are a block attention residual's fp32 outputs (Inkling 2's `BlockAttentionResidual`: an
     # eager attention of learned queries over the fp32 stacked block states): this many fp32 [tokens, hidden] and
     # their normed model-dtype copies alive through the attention (Inkling 2's full layers: 3, its sliding ones 1)
@@ -223,8 +226,9 @@ FAMILIES: dict[str, FamilyMemory] = {
     # modeling_dots3_note.py (the text decoder): MLA at 128 heads with DeepSeek Sparse Attention's indexer
     # (`indexed_attention` layers: fp32 indexer scores and key cache, planc.compiler.attention_memory) and sliding
     # MLA layers; on a CPU sdpa runs its math path (q/k 192 wide, v 128): fp32 scores. DeepSeek-V3's router:
-    # `F.linear(hidden.float(), weight.float())`, sigmoid, the top-k weights gathered from the fp32 scores
-    "dots3_note_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    # `F.linear(hidden.float(), weight.float())`, sigmoid, the top-k weights gathered from the fp32 scores. The
+    # indexed layers' rotary runs on `inputs_embeds.float()` (`Dots3NoteTextModel.forward`): fp32 indexer queries
+    "dots3_note_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, indexer_rope_fp32=True),
     # modeling_flint.py: eager only (sdpa cannot add its sinks); `matmul(query.float(), key.float())`, the mask added,
     # the sink joined and the softmax, all fp32: three fp32 scores at once; `.to(value dtype)` after. Its router:
     # `F.linear(hidden.float(), weight.float())`, sigmoid, top-k weights kept fp32

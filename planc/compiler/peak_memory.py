@@ -15,6 +15,9 @@ Training (one AdamW step), the peak is the largest of these moments:
   largest unit's gathered parameters, unsharded gradients and reduce-scatter input with the rest of its layer;
 - under fsdp, `lm_head backward (FSDP prefetch)`: the loss's gradients (two fp32 [tokens, vocab] and the logits'
   gradient in the compute dtype) while FSDP2 all-gathers the next unit (one unit's buffer);
+- in a model with DeepSeek Sparse Attention's indexer, `forward, sparse attention indexer`: parameters, AdamW
+  state, the activations the layers before an indexed layer keep, its attention's and its indexer's fp32 scores
+  (`planc.compiler.indexer_memory`), which outgrow the loss at long sequences or batch > 1;
 - `optimizer step`: parameters, gradients, AdamW state and the step's temporaries (`optimizer`, by default the step
   the plan leads torch to on CUDA; `planc.compiler.optimizer_step` says what foreach and for-loop hold).
 On CUDA, torch's cuBLAS workspaces (`planc.compiler.devices.cuda_workspaces`) are added to every moment.
@@ -91,6 +94,7 @@ class LayerShape:
     indexer_heads: int = 0  # DeepSeek Sparse Attention's indexer on this layer (planc.compiler.indexer_memory)
     relative_extent: int = 0  # distances a dense relative-position bias covers (family_memory's relative_position_bias)
     indexer_dim: int = 0
+    indexer_rope: int = 0  # the indexer queries' rotated width (indexer_memory.indexer_rope)
     sdpa_math: bool = False  # sdpa runs its math path: fp32 S x S scores (planc.compiler.attention_memory)
 
 
@@ -386,6 +390,7 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
             compress_rate=int((config.get("compress_rates") or {}).get(kind) or 0),
             all_slots=experts is not None and experts.strategy is not None and experts.strategy.name == "all_reduce",
             indexer_heads=index_heads, indexer_dim=index_dim,
+            indexer_rope=indexer_memory.indexer_rope(config) if index_heads else 0,
             relative_extent=relative_extent(config, kind) if fam.relative_position_bias and not linear else 0,
         ))
         if fam.mixer_blocks:
@@ -751,15 +756,9 @@ def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], tr
     hc = deepseek_v4_memory.hyper_connections(config)
     notes = []
     unpriced = list(fam.unpriced) + unpriced_features(compiled, walk, config, shapes)
-    # DeepSeek Sparse Attention's indexer over more than one sequence: two held-out prefills at 2 x 512 measured 4.0%
-    # and 9.4% above the prediction (Mistral Large 4, A.X K2; docs/memory.md): no verdict there until it is priced
-    batch_unbacked = batch > 1 and any(s.indexer_heads for s in shapes)
     if workload == "train" and fam.measured and not fam.train_measured:
         unpriced.append("this family's training is not in the memory grid (planc.compiler.family_memory's "
                         "NO_TRAINING_POINT: its prefills hold; its training may be low); no verdict")
-    if batch_unbacked:
-        unpriced.append("DeepSeek Sparse Attention's indexer over more than one sequence: measured up to 9.4% above "
-                        "the prediction at batch 2 (docs/memory.md); no verdict")
     # serving with EP over the TP group runs all_reduce (every rank, every slot: no routing assumption); else the
     # all_to_all moves the routed rows and the balanced-load assumption applies
     routed = workload == "train" or ep > tp
@@ -797,11 +796,9 @@ def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], tr
         kv_cache=tuple(kv), routed_rows=rows if top_k and routed else 0,
         routed_rows_worst=worst_rows if top_k and routed else 0,
         worst_case_peak=worst[1], capacity_factor=capacity_factor, checkpointing=ckpt, notes=tuple(notes),
-        unpriced=tuple(unpriced), validated=fam.measured and not batch_unbacked and (
-            workload != "train" or fam.train_measured),
+        unpriced=tuple(unpriced), validated=fam.measured and (workload != "train" or fam.train_measured),
         why_not_validated=(PeakMemory.why_not_validated if not fam.measured
-                           else "DeepSeek Sparse Attention's indexer over more than one sequence is not priced"
-                           if batch_unbacked else "the memory grid has not measured this family's training"),
+                           else "the memory grid has not measured this family's training"),
     )
 
 
@@ -895,6 +892,13 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
         linear_backward = _linear_backward(shapes, saved_layers, hidden, a, batch, seq)
         if linear_backward:  # every gradient but the embedding's counted (the layer's own are not computed yet)
             moments[LINEAR_BACKWARD] = params + optim + grads - train.embedding_gradient + linear_backward
+    # the indexer's scores in an indexed layer's forward (in backward's recompute under activation checkpointing,
+    # every gradient but the embedding's counted)
+    indexed_before, indexed_work = _indexer_forward(shapes, saved_layers, hidden, a, batch, seq, tp, fam,
+                                                    kept if recomputes else 0)
+    indexed_grads = grads - train.embedding_gradient if recomputes else 0
+    if indexed_work:
+        moments[INDEXER_FORWARD] = params + optim + indexed_grads + gathered + indexed_before + indexed_work
     if fsdp:
         # lm_head's backward: the gradients of the log-softmax and of the logits (fp32) and the logits' gradient cast
         # to the compute dtype, while FSDP2 all-gathers the next unit to run backward (its buffer: one unit)
@@ -902,6 +906,12 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
                                         + prefetch)
     moment = max(moments, key=lambda m: moments[m])
     forward_side = moment in ("loss backward (fp32 logits and loss)", LAST_LAYER_BACKWARD)
+    if moment == INDEXER_FORWARD:  # the activations so far, the gradients only in a recompute
+        breakdown = [("parameters", params), ("gradients", indexed_grads), ("optimizer state", optim),
+                     ("activations kept for backward", indexed_before),
+                     ("transient at the peak", gathered + indexed_work)]
+        transients = [(INDEXER_FORWARD, indexed_work), ("fp32 logits and loss", loss)]
+        return _Moment(moment, moments[moment], breakdown, transients, [], list(moments.items()))
     breakdown = [("parameters", params), ("gradients", 0 if forward_side else grads),
                  ("optimizer state", optim),
                  ("activations kept for backward", kept + head if forward_side else 0)]
@@ -909,6 +919,8 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
     if LINEAR_BACKWARD in moments:
         transients.append((f"{LINEAR_BACKWARD}: the activations still kept and the scan's backward",
                            moments[LINEAR_BACKWARD] - params - optim - grads))
+    if indexed_work:
+        transients.append((INDEXER_FORWARD, indexed_work))
     if optimizer != "fused":
         transients.append((f"AdamW {optimizer} step: exp_avg_sq's square root", foreach_copy(train, optimizer)))
     if fsdp:
@@ -928,6 +940,27 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
 
 
 LAST_LAYER_BACKWARD = "lm_head backward (FSDP prefetch)"
+INDEXER_FORWARD = "forward, sparse attention indexer (fp32 scores)"
+
+
+def _indexer_forward(shapes: list[LayerShape], saved: list[int], hidden: int, a: int, batch: int, seq: int, tp: int,
+                     fam: FamilyMemory, inputs: int) -> tuple[int, int]:
+    """An indexed layer's forward in training: (the activations the layers before it keep, or `inputs`, every
+    layer's input, under activation checkpointing; its own attention's kept activations and its indexer's peak). The
+    indexer runs without grad, as in a prefill (planc.compiler.indexer_memory): at long sequences or batch > 1 its
+    fp32 scores and broadcast keys outgrow the loss's fp32 logits. The attention's kept activations are counted whole
+    (its output too, computed after the indexer: on the high side). The largest over the indexed layers; (0, 0)
+    without one."""
+    worst = (0, 0)
+    for i, s in enumerate(shapes):
+        if not s.indexer_heads:
+            continue
+        before = inputs if inputs else sum(saved[:i])
+        own = layer_saved(replace(s, mlp="none"), hidden, a, batch * seq, 0, tp, fam, batch)
+        work = own + indexer_memory.prefill_bytes(batch, seq, s.indexer_heads, s.indexer_dim, a, s.indexer_rope,
+                                                  fam.indexer_rope_fp32)
+        worst = max(worst, (before, work), key=sum)
+    return worst
 LINEAR_BACKWARD = "linear attention backward (Mamba2's gated norm, KDA's decay mask)"
 
 
@@ -990,7 +1023,8 @@ def _fsdp_backward(train: TrainMemory) -> tuple[int, int]:
 
 def _masks(shapes: list[LayerShape], batch: int, seq: int, a: int) -> int:
     """The attention masks a forward builds once per layer type and keeps to its end: eager's [B, 1, S, S] in the
-    model dtype; sdpa's boolean one for a sliding window the prefill outgrows (full causal layers need none)."""
+    model dtype; sdpa's boolean one for a sliding window the prefill outgrows, or for a model's indexer (full causal
+    layers need none otherwise)."""
     out = 0
     for kind in {(s.attn_impl, s.cache_kind, s.window) for s in shapes if s.attention not in ("linear", "none")}:
         impl, cache_kind, window = kind
@@ -998,6 +1032,8 @@ def _masks(shapes: list[LayerShape], batch: int, seq: int, a: int) -> int:
             out += batch * seq * seq * a
         elif cache_kind == "sliding window" and window is not None and seq >= window:
             out += batch * seq * seq
+    if any(s.layer_type == indexer_memory.INDEXED and s.attn_impl == "sdpa" for s in shapes):
+        out += indexer_memory.causal_mask_bytes(batch, seq)
     return out
 
 
@@ -1129,22 +1165,26 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
         if fam.complex_rope_fp32:
             attn += tokens * 2 * FP32 * (s.q + s.k)
         attn += relative_bias_bytes(s, batch, seq, a)
+        # an indexed layer's attention reads the picks as masks, built once its indexer has returned
+        picks = (indexer_memory.attention_mask_bytes(batch, seq, a, s.attn_impl, s.sdpa_math)
+                 if s.layer_type == indexer_memory.INDEXED else 0)
         elements = eager_scores(s, batch, seq, 1)
         if elements:
             # the family's [B, h, S, S(+1)] score tensors at once (gpt-oss: scores x scale + mask, the sink column
             # joined, the max subtracted, softmax: three in the model dtype); K and V repeated to every head
-            transients.append(("eager attention (S x S scores)",
-                               attention_memory.eager_prefill(elements, a, fam) + _repeat_kv(s, tokens, a) + attn))
+            transients.append(("eager attention (S x S scores)", attention_memory.eager_prefill(elements, a, fam)
+                               + _repeat_kv(s, tokens, a) + attn + picks))
         elif s.sdpa_math:
             transients.append(("sdpa math path (fp32 S x S scores)",
-                               attention_memory.sdpa_math_prefill(s, batch, seq) + attn))
+                               attention_memory.sdpa_math_prefill(s, batch, seq) + attn + picks))
         else:
-            transients.append(("attention workspace", attn))
+            transients.append(("attention workspace", attn + picks))
         if s.indexer_heads:
             # the indexer runs inside the attention, once its q/k/v are projected (the attention's workspace alive),
             # and its scores are freed before the attention's own: a transient beside the attention's, not on top
             transients.append(("sparse attention indexer (fp32 scores)",
-                               indexer_memory.prefill_bytes(batch, seq, s.indexer_heads, s.indexer_dim) + attn))
+                               indexer_memory.prefill_bytes(batch, seq, s.indexer_heads, s.indexer_dim, a,
+                                                            s.indexer_rope, fam.indexer_rope_fp32) + attn))
     transients.append(("logits (last token)", batch * vocab * (a + FP32) * 2))
     worst = max(transients, key=lambda kv: kv[1]) if transients else ("none", 0)
     dedup: dict[str, int] = {}
