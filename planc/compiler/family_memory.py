@@ -260,11 +260,10 @@ FAMILIES: dict[str, FamilyMemory] = {
 }
 
 # Families whose prefills the grid validated but whose training it has not: no training point (OpenAI's privacy
-# filter fails in cuBLAS under the harness on the H100; HY-V4-VL's and Mistral Large 4's multimodal models, whose text
-# decoders' points hold), or training points off the band (1 x 1024: Kolibri 1 and 1.1 -3.4% and -6.7% on CPU and
-# H100, FlexOlmo -2.9% on CPU and H100)
+# filter fails in cuBLAS under the harness on the H100), or training points off the band (1 x 1024: Kolibri 1 and
+# 1.1 -3.4% and -6.7% on CPU and H100, FlexOlmo -2.9% on CPU and H100)
 NO_TRAINING_POINT = frozenset({
-    "flex_olmo", "hy_v4_vl", "kolibri1", "kolibri1_1", "mistral_large4", "openai_privacy_filter",
+    "flex_olmo", "kolibri1", "kolibri1_1", "openai_privacy_filter",
 })
 FAMILIES.update({name: replace(FAMILIES[name], train_measured=False) for name in NO_TRAINING_POINT})
 
