@@ -147,10 +147,12 @@ FAMILIES: dict[str, FamilyMemory] = {
     # one [tokens, hidden] pair after the experts' output stage)
     "hy_v3": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
     # HY-V4 (and its VL model's text decoder) route as DeepSeek-V3 does: an fp32 router input, the weights kept fp32;
-    # their hyper-connection streams are the layer's (planc.compiler.deepseek_v4_memory's rule, read from HY-V4)
-    "hy_v4": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
-    "hy_v4_vl": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
-    "hy_v4_vl_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    # their hyper-connection streams wrap the common layer (planc.compiler.hyper_connection_memory, read from HY-V4)
+    # Their eager attention joins an fp32 sink column to the scores (`sinks` is created fp32), so the max-subtracted
+    # scores and the softmax are fp32, kept beside the probabilities cast back for the output matmul
+    "hy_v4": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, eager_softmax_fp32=True),
+    "hy_v4_vl": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, eager_softmax_fp32=True),
+    "hy_v4_vl_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, eager_softmax_fp32=True),
     # the families whose default configs cannot be built (their points take a checkpoint's values,
     # bench/memory_grid_families.py's CONFIG): an fp32 router input and fp32 weights (DeepSeek-OCR 2's DeepSeek-V3
     # router, dots.llm1, Hunyuan-A13B whose gate weight is fp32, Muse Spark)

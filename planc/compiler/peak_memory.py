@@ -597,6 +597,9 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
             n += t * (a * (3 * s.q + 3 * s.k + s.v + 2 * s.v) + FP32 * s.heads)
         else:
             n += t * attention_memory.mla_efficient_kept(s, a)
+        if s.attn_impl == "eager":  # the probabilities the output matmul keeps (HY-V4: with a sink), the max's indices
+            elements = eager_scores(s, batch, seq, 1)
+            n += elements * a + attention_memory.eager_kept_fp32(elements, t, s, fam) + (t * 8 * s.heads if s.sinks else 0)
     elif s.attention == "none":  # a one-mixer MLP block: its norm and the mixer's input only
         pass
     elif s.attention == "linear":
