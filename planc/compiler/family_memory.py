@@ -79,6 +79,12 @@ class FamilyMemory:
     # eager attention of learned queries over the fp32 stacked block states): this many fp32 [tokens, hidden] and
     # their normed model-dtype copies alive through the attention (Inkling 2's full layers: 3, its sliding ones 1)
     block_residual_inputs: int = 0
+    # the experts' (and shared experts', dense MLPs') gate is GPT-OSS's clamped SwiGLU: `gate.clamp(max=limit)`,
+    # `up.clamp(-limit, limit)`, `gate * sigmoid(gate * alpha)`, `(up + 1) * glu`: training keeps seven [rows, width]
+    clamped_swiglu: bool = False
+    # a soft-capped head (`final_logit_softcapping`) computes in fp32 (`tanh(logits.float() / cap) * cap`, Gemma); off:
+    # in the model dtype (`tanh(logits / cap) * cap`), so training keeps tanh's output in the model dtype
+    logit_softcap_fp32: bool = True
     unpriced: tuple[str, ...] = ()
     measured: bool = True  # in the grid of docs/memory.md
     # a training step of the family is in the grid too: without one, `--train` gets no verdict (three families whose
@@ -155,10 +161,12 @@ FAMILIES: dict[str, FamilyMemory] = {
     # one [tokens, hidden] pair after the experts' output stage)
     "hy_v3": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
     # HY-V4 (and its VL model's text decoder) route as DeepSeek-V3 does: an fp32 router input, the weights kept fp32;
-    # their hyper-connection streams are the layer's (planc.compiler.deepseek_v4_memory's rule, read from HY-V4)
-    "hy_v4": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
-    "hy_v4_vl": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
-    "hy_v4_vl_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    # their hyper-connection streams wrap the common layer (planc.compiler.hyper_connection_memory, read from HY-V4)
+    # Their eager attention joins an fp32 sink column to the scores (`sinks` is created fp32), so the max-subtracted
+    # scores and the softmax are fp32, kept beside the probabilities cast back for the output matmul
+    "hy_v4": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, eager_softmax_fp32=True),
+    "hy_v4_vl": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, eager_softmax_fp32=True),
+    "hy_v4_vl_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, eager_softmax_fp32=True),
     # the families whose default configs cannot be built (their points take a checkpoint's values,
     # bench/memory_grid_families.py's CONFIG): an fp32 router input and fp32 weights (DeepSeek-OCR 2's DeepSeek-V3
     # router, dots.llm1, Hunyuan-A13B whose gate weight is fp32, Muse Spark)
@@ -171,11 +179,14 @@ FAMILIES: dict[str, FamilyMemory] = {
     "cohere2_moe": FamilyMemory(),
     "qwen3_omni_moe_thinker": FamilyMemory(),
     "qwen3_omni_moe_text": FamilyMemory(),
+    # Qwen4-Exp's gated-residual hyper-connections are planc.compiler.hyper_connection_memory's (read from its config)
     "qwen4_exp_text": FamilyMemory(),
     # F.linear(x.float(), w.float()); softmax (Mistral Large 4, LongCat-Flash: `.to(router_logits.dtype)`, fp32) or
-    # softmax(dtype=float32) (Unlimited-OCR), the gathered weights kept fp32
-    "mistral_large4": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
-    "mistral_large4_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    # softmax(dtype=float32) (Unlimited-OCR), the gathered weights kept fp32. Mistral Large 4 soft-caps its logits in
+    # the model dtype (`tanh(logits / cap) * cap` on lm_head's output, modeling_mistral_large4.py); LongCat-Flash's
+    # layers are two attention sublayers and two dense MLPs beside the MoE (peak_memory's `sublayers`)
+    "mistral_large4": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, logit_softcap_fp32=False),
+    "mistral_large4_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, logit_softcap_fp32=False),
     "longcat_flash": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
     "unlimited_ocr": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
     "unlimited_ocr_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
@@ -193,8 +204,11 @@ FAMILIES: dict[str, FamilyMemory] = {
     # the router Linear in the model dtype, `.to(float32)`, sigmoid: fp32 weights, no fp32 input copy; AfMoE's layer
     # normalizes before and after both attention and MLP, each norm `(weight * x_fp32).to(dtype)`
     "afmoe": FamilyMemory(routing_weights_fp32=True, sandwich_norms=True, norm_weight_fp32=True),
-    # the router Linear in the model dtype, `.to(float32)`, sigmoid: fp32 weights, no fp32 input copy
-    "minimax_m3_vl_text": FamilyMemory(routing_weights_fp32=True),
+    # the router Linear in the model dtype, `.to(float32)`, sigmoid: fp32 weights, no fp32 input copy. Its norms are
+    # Gemma's, `(x_fp32 * (1 + weight.float())).type_as(x)`, the layer's and q_norm/k_norm per head alike; its experts'
+    # and shared experts' `_apply_gate` is GPT-OSS's clamped SwiGLU (modeling_minimax_m3_vl.py)
+    "minimax_m3_vl_text": FamilyMemory(routing_weights_fp32=True, norm_weight_fp32=True, qk_norm_fp32=True,
+                                       clamped_swiglu=True),
     # softmax over the top-k logits in the model dtype
     "aria_text": FamilyMemory(),
     # F.linear(...).float(), softmax over the top-k, `.type_as(hidden_states)`
@@ -291,12 +305,10 @@ FAMILIES: dict[str, FamilyMemory] = {
 }
 
 # Families whose prefills the grid validated but whose training it has not: no training point (OpenAI's privacy
-# filter fails in cuBLAS under the harness on the H100), or training points off the band (1 x 1024:
-# Kolibri 1 and 1.1 -3.4% and -6.7% on CPU and H100, FlexOlmo -2.9% on CPU and H100, LongCat-Flash and Qwen4-Exp -5.7%,
-# MiniMax-M3-VL -3.7%, HY-V4-VL +7.6%, Mistral Large 4 +8.3% on the H100)
+# filter fails in cuBLAS under the harness on the H100), or training points off the band (1 x 1024: Kolibri 1 and
+# 1.1 -3.4% and -6.7% on CPU and H100, FlexOlmo -2.9% on CPU and H100)
 NO_TRAINING_POINT = frozenset({
-    "flex_olmo", "hy_v4_vl", "hy_v4_vl_text", "kolibri1", "kolibri1_1", "longcat_flash",
-    "minimax_m3_vl_text", "mistral_large4", "mistral_large4_text", "openai_privacy_filter", "qwen4_exp_text",
+    "flex_olmo", "kolibri1", "kolibri1_1", "openai_privacy_filter",
 })
 FAMILIES.update({name: replace(FAMILIES[name], train_measured=False) for name in NO_TRAINING_POINT})
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional
 
 from planc.compiler import attention_memory, deepseek_v4_memory, indexer_memory, megamoe_buffers, ssm_memory
+from planc.compiler import hyper_connection_memory
 from planc.compiler.deepseek_v4_memory import HyperConnectionLayer
 from planc.compiler.devices import cuda_workspaces
 from planc.compiler.family_memory import FamilyMemory, family_memory
@@ -96,6 +97,14 @@ class LayerShape:
     indexer_dim: int = 0
     indexer_rope: int = 0  # the indexer queries' rotated width (indexer_memory.indexer_rope)
     sdpa_math: bool = False  # sdpa runs its math path: fp32 S x S scores (planc.compiler.attention_memory)
+    # attention sublayers the layer runs, each after its own input norm and before its own post-attention norm
+    # (LongCat-Flash's two MLA sublayers per decoder layer); the module tree says (`sublayers`)
+    attentions: int = 1
+    # widths on this rank of the dense MLPs a MoE layer runs beside its experts (LongCat-Flash's `mlps`, one after
+    # each attention sublayer; shared experts are not among them)
+    mlps_beside: tuple[int, ...] = ()
+    # hyper-connection streams around the layer (Qwen4-Exp, HY-V4: planc.compiler.hyper_connection_memory)
+    stream_mixer: Optional[hyper_connection_memory.StreamMixer] = None
 
 
 class LinearAttention(NamedTuple):
@@ -268,6 +277,12 @@ def _layer_kinds(walk: ModelWalk) -> dict[str, tuple[bool, bool, bool]]:
                     flags[2] = True
                 break
     top = {f for f in out if not any(f.startswith(g + ".") for g in out if g != f)}
+    # a numbered list inside a layer (LongCat-Flash's `self_attn.0`, `self_attn.1`): its flags are the layer's
+    for f, flags in out.items():
+        if f not in top:
+            owner = next((g for g in top if f.startswith(g + ".")), None)
+            if owner is not None:
+                out[owner] = [x or y for x, y in zip(out[owner], flags)]
     # a multimodal model's other numbered blocks (Qwen3-VL's vision blocks and mergers) do not run on text tokens:
     # only the items of the list holding the experts' layers are decoder layers
     decoder = decoder_layers(walk, [f for f, m in walk.modules.items() if m.experts is not None])
@@ -373,7 +388,8 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
         n_shared = int(_get(config, "n_shared_experts", "num_shared_experts", default=0) or 0)
         shared_w = (moe_inter * n_shared) // mlp_tp if shared else 0
         if shared and not shared_w:  # one shared expert of its own width (Qwen3-Next, Llama 4)
-            shared_w = int(_get(config, "shared_expert_intermediate_size", "intermediate_size", default=0) or 0)
+            shared_w = int(_get(config, "shared_expert_intermediate_size", "shared_intermediate_size",
+                                    "intermediate_size", default=0) or 0)
             shared_w //= mlp_tp
         shapes.append(LayerShape(
             attention="mla" if mla else "linear" if linear else "gqa", mlp="moe" if moe else "dense", q=q, k=k, v=v,
@@ -392,10 +408,38 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
             indexer_heads=index_heads, indexer_dim=index_dim,
             indexer_rope=indexer_memory.indexer_rope(config) if index_heads else 0,
             relative_extent=relative_extent(config, kind) if fam.relative_position_bias and not linear else 0,
+            stream_mixer=hyper_connection_memory.stream_mixer(config),
         ))
+        attentions, beside = sublayers(walk, layer, styles, tp)
+        if attentions > 1 or beside:
+            shapes[-1] = replace(shapes[-1], attentions=max(attentions, 1), cache=shapes[-1].cache * max(attentions, 1),
+                                 mlps_beside=beside if moe else ())
         if fam.mixer_blocks:
             shapes[-1] = _one_mixer(shapes[-1], kind)
     return shapes
+
+
+def sublayers(walk: ModelWalk, layer: str, styles: Mapping[str, str], tp: int) -> tuple[int, tuple[int, ...]]:
+    """(attention modules, widths on this rank of the dense MLPs outside the experts and shared experts) of one
+    decoder layer, read from its modules: an attention is a module with an `o_proj`, an MLP one with a `down_proj`
+    and a `gate_proj`, `up_proj` or `gate_up_proj` (its width the down projection's input, split over tp where the
+    MLP's projections split their output). LongCat-Flash's layer is (2, (ffn / tp, ffn / tp)) beside its MoE; a
+    common layer (1, ()), or (1, (intermediate,)) if dense."""
+    inside = set(f for f in walk.modules if f.startswith(layer + "."))
+    experts = [f for f in inside if walk.modules[f].experts is not None]
+    attentions = {f.rpartition(".")[0] for f in inside if f.endswith(".o_proj")}
+    widths = []
+    for mlp in sorted({f.rpartition(".")[0] for f in inside if f.endswith(".down_proj")}):
+        if not any(f"{mlp}.{up}" in inside for up in ("gate_proj", "up_proj", "gate_up_proj")):
+            continue  # a projection named so outside an MLP (Zaya's router)
+        if "shared_expert" in mlp or any(mlp == e or mlp.startswith(e + ".") for e in experts):
+            continue
+        weight = walk.params.get(mlp + ".down_proj.weight")
+        if weight is None or len(weight.shape) != 2:
+            continue
+        split = tp if any(f.startswith(mlp + ".") and _splits_output(st) for f, st in styles.items()) else 1
+        widths.append(weight.shape[1] // split)
+    return len(attentions), tuple(widths)
 
 
 _MLP_MIXERS = {"moe", "mlp"}  # the layer types of a one-mixer block that run an MLP (Nemotron-H's `mlp`, `moe`)
@@ -565,8 +609,10 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
     """Bytes one layer keeps for backward at `tokens` tokens (`rows` routed rows received, MoE layers)."""
     t = tokens
     seq = t // max(batch, 1)
-    # attention: input norm + its output (the projections' input)
-    n = t * (_norm(hidden, a) + a * hidden)
+    # attention: input norm + its output (the projections' input); a gated residual's mixer in the norm's place
+    mixer = s.stream_mixer
+    norm = hyper_connection_memory.mixer_saved(mixer, hidden, a) if mixer and mixer.replaces_norms else _norm(hidden, a)
+    n = t * (norm + a * hidden)
     if s.attention == "mla":
         # q_a -> norm -> q_b, kv_a -> norm -> kv_b, the rope'd q/k, sdpa's q, k, v, out and logsumexp
         n += t * (a * s.q_lora + _norm(s.q_lora, a) + a * s.q_lora)
@@ -575,6 +621,9 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
             n += t * (a * (3 * s.q + 3 * s.k + s.v + 2 * s.v) + FP32 * s.heads)
         else:
             n += t * attention_memory.mla_efficient_kept(s, a)
+        if s.attn_impl == "eager":  # the probabilities the output matmul keeps (HY-V4: with a sink), the max's indices
+            elements = eager_scores(s, batch, seq, 1)
+            n += elements * a + attention_memory.eager_kept_fp32(elements, t, s, fam) + (t * 8 * s.heads if s.sinks else 0)
     elif s.attention == "none":  # a one-mixer MLP block: its norm and the mixer's input only
         pass
     elif s.attention == "linear":
@@ -592,21 +641,29 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
         n += attention_memory.sdpa_math_kept(s, batch, seq)
     if fam.full_width_qk_norm:
         n += t * (FP32 + a) * (s.q + s.k)
-    if fam.residual_fp32:
-        n += 2 * t * hidden * (FP32 + a)
+    residual = 2 * t * hidden * (FP32 + a) if fam.residual_fp32 else 0
     if fam.residual_short_conv and s.attention not in ("linear", "none"):  # each conv's fp32 input, for its weight
         n += t * FP32 * (2 * hidden + s.k + s.v)
     if fam.complex_rope_fp32 and s.attention != "linear":
         n += t * FP32 * (s.q + s.k)
+    if fam.qk_norm_fp32 and s.attention not in ("linear", "none"):
+        n += t * qk_norm_fp32_kept(s)
     n += indexer_memory.saved_mask_bytes(batch, seq, s.indexer_heads)
-    # MLP: its input norm + output (a one-mixer block has one norm, counted above)
+    n = n * s.attentions + residual  # each attention sublayer keeps as much (LongCat-Flash's two)
+    # MLP: its input norm + output (a one-mixer block has one norm, counted above), one per attention sublayer
     if s.mlp != "none" and s.attention != "none":
-        n += t * (_norm(hidden, a) + a * hidden)
+        n += t * (norm + a * hidden) * s.attentions
         n += t * family_norms_kept(fam, hidden, a)
+    if mixer is not None:  # each sublayer's mixer (beside its norm) and its output, spread over the streams
+        per_sublayer = hyper_connection_memory.output_saved(mixer, hidden, a)
+        if not mixer.replaces_norms:
+            per_sublayer += hyper_connection_memory.mixer_saved(mixer, hidden, a)
+        n += t * per_sublayer * ((s.attentions if s.attention != "none" else 0) + (1 if s.mlp != "none" else 0))
     if s.mlp == "none":
         pass
     elif s.mlp == "dense":
         n += t * 4 * a * s.intermediate + t * swiglu_fp32_kept(fam, s.intermediate)
+        n += t * clamped_gate_kept(fam, s.intermediate, a)
     else:
         e, k = s.num_experts, s.top_k
         n += t * (FP32 * e + 8 * k + FP32 * k + FP32)  # router softmax, top-k ids and weights
@@ -619,7 +676,24 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
         n += rows * a * (hidden + 4 * s.moe_intermediate) + per_rank * k * a * hidden
         n += t * 4 * a * s.shared
         n += rows * swiglu_fp32_kept(fam, s.moe_intermediate) + t * swiglu_fp32_kept(fam, s.shared)
+        n += rows * clamped_gate_kept(fam, s.moe_intermediate, a) + t * clamped_gate_kept(fam, s.shared, a)
+        # the dense MLPs beside the experts (LongCat-Flash's): gate, up, activation and product, like a dense layer's
+        n += sum(t * (4 * a * w + swiglu_fp32_kept(fam, w) + clamped_gate_kept(fam, w, a)) for w in s.mlps_beside)
     return n
+
+
+def qk_norm_fp32_kept(s: LayerShape) -> int:
+    """Bytes per token training keeps where q_norm/k_norm per head compute in fp32 to the scale (family_memory's
+    `qk_norm_fp32`: `x.float()`, normalized, times `1 + weight.float()`, cast back): the fp32 input the square reads
+    and the fp32 normalized states the weight's product reads, of q and of k."""
+    return 2 * FP32 * (s.q + s.k)
+
+
+def clamped_gate_kept(fam: FamilyMemory, width: int, a: int) -> int:
+    """Bytes per row training keeps beyond SwiGLU's four [rows, width] where the gate is GPT-OSS's clamped one
+    (family_memory's `clamped_swiglu`): the clamps read the gate/up output (two widths), then the clamped gate, the
+    sigmoid, `up + 1`, the GLU and the product down_proj reads: seven widths in place of four."""
+    return 3 * a * width if fam.clamped_swiglu else 0
 
 
 def family_norms_kept(fam: FamilyMemory, hidden: int, a: int) -> int:
@@ -639,11 +713,15 @@ def swiglu_fp32_kept(fam: FamilyMemory, width: int) -> int:
     return 3 * FP32 * width if fam.swiglu_fp32 else 0
 
 
-def softcapped_logits_kept(config: Mapping[str, Any], a: int) -> int:
+def softcapped_logits_kept(config: Mapping[str, Any], a: int, in_fp32: bool = True) -> int:
     """Bytes per (token, vocab entry) a soft-capped head adds to training's loss (`final_logit_softcapping`:
     `tanh(logits.float() / cap) * cap`, as Gemma 2-4, Beam and Muse Spark run it): tanh's fp32 output, kept for its
     backward, and the logits the forward returns in fp32 instead of the model dtype."""
-    return 2 * FP32 - a if _get(config, "final_logit_softcapping") else 0
+    if not _get(config, "final_logit_softcapping"):
+        return 0
+    # a family whose soft-capping runs in the model dtype (family_memory's `logit_softcap_fp32` off: Mistral Large 4's
+    # `tanh(logits / cap) * cap` on the model-dtype logits): tanh's output in the model dtype, the logits unchanged
+    return 2 * FP32 - a if in_fp32 else a
 
 
 def routed_rows(tokens: int, tp: int, top_k: int, capacity_factor: float) -> int:
@@ -769,7 +847,7 @@ def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], tr
     if workload == "train":
         if train is None:
             raise ValueError("peak_memory: a training workload needs the model states (train_memory)")
-        softcap = softcapped_logits_kept(config, a) * batch * seq * vocab
+        softcap = softcapped_logits_kept(config, a, fam.logit_softcap_fp32) * batch * seq * vocab
         best = _train_peak(train, shapes, hidden, vocab, a, batch, seq, rows, tp, ckpt, fam, optimizer, hc, softcap)
         worst = _train_peak(train, shapes, hidden, vocab, a, batch, seq, worst_rows, tp, ckpt, fam, optimizer, hc,
                             softcap)
@@ -853,6 +931,9 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
     def rows_of(s: LayerShape) -> int:  # AllReduceEP runs every slot on every rank, else the routed rows
         return 0 if s.mlp != "moe" else tokens * s.top_k if s.all_slots else rows
 
+    mixer = next((s.stream_mixer for s in shapes if s.stream_mixer is not None), None)
+    if mixer is not None:  # streams around the common layer (HY-V4): priced with it, not as DeepSeek-V4's layer
+        hc = None
     if hc is not None:  # DeepSeek-V4's layer (planc.compiler.deepseek_v4_memory)
         saved_layers = [deepseek_v4_memory.layer_saved(
             hc, layer_type=s.layer_type, compress_rate=s.compress_rate, hidden=hidden, a=a, tokens=tokens, seq=seq,
@@ -864,9 +945,13 @@ def _train_peak(train: TrainMemory, shapes: list[LayerShape], hidden: int, vocab
     else:
         saved_layers = [layer_saved(s, hidden, a, tokens, rows_of(s), tp, fam, batch) for s in shapes]
         head = tokens * (_norm(hidden, a) + a * hidden)  # final norm + lm_head input
+        if mixer is not None:  # the final mixer, in the final norm's place (a gated residual) or before it
+            head += tokens * hyper_connection_memory.mixer_saved(mixer, hidden, a)
+            head -= tokens * _norm(hidden, a) if mixer.replaces_norms else 0
+        head += tokens * (FP32 - a) * hidden if fam.norm_weight_fp32 else 0  # its fp32 product with the weight
     if recomputes:
         # each layer's input (DeepSeek-V4: its hyper-connection streams); the rest is recomputed in backward
-        kept = tokens * a * hidden * (hc.streams if hc is not None else 1) * len(shapes)
+        kept = tokens * a * hidden * (hc.streams if hc is not None else mixer.streams if mixer else 1) * len(shapes)
         recompute = max(saved_layers, default=0)
     else:
         kept, recompute = sum(saved_layers), 0

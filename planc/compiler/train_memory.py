@@ -17,6 +17,9 @@ torch holds it once `planc.load`/`planc.apply` installed the plan (`planc.runtim
 - a multimodal model's other towers (Qwen3-VL's vision blocks and mergers: the siblings of the language model that
   holds the decoder layers): a text batch never runs them, so they are held without gradients or AdamW state
   (`text_unreached`; AdamW skips a parameter whose gradient is None).
+- a sparse attention's indexer (DeepSeek Sparse Attention's in DeepSeek-V3.2, GLM-5, HY-V4, Mistral Large 4 and
+  others, under `torch.no_grad()`; Qwen4-Exp's QSA indexer): it returns token indices only, so backward never reaches
+  its parameters: held without gradients or AdamW state (`index_only`).
 - mixed precision (`fsdp` only): the sharded parameters, gradients and AdamW state stay in the model's dtype (the
   fp32 master copy); FSDP2 casts a unit's parameters to `param_dtype` when it all-gathers them for forward and
   backward and frees them when it reshards (after forward for every layer but the last; after backward for all,
@@ -72,6 +75,7 @@ class TrainMemory:
     units: tuple[tuple[str, str, int], ...] = ()
     frozen: int = 0  # parameter bytes of inference-only experts: held, without gradients or AdamW state
     text_unreached: int = 0  # parameter bytes a text batch does not run (a vision tower): no gradient or AdamW state
+    index_only: int = 0  # parameter bytes of sparse attention indexers (token indices out): no gradient or AdamW state
     # the input embedding's gradient (untied): backward reaches it last, after every layer (recomputed ones too)
     embedding_gradient: int = 0
     largest_tensor: int = 0  # the most bytes one parameter holds on this rank (its gradient's transient copy)
@@ -108,6 +112,7 @@ class TrainMemory:
             "tensors": self.tensors,
             "inference_only_parameters_per_rank": self.frozen,
             "text_unreached_parameters_per_rank": self.text_unreached,
+            "indexer_parameters_per_rank": self.index_only,
             "gathered_root": self.gathered_root if self.shards else None,
             "gathered_layer": self.gathered_layer if self.shards else None,
             "gathered_unit": max((n for _, _, n in self.units), default=0) if self.shards else None,
@@ -140,6 +145,11 @@ class TrainMemory:
             lines.append(
                 f"  note: {human_bytes(self.text_unreached, 2)} of the parameters are outside the language model (a "
                 "vision tower) that a text batch does not run: held, without gradients or AdamW state"
+            )
+        if self.index_only:
+            lines.append(
+                f"  note: {human_bytes(self.index_only, 2)} of the parameters are sparse attention indexers, which "
+                "return token indices only: held, without gradients or AdamW state"
             )
         if self.shards:
             dtype = self.param_dtype or "the parameters' dtype"
@@ -206,6 +216,13 @@ def text_unreached_modules(walk: ModelWalk, layers: set[str]) -> list[str]:
     return out
 
 
+def index_only_modules(walk: ModelWalk, layers: set[str]) -> list[str]:
+    """The sparse attention indexers of the decoder layers (an `indexer` module of a class named so): they return the
+    top-k token indices (or a boolean pick mask built from them), which carry no gradient."""
+    return [f for f, m in walk.modules.items() if f.rpartition(".")[2] == "indexer" and "Indexer" in m.class_name
+            and any(f.startswith(layer + ".") for layer in layers)]
+
+
 def _mesh_of(fqn: str, ep_experts: list[str]) -> str:
     """The mesh of the FSDP unit that owns parameter `fqn`: "efsdp" inside an EP-sharded experts module, else "dp"."""
     return "efsdp" if any(fqn.startswith(e + ".") for e in ep_experts) else "dp"
@@ -267,9 +284,10 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
     layers = decoder_layers(walk, [e.fqn for e in compiled.experts])
     frozen_experts = [e.fqn for e in compiled.experts if e.strategy is not None and e.strategy.inference_only]
     unreached = text_unreached_modules(walk, layers)
+    indexers = index_only_modules(walk, layers)
 
     params: dict[str, int] = {}
-    grads = optim = tensors = frozen = untouched = largest = 0
+    grads = optim = tensors = frozen = untouched = index_only = largest = 0
     stepped: list[int] = []  # bytes of each parameter AdamW steps, in model.parameters() order
     stepped_by_dtype: dict[str, int] = {}  # the foreach step's (device, dtype) groups, in order of first appearance
     gathered: dict[str, int] = {}
@@ -301,6 +319,8 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
             continue
         if any(info.fqn.startswith(m + ".") for m in unreached):
             untouched += held  # still gathered with the root under fsdp
+        elif any(info.fqn.startswith(m + ".") for m in indexers):
+            index_only += held  # gathered with its layer under fsdp
         else:
             largest = max(largest, held)  # a gradient's transient copy: inference-only experts have none
             stepped.append(held)
@@ -336,6 +356,7 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
         gathered_layer=max(gathered.values(), default=0),
         frozen=frozen,
         text_unreached=untouched,
+        index_only=index_only,
         embedding_gradient=embedding_gradient,
         largest_tensor=largest,
         step=adamw_step(compiled, walk),
@@ -346,4 +367,4 @@ def train_memory(compiled: CompiledPlan, model_or_walk: Any, *, data_parallel: O
     )
 
 
-__all__ = ["TrainMemory", "decoder_layers", "text_unreached_modules", "train_memory"]
+__all__ = ["TrainMemory", "decoder_layers", "index_only_modules", "text_unreached_modules", "train_memory"]

@@ -105,7 +105,8 @@ def test_train_counts_no_gradients_for_inference_only_experts(capsys):
     train = json.loads(capsys.readouterr().out)["train"]
     frozen = train["inference_only_parameters_per_rank"]
     assert 0 < frozen < train["parameters_per_rank"]
-    assert train["gradients_per_rank"] == train["parameters_per_rank"] - frozen
+    indexers = train["indexer_parameters_per_rank"]  # its CSA layers' indexers return token indices: no gradient
+    assert train["gradients_per_rank"] == train["parameters_per_rank"] - frozen - indexers
     assert train["optimizer_per_rank"] == 2 * train["gradients_per_rank"] + 4 * train["tensors"]
     assert main(["explain", plan("deepseek_v4_megamoe.yaml"), "--train"]) == 0
     assert "experts of an inference-only EP strategy (Mega MoE): held, without gradients" in capsys.readouterr().out
