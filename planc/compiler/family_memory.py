@@ -39,7 +39,8 @@ class FamilyMemory:
     # `torch_chunk_gated_delta_rule`), `chunk_per_key` (Kimi Delta Attention's `torch_chunk_kda`: the decay is per key
     # channel, so its chunk matrices are [chunks, 64, 64, key_dim] fp32), `mamba` (Mamba's selective scan, the slow
     # path: [tokens, d_inner, d_state] fp32 discretized A, B and B*u), `mamba2` (Mamba2's chunked scan,
-    # transformers' `mamba2_chunk_scan`: planc.compiler.ssm_memory)
+    # transformers' `mamba2_chunk_scan`: planc.compiler.ssm_memory), `short_conv` (LFM2's gated short convolution:
+    # peak_memory.short_conv_layer)
     linear_scan: str = "chunk"
     # the family's own names for layer types the peak model prices as one of its kinds (`layer_types` entries:
     # name -> full_attention | sliding_attention | chunked_attention | linear_attention)
@@ -65,6 +66,14 @@ class FamilyMemory:
     sandwich_norms: bool = False
     # the norm's weight multiplies the fp32 normalized states, `(weight * x).to(dtype)`: the fp32 states are kept
     norm_weight_fp32: bool = False
+    # an RMSNorm over every routed row's expert output, computed in fp32 (Ergo's `ErgoExpertNorm`, Muse Spark's
+    # `post_expert_norm`): three fp32 [slots, width] at once (the fp32 rows, scaled or normalized, and their
+    # product), beside the gathered input rows and the down output in the model dtype
+    expert_output_norm_fp32: bool = False
+    # the embedding output and the residual stream are fp32 (Ergo's fp32 `embed_tokens`, its residual gates mixing
+    # the fp32 residual with the branch in fp32): the embedding output, the layer's input and its residual, which a
+    # prefill holds through a layer, are fp32
+    fp32_stream: bool = False
     unpriced: tuple[str, ...] = ()
     measured: bool = True  # in the grid of docs/memory.md
     # a training step of the family is in the grid too: without one, `--train` gets no verdict (three families whose
@@ -245,14 +254,35 @@ FAMILIES: dict[str, FamilyMemory] = {
     # KV cache plus a conv state and the last token's delayed value, `hybrid_sliding` the same over a window
     "zaya": FamilyMemory(layer_types=(("hybrid", "full_attention"), ("hybrid_sliding", "sliding_attention")),
                          residual_fp32=True),
+    # --- families with their own MoE and mixer layers (the families grid's Ergo, LFM2-MoE, Muse Spark), each read from its
+    # transformers 5.25 modeling file
+    # modeling_ergo.py: ErgoLinearWithFP32Output runs `F.linear(hidden.float(), weight.float())` off CUDA or with grad,
+    # sigmoid, the top-k weights `.to(dtype).float()`; `ErgoExpertNorm` normalizes each routed row in fp32 and
+    # multiplies it by its expert's gathered fp32 weight; `embed_tokens` and the residual gates are kept in fp32
+    # (`_keep_in_fp32_modules_strict`), so the residual stream is fp32; q_norm/k_norm per head and rotary in fp32;
+    # four norms per layer (input, post-attention, pre- and post-feedforward), each `F.rms_norm(x.float(), w.float())`
+    "ergo": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, expert_output_norm_fp32=True,
+                         fp32_stream=True, qk_norm_fp32=True, complex_rope_fp32=True, sandwich_norms=True,
+                         norm_weight_fp32=True),
+    # modeling_lfm2_moe.py: the router Linear in the model dtype, sigmoid, the gathered weights `.type_as(logits)`;
+    # its `conv` layers are gated short convolutions (`Lfm2MoeShortConv`, peak_memory.short_conv_layer)
+    "lfm2_moe": FamilyMemory(layer_types=(("conv", "linear_attention"),), linear_scan="short_conv"),
+    # modeling_muse_spark.py: `F.linear(hidden.type(float32), weight.type(float32))`, sigmoid, the top-k weights kept
+    # fp32; the experts run at `moe_hidden_size` behind `pre_expert_proj`, each routed row's output normalized in fp32
+    # (`MuseSparkTextInputScaledRMSNorm`: the scaled fp32 rows, their fp32 copy, its square); the per-head qk_norm in
+    # fp32; four norms per layer, `(x_fp32 * (1 + weight)).type_as(x)`
+    "muse_spark": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, expert_output_norm_fp32=True,
+                               qk_norm_fp32=True, sandwich_norms=True, norm_weight_fp32=True),
+    "muse_spark_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, expert_output_norm_fp32=True,
+                                    qk_norm_fp32=True, sandwich_norms=True, norm_weight_fp32=True),
 }
 
 # Families whose prefills the grid validated but whose training it has not (no training point: the H100 time was
 # spent; or their training points measured under: Kolibri 1 and 1.1 -3.4% and -6.7%, FlexOlmo -2.9%, CPU 1 x 1024)
 NO_TRAINING_POINT = frozenset({
-    "cohere2_moe", "deepseek_ocr2", "deepseek_ocr2_text", "dots1", "flex_olmo", "gemma4", "gemma4_text", "hy_v4_vl",
+    "cohere2_moe", "deepseek_ocr2", "deepseek_ocr2_text", "dots1", "ergo", "flex_olmo", "gemma4", "gemma4_text", "hy_v4_vl",
     "hy_v4_vl_text", "inkling_text", "kolibri1", "kolibri1_1", "longcat_flash", "minimax_m3_vl_text", "mistral_large4",
-    "mistral_large4_text", "nemotron_h", "openai_privacy_filter", "qwen4_exp_text", "sarvam_mla", "unlimited_ocr",
+    "mistral_large4_text", "lfm2_moe", "muse_spark", "muse_spark_text", "nemotron_h", "openai_privacy_filter", "qwen4_exp_text", "sarvam_mla", "unlimited_ocr",
     "unlimited_ocr_text",
 })
 FAMILIES.update({name: replace(FAMILIES[name], train_measured=False) for name in NO_TRAINING_POINT})
