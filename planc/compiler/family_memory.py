@@ -27,6 +27,10 @@ class FamilyMemory:
     router_input_fp32: bool = False
     # q_norm/k_norm normalise the whole projected q/k width (not per head): an fp32 copy of q and k in forward
     full_width_qk_norm: bool = False
+    # q_norm/k_norm per head in a model-dtype RMSNorm (`weight * x.float()...to(dtype)`): training keeps each one's fp32
+    # upcast and its cast back, as a full-width norm does (the q/k projections' outputs are not kept: the upcast's
+    # backward needs none)
+    per_head_qk_norm_kept: bool = False
     # the residual stream is fp32 between layers (Zaya's `residual_in_fp32`), and each of a layer's two residual
     # scalings keeps `residual + bias` (fp32) and `hidden + bias` (model dtype) for its products with the scales
     residual_fp32: bool = False
@@ -175,9 +179,13 @@ FAMILIES: dict[str, FamilyMemory] = {
     "unlimited_ocr": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
     "unlimited_ocr_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
     # F.linear(x.type(float32), w.type(float32)) (off CUDA or with grad; torch.mm(out_dtype=float32) otherwise), the
-    # gathered logits' sigmoid kept fp32
-    "kolibri1": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
-    "kolibri1_1": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    # gathered logits' sigmoid kept fp32; four norms a layer (post_self_attn and post_mlp besides the input and
+    # post-attention norms); q_norm/k_norm per head over 48 heads of 128, wider than the 2560 hidden (modeling_kolibri1.py,
+    # modeling_kolibri1_1.py: the training points' missing activations, a MemTracker trace at 1 x 512)
+    "kolibri1": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, sandwich_norms=True,
+                             per_head_qk_norm_kept=True),
+    "kolibri1_1": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, sandwich_norms=True,
+                               per_head_qk_norm_kept=True),
     # F.linear(x.float(), w.float()), logsigmoid weights cast back `.to(hidden_states.dtype)`; a dense relative-position
     # bias in every attention layer (sdpa drops it, but it is built); its `hybrid`/`hybrid_sliding` layers (short
     # convolutions on keys, values and both residual branches, in fp32) are flagged as layer types planc does not know

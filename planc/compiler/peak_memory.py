@@ -589,9 +589,10 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
         n += t * 8 * s.heads if s.sinks else t * FP32 * s.heads * seq
     else:
         n += t * (a * (2 * s.q + 4 * s.k) + FP32 * s.heads)
+        n += attention_memory.sdpa_repeated_kv(s, batch, seq, a)
     if s.sdpa_math:
         n += attention_memory.sdpa_math_kept(s, batch, seq)
-    if fam.full_width_qk_norm:
+    if fam.full_width_qk_norm or fam.per_head_qk_norm_kept:  # the norms' fp32 upcast and cast back
         n += t * (FP32 + a) * (s.q + s.k)
     if fam.residual_fp32:
         n += 2 * t * hidden * (FP32 + a)
@@ -1144,7 +1145,7 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
             transients.append(("sdpa math path (fp32 S x S scores)",
                                attention_memory.sdpa_math_prefill(s, batch, seq) + attn))
         else:
-            transients.append(("attention workspace", attn))
+            transients.append(("attention workspace", attn + attention_memory.sdpa_repeated_kv(s, batch, seq, a)))
         if s.indexer_heads:
             # the indexer runs inside the attention, once its q/k/v are projected (the attention's workspace alive),
             # and its scores are freed before the attention's own: a transient beside the attention's, not on top
