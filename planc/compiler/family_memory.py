@@ -31,6 +31,9 @@ class FamilyMemory:
     # upcast and its cast back, as a full-width norm does (the q/k projections' outputs are not kept: the upcast's
     # backward needs none)
     per_head_qk_norm_kept: bool = False
+    # q_norm/k_norm multiply their weight into the fp32 normalized states, `(weight * x).to(dtype)` (OLMo 2's norm):
+    # training keeps those fp32 states in place of the cast back
+    qk_norm_weight_fp32: bool = False
     # the residual stream is fp32 between layers (Zaya's `residual_in_fp32`), and each of a layer's two residual
     # scalings keeps `residual + bias` (fp32) and `hidden + bias` (model dtype) for its products with the scales
     residual_fp32: bool = False
@@ -205,7 +208,10 @@ FAMILIES: dict[str, FamilyMemory] = {
     # `.to(hidden_states.dtype)` (Laguna); q/k norms per head (Mellum, Laguna), over the whole width (FlexOlmo)
     "mellum": FamilyMemory(),
     "laguna": FamilyMemory(),
-    "flex_olmo": FamilyMemory(full_width_qk_norm=True),
+    # FlexOlmo's norms are OLMo 2's, `(weight * x_fp32).to(dtype)`: its q/k norms keep fp32 states; its layer norms
+    # come after the attention and the MLP (their outputs feed the residual sum, not kept), as many bytes as a
+    # pre-norm's upcast, cast and output (modeling_flex_olmo.py; a MemTracker trace at 1 x 512)
+    "flex_olmo": FamilyMemory(full_width_qk_norm=True, qk_norm_weight_fp32=True),
     # --- attention, embeddings, routers (the families grid's fp32 routers, eager attention with sinks, per-layer
     # embeddings), each read from its transformers 5.25 modeling file
     # modeling_ernie4_5_moe.py: `F.linear(hidden.float(), weight.float())` and softmax in fp32 (the weight is kept
@@ -286,12 +292,12 @@ FAMILIES: dict[str, FamilyMemory] = {
 }
 
 # Families whose prefills the grid validated but whose training it has not (no training point: the H100 time was
-# spent; or their training points measured under: Kolibri 1 and 1.1 -3.4% and -6.7%, FlexOlmo -2.9%, CPU 1 x 1024)
+# spent), or whose pricing was fit against their only training point and awaits a held-out one (Kolibri 1.1, FlexOlmo)
 NO_TRAINING_POINT = frozenset({
-    "cohere2_moe", "deepseek_ocr2", "deepseek_ocr2_text", "dots1", "ergo", "flex_olmo", "gemma4", "gemma4_text", "hy_v4_vl",
-    "hy_v4_vl_text", "inkling_text", "kolibri1", "kolibri1_1", "longcat_flash", "minimax_m3_vl_text", "mistral_large4",
-    "mistral_large4_text", "lfm2_moe", "muse_spark", "muse_spark_text", "nemotron_h", "openai_privacy_filter", "qwen4_exp_text", "sarvam_mla", "unlimited_ocr",
-    "unlimited_ocr_text",
+    "cohere2_moe", "deepseek_ocr2", "deepseek_ocr2_text", "dots1", "ergo", "flex_olmo", "gemma4", "gemma4_text",
+    "hy_v4_vl", "hy_v4_vl_text", "inkling_text", "kolibri1_1", "lfm2_moe", "longcat_flash", "minimax_m3_vl_text",
+    "mistral_large4", "mistral_large4_text", "muse_spark", "muse_spark_text", "nemotron_h", "openai_privacy_filter",
+    "qwen4_exp_text", "sarvam_mla", "unlimited_ocr", "unlimited_ocr_text",
 })
 FAMILIES.update({name: replace(FAMILIES[name], train_measured=False) for name in NO_TRAINING_POINT})
 

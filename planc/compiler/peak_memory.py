@@ -95,6 +95,7 @@ class LayerShape:
     # the width the routed experts run at, where a projection maps the hidden to it and back (Muse Spark's
     # `pre_expert_proj`/`post_expert_proj` to `moe_hidden_size`); 0: the hidden size
     expert_hidden: int = 0
+    tp_experts: bool = False  # moe_tp_experts: this rank runs a slice of every expert over every token's slots
 
 
 class LinearAttention(NamedTuple):
@@ -392,6 +393,7 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
             indexer_heads=index_heads, indexer_dim=index_dim,
             relative_extent=relative_extent(config, kind) if fam.relative_position_bias and not linear else 0,
             expert_hidden=int(_get(config, "moe_hidden_size", default=0) or 0) if moe else 0,
+            tp_experts=experts is not None and experts.mode == "tp",
         ))
         if fam.mixer_blocks:
             shapes[-1] = _one_mixer(shapes[-1], kind)
@@ -593,7 +595,8 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
     if s.sdpa_math:
         n += attention_memory.sdpa_math_kept(s, batch, seq)
     if fam.full_width_qk_norm or fam.per_head_qk_norm_kept:  # the norms' fp32 upcast and cast back
-        n += t * (FP32 + a) * (s.q + s.k)
+        # (the fp32 normalized states in place of the cast where the weight multiplies them: qk_norm_weight_fp32)
+        n += t * (FP32 + (FP32 if fam.qk_norm_weight_fp32 else a)) * (s.q + s.k)
     if fam.residual_fp32:
         n += 2 * t * hidden * (FP32 + a)
     if fam.complex_rope_fp32 and s.attention != "linear":
@@ -612,7 +615,9 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
         n += t * (FP32 * e + 8 * k + FP32 * k + FP32)  # router softmax, top-k ids and weights
         if fam.router_input_fp32:
             n += t * FP32 * hidden
-        per_rank = t if s.all_slots else -(-t // tp)
+        # the tokens whose weighted expert outputs this rank keeps: every token where it runs every token's slots
+        # (AllReduceEP, or a slice of every expert under moe_tp_experts), else its 1/tp share
+        per_rank = t if s.all_slots or s.tp_experts else -(-t // tp)
         if s.dense_dispatch:  # every token to every expert: the repeated input and its weighted copy
             n += 2 * e * t * a * hidden
             rows = max(rows, s.local_experts * per_rank)
