@@ -292,10 +292,10 @@ FAMILIES: dict[str, FamilyMemory] = {
 }
 
 # Families whose prefills the grid validated but whose training it has not (no training point: the H100 time was
-# spent), or whose pricing was fit against their only training point and awaits a held-out one (Kolibri 1.1, FlexOlmo)
+# spent)
 NO_TRAINING_POINT = frozenset({
-    "cohere2_moe", "deepseek_ocr2", "deepseek_ocr2_text", "dots1", "ergo", "flex_olmo", "gemma4", "gemma4_text",
-    "hy_v4_vl", "hy_v4_vl_text", "inkling_text", "kolibri1_1", "lfm2_moe", "longcat_flash", "minimax_m3_vl_text",
+    "cohere2_moe", "deepseek_ocr2", "deepseek_ocr2_text", "dots1", "ergo", "gemma4", "gemma4_text",
+    "hy_v4_vl", "hy_v4_vl_text", "inkling_text", "lfm2_moe", "longcat_flash", "minimax_m3_vl_text",
     "mistral_large4", "mistral_large4_text", "muse_spark", "muse_spark_text", "nemotron_h", "openai_privacy_filter",
     "qwen4_exp_text", "sarvam_mla", "unlimited_ocr", "unlimited_ocr_text",
 })
