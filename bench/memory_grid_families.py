@@ -155,6 +155,15 @@ CONFIG: dict[str, dict] = {
     # of 16 bytes")
     "deepseek_ocr2_text": {"num_experts_per_tok": 6, "n_group": 1, "topk_group": 1, "moe_intermediate_size": 896,
                            "mlp_layer_types": ["dense"] + ["sparse"] * 31},
+    # zai-org/GLM-4.5V's text config (GLM-4.5-Air's decoder): head_dim 128, which the config class has no field for;
+    # without it the heads are 4096 / 96 = 42 wide and the default mrope_section [8, 12, 12] (32 rotary frequencies:
+    # half of a 128-wide head) cannot split the 11 frequencies such a head has
+    "glm4v_moe_text": {"head_dim": 128},
+    # stepfun-ai/Step-3.5-Flash's text config: a 512-token sliding window, three sliding layers to every full one
+    # (full at 0, 4, 8, ...), 96 query heads in the sliding layers (`attention_other_setting`); the default config
+    # leaves the window unset while the model builds a sliding mask in every forward
+    "step3p5": {"sliding_window": 512, "num_sliding_attention_heads": 96,
+                "layer_types": ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(45)]},
 }
 
 # Layer overrides where the fewest layers of each kind hold no attention layer (transformers' hybrid cache needs one):

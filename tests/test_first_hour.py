@@ -24,6 +24,20 @@ def test_explain_set_refuses_a_key_the_config_does_not_have(capsys):
     assert "did you mean `text_config.num_hidden_layers`" in capsys.readouterr().err
 
 
+def test_set_takes_a_key_the_model_code_reads_though_the_config_class_lacks_it():
+    """GLM-4.5V's text config class declares no `head_dim`, but its attention reads `getattr(config, "head_dim", ...)`
+    and the released config.json sets 128: the override changes the model, so it is taken; a misspelt one is not."""
+    import pytest
+
+    from planc.errors import ModelBuildError
+    from planc.models.build import check_override_keys, overridden_config
+
+    check_override_keys("glm4v_moe", {"text_config.head_dim": 128})
+    assert overridden_config("glm4v_moe", {"text_config.head_dim": 128}).text_config.head_dim == 128
+    with pytest.raises(ModelBuildError, match="has no key `head_dimm`"):
+        check_override_keys("glm4v_moe", {"text_config.head_dimm": 128})
+
+
 def test_init_names_the_values_a_default_config_leaves_unset(capsys):
     assert main(["init", "--from-transformers", "hunyuan_v1_moe"]) == 2
     err = capsys.readouterr().err

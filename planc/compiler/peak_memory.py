@@ -588,7 +588,7 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
         elements = eager_scores(s, batch, seq, 1)
         n += t * a * (2 * s.q + 4 * s.k) + elements * a + _repeat_kv(s, t, a)
         n += attention_memory.eager_kept_fp32(elements, t, s, fam)
-        n += t * 8 * s.heads if s.sinks else t * FP32 * s.heads * seq
+        n += t * 8 * s.heads if s.sinks or fam.eager_max_subtracted else t * FP32 * s.heads * seq
     else:
         n += t * (a * (2 * s.q + 4 * s.k) + FP32 * s.heads)
         n += attention_memory.sdpa_repeated_kv(s, batch, seq, a)
@@ -1090,6 +1090,10 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
         # in fp32 (`pre * streams`): two fp32 copies besides the streams, a transient of its own
         transients.append(("hyper-connection mixer (fp32 streams)", 2 * tokens * FP32 * streams * hidden))
     for s in shapes:
+        # the decoder layer binds what its attention returns (`hidden_states, _ = self.self_attn(...)`) until it
+        # returns: eager's attention weights, one [B, heads, S, S(+1)] in the model dtype (gpt-oss's and MiMo's a view
+        # of their softmax, Flint's and the privacy filter's its cast), alive through the layer's MLP
+        kept_weights = eager_scores(s, batch, seq, a)
         if s.mlp == "moe":
             # all_reduce EP at inference: every rank runs its experts over all tokens' top-k slots: the slots'
             # gathered rows, the gate/up output and its masked copy (off-rank slots zeroed), the ids
@@ -1116,9 +1120,9 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
                 work += tokens * a * width
             work += tokens * 8 * s.top_k * 3
             cause = "Mega MoE layer" if s.megamoe else "EP experts (all_reduce dispatch buffers)"
-            transients.append((cause, work + tokens * a * hidden * 3))
+            transients.append((cause, work + tokens * a * hidden * 3 + kept_weights))
         elif s.mlp == "dense":
-            transients.append(("dense MLP", tokens * a * (3 * s.intermediate + 3 * hidden)))
+            transients.append(("dense MLP", tokens * a * (3 * s.intermediate + 3 * hidden) + kept_weights))
         if s.linear is not None:
             attn = linear_prefill(s, a, batch, seq) + tokens * a * 3 * hidden
             what = {"mamba": "selective scan, fp32 states", "chunk_per_key": "delta rule, per-key decay, fp32 chunks",
@@ -1129,6 +1133,9 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
         if s.attention == "none":
             continue
         attn = tokens * (a * (2 * s.q + 3 * s.k + 2 * s.v) + a * 3 * hidden)
+        # a block attention residual's fp32 mixes feeding the attention (Inkling 2's full layers: query, key and value
+        # each their own), each with its own norm's model-dtype output, alive through it (family_memory)
+        attn += tokens * hidden * fam.block_residual_inputs * (FP32 + a)
         if s.layer_type not in _PRICED_LAYER_TYPES and s.attention != "linear":
             # a layer type planc does not know (flagged): on the safe side, an fp32 copy of its q/k/v and of both
             # residual branches (what Inkling's fp32 short convolutions on keys, values and the residuals hold)

@@ -260,7 +260,8 @@ def _instantiate(cls, config, **kwargs):
 
 def check_override_keys(model_type: str, overrides: dict) -> None:
     """ModelBuildError when an override (`--set KEY=VALUE`; dotted keys reach sub-configs) names a key the config
-    class does not have: transformers would store it as a new attribute and build the default model unchanged."""
+    class does not have and its model's code does not read: transformers would store it as a new attribute and build
+    the default model unchanged."""
     from planc.lint.suggest import close_matches
 
     for key in overrides:
@@ -269,7 +270,7 @@ def check_override_keys(model_type: str, overrides: dict) -> None:
             known = _config_keys(cls)
             if known is None:  # not a dataclass config: nothing to compare against
                 break
-            if part not in known:
+            if part not in known and not _read_by_model_code(cls, part):
                 close = [".".join([*path, c]) for c in close_matches(part, sorted(known))]
                 hint = (f"did you mean {', '.join(f'`{c}`' for c in close)}?" if close
                         else f"list its keys with `python -c 'import transformers; print(transformers.{cls.__name__}())'`")
@@ -332,6 +333,24 @@ def _config_keys(cls) -> Optional[set]:
     if not dataclasses.is_dataclass(cls):
         return None
     return {f.name for f in dataclasses.fields(cls)} | set(getattr(cls, "attribute_map", {}) or {})
+
+
+def _read_by_model_code(cls, key: str) -> bool:
+    """Whether the modeling file beside config class `cls` reads `key` off its config although the class declares no
+    such field (`getattr(config, "head_dim", hidden_size // num_attention_heads)`): a released checkpoint's
+    config.json sets it, and it changes the model. The file is read as text: nothing is imported."""
+    import re
+    import sys
+    from pathlib import Path
+
+    path = Path(getattr(sys.modules.get(cls.__module__), "__file__", None) or "")
+    if not path.name.startswith("configuration_"):
+        return False
+    modeling = path.with_name("modeling_" + path.name[len("configuration_"):])
+    if not modeling.is_file():
+        return False
+    text = modeling.read_text(encoding="utf-8")
+    return f'config, "{key}"' in text or re.search(rf"\bconfig\.{re.escape(key)}\b", text) is not None
 
 
 def _nest(flat: dict) -> dict:

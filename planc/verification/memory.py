@@ -168,11 +168,12 @@ def measure(family: str, mode: str, batch: int, seq: int, overrides: dict, *, dp
 
     from planc.models.build import build_meta_model, meta_model
     from planc.runtime import install
+    from planc.spec.model import Parallel
 
     data = plan if plan is not None else plan_data(family, mode, dp=dp, root=root)
-    p = data["parallel"]
+    p = Parallel.model_validate(data["parallel"])  # the schema's defaults: a plan may leave ep_size / dp_size out
     if not dist.is_initialized():
-        dist.init_process_group("fake", rank=0, world_size=p["tp_size"] * p["dp_size"], store=FakeStore())
+        dist.init_process_group("fake", rank=0, world_size=p.world_size, store=FakeStore())
     if config_dir is not None:
         from transformers import AutoConfig
 
@@ -187,7 +188,7 @@ def measure(family: str, mode: str, batch: int, seq: int, overrides: dict, *, dp
 
         from planc.spec.sizes import mesh_dims
 
-        sizes, names = mesh_dims(p["tp_size"], p["ep_size"], p["dp_size"])
+        sizes, names = mesh_dims(p.tp_size, p.ep_size, p.dp_size)
         mesh = init_device_mesh(device, sizes, mesh_dim_names=names)
     _apply_with_weights(model, install.load_plan_on_every_rank(data, what="planc verify --memory"), mesh, device)
     ids = torch.randint(0, model.config.get_text_config().vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
@@ -206,7 +207,7 @@ def measure(family: str, mode: str, batch: int, seq: int, overrides: dict, *, dp
         else:
             model.train()
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            fsdp = mode == "fsdp" and p["dp_size"] > 1
+            fsdp = mode == "fsdp" and p.dp_size > 1
             tracker = FSDPMemTracker(model, optimizer) if fsdp else MemTracker()
             if not fsdp:
                 tracker.track_external(model, optimizer)

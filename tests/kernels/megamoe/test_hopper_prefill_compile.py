@@ -34,8 +34,9 @@ def tma_types(rows, bn):
     return {"a_desc": f"tensordesc<bf16[64, 64],{x!r}>", "at_desc": f"tensordesc<bf16[{rows - 64}, 64],{x!r}>",
             "w_desc": f"tensordesc<i32[{bn // 16}, 128],{plain!r}>", "s_desc": f"tensordesc<i32[1, {bn // 2}],{plain!r}>"}
 
-def compile_sm90(kernel, maxnreg, descs=None, **constexprs):
-    pointer_types = {"x_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr": "*bf16", "weight_ptr": "*fp32"}
+POINTER_TYPES = {"x_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr": "*bf16", "weight_ptr": "*fp32"}  # others: *i32
+
+def compile_sm90(kernel, maxnreg, descs=None, pointer_types=POINTER_TYPES, **constexprs):
     signature = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -61,7 +62,7 @@ def sass(cubin):
         return subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
 
 def loops(text):
-    """The instructions of each SASS loop that holds HGMMAs (the K loops): from a conditional backward branch's
+    """The instructions of each SASS loop that holds HGMMAs or QGMMAs (the K loops): from a conditional backward branch's
     target to it (an mbarrier wait's retry code jumps back into the loop unconditionally: not a loop)."""
     ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
            (re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in text.splitlines()) if m]
@@ -70,7 +71,7 @@ def loops(text):
     for i, (_, t) in enumerate(ins):
         m = re.search(r"^@!?U?P\w+\s+BRA\s.*?(0x[0-9a-f]+)", t)
         lo = at.get(int(m.group(1), 16)) if m else None
-        if lo is not None and lo < i and any("HGMMA" in x for _, x in ins[lo:i + 1]):
+        if lo is not None and lo < i and any("GMMA" in x for _, x in ins[lo:i + 1]):
             found.append([x for _, x in ins[lo:i + 1]])
     return found
 
@@ -84,7 +85,7 @@ def in_flight_writes(text):
         groups, current = [], set()
         for lap in (0, 1):
             for x in body:
-                mm = re.search(r"HGMMA\.\S+\s+R\d+,\s*R(\d+),", x)
+                mm = re.search(r"[HQ]GMMA\.\S+\s+R\d+,\s*R(\d+),", x)
                 if mm:
                     current |= set(range(int(mm.group(1)), int(mm.group(1)) + 4))
                     if "gsb0" in x:

@@ -277,9 +277,17 @@ needs_fp8 = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_devi
                                reason="FP8 MMAs need sm_89 or newer")
 
 
+needs_gluon = pytest.mark.skipif(gluon_unavailable_reason(torch.device("cuda")) is not None if torch.cuda.is_available()
+                                 else True, reason="the FP8 Gluon kernels need Hopper and Gluon")
+
+
 @needs_fp8
-@pytest.mark.parametrize("config", [KernelConfig(128, 128, 128, 128, 128, 8, 3, fp8=1),
-                                    KernelConfig(64, 128, 128, 128, 128, 8, 3, fp8=2)], ids=["swap_ab", "rows_m"])
+@pytest.mark.parametrize("config", [
+    KernelConfig(128, 128, 128, 128, 128, 8, 3, fp8=1),
+    KernelConfig(64, 128, 128, 128, 128, 8, 3, fp8=2),
+    pytest.param(KernelConfig(64, 128, 128, 64, 128, 8, 4, fp8=3), marks=needs_gluon),  # L1 casts in its epilogue
+    pytest.param(KernelConfig(32, 128, 128, 128, 128, 4, 3, fp8=3), marks=needs_gluon),  # L1 in FP32, then the cast
+], ids=["swap_ab", "rows_m", "gluon_64", "gluon_32"])
 @pytest.mark.parametrize("num_tokens,clamp", [(5, None), (150, 0.05)])
 def test_fp8_path_matches_its_emulation(config, num_tokens, clamp):
     g = torch.Generator(device="cuda").manual_seed(7)

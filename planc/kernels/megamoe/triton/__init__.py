@@ -43,5 +43,6 @@ padding at prefill) cost more than they skipped. docs/benchmarks.md has the meas
 Modules, in import order: `target` (is Triton here, and which: availability, interpreter, version features, SM
 count), `layout` (the FP4 weight layout the kernels read), `config` (tile configs and the tuned table), `jit` (the
 `@triton.jit` code), `routing` (tokens sorted into per-expert row blocks), `hopper_prefill` / `hopper_prefill_ws`
-(the Gluon kernels and their launchers), `forward` (the launchers: the local experts computation).
+(the Gluon kernels and their launchers), `hopper_fp8` (the FP8 path's Gluon kernels), `fp8` (the FP8 path),
+`forward` (the launchers: the local experts computation).
 """

@@ -39,7 +39,10 @@ class KernelConfig:
     # The FP8-math kernels (`fp8`: e4m3 operands, FP32 promotion per 128-deep K block, l1_n = 128 channels per
     # scale block, K tiles of 128; the numerics of the FP8 path, docs/megamoe.md, not the BF16 path's): 1 swap-AB (the
     # weight rows are the MMA's M dimension, the expanded tile its register operand), 2 the block's rows are M (the
-    # expanded tile is the shared-memory operand).
+    # expanded tile is the shared-memory operand), 3 the Hopper Gluon kernels (`hopper_fp8`: FP8 async wgmma on the
+    # FP8 weight layout, blocks of `FP8_GLUON_BLOCK_ROWS`, L1 16 x num_warps gate and as many up rows (8 warps: the
+    # output cast in the epilogue; 4: its FP32 output cast by a kernel of its own), L2 `l2_n` rows on l2_n / 16 warps,
+    # `num_stages` cp.async stages).
     fp8: int = 0
     # The split-K decode kernels (`decode`: both GEMMs split over K, the partial sums reduced by each tile's last
     # program, this many 64-deep K tiles in flight per program: 1, 2 or 4); 0 the general kernels. `l1_split` then
@@ -68,6 +71,9 @@ class KernelConfig:
         """Whether the Gluon kernels run these tiles on these shapes as they are (they do not shrink them): N tiles
         that divide, and L2's K tiles of 64 in pairs."""
         return not (inter % self.l1_n or hidden % self.l2_n or inter % 128)
+
+    # The block sizes the FP8 Gluon kernels (`fp8=3`) take: the wgmma's N, one MMA per block.
+    FP8_GLUON_BLOCK_ROWS: ClassVar[tuple[int, ...]] = (32, 64)
 
     # From this many rows per block the BF16 L2 races through Triton's cp.async pipeline (`pipeline_race`).
     PIPELINE_RACE_ROWS: ClassVar[int] = 128
@@ -113,6 +119,12 @@ class KernelConfig:
                 raise ValueError(f"the FP8 kernels need hidden and intermediate % 128 and N tiles of 128 that divide "
                                  f"them, got hidden={hidden}, intermediate={inter}, l1_n={self.l1_n}, "
                                  f"l2_n={self.l2_n}: `pick_config` picks them only where they fit")
+            if self.fp8 == 3 and (self.block_t not in self.FP8_GLUON_BLOCK_ROWS or self.l1_n != 128
+                                  or self.l2_n not in (64, 128) or self.num_stages < 3 or self.num_warps not in (4, 8)):
+                raise ValueError(f"the FP8 Gluon kernels (fp8=3) take block_t in {self.FP8_GLUON_BLOCK_ROWS}, "
+                                 f"l1_n=128, l2_n 64 or 128, num_warps 4 or 8 and num_stages >= 3, got "
+                                 f"block_t={self.block_t}, l1_n={self.l1_n}, l2_n={self.l2_n}, "
+                                 f"num_warps={self.num_warps}, num_stages={self.num_stages}")
             return dataclasses.replace(self, l1_k=128, l2_k=128, l1_split=1)
         if self.decode:
             return self._fit_decode(hidden, inter, div)
@@ -196,8 +208,9 @@ GLUON_CONFIGS = (
 # The FP8-math path (`fp8`): rows (from this many rows per local expert on average, config) that `pick_config` takes
 # on devices with FP8 MMAs (sm_89+) before the BF16 table. Empty: measured on an H100 (2026-12-06, Triton 3.6, V4
 # layer, `bench/megamoe_gpu.py --sweep --configs ...`, docs/megamoe.md) the FP8 kernels run the experts 4.4-8.1x
-# slower than the BF16 path's pick at 2048 and 4096 tokens (34.8-66.6 ms against 7.8-8.2 ms), so no batch size
-# takes them; they run where a config asks for them (`KernelConfig(fp8=1 or 2)`).
+# slower than the BF16 path's pick at 2048 and 4096 tokens (34.8-66.6 ms against 7.8-8.2 ms), and the Gluon FP8
+# kernels (`fp8=3`, `hopper_fp8`) 1.3-2.2x slower at 1024-4096 tokens (H100, 2026-12-06, commit f51beff: 14.8 against
+# 7.6 ms at 4096), so no batch size takes them; they run where a config asks for them (`KernelConfig(fp8=1, 2 or 3)`).
 FP8_CONFIGS: tuple[tuple[int, KernelConfig], ...] = ()
 
 

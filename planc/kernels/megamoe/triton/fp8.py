@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from planc.kernels.megamoe.triton import target
+from planc.kernels.megamoe.triton import hopper_fp8, hopper_prefill, target
 from planc.kernels.megamoe.triton.config import KernelConfig
 from planc.kernels.megamoe.triton.layout import PackedExperts
 from planc.kernels.megamoe.triton.routing import route
@@ -61,18 +61,38 @@ if triton is not None:
         return tl.reshape(_e4m3_bits(q), (ROWS, COLS)), (e << 23).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def x_blocks_kernel(q_ptr, sf_ptr, x8_ptr, xs_ptr, hidden, BH: tl.constexpr):
+    def x_blocks_kernel(q_ptr, sf_ptr, x8_ptr, xs_ptr, hidden, BH: tl.constexpr, PERMUTE: tl.constexpr):
         """The staged FP8 rows (per-32 UE8M0) of one row and BH channels -> e4m3 bytes with one FP32 scale per 128
-        channels (what the FP8 L1 reads)."""
+        channels (what the FP8 L1 reads); PERMUTE: each 128 channels stored in the FP8 wgmma's K order
+        (`layout.fp8_k_order`: channel 32 q + 8 s + 4 h + i at 32 s + 16 h + 4 q + i)."""
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1) * BH + tl.arange(0, BH)
         b = tl.load(q_ptr + row * hidden + col).to(tl.int32)
         s = tl.load(sf_ptr + row * (hidden // 32) + col // 32).to(tl.int32)
         v = e4m3_value(b) * (s << 23).to(tl.float32, bitcast=True)
         q, sf = _cast_blocks(tl.reshape(v, (1, BH)), 1, BH, True)
+        if PERMUTE:
+            c = col % 128
+            col = col - c + ((c // 8) % 4) * 32 + ((c // 4) % 2) * 16 + (c // 32) * 4 + c % 4
         tl.store(x8_ptr + row * hidden + col, tl.reshape(q, (BH,)))
         blk = tl.program_id(1) * (BH // 128) + tl.arange(0, BH // 128)
         tl.store(xs_ptr + row * (hidden // 128) + blk, tl.reshape(sf, (BH // 128,)))
+
+    @triton.jit
+    def l1_out_blocks_kernel(a_ptr, q_ptr, s_ptr, block_expert_ptr, inter, total_rows, num_local,
+                             BT: tl.constexpr, BC: tl.constexpr):
+        """L1's FP32 SwiGLU outputs of one block row and BC channels -> e4m3 bytes and one FP32 scale per 128
+        channels, no floor (`_cast_blocks`), the scales stored ``[I/128, R]`` (what the Gluon L2 reads); rows of
+        blocks past the routed ones are skipped (never read)."""
+        row = tl.program_id(0)
+        if tl.load(block_expert_ptr + row // BT) >= num_local:
+            return
+        col = tl.program_id(1) * BC + tl.arange(0, BC)
+        v = tl.load(a_ptr + row.to(tl.int64) * inter + col)
+        q, sf = _cast_blocks(tl.reshape(v, (1, BC)), 1, BC, False)
+        tl.store(q_ptr + row.to(tl.int64) * inter + col, tl.reshape(q, (BC,)))
+        blk = tl.program_id(1) * (BC // 128) + tl.arange(0, BC // 128)
+        tl.store(s_ptr + blk * total_rows + row, tl.reshape(sf, (BC // 128,)))
 
     @triton.jit
     def _weight_block(w_base, s_base, w_off, s_off, kc, num_g, BN: tl.constexpr, INTERPRET: tl.constexpr):
@@ -200,17 +220,28 @@ if triton is not None:
             tl.store(out_ptrs, bf16_rne(acc), mask=row_ok[:, None])
 
 
-def x_blocks(x_fp8: torch.Tensor, x_sf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def x_blocks(x_fp8: torch.Tensor, x_sf: torch.Tensor, permute: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Staged FP8 rows ``[M, H]`` with UE8M0 bytes ``[M, H/32]`` -> e4m3 bytes ``[M, H]`` (uint8) and FP32 scales
-    ``[M, H/128]``, one per 128 channels (see the module docstring)."""
+    ``[M, H/128]``, one per 128 channels (see the module docstring); `permute`: the channels of each 128 in the FP8
+    wgmma kernels' K order (`layout.fp8_k_order`)."""
     m, hidden = x_fp8.shape
     x8 = torch.empty((m, hidden), dtype=torch.uint8, device=x_fp8.device)
     xs = torch.empty((m, hidden // BLOCK), dtype=torch.float32, device=x_fp8.device)
     if m:
         bh = 1024 if hidden % 1024 == 0 else BLOCK
         x_blocks_kernel[(m, hidden // bh)](x_fp8.contiguous().view(torch.uint8), x_sf.contiguous(), x8, xs, hidden,
-                                           BH=bh, num_warps=4)
+                                           BH=bh, PERMUTE=permute, num_warps=4)
     return x8, xs
+
+
+def l1_out_blocks(a32: torch.Tensor, act: torch.Tensor, act_s: torch.Tensor, block_expert: torch.Tensor,
+                  num_local: int, block_t: int) -> None:
+    """L1's FP32 outputs ``[R, I]`` -> e4m3 bytes `act` ``[R, I]`` and scales `act_s` ``[I/128, R]`` per (row, 128
+    channels), as the fused L1 epilogue casts them (`hopper_fp8` with 4 warps a program)."""
+    rows, inter = a32.shape
+    bc = 1024 if inter % 1024 == 0 else BLOCK
+    l1_out_blocks_kernel[(rows, inter // bc)](a32, act, act_s, block_expert, inter, rows, num_local, BT=block_t,
+                                              BC=bc, num_warps=4)
 
 
 def size_problem(hidden: int, inter: int) -> str | None:
@@ -232,10 +263,14 @@ def fp8_local_experts_forward(
     if problem:
         raise ValueError(problem + ": use a config without fp8")
     device = x_fp8.device
+    if config.fp8 == 3:
+        why = hopper_prefill.gluon_unavailable_reason(device)
+        if why is not None:
+            raise RuntimeError(f"KernelConfig(fp8=3) runs Gluon kernels for Hopper: {why}; use fp8=1 or a BF16 config")
     out = torch.zeros((m * k, hidden), dtype=torch.bfloat16, device=device)
     if m == 0:
         return out.view(m, k, hidden)
-    x8, xs = x_blocks(x_fp8, x_sf)
+    x8, xs = x_blocks(x_fp8, x_sf, permute=config.fp8 == 3)
     weights = topk_weights.reshape(-1).float().contiguous()
     bt = config.block_t
     sorted_slots, block_expert, block_row, block_end = route(
@@ -243,6 +278,21 @@ def fp8_local_experts_forward(
     nblocks = block_expert.numel()
     act = torch.empty((nblocks * bt, inter), dtype=torch.uint8, device=device)
     act_s = torch.empty((nblocks * bt, inter // BLOCK), dtype=torch.float32, device=device)
+    if config.fp8 == 3:  # the Gluon kernels (`hopper_fp8`) on the FP8 layout of the same experts
+        e4 = experts.e4m3()
+        act_s = torch.empty((inter // BLOCK, nblocks * bt), dtype=torch.float32, device=device)
+        xs = hopper_fp8.block_row_scales(xs, sorted_slots, block_row, block_end, num_topk=k, block_t=bt)
+        s1 = e4.s1.reshape(num_local, -1).view(torch.int32)
+        s2 = e4.s2.reshape(num_local, -1).view(torch.int32)
+        a32 = None if config.num_warps == 8 else torch.empty((nblocks * bt, inter), dtype=torch.float32,
+                                                              device=device)
+        hopper_fp8.l1(x8.view(torch.float8_e4m3fn), xs, e4.w1, s1, sorted_slots, weights, block_expert, block_row,
+                      block_end, act, act_s, clamp=clamp, num_topk=k, config=config, a32=a32)
+        if a32 is not None:
+            l1_out_blocks(a32, act, act_s, block_expert, num_local, bt)
+        hopper_fp8.l2(act.view(torch.float8_e4m3fn), act_s, e4.w2, s2, sorted_slots, block_expert, block_row,
+                      block_end, out, config=config)
+        return out.view(m, k, hidden)
     s1 = experts.s1.reshape(num_local, -1).view(torch.int32)
     s2 = experts.s2.reshape(num_local, -1).view(torch.int32)
     interpret = target.interpreting()

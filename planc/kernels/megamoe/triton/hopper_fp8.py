@@ -1,0 +1,443 @@
+"""The FP8 path's GEMMs for Hopper in Gluon: FP4 weights expanded to e4m3 in registers by byte-table lookups, FP8
+async wgmma, FP32 promotion per 128-deep K block overlapped with the next block's MMA.
+
+Why: the plain-Triton FP8 kernels (`fp8`, `KernelConfig(fp8=1 or 2)`) wait for every FP8 MMA before promoting its
+partial sum, and stage the expanded weights through shared memory or spill; they ran 4.4-8.1x slower than the BF16
+path. Here (`KernelConfig(fp8=3)`), written as the BF16 Gluon kernels (`hopper_prefill`):
+
+- swap-AB: the weight rows are the wgmma's M (L1: 128 gate and 128 up rows, 8 warps; L2: 16 rows per warp) and the
+  block's 64 rows its N, from shared memory;
+- the weights are in the FP8 layout (`layout.shuffle_fp4_e4m3`): each int32 word is 8 codes of one (row, 32-group),
+  turned into two A-operand registers of 4 e4m3 bytes by two `prmt` lookups in the group's 8-entry table
+  (e4m3(|code| x 2**(s - ref + 1)), RNE below e4m3's normal range as the numerics say: one of the 17 rows of
+  `layout.e4m3_tables`, an 8-byte load picked by the group's index in its row's scale word) and one OR of the sign
+  bits each: 7 instructions per 8 weights;
+- each 128-deep K block's wgmma writes a fresh FP32 block sum and is waited for one step later: the promotion
+  (acc += part x sw x sx) of one block runs while the next block's MMA does, and the next operand is expanded then
+  too (L1: gate and up blocks alternate; L2: K blocks in pairs);
+- words and activation tiles stream through a `num_stages` cp.async ring as in `hopper_prefill`; the scale words
+  (one int32 per row and K block) and the activations' block scales are loaded from global memory (L2-resident).
+
+Numerics: `fp8`'s module docstring (per-128 block scales on both operands, promotion in FP32, L1 rounded to BF16 once,
+the SwiGLU epilogue, L1's output cast per (row, 128 channels)), with the K order of `layout.fp8_k_order` inside each
+128 block (a permutation of the same products). Gluon has no CPU interpreter: CI compiles these kernels for sm_90
+(`tests/kernels/megamoe/test_hopper_fp8_compile.py`); `test_triton_gpu.py` checks them against the float64 emulation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from planc.kernels.megamoe.triton import hopper_prefill as hp
+from planc.kernels.megamoe.triton.layout import e4m3_tables
+
+if hp.gluon is not None:
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as _cp
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+    from planc.kernels.megamoe.triton.jit import _e4m3_bits, _pow2_ceil_exponent, bf16_rne, swiglu
+
+    _async_load = hp._async_load
+    _cta_barrier = hp._cta_barrier
+
+    # A word (8 codes, `layout.shuffle_fp4_e4m3`) and its table -> A registers h = 0 (codes 0-3) and h = 1 (4-7).
+    _EXPAND_E4M3_PTX: gl.constexpr = gl.constexpr("""{
+    .reg .b32 m, t;
+    and.b32 m, $2, 0x77777777;
+    prmt.b32 $0, $3, $4, m;
+    and.b32 t, $2, 0x80808080;
+    or.b32 $0, $0, t;
+    shr.u32 m, m, 16;
+    prmt.b32 $1, $3, $4, m;
+    shl.b32 t, $2, 4;
+    and.b32 t, t, 0x80808080;
+    or.b32 $1, $1, t;
+    }""")
+
+    @triton.constexpr_function
+    def words_layout(num_warps):
+        """[G, sh, lane, sl, m8]: the words of one 128-deep K block, row group g in warp g (mod num_warps); a lane
+        holds its 8 words (2 x 16 contiguous bytes)."""
+        return gl.BlockedLayout([1, 2, 1, 2, 2], [1, 1, 32, 1, 1], [num_warps, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+
+    @triton.constexpr_function
+    def mma_layout(num_warps, n):
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 32])
+
+    @triton.constexpr_function
+    def _sx_layout(num_warps):
+        """[rows] block scales of the activations (cp.async, 4 bytes a thread)."""
+        return gl.BlockedLayout([1], [32], [num_warps], [0])
+
+    @triton.constexpr_function
+    def _x_layout(num_warps):
+        """[rows, 128] e4m3 activation tiles: 16 contiguous bytes a thread (cp.async)."""
+        return gl.BlockedLayout([1, 16], [4, 8], [num_warps, 1], [1, 0])
+
+    @gluon.jit
+    def _bytes(d):
+        """int32 words [...] -> [..., 4] int8 (byte i of each word at i)."""
+        c = gl.join(d, d)
+        c = gl.join(c, c)
+        c = gl.reshape(c, c.shape[:-2] + [4])
+        return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r,r,r", [c], dtype=gl.int8, is_pure=True, pack=4)
+
+    @gluon.jit
+    def expand_e4m3(w, lo, hi):
+        """Words [G, 2, 32, 2, 2] and their groups' tables [G, 32, 2] (`_tables`) -> the e4m3 A registers, two int32
+        tensors of the words' shape (h = 0: codes 0-3, h = 1: codes 4-7; `operand` makes them the wgmma's operand). An
+        async wgmma reads its operand registers until it is waited for, and ptxas reuses a register once PTX no longer
+        uses it: the caller passes these to that wait."""
+        lo = gl.expand_dims(gl.expand_dims(lo, 1), 3)
+        hi = gl.expand_dims(gl.expand_dims(hi, 1), 3)
+        lo, _ = gl.broadcast(lo, w)
+        hi, _ = gl.broadcast(hi, w)
+        return gl.inline_asm_elementwise(_EXPAND_E4M3_PTX, "=r,=r,r,r,r", [w, lo, hi], dtype=(gl.int32, gl.int32),
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def operand(d0, d1, AL: gl.constexpr):
+        """The A registers of `expand_e4m3` as the [16 G, 128] e4m3 wgmma operand in layout AL (a renaming)."""
+        G: gl.constexpr = d0.shape[0]
+        b = gl.join(_bytes(d0), _bytes(d1))  # [g, sh, lane, sl, m8, i, h]
+        b = gl.reshape(b, (G, 2, 8, 4, 2, 2, 4, 2))  # g sh r q sl m8 i h
+        b = gl.permute(b, (0, 5, 2, 1, 4, 7, 3, 6))  # g m8 r sh sl h q i: rows, then the MMA's K
+        a = gl.reshape(b, (16 * G, 128)).to(gl.float8e4nv, bitcast=True)
+        return gl.convert_layout(a, AL, assert_trivial=True)
+
+    @triton.constexpr_function
+    def scale_layout(num_warps):
+        """[G, 8, 4, 2]: lane 4 r + q holds the scale words of rows 16 g + r and + 8 (m8), g its warp's group."""
+        return gl.BlockedLayout([1, 1, 1, 2], [1, 8, 4, 1], [num_warps, 1, 1, 1], [3, 2, 1, 0])
+
+    @gluon.jit
+    def _scale_offsets(n0, G: gl.constexpr, num_warps: gl.constexpr):
+        """int32 offsets [G, 8, 2] of the scale words of rows n0 + 16 g + 8 m8 + r (a K block's, in row order)."""
+        SL: gl.constexpr = gl.SliceLayout(2, scale_layout(num_warps))
+        g = gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, SL)))
+        r = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, SL)))
+        m8 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, SL)))
+        return n0 + g[:, None, None] * 16 + m8[None, None, :] * 8 + r[None, :, None]
+
+    @gluon.jit
+    def _row_scales(s_tile, BN: gl.constexpr, L: gl.constexpr):
+        """A stage's scale words [G, 2, 8] (rows 16 g + 8 m8 + r, in order) -> the weight block scales 2**(ref - 128)
+        of its rows [BN] in layout L (ref: the scale word's low byte)."""
+        ref = s_tile.reshape([BN]).load(L) & 0xFF
+        bits = gl.where(ref >= 2, (ref - 1) << 23, 0x800000 >> (2 - gl.minimum(ref, 2)))
+        return bits.to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _tables(s_tile, tab_ptr, WL: gl.constexpr, num_warps: gl.constexpr):
+        """A stage's scale words as [G, 8, 2] (r, m8) -> the e4m3 tables (`layout.e4m3_tables`, low and high word) of each
+        lane's 32-group, [G, 32, 2] in the expansion's layout: lane 4 r + q, rows 16 g + 8 m8 + r, the table row t_q
+        of the row's scale word."""
+        L4: gl.constexpr = scale_layout(num_warps)
+        s8 = s_tile.load(gl.SliceLayout(2, L4))
+        G: gl.constexpr = s8.shape[0]
+        sw = gl.broadcast(gl.expand_dims(s8, 2), gl.zeros([G, 8, 4, 2], gl.int32, L4))[0]
+        q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4))))
+        t = (sw >> (8 + 5 * q)[None, None, :, None]) & 31
+        t = gl.convert_layout(gl.reshape(t, (G, 32, 2)), gl.SliceLayout(1, gl.SliceLayout(3, WL)), assert_trivial=True)
+        tab = gl.load(tab_ptr + t)
+        return tab.to(gl.int32), (tab >> 32).to(gl.int32)
+
+    @gluon.jit
+    def _word_offsets(g0, num_g, G: gl.constexpr, WL: gl.constexpr):
+        """int32 offsets [G, 2, 32, 2, 2] of the words of row groups g0.. at K block 0 (block kb: kb * num_g * 256
+        further)."""
+        L4: gl.constexpr = gl.SliceLayout(4, WL)  # g sh lane sl
+        L3: gl.constexpr = gl.SliceLayout(3, L4)  # g sh lane
+        g = gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        sh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+        lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+        sl = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
+        m8 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, WL)))))
+        base = ((g0 + g)[:, None, None] * 2 + sh[None, :, None]) * 32 + lane[None, None, :]  # [G, 2, 32]
+        return ((base[:, :, :, None] * 2 + sl[None, None, None, :]) * 2)[:, :, :, :, None] \
+            + m8[None, None, None, None, :]
+
+    @gluon.jit
+    def _issue(kb, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s, wb_s,
+               sa_s, sb_s, x_s, sx_s, stage, GATED: gl.constexpr):
+        """cp.async K block `kb` (the last one again past the end) into stage `stage`: the words and scale words of
+        one or two operands, the activation tile and its block scales; one commit group."""
+        k = gl.minimum(kb, k_blocks - 1)
+        _async_load(wa_s.index(stage), wa_ptrs + k * step)
+        _async_load(sa_s.index(stage), sa_ptrs + k * n_rows)
+        if GATED:
+            _async_load(wb_s.index(stage), wb_ptrs + k * step)
+            _async_load(sb_s.index(stage), sb_ptrs + k * n_rows)
+        _async_load(x_s.index(stage), x_ptrs + k * 128)
+        _async_load(sx_s.index(stage), sx_ptrs + k * total_rows)
+        _cp.commit_group()
+
+    @gluon.jit
+    def _next_block(kb, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s,
+                    wb_s, sa_s, sb_s, x_s, sx_s, STAGES: gl.constexpr, GATED: gl.constexpr):
+        """Wait for block kb's copies, issue block kb + STAGES - 2's (into the stage of block kb - 2, whose MMAs are
+        retired and whose scales are read), fence: `hopper_prefill._next_tile`'s order. Returns kb's stage."""
+        _cp.wait_group(STAGES - 3)
+        _cta_barrier()
+        nxt = kb + STAGES - 2
+        _issue(nxt, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s,
+               wb_s, sa_s, sb_s, x_s, sx_s, nxt % STAGES, GATED)
+        fence_async_shared()
+        return kb % STAGES
+
+    @gluon.jit
+    def _gemm(x_ptrs, sx_ptrs, total_rows, w_base, s_base, tab_ptr, wa_off, wb_off, na0, nb0, n_rows, num_g, k_blocks,
+              BN: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr,
+              num_warps: gl.constexpr):
+        """FP32 sums [BN, ROWS] of operand a (rows na0..; and b, rows nb0.., when GATED) times the block's
+        activations, promoted per 128-deep K block. GATED: a and b alternate (each expanded and promoted while the
+        other multiplies); else K blocks in pairs into one sum (returned as a, b unused). Per K block a stage of the
+        cp.async ring holds the words, the scale words (one per row), the activation tile and its block scales."""
+        G: gl.constexpr = BN // 16
+        WL: gl.constexpr = words_layout(num_warps)
+        MMA: gl.constexpr = mma_layout(num_warps, ROWS)
+        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
+        XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        WS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[4, 3, 2, 1, 0])
+        SS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
+        S1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        wa_s = gl.allocate_shared_memory(gl.int32, [STAGES, G, 2, 32, 2, 2], WS)
+        sa_s = gl.allocate_shared_memory(gl.int32, [STAGES, G, 2, 8], SS)
+        if GATED:
+            wb_s = gl.allocate_shared_memory(gl.int32, [STAGES, G, 2, 32, 2, 2], WS)
+            sb_s = gl.allocate_shared_memory(gl.int32, [STAGES, G, 2, 8], SS)
+        else:
+            wb_s = wa_s
+            sb_s = sa_s
+        x_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, ROWS, 128], XS)
+        sx_s = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], S1)
+        step = num_g * 256
+        wa_ptrs = w_base + wa_off
+        wb_ptrs = w_base + wb_off
+        s_off = _scale_offsets(0, G, num_warps)
+        sa_ptrs = s_base + na0 + gl.permute(s_off, (0, 2, 1))
+        sb_ptrs = s_base + nb0 + gl.permute(s_off, (0, 2, 1))
+        for s in gl.static_range(STAGES - 2):
+            _issue(s, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s,
+                   wb_s, sa_s, sb_s, x_s, sx_s, s, GATED)
+        acc_a = gl.zeros([BN, ROWS], gl.float32, MMA)
+        acc_b = gl.zeros([BN, ROWS], gl.float32, MMA)
+        pa = gl.zeros([BN, ROWS], gl.float32, MMA)
+        pb = gl.zeros([BN, ROWS], gl.float32, MMA)
+        swb = gl.zeros([BN], gl.float32, gl.SliceLayout(1, MMA))
+        SXL: gl.constexpr = gl.SliceLayout(0, MMA)
+        STEP: gl.constexpr = 1 if GATED else 2
+        st = _next_block(0, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows,
+                         wa_s, wb_s, sa_s, sb_s, x_s, sx_s, STAGES, GATED)
+        lo, hi = _tables(sa_s.index(st).permute((0, 2, 1)), tab_ptr, WL, num_warps)
+        ka0, ka1 = expand_e4m3(wa_s.index(st).load(WL), lo, hi)
+        # One iteration: a's block multiplies while b's last block sum is promoted and b's operand expanded; b's block
+        # multiplies while a's sum is promoted and the next a operand expanded (from the next stage). Each block sum is
+        # read while the other operand's wgmma is in flight, but never across the loop's back edge: there ptxas
+        # cannot tell which group a wait retired and serializes every wgmma of the kernel (C7514), so the iteration
+        # ends waiting for b. The wait after each promotion pins it before the next MMA into the same registers (sunk
+        # below it, the block sum would need a copy, which reads a wgmma's accumulator in flight).
+        for i in range(0, k_blocks, STEP):
+            x_t = x_s.index(st).permute((1, 0))
+            pa = warpgroup_mma(operand(ka0, ka1, AL), x_t, pa, use_acc=False, is_async=True)
+            pa, pb, ka0, ka1 = warpgroup_mma_wait(1, deps=(pa, pb, ka0, ka1))
+            # b's last block sum (block i - 1: its stage is reused only from the next block's copies on); the next b
+            # operand's shared-memory reads go first, so that their latency passes under the promotion
+            sxb = sx_s.index(gl.maximum(i - 1, 0) % STAGES).load(SXL)
+            if GATED:
+                lo, hi = _tables(sb_s.index(st).permute((0, 2, 1)), tab_ptr, WL, num_warps)
+                wb = wb_s.index(st).load(WL)
+                acc_b = warpgroup_mma_wait(1, deps=(acc_b + pb * (swb[:, None] * sxb[None, :]),))
+                swb = _row_scales(sb_s.index(st), BN, gl.SliceLayout(1, MMA))
+                kb0, kb1 = expand_e4m3(wb, lo, hi)
+            else:
+                acc_a = warpgroup_mma_wait(1, deps=(acc_a + pb * (swb[:, None] * sxb[None, :]),))
+                st = _next_block(i + 1, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs,
+                                 total_rows, wa_s, wb_s, sa_s, sb_s, x_s, sx_s, STAGES, GATED)
+                x_t = x_s.index(st).permute((1, 0))
+                lo, hi = _tables(sa_s.index(st).permute((0, 2, 1)), tab_ptr, WL, num_warps)
+                swb = _row_scales(sa_s.index(st), BN, gl.SliceLayout(1, MMA))
+                kb0, kb1 = expand_e4m3(wa_s.index(st).load(WL), lo, hi)
+            pb = warpgroup_mma(operand(kb0, kb1, AL), x_t, pb, use_acc=False, is_async=True)
+            pa, pb, ka0, ka1, kb0, kb1 = warpgroup_mma_wait(1, deps=(pa, pb, ka0, ka1, kb0, kb1))
+            sta = i % STAGES
+            swa = _row_scales(sa_s.index(sta), BN, gl.SliceLayout(1, MMA))
+            sxa = sx_s.index(sta).load(SXL)
+            # the next a operand (past the end: the last block's again, never multiplied): its stage's reads go out
+            # before a's promotion (block i's stage is rewritten only from block i + STAGES - 1's copies on)
+            st = _next_block(i + STEP, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs,
+                             total_rows, wa_s, wb_s, sa_s, sb_s, x_s, sx_s, STAGES, GATED)
+            lo, hi = _tables(sa_s.index(st).permute((0, 2, 1)), tab_ptr, WL, num_warps)
+            wa = wa_s.index(st).load(WL)
+            acc_a = warpgroup_mma_wait(1, deps=(acc_a + pa * (swa[:, None] * sxa[None, :]),))
+            ka0, ka1 = expand_e4m3(wa, lo, hi)
+            pb, kb0, kb1, ka0, ka1 = warpgroup_mma_wait(0, deps=(pb, kb0, kb1, ka0, ka1))
+        # b's last block
+        _cp.wait_group(0)
+        sxb = sx_s.index((k_blocks - 1) % STAGES).load(SXL)
+        if GATED:
+            acc_b += pb * (swb[:, None] * sxb[None, :])
+        else:
+            acc_a += pb * (swb[:, None] * sxb[None, :])
+        return acc_a, acc_b
+
+    @gluon.jit
+    def _l1_block(x8_ptr, xs_ptr, w_base, s_base, tab_ptr, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b,
+                  pid_n, row0, nrows, hidden, inter, num_topk, total_rows, clamp, HAS_CLAMP: gl.constexpr,
+                  N: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+        """L1 of the block's first N rows (of ROWS): the K loop, the SwiGLU epilogue and the output's cast (rows past
+        N are the expert's none, and L2 reads only N of them: the same branch on the same rows). With 4 warps (64
+        channels, half a scale block) the SwiGLU output goes out in FP32 to `a32` and `fp8.l1_out_blocks` casts it."""
+        BN: gl.constexpr = 16 * num_warps
+        G: gl.constexpr = BN // 16
+        WL: gl.constexpr = words_layout(num_warps)
+        MMA: gl.constexpr = mma_layout(num_warps, N)
+        XL: gl.constexpr = _x_layout(num_warps)
+        num_g = inter // 8  # 2I rows in groups of 16
+        wg_off = _word_offsets(pid_n * G, num_g, G, WL)
+        wu_off = _word_offsets(pid_n * G + inter // 16, num_g, G, WL)
+        t = gl.arange(0, N, layout=gl.SliceLayout(1, XL))
+        ok = t < nrows
+        slot = gl.load(sorted_ptr + row0 + t, mask=ok, other=0)
+        token = gl.where(ok, slot // num_topk, 0).to(gl.int64)
+        x_ptrs = x8_ptr + token[:, None] * hidden + gl.arange(0, 128, layout=gl.SliceLayout(0, XL))[None, :]
+        tc = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
+        okc = tc < nrows
+        slotc = gl.load(sorted_ptr + row0 + tc, mask=okc, other=0)
+        out_rows = pid_b * ROWS + tc
+        sx_ptrs = xs_ptr + pid_b * ROWS + gl.arange(0, N, layout=_sx_layout(num_warps))
+        acc_g, acc_u = _gemm(x_ptrs, sx_ptrs, total_rows, w_base, s_base, tab_ptr, wg_off, wu_off, pid_n * BN,
+                             inter + pid_n * BN, 2 * inter, num_g, hidden // 128, BN, N, STAGES, True, num_warps)
+        topw = gl.load(weight_ptr + slotc, mask=okc, other=0.0)
+        a = swiglu(acc_g, acc_u, topw, okc, clamp, HAS_CLAMP)  # [BN, N]
+        offs = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+        if BN < 128:
+            gl.store(a32_ptr + out_rows[None, :].to(gl.int64) * inter + offs[:, None], a)
+            return
+        amax = gl.max(gl.abs(a), axis=0)
+        e = gl.minimum(_pow2_ceil_exponent(amax * (1.0 / 448.0)), 254)
+        sf_inv = (gl.minimum(gl.maximum(254 - e, 0), 254) << 23).to(gl.float32, bitcast=True)
+        q = _e4m3_bits(gl.minimum(gl.maximum(a * sf_inv[None, :], -448.0), 448.0))
+        gl.store(out_ptr + out_rows[None, :].to(gl.int64) * inter + offs[:, None], q)
+        gl.store(outs_ptr + pid_n * total_rows + out_rows, (e << 23).to(gl.float32, bitcast=True))
+
+    @gluon.jit
+    def l1_kernel(
+        x8_ptr, xs_ptr, w_ptr, s_ptr, tab_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr, block_end_ptr,
+        out_ptr, outs_ptr, a32_ptr, hidden, inter, num_topk, num_local, total_rows, stride_we, stride_se, clamp,
+        HAS_CLAMP: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """L1 of one block of up to ROWS rows and 16 x num_warps gate (and as many up) channels in FP8, the SwiGLU
+        epilogue, and (with 8 warps: 128 channels) the output's e4m3 cast per (row, 128 channels):
+        `fp8.fp8_l1_kernel`'s numerics. A block of at most half ROWS rows (an expert's last) runs an MMA half as
+        wide."""
+        pid_b, pid_n, expert, row0, nrows = hp.program_block(block_expert_ptr, block_row_ptr, block_end_ptr,
+                                                             inter // (16 * num_warps))
+        if expert < num_local:
+            w_base = w_ptr + expert.to(gl.int64) * stride_we
+            s_base = s_ptr + expert.to(gl.int64) * stride_se
+            if ROWS > 32 and nrows <= ROWS // 2:
+                _l1_block(x8_ptr, xs_ptr, w_base, s_base, tab_ptr, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr,
+                          pid_b, pid_n, row0, nrows, hidden, inter, num_topk, total_rows, clamp, HAS_CLAMP, ROWS // 2, ROWS,
+                          STAGES, num_warps)
+            else:
+                _l1_block(x8_ptr, xs_ptr, w_base, s_base, tab_ptr, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr,
+                          pid_b, pid_n, row0, nrows, hidden, inter, num_topk, total_rows, clamp, HAS_CLAMP, ROWS, ROWS,
+                          STAGES, num_warps)
+
+    @gluon.jit
+    def _l2_block(a8_ptr, as_ptr, w_base, s_base, tab_ptr, sorted_ptr, out_ptr, pid_b, pid_n, row0, nrows, hidden,
+                  inter, total_rows, stride_out, N: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr,
+                  num_warps: gl.constexpr):
+        """L2 of the block's first N rows (of ROWS)."""
+        BN: gl.constexpr = 16 * num_warps
+        G: gl.constexpr = BN // 16
+        WL: gl.constexpr = words_layout(num_warps)
+        MMA: gl.constexpr = mma_layout(num_warps, N)
+        XL: gl.constexpr = _x_layout(num_warps)
+        num_g = hidden // 16
+        w_off = _word_offsets(pid_n * G, num_g, G, WL)
+        t = gl.arange(0, N, layout=gl.SliceLayout(1, XL))
+        rows = (pid_b * ROWS + t).to(gl.int64)
+        a_ptrs = a8_ptr + rows[:, None] * inter + gl.arange(0, 128, layout=gl.SliceLayout(0, XL))[None, :]
+        tc = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
+        okc = tc < nrows
+        sx_ptrs = as_ptr + pid_b * ROWS + gl.arange(0, N, layout=_sx_layout(num_warps))
+        acc, _ = _gemm(a_ptrs, sx_ptrs, total_rows, w_base, s_base, tab_ptr, w_off, w_off, pid_n * BN, pid_n * BN,
+                       hidden, num_g, inter // 128, BN, N, STAGES, False, num_warps)
+        slot = gl.load(sorted_ptr + row0 + tc, mask=okc, other=0)
+        offs = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+        gl.store(out_ptr + slot[None, :].to(gl.int64) * stride_out + offs[:, None], bf16_rne(acc), mask=okc[None, :])
+
+    @gluon.jit
+    def l2_kernel(
+        a8_ptr, as_ptr, w_ptr, s_ptr, tab_ptr, sorted_ptr, block_expert_ptr, block_row_ptr, block_end_ptr, out_ptr,
+        hidden, inter, num_local, total_rows, stride_we, stride_se, stride_out,
+        ROWS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """L2 of one block of up to ROWS rows and 16 x num_warps hidden columns in FP8; BF16 outputs to their slots.
+        A block of at most half ROWS rows runs an MMA half as wide."""
+        pid_b, pid_n, expert, row0, nrows = hp.program_block(block_expert_ptr, block_row_ptr, block_end_ptr,
+                                                             hidden // (16 * num_warps))
+        if expert < num_local:
+            w_base = w_ptr + expert.to(gl.int64) * stride_we
+            s_base = s_ptr + expert.to(gl.int64) * stride_se
+            if ROWS > 32 and nrows <= ROWS // 2:
+                _l2_block(a8_ptr, as_ptr, w_base, s_base, tab_ptr, sorted_ptr, out_ptr, pid_b, pid_n, row0, nrows,
+                          hidden, inter, total_rows, stride_out, ROWS // 2, ROWS, STAGES, num_warps)
+            else:
+                _l2_block(a8_ptr, as_ptr, w_base, s_base, tab_ptr, sorted_ptr, out_ptr, pid_b, pid_n, row0, nrows,
+                          hidden, inter, total_rows, stride_out, ROWS, ROWS, STAGES, num_warps)
+
+
+_TABLES: dict = {}
+
+
+def tables(device) -> torch.Tensor:
+    """`layout.e4m3_tables` on `device`, made once."""
+    if device not in _TABLES:
+        _TABLES[device] = e4m3_tables(device)
+    return _TABLES[device]
+
+
+def l1(x8, xs, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act, act_s, *, clamp, num_topk,
+       config, a32=None):
+    """L1 into `act` (e4m3 bytes [R, I], R block rows) and `act_s` (their FP32 scales [I/128, R]), blocks of
+    `config.block_t` rows, 16 x `config.num_warps` channels a program; `xs`: the activations' scales in block-row
+    order [H/128, R] (`block_row_scales`). With 4 warps the SwiGLU output goes to `a32` (FP32 [R, I]) instead, for
+    `fp8.l1_out_blocks` to cast."""
+    hidden, inter, num_local = x8.shape[1], w1.shape[1] // 2, w1.shape[0]
+    bn = 16 * config.num_warps
+    l1_kernel[(block_expert.numel() * (inter // bn),)](
+        x8, xs, w1, s1, tables(x8.device), sorted_slots, weights, block_expert, block_row, block_end, act, act_s,
+        act_s if a32 is None else a32,
+        hidden, inter, num_topk, num_local, act.shape[0], w1.stride(0), s1.stride(0), 0.0 if clamp is None else clamp,
+        HAS_CLAMP=clamp is not None, ROWS=config.block_t, STAGES=config.num_stages, num_warps=config.num_warps,
+        **config.launch_registers(),
+    )
+
+
+def l2(act, act_s, w2, s2, sorted_slots, block_expert, block_row, block_end, out, *, config):
+    """L2 from `act` (scales `act_s` [I/128, R]) into the slot rows of `out` (hidden tiles of `config.l2_n` rows,
+    l2_n / 16 warps)."""
+    inter, hidden, num_local = act.shape[1], w2.shape[1], w2.shape[0]
+    l2_kernel[(block_expert.numel() * (hidden // config.l2_n),)](
+        act, act_s, w2, s2, tables(act.device), sorted_slots, block_expert, block_row, block_end, out,
+        hidden, inter, num_local, act.shape[0], w2.stride(0), s2.stride(0), out.stride(0),
+        ROWS=config.block_t, STAGES=config.num_stages, num_warps=config.l2_n // 16,
+        **config.launch_registers("L2"),
+    )
+
+
+def block_row_scales(xs, sorted_slots, block_row, block_end, *, num_topk, block_t):
+    """The activations' scales per (token, 128 channels) ``[T, H/128]`` -> ``[H/128, R]`` by block row (rows past a
+    block's end take token 0's: finite, never stored): the L1 kernel loads a block's scales of one K block as one
+    contiguous row."""
+    rows = block_row[:, None] + torch.arange(block_t, device=xs.device)[None, :]
+    ok = rows < block_end[:, None]
+    slot = sorted_slots[rows.clamp(max=max(sorted_slots.numel() - 1, 0))]
+    token = torch.where(ok, slot // num_topk, 0).reshape(-1)
+    return xs[token].t().contiguous()
