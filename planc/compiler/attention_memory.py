@@ -69,6 +69,18 @@ def sdpa_math_kept(s: LayerShape, batch: int, seq: int) -> int:
     return FP32 * batch * s.heads * seq * seq + qkv
 
 
+def sdpa_repeated_kv(s: LayerShape, batch: int, seq: int, a: int) -> int:
+    """K and V repeated to every query head for sdpa: transformers' `sdpa_attention_forward` lets sdpa group the
+    heads itself only without a mask (`use_gqa_in_sdpa`), and a sliding layer the sequence reaches gets one
+    (`create_sliding_window_causal_mask` returns None only below the window): two [B, heads, S, head_dim] in the model
+    dtype, which a prefill holds through the kernel and training keeps for its backward. 0 where sdpa sees no mask,
+    on its math path (counted there) and without grouped heads."""
+    if (s.attn_impl != "sdpa" or s.sdpa_math or s.attention != "gqa" or s.kv_heads >= s.heads
+            or s.cache_kind != "sliding window" or s.window is None or seq < s.window):
+        return 0
+    return 2 * batch * seq * s.heads * s.head_dim * a
+
+
 def mla_efficient_kept(s: LayerShape, a: int) -> int:
     """Bytes per token an MLA layer keeps for backward around sdpa's memory-efficient kernel (CUDA): the query and the
     key it builds (`cat`, `new_empty` + copies), kv_b's output (the value is a view of it; counted as k + v wide, its
@@ -78,4 +90,4 @@ def mla_efficient_kept(s: LayerShape, a: int) -> int:
 
 
 __all__ = ["eager_kept_fp32", "eager_prefill", "mla_efficient_kept", "runs_sdpa_math", "sdpa_math_kept",
-           "sdpa_math_prefill", "with_sdpa_math"]
+           "sdpa_math_prefill", "sdpa_repeated_kv", "with_sdpa_math"]

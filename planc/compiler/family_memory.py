@@ -27,6 +27,13 @@ class FamilyMemory:
     router_input_fp32: bool = False
     # q_norm/k_norm normalise the whole projected q/k width (not per head): an fp32 copy of q and k in forward
     full_width_qk_norm: bool = False
+    # q_norm/k_norm per head in a model-dtype RMSNorm (`weight * x.float()...to(dtype)`): training keeps each one's fp32
+    # upcast and its cast back, as a full-width norm does (the q/k projections' outputs are not kept: the upcast's
+    # backward needs none)
+    per_head_qk_norm_kept: bool = False
+    # q_norm/k_norm multiply their weight into the fp32 normalized states, `(weight * x).to(dtype)` (OLMo 2's norm):
+    # training keeps those fp32 states in place of the cast back
+    qk_norm_weight_fp32: bool = False
     # the residual stream is fp32 between layers (Zaya's `residual_in_fp32`), and each of a layer's two residual
     # scalings keeps `residual + bias` (fp32) and `hidden + bias` (model dtype) for its products with the scales
     residual_fp32: bool = False
@@ -43,7 +50,8 @@ class FamilyMemory:
     # `torch_chunk_gated_delta_rule`), `chunk_per_key` (Kimi Delta Attention's `torch_chunk_kda`: the decay is per key
     # channel, so its chunk matrices are [chunks, 64, 64, key_dim] fp32), `mamba` (Mamba's selective scan, the slow
     # path: [tokens, d_inner, d_state] fp32 discretized A, B and B*u), `mamba2` (Mamba2's chunked scan,
-    # transformers' `mamba2_chunk_scan`: planc.compiler.ssm_memory)
+    # transformers' `mamba2_chunk_scan`: planc.compiler.ssm_memory), `short_conv` (LFM2's gated short convolution:
+    # peak_memory.short_conv_layer)
     linear_scan: str = "chunk"
     # the family's own names for layer types the peak model prices as one of its kinds (`layer_types` entries:
     # name -> full_attention | sliding_attention | chunked_attention | linear_attention)
@@ -75,6 +83,14 @@ class FamilyMemory:
     # the indexed layers' rotary is computed from `inputs_embeds.float()` (dots.llm3): the indexer's rotated queries
     # and their concatenation are fp32 (planc.compiler.indexer_memory)
     indexer_rope_fp32: bool = False
+    # an RMSNorm over every routed row's expert output, computed in fp32 (Ergo's `ErgoExpertNorm`, Muse Spark's
+    # `post_expert_norm`): three fp32 [slots, width] at once (the fp32 rows, scaled or normalized, and their
+    # product), beside the gathered input rows and the down output in the model dtype
+    expert_output_norm_fp32: bool = False
+    # the embedding output and the residual stream are fp32 (Ergo's fp32 `embed_tokens`, its residual gates mixing
+    # the fp32 residual with the branch in fp32): the embedding output, the layer's input and its residual, which a
+    # prefill holds through a layer, are fp32
+    fp32_stream: bool = False
     # the attention's inputs are a block attention residual's fp32 outputs (Inkling 2's `BlockAttentionResidual`: an
     # eager attention of learned queries over the fp32 stacked block states): this many fp32 [tokens, hidden] and
     # their normed model-dtype copies alive through the attention (Inkling 2's full layers: 3, its sliding ones 1)
@@ -191,9 +207,13 @@ FAMILIES: dict[str, FamilyMemory] = {
     "unlimited_ocr": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
     "unlimited_ocr_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
     # F.linear(x.type(float32), w.type(float32)) (off CUDA or with grad; torch.mm(out_dtype=float32) otherwise), the
-    # gathered logits' sigmoid kept fp32
-    "kolibri1": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
-    "kolibri1_1": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    # gathered logits' sigmoid kept fp32; four norms a layer (post_self_attn and post_mlp besides the input and
+    # post-attention norms); q_norm/k_norm per head over 48 heads of 128, wider than the 2560 hidden (modeling_kolibri1.py,
+    # modeling_kolibri1_1.py: the training points' missing activations, a MemTracker trace at 1 x 512)
+    "kolibri1": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, sandwich_norms=True,
+                             per_head_qk_norm_kept=True),
+    "kolibri1_1": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, sandwich_norms=True,
+                               per_head_qk_norm_kept=True),
     # modeling_inkling.py: F.linear(x.float(), w.float()), logsigmoid weights cast back `.to(hidden_states.dtype)`; a
     # dense relative-position bias in every attention layer (sdpa drops it, but it is built). Its `hybrid` layers are
     # full attention and `hybrid_sliding` sliding attention (the text model picks their masks so; transformers' cache
@@ -219,7 +239,10 @@ FAMILIES: dict[str, FamilyMemory] = {
     # `.to(hidden_states.dtype)` (Laguna); q/k norms per head (Mellum, Laguna), over the whole width (FlexOlmo)
     "mellum": FamilyMemory(),
     "laguna": FamilyMemory(),
-    "flex_olmo": FamilyMemory(full_width_qk_norm=True),
+    # FlexOlmo's norms are OLMo 2's, `(weight * x_fp32).to(dtype)`: its q/k norms keep fp32 states; its layer norms
+    # come after the attention and the MLP (their outputs feed the residual sum, not kept), as many bytes as a
+    # pre-norm's upcast, cast and output (modeling_flex_olmo.py; a MemTracker trace at 1 x 512)
+    "flex_olmo": FamilyMemory(full_width_qk_norm=True, qk_norm_weight_fp32=True),
     # --- attention, embeddings, routers (the families grid's fp32 routers, eager attention with sinks, per-layer
     # embeddings), each read from its transformers 5.25 modeling file
     # modeling_ernie4_5_moe.py: `F.linear(hidden.float(), weight.float())` and softmax in fp32 (the weight is kept
@@ -274,6 +297,27 @@ FAMILIES: dict[str, FamilyMemory] = {
     # KV cache plus a conv state and the last token's delayed value, `hybrid_sliding` the same over a window
     "zaya": FamilyMemory(layer_types=(("hybrid", "full_attention"), ("hybrid_sliding", "sliding_attention")),
                          residual_fp32=True),
+    # --- families with their own MoE and mixer layers (the families grid's Ergo, LFM2-MoE, Muse Spark), each read from its
+    # transformers 5.25 modeling file
+    # modeling_ergo.py: ErgoLinearWithFP32Output runs `F.linear(hidden.float(), weight.float())` off CUDA or with grad,
+    # sigmoid, the top-k weights `.to(dtype).float()`; `ErgoExpertNorm` normalizes each routed row in fp32 and
+    # multiplies it by its expert's gathered fp32 weight; `embed_tokens` and the residual gates are kept in fp32
+    # (`_keep_in_fp32_modules_strict`), so the residual stream is fp32; q_norm/k_norm per head and rotary in fp32;
+    # four norms per layer (input, post-attention, pre- and post-feedforward), each `F.rms_norm(x.float(), w.float())`
+    "ergo": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, expert_output_norm_fp32=True,
+                         fp32_stream=True, qk_norm_fp32=True, complex_rope_fp32=True, sandwich_norms=True,
+                         norm_weight_fp32=True),
+    # modeling_lfm2_moe.py: the router Linear in the model dtype, sigmoid, the gathered weights `.type_as(logits)`;
+    # its `conv` layers are gated short convolutions (`Lfm2MoeShortConv`, peak_memory.short_conv_layer)
+    "lfm2_moe": FamilyMemory(layer_types=(("conv", "linear_attention"),), linear_scan="short_conv"),
+    # modeling_muse_spark.py: `F.linear(hidden.type(float32), weight.type(float32))`, sigmoid, the top-k weights kept
+    # fp32; the experts run at `moe_hidden_size` behind `pre_expert_proj`, each routed row's output normalized in fp32
+    # (`MuseSparkTextInputScaledRMSNorm`: the scaled fp32 rows, their fp32 copy, its square); the per-head qk_norm in
+    # fp32; four norms per layer, `(x_fp32 * (1 + weight)).type_as(x)`
+    "muse_spark": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, expert_output_norm_fp32=True,
+                               qk_norm_fp32=True, sandwich_norms=True, norm_weight_fp32=True),
+    "muse_spark_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, expert_output_norm_fp32=True,
+                                    qk_norm_fp32=True, sandwich_norms=True, norm_weight_fp32=True),
     # --- families new to the grid (GLM-4.5V, MiMo-V2-Flash, Step 3.5), each read from its transformers 5.25 modeling
     # file. Step 3.5 is checked on this box's CPU at 1 x 256 and 1 x 512 prefills (-0.1%, -0.2%), not at the grid's:
     # `measured=False` (no verdict) until they are in bench/memory_grid_families.json; GLM-4.5V has its 1 x 1024
@@ -305,10 +349,9 @@ FAMILIES: dict[str, FamilyMemory] = {
 }
 
 # Families whose prefills the grid validated but whose training it has not: no training point (OpenAI's privacy
-# filter fails in cuBLAS under the harness on the H100), or training points off the band (1 x 1024: Kolibri 1 and
-# 1.1 -3.4% and -6.7% on CPU and H100, FlexOlmo -2.9% on CPU and H100)
+# filter fails in cuBLAS under the harness on the H100)
 NO_TRAINING_POINT = frozenset({
-    "flex_olmo", "kolibri1", "kolibri1_1", "openai_privacy_filter",
+    "openai_privacy_filter",
 })
 FAMILIES.update({name: replace(FAMILIES[name], train_measured=False) for name in NO_TRAINING_POINT})
 

@@ -105,6 +105,10 @@ class LayerShape:
     mlps_beside: tuple[int, ...] = ()
     # hyper-connection streams around the layer (Qwen4-Exp, HY-V4: planc.compiler.hyper_connection_memory)
     stream_mixer: Optional[hyper_connection_memory.StreamMixer] = None
+    # the width the routed experts run at, where a projection maps the hidden to it and back (Muse Spark's
+    # `pre_expert_proj`/`post_expert_proj` to `moe_hidden_size`); 0: the hidden size
+    expert_hidden: int = 0
+    tp_experts: bool = False  # moe_tp_experts: this rank runs a slice of every expert over every token's slots
 
 
 class LinearAttention(NamedTuple):
@@ -356,6 +360,10 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
                                      scan="mamba")
             q = k = v = 0
             cache, cache_kind = 0, "linear attention (conv and recurrent state)"
+        elif kind in _LINEAR and fam.linear_scan == "short_conv":
+            linear = short_conv_layer(config)
+            q = k = v = 0
+            cache, cache_kind = 0, "short convolution (conv state)"
         elif kind in _LINEAR and fam.linear_scan == "mamba2":
             linear = mamba2_layer(config)
             q = k = v = 0
@@ -409,6 +417,8 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
             indexer_rope=indexer_memory.indexer_rope(config) if index_heads else 0,
             relative_extent=relative_extent(config, kind) if fam.relative_position_bias and not linear else 0,
             stream_mixer=hyper_connection_memory.stream_mixer(config),
+            expert_hidden=int(_get(config, "moe_hidden_size", default=0) or 0) if moe else 0,
+            tp_experts=experts is not None and experts.mode == "tp",
         ))
         attentions, beside = sublayers(walk, layer, styles, tp)
         if attentions > 1 or beside:
@@ -470,6 +480,14 @@ def mamba2_layer(config: Mapping[str, Any]) -> LinearAttention:
     )
 
 
+def short_conv_layer(config: Mapping[str, Any]) -> LinearAttention:
+    """A gated short-convolution layer (LFM2's `ShortConv`: `in_proj` to B, C, x, the depthwise causal conv of B * x
+    over `conv_L_cache` tokens, C times its output, `out_proj`), as a linear attention of `hidden` value channels of
+    width 1 and no recurrent state: its cache is the conv state alone. `planc init` leaves it whole (no TP)."""
+    return LinearAttention(key_heads=0, value_heads=int(config["hidden_size"]), key_dim=0, value_dim=1,
+                           conv_kernel=int(_get(config, "conv_L_cache", default=3)), scan="short_conv")
+
+
 def _mamba2_widths(lin: LinearAttention) -> dict[str, int]:
     """A Mamba2 layer's widths as planc.compiler.ssm_memory names them (`mamba2_layer` stores them as a linear
     attention's: B/C groups as key heads, d_state as the key width)."""
@@ -496,6 +514,10 @@ def linear_saved(s: LayerShape, a: int, batch: int, seq: int) -> int:
         return 0
     if lin.scan == "mamba2":
         return ssm_memory.mamba2_saved_bytes(**_mamba2_widths(lin), batch=batch, seq=seq, a=a)
+    if lin.scan == "short_conv":
+        # what the products and projections read in backward: in_proj's B, C, x (one [tokens, 3 x hidden]), B * x (the
+        # conv's input), the conv's output (C times it) and y (out_proj's input), all in the model dtype
+        return batch * seq * SHORT_CONV_WIDTHS * a * lin.value_heads
     if lin.scan == "chunk_per_key":
         # `chunk_kimi_delta_attention` keeps its three per-key chunk tensors (the decay mask, `k_beta * key * decay`
         # and every chunk's `q_i * k_i * decay`), and about 34 fp32 [tokens, heads, key_dim]: the fp32 casts and
@@ -576,6 +598,7 @@ def _repeat_kv(s: LayerShape, tokens: int, a: int) -> int:
     return 2 * tokens * s.heads * s.head_dim * a
 
 
+SHORT_CONV_WIDTHS = 6  # [tokens, hidden] tensors a short-convolution layer holds at once (and keeps for backward)
 CHUNK = 64  # the chunk length of transformers' torch chunk rules (gated delta rule, KDA)
 
 
@@ -592,6 +615,10 @@ def _linear_work(s: LayerShape, a: int) -> int:
     lin = s.linear
     if lin is None:
         return 0
+    if lin.scan == "short_conv":
+        # at out_proj: in_proj's [tokens, 3 x hidden] (B, C and x are views of it), the conv's output, C times it and
+        # its contiguous copy (y), in the model dtype; B * x is freed once the conv has read it
+        return SHORT_CONV_WIDTHS * a * lin.value_heads
     io = _linear_io(lin, a)
     if lin.scan == "mamba":
         # the slow path's discretized A, B and B*u (three fp32 [tokens, d_inner, d_state]) and about ten
@@ -637,10 +664,12 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
         n += t * 8 * s.heads if s.sinks or fam.eager_max_subtracted else t * FP32 * s.heads * seq
     else:
         n += t * (a * (2 * s.q + 4 * s.k) + FP32 * s.heads)
+        n += attention_memory.sdpa_repeated_kv(s, batch, seq, a)
     if s.sdpa_math:
         n += attention_memory.sdpa_math_kept(s, batch, seq)
-    if fam.full_width_qk_norm:
-        n += t * (FP32 + a) * (s.q + s.k)
+    if fam.full_width_qk_norm or fam.per_head_qk_norm_kept:  # the norms' fp32 upcast and cast back
+        # (the fp32 normalized states in place of the cast where the weight multiplies them: qk_norm_weight_fp32)
+        n += t * (FP32 + (FP32 if fam.qk_norm_weight_fp32 else a)) * (s.q + s.k)
     residual = 2 * t * hidden * (FP32 + a) if fam.residual_fp32 else 0
     if fam.residual_short_conv and s.attention not in ("linear", "none"):  # each conv's fp32 input, for its weight
         n += t * FP32 * (2 * hidden + s.k + s.v)
@@ -669,11 +698,18 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
         n += t * (FP32 * e + 8 * k + FP32 * k + FP32)  # router softmax, top-k ids and weights
         if fam.router_input_fp32:
             n += t * FP32 * hidden
-        per_rank = t if s.all_slots else -(-t // tp)
+        # the tokens whose weighted expert outputs this rank keeps: every token where it runs every token's slots
+        # (AllReduceEP, or a slice of every expert under moe_tp_experts), else its 1/tp share
+        per_rank = t if s.all_slots or s.tp_experts else -(-t // tp)
         if s.dense_dispatch:  # every token to every expert: the repeated input and its weighted copy
             n += 2 * e * t * a * hidden
             rows = max(rows, s.local_experts * per_rank)
-        n += rows * a * (hidden + 4 * s.moe_intermediate) + per_rank * k * a * hidden
+        width = s.expert_hidden or hidden
+        n += rows * a * (width + 4 * s.moe_intermediate) + per_rank * k * a * width
+        if fam.expert_output_norm_fp32:  # the norm's fp32 input, normalized rows and weight it multiplies by
+            n += rows * 3 * FP32 * width
+        if width != hidden:  # the projection to the experts' width: its output's norm, the experts' in- and output
+            n += t * (_norm(width, a) + 2 * a * width)
         n += t * 4 * a * s.shared
         n += rows * swiglu_fp32_kept(fam, s.moe_intermediate) + t * swiglu_fp32_kept(fam, s.shared)
         n += rows * clamped_gate_kept(fam, s.moe_intermediate, a) + t * clamped_gate_kept(fam, s.shared, a)
@@ -1187,6 +1223,8 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
     masks = _masks(shapes, batch, seq, a)
     if fam.residual_fp32:  # the residual stream in fp32 rather than the model dtype, through the forward
         masks += tokens * hidden * (FP32 - a)
+    if fam.fp32_stream:  # the embedding output, the layer's input and its residual: fp32 rather than the model dtype
+        masks += 3 * tokens * hidden * (FP32 - a)
     transients = []
     if streams > 1:
         # hyper-connection streams [tokens, streams, hidden] in the model dtype (DeepSeek-V4, HY-V4): a layer's input,
@@ -1208,6 +1246,10 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
             # and the output (the rows again, the down output, both weighted in the routing weights' dtype: fp32
             # where the router keeps fp32 weights, planc.compiler.family_memory)
             weight = FP32 if fam.routing_weights_fp32 else a
+            width = s.expert_hidden or hidden  # the rows the experts run on
+            # a norm over each row's expert output in fp32 (family_memory's expert_output_norm_fp32): three fp32
+            # rows at once beside the gathered input rows and the down output in the model dtype
+            normed = (2 * a + 3 * FP32) * width if fam.expert_output_norm_fp32 else 0
             if s.megamoe:
                 work = megamoe_work
             elif s.dense_dispatch:
@@ -1217,7 +1259,9 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
                 work = 2 * tokens * s.num_experts * a * hidden
                 work += tokens * s.local_experts * a * (2 * hidden + 5 * s.moe_intermediate)
             else:
-                work = slots * max(a * (hidden + 4 * s.moe_intermediate), 2 * (a + weight) * hidden)
+                work = slots * max(a * (width + 4 * s.moe_intermediate), 2 * (a + weight) * width, normed)
+            if width != hidden:  # the experts' input at their own width, beside the MLP's input the layer holds
+                work += tokens * a * width
             work += tokens * 8 * s.top_k * 3
             cause = "Mega MoE layer" if s.megamoe else "EP experts (all_reduce dispatch buffers)"
             transients.append((cause, work + tokens * a * hidden * 3 + kept_weights))
@@ -1230,6 +1274,7 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
         if s.linear is not None:
             attn = linear_prefill(s, a, batch, seq) + tokens * a * 3 * hidden
             what = {"mamba": "selective scan, fp32 states", "chunk_per_key": "delta rule, per-key decay, fp32 chunks",
+                    "short_conv": "short convolution",
                     "mamba2": "Mamba2 chunked scan, fp32 chunks"}.get(s.linear.scan, "gated delta rule, fp32 chunks")
             transients.append((f"linear attention ({what})", attn))
             continue
@@ -1263,7 +1308,8 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
             transients.append(("sdpa math path (fp32 S x S scores)",
                                attention_memory.sdpa_math_prefill(s, batch, seq) + attn + picks))
         else:
-            transients.append(("attention workspace", attn + picks))
+            repeated_kv = attention_memory.sdpa_repeated_kv(s, batch, seq, a)
+            transients.append(("attention workspace", attn + picks + repeated_kv))
         if s.indexer_heads:
             # the indexer runs inside the attention, once its q/k/v are projected (the attention's workspace alive),
             # and its scores are freed before the attention's own: a transient beside the attention's, not on top

@@ -323,3 +323,20 @@ def test_the_harness_holds_tied_weights_once(tmp_path):
     sets = [a for k, v in PARAM2_NARROW.items() for a in ("--set", f"{k}={v}")]
     predicted = memory(str(path), *sets, "--serve", "--batch", "1", "--seq", "64")["breakdown"]["parameters"]
     assert measured == predicted, (measured, predicted)
+
+
+def test_sdpa_repeats_kv_only_where_it_gets_a_mask():
+    """transformers hands sdpa K and V repeated to every query head where it passes a mask: a sliding layer from its
+    window on, not a full-attention layer, not below the window, not without grouped heads."""
+    from dataclasses import replace
+
+    from planc.compiler.attention_memory import sdpa_repeated_kv
+    from planc.compiler.peak_memory import LayerShape
+
+    sliding = LayerShape(attention="gqa", mlp="moe", q=6144, k=512, v=512, heads=48, cache=2048,
+                         cache_kind="sliding window", window=513, kv_heads=4, head_dim=128)
+    assert sdpa_repeated_kv(sliding, 1, 512, 2) == 0
+    assert sdpa_repeated_kv(sliding, 2, 513, 2) == 2 * 2 * 513 * 48 * 128 * 2
+    assert sdpa_repeated_kv(replace(sliding, cache_kind="full attention", window=None), 1, 4096, 2) == 0
+    assert sdpa_repeated_kv(replace(sliding, kv_heads=48), 1, 4096, 2) == 0
+    assert sdpa_repeated_kv(replace(sliding, attn_impl="eager"), 1, 4096, 2) == 0
