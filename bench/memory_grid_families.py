@@ -178,17 +178,22 @@ POINTS = {"serve": (1, 1024), "replicate": (1, 1024)}
 # Prefill shapes per family measured to check the pricing on points it was not written against (the same tokens in
 # two sequences; twice the tokens); a cached point kept from the pricing until it was written says `held_out`
 HELD_OUT = {"serve": ((2, 512), (1, 2048))}
-# DeepSeek Sparse Attention's indexer over several sequences at other shapes: at batch > 1 its score product copies
-# the fp32 keys for every query (planc.compiler.indexer_memory), B * S^2 * index_head_dim bytes x 4
-HELD_OUT_OF: dict[str, dict] = {"axk2": {"serve": ((4, 512),)}, "deepseek_v32": {"serve": ((2, 1024),)},
-                                "glm_moe_dsa": {"serve": ((2, 1024),)}}
 # Kimi Delta Attention keeps several fp32 [tokens, heads, 64, key_dim] chunk tensors per layer for backward: 1024
 # tokens would not fit the shared machine. Jamba's slow Mamba scan is a Python loop over the tokens: 1024 of them
 # under MemTracker take over 15 minutes to train
 POINTS_OF: dict[str, dict] = {"kimi_linear": {"replicate": (1, 256)}, "jamba": {"replicate": (1, 128)}}
-# Training shapes held out from a family's training rule read off its first point (Kimi Delta Attention's backward,
-# read at 1 x 256): another batch and another token count
-HELD_OUT_OF: dict[str, dict] = {"kimi_linear": {"replicate": ((2, 192),)}}
+# Shapes held out from the rules they check: the DSA indexer's prefills at batch > 1 and at more tokens (the rule, read
+# at 2 x 512: its score product copies the fp32 keys for every query, planc.compiler.indexer_memory); training at another batch and token count than the point each family's training rule was read at
+# (Kimi Delta Attention's backward at 1 x 256; the other families' at 1 x 1024 on an H100)
+_TRAIN_2X512 = {"replicate": ((2, 512),)}
+HELD_OUT_OF: dict[str, dict] = {
+    "axk2": {"serve": ((4, 512),)}, "glm_moe_dsa": {"serve": ((2, 1024),)},
+    "deepseek_v32": {"serve": ((2, 1024),), "replicate": ((1, 4096),)},
+    "kimi_linear": {"replicate": ((2, 192), (1, 1024))},
+    **{name: _TRAIN_2X512 for name in (
+        "qwen4_exp_text", "mistral_large4_text", "longcat_flash", "hy_v4_vl_text", "minimax_m3_vl_text",
+        "bailing_hybrid", "inkling_text", "ergo", "muse_spark_text", "lfm2_moe", "kolibri1_1")},
+}
 _LAYER_COUNTS = ("num_hidden_layers", "num_layers")
 _DENSE_FIRST = ("first_k_dense_replace", "num_dense_layers", "first_k_dense")
 
