@@ -319,13 +319,11 @@ FAMILIES: dict[str, FamilyMemory] = {
     "muse_spark_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, expert_output_norm_fp32=True,
                                     qk_norm_fp32=True, sandwich_norms=True, norm_weight_fp32=True),
     # --- families new to the grid (GLM-4.5V, MiMo-V2-Flash, Step 3.5), each read from its transformers 5.25 modeling
-    # file. Step 3.5 is checked on this box's CPU at 1 x 256 and 1 x 512 prefills (-0.1%, -0.2%), not at the grid's:
-    # `measured=False` (no verdict) until they are in bench/memory_grid_families.json; GLM-4.5V has its 1 x 1024
-    # prefill and no training point yet
+    # file; the grid's points of GLM-4.5V and Step 3.5 were measured after these rows were written (held out)
     # modeling_glm4v_moe.py: GLM-4.5's router (`F.linear(hidden.type(float32), weight.type(float32))`, sigmoid, the
     # gathered weights kept fp32, the gate weight kept fp32) and attention (partial rotary, cos/sin in the model dtype)
-    "glm4v_moe": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, train_measured=False),
-    "glm4v_moe_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True, train_measured=False),
+    "glm4v_moe": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
+    "glm4v_moe_text": FamilyMemory(routing_weights_fp32=True, router_input_fp32=True),
     # modeling_mimo_v2_flash.py: DeepSeek-V3's router (fp32 input, sigmoid, fp32 weights); eager only (sdpa has no
     # sinks). Its `eager_attention_forward` rebinds one name at each step (scores x scale, + mask, the sink column
     # joined in sliding layers, the max subtracted, softmax in the model dtype): two [B, h, S, S(+1)] at once
@@ -334,8 +332,8 @@ FAMILIES: dict[str, FamilyMemory] = {
     # modeling_step3p7.py (`step3p5`, the text decoder of Step 3.7): the router Linear in the model dtype,
     # `sigmoid(logits.float())`, the gathered weights kept fp32; q_norm/k_norm per head `_norm(x.float()) *
     # (1 + weight.float())` (two fp32 copies of q at once); every RMSNorm keeps its fp32 normalized states
-    "step3p5": FamilyMemory(routing_weights_fp32=True, qk_norm_fp32=True, norm_weight_fp32=True, measured=False),
-    "step3p7": FamilyMemory(routing_weights_fp32=True, qk_norm_fp32=True, norm_weight_fp32=True, measured=False),
+    "step3p5": FamilyMemory(routing_weights_fp32=True, qk_norm_fp32=True, norm_weight_fp32=True),
+    "step3p7": FamilyMemory(routing_weights_fp32=True, qk_norm_fp32=True, norm_weight_fp32=True),
     # modeling_inkling2.py and modeling_inkling2_loop.py (the text decoders): the router on `hidden.float()` with an
     # fp32 weight, sigmoid, the gathered weights fp32 into an fp32 expert accumulation; eager only, over a dense
     # relative-position bias and a per-token sink: scores x scale, + bias, + mask rebind one name (two in the model
