@@ -1233,7 +1233,7 @@ def _megamoe(settings: Any, shapes: list[LayerShape], hidden: int, tokens: int,
 
 def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, a: int, batch: int, seq: int,
                 rows: int, tp: int, ep: int, fam: FamilyMemory, megamoe: tuple[int, int] = (0, 0),
-                streams: int = 1, residual_blocks: int = 0) -> _Moment:
+                streams: int = 1, blocks: int = 0) -> _Moment:
     tokens = batch * seq
     symmetric, megamoe_work = megamoe
     kv: dict[str, int] = {}
@@ -1251,7 +1251,7 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
     # a block attention residual (family_memory's block_residual_inputs): the stacked block states, alive through the
     # forward, and what a layer holds through its MLP beyond the model-dtype input, residual and MLP input priced
     # below: its fp32 attention-input mixes, its residual in fp32 and the MLP's fp32 mix
-    masks += tokens * hidden * a * residual_blocks
+    masks += tokens * hidden * a * blocks
     block_mlp = tokens * hidden * (fam.block_residual_inputs * FP32 + 2 * FP32 - a) if fam.block_residual_inputs else 0
     transients = []
     if streams > 1:
