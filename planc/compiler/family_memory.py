@@ -93,11 +93,18 @@ class FamilyMemory:
     fp32_stream: bool = False
     # the attention's inputs are a block attention residual's fp32 outputs (Inkling 2's `BlockAttentionResidual`: an
     # eager attention of learned queries over the fp32 stacked block states): this many fp32 [tokens, hidden] and
-    # their normed model-dtype copies alive through the attention (Inkling 2's full layers: 3, its sliding ones 1)
+    # their normed model-dtype copies alive through the attention (Inkling 2's full layers: 3, its sliding ones 1).
+    # The layer binds the fp32 mixes until it returns, so they live through its MLP too, beside its fp32 residual and
+    # the MLP's own fp32 mix; the model keeps the stacked block states ([tokens, blocks, hidden], one block every
+    # `n_layers_per_attn_res_block` layers) through the forward
     block_residual_inputs: int = 0
     # the experts' (and shared experts', dense MLPs') gate is GPT-OSS's clamped SwiGLU: `gate.clamp(max=limit)`,
     # `up.clamp(-limit, limit)`, `gate * sigmoid(gate * alpha)`, `(up + 1) * glu`: training keeps seven [rows, width]
     clamped_swiglu: bool = False
+    # the fp32 [rows, moe_intermediate] tensors the experts' `_apply_gate` holds at once in a prefill, beside the
+    # gathered rows and the gate/up output in the model dtype (Inkling 2's softcapped SwiGLU: `gate.float()`,
+    # `up.float()`, and three of `softcap(gate)`, `sigmoid(gate)`, their product, `softcap(up)`, the product: five)
+    expert_gate_fp32: int = 0
     # a soft-capped head (`final_logit_softcapping`) computes in fp32 (`tanh(logits.float() / cap) * cap`, Gemma); off:
     # in the model dtype (`tanh(logits / cap) * cap`), so training keeps tanh's output in the model dtype
     logit_softcap_fp32: bool = True
@@ -110,10 +117,10 @@ class FamilyMemory:
 
 INKLING2 = FamilyMemory(
     routing_weights_fp32=True, router_input_fp32=True, relative_position_bias=True, eager_scores=(2, 2),
-    eager_softmax_fp32=True, block_residual_inputs=3, train_measured=False,
-    unpriced=("Inkling 2's block attention residuals over fp32 stacked block states, its fp32 short convolutions "
-              "(dynamic ones on keys and values) and fp32 expert accumulation, priced on the safe side (its prefills "
-              "measured 0.9-11.8% less)",),
+    eager_softmax_fp32=True, block_residual_inputs=3, train_measured=False, expert_gate_fp32=5,
+    # `hybrid` layers are full attention, `hybrid_sliding` sliding attention (Inkling2TextModel picks their masks and
+    # relative distances by `attention_type`): eager builds a mask for each kind
+    layer_types=(("hybrid", "full_attention"), ("hybrid_sliding", "sliding_attention")),
 )
 
 FAMILIES: dict[str, FamilyMemory] = {
@@ -339,7 +346,13 @@ FAMILIES: dict[str, FamilyMemory] = {
     # relative-position bias and a per-token sink: scores x scale, + bias, + mask rebind one name (two in the model
     # dtype at once), the sink column joined and `.float()`, the softmax in fp32, then `[..., :-1].to(dtype)`: two
     # [B, h, S, S(+1)] in the model dtype and two in fp32 at its peak; its full layers' query, key and value inputs
-    # are three fp32 block-residual mixes (on every layer here: the safe side). What it runs beyond these is flagged
+    # are three fp32 block-residual mixes (on every layer here: the safe side), kept through the MLP beside the fp32
+    # residual and the MLP's fp32 mix; the experts' softcapped SwiGLU in fp32 (`expert_gate_fp32`). Its fp32 short
+    # convolutions (on keys and values inside the projections, on both residual branches after them) hold three fp32
+    # [tokens, width] at once, under the experts' all-slots buffers at every grid shape; its experts' own fp32
+    # accumulation runs only with `experts.implementation: eager` (planc init's plans run grouped_mm, whose slots'
+    # buffers bound it). The loop model's looped layers are flagged by planc.compiler.peak_memory's
+    # unpriced_features when the model reaches them
     "inkling2": INKLING2,
     "inkling2_text": INKLING2,
     "inkling2_loop": INKLING2,

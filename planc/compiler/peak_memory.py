@@ -545,6 +545,23 @@ def relative_bias_bytes(s: LayerShape, batch: int, seq: int, a: int) -> int:
     return batch * s.heads * seq * (s.relative_extent + 2 * seq) * a + seq * seq * (2 * 8 + 1)
 
 
+def relative_bias_held(s: LayerShape, batch: int, seq: int, a: int) -> int:
+    """What a dense relative-position bias holds once it has returned (Inkling's and Inkling 2's attention forward
+    binds it as `position_bias` through the kernel): the masked [B, heads, S, S] bias in the model dtype and the
+    [S, S] int64 distances the model built for the layer's kind. Its logits, gather index and out-of-range mask are
+    freed on return: eager's S x S scores come after them (`relative_bias_bytes` is its own moment)."""
+    if not s.relative_extent:
+        return 0
+    return batch * s.heads * seq * seq * a + seq * seq * 8
+
+
+def residual_blocks(config: Mapping[str, Any], layers: int) -> int:
+    """The block states a block attention residual has stacked by the last layer (Inkling 2's text model: the layer
+    input of every `n_layers_per_attn_res_block`-th layer, from the first)."""
+    per_block = int(_get(config, "n_layers_per_attn_res_block", default=1) or 1)
+    return -(-layers // per_block)
+
+
 def _attention_head_dims(walk: ModelWalk) -> dict[str, int]:
     """Layer path -> the head width its attention module computes with (the module's `head_dim`), where a family
     sets it per layer (Gemma 4's `per_layer_config`); a layer whose module does not say is absent."""
@@ -893,9 +910,11 @@ def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], tr
         notes.extend(mm_notes)
         unpriced.extend(mm_unpriced)
         streams = hc.streams if hc is not None else 1
-        best = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, rows, tp, ep, fam, (buf, work), streams)
+        blocks = residual_blocks(config, len(shapes)) if fam.block_residual_inputs else 0
+        best = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, rows, tp, ep, fam, (buf, work), streams,
+                           blocks)
         worst = _serve_peak(params, shapes, hidden, vocab, a, batch, seq, worst_rows, tp, ep, fam, (buf, work),
-                            streams)
+                            streams, blocks)
         notes.append("KV cache as transformers' DynamicCache holds it after prefill (no paged or quantized cache)")
         if top_k and not routed:
             notes.append("EP at inference over the TP group runs all_reduce: each rank runs its experts over every "
@@ -950,6 +969,10 @@ def unpriced_features(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[s
                        "scores): priced from transformers' code in training and as eager S x S scores and a "
                        "full-attention cache in a prefill, not measured (the grid's layers are HCA)")
         types -= {deepseek_v4_memory.CSA, deepseek_v4_memory.HCA}
+    passes, first = int(config.get("loop_num_passes") or 1), config.get("loop_layer_index_start")
+    if passes > 1 and first is not None and int(first) < int(config.get("num_hidden_layers") or 0):
+        out.append(f"looped layers (from layer {first}, run {passes} times: a KV cache and conv states per pass, "
+                   "an fp32 loop gate): priced as one pass")
     odd = sorted(t for t in types if t not in _PRICED_LAYER_TYPES)
     if odd:
         out.append(f"layer types {', '.join(odd)}: their caches and kernels are priced as full attention, with an fp32 "
@@ -1210,7 +1233,7 @@ def _megamoe(settings: Any, shapes: list[LayerShape], hidden: int, tokens: int,
 
 def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, a: int, batch: int, seq: int,
                 rows: int, tp: int, ep: int, fam: FamilyMemory, megamoe: tuple[int, int] = (0, 0),
-                streams: int = 1) -> _Moment:
+                streams: int = 1, blocks: int = 0) -> _Moment:
     tokens = batch * seq
     symmetric, megamoe_work = megamoe
     kv: dict[str, int] = {}
@@ -1225,6 +1248,11 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
         masks += tokens * hidden * (FP32 - a)
     if fam.fp32_stream:  # the embedding output, the layer's input and its residual: fp32 rather than the model dtype
         masks += 3 * tokens * hidden * (FP32 - a)
+    # a block attention residual (family_memory's block_residual_inputs): the stacked block states, alive through the
+    # forward, and what a layer holds through its MLP beyond the model-dtype input, residual and MLP input priced
+    # below: its fp32 attention-input mixes, its residual in fp32 and the MLP's fp32 mix
+    masks += tokens * hidden * a * blocks
+    block_mlp = tokens * hidden * (fam.block_residual_inputs * FP32 + 2 * FP32 - a) if fam.block_residual_inputs else 0
     transients = []
     if streams > 1:
         # hyper-connection streams [tokens, streams, hidden] in the model dtype (DeepSeek-V4, HY-V4): a layer's input,
@@ -1250,6 +1278,10 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
             # a norm over each row's expert output in fp32 (family_memory's expert_output_norm_fp32): three fp32
             # rows at once beside the gathered input rows and the down output in the model dtype
             normed = (2 * a + 3 * FP32) * width if fam.expert_output_norm_fp32 else 0
+            # an fp32 `_apply_gate` (family_memory's expert_gate_fp32): the gathered rows and the gate/up output in
+            # the model dtype beside its fp32 [rows, moe_intermediate] tensors
+            gate = (a * (width + 2 * s.moe_intermediate) + fam.expert_gate_fp32 * FP32 * s.moe_intermediate
+                    if fam.expert_gate_fp32 else 0)
             if s.megamoe:
                 work = megamoe_work
             elif s.dense_dispatch:
@@ -1259,14 +1291,14 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
                 work = 2 * tokens * s.num_experts * a * hidden
                 work += tokens * s.local_experts * a * (2 * hidden + 5 * s.moe_intermediate)
             else:
-                work = slots * max(a * (width + 4 * s.moe_intermediate), 2 * (a + weight) * width, normed)
+                work = slots * max(a * (width + 4 * s.moe_intermediate), 2 * (a + weight) * width, normed, gate)
             if width != hidden:  # the experts' input at their own width, beside the MLP's input the layer holds
                 work += tokens * a * width
             work += tokens * 8 * s.top_k * 3
             cause = "Mega MoE layer" if s.megamoe else "EP experts (all_reduce dispatch buffers)"
-            transients.append((cause, work + tokens * a * hidden * 3 + kept_weights))
+            transients.append((cause, work + tokens * a * hidden * 3 + kept_weights + block_mlp))
         elif s.mlp == "dense":
-            transients.append(("dense MLP", tokens * a * (3 * s.intermediate + 3 * hidden) + kept_weights))
+            transients.append(("dense MLP", tokens * a * (3 * s.intermediate + 3 * hidden) + kept_weights + block_mlp))
         if fam.residual_short_conv:
             # a residual branch's fp32 short convolution: its upcast, the conv's output and their sum, beside the
             # branch's output and the residual stream in the model dtype
@@ -1294,7 +1326,12 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
             attn += tokens * 2 * FP32 * s.q
         if fam.complex_rope_fp32:
             attn += tokens * 2 * FP32 * (s.q + s.k)
-        attn += relative_bias_bytes(s, batch, seq, a)
+        # eager builds its scores after the bias has returned: the bias's own peak is a moment before them
+        bias = relative_bias_bytes(s, batch, seq, a)
+        if eager_scores(s, batch, seq, 1) and bias:
+            transients.append(("relative-position bias (dense logits, gather)", attn + bias))
+            bias = relative_bias_held(s, batch, seq, a)
+        attn += bias
         # an indexed layer's attention reads the picks as masks, built once its indexer has returned
         picks = (indexer_memory.attention_mask_bytes(batch, seq, a, s.attn_impl, s.sdpa_math)
                  if s.layer_type == indexer_memory.INDEXED else 0)
