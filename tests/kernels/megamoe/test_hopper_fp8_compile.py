@@ -29,14 +29,6 @@ FP8_COMPILE = COMPILE[:COMPILE.index("out = {}")] + r'''
 from planc.kernels.megamoe.triton import hopper_fp8
 POINTERS = {"x8_ptr": "*fp8e4nv", "a8_ptr": "*fp8e4nv", "out_ptr": "*bf16", "weight_ptr": "*fp32",
             "xs_ptr": "*fp32", "as_ptr": "*fp32", "outs_ptr": "*fp32", "tab_ptr": "*i64", "a32_ptr": "*fp32"}
-def usage(cubin):
-    """cuobjdump's resource usage line of a cubin (registers, stack)."""
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        return subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
 
 out = {}
 for layer, rows, warps, stages, maxnreg in json.loads(sys.argv[1]):
@@ -46,18 +38,19 @@ for layer, rows, warps, stages, maxnreg in json.loads(sys.argv[1]):
     else:
         kernel = compile_sm90(hopper_fp8.l2_kernel, maxnreg, pointer_types=POINTERS, ROWS=rows, STAGES=stages,
                               num_warps=warps)
-    text = sass(kernel.asm["cubin"])
-    body = [x for b in loops(text) for x in b]
+    text, usage = sass(kernel.asm["cubin"]), cuobjdump(kernel.asm["cubin"], "-res-usage")
+    k_loops = loops(text)
+    body = [x for b in k_loops for x in b]
     out[f"{layer}_{rows}_{warps}_{stages}_{maxnreg}"] = dict(
-        registers=int(re.search(r"REG:(\d+)", usage(kernel.asm["cubin"])).group(1)),
-        stack=int(re.search(r"STACK:(\d+)", usage(kernel.asm["cubin"])).group(1)),
+        registers=int(re.search(r"REG:(\d+)", usage).group(1)),
+        stack=int(re.search(r"STACK:(\d+)", usage).group(1)),
         spills=sum(bool(re.search(r"\b(LDL|STL)\b", x)) for x in text.splitlines()),
         loop_spills=sum(bool(re.search(r"\b(LDL|STL)\b", x)) for x in body),
-        qgmma=[sum("QGMMA" in x for x in b) for b in loops(text)],
+        qgmma=[sum("QGMMA" in x for x in b) for b in k_loops],
         loop_sts=sum(bool(re.search(r"\bSTS\b", x)) for x in body),
         async_waits=sum("DEPBAR.LE gsb0, 0x1" in x for x in body),
         full_waits=sum("DEPBAR.LE gsb0, 0x0" in x for x in body),
-        loops=len(loops(text)),
+        loops=len(k_loops),
         in_flight_writes=in_flight_writes(text))
 print(json.dumps(out))
 '''

@@ -53,13 +53,17 @@ def compile_sm90(kernel, maxnreg, descs=None, pointer_types=POINTER_TYPES, **con
     options = {"num_warps": constexprs["num_warps"], **({"maxnreg": maxnreg} if maxnreg else {})}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
-def sass(cubin):
+def cuobjdump(cubin, flag):
+    """Triton's own cuobjdump run on a cubin (`-sass`: the instructions, `-res-usage`: registers and stack)."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
         tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        return subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([tool, flag, path], capture_output=True, text=True, check=True).stdout
+
+def sass(cubin):
+    return cuobjdump(cubin, "-sass")
 
 def loops(text):
     """The instructions of each SASS loop that holds HGMMAs or QGMMAs (the K loops): from a conditional backward branch's
