@@ -301,6 +301,20 @@ def _text_config_object(walk: ModelWalk) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def head_width(walk: ModelWalk, config: Mapping[str, Any]) -> int:
+    """The width of the model's output head, the logits' last dimension: the out-features of a top-level module's
+    2-D weight beside the base model (`lm_head`; a token classifier's `score`, `config.num_labels` wide; Inkling 2's
+    `lm_head` over `unpadded_vocab_size`), else `vocab_size` (a head tied to the embedding is not its own parameter)."""
+    for m in walk.modules.values():
+        if "." in m.fqn or not m.fqn:
+            continue
+        for fqn in m.params:
+            shape = walk.params[fqn].shape
+            if fqn.endswith(".weight") and len(shape) == 2:
+                return int(shape[0])
+    return int(config["vocab_size"])
+
+
 def attention_implementation(walk: ModelWalk) -> str:
     """The attention transformers runs for this model (`config._attn_implementation`: sdpa by default, eager where the
     family supports nothing else, gpt-oss and DeepSeek-V4); a multimodal model's text config decides its decoder."""
@@ -876,7 +890,7 @@ def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], tr
         dtype = train.param_dtype
     a = ITEMSIZE.get(dtype, 2)
     hidden = int(config["hidden_size"])
-    vocab = int(config["vocab_size"])
+    vocab = head_width(walk, config)
     shapes = shapes_of(a)
     tokens = batch * seq
     top_k = max((s.top_k for s in shapes), default=0)

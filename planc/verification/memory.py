@@ -169,6 +169,7 @@ def measure(family: str, mode: str, batch: int, seq: int, overrides: dict, *, dp
     from planc.models.build import build_meta_model, meta_model
     from planc.runtime import install
     from planc.spec.model import Parallel
+    from planc.verification.stages import training_labels
 
     data = plan if plan is not None else plan_data(family, mode, dp=dp, root=root)
     p = Parallel.model_validate(data["parallel"])  # the schema's defaults: a plan may leave ep_size / dp_size out
@@ -193,8 +194,9 @@ def measure(family: str, mode: str, batch: int, seq: int, overrides: dict, *, dp
     _apply_with_weights(model, install.load_plan_on_every_rank(data, what="planc verify --memory"), mesh, device)
     ids = torch.randint(0, model.config.get_text_config().vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
     ids = ids.to(device)
+    labels = training_labels(model, ids)
     if device != "cpu":
-        return _measure_cuda(model, ids, mode)
+        return _measure_cuda(model, ids, labels, mode)
     out: dict[str, Any] = {}
     with symmetric_counts():
         if mode == "serve":
@@ -214,7 +216,7 @@ def measure(family: str, mode: str, batch: int, seq: int, overrides: dict, *, dp
             with no_backward_hooks_without_grad(), tracker:
                 for _ in range(2):
                     tracker.reset_mod_stats()  # per-module stats are per iteration; the peak stays
-                    loss = model(ids, labels=ids).loss
+                    loss = model(ids, labels=labels).loss
                     loss.backward()
                     optimizer.step()
                     optimizer.zero_grad()
@@ -227,7 +229,7 @@ def measure(family: str, mode: str, batch: int, seq: int, overrides: dict, *, dp
     return out
 
 
-def _measure_cuda(model, ids, mode: str) -> dict:
+def _measure_cuda(model, ids, labels, mode: str) -> dict:
     """The same steps on a CUDA device, the allocator's high-water mark above what the model held as the peak's
     activations part (the model's own bytes added back, as MemTracker counts them)."""
     torch.cuda.synchronize()
@@ -242,7 +244,7 @@ def _measure_cuda(model, ids, mode: str) -> dict:
             model.train()
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
             for _ in range(2):
-                loss = model(ids, labels=ids).loss
+                loss = model(ids, labels=labels).loss
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()

@@ -75,8 +75,19 @@ def _vocab(model: Any) -> int:
     return vocab
 
 
+def training_labels(model: Any, ids: Any) -> Any:
+    """The training step's labels: the tokens, folded into the classes the model's head scores. A language model's
+    head may be narrower than its embedding (Inkling 2's `lm_head` spans `unpadded_vocab_size`), and a token classifier
+    (OpenAI's privacy filter: no output embeddings, `config.num_labels` classes) scores a few classes: a label past
+    the head's width is out of the loss's bounds (an IndexError on CPU, a device-side assert or a cuBLAS error on
+    CUDA)."""
+    head = model.get_output_embeddings()
+    width = int(head.weight.shape[0]) if head is not None else int(model.config.num_labels)
+    return ids % width
+
+
 def _loss(model: Any, ids: Any) -> Any:
-    out = model(ids, labels=ids)
+    out = model(ids, labels=training_labels(model, ids))
     loss = getattr(out, "loss", None)
     if loss is None:
         import torch.nn.functional as F

@@ -340,3 +340,32 @@ def test_sdpa_repeats_kv_only_where_it_gets_a_mask():
     assert sdpa_repeated_kv(replace(sliding, cache_kind="full attention", window=None), 1, 4096, 2) == 0
     assert sdpa_repeated_kv(replace(sliding, kv_heads=48), 1, 4096, 2) == 0
     assert sdpa_repeated_kv(replace(sliding, attn_impl="eager"), 1, 4096, 2) == 0
+
+
+@pytest.mark.parametrize("model_type, overrides, width", [
+    ("openai_privacy_filter", {}, 33),  # a token classifier: `score` over config.num_labels classes
+    ("inkling2_text", {"unpadded_vocab_size": 120}, 120),  # lm_head narrower than the embedding's 128 rows
+    ("olmoe", {}, 128),  # lm_head over the vocabulary: labels are the tokens
+])
+def test_labels_and_logits_follow_the_models_head(model_type, overrides, width):
+    """The memory harness's and `planc verify`'s training step labels every token within the head's width (a token
+    id past it stopped the step: an IndexError on CPU, a device-side assert or a cuBLAS error on CUDA), and the
+    memory model prices the logits at that width, read off the walk."""
+    import torch
+
+    from planc.compiler.peak_memory import head_width
+    from planc.compiler.walk import walk_model
+    from planc.models.build import build_tiny_model
+    from planc.verification.stages import training_labels
+
+    model = build_tiny_model(model_type, **overrides).train()
+    ids = torch.randint(0, model.config.get_text_config().vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    labels = training_labels(model, ids)
+    assert 0 <= int(labels.min()) and int(labels.max()) < width
+    if width == model.config.get_text_config().vocab_size:
+        assert torch.equal(labels, ids)
+    loss = model(ids, labels=labels).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    walk = walk_model(model)
+    assert head_width(walk, walk.config.get_text_config().to_dict()) == width
