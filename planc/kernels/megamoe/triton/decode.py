@@ -644,11 +644,30 @@ def decode_forward(x: torch.Tensor, routed, weights: torch.Tensor, experts, out:
     )
 
 
+def _per_sm(config, layer: str) -> int:
+    return config.l2_stream_k if layer == "L2" and config.l2_stream_k else config.stream_k
+
+
 def stream_k_programs(config, device: torch.device, tiles: int, steps: int, layer: str = "L1") -> int:
     """The stream-K grid of one GEMM: `config.stream_k` (L2: `l2_stream_k` where set) programs per SM of `device`,
     at most one per (tile, K step) of the largest batch the launch can get."""
-    per_sm = config.l2_stream_k if layer == "L2" and config.l2_stream_k else config.stream_k
-    return max(1, min(per_sm * target.sm_count(device), tiles * steps))
+    return max(1, min(_per_sm(config, layer) * target.sm_count(device), tiles * steps))
+
+
+# An SM's register file on sm_80 and sm_90: 64K 32-bit registers, given to warps in units of 256 (8 per thread).
+_SM_REGISTERS = 65536
+
+
+def stream_k_registers(config, layer: str = "L1") -> dict:
+    """The launch's register cap under stream-K: the config's (`maxnreg`, `l2_maxnreg`) where it sets one, else the
+    most that lets the schedule's programs per SM share an SM, since the grid counts on them all being resident and
+    ptxas does not weigh residency. Compiled for sm_90 by Triton 3.6 at V4's sizes the stream-K L1 holds 132
+    registers (3 programs per SM); capped at 128 (4 per SM) it holds them without spills, at 96 (5) and 80 (6) it
+    spills 56 and 136 bytes outside its K loop (docs/megamoe.md)."""
+    if config.launch_registers(layer) or target.interpreting():
+        return config.launch_registers(layer)
+    per_thread = _SM_REGISTERS // (_per_sm(config, layer) * config.num_warps * 32)
+    return {"maxnreg": min(255, per_thread // 8 * 8)}
 
 
 def _stream_k_forward(x, routed, weights, experts, out, act, s1w, s2w, *, num_topk, clamp, config, interpret,
@@ -674,12 +693,12 @@ def _stream_k_forward(x, routed, weights, experts, out, act, s1w, s2w, *, num_to
         x.stride(0), experts.w1.stride(0), s1w.stride(0), act.stride(0),
         0.0 if clamp is None else clamp,
         HAS_CLAMP=clamp is not None, BN=config.l1_n, NUM_STAGES=config.num_stages, **common,
-        **config.launch_registers(),
+        **stream_k_registers(config),
     )
     decode_l2_stream_k_kernel[(p2,)](
         act, experts.w2, s2w, sorted_slots, block_expert, block_row, block_end, out, ws2, counters,
         hidden, inter, num_local, nblocks,
         act.stride(0), experts.w2.stride(0), s2w.stride(0), out.stride(0),
         BN=config.l2_n, NUM_STAGES=config.l2_stages or config.num_stages, **common,
-        **config.launch_registers("L2"),
+        **stream_k_registers(config, "L2"),
     )
