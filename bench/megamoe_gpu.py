@@ -98,6 +98,11 @@ def parse_args(argv=None):
                    help="run the decode rows as this variant (`DECODE_VARIANTS`) throughout, e.g. with --profile")
     p.add_argument("--no-variants", action="store_true",
                    help="do not time the decode rows' variants (`DECODE_VARIANTS`: the path before, each new part)")
+    p.add_argument("--variants", default=None, metavar="NAMES",
+                   help="time only these decode variants (comma-separated names of `DECODE_VARIANTS`)")
+    p.add_argument("--decode-rows", type=int, default=None, metavar="ROWS",
+                   help="the decode row of the config table (`config.DECODE_CONFIGS`) up to this many (token, slot) "
+                        "rows for this run, e.g. 48 to time the decode variants at 8 tokens of top-6")
     p.add_argument("--profile", type=int, default=None, metavar="TOKENS",
                    help="print the GPU kernels of Triton layer calls at this batch size (torch.profiler) and stop")
     p.add_argument("--json", default=None, help="write the results here")
@@ -108,6 +113,12 @@ def parse_args(argv=None):
         if args.tokens == p.get_default("tokens"):
             args.tokens = "1,16,64"
     args.tokens = [int(t) for t in args.tokens.split(",")]
+    args.variants = list(DECODE_VARIANTS) if args.variants is None else args.variants.split(",")
+    unknown = [v for v in args.variants if v not in DECODE_VARIANTS]
+    if unknown:
+        p.error(f"--variants: no decode variant {', '.join(unknown)} (known: {', '.join(DECODE_VARIANTS)})")
+    if args.decode_rows is not None:
+        triton_config.DECODE_CONFIGS = tuple((args.decode_rows, c) for _, c in triton_config.DECODE_CONFIGS)
     if args.configs:
         args.configs = [KernelConfig(*(int(v) for v in c.split(","))) for c in args.configs.split(";") if c.strip()]
     if args.fp8_config:
@@ -298,15 +309,22 @@ def decode_row(**fields):
 
 
 # The decode variants the layer rows time beside the table's pick (`decode_row`): the path before the prologue, the
-# prologue, the persistent kernel and PDL. On an H100 (2026-12-06, main 562fe97) these and five more (L2 stages, N
-# tiles of 128, the persistent kernel with PDL) ran: none beat the prologue by more than 1% (docs/megamoe.md); any
-# other is a `--sweep --configs` away.
+# prologue (the split-K grid), the persistent kernel, PDL, and the stream-K schedule at 4, 5 and 6 programs per SM
+# (also with PDL). On an H100 (2026-12-06, main 562fe97) the first four and five more (L2 stages, N tiles of 128, the
+# persistent kernel with PDL) ran: none beat the prologue by more than 1% (docs/megamoe.md); any other is a
+# `--sweep --configs` away. `--variants` times a subset.
 DECODE_VARIANTS = {
-    "three_launches": dict(prologue=0, persistent=0),
-    "prologue": dict(prologue=1, persistent=0),
-    "persistent": dict(prologue=1, persistent=1),
-    "prologue_pdl": dict(prologue=1, persistent=0, pdl=1),
+    "three_launches": dict(prologue=0, persistent=0, stream_k=0),
+    "prologue": dict(prologue=1, persistent=0, stream_k=0),
+    "persistent": dict(prologue=1, persistent=1, stream_k=0),
+    "prologue_pdl": dict(prologue=1, persistent=0, stream_k=0, pdl=1),
+    "stream_k4": dict(prologue=1, persistent=0, stream_k=4, pdl=0),
+    "stream_k5": dict(prologue=1, persistent=0, stream_k=5, pdl=0),
+    "stream_k6": dict(prologue=1, persistent=0, stream_k=6, pdl=0),
+    "stream_k5_pdl": dict(prologue=1, persistent=0, stream_k=5, pdl=1),
 }
+# The variant the others are compared with in the variants table: the split-K grid with the prologue.
+SPLIT_K_VARIANT = "prologue"
 
 
 def sglang_peer() -> dict:
@@ -587,7 +605,8 @@ def main(argv=None):
                 row["general_us"], row["calc_diff_vs_general"] = row["triton_us"], 0.0
             if picked.decode and not args.no_variants:  # the decode path's variants, each on the same batch
                 row["variants"] = {}
-                for name, fields in DECODE_VARIANTS.items():
+                for name in args.variants:
+                    fields = DECODE_VARIANTS[name]
                     try:
                         with decode_row(**fields):
                             us, y_var = graph_or_eager(device, measure, lambda: tri_layer(x, idx, w), use_graph)
@@ -673,23 +692,29 @@ def main(argv=None):
               f"{r['calc_diff_vs_general']:.1e} |")
     varied = [r for r in rows if r.get("variants")]
     if varied:
-        names = list(DECODE_VARIANTS)
-        print("\nDecode variants (the layer, same process, same card, µs; three_launches: the decode path before the "
-              "prologue and the persistent kernel; ratio: three_launches / variant; bits: the same output as the pick)\n")
-        print("| tokens | picked | " + " | ".join(names) + " | " + " | ".join(f"{v} speed-up" for v in names[1:])
-              + " | best / bound | bits |")
-        print("|---:|---:|" + "---:|" * len(names) + "---:|" * (len(names) - 1) + "---:|---|")
+        names = args.variants
+        base_name = SPLIT_K_VARIANT if SPLIT_K_VARIANT in names else None
+        print(f"\nDecode variants (the layer, same process, same card, µs; three_launches: the decode path before the "
+              f"prologue and the persistent kernel; {base_name or 'picked'} / variant: the speed-up over "
+              f"{'the split-K grid with the prologue' if base_name else 'the pick'}; variant / bound: against the FP4 "
+              f"read at {args.hbm_tbps} TB/s; bits: the same output as the pick)\n")
+        others = [k for k in names if k != base_name]
+        print("| tokens | picked | " + " | ".join(names) + " | "
+              + " | ".join(f"{base_name or 'picked'} / {v}" for v in others) + " | "
+              + " | ".join(f"{v} / bound" for v in ["picked", *names]) + " | bits |")
+        print("|---:|---:|" + "---:|" * (len(names) + len(others) + len(names) + 1) + "---|")
         for r in varied:
             v = r["variants"]
             us = {k: v[k].get("us") for k in names}
-            base = us["three_launches"]
-            best = min([r["triton_us"], *(u for u in us.values() if u is not None)])
-            ratios = [f(base / us[k] if base and us[k] else None, ".2f") for k in names[1:]]
+            base = us[base_name] if base_name else r["triton_us"]
+            ratios = [f(base / us[k] if base and us[k] else None, ".2f") for k in others]
+            bounds = [f(u / r["bound_us"] if u else None, ".2f") for u in [r["triton_us"], *us.values()]]
             bits = ", ".join(f"{k} differs (calc_diff {v[k]['calc_diff']:.1e})" for k in names
                              if v[k].get("same_bits") is False) or "same"
             errors = [f"{k}: {v[k]['error']}" for k in names if "error" in v[k]]
             print(f"| {r['tokens']} | {f(r['triton_us'])} | " + " | ".join(f(us[k]) for k in names) + " | "
-                  + " | ".join(ratios) + f" | {best / r['bound_us']:.2f}x | {bits}{'; ' + '; '.join(errors) if errors else ''} |")
+                  + " | ".join(ratios) + " | " + " | ".join(bounds)
+                  + f" | {bits}{'; ' + '; '.join(errors) if errors else ''} |")
         stalls = [r.get("persistent_stalls") for r in varied if r.get("persistent_stalls")]
         print(f"persistent kernel stalls (L2 items that stopped waiting; must be 0): {max(stalls) if stalls else 0}")
     print(f"SGLang fused_moe: {'available' if peer['available'] else 'not measured'}: {peer['why']}")

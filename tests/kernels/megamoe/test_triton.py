@@ -18,6 +18,7 @@ from planc.kernels.megamoe.reference import stage as reference_stage
 from planc.kernels.megamoe.triton import config as triton_config
 from planc.kernels.megamoe.triton import decode
 from planc.kernels.megamoe.triton import routing as routing_module
+from planc.kernels.megamoe.triton import stream_k
 from planc.kernels.megamoe.triton import target
 from planc.kernels.megamoe.triton.config import KernelConfig, local_rows, pick_config
 from planc.kernels.megamoe.triton.decode import arrival_counters
@@ -469,3 +470,89 @@ def test_explicit_triton_where_it_cannot_run_names_the_reason(monkeypatch):
         install_megamoe_forward(m, backend="triton", quantize="fp4")
     assert megamoe_state(m) is None and m.gate_up_proj.dtype == torch.bfloat16
 
+
+
+@pytest.mark.parametrize("total,programs", [(24, 5), (24, 16), (7, 7), (5, 9), (112 * 48 * 6, 660), (0, 4)])
+def test_stream_k_schedule_matches_a_brute_force_enumeration(total, programs):
+    """`stream_k`'s closed forms against walking every step: contiguous spans of even size (+-1) that cover the
+    space once; per tile the programs that touch it, first and count; each contributor's workspace slot (0 where
+    the tile holds its span's start)."""
+    spans = [stream_k.span(p, total, programs) for p in range(programs)]
+    assert spans[0][0] == 0 and spans[-1][1] == total and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert max(e - s for s, e in spans) - min(e - s for s, e in spans) <= 1
+    owners = [p for p, (s, e) in enumerate(spans) for _ in range(s, e)]
+    assert [stream_k.owner(i, total, programs) for i in range(total)] == owners
+    for steps in (1, 2, 4, 7) if total % 7 == 0 else (1,) if total % 2 else (1, 2, 4):
+        for tile in range(total // steps):
+            touching = sorted({owners[i] for i in range(tile * steps, (tile + 1) * steps)})
+            assert stream_k.tile_contributors(tile, steps, total, programs) == (touching[0], len(touching))
+            assert [stream_k.partial_slot(p, tile, steps, total, programs) for p in touching] == [
+                0 if spans[p][0] >= tile * steps else 1 for p in touching]
+
+
+if target.triton is not None:
+
+    @target.triton.jit
+    def _schedule_kernel(out_ptr, steps, total, programs, TILES: target.tl.constexpr):
+        """The Triton side of the schedule for every tile: its first contributor and count, and program
+        `program_id`'s span."""
+        tl = target.tl
+        p = tl.program_id(0)
+        start, end = stream_k._span(p, total, programs)
+        tl.store(out_ptr + 2 * TILES + 2 * p, start)
+        tl.store(out_ptr + 2 * TILES + 2 * p + 1, end)
+        if p == 0:
+            for t in tl.range(0, TILES):
+                first, count = stream_k._contributors(t, steps, total, programs)
+                tl.store(out_ptr + 2 * t, first)
+                tl.store(out_ptr + 2 * t + 1, count)
+
+
+@pytest.mark.parametrize("steps,tiles,programs", [(4, 6, 5), (2, 12, 16), (7, 6, 4)])
+def test_stream_k_schedule_in_triton_is_the_python_schedule(steps, tiles, programs):
+    """What the kernels compute (`stream_k._span`, `_contributors`) equals the host's schedule."""
+    total = steps * tiles
+    out = torch.zeros(2 * tiles + 2 * programs, dtype=torch.int32)
+    _schedule_kernel[(programs,)](out, steps, total, programs, TILES=tiles)
+    assert out[:2 * tiles].view(tiles, 2).tolist() == [
+        list(stream_k.tile_contributors(t, steps, total, programs)) for t in range(tiles)]
+    assert out[2 * tiles:].view(programs, 2).tolist() == [list(stream_k.span(p, total, programs))
+                                                           for p in range(programs)]
+
+
+@pytest.mark.parametrize("num_tokens,programs,contributors", [(1, None, {1}), (2, 5, {1, 2}), (3, 13, {1, 2, 3}),
+                                                              (4, 20, {1, 2, 4})])
+def test_stream_k_decode_matches_the_reference(wide_experts, monkeypatch, num_tokens, programs, contributors):
+    """The decode kernels under the stream-K schedule (`KernelConfig.stream_k`) on grids that give tiles of 1, 2, 3
+    and 4 contributors (L1: 4 K steps per tile; L2: 2; 3 tokens on 13 programs: 1, 2 and 3 in one call): the
+    reference's numerics, three runs with the same bits, the arrival counters back at 0; on one contributor per tile
+    (a grid of whole tiles) the bits of the unsplit decode path."""
+    packed, deq = wide_experts
+    x, idx, w = routing(num_tokens, 30 + num_tokens, num_experts=4, masked=0.2, hidden=256)
+    q, sf = quantize_fp8(x)
+    sf = float_to_ue8m0_bytes(sf)
+    blocks = int((route_torch(idx, first_expert=0, num_local_experts=4, block_t=16)[1] < 4).sum())
+    programs = programs or 2 * blocks  # 4 K steps each: one L1 tile (2 L2 tiles) per program
+    monkeypatch.setattr(target, "sm_count", lambda device: programs)  # a GPU of this many SMs
+    counts = set()  # contributors per tile, L1 (hidden 256: 4 K steps, 2 N tiles of 64) and L2 (128: 2, 4 N tiles)
+    for steps, tiles_per_block in ((4, 2), (2, 4)):
+        total = steps * tiles_per_block * blocks
+        counts |= {stream_k.tile_contributors(t, steps, total, programs)[1] for t in range(total // steps)}
+    assert counts == contributors
+    cfg = dataclasses.replace(DECODE, stream_k=1)
+    assert cfg.fit(packed.hidden, packed.intermediate).l1_split == 1
+    ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=0.5)
+    runs = [triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=0.5, config=cfg)
+            for _ in range(3 if num_tokens == 3 else 1)]
+    assert_matches(runs[0], ref)
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+    assert not arrival_counters(q.device, 1).any()
+    if contributors == {1}:
+        unsplit = dataclasses.replace(DECODE, prefetch=0, decode=1)
+        assert torch.equal(runs[0], triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0,
+                                                                 activation_clamp=0.5, config=unsplit))
+
+
+def test_stream_k_decode_refuses_a_second_schedule():
+    with pytest.raises(ValueError, match="two schedules"):
+        dataclasses.replace(DECODE, stream_k=4, persistent=1).fit(256, 128)

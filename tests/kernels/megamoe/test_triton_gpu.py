@@ -90,6 +90,8 @@ DECODE_VARIANTS = [
     KernelConfig(16, 64, 64, 64, 64, 4, 6, l1_split=4, prefetch=0, decode=1, l2_split=2, pdl=1),
     KernelConfig(16, 64, 64, 128, 64, 4, 6, l1_split=4, prefetch=0, decode=1, l2_split=4, persistent=1, maxnreg=128),
     KernelConfig(16, 128, 64, 128, 64, 4, 6, l1_split=8, prefetch=0, decode=1, l2_split=4),
+    KernelConfig(16, 64, 64, 64, 64, 4, 6, prefetch=0, decode=1, stream_k=5),
+    KernelConfig(16, 64, 64, 64, 64, 4, 6, prefetch=0, decode=1, stream_k=4, l2_stream_k=6, pdl=1),
 ]
 
 
@@ -97,7 +99,7 @@ DECODE_VARIANTS = [
 @pytest.mark.parametrize("config", [None, *DECODE_VARIANTS], ids=["picked", "pipeline", "prefetch2", "prefetch4",
                                                                   "persistent", "persistent_prefetch2", "three_launches",
                                                                   "persistent_pdl", "pdl", "persistent_l2n128",
-                                                                  "n128"])
+                                                                  "n128", "stream_k5", "stream_k_pdl"])
 def test_split_k_decode_matches_the_reference_and_repeats_its_bits(experts, config, num_tokens):
     """Each tile's last program reduces the split partials in split order: two runs give the same bits (a race on
     the arrival counters or a stale partial would not), the counters are left at zero, and the result is the
@@ -119,7 +121,8 @@ def test_split_k_decode_matches_the_reference_and_repeats_its_bits(experts, conf
 
 def test_split_k_decode_on_deepseek_v4_shapes():
     """The decode kernels at DeepSeek-V4's hidden and intermediate sizes (8 of its experts), 1 and 4 tokens, with
-    the splits `pick_config` gives this GPU, against the reference."""
+    the splits `pick_config` gives this GPU and under the stream-K schedule at 4 and 6 programs per SM, against the
+    reference."""
     e, h, i = 8, 7168, 3072
     g = torch.Generator(device="cuda").manual_seed(7)
     w1 = torch.randn(e, 2 * i, h, generator=g, device="cuda").bfloat16() * h**-0.5
@@ -137,11 +140,20 @@ def test_split_k_decode_on_deepseek_v4_shapes():
         ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=10.0)
         out = triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=10.0)
         check(out, ref)
-        for variant in (dict(persistent=1 - cfg.persistent), dict(prologue=1 - cfg.prologue),
+        split = dataclasses.replace(cfg, stream_k=0, l2_stream_k=0)  # the split-K grid, whatever the row picks
+        base = out if split == cfg else triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0,
+                                                                     activation_clamp=10.0, config=split)
+        for variant in (dict(persistent=1 - split.persistent), dict(prologue=1 - split.prologue),
                         dict(persistent=1, pdl=1, l2_stages=8)):
-            other = dataclasses.replace(cfg, **variant)  # the same partial sums in the same order: the same bits
-            assert torch.equal(out, triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0,
-                                                                 activation_clamp=10.0, config=other)), variant
+            other = dataclasses.replace(split, **variant)  # the same partial sums in the same order: the same bits
+            assert torch.equal(base, triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0,
+                                                                  activation_clamp=10.0, config=other)), variant
+        for per_sm in (4, 6):  # stream-K: its own FP32 sum order, the same bits on every run
+            other = dataclasses.replace(split, stream_k=per_sm, persistent=0)
+            runs = [triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=10.0,
+                                                 config=other) for _ in range(3)]
+            check(runs[0], ref)
+            assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2]), per_sm
     torch.cuda.synchronize()
     assert not arrival_counters(torch.device("cuda"), 1).any() and not decode.stalls(torch.device("cuda")).any()
 

@@ -62,6 +62,12 @@ class KernelConfig:
     # With `decode`: 1 launches the prologue, L1 and L2 (or the persistent kernel) with programmatic dependent launch
     # where the device has it (`target.pdl_available`): each starts while the one before finishes, then waits.
     pdl: int = 0
+    # With `decode`: n > 0 runs L1 and L2 under the stream-K schedule (`decode.decode_l1_stream_k_kernel`,
+    # `stream_k.py`): n programs per SM (L2: `l2_stream_k` where set), each an even share of its GEMM's (output tile,
+    # 64-deep K step) space through the cp.async pipeline, so no ragged last wave; 0 the split-K grid
+    # (`l1_split`, `l2_split`), which it replaces.
+    stream_k: int = 0
+    l2_stream_k: int = 0
 
     # The block sizes the Gluon kernels have loop bodies for: a 64-row MMA and up to one (80) or two (96) 16-row MMAs;
     # 80-row blocks compile without the two-tail body, in fewer registers (see `GLUON_CONFIGS`).
@@ -156,6 +162,12 @@ class KernelConfig:
                 s //= 2
             return max(s, 1)
 
+        if self.stream_k and self.persistent:
+            raise ValueError(f"KernelConfig(stream_k={self.stream_k}, persistent=1) names two schedules of the decode "
+                             f"kernels: set stream_k=0 (the persistent kernel) or persistent=0 (stream-K)")
+        if self.stream_k:  # one schedule of its own: no splits, the cp.async pipeline
+            return dataclasses.replace(self, l1_n=div(self.l1_n, inter, 32), l1_k=64, l2_n=div(self.l2_n, hidden, 32),
+                                       l2_k=64, decode=depth, l1_split=1, l2_split=1, prefetch=0, gluon=0, fp8=0)
         return dataclasses.replace(self, l1_n=div(self.l1_n, inter, 32), l1_k=64, l2_n=div(self.l2_n, hidden, 32),
                                    l2_k=64, decode=depth, l1_split=split(self.l1_split, hidden),
                                    l2_split=split(self.l2_split, inter), gluon=0, fp8=0)

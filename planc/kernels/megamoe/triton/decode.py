@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from planc.kernels.megamoe.triton import jit, routing, target
+from planc.kernels.megamoe.triton import jit, routing, stream_k, target
 from planc.kernels.megamoe.triton.target import tl, triton
 
 # Arrival counters (int32, zero between kernels: the last program of each tile puts its counter back to 0), one set
@@ -134,13 +134,14 @@ if triton is not None:
         return acc_g, acc_u
 
     @triton.jit
-    def _last_to_arrive(cnt_ptr, SPLIT: tl.constexpr):
+    def _last_to_arrive(cnt_ptr, contributors):
         """Count this program's arrival at its tile (after its partial sums are stored) and say whether it is the
-        tile's last: then every other split's partials are visible to it (release by each, acquire by the last)
-        and it puts the counter back to 0 for the next launch."""
+        last of the tile's `contributors` (the split, or the stream-K schedule's count for the tile): then every
+        other contributor's partials are visible to it (release by each, acquire by the last) and it puts the
+        counter back to 0 for the next launch."""
         tl.debug_barrier()  # every thread's partial-sum stores come before the release below
         arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-        last = arrived == SPLIT - 1
+        last = arrived == contributors - 1
         if last:
             tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
         return last
@@ -364,6 +365,140 @@ if triton is not None:
                  LARGE, INTERPRET)
 
     @triton.jit
+    def _real_blocks(block_expert_ptr, num_blocks, num_local, BB: tl.constexpr):
+        """How many row blocks hold rows (`routing.route` puts them first): the stream-K kernels share only their
+        tiles, so a batch on fewer experts than the bound `routing.max_blocks` counts leaves no program idle."""
+        b = tl.arange(0, BB)
+        e = tl.load(block_expert_ptr + b, mask=b < num_blocks, other=num_local)
+        return tl.sum((e < num_local).to(tl.int32), axis=0)
+
+    @triton.jit
+    def _partial_ptr(ws_ptr, program, start, tile_start, SLOT: tl.constexpr):
+        """The workspace slot of `program`'s partial of the tile whose first step is `tile_start`: slot 0 where the
+        program's span (from `start`) begins in that tile, 1 where it ends there (`stream_k.partial_slot`)."""
+        return ws_ptr + (program * 2 + (start < tile_start).to(tl.int32)) * SLOT  # int32: programs x 2 x SLOT
+
+    @triton.jit
+    def decode_l1_stream_k_kernel(
+        x_ptr, w_ptr, s_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr, block_end_ptr,
+        out_ptr, ws_ptr, cnt_ptr,
+        hidden, inter, num_topk, num_local, num_blocks,
+        stride_x, stride_we, stride_se, stride_out,
+        clamp,
+        HAS_CLAMP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BB: tl.constexpr, NUM_STAGES: tl.constexpr,
+        LARGE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    ):
+        """L1 under the stream-K schedule (`stream_k`): this program's even share of the (tile, K step) space of the
+        blocks that hold rows, tile by tile (1-3 segments), each segment's K steps through NUM_STAGES cp.async
+        buffers. A whole tile runs the epilogue at once (the split-1 path's bits); a part stores its FP32 gate and up
+        partials in its workspace slot and counts its arrival; the tile's last contributor sums the partials in
+        contributor order and runs the epilogue (`jit.swiglu_requant`)."""
+        _dependent_launch(PDL)
+        pid = tl.program_id(0)
+        programs = tl.num_programs(0)
+        n_tiles = inter // BN
+        steps = hidden // 64
+        total = _real_blocks(block_expert_ptr, num_blocks, num_local, BB) * n_tiles * steps
+        start, end = stream_k._span(pid, total, programs)
+        num_g = inter // 8  # 2I rows in groups of 16
+        cell = tl.arange(0, BN)[:, None] * BT + tl.arange(0, BT)[None, :]  # a [BN, BT] partial, row-major
+        i = start
+        while i < end:
+            tile = i // steps
+            k0 = i - tile * steps
+            k1 = tl.minimum(steps, end - tile * steps)
+            pid_b = tile // n_tiles
+            pid_n = tile % n_tiles
+            expert = tl.load(block_expert_ptr + pid_b)
+            row_ok, slot = jit._block_slots(sorted_ptr, block_row_ptr, block_end_ptr, pid_b, BT)
+            token = slot // num_topk
+            w_base = w_ptr + expert.to(tl.int64) * stride_we
+            s_base = s_ptr + expert.to(tl.int64) * stride_se
+            wg_off, sg_off = jit._fp4_offsets(pid_n * (BN // 16), num_g, BN, 64)  # gate rows
+            wu_off, su_off = jit._fp4_offsets(pid_n * (BN // 16) + inter // 16, num_g, BN, 64)  # up rows
+            x_ptrs = x_ptr + token[None, :].to(tl.int64) * stride_x + tl.arange(0, 64)[:, None]  # [64, BT]
+            acc_g = tl.zeros((BN, BT), dtype=tl.float32)
+            acc_u = tl.zeros((BN, BT), dtype=tl.float32)
+            for kc in tl.range(k0, k1, num_stages=NUM_STAGES):
+                gw, gs, uw, us, x = _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok, kc,
+                                              num_g)
+                acc_g, acc_u = _l1_mma(acc_g, acc_u, gw, gs, uw, us, x, BN, LARGE, INTERPRET)
+            last = k1 - k0 == steps
+            if k1 - k0 < steps:
+                part = _partial_ptr(ws_ptr, pid, start, tile * steps, 2 * BN * BT)
+                tl.store(part + cell, acc_g)
+                tl.store(part + BN * BT + cell, acc_u)
+                first, count = stream_k._contributors(tile, steps, total, programs)
+                last = _last_to_arrive(cnt_ptr + tile, count)
+                if last:
+                    acc_g = tl.zeros((BN, BT), dtype=tl.float32)
+                    acc_u = tl.zeros((BN, BT), dtype=tl.float32)
+                    for c in tl.range(first, first + count, num_stages=1):  # contributor order: the same bits
+                        c_start, _ = stream_k._span(c, total, programs)
+                        part = _partial_ptr(ws_ptr, c, c_start, tile * steps, 2 * BN * BT)
+                        acc_g += tl.load(part + cell, cache_modifier=".cg")
+                        acc_u += tl.load(part + BN * BT + cell, cache_modifier=".cg")
+            if last:
+                out_rows = pid_b * BT + tl.arange(0, BT)
+                out_ptrs = out_ptr + out_rows[None, :].to(tl.int64) * stride_out + (pid_n * BN + tl.arange(0, BN))[:, None]
+                topw = tl.load(weight_ptr + slot, mask=row_ok, other=0.0)
+                tl.store(out_ptrs, jit.swiglu_requant(acc_g, acc_u, topw, row_ok, clamp, HAS_CLAMP, BN, BT))
+            i = tile * steps + k1
+
+    @triton.jit
+    def decode_l2_stream_k_kernel(
+        a_ptr, w_ptr, s_ptr, sorted_ptr, block_expert_ptr, block_row_ptr, block_end_ptr, out_ptr, ws_ptr, cnt_ptr,
+        hidden, inter, num_local, num_blocks,
+        stride_a, stride_we, stride_se, stride_out,
+        BT: tl.constexpr, BN: tl.constexpr, BB: tl.constexpr, NUM_STAGES: tl.constexpr, LARGE: tl.constexpr,
+        INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    ):
+        """L2 under the stream-K schedule, as `decode_l1_stream_k_kernel`: tiles of BN hidden columns, K over the
+        intermediate size; a tile's last contributor rounds the sum to BF16 into each row's slot."""
+        _dependent_launch(PDL)
+        pid = tl.program_id(0)
+        programs = tl.num_programs(0)
+        n_tiles = hidden // BN
+        steps = inter // 64
+        total = _real_blocks(block_expert_ptr, num_blocks, num_local, BB) * n_tiles * steps
+        start, end = stream_k._span(pid, total, programs)
+        num_g = hidden // 16
+        cell = tl.arange(0, BN)[:, None] * BT + tl.arange(0, BT)[None, :]
+        i = start
+        while i < end:
+            tile = i // steps
+            k0 = i - tile * steps
+            k1 = tl.minimum(steps, end - tile * steps)
+            pid_b = tile // n_tiles
+            pid_n = tile % n_tiles
+            expert = tl.load(block_expert_ptr + pid_b)
+            row_ok, slot = jit._block_slots(sorted_ptr, block_row_ptr, block_end_ptr, pid_b, BT)
+            w_base = w_ptr + expert.to(tl.int64) * stride_we
+            s_base = s_ptr + expert.to(tl.int64) * stride_se
+            a_rows = pid_b * BT + tl.arange(0, BT)
+            a_ptrs = a_ptr + a_rows[None, :].to(tl.int64) * stride_a + tl.arange(0, 64)[:, None]  # [64, BT]
+            w_off, s_off = jit._fp4_offsets(pid_n * (BN // 16), num_g, BN, 64)
+            acc = tl.zeros((BN, BT), dtype=tl.float32)
+            for kc in tl.range(k0, k1, num_stages=NUM_STAGES):
+                w, sw, x = _l2_chunk(w_base, s_base, w_off, s_off, a_ptrs, kc, num_g)
+                acc = _l2_mma(acc, w, sw, x, BN, LARGE, INTERPRET)
+            last = k1 - k0 == steps
+            if k1 - k0 < steps:
+                tl.store(_partial_ptr(ws_ptr, pid, start, tile * steps, BN * BT) + cell, acc)
+                first, count = stream_k._contributors(tile, steps, total, programs)
+                last = _last_to_arrive(cnt_ptr + tile, count)
+                if last:
+                    acc = tl.zeros((BN, BT), dtype=tl.float32)
+                    for c in tl.range(first, first + count, num_stages=1):
+                        c_start, _ = stream_k._span(c, total, programs)
+                        acc += tl.load(_partial_ptr(ws_ptr, c, c_start, tile * steps, BN * BT) + cell,
+                                       cache_modifier=".cg")
+            if last:
+                out_ptrs = out_ptr + slot[None, :].to(tl.int64) * stride_out + (pid_n * BN + tl.arange(0, BN))[:, None]
+                tl.store(out_ptrs, jit.bf16_rne(acc), mask=row_ok[None, :])
+            i = tile * steps + k1
+
+    @triton.jit
     def decode_persistent_kernel(
         x_ptr, w1_ptr, s1_ptr, w2_ptr, s2_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr,
         block_end_ptr, act_ptr, out_ptr, ws1_ptr, ws2_ptr, cnt_ptr, stalls_ptr,
@@ -472,6 +607,10 @@ def decode_forward(x: torch.Tensor, routed, weights: torch.Tensor, experts, out:
     pdl = bool(config.pdl) and target.pdl_available(device)
     stream = dict(BT=bt, DEPTH=config.decode, PREFETCH=prefetch, NUM_STAGES=config.num_stages,
                   LARGE=experts.large_scales, INTERPRET=interpret, num_warps=config.num_warps, **_pdl_launch(pdl))
+    if config.stream_k:
+        _stream_k_forward(x, routed, weights, experts, out, act, s1w, s2w, num_topk=num_topk, clamp=clamp,
+                          config=config, interpret=interpret, pdl=pdl)
+        return
     if config.persistent:
         # both kernels' arrival counters side by side, then per block its L1 tiles written, the ticket, the exits
         counters = arrival_counters(device, l1_tiles + l2_tiles + nblocks + 2)
@@ -502,4 +641,64 @@ def decode_forward(x: torch.Tensor, routed, weights: torch.Tensor, experts, out:
         act.stride(0), experts.w2.stride(0), s2w.stride(0), out.stride(0),
         BN=config.l2_n, SPLIT=s2, **{**stream, "NUM_STAGES": config.l2_stages or config.num_stages},
         **config.launch_registers("L2"),
+    )
+
+
+def _per_sm(config, layer: str) -> int:
+    return config.l2_stream_k if layer == "L2" and config.l2_stream_k else config.stream_k
+
+
+def stream_k_programs(config, device: torch.device, tiles: int, steps: int, layer: str = "L1") -> int:
+    """The stream-K grid of one GEMM: `config.stream_k` (L2: `l2_stream_k` where set) programs per SM of `device`,
+    at most one per (tile, K step) of the largest batch the launch can get."""
+    return max(1, min(_per_sm(config, layer) * target.sm_count(device), tiles * steps))
+
+
+# An SM's register file on sm_80 and sm_90: 64K 32-bit registers, given to warps in units of 256 (8 per thread).
+_SM_REGISTERS = 65536
+
+
+def stream_k_registers(config, layer: str = "L1") -> dict:
+    """The launch's register cap under stream-K: the config's (`maxnreg`, `l2_maxnreg`) where it sets one, else the
+    most that lets the schedule's programs per SM share an SM, since the grid counts on them all being resident and
+    ptxas does not weigh residency. Compiled for sm_90 by Triton 3.6 at V4's sizes the stream-K L1 holds 132
+    registers (3 programs per SM); capped at 128 (4 per SM) it holds them without spills, at 96 (5) and 80 (6) it
+    spills 56 and 136 bytes outside its K loop (docs/megamoe.md)."""
+    if config.launch_registers(layer) or target.interpreting():
+        return config.launch_registers(layer)
+    per_thread = _SM_REGISTERS // (_per_sm(config, layer) * config.num_warps * 32)
+    return {"maxnreg": min(255, per_thread // 8 * 8)}
+
+
+def _stream_k_forward(x, routed, weights, experts, out, act, s1w, s2w, *, num_topk, clamp, config, interpret,
+                      pdl) -> None:
+    """`decode_forward` under the stream-K schedule (`KernelConfig.stream_k`): L1 and L2 each on a grid of
+    `stream_k_programs`, every program one even share of its GEMM's (tile, K step) space; partials in two
+    workspace slots per program (`stream_k.partial_slot`)."""
+    sorted_slots, block_expert, block_row, block_end = routed
+    hidden, inter, num_local = experts.hidden, experts.intermediate, experts.num_local_experts
+    device = out.device
+    nblocks, bt = block_expert.numel(), config.block_t
+    l1_tiles, l2_tiles = nblocks * (inter // config.l1_n), nblocks * (hidden // config.l2_n)
+    p1 = stream_k_programs(config, device, l1_tiles, hidden // 64)
+    p2 = stream_k_programs(config, device, l2_tiles, inter // 64, "L2")
+    ws1 = torch.empty((p1, 2, 2 * config.l1_n, bt), dtype=torch.float32, device=device)
+    ws2 = torch.empty((p2, 2, config.l2_n, bt), dtype=torch.float32, device=device)
+    counters = arrival_counters(device, max(l1_tiles, l2_tiles))
+    common = dict(BT=bt, BB=triton.next_power_of_2(nblocks), LARGE=experts.large_scales, INTERPRET=interpret,
+                  num_warps=config.num_warps, **_pdl_launch(pdl))
+    decode_l1_stream_k_kernel[(p1,)](
+        x, experts.w1, s1w, sorted_slots, weights, block_expert, block_row, block_end, act, ws1, counters,
+        hidden, inter, num_topk, num_local, nblocks,
+        x.stride(0), experts.w1.stride(0), s1w.stride(0), act.stride(0),
+        0.0 if clamp is None else clamp,
+        HAS_CLAMP=clamp is not None, BN=config.l1_n, NUM_STAGES=config.num_stages, **common,
+        **stream_k_registers(config),
+    )
+    decode_l2_stream_k_kernel[(p2,)](
+        act, experts.w2, s2w, sorted_slots, block_expert, block_row, block_end, out, ws2, counters,
+        hidden, inter, num_local, nblocks,
+        act.stride(0), experts.w2.stride(0), s2w.stride(0), out.stride(0),
+        BN=config.l2_n, NUM_STAGES=config.l2_stages or config.num_stages, **common,
+        **stream_k_registers(config, "L2"),
     )
