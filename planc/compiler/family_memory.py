@@ -13,7 +13,7 @@ the larger of the two) and its verdict carries a note.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -109,15 +109,12 @@ class FamilyMemory:
     # in the model dtype (`tanh(logits / cap) * cap`), so training keeps tanh's output in the model dtype
     logit_softcap_fp32: bool = True
     unpriced: tuple[str, ...] = ()
-    measured: bool = True  # in the grid of docs/memory.md
-    # a training step of the family is in the grid too: without one, `--train` gets no verdict (three families whose
-    # prefills held measured 2.9-6.7% under in training, docs/memory.md)
-    train_measured: bool = True
+    measured: bool = True  # in the grid of docs/memory.md (its prefills and a training step)
 
 
 INKLING2 = FamilyMemory(
     routing_weights_fp32=True, router_input_fp32=True, relative_position_bias=True, eager_scores=(2, 2),
-    eager_softmax_fp32=True, block_residual_inputs=3, train_measured=False, expert_gate_fp32=5,
+    eager_softmax_fp32=True, block_residual_inputs=3, expert_gate_fp32=5,
     # `hybrid` layers are full attention, `hybrid_sliding` sliding attention (Inkling2TextModel picks their masks and
     # relative distances by `attention_type`): eager builds a mask for each kind
     layer_types=(("hybrid", "full_attention"), ("hybrid_sliding", "sliding_attention")),
@@ -358,13 +355,6 @@ FAMILIES: dict[str, FamilyMemory] = {
     "inkling2_loop": INKLING2,
     "inkling2_loop_text": INKLING2,
 }
-
-# Families whose prefills the grid validated but whose training it has not: no training point (OpenAI's privacy
-# filter fails in cuBLAS under the harness on the H100)
-NO_TRAINING_POINT = frozenset({
-    "openai_privacy_filter",
-})
-FAMILIES.update({name: replace(FAMILIES[name], train_measured=False) for name in NO_TRAINING_POINT})
 
 UNMEASURED = FamilyMemory(
     routing_weights_fp32=True, router_input_fp32=True, measured=False,

@@ -901,9 +901,6 @@ def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], tr
     hc = deepseek_v4_memory.hyper_connections(config)
     notes = []
     unpriced = list(fam.unpriced) + unpriced_features(compiled, walk, config, shapes)
-    if workload == "train" and fam.measured and not fam.train_measured:
-        unpriced.append("this family's training is not in the memory grid (planc.compiler.family_memory's "
-                        "NO_TRAINING_POINT: its prefills hold; its training may be low); no verdict")
     # serving with EP over the TP group runs all_reduce (every rank, every slot: no routing assumption); else the
     # all_to_all moves the routed rows and the balanced-load assumption applies
     routed = workload == "train" or ep > tp
@@ -943,9 +940,7 @@ def _peak(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, Any], tr
         kv_cache=tuple(kv), routed_rows=rows if top_k and routed else 0,
         routed_rows_worst=worst_rows if top_k and routed else 0,
         worst_case_peak=worst[1], capacity_factor=capacity_factor, checkpointing=ckpt, notes=tuple(notes),
-        unpriced=tuple(unpriced), validated=fam.measured and (workload != "train" or fam.train_measured),
-        why_not_validated=(PeakMemory.why_not_validated if not fam.measured
-                           else "the memory grid has not measured this family's training"),
+        unpriced=tuple(unpriced), validated=fam.measured,
     )
 
 
