@@ -63,9 +63,9 @@ class KernelConfig:
     # where the device has it (`target.pdl_available`): each starts while the one before finishes, then waits.
     pdl: int = 0
     # With `decode`: n > 0 runs L1 and L2 under the stream-K schedule (`decode.decode_l1_stream_k_kernel`,
-    # `stream_k.py`): n programs per SM (L2: `l2_stream_k` where set), each an even share of its GEMM's (output tile,
-    # 64-deep K step) space through the cp.async pipeline, so no ragged last wave; 0 the split-K grid
-    # (`l1_split`, `l2_split`), which it replaces.
+    # `stream_k.py`): n programs per SM (L2: `l2_stream_k` where set), each an even share of its GEMM's (K slice,
+    # output tile, 64-deep K step) space through the cp.async pipeline, so no ragged last wave; `l1_split` and
+    # `l2_split` are then the slices (1: tile by tile); 0 the split-K grid.
     stream_k: int = 0
     l2_stream_k: int = 0
 
@@ -165,12 +165,10 @@ class KernelConfig:
         if self.stream_k and self.persistent:
             raise ValueError(f"KernelConfig(stream_k={self.stream_k}, persistent=1) names two schedules of the decode "
                              f"kernels: set stream_k=0 (the persistent kernel) or persistent=0 (stream-K)")
-        if self.stream_k:  # one schedule of its own: no splits, the cp.async pipeline
-            return dataclasses.replace(self, l1_n=div(self.l1_n, inter, 32), l1_k=64, l2_n=div(self.l2_n, hidden, 32),
-                                       l2_k=64, decode=depth, l1_split=1, l2_split=1, prefetch=0, gluon=0, fp8=0)
         return dataclasses.replace(self, l1_n=div(self.l1_n, inter, 32), l1_k=64, l2_n=div(self.l2_n, hidden, 32),
                                    l2_k=64, decode=depth, l1_split=split(self.l1_split, hidden),
-                                   l2_split=split(self.l2_split, inter), gluon=0, fp8=0)
+                                   l2_split=split(self.l2_split, inter), gluon=0, fp8=0,
+                                   prefetch=0 if self.stream_k else self.prefetch)  # stream-K: the cp.async pipeline
 
     def cp_async_l2(self) -> "KernelConfig":
         """This Gluon config with the cp.async L2 (`hopper_prefill`) in place of the warp-specialized one, under L1's
