@@ -475,19 +475,23 @@ def test_explicit_triton_where_it_cannot_run_names_the_reason(monkeypatch):
 @pytest.mark.parametrize("total,programs", [(24, 5), (24, 16), (7, 7), (5, 9), (112 * 48 * 6, 660), (0, 4)])
 def test_stream_k_schedule_matches_a_brute_force_enumeration(total, programs):
     """`stream_k`'s closed forms against walking every step: contiguous spans of even size (+-1) that cover the
-    space once; per tile the programs that touch it, first and count; each contributor's workspace slot (0 where
-    the tile holds its span's start)."""
+    space once; per schedule tile of `run` steps the programs that touch it, first and count; each program's
+    segments (one per schedule tile it touches) numbered in order as `partial_slot` numbers them, at most
+    `max_segments` of them, also for every smaller space."""
     spans = [stream_k.span(p, total, programs) for p in range(programs)]
     assert spans[0][0] == 0 and spans[-1][1] == total and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
     assert max(e - s for s, e in spans) - min(e - s for s, e in spans) <= 1
     owners = [p for p, (s, e) in enumerate(spans) for _ in range(s, e)]
     assert [stream_k.owner(i, total, programs) for i in range(total)] == owners
-    for steps in (1, 2, 4, 7) if total % 7 == 0 else (1,) if total % 2 else (1, 2, 4):
-        for tile in range(total // steps):
-            touching = sorted({owners[i] for i in range(tile * steps, (tile + 1) * steps)})
-            assert stream_k.tile_contributors(tile, steps, total, programs) == (touching[0], len(touching))
-            assert [stream_k.partial_slot(p, tile, steps, total, programs) for p in touching] == [
-                0 if spans[p][0] >= tile * steps else 1 for p in touching]
+    for run in (1, 2, 4, 7) if total % 7 == 0 else (1,) if total % 2 else (1, 2, 4):
+        segments = [sorted({i // run for i in range(s, e)}) for s, e in spans]
+        for piece in range(total // run):
+            touching = sorted({owners[i] for i in range(piece * run, (piece + 1) * run)})
+            assert stream_k.tile_contributors(piece, run, total, programs) == (touching[0], len(touching))
+            assert [stream_k.partial_slot(p, piece, run, total, programs) for p in touching] == [
+                segments[p].index(piece) for p in touching]
+        assert all(len(segments[p]) <= stream_k.max_segments(t, programs, run)
+                   for t in (total, total - run) if t >= 0 for p in range(programs))
 
 
 if target.triton is not None:
@@ -520,13 +524,14 @@ def test_stream_k_schedule_in_triton_is_the_python_schedule(steps, tiles, progra
                                                            for p in range(programs)]
 
 
-@pytest.mark.parametrize("num_tokens,programs,contributors", [(1, None, {1}), (2, 5, {1, 2}), (3, 13, {1, 2, 3}),
-                                                              (4, 20, {1, 2, 4})])
-def test_stream_k_decode_matches_the_reference(wide_experts, monkeypatch, num_tokens, programs, contributors):
+@pytest.mark.parametrize("num_tokens,programs,contributors,slices", [
+    (1, None, {1}, 1), (3, 13, {1, 2, 3}, 1), (4, 20, {1, 2, 4}, 1), (2, 7, {2, 3}, 2)])
+def test_stream_k_decode_matches_the_reference(wide_experts, monkeypatch, num_tokens, programs, contributors,
+                                               slices):
     """The decode kernels under the stream-K schedule (`KernelConfig.stream_k`) on grids that give tiles of 1, 2, 3
-    and 4 contributors (L1: 4 K steps per tile; L2: 2; 3 tokens on 13 programs: 1, 2 and 3 in one call): the
-    reference's numerics, three runs with the same bits, the arrival counters back at 0; on one contributor per tile
-    (a grid of whole tiles) the bits of the unsplit decode path."""
+    and 4 contributors (L1: 4 K steps per tile; L2: 2; 3 tokens on 13 programs: 1, 2 and 3 in one call), tile by tile
+    and in 2 K slices: the reference's numerics, three runs with the same bits, the arrival counters back at 0; on one
+    contributor per tile (a grid of whole tiles) the bits of the unsplit decode path."""
     packed, deq = wide_experts
     x, idx, w = routing(num_tokens, 30 + num_tokens, num_experts=4, masked=0.2, hidden=256)
     q, sf = quantize_fp8(x)
@@ -534,13 +539,14 @@ def test_stream_k_decode_matches_the_reference(wide_experts, monkeypatch, num_to
     blocks = int((route_torch(idx, first_expert=0, num_local_experts=4, block_t=16)[1] < 4).sum())
     programs = programs or 2 * blocks  # 4 K steps each: one L1 tile (2 L2 tiles) per program
     monkeypatch.setattr(target, "sm_count", lambda device: programs)  # a GPU of this many SMs
-    counts = set()  # contributors per tile, L1 (hidden 256: 4 K steps, 2 N tiles of 64) and L2 (128: 2, 4 N tiles)
+    counts = set()  # contributors per output tile, L1 (hidden 256: 4 K steps, 2 N tiles of 64) and L2 (128: 2, 4)
     for steps, tiles_per_block in ((4, 2), (2, 4)):
-        total = steps * tiles_per_block * blocks
-        counts |= {stream_k.tile_contributors(t, steps, total, programs)[1] for t in range(total // steps)}
+        tiles, run = tiles_per_block * blocks, steps // slices
+        counts |= {sum(stream_k.tile_contributors(s * tiles + t, run, tiles * steps, programs)[1]
+                       for s in range(slices)) for t in range(tiles)}
     assert counts == contributors
-    cfg = dataclasses.replace(DECODE, stream_k=1)
-    assert cfg.fit(packed.hidden, packed.intermediate).l1_split == 1
+    cfg = dataclasses.replace(DECODE, decode=1, stream_k=1, l1_split=slices, l2_split=slices)
+    assert (cfg.fit(packed.hidden, packed.intermediate).l1_split, cfg.fit(256, 128).l2_split) == (slices, slices)
     ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=0.5)
     runs = [triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=0.5, config=cfg)
             for _ in range(3 if num_tokens == 3 else 1)]

@@ -92,6 +92,7 @@ DECODE_VARIANTS = [
     KernelConfig(16, 128, 64, 128, 64, 4, 6, l1_split=8, prefetch=0, decode=1, l2_split=4),
     KernelConfig(16, 64, 64, 64, 64, 4, 6, prefetch=0, decode=1, stream_k=5),
     KernelConfig(16, 64, 64, 64, 64, 4, 6, prefetch=0, decode=1, stream_k=4, l2_stream_k=6, pdl=1),
+    KernelConfig(16, 64, 64, 64, 64, 4, 6, l1_split=4, prefetch=0, decode=1, l2_split=2, stream_k=4),
 ]
 
 
@@ -99,7 +100,8 @@ DECODE_VARIANTS = [
 @pytest.mark.parametrize("config", [None, *DECODE_VARIANTS], ids=["picked", "pipeline", "prefetch2", "prefetch4",
                                                                   "persistent", "persistent_prefetch2", "three_launches",
                                                                   "persistent_pdl", "pdl", "persistent_l2n128",
-                                                                  "n128", "stream_k5", "stream_k_pdl"])
+                                                                  "n128", "stream_k5", "stream_k_pdl",
+                                                                  "stream_k_slices"])
 def test_split_k_decode_matches_the_reference_and_repeats_its_bits(experts, config, num_tokens):
     """Each tile's last program reduces the split partials in split order: two runs give the same bits (a race on
     the arrival counters or a stale partial would not), the counters are left at zero, and the result is the
@@ -148,7 +150,7 @@ def test_split_k_decode_on_deepseek_v4_shapes():
             other = dataclasses.replace(split, **variant)  # the same partial sums in the same order: the same bits
             assert torch.equal(base, triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0,
                                                                   activation_clamp=10.0, config=other)), variant
-        for per_sm in (4, 6):  # stream-K: its own FP32 sum order, the same bits on every run
+        for per_sm in (4, 6):  # stream-K in the row's K slices: its own FP32 sum order, the same bits on every run
             other = dataclasses.replace(split, stream_k=per_sm, persistent=0)
             runs = [triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=10.0,
                                                  config=other) for _ in range(3)]

@@ -63,9 +63,9 @@ class KernelConfig:
     # where the device has it (`target.pdl_available`): each starts while the one before finishes, then waits.
     pdl: int = 0
     # With `decode`: n > 0 runs L1 and L2 under the stream-K schedule (`decode.decode_l1_stream_k_kernel`,
-    # `stream_k.py`): n programs per SM (L2: `l2_stream_k` where set), each an even share of its GEMM's (output tile,
-    # 64-deep K step) space through the cp.async pipeline, so no ragged last wave; 0 the split-K grid
-    # (`l1_split`, `l2_split`), which it replaces.
+    # `stream_k.py`): n programs per SM (L2: `l2_stream_k` where set), each an even share of its GEMM's (K slice,
+    # output tile, 64-deep K step) space through the cp.async pipeline, so no ragged last wave; `l1_split` and
+    # `l2_split` are then the slices (1: tile by tile); 0 the split-K grid.
     stream_k: int = 0
     l2_stream_k: int = 0
 
@@ -165,12 +165,10 @@ class KernelConfig:
         if self.stream_k and self.persistent:
             raise ValueError(f"KernelConfig(stream_k={self.stream_k}, persistent=1) names two schedules of the decode "
                              f"kernels: set stream_k=0 (the persistent kernel) or persistent=0 (stream-K)")
-        if self.stream_k:  # one schedule of its own: no splits, the cp.async pipeline
-            return dataclasses.replace(self, l1_n=div(self.l1_n, inter, 32), l1_k=64, l2_n=div(self.l2_n, hidden, 32),
-                                       l2_k=64, decode=depth, l1_split=1, l2_split=1, prefetch=0, gluon=0, fp8=0)
         return dataclasses.replace(self, l1_n=div(self.l1_n, inter, 32), l1_k=64, l2_n=div(self.l2_n, hidden, 32),
                                    l2_k=64, decode=depth, l1_split=split(self.l1_split, hidden),
-                                   l2_split=split(self.l2_split, inter), gluon=0, fp8=0)
+                                   l2_split=split(self.l2_split, inter), gluon=0, fp8=0,
+                                   prefetch=0 if self.stream_k else self.prefetch)  # stream-K: the cp.async pipeline
 
     def cp_async_l2(self) -> "KernelConfig":
         """This Gluon config with the cp.async L2 (`hopper_prefill`) in place of the warp-specialized one, under L1's
@@ -235,7 +233,9 @@ FP8_CONFIGS: tuple[tuple[int, KernelConfig], ...] = ()
 # The row runs the prologue (`KernelConfig.prologue`: routing, dequantization and zero fill in one launch): on an H100
 # (2026-12-06, main 562fe97) the layer at 1 / 2 / 4 tokens took 105.0 / 177.6 / 319.0 µs against 108.8 / 180.8 / 323.4
 # with the three launches; the persistent kernel (111.6 / 182.9 / 324.8), PDL (within 1%) and N tiles of 128 (6-33%
-# slower) measured no better, so the row sets none of them (docs/megamoe.md, "Launches at decode").
+# slower) measured no better, so the row sets none of them (docs/megamoe.md, "Launches at decode"). Nor stream-K
+# (`stream_k`): on an H100 (2026-12-06, commit 7579272) its best variant ran the layer 9-16% slower than this row at 1-8
+# tokens (116.9 against 107.0 µs at 1 token; docs/megamoe.md, "Stream-K decode").
 DECODE_CONFIGS: tuple[tuple[int, KernelConfig], ...] = (
     (24, KernelConfig(block_t=16, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=6, prefetch=0,
                       decode=2)),

@@ -373,40 +373,61 @@ if triton is not None:
         return tl.sum((e < num_local).to(tl.int32), axis=0)
 
     @triton.jit
-    def _partial_ptr(ws_ptr, program, start, tile_start, SLOT: tl.constexpr):
-        """The workspace slot of `program`'s partial of the tile whose first step is `tile_start`: slot 0 where the
-        program's span (from `start`) begins in that tile, 1 where it ends there (`stream_k.partial_slot`)."""
-        return ws_ptr + (program * 2 + (start < tile_start).to(tl.int32)) * SLOT  # int32: programs x 2 x SLOT
+    def _partial_ptr(ws_ptr, program, start, piece, run, max_segments, SLOT: tl.constexpr):
+        """The workspace slot of `program`'s partial of schedule tile `piece` (`stream_k.partial_slot`: the index of
+        that segment among the program's, its span starting at step `start`, `run` steps per schedule tile)."""
+        return ws_ptr + (program * max_segments + piece - start // run) * SLOT  # int32: programs x segments x SLOT
+
+    @triton.jit
+    def _segment(i, end, steps, slices, tiles):
+        """The segment of a span at step `i` (the span ending at `end`): its schedule tile (`stream_k.segment`), the
+        output tile, the K steps [k0, k1) of that tile it covers, and the step after it."""
+        run = steps // slices
+        piece = i // run
+        s = piece // tiles
+        k0 = s * run + i - piece * run
+        n = tl.minimum(run, end - piece * run)  # steps of the schedule tile up to the segment's end
+        return piece, piece % tiles, k0, s * run + n, piece * run + n
+
+    @triton.jit
+    def _arrivals(tile, steps, slices, tiles, total, programs):
+        """How many segments of the schedule cover a part of output `tile` (over its `slices` schedule tiles)."""
+        run = steps // slices
+        count = tile * 0
+        for s in tl.range(0, slices, num_stages=1):
+            _, n = stream_k._contributors(s * tiles + tile, run, total, programs)
+            count += n
+        return count
 
     @triton.jit
     def decode_l1_stream_k_kernel(
         x_ptr, w_ptr, s_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr, block_end_ptr,
         out_ptr, ws_ptr, cnt_ptr,
-        hidden, inter, num_topk, num_local, num_blocks,
+        hidden, inter, num_topk, num_local, num_blocks, slices, max_segments,
         stride_x, stride_we, stride_se, stride_out,
         clamp,
         HAS_CLAMP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BB: tl.constexpr, NUM_STAGES: tl.constexpr,
         LARGE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
     ):
-        """L1 under the stream-K schedule (`stream_k`): this program's even share of the (tile, K step) space of the
-        blocks that hold rows, tile by tile (1-3 segments), each segment's K steps through NUM_STAGES cp.async
-        buffers. A whole tile runs the epilogue at once (the split-1 path's bits); a part stores its FP32 gate and up
-        partials in its workspace slot and counts its arrival; the tile's last contributor sums the partials in
-        contributor order and runs the epilogue (`jit.swiglu_requant`)."""
+        """L1 under the stream-K schedule (`stream_k`): this program's even share of the (slice, tile, K step) space
+        of the blocks that hold rows, segment by segment, each segment's K steps through NUM_STAGES cp.async buffers.
+        A whole tile (`slices` 1) runs the epilogue at once (the split-1 path's bits); a part stores its FP32 gate
+        and up partials in its workspace slot and counts its arrival at the tile; the tile's last arrival sums the
+        partials in schedule order and runs the epilogue (`jit.swiglu_requant`)."""
         _dependent_launch(PDL)
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
         n_tiles = inter // BN
         steps = hidden // 64
-        total = _real_blocks(block_expert_ptr, num_blocks, num_local, BB) * n_tiles * steps
+        run = steps // slices
+        tiles = _real_blocks(block_expert_ptr, num_blocks, num_local, BB) * n_tiles
+        total = tiles * steps
         start, end = stream_k._span(pid, total, programs)
         num_g = inter // 8  # 2I rows in groups of 16
         cell = tl.arange(0, BN)[:, None] * BT + tl.arange(0, BT)[None, :]  # a [BN, BT] partial, row-major
         i = start
         while i < end:
-            tile = i // steps
-            k0 = i - tile * steps
-            k1 = tl.minimum(steps, end - tile * steps)
+            piece, tile, k0, k1, after = _segment(i, end, steps, slices, tiles)
             pid_b = tile // n_tiles
             pid_n = tile % n_tiles
             expert = tl.load(block_expert_ptr + pid_b)
@@ -425,50 +446,52 @@ if triton is not None:
                 acc_g, acc_u = _l1_mma(acc_g, acc_u, gw, gs, uw, us, x, BN, LARGE, INTERPRET)
             last = k1 - k0 == steps
             if k1 - k0 < steps:
-                part = _partial_ptr(ws_ptr, pid, start, tile * steps, 2 * BN * BT)
+                part = _partial_ptr(ws_ptr, pid, start, piece, run, max_segments, 2 * BN * BT)
                 tl.store(part + cell, acc_g)
                 tl.store(part + BN * BT + cell, acc_u)
-                first, count = stream_k._contributors(tile, steps, total, programs)
-                last = _last_to_arrive(cnt_ptr + tile, count)
+                last = _last_to_arrive(cnt_ptr + tile, _arrivals(tile, steps, slices, tiles, total, programs))
                 if last:
                     acc_g = tl.zeros((BN, BT), dtype=tl.float32)
                     acc_u = tl.zeros((BN, BT), dtype=tl.float32)
-                    for c in tl.range(first, first + count, num_stages=1):  # contributor order: the same bits
-                        c_start, _ = stream_k._span(c, total, programs)
-                        part = _partial_ptr(ws_ptr, c, c_start, tile * steps, 2 * BN * BT)
-                        acc_g += tl.load(part + cell, cache_modifier=".cg")
-                        acc_u += tl.load(part + BN * BT + cell, cache_modifier=".cg")
+                    for s in tl.range(0, slices, num_stages=1):  # schedule order: the same bits on every run
+                        first, count = stream_k._contributors(s * tiles + tile, run, total, programs)
+                        for c in tl.range(first, first + count, num_stages=1):
+                            c_start, _ = stream_k._span(c, total, programs)
+                            part = _partial_ptr(ws_ptr, c, c_start, s * tiles + tile, run, max_segments,
+                                                2 * BN * BT)
+                            acc_g += tl.load(part + cell, cache_modifier=".cg")
+                            acc_u += tl.load(part + BN * BT + cell, cache_modifier=".cg")
             if last:
                 out_rows = pid_b * BT + tl.arange(0, BT)
                 out_ptrs = out_ptr + out_rows[None, :].to(tl.int64) * stride_out + (pid_n * BN + tl.arange(0, BN))[:, None]
                 topw = tl.load(weight_ptr + slot, mask=row_ok, other=0.0)
                 tl.store(out_ptrs, jit.swiglu_requant(acc_g, acc_u, topw, row_ok, clamp, HAS_CLAMP, BN, BT))
-            i = tile * steps + k1
+            i = after
 
     @triton.jit
     def decode_l2_stream_k_kernel(
         a_ptr, w_ptr, s_ptr, sorted_ptr, block_expert_ptr, block_row_ptr, block_end_ptr, out_ptr, ws_ptr, cnt_ptr,
-        hidden, inter, num_local, num_blocks,
+        hidden, inter, num_local, num_blocks, slices, max_segments,
         stride_a, stride_we, stride_se, stride_out,
         BT: tl.constexpr, BN: tl.constexpr, BB: tl.constexpr, NUM_STAGES: tl.constexpr, LARGE: tl.constexpr,
         INTERPRET: tl.constexpr, PDL: tl.constexpr,
     ):
         """L2 under the stream-K schedule, as `decode_l1_stream_k_kernel`: tiles of BN hidden columns, K over the
-        intermediate size; a tile's last contributor rounds the sum to BF16 into each row's slot."""
+        intermediate size; a tile's last arrival rounds the sum to BF16 into each row's slot."""
         _dependent_launch(PDL)
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
         n_tiles = hidden // BN
         steps = inter // 64
-        total = _real_blocks(block_expert_ptr, num_blocks, num_local, BB) * n_tiles * steps
+        run = steps // slices
+        tiles = _real_blocks(block_expert_ptr, num_blocks, num_local, BB) * n_tiles
+        total = tiles * steps
         start, end = stream_k._span(pid, total, programs)
         num_g = hidden // 16
         cell = tl.arange(0, BN)[:, None] * BT + tl.arange(0, BT)[None, :]
         i = start
         while i < end:
-            tile = i // steps
-            k0 = i - tile * steps
-            k1 = tl.minimum(steps, end - tile * steps)
+            piece, tile, k0, k1, after = _segment(i, end, steps, slices, tiles)
             pid_b = tile // n_tiles
             pid_n = tile % n_tiles
             expert = tl.load(block_expert_ptr + pid_b)
@@ -484,19 +507,20 @@ if triton is not None:
                 acc = _l2_mma(acc, w, sw, x, BN, LARGE, INTERPRET)
             last = k1 - k0 == steps
             if k1 - k0 < steps:
-                tl.store(_partial_ptr(ws_ptr, pid, start, tile * steps, BN * BT) + cell, acc)
-                first, count = stream_k._contributors(tile, steps, total, programs)
-                last = _last_to_arrive(cnt_ptr + tile, count)
+                tl.store(_partial_ptr(ws_ptr, pid, start, piece, run, max_segments, BN * BT) + cell, acc)
+                last = _last_to_arrive(cnt_ptr + tile, _arrivals(tile, steps, slices, tiles, total, programs))
                 if last:
                     acc = tl.zeros((BN, BT), dtype=tl.float32)
-                    for c in tl.range(first, first + count, num_stages=1):
-                        c_start, _ = stream_k._span(c, total, programs)
-                        acc += tl.load(_partial_ptr(ws_ptr, c, c_start, tile * steps, BN * BT) + cell,
-                                       cache_modifier=".cg")
+                    for s in tl.range(0, slices, num_stages=1):
+                        first, count = stream_k._contributors(s * tiles + tile, run, total, programs)
+                        for c in tl.range(first, first + count, num_stages=1):
+                            c_start, _ = stream_k._span(c, total, programs)
+                            acc += tl.load(_partial_ptr(ws_ptr, c, c_start, s * tiles + tile, run, max_segments,
+                                                        BN * BT) + cell, cache_modifier=".cg")
             if last:
                 out_ptrs = out_ptr + slot[None, :].to(tl.int64) * stride_out + (pid_n * BN + tl.arange(0, BN))[:, None]
                 tl.store(out_ptrs, jit.bf16_rne(acc), mask=row_ok[None, :])
-            i = tile * steps + k1
+            i = after
 
     @triton.jit
     def decode_persistent_kernel(
@@ -661,9 +685,8 @@ _SM_REGISTERS = 65536
 def stream_k_registers(config, layer: str = "L1") -> dict:
     """The launch's register cap under stream-K: the config's (`maxnreg`, `l2_maxnreg`) where it sets one, else the
     most that lets the schedule's programs per SM share an SM, since the grid counts on them all being resident and
-    ptxas does not weigh residency. Compiled for sm_90 by Triton 3.6 at V4's sizes the stream-K L1 holds 132
-    registers (3 programs per SM); capped at 128 (4 per SM) it holds them without spills, at 96 (5) and 80 (6) it
-    spills 56 and 136 bytes outside its K loop (docs/megamoe.md)."""
+    ptxas does not weigh residency. Compiled for sm_90 by Triton 3.6 at V4's sizes the stream-K L1 holds 128
+    registers (4 programs per SM); capped at 96 (5 per SM) it spills 64 bytes outside its K loop (docs/megamoe.md)."""
     if config.launch_registers(layer) or target.interpreting():
         return config.launch_registers(layer)
     per_thread = _SM_REGISTERS // (_per_sm(config, layer) * config.num_warps * 32)
@@ -673,23 +696,27 @@ def stream_k_registers(config, layer: str = "L1") -> dict:
 def _stream_k_forward(x, routed, weights, experts, out, act, s1w, s2w, *, num_topk, clamp, config, interpret,
                       pdl) -> None:
     """`decode_forward` under the stream-K schedule (`KernelConfig.stream_k`): L1 and L2 each on a grid of
-    `stream_k_programs`, every program one even share of its GEMM's (tile, K step) space; partials in two
-    workspace slots per program (`stream_k.partial_slot`)."""
+    `stream_k_programs`, every program one even share of its GEMM's (slice, tile, K step) space (`l1_split` and
+    `l2_split` slices); a partial per segment of a program in the workspace (`stream_k.partial_slot`)."""
     sorted_slots, block_expert, block_row, block_end = routed
     hidden, inter, num_local = experts.hidden, experts.intermediate, experts.num_local_experts
     device = out.device
     nblocks, bt = block_expert.numel(), config.block_t
     l1_tiles, l2_tiles = nblocks * (inter // config.l1_n), nblocks * (hidden // config.l2_n)
+    s1, s2 = config.l1_split, config.l2_split
     p1 = stream_k_programs(config, device, l1_tiles, hidden // 64)
     p2 = stream_k_programs(config, device, l2_tiles, inter // 64, "L2")
-    ws1 = torch.empty((p1, 2, 2 * config.l1_n, bt), dtype=torch.float32, device=device)
-    ws2 = torch.empty((p2, 2, config.l2_n, bt), dtype=torch.float32, device=device)
+    # at most this many segments per program, over every batch the launch can get (up to `nblocks` blocks of rows)
+    seg1 = stream_k.max_segments(l1_tiles * (hidden // 64), p1, hidden // 64 // s1)
+    seg2 = stream_k.max_segments(l2_tiles * (inter // 64), p2, inter // 64 // s2)
+    ws1 = torch.empty((p1, seg1, 2 * config.l1_n, bt), dtype=torch.float32, device=device)
+    ws2 = torch.empty((p2, seg2, config.l2_n, bt), dtype=torch.float32, device=device)
     counters = arrival_counters(device, max(l1_tiles, l2_tiles))
     common = dict(BT=bt, BB=triton.next_power_of_2(nblocks), LARGE=experts.large_scales, INTERPRET=interpret,
                   num_warps=config.num_warps, **_pdl_launch(pdl))
     decode_l1_stream_k_kernel[(p1,)](
         x, experts.w1, s1w, sorted_slots, weights, block_expert, block_row, block_end, act, ws1, counters,
-        hidden, inter, num_topk, num_local, nblocks,
+        hidden, inter, num_topk, num_local, nblocks, s1, seg1,
         x.stride(0), experts.w1.stride(0), s1w.stride(0), act.stride(0),
         0.0 if clamp is None else clamp,
         HAS_CLAMP=clamp is not None, BN=config.l1_n, NUM_STAGES=config.num_stages, **common,
@@ -697,7 +724,7 @@ def _stream_k_forward(x, routed, weights, experts, out, act, s1w, s2w, *, num_to
     )
     decode_l2_stream_k_kernel[(p2,)](
         act, experts.w2, s2w, sorted_slots, block_expert, block_row, block_end, out, ws2, counters,
-        hidden, inter, num_local, nblocks,
+        hidden, inter, num_local, nblocks, s2, seg2,
         act.stride(0), experts.w2.stride(0), s2w.stride(0), out.stride(0),
         BN=config.l2_n, NUM_STAGES=config.l2_stages or config.num_stages, **common,
         **stream_k_registers(config, "L2"),

@@ -1,14 +1,17 @@
 """The stream-K schedule of the decode kernels (`KernelConfig.stream_k`): a fixed grid of programs shares the
-flattened iteration space (output tile, 64-deep K step) evenly and contiguously, so every program reads the same
-bytes (+-1 K step) and all finish together: no ragged last wave, which a split over powers of two leaves (V4 at 1
-token: L2's 1344 split programs on 660 resident slots run a third wave of 24 alone).
+flattened iteration space of a GEMM evenly and contiguously, so every program reads the same bytes (+-1 K step) and
+all finish together: no ragged last wave, which a split over powers of two leaves (V4 at 1 token: L2's 1344 split
+programs on 660 resident slots run a third wave of 24 alone).
 
-`total` steps (tiles x `steps` K steps per tile, the tiles in row-major order) over `programs`: program p covers
-steps [`span`(p)); the first `total % programs` programs one step more than the others. A tile's contributors are
-consecutive programs (`tile_contributors`); each stores the FP32 partial of its part of the tile in its own
-workspace slot, `partial_slot`: 0 where that part is the program's first segment, 1 where it is its last (a program
-covers a part of at most two tiles: the ones it starts and ends in; the tiles between, it covers whole). The last
-contributor to arrive sums the partials in contributor order (the same bits on every run).
+The space: each output tile's `steps` 64-deep K steps cut into `slices` runs of `run = steps / slices` steps, the
+runs ordered slice-major (all tiles' first runs, then all second runs, ...; `slices` 1: tile by tile), so programs
+running at the same time read neighbouring tiles at the same K steps, as the split grid's do. A run is a tile of the
+schedule ("piece"): `total` steps over `programs`, program p covers steps [`span`(p)), the first `total % programs`
+programs one step more than the others; the programs that cover part of a piece are consecutive
+(`tile_contributors`). A program goes segment by segment (one per piece it touches, `max_segments` at most), storing
+each segment's FP32 partial in its own workspace slot `partial_slot` (the segment's index in the program), except a
+whole output tile (`slices` 1), whose epilogue runs at once. An output tile's last arrival (of all its pieces'
+contributors) sums the partials in schedule order (slice, then program: the same bits on every run).
 
 The same arithmetic twice: in Python here (the host's workspace sizing and the tests' brute-force check) and in
 Triton below (`_span`, `_owner`, `_contributors`, what the kernels run); a test runs the latter against the former.
@@ -39,9 +42,16 @@ def tile_contributors(tile: int, steps: int, total: int, programs: int) -> tuple
     return first, owner(tile * steps + steps - 1, total, programs) - first + 1
 
 
-def partial_slot(program: int, tile: int, steps: int, total: int, programs: int) -> int:
-    """Where `program` stores its partial of `tile`: 0 if its span starts in the tile (its first segment), else 1."""
-    return 0 if span(program, total, programs)[0] >= tile * steps else 1
+def partial_slot(program: int, piece: int, run: int, total: int, programs: int) -> int:
+    """Where `program` stores its partial of schedule tile `piece` (of `run` steps): the index of that segment
+    among the program's segments."""
+    return piece - span(program, total, programs)[0] // run
+
+
+def max_segments(total: int, programs: int, run: int) -> int:
+    """The most segments (schedule tiles touched) of any program's span, for this or any smaller `total`."""
+    longest = -(-total // programs)
+    return max(1, (longest + run - 2) // run + 1)
 
 
 if triton is not None:
