@@ -311,9 +311,9 @@ def decode_row(**fields):
 # The decode variants the layer rows time beside the table's pick (`decode_row`): the path before the prologue, the
 # prologue (the split-K grid), the persistent kernel, PDL, and the stream-K schedule at 4, 5 and 6 programs per SM
 # (also with PDL). On an H100 (2026-12-06, main 562fe97) the first four and five more (L2 stages, N tiles of 128, the
-# persistent kernel with PDL) ran: none beat the prologue by more than 1%; at commit 7579272 the stream-K ones ran
-# 9-16% slower than it at 1-8 tokens (docs/megamoe.md); any other is a `--sweep --configs` away. `--variants` times a
-# subset.
+# persistent kernel with PDL) ran: none beat the prologue by more than 1%; the stream-K ones ran 9-16% slower than it
+# at 1-8 tokens tile by tile (commit 7579272) and 12-32% in the row's K slices (1e0c38f; docs/megamoe.md); any other is
+# a `--sweep --configs` away. `--variants` times a subset.
 DECODE_VARIANTS = {
     "three_launches": dict(prologue=0, persistent=0, stream_k=0),
     "prologue": dict(prologue=1, persistent=0, stream_k=0),
