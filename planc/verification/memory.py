@@ -63,7 +63,10 @@ def no_backward_hooks_without_grad():
     hub-kernel layer) and the registration fails: a prefill has no backward, so it registers none. The same for the
     gradient hooks MemTracker puts on every parameter (Mega MoE's FP4 experts do not require grad). In training, a
     parameter that does not require grad (ERNIE 4.5's `e_score_correction_bias`) gets no gradient hook: it never has
-    a gradient, and torch refuses the hook."""
+    a gradient, and torch refuses the hook. Nor does a parameter swapped for its local shard inside an EP forward
+    (`planc.runtime.ep.base.install_ep_forward`: a non-leaf view of the DTensor, which torch refuses too): a module
+    inside the experts (Ergo's per-expert norm) is entered with it, while its leaf, tracked at the experts' entry,
+    gets the gradient."""
     from torch.distributed._tools import mod_tracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.utils.hooks import RemovableHandle
@@ -80,7 +83,7 @@ def no_backward_hooks_without_grad():
         install = install_grad_hooks and torch.is_grad_enabled()
         if install:  # MemTracker skips a parameter whose hooks it holds: hold no-op handles for these
             for param in module.parameters():
-                if not param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                if (not param.requires_grad or not param.is_leaf) and self._param_to_grad_hook_handles.get(param) is None:
                     self._param_to_grad_hook_handles[param] = (RemovableHandle(OrderedDict()), RemovableHandle(OrderedDict()))
         return real_track(self, module, install_grad_hooks=install)
 
