@@ -63,10 +63,18 @@ def sdpa_math_prefill(s: LayerShape, batch: int, seq: int) -> int:
 
 def sdpa_math_kept(s: LayerShape, batch: int, seq: int) -> int:
     """What sdpa's math path keeps for backward: the fp32 softmax output [B, heads, S, S] and the fp32 scaled q, k
-    and v its matmuls read. An MLA layer's saved q, k and v (`peak_memory.layer_saved`) were read off the CPU grid,
-    where this path runs: they hold the fp32 copies already."""
-    qkv = 0 if s.attention == "mla" else batch * seq * FP32 * (s.q + s.k + s.v)
-    return FP32 * batch * s.heads * seq * seq + qkv
+    and v its matmuls read (the model-dtype q, k and v it upcast are freed: the casts and the scaling by a number save
+    nothing)."""
+    return FP32 * batch * s.heads * seq * seq + batch * seq * FP32 * (s.q + s.k + s.v)
+
+
+def mla_math_kept(s: LayerShape, a: int) -> int:
+    """Bytes per token an MLA layer keeps around sdpa's math path beyond `sdpa_math_kept`: the kernel's output and
+    the output projection's input, or the output gate's product (dots.llm3's `attn_output * gate.sigmoid()` keeps
+    the contiguous output, the projection the product): two [tokens, heads x v_head_dim] in the model dtype. The
+    query and key it builds (`cat`, `new_empty` + copies) and kv_b's output are freed once upcast: rotary's products
+    with the cos/sin tables keep the tables, not the query."""
+    return 2 * a * s.v
 
 
 def sdpa_repeated_kv(s: LayerShape, batch: int, seq: int, a: int) -> int:
@@ -89,5 +97,5 @@ def mla_efficient_kept(s: LayerShape, a: int) -> int:
     return a * (s.q + 2 * s.k + 3 * s.v) + FP32 * s.heads
 
 
-__all__ = ["eager_kept_fp32", "eager_prefill", "mla_efficient_kept", "runs_sdpa_math", "sdpa_math_kept",
+__all__ = ["eager_kept_fp32", "eager_prefill", "mla_efficient_kept", "mla_math_kept", "runs_sdpa_math", "sdpa_math_kept",
            "sdpa_math_prefill", "sdpa_repeated_kv", "with_sdpa_math"]
