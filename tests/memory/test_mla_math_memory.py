@@ -2,7 +2,7 @@
 query's), priced by `peak_memory.layer_saved` on the shapes `layer_shapes` reads, against the attention module
 really running forward under torch's MemTracker: dots.llm3's indexed layer (128 heads of 128 + 64, a 512 latent,
 its indexer) and its sliding layer, whose own entry in the config's `per_layer_config` gives it 64 heads of 192 + 64
-over a 1024 latent. A layer priced at the model-wide widths keeps twice its sliding layer's S x S scores."""
+over a 1024 latent: priced at the model-wide widths, the sliding layer would keep twice the S x S scores it does."""
 
 from __future__ import annotations
 
@@ -43,8 +43,6 @@ def test_the_mla_math_path_keeps_what_the_rule_prices(grid_point, layer, seq):
     rule -= tokens * (peak_memory._norm(hidden, a) + a * hidden)  # the layer's input norm, outside the attention
     kept = _kept(attn, text, s.layer_type, batch, seq)
     assert -0.02 <= rule / kept - 1 <= 0.05, (kept, rule)
-    # the S x S scores the math path keeps in fp32 are most of it at 512 tokens: heads as the layer has them
-    assert attention_memory.sdpa_math_kept(s, batch, seq) > 0.4 * kept
 
 
 def _attention(config: dict, layer: int):
