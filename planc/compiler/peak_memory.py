@@ -1333,7 +1333,10 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
             continue
         if s.attention == "none":
             continue
-        attn = tokens * (a * (2 * s.q + 3 * s.k + 2 * s.v) + a * 3 * hidden)
+        if s.attention == "mla" and s.sdpa_math:
+            attn = tokens * (attention_memory.mla_math_held(s, a) + a * 3 * hidden)
+        else:
+            attn = tokens * (a * (2 * s.q + 3 * s.k + 2 * s.v) + a * 3 * hidden)
         # a block attention residual's fp32 mixes feeding the attention (Inkling 2's full layers: query, key and value
         # each their own), each with its own norm's model-dtype output, alive through it (family_memory)
         attn += tokens * hidden * fam.block_residual_inputs * (FP32 + a)

@@ -1,6 +1,6 @@
 """What an MLA attention keeps for backward where sdpa runs its math path (a CPU; the value heads narrower than the
-query's), priced by `peak_memory.layer_saved` on the shapes `layer_shapes` reads, against the attention module
-really running forward under torch's MemTracker: dots.llm3's indexed layer (128 heads of 128 + 64, a 512 latent,
+query's), priced by `peak_memory.layer_saved` on the shapes `layer_shapes` reads, and what its forward holds at
+the peak of a prefill, against the attention module really running forward under torch's MemTracker: dots.llm3's indexed layer (128 heads of 128 + 64, a 512 latent,
 its indexer) and its sliding layer, whose own entry in the config's `per_layer_config` gives it 64 heads of 192 + 64
 over a 1024 latent: priced at the model-wide widths, the sliding layer would keep twice the S x S scores it does."""
 
@@ -41,8 +41,27 @@ def test_the_mla_math_path_keeps_what_the_rule_prices(grid_point, layer, seq):
     tokens = batch * seq
     rule = peak_memory.layer_saved(replace(s, mlp="none"), hidden, a, tokens, 0, 8, family_memory(FAMILY), batch)
     rule -= tokens * (peak_memory._norm(hidden, a) + a * hidden)  # the layer's input norm, outside the attention
-    kept = _kept(attn, text, s.layer_type, batch, seq)
+    kept, _ = _forward(attn, text, s.layer_type, batch, seq)
     assert -0.02 <= rule / kept - 1 <= 0.05, (kept, rule)
+
+
+@pytest.mark.parametrize("layer, batch, seq", [(0, 1, 512), (2, 2, 256)])
+def test_the_mla_math_path_prefill_is_priced_from_its_code(grid_point, layer, batch, seq):
+    """A prefill's peak in the attention: the math path's fp32 scores and q, k, v beside what the layer's forward
+    holds in the model dtype, the picks' masks; in an indexed layer, or the indexer's scores beside the same."""
+    shapes, config = grid_point
+    s = shapes[layer]
+    attn, text = _attention(config, layer)
+    a, tokens = 2, batch * seq
+    held = tokens * attention_memory.mla_math_held(s, a)
+    rule = attention_memory.sdpa_math_prefill(s, batch, seq) + held
+    if s.indexer_heads:
+        rule = max(rule + indexer_memory.attention_mask_bytes(batch, seq, a, s.attn_impl, s.sdpa_math),
+                   held + indexer_memory.prefill_bytes(batch, seq, s.indexer_heads, s.indexer_dim, a, s.indexer_rope,
+                                                       family_memory(FAMILY).indexer_rope_fp32))
+    with torch.no_grad():
+        _, peak = _forward(attn.eval(), text, s.layer_type, batch, seq)
+    assert -0.02 <= rule / peak - 1 <= 0.05, (peak, rule)
 
 
 def _attention(config: dict, layer: int):
@@ -62,9 +81,9 @@ def _attention(config: dict, layer: int):
     return attn, text
 
 
-def _kept(attn, text, kind: str, batch: int, seq: int) -> int:
-    """Bytes the module holds after its forward beyond its parameters, inputs and output: what backward will read.
-    The inputs as the model hands them over: fp32 rotary tables to an indexed layer (computed from
+def _forward(attn, text, kind: str, batch: int, seq: int) -> tuple[int, int]:
+    """Bytes the module holds after its forward beyond its parameters, inputs and output (what backward will read),
+    and its forward's peak above its parameters and inputs. The inputs as the model hands them over: fp32 rotary tables to an indexed layer (computed from
     `inputs_embeds.float()`), model-dtype ones to the others, a boolean causal mask (a sliding one for the sliding
     layer)."""
     tracker = MemTracker()
@@ -82,5 +101,6 @@ def _kept(attn, text, kind: str, batch: int, seq: int) -> int:
         out, _ = attn(hidden_states=x, position_embeddings=(cos, sin), attention_mask=mask.expand(batch, 1, seq, seq))
     snapshots = tracker.memory_tracking[attn].snapshots
     dev = torch.device("cpu")
-    held = snapshots[_ModState.POST_FW][-1][dev]["Total"] - snapshots[_ModState.PRE_FW][-1][dev]["Total"]
-    return held - out.numel() * out.element_size()
+    before = snapshots[_ModState.PRE_FW][-1][dev]["Total"]
+    held = snapshots[_ModState.POST_FW][-1][dev]["Total"] - before
+    return held - out.numel() * out.element_size(), snapshots[_ModState.PEAK_FW][-1][dev]["Total"] - before
