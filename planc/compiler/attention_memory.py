@@ -55,18 +55,30 @@ def with_sdpa_math(shapes: list[LayerShape], device_type: str) -> list[LayerShap
 
 
 def sdpa_math_prefill(s: LayerShape, batch: int, seq: int) -> int:
-    """sdpa's math path at its peak in a prefill: two fp32 [B, heads, S, S] (q @ k^T and its sum with the mask) and
-    fp32 q, scaled q, k and v."""
+    """sdpa's math path at its peak in a prefill, beside its fp32 q, scaled q, k and v: two fp32 [B, heads, S, S]
+    (q @ k^T and its sum with the mask, then the sum and its softmax), or at the output's product the softmax, its
+    cast to the model dtype (the weights the kernel returns, cast first), the fp32 value made contiguous for the
+    batched matmul and the fp32 output: the larger below S = 4 x v_head_dim."""
     tokens = batch * seq
-    return 2 * FP32 * batch * s.heads * seq * seq + tokens * FP32 * (2 * s.q + s.k + s.v)
+    scores = batch * s.heads * seq * seq
+    at_output = (FP32 + 2) * scores + 2 * tokens * FP32 * s.v
+    return max(2 * FP32 * scores, at_output) + tokens * FP32 * (2 * s.q + s.k + s.v)
 
 
 def sdpa_math_kept(s: LayerShape, batch: int, seq: int) -> int:
     """What sdpa's math path keeps for backward: the fp32 softmax output [B, heads, S, S] and the fp32 scaled q, k
-    and v its matmuls read. An MLA layer's saved q, k and v (`peak_memory.layer_saved`) were read off the CPU grid,
-    where this path runs: they hold the fp32 copies already."""
-    qkv = 0 if s.attention == "mla" else batch * seq * FP32 * (s.q + s.k + s.v)
-    return FP32 * batch * s.heads * seq * seq + qkv
+    and v its matmuls read (the model-dtype q, k and v it upcast are freed: the casts and the scaling by a number save
+    nothing)."""
+    return FP32 * batch * s.heads * seq * seq + batch * seq * FP32 * (s.q + s.k + s.v)
+
+
+def mla_math_kept(s: LayerShape, a: int) -> int:
+    """Bytes per token an MLA layer keeps around sdpa's math path beyond `sdpa_math_kept`: the kernel's output and
+    the output projection's input, or the output gate's product (dots.llm3's `attn_output * gate.sigmoid()` keeps
+    the contiguous output, the projection the product): two [tokens, heads x v_head_dim] in the model dtype. The
+    query and key it builds (`cat`, `new_empty` + copies) and kv_b's output are freed once upcast: rotary's products
+    with the cos/sin tables keep the tables, not the query."""
+    return 2 * a * s.v
 
 
 def sdpa_repeated_kv(s: LayerShape, batch: int, seq: int, a: int) -> int:
@@ -81,6 +93,14 @@ def sdpa_repeated_kv(s: LayerShape, batch: int, seq: int, a: int) -> int:
     return 2 * batch * seq * s.heads * s.head_dim * a
 
 
+def mla_math_held(s: LayerShape, a: int) -> int:
+    """Bytes per token an MLA layer's forward holds around sdpa's math path in a prefill (`sdpa_math_prefill` beside
+    them), all in the model dtype: q_b's output (the split's views keep it), the query (`cat`) and its roped part, the
+    key (`new_empty` + copies) and kv_b's output (k_nope and the value): q twice, k twice (its roped part and
+    k_nope's together one k) and v once."""
+    return a * (2 * s.q + 2 * s.k + s.v)
+
+
 def mla_efficient_kept(s: LayerShape, a: int) -> int:
     """Bytes per token an MLA layer keeps for backward around sdpa's memory-efficient kernel (CUDA): the query and the
     key it builds (`cat`, `new_empty` + copies), kv_b's output (the value is a view of it; counted as k + v wide, its
@@ -89,5 +109,5 @@ def mla_efficient_kept(s: LayerShape, a: int) -> int:
     return a * (s.q + 2 * s.k + 3 * s.v) + FP32 * s.heads
 
 
-__all__ = ["eager_kept_fp32", "eager_prefill", "mla_efficient_kept", "runs_sdpa_math", "sdpa_math_kept",
-           "sdpa_math_prefill", "sdpa_repeated_kv", "with_sdpa_math"]
+__all__ = ["eager_kept_fp32", "eager_prefill", "mla_efficient_kept", "mla_math_held", "mla_math_kept",
+           "runs_sdpa_math", "sdpa_math_kept", "sdpa_math_prefill", "sdpa_repeated_kv", "with_sdpa_math"]

@@ -79,9 +79,10 @@ def attention_mask_bytes(batch: int, seq: int, itemsize: int, impl: str, sdpa_ma
     """The masks an indexed layer's attention holds beyond the causal one (the picks of this layer's indexer or of the
     layer it shares them with): the picks' boolean [B, 1, S, T] (`scatter`) and its combination with the causal mask
     (`&` under sdpa; eager's `masked_fill` of its additive mask, in the model dtype), and where sdpa runs its math
-    path, the fp32 additive mask it converts the boolean one to."""
+    path, the additive mask it converts the boolean one to, in the query's dtype (`where` before the math path's
+    upcast)."""
     combined = 1 if impl == "sdpa" else itemsize
-    return batch * seq * seq * (1 + combined + (FP32 if sdpa_math else 0))
+    return batch * seq * seq * (1 + combined + (itemsize if sdpa_math else 0))
 
 
 def causal_mask_bytes(batch: int, seq: int) -> int:

@@ -336,10 +336,6 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
     tp = compiled.parallel.tp_size
     styles = {a.fqn: a.style for a in compiled.assignments}
     hidden = int(config["hidden_size"])
-    heads = int(_get(config, "num_attention_heads", default=1))
-    kv_heads = int(_get(config, "num_key_value_heads", default=heads))
-    head_dim = int(_get(config, "head_dim", default=0) or hidden // heads)
-    window = _get(config, "sliding_window", "attention_chunk_size")
     # a config may compute its layer types (Jamba's property from attn_layer_period/offset): read the object too
     layer_types = config.get("layer_types") or list(getattr(_text_config_object(walk), "layer_types", None) or [])
     experts_by_layer = {e.fqn: e for e in compiled.experts}
@@ -358,37 +354,42 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
         kind = layer_types[index] if index < len(layer_types) else "full_attention"
         kind = dict(fam.layer_types).get(kind, kind)  # a family's own name for a kind priced here (Zaya's hybrid)
         experts = next((e for f, e in experts_by_layer.items() if f.startswith(layer + ".")), None)
+        layer_cfg = layer_config(config, index)  # a heterogeneous config: the layer's own widths
+        heads = int(_get(layer_cfg, "num_attention_heads", default=1))
+        kv_heads = int(_get(layer_cfg, "num_key_value_heads", default=heads))
+        head_dim = int(_get(layer_cfg, "head_dim", default=0) or hidden // heads)
+        window = _get(layer_cfg, "sliding_window", "attention_chunk_size")
         linear = None
         h, kvh, d = heads // split, max(1, kv_heads // split), head_dim
         if mla:
-            nope, rope = int(config["qk_nope_head_dim"]), int(config["qk_rope_head_dim"])
-            vdim = int(config["v_head_dim"])
+            nope, rope = int(layer_cfg["qk_nope_head_dim"]), int(layer_cfg["qk_rope_head_dim"])
+            vdim = int(layer_cfg["v_head_dim"])
             q, k, v = h * (nope + rope), h * (nope + rope), h * vdim
             # transformers caches the compressed latent and the rope key, [B, 1, S, kv_lora + rope], on every rank
-            cache = (int(config["kv_lora_rank"]) + rope) * itemsize
+            cache = (int(layer_cfg["kv_lora_rank"]) + rope) * itemsize
             cache_kind, kvh, d = "MLA latent (kv_lora_rank + rope)", h, nope + rope
         elif kind in _LINEAR and fam.linear_scan == "mamba":
-            inner = int(_get(config, "mamba_expand", default=2)) * hidden
-            linear = LinearAttention(key_heads=0, value_heads=inner, key_dim=int(_get(config, "mamba_d_state")),
-                                     value_dim=1, conv_kernel=int(_get(config, "mamba_d_conv", default=4)),
+            inner = int(_get(layer_cfg, "mamba_expand", default=2)) * hidden
+            linear = LinearAttention(key_heads=0, value_heads=inner, key_dim=int(_get(layer_cfg, "mamba_d_state")),
+                                     value_dim=1, conv_kernel=int(_get(layer_cfg, "mamba_d_conv", default=4)),
                                      scan="mamba")
             q = k = v = 0
             cache, cache_kind = 0, "linear attention (conv and recurrent state)"
         elif kind in _LINEAR and fam.linear_scan == "short_conv":
-            linear = short_conv_layer(config)
+            linear = short_conv_layer(layer_cfg)
             q = k = v = 0
             cache, cache_kind = 0, "short convolution (conv state)"
         elif kind in _LINEAR and fam.linear_scan == "mamba2":
-            linear = mamba2_layer(config)
+            linear = mamba2_layer(layer_cfg)
             q = k = v = 0
             cache, cache_kind = 0, "linear attention (conv and recurrent state)"
         elif kind in _LINEAR:
             linear = LinearAttention(
-                key_heads=int(_get(config, "linear_num_key_heads", "linear_num_heads", default=heads)),
-                value_heads=int(_get(config, "linear_num_value_heads", "linear_num_heads", default=heads)),
-                key_dim=int(_get(config, "linear_key_head_dim", "linear_head_dim", default=head_dim)),
-                value_dim=int(_get(config, "linear_value_head_dim", "linear_head_dim", default=head_dim)),
-                conv_kernel=int(_get(config, "linear_conv_kernel_dim", default=4)),
+                key_heads=int(_get(layer_cfg, "linear_num_key_heads", "linear_num_heads", default=heads)),
+                value_heads=int(_get(layer_cfg, "linear_num_value_heads", "linear_num_heads", default=heads)),
+                key_dim=int(_get(layer_cfg, "linear_key_head_dim", "linear_head_dim", default=head_dim)),
+                value_dim=int(_get(layer_cfg, "linear_value_head_dim", "linear_head_dim", default=head_dim)),
+                conv_kernel=int(_get(layer_cfg, "linear_conv_kernel_dim", default=4)),
                 scan=fam.linear_scan,
             )
             q = k = v = 0
@@ -400,38 +401,38 @@ def layer_shapes(compiled: CompiledPlan, walk: ModelWalk, config: Mapping[str, A
             q, k, v = h * d, kvh * d, kvh * d
             cache = (k + v) * itemsize
             cache_kind = "sliding window" if kind in _WINDOWED and window else "full attention"
-        inter = int(_get(config, "intermediate_size", default=0) or 0) // mlp_tp
+        inter = int(_get(layer_cfg, "intermediate_size", default=0) or 0) // mlp_tp
         moe_inter = experts.intermediate_size if experts is not None and experts.intermediate_size else 0
         if experts is not None and experts.mode == "tp":  # moe_tp_experts: each rank runs a slice of every expert
             moe_inter //= tp
-        index_heads, index_dim = indexer_memory.indexer_shape(config, kind, index)
+        index_heads, index_dim = indexer_memory.indexer_shape(layer_cfg, kind, index)
         if index_heads:  # the indexer's keys are cached beside the attention's
             cache += indexer_memory.cache_bytes_per_token(index_dim, itemsize)
-        n_shared = int(_get(config, "n_shared_experts", "num_shared_experts", default=0) or 0)
+        n_shared = int(_get(layer_cfg, "n_shared_experts", "num_shared_experts", default=0) or 0)
         shared_w = (moe_inter * n_shared) // mlp_tp if shared else 0
         if shared and not shared_w:  # one shared expert of its own width (Qwen3-Next, Llama 4)
-            shared_w = int(_get(config, "shared_expert_intermediate_size", "shared_intermediate_size",
+            shared_w = int(_get(layer_cfg, "shared_expert_intermediate_size", "shared_intermediate_size",
                                     "intermediate_size", default=0) or 0)
             shared_w //= mlp_tp
         shapes.append(LayerShape(
             attention="mla" if mla else "linear" if linear else "gqa", mlp="moe" if moe else "dense", q=q, k=k, v=v,
             heads=h, cache=cache, cache_kind=cache_kind, window=int(window) if cache_kind == "sliding window" else None,
-            q_lora=int(_get(config, "q_lora_rank", default=0) or 0) if mla else 0,
-            kv_lora=int(_get(config, "kv_lora_rank", default=0) or 0) if mla else 0,
+            q_lora=int(_get(layer_cfg, "q_lora_rank", default=0) or 0) if mla else 0,
+            kv_lora=int(_get(layer_cfg, "kv_lora_rank", default=0) or 0) if mla else 0,
             intermediate=inter, shared=shared_w, moe_intermediate=moe_inter,
             num_experts=experts.num_experts if experts is not None else 0,
             local_experts=experts.num_local_experts if experts is not None else 0,
             dense_dispatch=experts is not None and experts.dispatch == "dense",
             megamoe=experts is not None and megamoe,
-            top_k=(experts.top_k or _top_k(walk, config)) if experts is not None else 0,
+            top_k=(experts.top_k or _top_k(walk, layer_cfg)) if experts is not None else 0,
             attn_impl=impl, sinks=layer in sinks, kv_heads=kvh, head_dim=d, linear=linear, layer_type=kind,
-            compress_rate=int((config.get("compress_rates") or {}).get(kind) or 0),
+            compress_rate=int((layer_cfg.get("compress_rates") or {}).get(kind) or 0),
             all_slots=experts is not None and experts.strategy is not None and experts.strategy.name == "all_reduce",
             indexer_heads=index_heads, indexer_dim=index_dim,
-            indexer_rope=indexer_memory.indexer_rope(config) if index_heads else 0,
-            relative_extent=relative_extent(config, kind) if fam.relative_position_bias and not linear else 0,
-            stream_mixer=hyper_connection_memory.stream_mixer(config),
-            expert_hidden=int(_get(config, "moe_hidden_size", default=0) or 0) if moe else 0,
+            indexer_rope=indexer_memory.indexer_rope(layer_cfg) if index_heads else 0,
+            relative_extent=relative_extent(layer_cfg, kind) if fam.relative_position_bias and not linear else 0,
+            stream_mixer=hyper_connection_memory.stream_mixer(layer_cfg),
+            expert_hidden=int(_get(layer_cfg, "moe_hidden_size", default=0) or 0) if moe else 0,
             tp_experts=experts is not None and experts.mode == "tp",
         ))
         attentions, beside = sublayers(walk, layer, styles, tp)
@@ -576,6 +577,15 @@ def residual_blocks(config: Mapping[str, Any], layers: int) -> int:
     return -(-layers // per_block)
 
 
+def layer_config(config: Mapping[str, Any], index: int) -> Mapping[str, Any]:
+    """Layer `index`'s config: the model's with the layer's own values where the config is heterogeneous
+    (transformers' `per_layer_config`, keyed by the layer's index: dots.llm3's sliding layers run 64 heads of
+    192 + 64 over a 1024 latent where its indexed layers run 128 of 128 + 64 over 512)."""
+    own = next((v for k, v in (config.get("per_layer_config") or {}).items()
+                if str(k).isdigit() and int(k) == index), None)
+    return {**config, **own} if own else config
+
+
 def _attention_head_dims(walk: ModelWalk) -> dict[str, int]:
     """Layer path -> the head width its attention module computes with (the module's `head_dim`), where a family
     sets it per layer (Gemma 4's `per_layer_config`); a layer whose module does not say is absent."""
@@ -675,7 +685,9 @@ def layer_saved(s: LayerShape, hidden: int, a: int, tokens: int, rows: int, tp: 
         # q_a -> norm -> q_b, kv_a -> norm -> kv_b, the rope'd q/k, sdpa's q, k, v, out and logsumexp
         n += t * (a * s.q_lora + _norm(s.q_lora, a) + a * s.q_lora)
         n += t * (a * (s.kv_lora + 64) + _norm(s.kv_lora, a) + a * s.kv_lora)
-        if s.sdpa_math or s.attn_impl != "sdpa":  # as the CPU grid measured it: sdpa's math path
+        if s.sdpa_math:  # its fp32 q, k and v (attention_memory.sdpa_math_kept) and the output, twice
+            n += t * attention_memory.mla_math_kept(s, a)
+        elif s.attn_impl != "sdpa":
             n += t * (a * (3 * s.q + 3 * s.k + s.v + 2 * s.v) + FP32 * s.heads)
         else:
             n += t * attention_memory.mla_efficient_kept(s, a)
@@ -1321,7 +1333,10 @@ def _serve_peak(params: int, shapes: list[LayerShape], hidden: int, vocab: int, 
             continue
         if s.attention == "none":
             continue
-        attn = tokens * (a * (2 * s.q + 3 * s.k + 2 * s.v) + a * 3 * hidden)
+        if s.attention == "mla" and s.sdpa_math:
+            attn = tokens * (attention_memory.mla_math_held(s, a) + a * 3 * hidden)
+        else:
+            attn = tokens * (a * (2 * s.q + 3 * s.k + 2 * s.v) + a * 3 * hidden)
         # a block attention residual's fp32 mixes feeding the attention (Inkling 2's full layers: query, key and value
         # each their own), each with its own norm's model-dtype output, alive through it (family_memory)
         attn += tokens * hidden * fam.block_residual_inputs * (FP32 + a)
