@@ -302,17 +302,19 @@ def _text_config_object(walk: ModelWalk) -> Any:
 
 
 def head_width(walk: ModelWalk, config: Mapping[str, Any]) -> int:
-    """The width of the model's output head, the logits' last dimension: the out-features of a top-level module's
-    2-D weight beside the base model (`lm_head`; a token classifier's `score`, `config.num_labels` wide; Inkling 2's
-    `lm_head` over `unpadded_vocab_size`), else `vocab_size` (a head tied to the embedding is not its own parameter)."""
-    for m in walk.modules.values():
-        if "." in m.fqn or not m.fqn:
-            continue
-        for fqn in m.params:
-            shape = walk.params[fqn].shape
-            if fqn.endswith(".weight") and len(shape) == 2:
-                return int(shape[0])
-    return int(config["vocab_size"])
+    """The width of the model's output head, the logits' last dimension: `lm_head`'s out-features (Inkling 2's spans
+    `unpadded_vocab_size`), `vocab_size` where it is tied to the embedding (not a parameter of its own); a model
+    without an `lm_head` (a token classifier: `score` over `config.num_labels`) scores with its last top-level module
+    that holds a 2-D weight, transformers registering the head after the base model."""
+    def width(fqn: str) -> Optional[int]:
+        m = walk.modules.get(fqn)
+        shapes = [walk.params[p].shape for p in (m.params if m is not None else ()) if p.endswith(".weight")]
+        return int(shapes[0][0]) if shapes and len(shapes[0]) == 2 else None
+
+    if "lm_head" in walk.modules:
+        return width("lm_head") or int(config["vocab_size"])
+    heads = [w for f in walk.modules if f and "." not in f for w in [width(f)] if w is not None]
+    return heads[-1] if heads else int(config["vocab_size"])
 
 
 def attention_implementation(walk: ModelWalk) -> str:
