@@ -158,7 +158,6 @@ class PeakMemory:
     # side, so the peak errs high; an unmeasured family's may miss what its layers allocate, so it may be low and
     # explain gives no verdict (no fits, no largest batch) for it
     validated: bool = True
-    why_not_validated: str = "the memory grid has not measured this family"
     device_memory: Optional[int] = None
     reserve: int = DEFAULT_RESERVE
     max_batch: Optional[int] = None
@@ -224,7 +223,7 @@ class PeakMemory:
             verdict += f" ({'left' if left >= 0 else 'over by'} {human_bytes(abs(left), 2)})"
             flag = f" [not priced: {len(self.unpriced)} item(s) below; the peak errs high]" if self.unpriced else ""
             if not self.validated:
-                verdict = (f"no verdict [not validated: {self.why_not_validated}, "
+                verdict = ("no verdict [not validated: the memory grid has not measured this family, "
                            f"{len(self.unpriced)} item(s) below; the peak above may be low]")
                 flag = ""
             lines.append(

@@ -400,6 +400,33 @@ if triton is not None:
         return count
 
     @triton.jit
+    def _stream_k_share(block_expert_ptr, num_blocks, num_local, n_tiles, steps, BB: tl.constexpr):
+        """This program's share of a stream-K kernel: (tiles, total steps, first step, end step, programs) over the
+        blocks that hold rows."""
+        programs = tl.num_programs(0)
+        tiles = _real_blocks(block_expert_ptr, num_blocks, num_local, BB) * n_tiles
+        total = tiles * steps
+        start, end = stream_k._span(tl.program_id(0), total, programs)
+        return tiles, total, start, end, programs
+
+    @triton.jit
+    def _sum_partials(ws_ptr, tile, run, slices, tiles, total, programs, max_segments, cell, SLOT: tl.constexpr,
+                      BN: tl.constexpr, BT: tl.constexpr, PAIR: tl.constexpr):
+        """A tile's FP32 partials summed in schedule order (the same bits on every run): each contributor's [BN, BT]
+        at `cell` of its workspace slot (SLOT floats) and, with PAIR (L1's gate and up), the second one after it."""
+        acc = tl.zeros((BN, BT), dtype=tl.float32)
+        acc2 = tl.zeros((BN, BT), dtype=tl.float32)
+        for s in tl.range(0, slices, num_stages=1):
+            first, count = stream_k._contributors(s * tiles + tile, run, total, programs)
+            for c in tl.range(first, first + count, num_stages=1):
+                c_start, _ = stream_k._span(c, total, programs)
+                part = _partial_ptr(ws_ptr, c, c_start, s * tiles + tile, run, max_segments, SLOT)
+                acc += tl.load(part + cell, cache_modifier=".cg")
+                if PAIR:
+                    acc2 += tl.load(part + BN * BT + cell, cache_modifier=".cg")
+        return acc, acc2
+
+    @triton.jit
     def decode_l1_stream_k_kernel(
         x_ptr, w_ptr, s_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr, block_end_ptr,
         out_ptr, ws_ptr, cnt_ptr,
@@ -416,13 +443,10 @@ if triton is not None:
         partials in schedule order and runs the epilogue (`jit.swiglu_requant`)."""
         _dependent_launch(PDL)
         pid = tl.program_id(0)
-        programs = tl.num_programs(0)
         n_tiles = inter // BN
         steps = hidden // 64
         run = steps // slices
-        tiles = _real_blocks(block_expert_ptr, num_blocks, num_local, BB) * n_tiles
-        total = tiles * steps
-        start, end = stream_k._span(pid, total, programs)
+        tiles, total, start, end, programs = _stream_k_share(block_expert_ptr, num_blocks, num_local, n_tiles, steps, BB)
         num_g = inter // 8  # 2I rows in groups of 16
         cell = tl.arange(0, BN)[:, None] * BT + tl.arange(0, BT)[None, :]  # a [BN, BT] partial, row-major
         i = start
@@ -451,16 +475,8 @@ if triton is not None:
                 tl.store(part + BN * BT + cell, acc_u)
                 last = _last_to_arrive(cnt_ptr + tile, _arrivals(tile, steps, slices, tiles, total, programs))
                 if last:
-                    acc_g = tl.zeros((BN, BT), dtype=tl.float32)
-                    acc_u = tl.zeros((BN, BT), dtype=tl.float32)
-                    for s in tl.range(0, slices, num_stages=1):  # schedule order: the same bits on every run
-                        first, count = stream_k._contributors(s * tiles + tile, run, total, programs)
-                        for c in tl.range(first, first + count, num_stages=1):
-                            c_start, _ = stream_k._span(c, total, programs)
-                            part = _partial_ptr(ws_ptr, c, c_start, s * tiles + tile, run, max_segments,
-                                                2 * BN * BT)
-                            acc_g += tl.load(part + cell, cache_modifier=".cg")
-                            acc_u += tl.load(part + BN * BT + cell, cache_modifier=".cg")
+                    acc_g, acc_u = _sum_partials(ws_ptr, tile, run, slices, tiles, total, programs, max_segments,
+                                                 cell, 2 * BN * BT, BN, BT, True)
             if last:
                 out_rows = pid_b * BT + tl.arange(0, BT)
                 out_ptrs = out_ptr + out_rows[None, :].to(tl.int64) * stride_out + (pid_n * BN + tl.arange(0, BN))[:, None]
@@ -480,13 +496,10 @@ if triton is not None:
         intermediate size; a tile's last arrival rounds the sum to BF16 into each row's slot."""
         _dependent_launch(PDL)
         pid = tl.program_id(0)
-        programs = tl.num_programs(0)
         n_tiles = hidden // BN
         steps = inter // 64
         run = steps // slices
-        tiles = _real_blocks(block_expert_ptr, num_blocks, num_local, BB) * n_tiles
-        total = tiles * steps
-        start, end = stream_k._span(pid, total, programs)
+        tiles, total, start, end, programs = _stream_k_share(block_expert_ptr, num_blocks, num_local, n_tiles, steps, BB)
         num_g = hidden // 16
         cell = tl.arange(0, BN)[:, None] * BT + tl.arange(0, BT)[None, :]
         i = start
@@ -510,13 +523,8 @@ if triton is not None:
                 tl.store(_partial_ptr(ws_ptr, pid, start, piece, run, max_segments, BN * BT) + cell, acc)
                 last = _last_to_arrive(cnt_ptr + tile, _arrivals(tile, steps, slices, tiles, total, programs))
                 if last:
-                    acc = tl.zeros((BN, BT), dtype=tl.float32)
-                    for s in tl.range(0, slices, num_stages=1):
-                        first, count = stream_k._contributors(s * tiles + tile, run, total, programs)
-                        for c in tl.range(first, first + count, num_stages=1):
-                            c_start, _ = stream_k._span(c, total, programs)
-                            acc += tl.load(_partial_ptr(ws_ptr, c, c_start, s * tiles + tile, run, max_segments,
-                                                        BN * BT) + cell, cache_modifier=".cg")
+                    acc, _ = _sum_partials(ws_ptr, tile, run, slices, tiles, total, programs, max_segments, cell,
+                                           BN * BT, BN, BT, False)
             if last:
                 out_ptrs = out_ptr + slot[None, :].to(tl.int64) * stride_out + (pid_n * BN + tl.arange(0, BN))[:, None]
                 tl.store(out_ptrs, jit.bf16_rne(acc), mask=row_ok[None, :])
