@@ -323,6 +323,11 @@ DECODE_VARIANTS = {
     "stream_k5": dict(prologue=1, persistent=0, stream_k=5, pdl=0),
     "stream_k6": dict(prologue=1, persistent=0, stream_k=6, pdl=0),
     "stream_k5_pdl": dict(prologue=1, persistent=0, stream_k=5, pdl=1),
+    # the split-K grid as warp-specialized Gluon kernels (`hopper_decode`): 4 programs per SM (64 registers a thread,
+    # the MMA warps 104), 4 or 6 stages; 5 per SM at 48 (the MMA warps 72)
+    "ws4": dict(prologue=1, persistent=0, stream_k=0, decode_ws=1, maxnreg=64, num_stages=4),
+    "ws6": dict(prologue=1, persistent=0, stream_k=0, decode_ws=1, maxnreg=64, num_stages=6),
+    "ws4_r48": dict(prologue=1, persistent=0, stream_k=0, decode_ws=1, maxnreg=48, num_stages=4),
 }
 # The variant the others are compared with in the variants table: the split-K grid with the prologue.
 SPLIT_K_VARIANT = "prologue"

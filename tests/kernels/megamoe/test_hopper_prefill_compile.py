@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from planc.kernels.megamoe.triton import hopper_prefill, hopper_prefill_ws
+from planc.kernels.megamoe.triton import hopper_decode, hopper_prefill, hopper_prefill_ws
 from tests.checkout_env import checkout_env
 from tests.kernels.megamoe.common import GLUON, GLUON_80_ROWS
 
@@ -26,7 +26,7 @@ import json, os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from planc.kernels.megamoe.triton import hopper_prefill, hopper_prefill_ws
+from planc.kernels.megamoe.triton import hopper_decode, hopper_prefill, hopper_prefill_ws
 
 def tma_types(rows, bn):
     """`hopper_prefill_ws.descriptors`' TMA descriptor types, as the launcher names them."""
@@ -48,7 +48,7 @@ def compile_sm90(kernel, maxnreg, descs=None, pointer_types=POINTER_TYPES, **con
         else:
             signature[name] = "fp32" if name == "clamp" else "i32"
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-               if name.endswith("_ptr") or name.startswith("stride") or name in ("hidden", "inter")}
+               if name.endswith("_ptr") or name.startswith("stride") or name in ("hidden", "inter", "n_rows", "k_dim")}
     src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
     options = {"num_warps": constexprs["num_warps"], **({"maxnreg": maxnreg} if maxnreg else {})}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
@@ -66,15 +66,18 @@ def sass(cubin):
     return cuobjdump(cubin, "-sass")
 
 def loops(text):
-    """The instructions of each SASS loop that holds HGMMAs or QGMMAs (the K loops): from a conditional backward branch's
-    target to it (an mbarrier wait's retry code jumps back into the loop unconditionally: not a loop)."""
+    """The instructions of each SASS loop that holds HGMMAs or QGMMAs (the K loops): from a backward branch's target to
+    it, conditional or (a loop whose test is at its top) unconditional within the kernel's body (an mbarrier wait's
+    retry code, past an EXIT, jumps back into the loop unconditionally: not a loop)."""
     ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
            (re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in text.splitlines()) if m]
     at = {a: i for i, (a, _) in enumerate(ins)}
     found = []
     for i, (_, t) in enumerate(ins):
-        m = re.search(r"^@!?U?P\w+\s+BRA\s.*?(0x[0-9a-f]+)", t)
-        lo = at.get(int(m.group(1), 16)) if m else None
+        m = re.search(r"^(@!?U?P\w+\s+)?BRA\s.*?(0x[0-9a-f]+)", t)
+        lo = at.get(int(m.group(2), 16)) if m else None
+        if lo is not None and not m.group(1) and any(x.startswith("EXIT") for _, x in ins[lo:i + 1]):
+            continue
         if lo is not None and lo < i and any("GMMA" in x for _, x in ins[lo:i + 1]):
             found.append([x for _, x in ins[lo:i + 1]])
     return found
@@ -113,6 +116,13 @@ for layer, rows, bn, warps, stages, maxnreg, large in json.loads(sys.argv[1]):
         kernel = compile_sm90(hopper_prefill.l1_kernel, maxnreg, HAS_CLAMP=True, **common)
     elif layer == "L2WS":
         kernel = compile_sm90(hopper_prefill_ws.l2_ws_kernel, maxnreg, tma_types(rows, bn), **common)
+    elif layer in ("DL1", "DL2"):  # the warp-specialized decode kernels; `rows` is the K split here
+        _, plain = hopper_prefill_ws.tma_layouts()
+        descs = {"w_desc": f"tensordesc<i32[{bn // 16}, 128],{plain!r}>",
+                 "s_desc": f"tensordesc<i32[1, {bn // 2}],{plain!r}>"}
+        kernel = compile_sm90(hopper_decode.decode_ws_kernel, maxnreg, descs, dict(POINTER_TYPES, ws_ptr="*fp32"),
+                              GATED=layer == "DL1", HAS_CLAMP=True, BT=16, BN=bn, SPLIT=rows, STAGES=stages,
+                              LARGE=large, num_warps=warps)
     else:
         kernel = compile_sm90(hopper_prefill.l2_kernel, maxnreg, **common)
     ptx = kernel.asm["ptx"]
@@ -144,6 +154,9 @@ def compiled():
                 for c in (GLUON, GLUON_80_ROWS) for layer in ("L1", "L2") for large in (False, True)]
     variants += [("L2WS", c.block_t, c.l2_n, c.num_warps, c.num_stages, c.l2_maxnreg, large)
                  for c in (GLUON, GLUON_80_ROWS) for large in (False, True)]
+    if hopper_decode.unavailable_reason is None:  # (layer, K split, BN, warps, stages, cap, large): V4 at 1 token
+        variants += [(layer, split, 64, 4, stages, cap, large) for layer, split in (("DL1", 4), ("DL2", 2), ("DL1", 1))
+                     for stages, cap in ((4, 64), (6, 48)) for large in (False, True)]
     env = checkout_env()
     env.pop("TRITON_INTERPRET", None)
     run = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(variants)], capture_output=True, text=True,
@@ -153,9 +166,9 @@ def compiled():
 
 
 def test_compiles_for_sm90_with_async_wgmma_and_no_spills_in_the_loops(compiled):
-    assert len(compiled) == 12
+    assert len(compiled) == 12 + (12 if hopper_decode.unavailable_reason is None else 0)
     for name, got in compiled.items():
-        if name.startswith("L2WS"):
+        if name.startswith(("L2WS", "DL")):
             continue  # below
         # The K loops (0, 1 or 2 tail MMAs per operand) wait with this tile's MMAs still in flight.
         rows = int(name.split("_")[1])
@@ -190,6 +203,24 @@ def test_warp_specialized_l2_keeps_its_mma_warps_to_expanding_and_multiplying(co
         if rows == 80:  # at 104 registers ptxas keeps the 80-row loops' wgmma in flight (96 rows: serialized)
             assert got["full_waits"] == 0, name
         assert got["hgmma_loops"] and got["in_flight_writes"] == [], (name, got["in_flight_writes"][:5])
+        assert got["barrier_threads"] == [128], (name, got["barrier_threads"])
+        assert all(waits == 0 for waits, _, _ in got["syncs"]), (name, got["syncs"])
+        assert hopper_prefill_ws.PRODUCER_REGS.value in got["setmaxnreg"], (name, got["setmaxnreg"])
+
+
+@pytest.mark.skipif(hopper_decode.unavailable_reason is not None, reason=str(hopper_decode.unavailable_reason))
+def test_warp_specialized_decode_kernels_leave_the_copies_to_the_producer(compiled):
+    """`hopper_decode` (L1 gated, split in 4 and unsplit; L2 split in 2; 4 programs per SM at 64 registers, 5 at
+    48): 16-column wgmma on the expanded weights from registers, no spills and no writes into a wgmma operand in
+    flight in the K loops, no cp.async wait there and no barrier but the MMA warpgroup's own 128 threads (before one
+    thread frees a stage, and before a slice's partial sums are counted), the producer's warpgroup at its 24
+    registers."""
+    decode = {name: got for name, got in compiled.items() if name.startswith("DL")}
+    assert len(decode) == 12
+    for name, got in decode.items():
+        assert got["mma16"] and not got["mma64"] and not got["staged_operand"], name
+        assert got["hgmma_loops"] and got["loop_spills"] == 0, name
+        assert got["in_flight_writes"] == [], (name, got["in_flight_writes"][:5])
         assert got["barrier_threads"] == [128], (name, got["barrier_threads"])
         assert all(waits == 0 for waits, _, _ in got["syncs"]), (name, got["syncs"])
         assert hopper_prefill_ws.PRODUCER_REGS.value in got["setmaxnreg"], (name, got["setmaxnreg"])

@@ -145,8 +145,9 @@ def test_split_k_decode_on_deepseek_v4_shapes():
         split = dataclasses.replace(cfg, stream_k=0, l2_stream_k=0)  # the split-K grid, whatever the row picks
         base = out if split == cfg else triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0,
                                                                      activation_clamp=10.0, config=split)
+        ws = [] if gluon_unavailable_reason(torch.device("cuda")) else [dict(decode_ws=1, maxnreg=64, num_stages=4)]
         for variant in (dict(persistent=1 - split.persistent), dict(prologue=1 - split.prologue),
-                        dict(persistent=1, pdl=1, l2_stages=8)):
+                        dict(persistent=1, pdl=1, l2_stages=8), *ws):
             other = dataclasses.replace(split, **variant)  # the same partial sums in the same order: the same bits
             assert torch.equal(base, triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0,
                                                                   activation_clamp=10.0, config=other)), variant
@@ -224,6 +225,34 @@ def test_gluon_kernels_give_the_triton_kernels_bits(experts, config, num_tokens,
     assert torch.equal(out, triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0,
                                                          activation_clamp=clamp, config=TRITON_64))
     check(out, local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=clamp))
+
+
+# The split-K decode grid as warp-specialized Gluon kernels (`hopper_decode`): the Triton decode kernels' bits.
+WS_DECODE = dict(decode_ws=1, maxnreg=64, num_stages=4)
+
+
+@needs_gluon
+@pytest.mark.parametrize("num_tokens", [1, 4])
+@pytest.mark.parametrize("fields", [WS_DECODE, dict(WS_DECODE, maxnreg=48, num_stages=6),
+                                    dict(WS_DECODE, l1_split=1, l2_split=1)], ids=["ws4", "ws6_r48", "unsplit"])
+def test_warp_specialized_decode_gives_the_triton_decode_bits(experts, num_tokens, fields):
+    """The same slices, K order, wgmma and epilogues as the Triton decode kernels: the same bits, on every run, with
+    the arrival counters left at zero; against the reference up to the FP32 sum order."""
+    packed, deq = experts
+    q, sf, idx, w = staged(num_tokens, 60 + num_tokens, masked=0.1)
+    picked = device_config(idx.numel(), NE, NH, NI, torch.device("cuda"))
+    assert picked.decode and not picked.decode_ws
+    triton_decode = dataclasses.replace(picked, **{k: v for k, v in fields.items() if k.endswith("split")})
+    base = triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=0.05,
+                                        config=triton_decode)
+    ws = dataclasses.replace(triton_decode, **fields)
+    runs = [triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=0.05, config=ws)
+            for _ in range(3)]
+    check(runs[0], local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=0.05))
+    for run in runs:
+        assert torch.equal(run, base)
+    torch.cuda.synchronize()
+    assert not arrival_counters(torch.device("cuda"), 1).any()
 
 
 @needs_gluon

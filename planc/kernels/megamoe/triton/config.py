@@ -68,6 +68,10 @@ class KernelConfig:
     # `l2_split` are then the slices (1: tile by tile); 0 the split-K grid.
     stream_k: int = 0
     l2_stream_k: int = 0
+    # With `decode` on Hopper: 1 runs the split-K grid's L1 and L2 as warp-specialized Gluon kernels
+    # (`hopper_decode`: a producer warp copies each K tile into `num_stages` shared-memory stages by TMA, the MMA
+    # warps only expand and multiply); 0 the Triton decode kernels.
+    decode_ws: int = 0
 
     # The block sizes the Gluon kernels have loop bodies for: a 64-row MMA and up to one (80) or two (96) 16-row MMAs;
     # 80-row blocks compile without the two-tail body, in fewer registers (see `GLUON_CONFIGS`).
@@ -162,6 +166,9 @@ class KernelConfig:
                 s //= 2
             return max(s, 1)
 
+        if self.decode_ws and (self.stream_k or self.persistent or self.pdl):
+            raise ValueError(f"KernelConfig(decode_ws=1) runs the split-K grid in two plain launches: set stream_k=0, "
+                             f"persistent=0 and pdl=0 (got {self.stream_k}, {self.persistent}, {self.pdl})")
         if self.stream_k and self.persistent:
             raise ValueError(f"KernelConfig(stream_k={self.stream_k}, persistent=1) names two schedules of the decode "
                              f"kernels: set stream_k=0 (the persistent kernel) or persistent=0 (stream-K)")

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from planc.kernels.megamoe.triton import jit, routing, stream_k, target
+from planc.kernels.megamoe.triton import hopper_decode, jit, routing, stream_k, target
 from planc.kernels.megamoe.triton.target import tl, triton
 
 # Arrival counters (int32, zero between kernels: the last program of each tile puts its counter back to 0), one set
@@ -642,6 +642,11 @@ def decode_forward(x: torch.Tensor, routed, weights: torch.Tensor, experts, out:
     if config.stream_k:
         _stream_k_forward(x, routed, weights, experts, out, act, s1w, s2w, num_topk=num_topk, clamp=clamp,
                           config=config, interpret=interpret, pdl=pdl)
+        return
+    if config.decode_ws:
+        hopper_decode.decode_ws_forward(x, routed, weights, experts, out, act, ws1, ws2,
+                                        arrival_counters(device, max(l1_tiles, l2_tiles)), s1w, s2w,
+                                        num_topk=num_topk, clamp=clamp, config=config)
         return
     if config.persistent:
         # both kernels' arrival counters side by side, then per block its L1 tiles written, the ticket, the exits
