@@ -328,6 +328,12 @@ DECODE_VARIANTS = {
     "ws4": dict(prologue=1, persistent=0, stream_k=0, decode_ws=1, maxnreg=64, num_stages=4),
     "ws6": dict(prologue=1, persistent=0, stream_k=0, decode_ws=1, maxnreg=64, num_stages=6),
     "ws4_r48": dict(prologue=1, persistent=0, stream_k=0, decode_ws=1, maxnreg=48, num_stages=4),
+    # the same on mma.sync, each MMA warp on its own (`decode_ws=2`): 4, 5 or 6 programs per SM (64, 48, 40)
+    "sync_r64": dict(prologue=1, persistent=0, stream_k=0, decode_ws=2, maxnreg=64, num_stages=4),
+    "sync_r48": dict(prologue=1, persistent=0, stream_k=0, decode_ws=2, maxnreg=48, num_stages=4),
+    "sync_r48_s6": dict(prologue=1, persistent=0, stream_k=0, decode_ws=2, maxnreg=48, num_stages=6),
+    "sync_r40": dict(prologue=1, persistent=0, stream_k=0, decode_ws=2, maxnreg=40, num_stages=4),
+    "sync_r48_bt8": dict(prologue=1, persistent=0, stream_k=0, decode_ws=2, maxnreg=48, num_stages=4, block_t=8),
 }
 # The variant the others are compared with in the variants table: the split-K grid with the prologue.
 SPLIT_K_VARIANT = "prologue"

@@ -66,7 +66,7 @@ def sass(cubin):
     return cuobjdump(cubin, "-sass")
 
 def loops(text):
-    """The instructions of each SASS loop that holds HGMMAs or QGMMAs (the K loops): from a backward branch's target to
+    """The instructions of each SASS loop that holds HGMMAs, QGMMAs or HMMAs (the K loops): from a backward branch's target to
     it, conditional or (a loop whose test is at its top) unconditional within the kernel's body (an mbarrier wait's
     retry code, past an EXIT, jumps back into the loop unconditionally: not a loop)."""
     ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
@@ -78,7 +78,7 @@ def loops(text):
         lo = at.get(int(m.group(2), 16)) if m else None
         if lo is not None and not m.group(1) and any(x.startswith("EXIT") for _, x in ins[lo:i + 1]):
             continue
-        if lo is not None and lo < i and any("GMMA" in x for _, x in ins[lo:i + 1]):
+        if lo is not None and lo < i and any("GMMA" in x or "HMMA" in x for _, x in ins[lo:i + 1]):
             found.append([x for _, x in ins[lo:i + 1]])
     return found
 
@@ -122,7 +122,7 @@ for layer, rows, bn, warps, stages, maxnreg, large in json.loads(sys.argv[1]):
                  "s_desc": f"tensordesc<i32[1, {bn // 2}],{plain!r}>"}
         kernel = compile_sm90(hopper_decode.decode_ws_kernel, maxnreg, descs, dict(POINTER_TYPES, ws_ptr="*fp32"),
                               GATED=layer == "DL1", HAS_CLAMP=True, BT=16, BN=bn, SPLIT=rows, STAGES=stages,
-                              LARGE=large, num_warps=warps)
+                              LARGE=large, SYNC_MMA=maxnreg < 64, num_warps=warps)
     else:
         kernel = compile_sm90(hopper_prefill.l2_kernel, maxnreg, **common)
     ptx = kernel.asm["ptx"]
@@ -135,6 +135,7 @@ for layer, rows, bn, warps, stages, maxnreg, large in json.loads(sys.argv[1]):
         loop_spills=sum(bool(re.search(r"\b(LDL|STL)\b", x)) for body in loops(text) for x in body),
         full_waits=sum("DEPBAR.LE gsb0, 0x0" in x for body in loops(text) for x in body),
         hgmma_loops=bool(loops(text)),
+        hmma_loops=any("HMMA" in x for body in loops(text) for x in body),
         in_flight_writes=in_flight_writes(text),
         # per K loop: cp.async waits, CTA barriers, proxy fences
         syncs=[[sum(bool(re.match(p, x)) for x in body) for p in (r"DEPBAR\.LE SB0", r"BAR\.SYNC", r"FENCE\.VIEW\.ASYNC")]
@@ -156,7 +157,7 @@ def compiled():
                  for c in (GLUON, GLUON_80_ROWS) for large in (False, True)]
     if hopper_decode.unavailable_reason is None:  # (layer, K split, BN, warps, stages, cap, large): V4 at 1 token
         variants += [(layer, split, 64, 4, stages, cap, large) for layer, split in (("DL1", 4), ("DL2", 2), ("DL1", 1))
-                     for stages, cap in ((4, 64), (6, 48)) for large in (False, True)]
+                     for stages, cap in ((4, 64), (6, 48)) for large in (False, True)]  # 48: on mma.sync
     env = checkout_env()
     env.pop("TRITON_INTERPRET", None)
     run = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(variants)], capture_output=True, text=True,
@@ -218,7 +219,9 @@ def test_warp_specialized_decode_kernels_leave_the_copies_to_the_producer(compil
     decode = {name: got for name, got in compiled.items() if name.startswith("DL")}
     assert len(decode) == 12
     for name, got in decode.items():
-        assert got["mma16"] and not got["mma64"] and not got["staged_operand"], name
+        sync_mma = int(name.split("_")[5]) < 64
+        assert got["mma16"] != sync_mma and not got["mma64"] and not got["staged_operand"], name
+        assert got["hmma_loops"] == sync_mma, name
         assert got["hgmma_loops"] and got["loop_spills"] == 0, name
         assert got["in_flight_writes"] == [], (name, got["in_flight_writes"][:5])
         assert got["barrier_threads"] == [128], (name, got["barrier_threads"])

@@ -68,9 +68,9 @@ class KernelConfig:
     # `l2_split` are then the slices (1: tile by tile); 0 the split-K grid.
     stream_k: int = 0
     l2_stream_k: int = 0
-    # With `decode` on Hopper: 1 runs the split-K grid's L1 and L2 as warp-specialized Gluon kernels
-    # (`hopper_decode`: a producer warp copies each K tile into `num_stages` shared-memory stages by TMA, the MMA
-    # warps only expand and multiply); 0 the Triton decode kernels.
+    # With `decode` on Hopper: the split-K grid's L1 and L2 as warp-specialized Gluon kernels (`hopper_decode`: a
+    # producer warp copies each K tile into `num_stages` shared-memory stages by TMA, the MMA warps only expand and
+    # multiply), 1 on wgmma, 2 on mma.sync (each MMA warp on its own); 0 the Triton decode kernels.
     decode_ws: int = 0
 
     # The block sizes the Gluon kernels have loop bodies for: a 64-row MMA and up to one (80) or two (96) 16-row MMAs;

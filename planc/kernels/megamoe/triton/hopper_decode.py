@@ -31,6 +31,7 @@ if unavailable_reason is None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as _cp
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
     if not hasattr(_cp, "mbarrier_arrive"):  # pragma: no cover - an older Gluon
@@ -142,17 +143,56 @@ if unavailable_reason is None:
         hpws._release(empty, k_tiles - 1, STAGES)
         return acc_a, acc_b
 
+    @triton.constexpr_function
+    def _mma2_layout(num_warps):
+        """mma.sync (m16n8k16): each warp its own 16 weight rows, no warpgroup."""
+        return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
+
+    @triton.constexpr_function
+    def _acc_layout(num_warps, sync_mma):
+        return _mma2_layout(num_warps) if sync_mma else hp.mma_layout(num_warps, 16)
+
+    @gluon.jit
+    def _mma2_loop(wa_s, sa_s, wb_s, sb_s, x_s, ready, empty, k_tiles, BN: gl.constexpr, BT: gl.constexpr,
+                   STAGES: gl.constexpr, GATED: gl.constexpr, LARGE: gl.constexpr, num_warps: gl.constexpr):
+        """`_mma_loop` on mma.sync: each warp multiplies its own 16 rows (the expanded words are already that
+        instruction's A fragments) by the activation tile it loads from the stage, and frees the stage by its own
+        threads' arrivals (the `empty` barrier counts every MMA thread): no warpgroup sync and no CTA barrier."""
+        MMA2: gl.constexpr = _mma2_layout(num_warps)
+        AL2: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA2, k_width=2)
+        BL2: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA2, k_width=2)
+        acc_a = gl.zeros([BN, BT], gl.float32, MMA2)
+        acc_b = gl.zeros([BN, BT], gl.float32, MMA2)
+        for i in range(k_tiles):
+            s = hpws._stage(ready, i, STAGES)
+            x = x_s.index(s).permute((1, 0)).load(BL2)
+            opa = gl.convert_layout(hpws._operand(wa_s, sa_s, s, BN, LARGE, num_warps)[0], AL2, assert_trivial=True)
+            if GATED:
+                opb = gl.convert_layout(hpws._operand(wb_s, sb_s, s, BN, LARGE, num_warps)[0], AL2,
+                                        assert_trivial=True)
+            acc_a = mma_v2(opa, x, acc_a)
+            if GATED:
+                acc_b = mma_v2(opb, x, acc_b)
+            # the MMAs have read their operands: this thread's loads from the stage are done
+            _cp.mbarrier_arrive(empty.index(s), increment_count=False)
+        return acc_a, acc_b
+
     @gluon.jit
     def _mma_partition(wa_s, sa_s, wb_s, sb_s, x_s, ready, empty, k_tiles, out_ptr, ws_ptr, cnt_ptr, sorted_ptr,
                        weight_ptr, row0, nrows, pid_b, pid_n, tile, sid, num_blocks, n_out, stride_out, clamp,
                        BN: gl.constexpr, BT: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                       GATED: gl.constexpr, HAS_CLAMP: gl.constexpr, LARGE: gl.constexpr, num_warps: gl.constexpr):
+                       GATED: gl.constexpr, HAS_CLAMP: gl.constexpr, LARGE: gl.constexpr, SYNC_MMA: gl.constexpr,
+                       num_warps: gl.constexpr):
         """The MMA warps: the slice's sums, then (SPLIT 1, or the tile's last slice to arrive, after adding the
         slices' partials in slice order) the epilogue: L1's SwiGLU into the block's activation rows, L2's BF16
         rows into their slots."""
-        MMA16: gl.constexpr = hp.mma_layout(num_warps, 16)
-        acc_a, acc_b = _mma_loop(wa_s, sa_s, wb_s, sb_s, x_s, ready, empty, k_tiles, BN, STAGES, GATED, LARGE,
-                                 num_warps)
+        MMA16: gl.constexpr = _acc_layout(num_warps, SYNC_MMA)
+        if SYNC_MMA:
+            acc_a, acc_b = _mma2_loop(wa_s, sa_s, wb_s, sb_s, x_s, ready, empty, k_tiles, BN, BT, STAGES, GATED,
+                                      LARGE, num_warps)
+        else:
+            acc_a, acc_b = _mma_loop(wa_s, sa_s, wb_s, sb_s, x_s, ready, empty, k_tiles, BN, STAGES, GATED, LARGE,
+                                     num_warps)
         last = True
         if SPLIT > 1:
             width = n_out * BN * (2 if GATED else 1)  # a workspace row: L1 the gate then the up sums
@@ -188,7 +228,7 @@ if unavailable_reason is None:
         out_ptr, ws_ptr, cnt_ptr,
         n_rows, k_dim, num_topk, num_local, stride_x, stride_out, clamp,
         GATED: gl.constexpr, HAS_CLAMP: gl.constexpr, BT: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr,
-        STAGES: gl.constexpr, LARGE: gl.constexpr, num_warps: gl.constexpr,
+        STAGES: gl.constexpr, LARGE: gl.constexpr, SYNC_MMA: gl.constexpr, num_warps: gl.constexpr,
     ):
         """One GEMM of a decode batch for (block, N tile) `program_id(0)` and K slice `program_id(1)`: L1 (GATED,
         `n_rows` = 2I weight rows over K = hidden, the tokens' rows gathered) or L2 (`n_rows` = hidden over K =
@@ -218,14 +258,14 @@ if unavailable_reason is None:
             empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             for s in gl.static_range(STAGES):
                 mbarrier.init(ready.index(s), count=1 + 32 * _PRODUCER_WARPS)  # the TMA bytes' and each copier's
-                mbarrier.init(empty.index(s), count=1)
+                mbarrier.init(empty.index(s), count=32 * num_warps if SYNC_MMA else 1)  # each MMA thread, or one
             wa_row0 = expert * (k_dim // 64) * num_g + pid_n * G
             wb_row0 = wa_row0 + n_rows // 32  # L1's up rows: I further
             gl.warp_specialize([
                 (_mma_partition, (wa_s, sa_s, wb_s, sb_s, x_s, ready, empty, k_tiles, out_ptr, ws_ptr, cnt_ptr,
                                   sorted_ptr, weight_ptr, row0, nrows, pid_b, pid_n, tile, sid,
                                   gl.num_programs(0) // n_out, n_out, stride_out, clamp, BN, BT, SPLIT, STAGES, GATED,
-                                  HAS_CLAMP, LARGE, num_warps)),
+                                  HAS_CLAMP, LARGE, SYNC_MMA, num_warps)),
                 (_copy_partition, (w_desc, s_desc, wa_s, sa_s, wb_s, sb_s, x_s, ready, empty, x_ptr, sorted_ptr,
                                    stride_x, row0, nrows, pid_b * BT, num_topk, sid * k_tiles, k_tiles, num_g,
                                    wa_row0, wb_row0, BT, STAGES, GATED)),
@@ -259,7 +299,8 @@ def decode_ws_forward(x, routed, weights, experts, out, act, ws1, ws2, counters,
     if (inter // 64 // config.l2_split) % 2:
         raise ValueError(f"the warp-specialized decode L2 takes its K tiles in pairs: intermediate {inter} in "
                          f"{config.l2_split} slices leaves an odd number of 64-deep tiles per slice; halve l2_split")
-    common = dict(BT=bt, STAGES=config.num_stages, LARGE=experts.large_scales, num_warps=config.num_warps)
+    common = dict(BT=bt, STAGES=config.num_stages, LARGE=experts.large_scales, SYNC_MMA=config.decode_ws == 2,
+                  num_warps=config.num_warps)
     w_desc, s_desc = _descriptors(experts.w1, s1w, config.l1_n)
     decode_ws_kernel[(nblocks * (inter // config.l1_n), config.l1_split)](
         x, w_desc, s_desc, sorted_slots, weights, block_expert, block_row, block_end, act, ws1, counters,
