@@ -151,6 +151,12 @@ def test_split_k_decode_on_deepseek_v4_shapes():
             other = dataclasses.replace(split, **variant)  # the same partial sums in the same order: the same bits
             assert torch.equal(base, triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0,
                                                                   activation_clamp=10.0, config=other)), variant
+        if ws:  # the warp-specialized kernels on mma.sync: the reference's numerics, the same bits on every run
+            other = dataclasses.replace(split, decode_ws=2, maxnreg=48, num_stages=4)
+            runs = [triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=10.0,
+                                                 config=other) for _ in range(2)]
+            check(runs[0], ref)
+            assert torch.equal(runs[0], runs[1])
         for per_sm in (4, 6):  # stream-K in the row's K slices: its own FP32 sum order, the same bits on every run
             other = dataclasses.replace(split, stream_k=per_sm, persistent=0)
             runs = [triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=10.0,
