@@ -134,19 +134,6 @@ if triton is not None:
         return acc_g, acc_u
 
     @triton.jit
-    def _last_to_arrive(cnt_ptr, contributors):
-        """Count this program's arrival at its tile (after its partial sums are stored) and say whether it is the
-        last of the tile's `contributors` (the split, or the stream-K schedule's count for the tile): then every
-        other contributor's partials are visible to it (release by each, acquire by the last) and it puts the
-        counter back to 0 for the next launch."""
-        tl.debug_barrier()  # every thread's partial-sum stores come before the release below
-        arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-        last = arrived == contributors - 1
-        if last:
-            tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
-        return last
-
-    @triton.jit
     def _l1_item(
         x_ptr, w_ptr, s_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr, block_end_ptr,
         out_ptr, ws_ptr, cnt_ptr,
@@ -235,7 +222,7 @@ if triton is not None:
                 mine = ws + sid.to(tl.int64) * split_stride
                 tl.store(mine, acc_g, mask=row_ok[None, :])
                 tl.store(mine + inter, acc_u, mask=row_ok[None, :])
-                if _last_to_arrive(cnt_ptr + tile, SPLIT):
+                if jit.last_to_arrive(cnt_ptr + tile, SPLIT):
                     acc_g = tl.zeros((BN, BT), dtype=tl.float32)
                     acc_u = tl.zeros((BN, BT), dtype=tl.float32)
                     # split order, as `jit.l1_reduce_kernel`; a loop, not unrolled: the partials of all splits in
@@ -343,7 +330,7 @@ if triton is not None:
                 split_stride = num_blocks.to(tl.int64) * BT * hidden
                 ws = ws_ptr + a_rows[None, :].to(tl.int64) * hidden + offs_n[:, None]
                 tl.store(ws + sid.to(tl.int64) * split_stride, acc, mask=row_ok[None, :])
-                if _last_to_arrive(cnt_ptr + tile, SPLIT):
+                if jit.last_to_arrive(cnt_ptr + tile, SPLIT):
                     acc = tl.zeros((BN, BT), dtype=tl.float32)
                     for s in tl.range(0, SPLIT, num_stages=1):
                         acc += tl.load(ws + s * split_stride, mask=row_ok[None, :], other=0.0, cache_modifier=".cg")
@@ -473,7 +460,7 @@ if triton is not None:
                 part = _partial_ptr(ws_ptr, pid, start, piece, run, max_segments, 2 * BN * BT)
                 tl.store(part + cell, acc_g)
                 tl.store(part + BN * BT + cell, acc_u)
-                last = _last_to_arrive(cnt_ptr + tile, _arrivals(tile, steps, slices, tiles, total, programs))
+                last = jit.last_to_arrive(cnt_ptr + tile, _arrivals(tile, steps, slices, tiles, total, programs))
                 if last:
                     acc_g, acc_u = _sum_partials(ws_ptr, tile, run, slices, tiles, total, programs, max_segments,
                                                  cell, 2 * BN * BT, BN, BT, True)
@@ -521,7 +508,7 @@ if triton is not None:
             last = k1 - k0 == steps
             if k1 - k0 < steps:
                 tl.store(_partial_ptr(ws_ptr, pid, start, piece, run, max_segments, BN * BT) + cell, acc)
-                last = _last_to_arrive(cnt_ptr + tile, _arrivals(tile, steps, slices, tiles, total, programs))
+                last = jit.last_to_arrive(cnt_ptr + tile, _arrivals(tile, steps, slices, tiles, total, programs))
                 if last:
                     acc, _ = _sum_partials(ws_ptr, tile, run, slices, tiles, total, programs, max_segments, cell,
                                            BN * BT, BN, BT, False)

@@ -38,8 +38,9 @@ if unavailable_reason is None:
         unavailable_reason = "this Triton's Gluon has no cp.async arrival on an mbarrier"
 
 if unavailable_reason is None:
+    from planc.kernels.megamoe.triton.jit import last_to_arrive  # Triton functions compile inside Gluon kernels
+
     _async_load = hp._async_load
-    _cta_barrier = hp._cta_barrier
     # One warp copies: the TMA copies are issued by one thread, the activation rows by the warp's 32 threads (each
     # thread's cp.async copies arrive on the stage's barrier when they land).
     _PRODUCER_WARPS = gl.constexpr(1)
@@ -204,11 +205,8 @@ if unavailable_reason is None:
             gl.store(ws + sid * split_stride, acc_a, mask=ok)
             if GATED:
                 gl.store(ws + sid * split_stride + n_out * BN, acc_b, mask=ok)
-            _cta_barrier()  # every MMA thread's partial sums come before the release below
-            arrived = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            last = arrived == SPLIT - 1
+            last = last_to_arrive(cnt_ptr + tile, SPLIT)
             if last:
-                gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
                 acc_a = gl.zeros([BN, BT], gl.float32, MMA16)
                 acc_b = gl.zeros([BN, BT], gl.float32, MMA16)
                 for s in range(SPLIT):  # slice order: the Triton decode kernels' sums, bit for bit

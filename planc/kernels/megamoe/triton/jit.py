@@ -324,6 +324,20 @@ if triton is not None:
         return tl.reshape(q, (BN, BT)).to(tl.bfloat16)  # exact: an e4m3 value times a power of two
 
     @triton.jit
+    def last_to_arrive(cnt_ptr, contributors):
+        """Count this program's arrival at its output tile (after its partial sums are stored) and say whether it is
+        the last of the tile's `contributors` (the split, or the stream-K schedule's count for the tile): then every
+        other contributor's partials are visible to it (release by each, acquire by the last) and it puts the
+        counter back to 0 for the next launch. The split-K decode kernels' protocol, Triton's and Gluon's
+        (`decode`, `hopper_decode`)."""
+        tl.debug_barrier()  # every thread's partial-sum stores come before the release below
+        arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+        last = arrived == contributors - 1
+        if last:
+            tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+        return last
+
+    @triton.jit
     def tile_ids(num_n):
         """(block, N tile, number of blocks) of this program in a 1-D grid whose N tiles of one block are neighbours:
         the programs running at once then read a few experts' weights in whole K slabs and share their rows (V4 at
