@@ -1,20 +1,22 @@
-"""The split-K decode GEMMs for Hopper in Gluon, warp-specialized: a producer warp streams the weights by TMA.
+"""The split-K decode GEMMs for Hopper in Gluon, warp-specialized: a producer warp streams each K tile's copies.
 
-Why: the Triton decode kernels (`decode`) issue ~240 instructions per warp per 64-deep L1 K tile, of which the FP4
-expansion is 104; the rest is the cp.async pipeline's bookkeeping (every warp computes and issues its share of each
-stage's copies, waits for them, meets the others at a CTA barrier, fences) and wgmma's operand handling. At a
-~3 TB/s read an SM must retire an L1 K tile every ~340 cycles: ~70% of its issue slots, so the kernels are close to
-issue-bound at 1 token. Here the copies leave the MMA warps: one producer warp (`gl.warp_specialize`) issues each K
-tile's weight words and scale words as TMA copies and the block's activation rows as cp.async copies, all
-completing on the stage's `ready` mbarrier; the four MMA warps wait on it, expand (`hopper_prefill.expand_operand`,
-the same instructions), multiply (async wgmma, 64 weight rows x the block's 16 rows) and free the stage on its
-`empty` mbarrier once the wgmma that read it is retired.
+Why: profiled on an H100 at 1 token (docs/megamoe.md, "Where the decode time goes"), the Triton decode kernels
+(`decode`) keep two thirds to three quarters of the issue slots busy and lose most cycles to warps that were ready
+but not selected: they are bound by the instructions they issue. Their L1 K loop issues ~240 instructions per warp
+per 64-deep K tile, of which the FP4 expansion is 104; the rest is the cp.async pipeline (every warp computes and
+issues its share of each stage's copies, waits, meets the others at a CTA barrier, fences) and the wgmma's operand
+handling. Here the copies leave the MMA warps: one producer warp (`gl.warp_specialize`) issues each K tile's weight
+words and scale words as TMA copies and the block's activation rows as cp.async copies, all completing on the
+stage's `ready` mbarrier; the four MMA warps wait on it, expand (`hopper_prefill.expand_operand`, the same
+instructions) and multiply, then free the stage on its `empty` mbarrier. `KernelConfig.decode_ws` picks the MMA:
+1 wgmma (the Triton kernels' instruction and K order: their bits; measured slower on an H100, its MMA warps stalled
+at the warpgroup's syncs), 2 mma.sync, each MMA warp on its own 16 rows (166 instructions per L1 K tile compiled,
+against 240; not yet timed on a GPU).
 
-The schedule and numerics are `decode`'s split-K kernels': one program per (block, N tile, K slice), the slices'
-FP32 partial sums stored and added in slice order by the tile's last program to arrive (an acquire-release
-counter, left at 0), which runs the epilogue (L1: `jit.swiglu_requant`; L2: BF16 rounding into each row's slot).
-The wgmma and its K order are the Triton kernels', so the outputs are their bits. Gluon has no CPU interpreter:
-`tests/kernels/megamoe/test_hopper_decode_compile.py` compiles the kernels for sm_90 on CPU and the `gpu` tests run
+The schedule is `decode`'s split-K grid: one program per (block, N tile, K slice), the slices' FP32 partial sums
+stored and added in slice order by the tile's last program to arrive (`jit.last_to_arrive`), which runs the epilogue
+(L1: `jit.swiglu_requant`; L2: BF16 rounding into each row's slot). Gluon has no CPU interpreter:
+`tests/kernels/megamoe/test_hopper_prefill_compile.py` compiles the kernels for sm_90 on CPU and the `gpu` tests run
 them against the Triton decode kernels.
 """
 
@@ -40,7 +42,7 @@ if unavailable_reason is None:
 if unavailable_reason is None:
     from planc.kernels.megamoe.triton.jit import last_to_arrive  # Triton functions compile inside Gluon kernels
 
-    _async_load = hp._async_load
+    async_load = hp.async_load
     # One warp copies: the TMA copies are issued by one thread, the activation rows by the warp's 32 threads (each
     # thread's cp.async copies arrive on the stage's barrier when they land).
     _PRODUCER_WARPS = gl.constexpr(1)
@@ -79,69 +81,70 @@ if unavailable_reason is None:
             s = i % STAGES
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # a new barrier passes phase 1 at once
             bar = ready.index(s)
-            _async_load(x_s.index(s), x_ptrs + i * 64, mask=x_ok)
+            async_load(x_s.index(s), x_ptrs + i * 64, mask=x_ok)
             _cp.mbarrier_arrive(bar, increment_count=False)  # one of the barrier's 32 + 1 arrivals per thread
             mbarrier.expect(bar, nbytes)
             row = wa_row0 + (k0 + i) * num_g
-            hpws._tma_load(w_desc, [row, 0], bar, wa_s.index(s))
-            hpws._tma_load(s_desc, [row // G, 0], bar, sa_s.index(s))
+            hpws.tma_load(w_desc, [row, 0], bar, wa_s.index(s))
+            hpws.tma_load(s_desc, [row // G, 0], bar, sa_s.index(s))
             if GATED:
                 row = wb_row0 + (k0 + i) * num_g
-                hpws._tma_load(w_desc, [row, 0], bar, wb_s.index(s))
-                hpws._tma_load(s_desc, [row // G, 0], bar, sb_s.index(s))
+                hpws.tma_load(w_desc, [row, 0], bar, wb_s.index(s))
+                hpws.tma_load(s_desc, [row // G, 0], bar, sb_s.index(s))
 
     @gluon.jit
-    def _operand(w_s, s_s, s, BN: gl.constexpr, LARGE: gl.constexpr, num_warps: gl.constexpr):
-        """Stage s's weight tile as the A operand of the 16-column wgmma (A's layout does not depend on N)."""
-        MMA16: gl.constexpr = hp.mma_layout(num_warps, 16)
-        AL16: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA16, k_width=2)
-        op, p0, p1, p2, p3 = hpws._operand(w_s, s_s, s, BN, LARGE, num_warps)
-        return gl.convert_layout(op, AL16, assert_trivial=True), p0, p1, p2, p3
+    def operand_bt(w_s, s_s, s, BN: gl.constexpr, BT: gl.constexpr, LARGE: gl.constexpr, num_warps: gl.constexpr):
+        """Stage s's weight tile as the A operand of the BT-column wgmma (A's layout does not depend on N)."""
+        MMA: gl.constexpr = hp.mma_layout(num_warps, BT)
+        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        op, p0, p1, p2, p3 = hpws.operand(w_s, s_s, s, BN, LARGE, num_warps)
+        return gl.convert_layout(op, AL, assert_trivial=True), p0, p1, p2, p3
 
     @gluon.jit
-    def _mma_loop(wa_s, sa_s, wb_s, sb_s, x_s, ready, empty, k_tiles, BN: gl.constexpr, STAGES: gl.constexpr,
-                  GATED: gl.constexpr, LARGE: gl.constexpr, num_warps: gl.constexpr):
-        """FP32 sums [BN, 16] over the slice's K tiles: L1 (GATED) the gate and up rows, each expanded while the
-        other's wgmma runs; L2 K tiles in pairs into one accumulator (k_tiles even). A wgmma reads its operand
-        registers until it is waited for: p* / q* keep them alive through each wait (`hopper_prefill`)."""
-        MMA16: gl.constexpr = hp.mma_layout(num_warps, 16)
+    def _mma_loop(wa_s, sa_s, wb_s, sb_s, x_s, ready, empty, k_tiles, BN: gl.constexpr, BT: gl.constexpr,
+                  STAGES: gl.constexpr, GATED: gl.constexpr, LARGE: gl.constexpr, num_warps: gl.constexpr):
+        """FP32 sums [BN, BT] over the slice's K tiles on wgmma: L1 (GATED) the gate and up rows, L2 K tiles in pairs
+        into one accumulator (k_tiles even), each operand's MMA issued before the other is expanded (under the decode
+        register caps ptxas waits for each wgmma at once in L1). A wgmma reads its operand registers until it is
+        waited for: p* / q* keep them alive through each wait (`hopper_prefill`)."""
+        ACC: gl.constexpr = hp.mma_layout(num_warps, BT)
         WL: gl.constexpr = hp.words_layout(num_warps)
         G: gl.constexpr = BN // 16
-        acc_a = gl.zeros([BN, 16], gl.float32, MMA16)
-        acc_b = gl.zeros([BN, 16], gl.float32, MMA16)
+        acc_a = gl.zeros([BN, BT], gl.float32, ACC)
+        acc_b = gl.zeros([BN, BT], gl.float32, ACC)
         WZ = gl.zeros([G, 32, 4], gl.int32, WL)
         p0, p1, p2, p3, q0, q1, q2, q3 = WZ, WZ, WZ, WZ, WZ, WZ, WZ, WZ
         if GATED:
             for i in range(k_tiles):
-                s = hpws._stage(ready, i, STAGES)
+                s = hpws.wait_stage(ready, i, STAGES)
                 x_t = x_s.index(s).permute((1, 0))
-                opa, p0, p1, p2, p3 = _operand(wa_s, sa_s, s, BN, LARGE, num_warps)
+                opa, p0, p1, p2, p3 = operand_bt(wa_s, sa_s, s, BN, BT, LARGE, num_warps)
                 acc_a = warpgroup_mma(opa, x_t, acc_a, is_async=True)
                 acc_a, acc_b, p0, p1, p2, p3, q0, q1, q2, q3 = warpgroup_mma_wait(
                     1, deps=(acc_a, acc_b, p0, p1, p2, p3, q0, q1, q2, q3))
                 if i > 0:  # tile i - 1's up MMA is retired: its stage is free
-                    hpws._release(empty, i - 1, STAGES)
-                opb, q0, q1, q2, q3 = _operand(wb_s, sb_s, s, BN, LARGE, num_warps)
+                    hpws.release_stage(empty, i - 1, STAGES)
+                opb, q0, q1, q2, q3 = operand_bt(wb_s, sb_s, s, BN, BT, LARGE, num_warps)
                 acc_b = warpgroup_mma(opb, x_t, acc_b, is_async=True)
                 acc_a, acc_b, p0, p1, p2, p3, q0, q1, q2, q3 = warpgroup_mma_wait(
                     1, deps=(acc_a, acc_b, p0, p1, p2, p3, q0, q1, q2, q3))
         else:
             for i in range(0, k_tiles, 2):
-                s = hpws._stage(ready, i, STAGES)
-                opa, p0, p1, p2, p3 = _operand(wa_s, sa_s, s, BN, LARGE, num_warps)
+                s = hpws.wait_stage(ready, i, STAGES)
+                opa, p0, p1, p2, p3 = operand_bt(wa_s, sa_s, s, BN, BT, LARGE, num_warps)
                 acc_a = warpgroup_mma(opa, x_s.index(s).permute((1, 0)), acc_a, is_async=True)
                 acc_a, p0, p1, p2, p3, q0, q1, q2, q3 = warpgroup_mma_wait(
                     1, deps=(acc_a, p0, p1, p2, p3, q0, q1, q2, q3))
                 if i > 0:
-                    hpws._release(empty, i - 1, STAGES)
-                t = hpws._stage(ready, i + 1, STAGES)
-                opb, q0, q1, q2, q3 = _operand(wa_s, sa_s, t, BN, LARGE, num_warps)
+                    hpws.release_stage(empty, i - 1, STAGES)
+                t = hpws.wait_stage(ready, i + 1, STAGES)
+                opb, q0, q1, q2, q3 = operand_bt(wa_s, sa_s, t, BN, BT, LARGE, num_warps)
                 acc_a = warpgroup_mma(opb, x_s.index(t).permute((1, 0)), acc_a, is_async=True)
                 acc_a, p0, p1, p2, p3, q0, q1, q2, q3 = warpgroup_mma_wait(
                     1, deps=(acc_a, p0, p1, p2, p3, q0, q1, q2, q3))
-                hpws._release(empty, i, STAGES)
+                hpws.release_stage(empty, i, STAGES)
         acc_a, acc_b = warpgroup_mma_wait(0, deps=(acc_a, acc_b))
-        hpws._release(empty, k_tiles - 1, STAGES)
+        hpws.release_stage(empty, k_tiles - 1, STAGES)
         return acc_a, acc_b
 
     @triton.constexpr_function
@@ -150,26 +153,28 @@ if unavailable_reason is None:
         return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
 
     @triton.constexpr_function
-    def _acc_layout(num_warps, sync_mma):
-        return _mma2_layout(num_warps) if sync_mma else hp.mma_layout(num_warps, 16)
+    def _acc_layout(num_warps, sync_mma, bt):
+        """The [BN, BT] accumulators' layout: mma.sync's, or the BT-column wgmma's."""
+        return _mma2_layout(num_warps) if sync_mma else hp.mma_layout(num_warps, bt)
 
     @gluon.jit
     def _mma2_loop(wa_s, sa_s, wb_s, sb_s, x_s, ready, empty, k_tiles, BN: gl.constexpr, BT: gl.constexpr,
                    STAGES: gl.constexpr, GATED: gl.constexpr, LARGE: gl.constexpr, num_warps: gl.constexpr):
         """`_mma_loop` on mma.sync: each warp multiplies its own 16 rows (the expanded words are already that
-        instruction's A fragments) by the activation tile it loads from the stage, and frees the stage by its own
-        threads' arrivals (the `empty` barrier counts every MMA thread): no warpgroup sync and no CTA barrier."""
+        instruction's A fragments) by the activation tile it loads from the stage (`ldmatrix`), and frees the stage
+        by its own threads' arrivals (the `empty` barrier counts every MMA thread): no warpgroup sync, and the one
+        barrier of the K loop is the MMA warps' own that Triton puts before each stage's wait."""
         MMA2: gl.constexpr = _mma2_layout(num_warps)
         AL2: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA2, k_width=2)
         BL2: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA2, k_width=2)
         acc_a = gl.zeros([BN, BT], gl.float32, MMA2)
         acc_b = gl.zeros([BN, BT], gl.float32, MMA2)
         for i in range(k_tiles):
-            s = hpws._stage(ready, i, STAGES)
+            s = hpws.wait_stage(ready, i, STAGES)
             x = x_s.index(s).permute((1, 0)).load(BL2)
-            opa = gl.convert_layout(hpws._operand(wa_s, sa_s, s, BN, LARGE, num_warps)[0], AL2, assert_trivial=True)
+            opa = gl.convert_layout(hpws.operand(wa_s, sa_s, s, BN, LARGE, num_warps)[0], AL2, assert_trivial=True)
             if GATED:
-                opb = gl.convert_layout(hpws._operand(wb_s, sb_s, s, BN, LARGE, num_warps)[0], AL2,
+                opb = gl.convert_layout(hpws.operand(wb_s, sb_s, s, BN, LARGE, num_warps)[0], AL2,
                                         assert_trivial=True)
             acc_a = mma_v2(opa, x, acc_a)
             if GATED:
@@ -187,19 +192,19 @@ if unavailable_reason is None:
         """The MMA warps: the slice's sums, then (SPLIT 1, or the tile's last slice to arrive, after adding the
         slices' partials in slice order) the epilogue: L1's SwiGLU into the block's activation rows, L2's BF16
         rows into their slots."""
-        MMA16: gl.constexpr = _acc_layout(num_warps, SYNC_MMA)
+        ACC: gl.constexpr = _acc_layout(num_warps, SYNC_MMA, BT)
         if SYNC_MMA:
             acc_a, acc_b = _mma2_loop(wa_s, sa_s, wb_s, sb_s, x_s, ready, empty, k_tiles, BN, BT, STAGES, GATED,
                                       LARGE, num_warps)
         else:
-            acc_a, acc_b = _mma_loop(wa_s, sa_s, wb_s, sb_s, x_s, ready, empty, k_tiles, BN, STAGES, GATED, LARGE,
-                                     num_warps)
+            acc_a, acc_b = _mma_loop(wa_s, sa_s, wb_s, sb_s, x_s, ready, empty, k_tiles, BN, BT, STAGES, GATED,
+                                     LARGE, num_warps)
         last = True
         if SPLIT > 1:
             width = n_out * BN * (2 if GATED else 1)  # a workspace row: L1 the gate then the up sums
-            t = gl.arange(0, BT, layout=gl.SliceLayout(0, MMA16))
+            t = gl.arange(0, BT, layout=gl.SliceLayout(0, ACC))
             ok = (t < nrows)[None, :]
-            n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA16))
+            n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
             ws = ws_ptr + (pid_b * BT + t)[None, :].to(gl.int64) * width + n[:, None]
             split_stride = num_blocks.to(gl.int64) * BT * width
             gl.store(ws + sid * split_stride, acc_a, mask=ok)
@@ -207,18 +212,18 @@ if unavailable_reason is None:
                 gl.store(ws + sid * split_stride + n_out * BN, acc_b, mask=ok)
             last = last_to_arrive(cnt_ptr + tile, SPLIT)
             if last:
-                acc_a = gl.zeros([BN, BT], gl.float32, MMA16)
-                acc_b = gl.zeros([BN, BT], gl.float32, MMA16)
+                acc_a = gl.zeros([BN, BT], gl.float32, ACC)
+                acc_b = gl.zeros([BN, BT], gl.float32, ACC)
                 for s in range(SPLIT):  # slice order: the Triton decode kernels' sums, bit for bit
                     acc_a += gl.load(ws + s * split_stride, mask=ok, other=0.0, cache_modifier=".cg")
                     if GATED:
                         acc_b += gl.load(ws + s * split_stride + n_out * BN, mask=ok, other=0.0, cache_modifier=".cg")
         if last:
             if GATED:
-                hp._l1_store(acc_a, acc_b, out_ptr, sorted_ptr, weight_ptr, row0, 0, nrows, pid_b * BT, pid_n * BN,
-                             stride_out, clamp, HAS_CLAMP, MMA16)
+                hp.l1_store(acc_a, acc_b, out_ptr, sorted_ptr, weight_ptr, row0, 0, nrows, pid_b * BT, pid_n * BN,
+                             stride_out, clamp, HAS_CLAMP, ACC)
             else:
-                hp._l2_store(acc_a, out_ptr, sorted_ptr, row0, 0, nrows, pid_n * BN, stride_out, MMA16)
+                hp.l2_store(acc_a, out_ptr, sorted_ptr, row0, 0, nrows, pid_n * BN, stride_out, ACC)
 
     @gluon.jit
     def decode_ws_kernel(
@@ -289,7 +294,7 @@ def decode_ws_forward(x, routed, weights, experts, out, act, ws1, ws2, counters,
     """`decode.decode_forward`'s L1 and L2 as the warp-specialized kernels (`KernelConfig.decode_ws`): the same
     activation rows, workspaces, counters and outputs; `s1w` / `s2w` the scale bytes as int32 words."""
     if unavailable_reason is not None:
-        raise RuntimeError(f"KernelConfig(decode_ws=1) runs the warp-specialized decode kernels, but "
+        raise RuntimeError(f"KernelConfig(decode_ws={config.decode_ws}) runs the warp-specialized decode kernels, but "
                            f"{unavailable_reason}: use decode_ws=0 (the Triton decode kernels)")
     sorted_slots, block_expert, block_row, block_end = routed
     hidden, inter, num_local = experts.hidden, experts.intermediate, experts.num_local_experts

@@ -40,7 +40,7 @@ if hp.gluon is not None:
 
     from planc.kernels.megamoe.triton.jit import _e4m3_bits, _pow2_ceil_exponent, bf16_rne, swiglu
 
-    _async_load = hp._async_load
+    async_load = hp.async_load
     _cta_barrier = hp._cta_barrier
 
     # A word (8 codes, `layout.shuffle_fp4_e4m3`) and its table -> A registers h = 0 (codes 0-3) and h = 1 (4-7).
@@ -166,13 +166,13 @@ if hp.gluon is not None:
         """cp.async K block `kb` (the last one again past the end) into stage `stage`: the words and scale words of
         one or two operands, the activation tile and its block scales; one commit group."""
         k = gl.minimum(kb, k_blocks - 1)
-        _async_load(wa_s.index(stage), wa_ptrs + k * step)
-        _async_load(sa_s.index(stage), sa_ptrs + k * n_rows)
+        async_load(wa_s.index(stage), wa_ptrs + k * step)
+        async_load(sa_s.index(stage), sa_ptrs + k * n_rows)
         if GATED:
-            _async_load(wb_s.index(stage), wb_ptrs + k * step)
-            _async_load(sb_s.index(stage), sb_ptrs + k * n_rows)
-        _async_load(x_s.index(stage), x_ptrs + k * 128)
-        _async_load(sx_s.index(stage), sx_ptrs + k * total_rows)
+            async_load(wb_s.index(stage), wb_ptrs + k * step)
+            async_load(sb_s.index(stage), sb_ptrs + k * n_rows)
+        async_load(x_s.index(stage), x_ptrs + k * 128)
+        async_load(sx_s.index(stage), sx_ptrs + k * total_rows)
         _cp.commit_group()
 
     @gluon.jit

@@ -57,7 +57,7 @@ def gluon_unavailable_reason(device: torch.device | None) -> str | None:
 
 if gluon is not None:
     # Renamed between Triton releases (3.6 names on the right).
-    _async_load = getattr(_cp, "async_load", None) or _cp.async_copy_global_to_shared
+    async_load = getattr(_cp, "async_load", None) or _cp.async_copy_global_to_shared
     _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
     # Triton functions compile inside Gluon kernels (with layouts inferred from their arguments): one copy of the
     # expansion's instructions and of the epilogue's numerics, in `jit`; `tile_ids` is the grid order (one block's
@@ -134,14 +134,14 @@ if gluon is not None:
         """cp.async the K tile `tile` (the last one again past the end) into shared-memory stage `stage`: weight
         words and scale words (one or two operands) and the activation tiles; one commit group."""
         k = gl.minimum(tile, k_tiles - 1)
-        _async_load(wa_s.index(stage), w_base + k * step + wa_off)
-        _async_load(sa_s.index(stage), s_base + k * sstep + sa_off)
+        async_load(wa_s.index(stage), w_base + k * step + wa_off)
+        async_load(sa_s.index(stage), s_base + k * sstep + sa_off)
         if GATED:
-            _async_load(wb_s.index(stage), w_base + k * step + wb_off)
-            _async_load(sb_s.index(stage), s_base + k * sstep + sb_off)
-        _async_load(x_s.index(stage), x0 + k * 64)
+            async_load(wb_s.index(stage), w_base + k * step + wb_off)
+            async_load(sb_s.index(stage), s_base + k * sstep + sb_off)
+        async_load(x_s.index(stage), x0 + k * 64)
         if EXTRA > 0:
-            _async_load(xt_s.index(stage), x1 + k * 64)
+            async_load(xt_s.index(stage), x1 + k * 64)
         _cp.commit_group()
 
     @gluon.jit
@@ -266,7 +266,7 @@ if gluon is not None:
         return pid_b, pid_n, expert, row0, nrows
 
     @gluon.jit
-    def _l1_store(acc_g, acc_u, out_ptr, sorted_ptr, weight_ptr, row0, t0, nrows, out_row0, offs0, stride_out,
+    def l1_store(acc_g, acc_u, out_ptr, sorted_ptr, weight_ptr, row0, t0, nrows, out_row0, offs0, stride_out,
                   clamp, HAS_CLAMP: gl.constexpr, L: gl.constexpr):
         """L1's epilogue (`jit.swiglu_requant`) on rows t0.. of the block, stored at their block rows."""
         BN: gl.constexpr = acc_g.shape[0]
@@ -295,13 +295,13 @@ if gluon is not None:
                                        BN, STAGES, EXTRA, True, LARGE, num_warps)
         MMA: gl.constexpr = mma_layout(num_warps, 64)
         MMA16: gl.constexpr = mma_layout(num_warps, 16)
-        _l1_store(g0, u0, out_ptr, sorted_ptr, weight_ptr, row0, 0, nrows, out_row0, offs0, stride_out, clamp,
+        l1_store(g0, u0, out_ptr, sorted_ptr, weight_ptr, row0, 0, nrows, out_row0, offs0, stride_out, clamp,
                   HAS_CLAMP, MMA)
         if EXTRA > 0:
-            _l1_store(g1, u1, out_ptr, sorted_ptr, weight_ptr, row0, 64, nrows, out_row0, offs0, stride_out, clamp,
+            l1_store(g1, u1, out_ptr, sorted_ptr, weight_ptr, row0, 64, nrows, out_row0, offs0, stride_out, clamp,
                       HAS_CLAMP, MMA16)
             if EXTRA > 1:
-                _l1_store(g2, u2, out_ptr, sorted_ptr, weight_ptr, row0, 80, nrows, out_row0, offs0, stride_out,
+                l1_store(g2, u2, out_ptr, sorted_ptr, weight_ptr, row0, 80, nrows, out_row0, offs0, stride_out,
                           clamp, HAS_CLAMP, MMA16)
 
     @gluon.jit
@@ -344,7 +344,7 @@ if gluon is not None:
                           clamp, HAS_CLAMP, BN, STAGES, 2, LARGE, ROWS, num_warps)
 
     @gluon.jit
-    def _l2_store(acc, out_ptr, sorted_ptr, row0, t0, nrows, offs0, stride_out, L: gl.constexpr):
+    def l2_store(acc, out_ptr, sorted_ptr, row0, t0, nrows, offs0, stride_out, L: gl.constexpr):
         """L2's rows t0.. of the block, rounded to BF16, to their (token, slot) rows."""
         R: gl.constexpr = acc.shape[1]
         t = t0 + gl.arange(0, R, layout=gl.SliceLayout(0, L))
@@ -357,12 +357,12 @@ if gluon is not None:
     @gluon.jit
     def l2_stores(a0, a1, a2, out_ptr, sorted_ptr, row0, nrows, offs0, stride_out, EXTRA: gl.constexpr,
                    num_warps: gl.constexpr):
-        """The block's 64 main rows and its 0-2 16-row tails (`_l2_store`)."""
-        _l2_store(a0, out_ptr, sorted_ptr, row0, 0, nrows, offs0, stride_out, mma_layout(num_warps, 64))
+        """The block's 64 main rows and its 0-2 16-row tails (`l2_store`)."""
+        l2_store(a0, out_ptr, sorted_ptr, row0, 0, nrows, offs0, stride_out, mma_layout(num_warps, 64))
         if EXTRA > 0:
-            _l2_store(a1, out_ptr, sorted_ptr, row0, 64, nrows, offs0, stride_out, mma_layout(num_warps, 16))
+            l2_store(a1, out_ptr, sorted_ptr, row0, 64, nrows, offs0, stride_out, mma_layout(num_warps, 16))
             if EXTRA > 1:
-                _l2_store(a2, out_ptr, sorted_ptr, row0, 80, nrows, offs0, stride_out, mma_layout(num_warps, 16))
+                l2_store(a2, out_ptr, sorted_ptr, row0, 80, nrows, offs0, stride_out, mma_layout(num_warps, 16))
 
     @gluon.jit
     def _l2_block(a_ptr, w_base, s_base, w_off, s_off, num_g, k_tiles, stride_a, sorted_ptr, out_ptr, stride_out,

@@ -38,7 +38,7 @@ if hp.gluon is not None:
 
 if unavailable_reason is None:
     # Renamed in Triton 3.9 (3.6 name on the right; 3.9 keeps it only to raise).
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     # Registers per thread of the producer warp's warpgroup; the MMA warps get the rest of the launch's cap.
     PRODUCER_REGS = gl.constexpr(24)
 
@@ -58,14 +58,14 @@ if unavailable_reason is None:
         return gl.convert_layout(s, gl.SliceLayout(2, WL), assert_trivial=True)
 
     @gluon.jit
-    def _stage(ready, i, STAGES: gl.constexpr):
+    def wait_stage(ready, i, STAGES: gl.constexpr):
         """Wait for K tile i's copies; returns its stage."""
         s = i % STAGES
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         return s
 
     @gluon.jit
-    def _operand(w_s, s_s, s, BN: gl.constexpr, LARGE: gl.constexpr, num_warps: gl.constexpr):
+    def operand(w_s, s_s, s, BN: gl.constexpr, LARGE: gl.constexpr, num_warps: gl.constexpr):
         """Stage s's weight tile expanded to the wgmma A operand (`hopper_prefill.expand_operand`)."""
         G: gl.constexpr = BN // 16
         WL: gl.constexpr = hp.words_layout(num_warps)
@@ -75,7 +75,7 @@ if unavailable_reason is None:
         return hp.expand_operand(words, _scales(s_s.index(s).reshape((G, 8)), WL, num_warps), BN, LARGE, AL)
 
     @gluon.jit
-    def _release(empty, i, STAGES: gl.constexpr):
+    def release_stage(empty, i, STAGES: gl.constexpr):
         """Free K tile i's stage for the producer: its MMAs are retired and its words are in registers. The proxy
         fence orders this partition's shared-memory reads (generic proxy) before the producer's next TMA writes of
         the stage (async proxy), as Triton's warp-specialization tutorial does; without it the H200 gives the same
@@ -99,20 +99,20 @@ if unavailable_reason is None:
         pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3 = WZ, WZ, WZ, WZ, WZ, WZ, WZ, WZ
         for i in range(0, k_tiles, 2):
             # K tile i: expand and issue while tile i - 1's MMAs run; once they are retired, free its stage.
-            s = _stage(ready, i, STAGES)
-            opa, pa0, pa1, pa2, pa3 = _operand(w_s, s_s, s, BN, LARGE, num_warps)
+            s = wait_stage(ready, i, STAGES)
+            opa, pa0, pa1, pa2, pa3 = operand(w_s, s_s, s, BN, LARGE, num_warps)
             a0, a1, a2, _a16 = hp.issue_mma(opa, x_s.index(s).permute((1, 0)), xt_s.index(s), a0, a1, a2, AL16, EXTRA)
             a0, a1, a2, pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3 = warpgroup_mma_wait(
                 1 + EXTRA, deps=(a0, a1, a2, pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3))
             if i > 0:
-                _release(empty, i - 1, STAGES)
+                release_stage(empty, i - 1, STAGES)
             # K tile i + 1 (k_tiles is even), into the same accumulators.
-            t = _stage(ready, i + 1, STAGES)
-            opb, pb0, pb1, pb2, pb3 = _operand(w_s, s_s, t, BN, LARGE, num_warps)
+            t = wait_stage(ready, i + 1, STAGES)
+            opb, pb0, pb1, pb2, pb3 = operand(w_s, s_s, t, BN, LARGE, num_warps)
             a0, a1, a2, _b16 = hp.issue_mma(opb, x_s.index(t).permute((1, 0)), xt_s.index(t), a0, a1, a2, AL16, EXTRA)
             a0, a1, a2, pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3 = warpgroup_mma_wait(
                 1 + EXTRA, deps=(a0, a1, a2, pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3))
-            _release(empty, i, STAGES)
+            release_stage(empty, i, STAGES)
         a0, a1, a2 = warpgroup_mma_wait(0, deps=(a0, a1, a2))
         return a0, a1, a2
 
@@ -160,10 +160,10 @@ if unavailable_reason is None:
             mbarrier.expect(bar, nbytes + tail_bytes, pred=tail)
             mbarrier.expect(bar, nbytes, pred=nrows <= 64)
             row = w_row0 + i * num_g  # the tile's first row group: words [G, 128], scale words [1, 8 G]
-            _tma_load(w_desc, [row, 0], bar, w_s.index(s))
-            _tma_load(s_desc, [row // G, 0], bar, s_s.index(s))
-            _tma_load(a_desc, [a_row0, i * 64], bar, x_s.index(s))
-            _tma_load(at_desc, [a_row0 + 64, i * 64], bar, xt_s.index(s), pred=tail)
+            tma_load(w_desc, [row, 0], bar, w_s.index(s))
+            tma_load(s_desc, [row // G, 0], bar, s_s.index(s))
+            tma_load(a_desc, [a_row0, i * 64], bar, x_s.index(s))
+            tma_load(at_desc, [a_row0 + 64, i * 64], bar, xt_s.index(s), pred=tail)
 
     @gluon.jit
     def l2_ws_kernel(
