@@ -243,7 +243,9 @@ FP8_CONFIGS: tuple[tuple[int, KernelConfig], ...] = ()
 # slower) measured no better, so the row sets none of them (docs/megamoe.md, "Launches at decode"). Nor stream-K
 # (`stream_k`): on an H100 (2026-12-06, commit 7579272) its best variant ran the layer 9-16% slower than this row at 1-8
 # tokens (116.9 against 107.0 µs at 1 token), and in K slices (commit 1e0c38f) 12-32% slower (docs/megamoe.md,
-# "Stream-K decode").
+# "Stream-K decode"). Nor the warp-specialized Gluon kernels (`decode_ws`): on wgmma they ran the layer 2-12% slower
+# on an H100 (2026-12-06, commit 7a45eb6: 108.7-119.1 against 106.4 µs at 1 token); on mma.sync (`decode_ws=2`) they
+# are not yet timed on a GPU (docs/megamoe.md, "Warp-specialized decode").
 DECODE_CONFIGS: tuple[tuple[int, KernelConfig], ...] = (
     (24, KernelConfig(block_t=16, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=6, prefetch=0,
                       decode=2)),
