@@ -562,3 +562,11 @@ def test_stream_k_decode_matches_the_reference(wide_experts, monkeypatch, num_to
 def test_stream_k_decode_refuses_a_second_schedule():
     with pytest.raises(ValueError, match="two schedules"):
         dataclasses.replace(DECODE, stream_k=4, persistent=1).fit(256, 128)
+
+
+@pytest.mark.parametrize("other", [dict(stream_k=4), dict(persistent=1), dict(pdl=1)])
+def test_warp_specialized_decode_refuses_another_schedule_or_pdl(other):
+    """`decode_ws` runs the split-K grid in two plain launches: a config that also asks for stream-K, the persistent
+    kernel or PDL is refused by name, not half-applied."""
+    with pytest.raises(ValueError, match=r"decode_ws=2\) runs the split-K grid in two plain launches"):
+        dataclasses.replace(DECODE, decode_ws=2, **other).fit(256, 128)

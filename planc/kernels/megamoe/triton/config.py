@@ -167,8 +167,9 @@ class KernelConfig:
             return max(s, 1)
 
         if self.decode_ws and (self.stream_k or self.persistent or self.pdl):
-            raise ValueError(f"KernelConfig(decode_ws=1) runs the split-K grid in two plain launches: set stream_k=0, "
-                             f"persistent=0 and pdl=0 (got {self.stream_k}, {self.persistent}, {self.pdl})")
+            raise ValueError(f"KernelConfig(decode_ws={self.decode_ws}) runs the split-K grid in two plain launches: "
+                             f"set stream_k=0, persistent=0 and pdl=0 (got {self.stream_k}, {self.persistent}, "
+                             f"{self.pdl})")
         if self.stream_k and self.persistent:
             raise ValueError(f"KernelConfig(stream_k={self.stream_k}, persistent=1) names two schedules of the decode "
                              f"kernels: set stream_k=0 (the persistent kernel) or persistent=0 (stream-K)")

@@ -18,7 +18,8 @@ one 64-deep K tile (4 KB of L1 words, 2 KB of L2 words) in flight: a few KB per 
 Launches per call: the prologue (`prologue_kernel`: routing, the tokens' BF16 values and the zeros of slots on no
 local expert, one launch; `KernelConfig.prologue=0`: three, as the general path), then L1 and L2, or both as one
 persistent launch (`decode_persistent_kernel`, `KernelConfig.persistent`: work items by ticket, an L2 item waiting
-for its block's L1 tiles). The general path has L1's reduction kernel besides.
+for its block's L1 tiles), or as the same split-K grid in Gluon with the copies in a producer warp (`hopper_decode`,
+`KernelConfig.decode_ws`). The general path has L1's reduction kernel besides.
 
 Numerics: the general path's (docs/megamoe.md, steps 3-6). L1 with the same `l1_split` sums the same FP32 partials
 in the same order as `jit.l1_reduce_kernel`; L2's split changes only the order of its FP32 sums.
