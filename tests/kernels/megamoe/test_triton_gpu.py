@@ -11,7 +11,7 @@ import torch
 
 from planc.kernels.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_experts_fp4, quantize_fp8
 from planc.kernels.megamoe.reference import DequantizedExperts, local_experts_forward
-from planc.kernels.megamoe.triton import decode, target
+from planc.kernels.megamoe.triton import decode, hopper_decode, target
 from planc.kernels.megamoe.triton.config import KernelConfig
 from planc.kernels.megamoe.triton.decode import arrival_counters
 from planc.kernels.megamoe.triton.forward import combine, device_config, triton_local_experts_forward
@@ -29,6 +29,11 @@ pytestmark = [
 ]
 
 NE, NH, NI, NK = 32, 2048, 1024, 6  # 32 experts, hidden 2048, intermediate 1024, top-6
+
+
+def decode_ws_unavailable() -> str | None:
+    """Why `hopper_decode` cannot run on this GPU, or None."""
+    return gluon_unavailable_reason(torch.device("cuda")) or hopper_decode.unavailable_reason
 
 
 def gpu_weights(seed=0):
@@ -145,7 +150,7 @@ def test_split_k_decode_on_deepseek_v4_shapes():
         split = dataclasses.replace(cfg, stream_k=0, l2_stream_k=0)  # the split-K grid, whatever the row picks
         base = out if split == cfg else triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0,
                                                                      activation_clamp=10.0, config=split)
-        ws = [] if gluon_unavailable_reason(torch.device("cuda")) else [dict(decode_ws=1, maxnreg=64, num_stages=4)]
+        ws = [] if decode_ws_unavailable() else [dict(decode_ws=1, maxnreg=64, num_stages=4)]
         for variant in (dict(persistent=1 - split.persistent), dict(prologue=1 - split.prologue),
                         dict(persistent=1, pdl=1, l2_stages=8), *ws):
             other = dataclasses.replace(split, **variant)  # the same partial sums in the same order: the same bits
@@ -233,11 +238,12 @@ def test_gluon_kernels_give_the_triton_kernels_bits(experts, config, num_tokens,
     check(out, local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=clamp))
 
 
-# The split-K decode grid as warp-specialized Gluon kernels (`hopper_decode`): the Triton decode kernels' bits.
+# The split-K decode grid as warp-specialized Gluon kernels (`hopper_decode`), on wgmma and on mma.sync.
 WS_DECODE = dict(decode_ws=1, maxnreg=64, num_stages=4)
 
 
-@needs_gluon
+@pytest.mark.skipif(torch.cuda.is_available() and decode_ws_unavailable() is not None,
+                    reason="the warp-specialized decode kernels run on Hopper with a Triton that builds them")
 @pytest.mark.parametrize("num_tokens", [1, 4])
 @pytest.mark.parametrize("fields", [WS_DECODE, dict(WS_DECODE, maxnreg=48, num_stages=6),
                                     dict(WS_DECODE, l1_split=1, l2_split=1), dict(WS_DECODE, decode_ws=2),
