@@ -66,9 +66,9 @@ def sass(cubin):
     return cuobjdump(cubin, "-sass")
 
 def loops(text):
-    """The instructions of each SASS loop that holds HGMMAs, QGMMAs or HMMAs (the K loops): from a backward branch's target to
-    it, conditional or (a loop whose test is at its top) unconditional within the kernel's body (an mbarrier wait's
-    retry code, past an EXIT, jumps back into the loop unconditionally: not a loop)."""
+    """The instructions of each SASS loop that holds HGMMAs, QGMMAs or HMMAs (the K loops): from a backward
+    branch's target to it, conditional or (a loop whose test is at its top) unconditional within the kernel's body
+    (an mbarrier wait's retry code, past an EXIT, jumps back into the loop unconditionally: not a loop)."""
     ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
            (re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in text.splitlines()) if m]
     at = {a: i for i, (a, _) in enumerate(ins)}
@@ -211,9 +211,9 @@ def test_warp_specialized_l2_keeps_its_mma_warps_to_expanding_and_multiplying(co
 
 @pytest.mark.skipif(hopper_decode.unavailable_reason is not None, reason=str(hopper_decode.unavailable_reason))
 def test_warp_specialized_decode_kernels_leave_the_copies_to_the_producer(compiled):
-    """`hopper_decode` (L1 gated, split in 4 and unsplit; L2 split in 2; 4 programs per SM at 64 registers, 5 at
-    48): 16-column wgmma on the expanded weights from registers, no spills and no writes into a wgmma operand in
-    flight in the K loops, no cp.async wait there and no barrier but the MMA warpgroup's own 128 threads (before one
+    """`hopper_decode` (L1 gated, split in 4 and unsplit; L2 split in 2): at 64 registers (4 programs per SM) the
+    16-column wgmma, at 48 (5 per SM) mma.sync, on the expanded weights from registers; no spills and no writes
+    into a wgmma operand in flight in the K loops, no cp.async wait there and no barrier but the MMA warpgroup's own 128 threads (before one
     thread frees a stage, and before a slice's partial sums are counted), the producer's warpgroup at its 24
     registers."""
     decode = {name: got for name, got in compiled.items() if name.startswith("DL")}
