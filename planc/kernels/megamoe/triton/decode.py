@@ -631,11 +631,6 @@ def decode_forward(x: torch.Tensor, routed, weights: torch.Tensor, experts, out:
         _stream_k_forward(x, routed, weights, experts, out, act, s1w, s2w, num_topk=num_topk, clamp=clamp,
                           config=config, interpret=interpret, pdl=pdl)
         return
-    if config.decode_ws:
-        hopper_decode.decode_ws_forward(x, routed, weights, experts, out, act, ws1, ws2,
-                                        arrival_counters(device, max(l1_tiles, l2_tiles)), s1w, s2w,
-                                        num_topk=num_topk, clamp=clamp, config=config)
-        return
     if config.persistent:
         # both kernels' arrival counters side by side, then per block its L1 tiles written, the ticket, the exits
         counters = arrival_counters(device, l1_tiles + l2_tiles + nblocks + 2)
@@ -653,6 +648,10 @@ def decode_forward(x: torch.Tensor, routed, weights: torch.Tensor, experts, out:
         )
         return
     counters = arrival_counters(device, max(l1_tiles, l2_tiles))
+    if config.decode_ws:  # the same split-K grid, in Gluon
+        hopper_decode.decode_ws_forward(x, routed, weights, experts, out, act, ws1, ws2, counters, s1w, s2w,
+                                        num_topk=num_topk, clamp=clamp, config=config)
+        return
     decode_l1_kernel[(l1_tiles, s1)](
         x, experts.w1, s1w, sorted_slots, weights, block_expert, block_row, block_end, act, ws1, counters,
         hidden, inter, num_topk, num_local,

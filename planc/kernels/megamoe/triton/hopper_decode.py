@@ -281,14 +281,6 @@ if unavailable_reason is None:
 DEFAULT_REGISTERS = {"maxnreg": 64}
 
 
-def _descriptors(w, sw, bn: int):
-    """TMA descriptors of one GEMM's weight words [G, 128] and scale words [1, 8 G] (`hopper_prefill_ws`)."""
-    _, plain = hpws.tma_layouts()
-    g = bn // 16
-    return (hpws.TensorDescriptor.from_tensor(w.view(-1, 128), [g, 128], plain),
-            hpws.TensorDescriptor.from_tensor(sw.view(-1, 8 * g), [1, 8 * g], plain))
-
-
 def decode_ws_forward(x, routed, weights, experts, out, act, ws1, ws2, counters, s1w, s2w, *, num_topk: int,
                       clamp: float | None, config) -> None:
     """`decode.decode_forward`'s L1 and L2 as the warp-specialized kernels (`KernelConfig.decode_ws`): the same
@@ -304,14 +296,14 @@ def decode_ws_forward(x, routed, weights, experts, out, act, ws1, ws2, counters,
                          f"{config.l2_split} slices leaves an odd number of 64-deep tiles per slice; halve l2_split")
     common = dict(BT=bt, STAGES=config.num_stages, LARGE=experts.large_scales, SYNC_MMA=config.decode_ws == 2,
                   num_warps=config.num_warps)
-    w_desc, s_desc = _descriptors(experts.w1, s1w, config.l1_n)
+    w_desc, s_desc = hpws.weight_descriptors(experts.w1, s1w, config.l1_n)
     decode_ws_kernel[(nblocks * (inter // config.l1_n), config.l1_split)](
         x, w_desc, s_desc, sorted_slots, weights, block_expert, block_row, block_end, act, ws1, counters,
         2 * inter, hidden, num_topk, num_local, x.stride(0), act.stride(0), 0.0 if clamp is None else clamp,
         GATED=True, HAS_CLAMP=clamp is not None, BN=config.l1_n, SPLIT=config.l1_split, **common,
         **(config.launch_registers() or DEFAULT_REGISTERS),
     )
-    w_desc, s_desc = _descriptors(experts.w2, s2w, config.l2_n)
+    w_desc, s_desc = hpws.weight_descriptors(experts.w2, s2w, config.l2_n)
     decode_ws_kernel[(nblocks * (hidden // config.l2_n), config.l2_split)](
         act, w_desc, s_desc, sorted_slots, weights, block_expert, block_row, block_end, out, ws2, counters,
         hidden, inter, num_topk, num_local, act.stride(0), out.stride(0), 0.0,

@@ -205,18 +205,24 @@ def tma_layouts() -> tuple:
             nvmma(swizzle_byte_width=0, element_bitwidth=32, rank=2))
 
 
-def descriptors(x, w, sw, *, rows: int, bn: int) -> tuple:
-    """The TMA descriptors of one GEMM's operands: the activation tile's 64 and `rows - 64` rows, the words [G, 128]
-    of one K tile's row groups and their scale words [1, 8 G] (`layout.shuffle_fp4`: per expert, K tile, row
-    group, 128 words and 8 scale words)."""
+def weight_descriptors(w, sw, bn: int) -> tuple:
+    """The TMA descriptors of one GEMM's weights: the words [G, 128] of one K tile's row groups and their scale words
+    [1, 8 G] (`layout.shuffle_fp4`: per expert, K tile, row group, 128 words and 8 scale words)."""
     g = bn // 16
-    x_layout, plain = tma_layouts()
+    _, plain = tma_layouts()
     words = w.view(-1, 128)  # views: the parameters are contiguous (a copy would be a second weight tensor)
     scales = sw.view(-1, 8 * g)
+    return (TensorDescriptor.from_tensor(words, [g, 128], plain),
+            TensorDescriptor.from_tensor(scales, [1, 8 * g], plain))
+
+
+def descriptors(x, w, sw, *, rows: int, bn: int) -> tuple:
+    """The TMA descriptors of one GEMM's operands: the activation tile's 64 and `rows - 64` rows, then
+    `weight_descriptors`."""
+    x_layout, _ = tma_layouts()
     return (TensorDescriptor.from_tensor(x, [64, 64], x_layout),
             TensorDescriptor.from_tensor(x, [rows - 64, 64], x_layout),
-            TensorDescriptor.from_tensor(words, [g, 128], plain),
-            TensorDescriptor.from_tensor(scales, [1, 8 * g], plain))
+            *weight_descriptors(w, sw, bn))
 
 
 def l2(act, w2, s2, sorted_slots, block_expert, block_row, block_end, out, *, hidden, large, config):
