@@ -48,11 +48,6 @@ if unavailable_reason is None:
     _PRODUCER_WARPS = gl.constexpr(1)
 
     @triton.constexpr_function
-    def _x_smem_layout():
-        """The activation tiles as wgmma's B operand reads them: 128-byte swizzled (`hopper_prefill_ws`)."""
-        return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-
-    @triton.constexpr_function
     def _x_layout():
         """The producer warp's [16, 64] activation tile: 8 BF16 (16 bytes) per thread and row, 4 rows per pass."""
         return gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
@@ -256,7 +251,7 @@ if unavailable_reason is None:
             else:  # not read
                 wb_s = wa_s
                 sb_s = sa_s
-            x_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, 64], _x_smem_layout())
+            x_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, 64], hp.x_tile_layout())
             ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             for s in gl.static_range(STAGES):

@@ -82,6 +82,12 @@ if gluon is not None:
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
 
     @triton.constexpr_function
+    def x_tile_layout():
+        """The activation tiles in shared memory as wgmma's B operand reads them, 128-byte swizzled: what the cp.async
+        copies here, the TMA copies of `hopper_prefill_ws` and the producer warp of `hopper_decode` write."""
+        return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+    @triton.constexpr_function
     def _x_layout(num_warps):
         return gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
 
@@ -193,7 +199,7 @@ if gluon is not None:
         MMA16: gl.constexpr = mma_layout(num_warps, 16)
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         AL16: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA16, k_width=2)
-        XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        XS: gl.constexpr = x_tile_layout()
         WS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
         SS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
         wa_s = gl.allocate_shared_memory(gl.int32, [STAGES, G, 32, 4], WS)

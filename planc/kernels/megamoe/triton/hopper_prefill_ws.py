@@ -200,9 +200,7 @@ if unavailable_reason is None:
 def tma_layouts() -> tuple:
     """The shared-memory layouts the copies write: activation tiles 128-byte swizzled (what wgmma reads), words and
     scale words as they are (each lane reads its own 16 bytes, conflict-free)."""
-    nvmma = gl.NVMMASharedLayout
-    return (nvmma(swizzle_byte_width=128, element_bitwidth=16, rank=2),
-            nvmma(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+    return hp.x_tile_layout(), gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
 def weight_descriptors(w, sw, bn: int) -> tuple:
