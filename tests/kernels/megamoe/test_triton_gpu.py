@@ -249,8 +249,10 @@ WS_DECODE = dict(decode_ws=1, maxnreg=64, num_stages=4)
                                     dict(WS_DECODE, l1_split=1, l2_split=1), dict(WS_DECODE, decode_ws=2),
                                     dict(WS_DECODE, decode_ws=2, maxnreg=40, num_stages=6),
                                     dict(WS_DECODE, decode_ws=2, l1_split=1, l2_split=1),
-                                    dict(WS_DECODE, decode_ws=2, block_t=8)],
-                         ids=["ws4", "ws6_r48", "unsplit", "sync", "sync_r40_s6", "sync_unsplit", "sync_bt8"])
+                                    dict(WS_DECODE, decode_ws=2, block_t=8),
+                                    dict(WS_DECODE, decode_ws=2, decode=1, l2_split=16)],  # 1 L2 K tile a slice
+                         ids=["ws4", "ws6_r48", "unsplit", "sync", "sync_r40_s6", "sync_unsplit", "sync_bt8",
+                              "sync_l2odd"])
 def test_warp_specialized_decode_gives_the_triton_decode_bits(experts, num_tokens, fields):
     """The same slices, K order and epilogues as the Triton decode kernels: with wgmma (`decode_ws=1`) the same
     bits; with mma.sync (2) the reference's numerics (the tensor cores' FP32 sums may round in another order) and the

@@ -286,9 +286,10 @@ def decode_ws_forward(x, routed, weights, experts, out, act, ws1, ws2, counters,
     sorted_slots, block_expert, block_row, block_end = routed
     hidden, inter, num_local = experts.hidden, experts.intermediate, experts.num_local_experts
     nblocks, bt = block_expert.numel(), config.block_t
-    if (inter // 64 // config.l2_split) % 2:
-        raise ValueError(f"the warp-specialized decode L2 takes its K tiles in pairs: intermediate {inter} in "
-                         f"{config.l2_split} slices leaves an odd number of 64-deep tiles per slice; halve l2_split")
+    if config.decode_ws == 1 and (inter // 64 // config.l2_split) % 2:
+        raise ValueError(f"the wgmma decode L2 (decode_ws=1) takes its K tiles in pairs: intermediate {inter} in "
+                         f"{config.l2_split} slices leaves an odd number of 64-deep tiles per slice; halve l2_split "
+                         f"or use decode_ws=2 (mma.sync, any number)")
     common = dict(BT=bt, STAGES=config.num_stages, LARGE=experts.large_scales, SYNC_MMA=config.decode_ws == 2,
                   num_warps=config.num_warps)
     w_desc, s_desc = hpws.weight_descriptors(experts.w1, s1w, config.l1_n)
