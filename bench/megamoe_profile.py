@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from planc.kernels.megamoe.quant import float_to_ue8m0_bytes, quantize_fp8
+from planc.kernels.megamoe.triton.config import KernelConfig
 from planc.kernels.megamoe.triton.forward import triton_local_experts_forward
 from planc.kernels.megamoe.triton.layout import PackedExperts
 
@@ -57,7 +58,11 @@ def main(argv=None):
     p.add_argument("--table", action="store_true", help="print torch.profiler's kernel table of the timed calls")
     p.add_argument("--decode-variant", default=None, choices=list(DECODE_VARIANTS),
                    help="run the decode rows as this variant (megamoe_gpu.py's `DECODE_VARIANTS`)")
+    p.add_argument("--config", default=None, metavar="INTS",
+                   help="run this KernelConfig instead of the table's pick: its fields as comma-separated ints, as "
+                        "in megamoe_gpu.py --configs (e.g. an FP8 Gluon config)")
     args = p.parse_args(argv)
+    args.config = KernelConfig(*(int(v) for v in args.config.split(","))) if args.config else None
     if args.decode_variant:
         with decode_row(**DECODE_VARIANTS[args.decode_variant]):
             return run(args)
@@ -75,7 +80,7 @@ def run(args):
 
     def call():
         return triton_local_experts_forward(q, sf, idx, weights, packed, first_expert=0,
-                                            activation_clamp=args.clamp)
+                                            activation_clamp=args.clamp, config=args.config)
 
     for _ in range(args.warmup):
         call()
