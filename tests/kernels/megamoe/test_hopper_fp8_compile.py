@@ -1,4 +1,4 @@
-"""The FP8 Gluon kernels (`hopper_fp8`) compiled for sm_90 here, without a GPU (Triton's compiler and ptxas, as
+"""The FP8 Gluon kernels (`hopper_fp8`, and `hopper_fp8_ws` warp-specialized) compiled for sm_90 here, without a GPU (Triton's compiler and ptxas, as
 `test_hopper_prefill_compile.py` does for the BF16 ones, with its SASS helpers). What a CPU can see: the kernels
 compile for the configs the benchmark sweeps; the e4m3 operand reaches the FP8 wgmma (QGMMA) from registers (the
 kernel asserts the layout: `expand_e4m3`'s `convert_layout(..., assert_trivial=True)`; no shared-memory store in the K
@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from planc.kernels.megamoe.triton import hopper_prefill
+from planc.kernels.megamoe.triton import hopper_fp8_ws, hopper_prefill, hopper_prefill_ws
 from tests.checkout_env import checkout_env
 from tests.kernels.megamoe.test_hopper_prefill_compile import COMPILE
 
@@ -24,17 +24,31 @@ pytestmark = pytest.mark.skipif(hopper_prefill.gluon is None, reason="this Trito
 
 # (layer, block rows, warps, stages, register cap): the configs `bench/megamoe_gpu.py --sweep` runs on the GPU
 VARIANTS = [("L1", 64, 8, 4, 0), ("L2", 64, 4, 4, 0)]
+# the warp-specialized kernels (`hopper_fp8_ws`, fp8=4) at their default cap and with 8 MMA warps
+WS_VARIANTS = [("L1WS", 64, 4, 4, 0), ("L2WS", 64, 4, 4, 0), ("L1WS", 64, 8, 4, 168)]
 
 FP8_COMPILE = COMPILE[:COMPILE.index("out = {}")] + r'''
 from planc.kernels.megamoe.triton import hopper_fp8
 POINTERS = {"x8_ptr": "*fp8e4nv", "a8_ptr": "*fp8e4nv", "out_ptr": "*bf16", "weight_ptr": "*fp32",
             "xs_ptr": "*fp32", "as_ptr": "*fp32", "outs_ptr": "*fp32", "tab_ptr": "*i64", "a32_ptr": "*fp32"}
 
+from planc.kernels.megamoe.triton import hopper_fp8_ws
+
+def ws_types(warps):
+    """`hopper_fp8_ws.descriptors`' TMA descriptor types, as the launcher names them."""
+    _, plain = hopper_prefill_ws.tma_layouts()
+    return {"w_desc": f"tensordesc<i32[{warps}, 256],{plain!r}>", "s_desc": f"tensordesc<i32[1, {16 * warps}],{plain!r}>"}
+
 out = {}
 for layer, rows, warps, stages, maxnreg in json.loads(sys.argv[1]):
     if layer == "L1":
         kernel = compile_sm90(hopper_fp8.l1_kernel, maxnreg, pointer_types={**POINTERS, "out_ptr": "*u8"},
                               HAS_CLAMP=True, ROWS=rows, STAGES=stages, num_warps=warps)
+    elif layer in ("L1WS", "L2WS"):  # the warp-specialized kernels (`hopper_fp8_ws`)
+        gated = layer == "L1WS"
+        kernel = compile_sm90(hopper_fp8_ws.fp8_ws_kernel, maxnreg or hopper_fp8_ws.DEFAULT_REGISTERS, ws_types(warps),
+                              {**POINTERS, "x_ptr": "*fp8e4nv", "out_ptr": "*u8" if gated else "*bf16"},
+                              GATED=gated, HAS_CLAMP=gated, ROWS=rows, STAGES=stages, num_warps=warps)
     else:
         kernel = compile_sm90(hopper_fp8.l2_kernel, maxnreg, pointer_types=POINTERS, ROWS=rows, STAGES=stages,
                               num_warps=warps)
@@ -51,7 +65,15 @@ for layer, rows, warps, stages, maxnreg in json.loads(sys.argv[1]):
         async_waits=sum("DEPBAR.LE gsb0, 0x1" in x for x in body),
         full_waits=sum("DEPBAR.LE gsb0, 0x0" in x for x in body),
         loops=len(k_loops),
-        in_flight_writes=in_flight_writes(text))
+        in_flight_writes=in_flight_writes(text),
+        loop_instructions=[len(b) for b in k_loops],
+        # per K loop: cp.async waits, CTA barriers, proxy fences; the threads each barrier there waits for
+        syncs=[[sum(bool(re.match(p, x)) for x in b) for p in (r"DEPBAR\.LE SB0", r"BAR\.SYNC", r"FENCE\.VIEW\.ASYNC")]
+               for b in k_loops],
+        barrier_threads=sorted({int(m.group(1), 16) for b in k_loops for x in b
+                                for m in [re.match(r"BAR\.SYNC\S*\s+0x[0-9a-f]+,\s*(0x[0-9a-f]+)", x)] if m}),
+        setmaxnreg=sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);",
+                                                       kernel.asm["ptx"])}))
 print(json.dumps(out))
 '''
 
@@ -68,12 +90,14 @@ def compile_variants(variants) -> dict:
 
 @pytest.fixture(scope="module")
 def compiled():
-    return compile_variants(VARIANTS)
+    return compile_variants(VARIANTS + WS_VARIANTS)
 
 
 def test_fp8_kernels_multiply_e4m3_registers_without_serializing_or_spilling(compiled):
-    assert len(compiled) == len(VARIANTS)
+    assert len(compiled) == len(VARIANTS + WS_VARIANTS)
     for name, got in compiled.items():
+        if "WS" in name:
+            continue
         # a K loop for blocks of 64 rows and one for an expert's last block of up to 32 (an MMA half as wide)
         assert got["loops"] == 2, name
         # two operand blocks per iteration (L1: gate and up; L2: two K blocks), 4 k32 steps each
@@ -84,6 +108,27 @@ def test_fp8_kernels_multiply_e4m3_registers_without_serializing_or_spilling(com
         # serializing the kernel (C7514) would wait after every QGMMA
         assert got["async_waits"] >= 2 * got["loops"] and got["full_waits"] <= got["loops"], (name, got)
         assert got["in_flight_writes"] == [], (name, got["in_flight_writes"][:5])
+
+
+@pytest.mark.skipif(hopper_fp8_ws.unavailable_reason is not None, reason=str(hopper_fp8_ws.unavailable_reason))
+def test_warp_specialized_fp8_kernels_leave_the_copies_to_the_producer(compiled):
+    """`hopper_fp8_ws`: the same loops as `hopper_fp8` (two per kernel, 8 QGMMA each, the e4m3 operand from
+    registers, a block sum promoted with the other MMA in flight, no writes into an operand in flight), and what the
+    producer warp is for: no cp.async wait in the MMA warps' loops, no barrier there but the MMA warps' own (before
+    one thread frees a stage), the producer's warpgroup at its 24 registers. The one reload from the stack a loop
+    may hold is the thread index, for the thread that frees the stage (ptxas keeps it on the stack across the
+    partitions' `setmaxnreg`)."""
+    ws = {name: got for name, got in compiled.items() if "WS" in name}
+    assert len(ws) == len(WS_VARIANTS)
+    for name, got in ws.items():
+        warps = int(name.split("_")[2])
+        assert got["loops"] == 2 and got["qgmma"] == [8, 8] and got["loop_sts"] == 0, (name, got)
+        assert got["loop_spills"] <= got["loops"], (name, got["loop_spills"])
+        assert got["async_waits"] >= 2 * got["loops"] and got["full_waits"] <= got["loops"], (name, got)
+        assert got["in_flight_writes"] == [], (name, got["in_flight_writes"][:5])
+        assert got["barrier_threads"] == [32 * warps], (name, got["barrier_threads"])
+        assert all(waits == 0 for waits, _, _ in got["syncs"]), (name, got["syncs"])
+        assert hopper_prefill_ws.PRODUCER_REGS.value in got["setmaxnreg"], (name, got["setmaxnreg"])
 
 
 if __name__ == "__main__":  # the GPU script's register and spill dump

@@ -11,7 +11,7 @@ import torch
 
 from planc.kernels.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_experts_fp4, quantize_fp8
 from planc.kernels.megamoe.reference import DequantizedExperts, local_experts_forward
-from planc.kernels.megamoe.triton import decode, hopper_decode, target
+from planc.kernels.megamoe.triton import decode, hopper_decode, hopper_fp8_ws, target
 from planc.kernels.megamoe.triton.config import KernelConfig
 from planc.kernels.megamoe.triton.decode import arrival_counters
 from planc.kernels.megamoe.triton.forward import combine, device_config, triton_local_experts_forward
@@ -344,6 +344,9 @@ needs_fp8 = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_devi
 
 needs_gluon = pytest.mark.skipif(gluon_unavailable_reason(torch.device("cuda")) is not None if torch.cuda.is_available()
                                  else True, reason="the FP8 Gluon kernels need Hopper and Gluon")
+needs_fp8_ws = pytest.mark.skipif(hopper_fp8_ws.unavailable(torch.device("cuda")) is not None
+                                  if torch.cuda.is_available() else True,
+                                  reason="the warp-specialized FP8 kernels need Hopper and a Triton that builds them")
 
 
 @needs_fp8
@@ -352,7 +355,9 @@ needs_gluon = pytest.mark.skipif(gluon_unavailable_reason(torch.device("cuda")) 
     KernelConfig(64, 128, 128, 128, 128, 8, 3, fp8=2),
     pytest.param(KernelConfig(64, 128, 128, 64, 128, 8, 4, fp8=3), marks=needs_gluon),  # L1 casts in its epilogue
     pytest.param(KernelConfig(32, 128, 128, 128, 128, 4, 3, fp8=3), marks=needs_gluon),  # L1 in FP32, then the cast
-], ids=["swap_ab", "rows_m", "gluon_64", "gluon_32"])
+    pytest.param(KernelConfig(64, 128, 128, 64, 128, 4, 4, fp8=4), marks=needs_fp8_ws),  # warp-specialized
+    pytest.param(KernelConfig(32, 128, 128, 128, 128, 8, 3, fp8=4), marks=needs_fp8_ws),
+], ids=["swap_ab", "rows_m", "gluon_64", "gluon_32", "ws_64", "ws_32"])
 @pytest.mark.parametrize("num_tokens,clamp", [(5, None), (150, 0.05)])
 def test_fp8_path_matches_its_emulation(config, num_tokens, clamp):
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -373,3 +378,30 @@ def test_fp8_path_matches_its_emulation(config, num_tokens, clamp):
     assert calc_diff(y.double().cpu(), emulated) < 1e-5
     ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=clamp)
     check(out, ref, fp8=True)
+
+
+@needs_fp8_ws
+@pytest.mark.parametrize("fields", [dict(block_t=64, num_warps=4, l2_n=64, num_stages=4),
+                                    dict(block_t=64, num_warps=8, l2_n=128, num_stages=6, maxnreg=168),
+                                    dict(block_t=32, num_warps=4, l2_n=64, num_stages=3, l2_maxnreg=168)],
+                         ids=["64rows", "8warps", "32rows"])
+@pytest.mark.parametrize("num_tokens", [5, 150, 700])  # up to ~525 rows per expert: several blocks, half-width tails
+def test_warp_specialized_fp8_kernels_give_the_fp8_gluon_bits(fields, num_tokens):
+    """`hopper_fp8_ws` (fp8=4) runs `hopper_fp8`'s (fp8=3) expansions, MMAs and promotions in the same order: the
+    same bits, on every call."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    w1 = torch.randn(FP8_NE, 2 * FP8_NI, FP8_NH, generator=g, device="cuda").bfloat16() * FP8_NH**-0.5
+    w2 = torch.randn(FP8_NE, FP8_NH, FP8_NI, generator=g, device="cuda").bfloat16() * FP8_NI**-0.5
+    fp4 = quantize_experts_fp4(w1, w2)
+    packed = PackedExperts.from_params(fp4.gate_up_proj, fp4.gate_up_proj_scale_inv, fp4.down_proj,
+                                       fp4.down_proj_scale_inv)
+    x, idx, w = (t.cuda() for t in routing(num_tokens, num_tokens, num_experts=FP8_NE, topk=NK, hidden=FP8_NH,
+                                            masked=0.1))
+    q, sf = quantize_fp8(x)
+    sf = float_to_ue8m0_bytes(sf)
+    gluon = KernelConfig(**{**dict(l1_n=128, l1_k=128, l2_k=128, fp8=3), **fields})
+    base = triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=0.05, config=gluon)
+    ws = dataclasses.replace(gluon, fp8=4)
+    for _ in range(3):
+        assert torch.equal(triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=0.05,
+                                                        config=ws), base)

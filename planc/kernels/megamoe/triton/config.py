@@ -42,7 +42,8 @@ class KernelConfig:
     # expanded tile is the shared-memory operand), 3 the Hopper Gluon kernels (`hopper_fp8`: FP8 async wgmma on the
     # FP8 weight layout, blocks of `FP8_GLUON_BLOCK_ROWS`, L1 16 x num_warps gate and as many up rows (8 warps: the
     # output cast in the epilogue; 4: its FP32 output cast by a kernel of its own), L2 `l2_n` rows on l2_n / 16 warps,
-    # `num_stages` cp.async stages).
+    # `num_stages` cp.async stages), 4 the same kernels warp-specialized (`hopper_fp8_ws`: a producer warp streams
+    # `num_stages` stages by TMA and cp.async; register caps `maxnreg` / `l2_maxnreg`, 128 where unset).
     fp8: int = 0
     # The split-K decode kernels (`decode`: both GEMMs split over K, the partial sums reduced by each tile's last
     # program, this many 64-deep K tiles in flight per program: 1, 2 or 4); 0 the general kernels. `l1_split` then
@@ -129,12 +130,17 @@ class KernelConfig:
                 raise ValueError(f"the FP8 kernels need hidden and intermediate % 128 and N tiles of 128 that divide "
                                  f"them, got hidden={hidden}, intermediate={inter}, l1_n={self.l1_n}, "
                                  f"l2_n={self.l2_n}: `pick_config` picks them only where they fit")
-            if self.fp8 == 3 and (self.block_t not in self.FP8_GLUON_BLOCK_ROWS or self.l1_n != 128
+            if self.fp8 >= 3 and (self.block_t not in self.FP8_GLUON_BLOCK_ROWS or self.l1_n != 128
                                   or self.l2_n not in (64, 128) or self.num_stages < 3 or self.num_warps not in (4, 8)):
-                raise ValueError(f"the FP8 Gluon kernels (fp8=3) take block_t in {self.FP8_GLUON_BLOCK_ROWS}, "
+                raise ValueError(f"the FP8 Gluon kernels (fp8={self.fp8}) take block_t in {self.FP8_GLUON_BLOCK_ROWS}, "
                                  f"l1_n=128, l2_n 64 or 128, num_warps 4 or 8 and num_stages >= 3, got "
                                  f"block_t={self.block_t}, l1_n={self.l1_n}, l2_n={self.l2_n}, "
                                  f"num_warps={self.num_warps}, num_stages={self.num_stages}")
+            if self.fp8 >= 3 and (inter // 128) % 2:
+                raise ValueError(f"the FP8 Gluon kernels (fp8={self.fp8}) run L2's 128-deep K blocks in pairs: "
+                                 f"intermediate {inter} has an odd number of them; use fp8=1 or a BF16 config")
+            if self.fp8 > 4:
+                raise ValueError(f"KernelConfig(fp8={self.fp8}) names no FP8 kernels: 1, 2, 3 or 4")
             return dataclasses.replace(self, l1_k=128, l2_k=128, l1_split=1)
         if self.decode:
             return self._fit_decode(hidden, inter, div)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from planc.kernels.megamoe.triton import hopper_fp8, hopper_prefill, target
+from planc.kernels.megamoe.triton import hopper_fp8, hopper_fp8_ws, hopper_prefill, target
 from planc.kernels.megamoe.triton.config import KernelConfig
 from planc.kernels.megamoe.triton.layout import PackedExperts
 from planc.kernels.megamoe.triton.routing import route
@@ -267,10 +267,16 @@ def fp8_local_experts_forward(
         why = hopper_prefill.gluon_unavailable_reason(device)
         if why is not None:
             raise RuntimeError(f"KernelConfig(fp8=3) runs Gluon kernels for Hopper: {why}; use fp8=1 or a BF16 config")
+    if config.fp8 == 4:
+        why = hopper_fp8_ws.unavailable(device)
+        if why is not None:
+            raise RuntimeError(f"KernelConfig(fp8=4) runs warp-specialized Gluon kernels for Hopper: {why}; use "
+                               f"fp8=3, fp8=1 or a BF16 config")
     out = torch.zeros((m * k, hidden), dtype=torch.bfloat16, device=device)
     if m == 0:
         return out.view(m, k, hidden)
-    x8, xs = x_blocks(x_fp8, x_sf, permute=config.fp8 == 3)
+    gluon = config.fp8 >= 3  # the Gluon kernels, on the FP8 layout of the same experts
+    x8, xs = x_blocks(x_fp8, x_sf, permute=gluon)
     weights = topk_weights.reshape(-1).float().contiguous()
     bt = config.block_t
     sorted_slots, block_expert, block_row, block_end = route(
@@ -278,7 +284,8 @@ def fp8_local_experts_forward(
     nblocks = block_expert.numel()
     act = torch.empty((nblocks * bt, inter), dtype=torch.uint8, device=device)
     act_s = torch.empty((nblocks * bt, inter // BLOCK), dtype=torch.float32, device=device)
-    if config.fp8 == 3:  # the Gluon kernels (`hopper_fp8`) on the FP8 layout of the same experts
+    if gluon:
+        kernels = hopper_fp8_ws if config.fp8 == 4 else hopper_fp8
         e4 = experts.e4m3()
         act_s = torch.empty((inter // BLOCK, nblocks * bt), dtype=torch.float32, device=device)
         xs = hopper_fp8.block_row_scales(xs, sorted_slots, block_row, block_end, num_topk=k, block_t=bt)
@@ -286,11 +293,11 @@ def fp8_local_experts_forward(
         s2 = e4.s2.reshape(num_local, -1).view(torch.int32)
         a32 = None if config.num_warps == 8 else torch.empty((nblocks * bt, inter), dtype=torch.float32,
                                                               device=device)
-        hopper_fp8.l1(x8.view(torch.float8_e4m3fn), xs, e4.w1, s1, sorted_slots, weights, block_expert, block_row,
+        kernels.l1(x8.view(torch.float8_e4m3fn), xs, e4.w1, s1, sorted_slots, weights, block_expert, block_row,
                       block_end, act, act_s, clamp=clamp, num_topk=k, config=config, a32=a32)
         if a32 is not None:
             l1_out_blocks(a32, act, act_s, block_expert, num_local, bt)
-        hopper_fp8.l2(act.view(torch.float8_e4m3fn), act_s, e4.w2, s2, sorted_slots, block_expert, block_row,
+        kernels.l2(act.view(torch.float8_e4m3fn), act_s, e4.w2, s2, sorted_slots, block_expert, block_row,
                       block_end, out, config=config)
         return out.view(m, k, hidden)
     s1 = experts.s1.reshape(num_local, -1).view(torch.int32)

@@ -87,7 +87,7 @@ if hp.gluon is not None:
 
     @gluon.jit
     def expand_e4m3(w, lo, hi):
-        """Words [G, 2, 32, 2, 2] and their groups' tables [G, 32, 2] (`_tables`) -> the e4m3 A registers, two int32
+        """Words [G, 2, 32, 2, 2] and their groups' tables [G, 32, 2] (`lane_tables`) -> the e4m3 A registers, two int32
         tensors of the words' shape (h = 0: codes 0-3, h = 1: codes 4-7; `operand` makes them the wgmma's operand). An
         async wgmma reads its operand registers until it is waited for, and ptxas reuses a register once PTX no longer
         uses it: the caller passes these to that wait."""
@@ -123,7 +123,7 @@ if hp.gluon is not None:
         return n0 + g[:, None, None] * 16 + m8[None, None, :] * 8 + r[None, :, None]
 
     @gluon.jit
-    def _row_scales(s_tile, BN: gl.constexpr, L: gl.constexpr):
+    def row_scales(s_tile, BN: gl.constexpr, L: gl.constexpr):
         """A stage's scale words [G, 2, 8] (rows 16 g + 8 m8 + r, in order) -> the weight block scales 2**(ref - 128)
         of its rows [BN] in layout L (ref: the scale word's low byte)."""
         ref = s_tile.reshape([BN]).load(L) & 0xFF
@@ -131,7 +131,7 @@ if hp.gluon is not None:
         return bits.to(gl.float32, bitcast=True)
 
     @gluon.jit
-    def _tables(s_tile, tab_ptr, WL: gl.constexpr, num_warps: gl.constexpr):
+    def lane_tables(s_tile, tab_ptr, WL: gl.constexpr, num_warps: gl.constexpr):
         """A stage's scale words as [G, 8, 2] (r, m8) -> the e4m3 tables (`layout.e4m3_tables`, low and high word) of each
         lane's 32-group, [G, 32, 2] in the expansion's layout: lane 4 r + q, rows 16 g + 8 m8 + r, the table row t_q
         of the row's scale word."""
@@ -232,7 +232,7 @@ if hp.gluon is not None:
         STEP: gl.constexpr = 1 if GATED else 2
         st = _next_block(0, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows,
                          wa_s, wb_s, sa_s, sb_s, x_s, sx_s, STAGES, GATED)
-        lo, hi = _tables(sa_s.index(st).permute((0, 2, 1)), tab_ptr, WL, num_warps)
+        lo, hi = lane_tables(sa_s.index(st).permute((0, 2, 1)), tab_ptr, WL, num_warps)
         ka0, ka1 = expand_e4m3(wa_s.index(st).load(WL), lo, hi)
         # One iteration: a's block multiplies while b's last block sum is promoted and b's operand expanded; b's block
         # multiplies while a's sum is promoted and the next a operand expanded (from the next stage). Each block sum is
@@ -248,29 +248,29 @@ if hp.gluon is not None:
             # operand's shared-memory reads go first, so that their latency passes under the promotion
             sxb = sx_s.index(gl.maximum(i - 1, 0) % STAGES).load(SXL)
             if GATED:
-                lo, hi = _tables(sb_s.index(st).permute((0, 2, 1)), tab_ptr, WL, num_warps)
+                lo, hi = lane_tables(sb_s.index(st).permute((0, 2, 1)), tab_ptr, WL, num_warps)
                 wb = wb_s.index(st).load(WL)
                 acc_b = warpgroup_mma_wait(1, deps=(acc_b + pb * (swb[:, None] * sxb[None, :]),))
-                swb = _row_scales(sb_s.index(st), BN, gl.SliceLayout(1, MMA))
+                swb = row_scales(sb_s.index(st), BN, gl.SliceLayout(1, MMA))
                 kb0, kb1 = expand_e4m3(wb, lo, hi)
             else:
                 acc_a = warpgroup_mma_wait(1, deps=(acc_a + pb * (swb[:, None] * sxb[None, :]),))
                 st = _next_block(i + 1, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs,
                                  total_rows, wa_s, wb_s, sa_s, sb_s, x_s, sx_s, STAGES, GATED)
                 x_t = x_s.index(st).permute((1, 0))
-                lo, hi = _tables(sa_s.index(st).permute((0, 2, 1)), tab_ptr, WL, num_warps)
-                swb = _row_scales(sa_s.index(st), BN, gl.SliceLayout(1, MMA))
+                lo, hi = lane_tables(sa_s.index(st).permute((0, 2, 1)), tab_ptr, WL, num_warps)
+                swb = row_scales(sa_s.index(st), BN, gl.SliceLayout(1, MMA))
                 kb0, kb1 = expand_e4m3(wa_s.index(st).load(WL), lo, hi)
             pb = warpgroup_mma(operand(kb0, kb1, AL), x_t, pb, use_acc=False, is_async=True)
             pa, pb, ka0, ka1, kb0, kb1 = warpgroup_mma_wait(1, deps=(pa, pb, ka0, ka1, kb0, kb1))
             sta = i % STAGES
-            swa = _row_scales(sa_s.index(sta), BN, gl.SliceLayout(1, MMA))
+            swa = row_scales(sa_s.index(sta), BN, gl.SliceLayout(1, MMA))
             sxa = sx_s.index(sta).load(SXL)
             # the next a operand (past the end: the last block's again, never multiplied): its stage's reads go out
             # before a's promotion (block i's stage is rewritten only from block i + STAGES - 1's copies on)
             st = _next_block(i + STEP, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs,
                              total_rows, wa_s, wb_s, sa_s, sb_s, x_s, sx_s, STAGES, GATED)
-            lo, hi = _tables(sa_s.index(st).permute((0, 2, 1)), tab_ptr, WL, num_warps)
+            lo, hi = lane_tables(sa_s.index(st).permute((0, 2, 1)), tab_ptr, WL, num_warps)
             wa = wa_s.index(st).load(WL)
             acc_a = warpgroup_mma_wait(1, deps=(acc_a + pa * (swa[:, None] * sxa[None, :]),))
             ka0, ka1 = expand_e4m3(wa, lo, hi)
@@ -294,7 +294,6 @@ if hp.gluon is not None:
         BN: gl.constexpr = 16 * num_warps
         G: gl.constexpr = BN // 16
         WL: gl.constexpr = words_layout(num_warps)
-        MMA: gl.constexpr = mma_layout(num_warps, N)
         XL: gl.constexpr = _x_layout(num_warps)
         num_g = inter // 8  # 2I rows in groups of 16
         wg_off = _word_offsets(pid_n * G, num_g, G, WL)
@@ -304,25 +303,37 @@ if hp.gluon is not None:
         slot = gl.load(sorted_ptr + row0 + t, mask=ok, other=0)
         token = gl.where(ok, slot // num_topk, 0).to(gl.int64)
         x_ptrs = x8_ptr + token[:, None] * hidden + gl.arange(0, 128, layout=gl.SliceLayout(0, XL))[None, :]
+        sx_ptrs = xs_ptr + pid_b * ROWS + gl.arange(0, N, layout=_sx_layout(num_warps))
+        acc_g, acc_u = _gemm(x_ptrs, sx_ptrs, total_rows, w_base, s_base, tab_ptr, wg_off, wu_off, pid_n * BN,
+                             inter + pid_n * BN, 2 * inter, num_g, hidden // 128, BN, N, STAGES, True, num_warps)
+        l1_epilogue(acc_g, acc_u, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter,
+                    total_rows, clamp, HAS_CLAMP, N, ROWS, num_warps)
+
+    @gluon.jit
+    def l1_epilogue(acc_g, acc_u, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter,
+                    total_rows, clamp, HAS_CLAMP: gl.constexpr, N: gl.constexpr, ROWS: gl.constexpr,
+                    num_warps: gl.constexpr):
+        """L1's sums [BN, N] of the block's first N rows -> the SwiGLU output of its 16 x num_warps channels: with 8
+        warps (128 channels, a scale block) cast to e4m3 per (row, 128 channels) into `out` and `outs`; with 4 in
+        FP32 to `a32`, for `fp8.l1_out_blocks` to cast."""
+        BN: gl.constexpr = 16 * num_warps
+        MMA: gl.constexpr = mma_layout(num_warps, N)
         tc = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
         okc = tc < nrows
         slotc = gl.load(sorted_ptr + row0 + tc, mask=okc, other=0)
         out_rows = pid_b * ROWS + tc
-        sx_ptrs = xs_ptr + pid_b * ROWS + gl.arange(0, N, layout=_sx_layout(num_warps))
-        acc_g, acc_u = _gemm(x_ptrs, sx_ptrs, total_rows, w_base, s_base, tab_ptr, wg_off, wu_off, pid_n * BN,
-                             inter + pid_n * BN, 2 * inter, num_g, hidden // 128, BN, N, STAGES, True, num_warps)
         topw = gl.load(weight_ptr + slotc, mask=okc, other=0.0)
         a = swiglu(acc_g, acc_u, topw, okc, clamp, HAS_CLAMP)  # [BN, N]
         offs = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
         if BN < 128:
             gl.store(a32_ptr + out_rows[None, :].to(gl.int64) * inter + offs[:, None], a)
-            return
-        amax = gl.max(gl.abs(a), axis=0)
-        e = gl.minimum(_pow2_ceil_exponent(amax * (1.0 / 448.0)), 254)
-        sf_inv = (gl.minimum(gl.maximum(254 - e, 0), 254) << 23).to(gl.float32, bitcast=True)
-        q = _e4m3_bits(gl.minimum(gl.maximum(a * sf_inv[None, :], -448.0), 448.0))
-        gl.store(out_ptr + out_rows[None, :].to(gl.int64) * inter + offs[:, None], q)
-        gl.store(outs_ptr + pid_n * total_rows + out_rows, (e << 23).to(gl.float32, bitcast=True))
+        else:
+            amax = gl.max(gl.abs(a), axis=0)
+            e = gl.minimum(_pow2_ceil_exponent(amax * (1.0 / 448.0)), 254)
+            sf_inv = (gl.minimum(gl.maximum(254 - e, 0), 254) << 23).to(gl.float32, bitcast=True)
+            q = _e4m3_bits(gl.minimum(gl.maximum(a * sf_inv[None, :], -448.0), 448.0))
+            gl.store(out_ptr + out_rows[None, :].to(gl.int64) * inter + offs[:, None], q)
+            gl.store(outs_ptr + pid_n * total_rows + out_rows, (e << 23).to(gl.float32, bitcast=True))
 
     @gluon.jit
     def l1_kernel(
@@ -356,18 +367,25 @@ if hp.gluon is not None:
         BN: gl.constexpr = 16 * num_warps
         G: gl.constexpr = BN // 16
         WL: gl.constexpr = words_layout(num_warps)
-        MMA: gl.constexpr = mma_layout(num_warps, N)
         XL: gl.constexpr = _x_layout(num_warps)
         num_g = hidden // 16
         w_off = _word_offsets(pid_n * G, num_g, G, WL)
         t = gl.arange(0, N, layout=gl.SliceLayout(1, XL))
         rows = (pid_b * ROWS + t).to(gl.int64)
         a_ptrs = a8_ptr + rows[:, None] * inter + gl.arange(0, 128, layout=gl.SliceLayout(0, XL))[None, :]
-        tc = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
-        okc = tc < nrows
         sx_ptrs = as_ptr + pid_b * ROWS + gl.arange(0, N, layout=_sx_layout(num_warps))
         acc, _ = _gemm(a_ptrs, sx_ptrs, total_rows, w_base, s_base, tab_ptr, w_off, w_off, pid_n * BN, pid_n * BN,
                        hidden, num_g, inter // 128, BN, N, STAGES, False, num_warps)
+        l2_epilogue(acc, sorted_ptr, out_ptr, pid_n, row0, nrows, stride_out, N, num_warps)
+
+    @gluon.jit
+    def l2_epilogue(acc, sorted_ptr, out_ptr, pid_n, row0, nrows, stride_out, N: gl.constexpr,
+                    num_warps: gl.constexpr):
+        """L2's sums [BN, N] of the block's first N rows, rounded to BF16 into their slots' rows."""
+        BN: gl.constexpr = 16 * num_warps
+        MMA: gl.constexpr = mma_layout(num_warps, N)
+        tc = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
+        okc = tc < nrows
         slot = gl.load(sorted_ptr + row0 + tc, mask=okc, other=0)
         offs = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
         gl.store(out_ptr + slot[None, :].to(gl.int64) * stride_out + offs[:, None], bf16_rne(acc), mask=okc[None, :])

@@ -1,0 +1,294 @@
+"""`hopper_fp8`'s GEMMs with their copies in a warp of their own: the FP8 path warp-specialized.
+
+Why: the FP8 Gluon kernels (`KernelConfig(fp8=3)`) ran at 0.73x of the BF16 path at 4096 tokens (H100, docs/megamoe.md).
+Their K loop issues about twice the MMA's time on the CUDA cores (expansion, promotion, the cp.async ring's
+addresses, waits, CTA barriers and fences), and ptxas makes each iteration end waiting for its last wgmma (C7514,
+`hopper_fp8._gemm`), so the tensor cores idle while one program's warps expand and promote. Here (`KernelConfig(fp8=4)`)
+one producer warp (`gl.warp_specialize`) streams each 128-deep K block into a ring of stages: the weight words
+`[G, 256]` and scale words `[1, BN]` (gate and up for L1) by TMA, the block's e4m3 activation rows `[ROWS, 128]` and
+their block scales by cp.async (L1 gathers the rows by token, which TMA cannot), all completing on the stage's
+`ready` mbarrier (`hopper_decode`'s protocol: `cp.async.mbarrier.arrive` per copying thread, then the TMA bytes). The
+four MMA warps only wait, expand, multiply and promote, and free a stage on its `empty` mbarrier once the last read
+of it is done: no CTA barrier, fence or copy address in their loop, fewer registers, so two programs share an SM and
+one's MMAs run while the other's warps promote and expand.
+
+The expansion, the MMA and promotion order and the epilogues are `hopper_fp8`'s, so the outputs are its bits (the
+`gpu` tests compare them). Numerics: `fp8`'s module docstring. Gluon has no CPU interpreter: CI compiles the kernels
+for sm_90 (`tests/kernels/megamoe/test_hopper_fp8_compile.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from planc.kernels.megamoe.triton import hopper_decode
+from planc.kernels.megamoe.triton import hopper_fp8 as hf8
+from planc.kernels.megamoe.triton import hopper_prefill as hp
+from planc.kernels.megamoe.triton import hopper_prefill_ws as hpws
+
+# None when this Triton can build the kernels (what `hopper_decode` needs: warp specialization, TMA, cp.async
+# arrivals on an mbarrier), else why not.
+unavailable_reason: str | None = hopper_decode.unavailable_reason
+if unavailable_reason is None:
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as _cp
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    _PRODUCER_WARPS = gl.constexpr(1)
+
+    @triton.constexpr_function
+    def _x_layout():
+        """The producer warp's [rows, 128] e4m3 activation tile: a row a thread (16 bytes a copy), 32 rows a pass:
+        one row address per thread and pass, which the producer's 24 registers hold."""
+        return gl.BlockedLayout([1, 16], [32, 1], [1, 1], [1, 0])
+
+    @triton.constexpr_function
+    def _sx_layout():
+        """The producer warp's [rows] activation block scales: 4 bytes a thread a pass."""
+        return gl.BlockedLayout([1], [32], [1], [0])
+
+    @triton.constexpr_function
+    def x_smem_layout():
+        """The e4m3 activation tiles as the FP8 wgmma's B operand reads them: 128-byte swizzled."""
+        return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+
+    @gluon.jit
+    def _copy_partition(w_desc, s_desc, wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, x_ptr, xs_ptr, sorted_ptr,
+                        row0, nrows, a_row0, num_topk, k_dim, total_rows, k_blocks, wa_row, wb_row, s_row, na0, nb0,
+                        num_g, ROWS: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr):
+        """The producer warp: K block i's weight words and scale words by TMA (gate and up when GATED) and the
+        block's activation rows [ROWS, 128] and their scales by cp.async, into stage i % STAGES once it is free.
+        L1 (GATED) gathers the rows by token (`sorted_ptr`'s slots over `num_topk`), L2 reads its block's rows from
+        `a_row0` on; rows past the block's end are zeros."""
+        XL: gl.constexpr = _x_layout()
+        r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, XL))
+        ok = r < nrows
+        if GATED:
+            rows = gl.load(sorted_ptr + row0 + r, mask=ok, other=0) // num_topk
+        else:
+            rows = a_row0 + r
+        x_ptrs = (x_ptr + rows[:, None].to(gl.int64) * k_dim
+                  + gl.arange(0, 128, layout=gl.SliceLayout(0, XL))[None, :])
+        x_ok = gl.broadcast(ok[:, None], x_ptrs)[0]
+        sx_ptrs = xs_ptr + a_row0 + gl.arange(0, ROWS, layout=_sx_layout())
+        nbytes: gl.constexpr = (2 if GATED else 1) * (w_desc.block_type.nbytes + s_desc.block_type.nbytes)
+        for i in range(k_blocks):
+            s = i % STAGES
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # a new barrier passes phase 1 at once
+            bar = ready.index(s)
+            hp.async_load(x_s.index(s), x_ptrs + i * 128, mask=x_ok)
+            hp.async_load(sx_s.index(s), sx_ptrs + i * total_rows)
+            _cp.mbarrier_arrive(bar, increment_count=False)  # one of the barrier's 32 + 1 arrivals per thread
+            mbarrier.expect(bar, nbytes)
+            hpws.tma_load(w_desc, [wa_row + i * num_g, 0], bar, wa_s.index(s))
+            hpws.tma_load(s_desc, [s_row + i, na0], bar, sa_s.index(s))
+            if GATED:
+                hpws.tma_load(w_desc, [wb_row + i * num_g, 0], bar, wb_s.index(s))
+                hpws.tma_load(s_desc, [s_row + i, nb0], bar, sb_s.index(s))
+
+    @gluon.jit
+    def _words(w_s, s, WL: gl.constexpr):
+        """Stage s's words [G, 256] as the expansion reads them, [G, 2, 32, 2, 2] (`hopper_fp8.words_layout`)."""
+        G: gl.constexpr = w_s.shape[1]
+        return w_s.index(s).reshape((G, 2, 32, 2, 2)).load(WL)
+
+    @gluon.jit
+    def _scale_tile(s_s, s, G: gl.constexpr):
+        """Stage s's scale words [1, BN] as [G, 2, 8] (rows 16 g + 8 m8 + r)."""
+        return s_s.index(s).reshape((G, 2, 8))
+
+    @gluon.jit
+    def _gemm(wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, tab_ptr, k_blocks, BN: gl.constexpr, N: gl.constexpr,
+              STAGES: gl.constexpr, GATED: gl.constexpr, num_warps: gl.constexpr):
+        """`hopper_fp8._gemm`'s loop, fed by the ring: the same expansions, MMAs, promotions and waits in the same
+        order. A stage is freed once its last read is done: in iteration i, block i - 1's after its activation
+        scales are read for the promotion of its last sum (its MMAs retired in iteration i - 1), and (L2) block i's
+        once its MMA is retired and its scales read. Past the last block the next operand is the last block's again
+        (its stage not yet freed: its barrier's phase is the one already waited for)."""
+        G: gl.constexpr = BN // 16
+        WL: gl.constexpr = hf8.words_layout(num_warps)
+        MMA: gl.constexpr = hf8.mma_layout(num_warps, N)
+        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
+        SWL: gl.constexpr = gl.SliceLayout(1, MMA)
+        SXL: gl.constexpr = gl.SliceLayout(0, MMA)
+        acc_a = gl.zeros([BN, N], gl.float32, MMA)
+        acc_b = gl.zeros([BN, N], gl.float32, MMA)
+        pa = gl.zeros([BN, N], gl.float32, MMA)
+        pb = gl.zeros([BN, N], gl.float32, MMA)
+        swb = gl.zeros([BN], gl.float32, SWL)
+        STEP: gl.constexpr = 1 if GATED else 2
+        st = hpws.wait_stage(ready, 0, STAGES)
+        lo, hi = hf8.lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), tab_ptr, WL, num_warps)
+        ka0, ka1 = hf8.expand_e4m3(_words(wa_s, st, WL), lo, hi)
+        for i in range(0, k_blocks, STEP):
+            x_t = x_s.index(st).slice(0, N).permute((1, 0))
+            pa = warpgroup_mma(hf8.operand(ka0, ka1, AL), x_t, pa, use_acc=False, is_async=True)
+            pa, pb, ka0, ka1 = warpgroup_mma_wait(1, deps=(pa, pb, ka0, ka1))
+            sxb = sx_s.index(gl.maximum(i - 1, 0) % STAGES).slice(0, N).load(SXL)
+            if i > 0:
+                hpws.release_stage(empty, i - 1, STAGES)
+            if GATED:
+                lo, hi = hf8.lane_tables(_scale_tile(sb_s, st, G).permute((0, 2, 1)), tab_ptr, WL, num_warps)
+                wb = _words(wb_s, st, WL)
+                acc_b = warpgroup_mma_wait(1, deps=(acc_b + pb * (swb[:, None] * sxb[None, :]),))
+                swb = hf8.row_scales(_scale_tile(sb_s, st, G), BN, SWL)
+                kb0, kb1 = hf8.expand_e4m3(wb, lo, hi)
+            else:
+                acc_a = warpgroup_mma_wait(1, deps=(acc_a + pb * (swb[:, None] * sxb[None, :]),))
+                st = hpws.wait_stage(ready, i + 1, STAGES)
+                x_t = x_s.index(st).slice(0, N).permute((1, 0))
+                lo, hi = hf8.lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), tab_ptr, WL, num_warps)
+                swb = hf8.row_scales(_scale_tile(sa_s, st, G), BN, SWL)
+                kb0, kb1 = hf8.expand_e4m3(_words(wa_s, st, WL), lo, hi)
+            pb = warpgroup_mma(hf8.operand(kb0, kb1, AL), x_t, pb, use_acc=False, is_async=True)
+            pa, pb, ka0, ka1, kb0, kb1 = warpgroup_mma_wait(1, deps=(pa, pb, ka0, ka1, kb0, kb1))
+            sta = i % STAGES
+            swa = hf8.row_scales(_scale_tile(sa_s, sta, G), BN, SWL)
+            sxa = sx_s.index(sta).slice(0, N).load(SXL)
+            if not GATED:
+                hpws.release_stage(empty, i, STAGES)
+            st = hpws.wait_stage(ready, gl.minimum(i + STEP, k_blocks - 1), STAGES)
+            lo, hi = hf8.lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), tab_ptr, WL, num_warps)
+            wa = _words(wa_s, st, WL)
+            acc_a = warpgroup_mma_wait(1, deps=(acc_a + pa * (swa[:, None] * sxa[None, :]),))
+            ka0, ka1 = hf8.expand_e4m3(wa, lo, hi)
+            pb, kb0, kb1, ka0, ka1 = warpgroup_mma_wait(0, deps=(pb, kb0, kb1, ka0, ka1))
+        # b's last block
+        sxb = sx_s.index((k_blocks - 1) % STAGES).slice(0, N).load(SXL)
+        if GATED:
+            acc_b += pb * (swb[:, None] * sxb[None, :])
+        else:
+            acc_a += pb * (swb[:, None] * sxb[None, :])
+        return acc_a, acc_b
+
+    @gluon.jit
+    def _mma_block(wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, tab_ptr, k_blocks, sorted_ptr, weight_ptr, out_ptr,
+                   outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter, total_rows, stride_out, clamp,
+                   HAS_CLAMP: gl.constexpr, N: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr,
+                   GATED: gl.constexpr, num_warps: gl.constexpr):
+        """The K loop over the block's first N rows and its epilogue (`hopper_fp8`'s)."""
+        acc_a, acc_b = _gemm(wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, tab_ptr, k_blocks, 16 * num_warps, N,
+                             STAGES, GATED, num_warps)
+        if GATED:
+            hf8.l1_epilogue(acc_a, acc_b, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0,
+                            nrows, inter, total_rows, clamp, HAS_CLAMP, N, ROWS, num_warps)
+        else:
+            hf8.l2_epilogue(acc_a, sorted_ptr, out_ptr, pid_n, row0, nrows, stride_out, N, num_warps)
+
+    @gluon.jit
+    def _mma_partition(wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, tab_ptr, k_blocks, sorted_ptr, weight_ptr,
+                       out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter, total_rows, stride_out, clamp,
+                       HAS_CLAMP: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr,
+                       num_warps: gl.constexpr):
+        """The MMA warps: a block of at most half ROWS rows (an expert's last) runs an MMA half as wide, as
+        `hopper_fp8` does."""
+        if ROWS > 32 and nrows <= ROWS // 2:
+            _mma_block(wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, tab_ptr, k_blocks, sorted_ptr, weight_ptr,
+                       out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter, total_rows, stride_out, clamp,
+                       HAS_CLAMP, ROWS // 2, ROWS, STAGES, GATED, num_warps)
+        else:
+            _mma_block(wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, tab_ptr, k_blocks, sorted_ptr, weight_ptr,
+                       out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter, total_rows, stride_out, clamp,
+                       HAS_CLAMP, ROWS, ROWS, STAGES, GATED, num_warps)
+
+    @gluon.jit
+    def fp8_ws_kernel(
+        x_ptr, xs_ptr, w_desc, s_desc, tab_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr,
+        block_end_ptr, out_ptr, outs_ptr, a32_ptr, n_rows, k_dim, inter, num_topk, num_local, total_rows, stride_out,
+        clamp, GATED: gl.constexpr, HAS_CLAMP: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        """One GEMM of the FP8 path for one block of up to ROWS rows and BN = 16 x num_warps output channels: L1
+        (GATED: `n_rows` = 2I gate|up rows over K = hidden, the tokens' e4m3 rows gathered, `xs` their block scales
+        [H/128, R] in block-row order) or L2 (`n_rows` = hidden over K = intermediate, L1's e4m3 rows in block order,
+        `xs` [I/128, R])."""
+        BN: gl.constexpr = 16 * num_warps
+        G: gl.constexpr = BN // 16
+        n_out = (n_rows // 2 if GATED else n_rows) // BN
+        pid_b, pid_n, expert, row0, nrows = hp.program_block(block_expert_ptr, block_row_ptr, block_end_ptr, n_out)
+        if expert < num_local:
+            k_blocks = k_dim // 128
+            num_g = n_rows // 16
+            wa_s = gl.allocate_shared_memory(gl.int32, [STAGES, G, 256], w_desc.layout)
+            sa_s = gl.allocate_shared_memory(gl.int32, [STAGES, 1, BN], s_desc.layout)
+            if GATED:
+                wb_s = gl.allocate_shared_memory(gl.int32, [STAGES, G, 256], w_desc.layout)
+                sb_s = gl.allocate_shared_memory(gl.int32, [STAGES, 1, BN], s_desc.layout)
+            else:  # not read
+                wb_s = wa_s
+                sb_s = sa_s
+            x_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, ROWS, 128], x_smem_layout())
+            sx_s = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS],
+                                             gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for s in gl.static_range(STAGES):
+                mbarrier.init(ready.index(s), count=1 + 32 * _PRODUCER_WARPS)  # the TMA bytes' and each copier's
+                mbarrier.init(empty.index(s), count=1)
+            s_row = expert * k_blocks  # the scale words' rows: one per (expert, K block), n_rows words each
+            wa_row = s_row * num_g + pid_n * G  # the words' rows: one per (expert, K block, row group), 256 words
+            wb_row = wa_row + num_g // 2  # L1's up rows: I further
+            na0 = pid_n * BN
+            gl.warp_specialize([
+                (_mma_partition, (wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, tab_ptr, k_blocks, sorted_ptr,
+                                  weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter,
+                                  total_rows, stride_out, clamp, HAS_CLAMP, ROWS, STAGES, GATED, num_warps)),
+                (_copy_partition, (w_desc, s_desc, wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, x_ptr, xs_ptr,
+                                   sorted_ptr, row0, nrows, pid_b * ROWS, num_topk, k_dim, total_rows, k_blocks,
+                                   wa_row, wb_row, s_row, na0, na0 + n_rows // 2, num_g, ROWS, STAGES, GATED)),
+            ], [_PRODUCER_WARPS], [hpws.PRODUCER_REGS])
+
+
+# The register cap where the config sets none: a program is 8 warps (the 4 MMA warps and the producer's warpgroup at
+# 24 registers a thread), so 128 fits two programs per SM and leaves the MMA warps 232; uncapped, ptxas may take 255
+# and one program fills an SM.
+DEFAULT_REGISTERS = 128
+
+
+def descriptors(w, s_words, bn: int) -> tuple:
+    """The TMA descriptors of one GEMM's FP8-layout weights (`layout.shuffle_fp4_e4m3`): the words [G, 256] of one
+    K block's row groups (per expert, K block, row group: 256 words) and the scale words [1, bn] (per expert and K
+    block: one word per row)."""
+    _, plain = hpws.tma_layouts()
+    n_rows = w.shape[1]
+    words = w.view(-1, 256)  # views: the parameters are contiguous (a copy would be a second weight tensor)
+    scales = s_words.view(-1, n_rows)
+    return (TensorDescriptor.from_tensor(words, [bn // 16, 256], plain),
+            TensorDescriptor.from_tensor(scales, [1, bn], plain))
+
+
+def _launch(x, xs, w, s_words, sorted_slots, weights, block_expert, block_row, block_end, out, outs, a32, *, gated,
+            inter, num_topk, total_rows, clamp, num_warps, config, layer):
+    w_desc, s_desc = descriptors(w, s_words, 16 * num_warps)
+    n_rows, k_dim = w.shape[1], x.shape[1]
+    n_out = (n_rows // 2 if gated else n_rows) // (16 * num_warps)
+    fp8_ws_kernel[(block_expert.numel() * n_out,)](
+        x, xs, w_desc, s_desc, hf8.tables(x.device), sorted_slots, weights, block_expert, block_row, block_end, out,
+        outs, a32, n_rows, k_dim, inter, num_topk, w.shape[0], total_rows, out.stride(0),
+        0.0 if clamp is None else clamp, GATED=gated, HAS_CLAMP=clamp is not None, ROWS=config.block_t,
+        STAGES=config.num_stages, num_warps=num_warps,
+        maxnreg=config.launch_registers(layer).get("maxnreg", DEFAULT_REGISTERS),
+    )
+
+
+def l1(x8, xs, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act, act_s, *, clamp, num_topk,
+       config, a32=None):
+    """`hopper_fp8.l1` (same arguments, same outputs) on the warp-specialized kernel."""
+    _launch(x8, xs, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act, act_s,
+            act_s if a32 is None else a32, gated=True, inter=w1.shape[1] // 2, num_topk=num_topk,
+            total_rows=act.shape[0], clamp=clamp, num_warps=config.num_warps, config=config, layer="L1")
+
+
+def l2(act, act_s, w2, s2, sorted_slots, block_expert, block_row, block_end, out, *, config):
+    """`hopper_fp8.l2` (same arguments, same outputs) on the warp-specialized kernel."""
+    _launch(act, act_s, w2, s2, sorted_slots, sorted_slots, block_expert, block_row, block_end, out, out, out,
+            gated=False, inter=act.shape[1], num_topk=1, total_rows=act.shape[0], clamp=None,
+            num_warps=config.l2_n // 16, config=config, layer="L2")
+
+
+def unavailable(device: torch.device) -> str | None:
+    """Why `KernelConfig(fp8=4)` cannot run on `device`, or None."""
+    return hp.gluon_unavailable_reason(device) or unavailable_reason
