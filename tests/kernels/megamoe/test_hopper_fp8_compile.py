@@ -24,8 +24,9 @@ pytestmark = pytest.mark.skipif(hopper_prefill.gluon is None, reason="this Trito
 
 # (layer, block rows, warps, stages, register cap): the configs `bench/megamoe_gpu.py --sweep` runs on the GPU
 VARIANTS = [("L1", 64, 8, 4, 0), ("L2", 64, 4, 4, 0)]
-# the warp-specialized kernels (`hopper_fp8_ws`, fp8=4) at their default cap and with 8 MMA warps
-WS_VARIANTS = [("L1WS", 64, 4, 4, 0), ("L2WS", 64, 4, 4, 0), ("L1WS", 64, 8, 4, 168)]
+# the warp-specialized kernels (`hopper_fp8_ws`, fp8=4) at their default cap: L1 on 4 warps in one pass (64
+# channels) and in two (128), L2; and L1 on 8 MMA warps
+WS_VARIANTS = [("L1WS", 64, 4, 4, 0), ("L1WS2", 64, 4, 4, 0), ("L2WS", 64, 4, 4, 0), ("L1WS", 64, 8, 4, 168)]
 
 FP8_COMPILE = COMPILE[:COMPILE.index("out = {}")] + r'''
 from planc.kernels.megamoe.triton import hopper_fp8
@@ -44,11 +45,12 @@ for layer, rows, warps, stages, maxnreg in json.loads(sys.argv[1]):
     if layer == "L1":
         kernel = compile_sm90(hopper_fp8.l1_kernel, maxnreg, pointer_types={**POINTERS, "out_ptr": "*u8"},
                               HAS_CLAMP=True, ROWS=rows, STAGES=stages, num_warps=warps)
-    elif layer in ("L1WS", "L2WS"):  # the warp-specialized kernels (`hopper_fp8_ws`)
-        gated = layer == "L1WS"
+    elif layer.startswith(("L1WS", "L2WS")):  # the warp-specialized kernels (`hopper_fp8_ws`); L1WS2: two passes
+        gated = layer.startswith("L1")
         kernel = compile_sm90(hopper_fp8_ws.fp8_ws_kernel, maxnreg or hopper_fp8_ws.DEFAULT_REGISTERS, ws_types(warps),
                               {**POINTERS, "x_ptr": "*fp8e4nv", "out_ptr": "*u8" if gated else "*bf16"},
-                              GATED=gated, HAS_CLAMP=gated, ROWS=rows, STAGES=stages, num_warps=warps)
+                              GATED=gated, HAS_CLAMP=gated, ROWS=rows, STAGES=stages,
+                              PASSES=2 if layer == "L1WS2" else 1, num_warps=warps)
     else:
         kernel = compile_sm90(hopper_fp8.l2_kernel, maxnreg, pointer_types=POINTERS, ROWS=rows, STAGES=stages,
                               num_warps=warps)
@@ -112,7 +114,7 @@ def test_fp8_kernels_multiply_e4m3_registers_without_serializing_or_spilling(com
 
 @pytest.mark.skipif(hopper_fp8_ws.unavailable_reason is not None, reason=str(hopper_fp8_ws.unavailable_reason))
 def test_warp_specialized_fp8_kernels_leave_the_copies_to_the_producer(compiled):
-    """`hopper_fp8_ws`: the same loops as `hopper_fp8` (two per kernel, 8 QGMMA each, the e4m3 operand from
+    """`hopper_fp8_ws`: the same loops as `hopper_fp8` (two per pass, 8 QGMMA each, the e4m3 operand from
     registers, a block sum promoted with the other MMA in flight, no writes into an operand in flight), and what the
     producer warp is for: no cp.async wait in the MMA warps' loops, no barrier there but the MMA warps' own (before
     one thread frees a stage), the producer's warpgroup at its 24 registers. The one reload from the stack a loop
@@ -122,7 +124,8 @@ def test_warp_specialized_fp8_kernels_leave_the_copies_to_the_producer(compiled)
     assert len(ws) == len(WS_VARIANTS)
     for name, got in ws.items():
         warps = int(name.split("_")[2])
-        assert got["loops"] == 2 and got["qgmma"] == [8, 8] and got["loop_sts"] == 0, (name, got)
+        loops = 4 if name.startswith("L1WS2") else 2  # a loop per pass and body width
+        assert got["loops"] == loops and got["qgmma"] == [8] * loops and got["loop_sts"] == 0, (name, got)
         assert got["loop_spills"] <= got["loops"], (name, got["loop_spills"])
         assert got["async_waits"] >= 2 * got["loops"] and got["full_waits"] <= got["loops"], (name, got)
         assert got["in_flight_writes"] == [], (name, got["in_flight_writes"][:5])

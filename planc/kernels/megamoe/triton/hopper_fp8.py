@@ -310,6 +310,27 @@ if hp.gluon is not None:
                     total_rows, clamp, HAS_CLAMP, N, ROWS, num_warps)
 
     @gluon.jit
+    def l1_activation(acc_g, acc_u, sorted_ptr, weight_ptr, row0, nrows, clamp, HAS_CLAMP: gl.constexpr,
+                      N: gl.constexpr, num_warps: gl.constexpr):
+        """L1's sums [BN, N] of the block's first N rows -> their SwiGLU output in FP32 (`jit.swiglu`)."""
+        tc = gl.arange(0, N, layout=gl.SliceLayout(0, mma_layout(num_warps, N)))
+        okc = tc < nrows
+        slotc = gl.load(sorted_ptr + row0 + tc, mask=okc, other=0)
+        topw = gl.load(weight_ptr + slotc, mask=okc, other=0.0)
+        return swiglu(acc_g, acc_u, topw, okc, clamp, HAS_CLAMP)
+
+    @gluon.jit
+    def l1_cast_store(a, amax, out_ptr, out_rows, offs, inter):
+        """SwiGLU outputs [BN, N] -> e4m3 bytes into `out` with the scale of their (row, 128 channels) block, whose
+        largest magnitude per row is `amax` [N] (no floor: an all-zero block gets sf 0); returns the scales' exponent
+        bits [N] (the scale is `(e << 23)` as FP32)."""
+        e = gl.minimum(_pow2_ceil_exponent(amax * (1.0 / 448.0)), 254)
+        sf_inv = (gl.minimum(gl.maximum(254 - e, 0), 254) << 23).to(gl.float32, bitcast=True)
+        q = _e4m3_bits(gl.minimum(gl.maximum(a * sf_inv[None, :], -448.0), 448.0))
+        gl.store(out_ptr + out_rows[None, :].to(gl.int64) * inter + offs[:, None], q)
+        return e
+
+    @gluon.jit
     def l1_epilogue(acc_g, acc_u, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter,
                     total_rows, clamp, HAS_CLAMP: gl.constexpr, N: gl.constexpr, ROWS: gl.constexpr,
                     num_warps: gl.constexpr):
@@ -318,21 +339,13 @@ if hp.gluon is not None:
         FP32 to `a32`, for `fp8.l1_out_blocks` to cast."""
         BN: gl.constexpr = 16 * num_warps
         MMA: gl.constexpr = mma_layout(num_warps, N)
-        tc = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
-        okc = tc < nrows
-        slotc = gl.load(sorted_ptr + row0 + tc, mask=okc, other=0)
-        out_rows = pid_b * ROWS + tc
-        topw = gl.load(weight_ptr + slotc, mask=okc, other=0.0)
-        a = swiglu(acc_g, acc_u, topw, okc, clamp, HAS_CLAMP)  # [BN, N]
+        a = l1_activation(acc_g, acc_u, sorted_ptr, weight_ptr, row0, nrows, clamp, HAS_CLAMP, N, num_warps)
+        out_rows = pid_b * ROWS + gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
         offs = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
         if BN < 128:
             gl.store(a32_ptr + out_rows[None, :].to(gl.int64) * inter + offs[:, None], a)
         else:
-            amax = gl.max(gl.abs(a), axis=0)
-            e = gl.minimum(_pow2_ceil_exponent(amax * (1.0 / 448.0)), 254)
-            sf_inv = (gl.minimum(gl.maximum(254 - e, 0), 254) << 23).to(gl.float32, bitcast=True)
-            q = _e4m3_bits(gl.minimum(gl.maximum(a * sf_inv[None, :], -448.0), 448.0))
-            gl.store(out_ptr + out_rows[None, :].to(gl.int64) * inter + offs[:, None], q)
+            e = l1_cast_store(a, gl.max(gl.abs(a), axis=0), out_ptr, out_rows, offs, inter)
             gl.store(outs_ptr + pid_n * total_rows + out_rows, (e << 23).to(gl.float32, bitcast=True))
 
     @gluon.jit

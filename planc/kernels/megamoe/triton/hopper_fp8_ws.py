@@ -58,11 +58,13 @@ if unavailable_reason is None:
     @gluon.jit
     def _copy_partition(w_desc, s_desc, wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, x_ptr, xs_ptr, sorted_ptr,
                         row0, nrows, a_row0, num_topk, k_dim, total_rows, k_blocks, wa_row, wb_row, s_row, na0, nb0,
-                        num_g, ROWS: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr):
+                        num_g, ROWS: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr,
+                        PASSES: gl.constexpr):
         """The producer warp: K block i's weight words and scale words by TMA (gate and up when GATED) and the
-        block's activation rows [ROWS, 128] and their scales by cp.async, into stage i % STAGES once it is free.
-        L1 (GATED) gathers the rows by token (`sorted_ptr`'s slots over `num_topk`), L2 reads its block's rows from
-        `a_row0` on; rows past the block's end are zeros."""
+        block's activation rows [ROWS, 128] and their scales by cp.async, into stage j % STAGES once it is free (j
+        counts K blocks over the passes: pass p streams the rows BN p further). L1 (GATED) gathers the rows by
+        token (`sorted_ptr`'s slots over `num_topk`), L2 reads its block's rows from `a_row0` on; rows past the
+        block's end are zeros."""
         XL: gl.constexpr = _x_layout()
         r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, XL))
         ok = r < nrows
@@ -74,20 +76,24 @@ if unavailable_reason is None:
                   + gl.arange(0, 128, layout=gl.SliceLayout(0, XL))[None, :])
         x_ok = gl.broadcast(ok[:, None], x_ptrs)[0]
         sx_ptrs = xs_ptr + a_row0 + gl.arange(0, ROWS, layout=_sx_layout())
+        G: gl.constexpr = w_desc.block_type.shape[0]
+        BN: gl.constexpr = s_desc.block_type.shape[1]
         nbytes: gl.constexpr = (2 if GATED else 1) * (w_desc.block_type.nbytes + s_desc.block_type.nbytes)
-        for i in range(k_blocks):
-            s = i % STAGES
-            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # a new barrier passes phase 1 at once
+        for j in range(PASSES * k_blocks):
+            s = j % STAGES
+            p = j // k_blocks
+            i = j - p * k_blocks
+            mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)  # a new barrier passes phase 1 at once
             bar = ready.index(s)
             hp.async_load(x_s.index(s), x_ptrs + i * 128, mask=x_ok)
             hp.async_load(sx_s.index(s), sx_ptrs + i * total_rows)
             _cp.mbarrier_arrive(bar, increment_count=False)  # one of the barrier's 32 + 1 arrivals per thread
             mbarrier.expect(bar, nbytes)
-            hpws.tma_load(w_desc, [wa_row + i * num_g, 0], bar, wa_s.index(s))
-            hpws.tma_load(s_desc, [s_row + i, na0], bar, sa_s.index(s))
+            hpws.tma_load(w_desc, [wa_row + i * num_g + p * G, 0], bar, wa_s.index(s))
+            hpws.tma_load(s_desc, [s_row + i, na0 + p * BN], bar, sa_s.index(s))
             if GATED:
-                hpws.tma_load(w_desc, [wb_row + i * num_g, 0], bar, wb_s.index(s))
-                hpws.tma_load(s_desc, [s_row + i, nb0], bar, sb_s.index(s))
+                hpws.tma_load(w_desc, [wb_row + i * num_g + p * G, 0], bar, wb_s.index(s))
+                hpws.tma_load(s_desc, [s_row + i, nb0 + p * BN], bar, sb_s.index(s))
 
     @gluon.jit
     def _words(w_s, s, WL: gl.constexpr):
@@ -101,13 +107,14 @@ if unavailable_reason is None:
         return s_s.index(s).reshape((G, 2, 8))
 
     @gluon.jit
-    def _gemm(wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, tab_ptr, k_blocks, BN: gl.constexpr, N: gl.constexpr,
-              STAGES: gl.constexpr, GATED: gl.constexpr, num_warps: gl.constexpr):
+    def _gemm(wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, tab_ptr, j0, k_blocks, BN: gl.constexpr,
+              N: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, num_warps: gl.constexpr):
         """`hopper_fp8._gemm`'s loop, fed by the ring: the same expansions, MMAs, promotions and waits in the same
         order. A stage is freed once its last read is done: in iteration i, block i - 1's after its activation
         scales are read for the promotion of its last sum (its MMAs retired in iteration i - 1), and (L2) block i's
         once its MMA is retired and its scales read. Past the last block the next operand is the last block's again
-        (its stage not yet freed: its barrier's phase is the one already waited for)."""
+        (its stage not yet freed: its barrier's phase is the one already waited for). `j0`: the ring's count of
+        K blocks before this loop's first (the earlier passes')."""
         G: gl.constexpr = BN // 16
         WL: gl.constexpr = hf8.words_layout(num_warps)
         MMA: gl.constexpr = hf8.mma_layout(num_warps, N)
@@ -120,16 +127,16 @@ if unavailable_reason is None:
         pb = gl.zeros([BN, N], gl.float32, MMA)
         swb = gl.zeros([BN], gl.float32, SWL)
         STEP: gl.constexpr = 1 if GATED else 2
-        st = hpws.wait_stage(ready, 0, STAGES)
+        st = hpws.wait_stage(ready, j0, STAGES)
         lo, hi = hf8.lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), tab_ptr, WL, num_warps)
         ka0, ka1 = hf8.expand_e4m3(_words(wa_s, st, WL), lo, hi)
         for i in range(0, k_blocks, STEP):
             x_t = x_s.index(st).slice(0, N).permute((1, 0))
             pa = warpgroup_mma(hf8.operand(ka0, ka1, AL), x_t, pa, use_acc=False, is_async=True)
             pa, pb, ka0, ka1 = warpgroup_mma_wait(1, deps=(pa, pb, ka0, ka1))
-            sxb = sx_s.index(gl.maximum(i - 1, 0) % STAGES).slice(0, N).load(SXL)
+            sxb = sx_s.index((j0 + gl.maximum(i - 1, 0)) % STAGES).slice(0, N).load(SXL)
             if i > 0:
-                hpws.release_stage(empty, i - 1, STAGES)
+                hpws.release_stage(empty, j0 + i - 1, STAGES)
             if GATED:
                 lo, hi = hf8.lane_tables(_scale_tile(sb_s, st, G).permute((0, 2, 1)), tab_ptr, WL, num_warps)
                 wb = _words(wb_s, st, WL)
@@ -138,26 +145,27 @@ if unavailable_reason is None:
                 kb0, kb1 = hf8.expand_e4m3(wb, lo, hi)
             else:
                 acc_a = warpgroup_mma_wait(1, deps=(acc_a + pb * (swb[:, None] * sxb[None, :]),))
-                st = hpws.wait_stage(ready, i + 1, STAGES)
+                st = hpws.wait_stage(ready, j0 + i + 1, STAGES)
                 x_t = x_s.index(st).slice(0, N).permute((1, 0))
                 lo, hi = hf8.lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), tab_ptr, WL, num_warps)
                 swb = hf8.row_scales(_scale_tile(sa_s, st, G), BN, SWL)
                 kb0, kb1 = hf8.expand_e4m3(_words(wa_s, st, WL), lo, hi)
             pb = warpgroup_mma(hf8.operand(kb0, kb1, AL), x_t, pb, use_acc=False, is_async=True)
             pa, pb, ka0, ka1, kb0, kb1 = warpgroup_mma_wait(1, deps=(pa, pb, ka0, ka1, kb0, kb1))
-            sta = i % STAGES
+            sta = (j0 + i) % STAGES
             swa = hf8.row_scales(_scale_tile(sa_s, sta, G), BN, SWL)
             sxa = sx_s.index(sta).slice(0, N).load(SXL)
             if not GATED:
-                hpws.release_stage(empty, i, STAGES)
-            st = hpws.wait_stage(ready, gl.minimum(i + STEP, k_blocks - 1), STAGES)
+                hpws.release_stage(empty, j0 + i, STAGES)
+            st = hpws.wait_stage(ready, j0 + gl.minimum(i + STEP, k_blocks - 1), STAGES)
             lo, hi = hf8.lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), tab_ptr, WL, num_warps)
             wa = _words(wa_s, st, WL)
             acc_a = warpgroup_mma_wait(1, deps=(acc_a + pa * (swa[:, None] * sxa[None, :]),))
             ka0, ka1 = hf8.expand_e4m3(wa, lo, hi)
             pb, kb0, kb1, ka0, ka1 = warpgroup_mma_wait(0, deps=(pb, kb0, kb1, ka0, ka1))
-        # b's last block
-        sxb = sx_s.index((k_blocks - 1) % STAGES).slice(0, N).load(SXL)
+        # b's last block; then its stage is free (for the next pass's copies)
+        sxb = sx_s.index((j0 + k_blocks - 1) % STAGES).slice(0, N).load(SXL)
+        hpws.release_stage(empty, j0 + k_blocks - 1, STAGES)
         if GATED:
             acc_b += pb * (swb[:, None] * sxb[None, :])
         else:
@@ -168,46 +176,61 @@ if unavailable_reason is None:
     def _mma_block(wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, tab_ptr, k_blocks, sorted_ptr, weight_ptr, out_ptr,
                    outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter, total_rows, stride_out, clamp,
                    HAS_CLAMP: gl.constexpr, N: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr,
-                   GATED: gl.constexpr, num_warps: gl.constexpr):
-        """The K loop over the block's first N rows and its epilogue (`hopper_fp8`'s)."""
-        acc_a, acc_b = _gemm(wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, tab_ptr, k_blocks, 16 * num_warps, N,
-                             STAGES, GATED, num_warps)
-        if GATED:
+                   GATED: gl.constexpr, PASSES: gl.constexpr, num_warps: gl.constexpr):
+        """The K loops over the block's first N rows and the epilogue: `hopper_fp8`'s, or (L1 in two passes of 64
+        channels on 4 warps) both halves of a 128-channel scale block, the first's SwiGLU output held while the
+        second multiplies, cast together: no FP32 round trip through memory."""
+        BN: gl.constexpr = 16 * num_warps
+        acc_a, acc_b = _gemm(wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, tab_ptr, 0, k_blocks, BN, N, STAGES,
+                             GATED, num_warps)
+        if not GATED:
+            hf8.l2_epilogue(acc_a, sorted_ptr, out_ptr, pid_n, row0, nrows, stride_out, N, num_warps)
+        elif PASSES == 1:
             hf8.l1_epilogue(acc_a, acc_b, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0,
                             nrows, inter, total_rows, clamp, HAS_CLAMP, N, ROWS, num_warps)
         else:
-            hf8.l2_epilogue(acc_a, sorted_ptr, out_ptr, pid_n, row0, nrows, stride_out, N, num_warps)
+            MMA: gl.constexpr = hf8.mma_layout(num_warps, N)
+            a0 = hf8.l1_activation(acc_a, acc_b, sorted_ptr, weight_ptr, row0, nrows, clamp, HAS_CLAMP, N, num_warps)
+            acc_a, acc_b = _gemm(wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, tab_ptr, k_blocks, k_blocks, BN, N,
+                                 STAGES, GATED, num_warps)
+            a1 = hf8.l1_activation(acc_a, acc_b, sorted_ptr, weight_ptr, row0, nrows, clamp, HAS_CLAMP, N, num_warps)
+            amax = gl.maximum(gl.max(gl.abs(a0), axis=0), gl.max(gl.abs(a1), axis=0))
+            out_rows = pid_b * ROWS + gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
+            offs = pid_n * 2 * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+            hf8.l1_cast_store(a0, amax, out_ptr, out_rows, offs, inter)
+            e = hf8.l1_cast_store(a1, amax, out_ptr, out_rows, offs + BN, inter)
+            gl.store(outs_ptr + pid_n * total_rows + out_rows, (e << 23).to(gl.float32, bitcast=True))
 
     @gluon.jit
     def _mma_partition(wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, tab_ptr, k_blocks, sorted_ptr, weight_ptr,
                        out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter, total_rows, stride_out, clamp,
                        HAS_CLAMP: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       PASSES: gl.constexpr, num_warps: gl.constexpr):
         """The MMA warps: a block of at most half ROWS rows (an expert's last) runs an MMA half as wide, as
         `hopper_fp8` does."""
         if ROWS > 32 and nrows <= ROWS // 2:
             _mma_block(wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, tab_ptr, k_blocks, sorted_ptr, weight_ptr,
                        out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter, total_rows, stride_out, clamp,
-                       HAS_CLAMP, ROWS // 2, ROWS, STAGES, GATED, num_warps)
+                       HAS_CLAMP, ROWS // 2, ROWS, STAGES, GATED, PASSES, num_warps)
         else:
             _mma_block(wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, tab_ptr, k_blocks, sorted_ptr, weight_ptr,
                        out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter, total_rows, stride_out, clamp,
-                       HAS_CLAMP, ROWS, ROWS, STAGES, GATED, num_warps)
+                       HAS_CLAMP, ROWS, ROWS, STAGES, GATED, PASSES, num_warps)
 
     @gluon.jit
     def fp8_ws_kernel(
         x_ptr, xs_ptr, w_desc, s_desc, tab_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr,
         block_end_ptr, out_ptr, outs_ptr, a32_ptr, n_rows, k_dim, inter, num_topk, num_local, total_rows, stride_out,
         clamp, GATED: gl.constexpr, HAS_CLAMP: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr,
-        num_warps: gl.constexpr,
+        PASSES: gl.constexpr, num_warps: gl.constexpr,
     ):
-        """One GEMM of the FP8 path for one block of up to ROWS rows and BN = 16 x num_warps output channels: L1
-        (GATED: `n_rows` = 2I gate|up rows over K = hidden, the tokens' e4m3 rows gathered, `xs` their block scales
-        [H/128, R] in block-row order) or L2 (`n_rows` = hidden over K = intermediate, L1's e4m3 rows in block order,
-        `xs` [I/128, R])."""
+        """One GEMM of the FP8 path for one block of up to ROWS rows and PASSES x BN output channels, BN = 16 x
+        num_warps: L1 (GATED: `n_rows` = 2I gate|up rows over K = hidden, the tokens' e4m3 rows gathered, `xs`
+        their block scales [H/128, R] in block-row order) or L2 (`n_rows` = hidden over K = intermediate, L1's e4m3
+        rows in block order, `xs` [I/128, R])."""
         BN: gl.constexpr = 16 * num_warps
         G: gl.constexpr = BN // 16
-        n_out = (n_rows // 2 if GATED else n_rows) // BN
+        n_out = (n_rows // 2 if GATED else n_rows) // (BN * PASSES)
         pid_b, pid_n, expert, row0, nrows = hp.program_block(block_expert_ptr, block_row_ptr, block_end_ptr, n_out)
         if expert < num_local:
             k_blocks = k_dim // 128
@@ -229,16 +252,18 @@ if unavailable_reason is None:
                 mbarrier.init(ready.index(s), count=1 + 32 * _PRODUCER_WARPS)  # the TMA bytes' and each copier's
                 mbarrier.init(empty.index(s), count=1)
             s_row = expert * k_blocks  # the scale words' rows: one per (expert, K block), n_rows words each
-            wa_row = s_row * num_g + pid_n * G  # the words' rows: one per (expert, K block, row group), 256 words
+            wa_row = s_row * num_g + pid_n * PASSES * G  # the words' rows: per (expert, K block, row group), 256 words
             wb_row = wa_row + num_g // 2  # L1's up rows: I further
-            na0 = pid_n * BN
+            na0 = pid_n * PASSES * BN
             gl.warp_specialize([
                 (_mma_partition, (wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, tab_ptr, k_blocks, sorted_ptr,
                                   weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter,
-                                  total_rows, stride_out, clamp, HAS_CLAMP, ROWS, STAGES, GATED, num_warps)),
+                                  total_rows, stride_out, clamp, HAS_CLAMP, ROWS, STAGES, GATED, PASSES,
+                                  num_warps)),
                 (_copy_partition, (w_desc, s_desc, wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, x_ptr, xs_ptr,
                                    sorted_ptr, row0, nrows, pid_b * ROWS, num_topk, k_dim, total_rows, k_blocks,
-                                   wa_row, wb_row, s_row, na0, na0 + n_rows // 2, num_g, ROWS, STAGES, GATED)),
+                                   wa_row, wb_row, s_row, na0, na0 + n_rows // 2, num_g, ROWS, STAGES, GATED,
+                                   PASSES)),
             ], [_PRODUCER_WARPS], [hpws.PRODUCER_REGS])
 
 
@@ -261,32 +286,40 @@ def descriptors(w, s_words, bn: int) -> tuple:
 
 
 def _launch(x, xs, w, s_words, sorted_slots, weights, block_expert, block_row, block_end, out, outs, a32, *, gated,
-            inter, num_topk, total_rows, clamp, num_warps, config, layer):
+            inter, num_topk, total_rows, clamp, num_warps, passes, config, layer):
     w_desc, s_desc = descriptors(w, s_words, 16 * num_warps)
     n_rows, k_dim = w.shape[1], x.shape[1]
-    n_out = (n_rows // 2 if gated else n_rows) // (16 * num_warps)
+    n_out = (n_rows // 2 if gated else n_rows) // (16 * num_warps * passes)
     fp8_ws_kernel[(block_expert.numel() * n_out,)](
         x, xs, w_desc, s_desc, hf8.tables(x.device), sorted_slots, weights, block_expert, block_row, block_end, out,
         outs, a32, n_rows, k_dim, inter, num_topk, w.shape[0], total_rows, out.stride(0),
         0.0 if clamp is None else clamp, GATED=gated, HAS_CLAMP=clamp is not None, ROWS=config.block_t,
-        STAGES=config.num_stages, num_warps=num_warps,
+        STAGES=config.num_stages, PASSES=passes, num_warps=num_warps,
         maxnreg=config.launch_registers(layer).get("maxnreg", DEFAULT_REGISTERS),
     )
 
 
+def l1_passes(config) -> int:
+    """L1's passes per program: `l1_n` channels on 16 x num_warps at a time (128 on 4 warps: two, cast in the
+    kernel; 64 on 4 warps or 128 on 8: one)."""
+    return config.l1_n // (16 * config.num_warps)
+
+
 def l1(x8, xs, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act, act_s, *, clamp, num_topk,
        config, a32=None):
-    """`hopper_fp8.l1` (same arguments, same outputs) on the warp-specialized kernel."""
+    """`hopper_fp8.l1` (same arguments, same outputs) on the warp-specialized kernel, `l1_passes(config)` passes a
+    program; `a32` (FP32 outputs for `fp8.l1_out_blocks` to cast) where a program covers 64 channels."""
     _launch(x8, xs, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act, act_s,
             act_s if a32 is None else a32, gated=True, inter=w1.shape[1] // 2, num_topk=num_topk,
-            total_rows=act.shape[0], clamp=clamp, num_warps=config.num_warps, config=config, layer="L1")
+            total_rows=act.shape[0], clamp=clamp, num_warps=config.num_warps, passes=l1_passes(config),
+            config=config, layer="L1")
 
 
 def l2(act, act_s, w2, s2, sorted_slots, block_expert, block_row, block_end, out, *, config):
     """`hopper_fp8.l2` (same arguments, same outputs) on the warp-specialized kernel."""
     _launch(act, act_s, w2, s2, sorted_slots, sorted_slots, block_expert, block_row, block_end, out, out, out,
             gated=False, inter=act.shape[1], num_topk=1, total_rows=act.shape[0], clamp=None,
-            num_warps=config.l2_n // 16, config=config, layer="L2")
+            num_warps=config.l2_n // 16, passes=1, config=config, layer="L2")
 
 
 def unavailable(device: torch.device) -> str | None:
