@@ -68,9 +68,14 @@ if hp.gluon is not None:
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 32])
 
     @triton.constexpr_function
-    def _sx_layout(num_warps):
+    def sx_layout(num_warps):
         """[rows] block scales of the activations (cp.async, 4 bytes a thread)."""
         return gl.BlockedLayout([1], [32], [num_warps], [0])
+
+    @triton.constexpr_function
+    def x_tile_layout():
+        """The e4m3 activation tiles in shared memory as the FP8 wgmma's B operand reads them: 128-byte swizzled."""
+        return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
 
     @triton.constexpr_function
     def _x_layout(num_warps):
@@ -200,7 +205,7 @@ if hp.gluon is not None:
         WL: gl.constexpr = words_layout(num_warps)
         MMA: gl.constexpr = mma_layout(num_warps, ROWS)
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
-        XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        XS: gl.constexpr = x_tile_layout()
         WS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[4, 3, 2, 1, 0])
         SS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
         S1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
@@ -303,7 +308,7 @@ if hp.gluon is not None:
         slot = gl.load(sorted_ptr + row0 + t, mask=ok, other=0)
         token = gl.where(ok, slot // num_topk, 0).to(gl.int64)
         x_ptrs = x8_ptr + token[:, None] * hidden + gl.arange(0, 128, layout=gl.SliceLayout(0, XL))[None, :]
-        sx_ptrs = xs_ptr + pid_b * ROWS + gl.arange(0, N, layout=_sx_layout(num_warps))
+        sx_ptrs = xs_ptr + pid_b * ROWS + gl.arange(0, N, layout=sx_layout(num_warps))
         acc_g, acc_u = _gemm(x_ptrs, sx_ptrs, total_rows, w_base, s_base, tab_ptr, wg_off, wu_off, pid_n * BN,
                              inter + pid_n * BN, 2 * inter, num_g, hidden // 128, BN, N, STAGES, True, num_warps)
         l1_epilogue(acc_g, acc_u, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter,
@@ -386,7 +391,7 @@ if hp.gluon is not None:
         t = gl.arange(0, N, layout=gl.SliceLayout(1, XL))
         rows = (pid_b * ROWS + t).to(gl.int64)
         a_ptrs = a8_ptr + rows[:, None] * inter + gl.arange(0, 128, layout=gl.SliceLayout(0, XL))[None, :]
-        sx_ptrs = as_ptr + pid_b * ROWS + gl.arange(0, N, layout=_sx_layout(num_warps))
+        sx_ptrs = as_ptr + pid_b * ROWS + gl.arange(0, N, layout=sx_layout(num_warps))
         acc, _ = _gemm(a_ptrs, sx_ptrs, total_rows, w_base, s_base, tab_ptr, w_off, w_off, pid_n * BN, pid_n * BN,
                        hidden, num_g, inter // 128, BN, N, STAGES, False, num_warps)
         l2_epilogue(acc, sorted_ptr, out_ptr, pid_n, row0, nrows, stride_out, N, num_warps)

@@ -45,15 +45,6 @@ if unavailable_reason is None:
         one row address per thread and pass, which the producer's 24 registers hold."""
         return gl.BlockedLayout([1, 16], [32, 1], [1, 1], [1, 0])
 
-    @triton.constexpr_function
-    def _sx_layout():
-        """The producer warp's [rows] activation block scales: 4 bytes a thread a pass."""
-        return gl.BlockedLayout([1], [32], [1], [0])
-
-    @triton.constexpr_function
-    def x_smem_layout():
-        """The e4m3 activation tiles as the FP8 wgmma's B operand reads them: 128-byte swizzled."""
-        return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
 
     @gluon.jit
     def _copy_partition(w_desc, s_desc, wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, x_ptr, xs_ptr, sorted_ptr,
@@ -75,7 +66,7 @@ if unavailable_reason is None:
         x_ptrs = (x_ptr + rows[:, None].to(gl.int64) * k_dim
                   + gl.arange(0, 128, layout=gl.SliceLayout(0, XL))[None, :])
         x_ok = gl.broadcast(ok[:, None], x_ptrs)[0]
-        sx_ptrs = xs_ptr + a_row0 + gl.arange(0, ROWS, layout=_sx_layout())
+        sx_ptrs = xs_ptr + a_row0 + gl.arange(0, ROWS, layout=hf8.sx_layout(1))
         G: gl.constexpr = w_desc.block_type.shape[0]
         BN: gl.constexpr = s_desc.block_type.shape[1]
         nbytes: gl.constexpr = (2 if GATED else 1) * (w_desc.block_type.nbytes + s_desc.block_type.nbytes)
@@ -243,7 +234,7 @@ if unavailable_reason is None:
             else:  # not read
                 wb_s = wa_s
                 sb_s = sa_s
-            x_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, ROWS, 128], x_smem_layout())
+            x_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, ROWS, 128], hf8.x_tile_layout())
             sx_s = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS],
                                              gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
             ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
