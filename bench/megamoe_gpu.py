@@ -90,8 +90,12 @@ def parse_args(argv=None):
                    metavar="BT,L1N,L1K,L2N,L2K,WARPS,STAGES[,SPLIT[,MAXNREG[,PREFETCH[,GLUON[,L2_MAXNREG]]]]];...",
                    help="with --sweep: these KernelConfig fields instead of the built-in candidates")
     p.add_argument("--fp8-config", default=None, metavar="INTS",
-                   help="replace the config of the FP8 path's table row (`config.FP8_CONFIGS`, its bound kept) for "
-                        "this run: KernelConfig's fields as comma-separated ints, as in --configs")
+                   help="put this config in the FP8 path's table row (`config.FP8_CONFIGS`) for this run: "
+                        "KernelConfig's fields as comma-separated ints, as in --configs; the row's bound is kept, or "
+                        "--fp8-rows where the table has no row")
+    p.add_argument("--fp8-rows", type=int, default=48, metavar="ROWS",
+                   help="with --fp8-config and an empty FP8 row: from this many rows per local expert on average "
+                        "(48: V4 from ~3100 tokens on one rank)")
     p.add_argument("--general-only", action="store_true",
                    help="run the general kernels at every batch size (no split-K decode rows: `general_path_only`)")
     p.add_argument("--decode-variant", default=None, choices=list(DECODE_VARIANTS),
@@ -123,7 +127,8 @@ def parse_args(argv=None):
         args.configs = [KernelConfig(*(int(v) for v in c.split(","))) for c in args.configs.split(";") if c.strip()]
     if args.fp8_config:
         cfg = KernelConfig(*(int(v) for v in args.fp8_config.split(",")))
-        triton_config.FP8_CONFIGS = tuple((bound, cfg) for bound, _ in triton_config.FP8_CONFIGS)
+        bounds = [bound for bound, _ in triton_config.FP8_CONFIGS] or [args.fp8_rows]
+        triton_config.FP8_CONFIGS = tuple((bound, cfg) for bound in bounds)
     return args
 
 
