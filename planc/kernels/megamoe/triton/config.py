@@ -127,6 +127,8 @@ class KernelConfig:
             return tile
 
         if self.fp8:
+            if self.fp8 > 4:
+                raise ValueError(f"KernelConfig(fp8={self.fp8}) names no FP8 kernels: 1, 2, 3 or 4")
             if hidden % 128 or inter % 128 or (self.l1_n % 128 and self.fp8 < 3) or inter % self.l1_n \
                     or hidden % self.l2_n:
                 raise ValueError(f"the FP8 kernels need hidden and intermediate % 128 and N tiles of 128 that divide "
@@ -143,8 +145,6 @@ class KernelConfig:
             if self.fp8 >= 3 and (inter // 128) % 2:
                 raise ValueError(f"the FP8 Gluon kernels (fp8={self.fp8}) run L2's 128-deep K blocks in pairs: "
                                  f"intermediate {inter} has an odd number of them; use fp8=1 or a BF16 config")
-            if self.fp8 > 4:
-                raise ValueError(f"KernelConfig(fp8={self.fp8}) names no FP8 kernels: 1, 2, 3 or 4")
             return dataclasses.replace(self, l1_k=128, l2_k=128, l1_split=1)
         if self.decode:
             return self._fit_decode(hidden, inter, div)

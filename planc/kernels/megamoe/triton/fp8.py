@@ -255,7 +255,7 @@ def fp8_local_experts_forward(
     x_fp8: torch.Tensor, x_sf: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
     experts: PackedExperts, *, first_expert: int, clamp: float | None, config: KernelConfig,
 ) -> torch.Tensor:
-    """`triton_local_experts_forward` for a `KernelConfig(fp8=1)`: BF16 ``[M, K, H]`` slot outputs (zeros for other
+    """`triton_local_experts_forward` for a `KernelConfig(fp8=1 to 4)`: BF16 ``[M, K, H]`` slot outputs (zeros for other
     ranks' experts), the FP8 numerics of the module docstring."""
     m, k = topk_idx.shape
     hidden, inter, num_local = experts.hidden, experts.intermediate, experts.num_local_experts
@@ -295,11 +295,11 @@ def fp8_local_experts_forward(
         half = config.num_warps == 4 and (config.fp8 == 3 or config.l1_n == 64)
         a32 = torch.empty((nblocks * bt, inter), dtype=torch.float32, device=device) if half else None
         kernels.l1(x8.view(torch.float8_e4m3fn), xs, e4.w1, s1, sorted_slots, weights, block_expert, block_row,
-                      block_end, act, act_s, clamp=clamp, num_topk=k, config=config, a32=a32)
+                   block_end, act, act_s, clamp=clamp, num_topk=k, config=config, a32=a32)
         if a32 is not None:
             l1_out_blocks(a32, act, act_s, block_expert, num_local, bt)
         kernels.l2(act.view(torch.float8_e4m3fn), act_s, e4.w2, s2, sorted_slots, block_expert, block_row,
-                      block_end, out, config=config)
+                   block_end, out, config=config)
         return out.view(m, k, hidden)
     s1 = experts.s1.reshape(num_local, -1).view(torch.int32)
     s2 = experts.s2.reshape(num_local, -1).view(torch.int32)
