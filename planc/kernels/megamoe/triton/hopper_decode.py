@@ -53,6 +53,21 @@ if unavailable_reason is None:
         return gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
 
     @gluon.jit
+    def activation_rows(x_ptr, sorted_ptr, row0, nrows, a_row0, num_topk, stride_x, ROWS: gl.constexpr,
+                        COLS: gl.constexpr, XL: gl.constexpr, GATED: gl.constexpr):
+        """A producer's addresses of a block's activation rows [ROWS, COLS] in layout XL, and which are the
+        block's: L1 (GATED) gathers them by token (`sorted_ptr`'s slots from `row0` over `num_topk`), L2 reads the
+        block's rows from `a_row0` on; rows past the block's end (`nrows`) are masked, so their copies write zeros."""
+        r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, XL))
+        ok = r < nrows
+        if GATED:
+            rows = gl.load(sorted_ptr + row0 + r, mask=ok, other=0) // num_topk
+        else:
+            rows = a_row0 + r
+        x_ptrs = x_ptr + rows[:, None].to(gl.int64) * stride_x + gl.arange(0, COLS, layout=gl.SliceLayout(0, XL))[None, :]
+        return x_ptrs, gl.broadcast(ok[:, None], x_ptrs)[0]
+
+    @gluon.jit
     def _copy_partition(w_desc, s_desc, wa_s, sa_s, wb_s, sb_s, x_s, ready, empty, x_ptr, sorted_ptr, stride_x,
                         row0, nrows, a_row0, num_topk, k0, k_tiles, num_g, wa_row0, wb_row0, BT: gl.constexpr,
                         STAGES: gl.constexpr, GATED: gl.constexpr):
@@ -61,16 +76,8 @@ if unavailable_reason is None:
         every copy completes on the stage's `ready` barrier. L1 (GATED) gathers the rows by token (`sorted_ptr`'s
         slots over `num_topk`), L2 reads its block's rows from `a_row0` on; rows past the block's end are zeros."""
         G: gl.constexpr = w_desc.block_type.shape[0]
-        XL: gl.constexpr = _x_layout()
-        r = gl.arange(0, BT, layout=gl.SliceLayout(1, XL))
-        ok = r < nrows
-        if GATED:
-            rows = gl.load(sorted_ptr + row0 + r, mask=ok, other=0) // num_topk
-        else:
-            rows = a_row0 + r
-        x_ptrs = (x_ptr + rows[:, None].to(gl.int64) * stride_x
-                  + gl.arange(0, 64, layout=gl.SliceLayout(0, XL))[None, :] + k0 * 64)
-        x_ok = gl.broadcast(ok[:, None], x_ptrs)[0]
+        x_ptrs, x_ok = activation_rows(x_ptr + k0 * 64, sorted_ptr, row0, nrows, a_row0, num_topk, stride_x, BT, 64,
+                                       _x_layout(), GATED)
         nbytes: gl.constexpr = (2 if GATED else 1) * (w_desc.block_type.nbytes + s_desc.block_type.nbytes)
         for i in range(k_tiles):
             s = i % STAGES

@@ -56,16 +56,8 @@ if unavailable_reason is None:
         counts K blocks over the passes: pass p streams the rows BN p further). L1 (GATED) gathers the rows by
         token (`sorted_ptr`'s slots over `num_topk`), L2 reads its block's rows from `a_row0` on; rows past the
         block's end are zeros."""
-        XL: gl.constexpr = _x_layout()
-        r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, XL))
-        ok = r < nrows
-        if GATED:
-            rows = gl.load(sorted_ptr + row0 + r, mask=ok, other=0) // num_topk
-        else:
-            rows = a_row0 + r
-        x_ptrs = (x_ptr + rows[:, None].to(gl.int64) * k_dim
-                  + gl.arange(0, 128, layout=gl.SliceLayout(0, XL))[None, :])
-        x_ok = gl.broadcast(ok[:, None], x_ptrs)[0]
+        x_ptrs, x_ok = hopper_decode.activation_rows(x_ptr, sorted_ptr, row0, nrows, a_row0, num_topk, k_dim, ROWS, 128,
+                                                     _x_layout(), GATED)
         sx_ptrs = xs_ptr + a_row0 + gl.arange(0, ROWS, layout=hf8.sx_layout(1))
         G: gl.constexpr = w_desc.block_type.shape[0]
         BN: gl.constexpr = s_desc.block_type.shape[1]
