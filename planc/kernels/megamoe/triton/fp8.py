@@ -291,8 +291,8 @@ def fp8_local_experts_forward(
         xs = hopper_fp8.block_row_scales(xs, sorted_slots, block_row, block_end, num_topk=k, block_t=bt)
         s1 = e4.s1.reshape(num_local, -1).view(torch.int32)
         s2 = e4.s2.reshape(num_local, -1).view(torch.int32)
-        # a program of 64 channels (half a scale block) leaves its SwiGLU output in FP32 for `l1_out_blocks` to cast
-        half = config.num_warps == 4 and (config.fp8 == 3 or config.l1_n == 64)
+        # a program of less than a scale block leaves its SwiGLU output in FP32 for `l1_out_blocks` to cast
+        half = kernels.l1_channels(config) < BLOCK
         a32 = torch.empty((nblocks * bt, inter), dtype=torch.float32, device=device) if half else None
         kernels.l1(x8.view(torch.float8_e4m3fn), xs, e4.w1, s1, sorted_slots, weights, block_expert, block_row,
                    block_end, act, act_s, clamp=clamp, num_topk=k, config=config, a32=a32)

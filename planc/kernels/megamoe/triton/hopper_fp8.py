@@ -439,6 +439,12 @@ def tables(device) -> torch.Tensor:
     return _TABLES[device]
 
 
+def l1_channels(config) -> int:
+    """The channels an L1 program covers: 16 x num_warps (fewer than a 128-channel scale block on 4 warps: the
+    output then goes out in FP32 for `fp8.l1_out_blocks` to cast)."""
+    return 16 * config.num_warps
+
+
 def l1(x8, xs, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act, act_s, *, clamp, num_topk,
        config, a32=None):
     """L1 into `act` (e4m3 bytes [R, I], R block rows) and `act_s` (their FP32 scales [I/128, R]), blocks of
@@ -446,7 +452,7 @@ def l1(x8, xs, w1, s1, sorted_slots, weights, block_expert, block_row, block_end
     order [H/128, R] (`block_row_scales`). With 4 warps the SwiGLU output goes to `a32` (FP32 [R, I]) instead, for
     `fp8.l1_out_blocks` to cast."""
     hidden, inter, num_local = x8.shape[1], w1.shape[1] // 2, w1.shape[0]
-    bn = 16 * config.num_warps
+    bn = l1_channels(config)
     l1_kernel[(block_expert.numel() * (inter // bn),)](
         x8, xs, w1, s1, tables(x8.device), sorted_slots, weights, block_expert, block_row, block_end, act, act_s,
         act_s if a32 is None else a32,

@@ -282,10 +282,16 @@ def _launch(x, xs, w, s_words, sorted_slots, weights, block_expert, block_row, b
     )
 
 
+def l1_channels(config) -> int:
+    """The channels an L1 program covers: `l1_n` (fewer than a 128-channel scale block: the output then goes out in
+    FP32 for `fp8.l1_out_blocks` to cast)."""
+    return config.l1_n
+
+
 def l1_passes(config) -> int:
-    """L1's passes per program: `l1_n` channels on 16 x num_warps at a time (128 on 4 warps: two, cast in the
-    kernel; 64 on 4 warps or 128 on 8: one)."""
-    return config.l1_n // (16 * config.num_warps)
+    """L1's passes per program: its channels on 16 x num_warps at a time (128 on 4 warps: two, cast in the kernel;
+    64 on 4 warps or 128 on 8: one)."""
+    return l1_channels(config) // (16 * config.num_warps)
 
 
 def l1(x8, xs, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act, act_s, *, clamp, num_topk,
