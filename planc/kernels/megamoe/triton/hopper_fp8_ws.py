@@ -45,7 +45,6 @@ if unavailable_reason is None:
         one row address per thread and pass, which the producer's 24 registers hold."""
         return gl.BlockedLayout([1, 16], [32, 1], [1, 1], [1, 0])
 
-
     @gluon.jit
     def _copy_partition(w_desc, s_desc, wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, x_ptr, xs_ptr, sorted_ptr,
                         row0, nrows, a_row0, num_topk, k_dim, total_rows, k_blocks, wa_row, wb_row, s_row, na0, nb0,
