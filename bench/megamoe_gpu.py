@@ -370,6 +370,8 @@ DECODE_VARIANTS = {
     "sync_r48_s6": dict(prologue=1, persistent=0, stream_k=0, decode_ws=2, maxnreg=48, num_stages=6),
     "sync_r40": dict(prologue=1, persistent=0, stream_k=0, decode_ws=2, maxnreg=40, num_stages=4),
     "sync_r48_bt8": dict(prologue=1, persistent=0, stream_k=0, decode_ws=2, maxnreg=48, num_stages=4, block_t=8),
+    "sync_r48_bt8_s6": dict(prologue=1, persistent=0, stream_k=0, decode_ws=2, maxnreg=48, num_stages=6, block_t=8),
+    "sync_r40_bt8": dict(prologue=1, persistent=0, stream_k=0, decode_ws=2, maxnreg=40, num_stages=4, block_t=8),
 }
 # The variant the others are compared with in the variants table: the split-K grid with the prologue.
 SPLIT_K_VARIANT = "prologue"

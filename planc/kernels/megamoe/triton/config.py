@@ -256,7 +256,8 @@ FP8_CONFIGS: tuple[tuple[int, KernelConfig], ...] = ()
 # tokens (116.9 against 107.0 µs at 1 token), and in K slices (commit 1e0c38f) 12-32% slower (docs/megamoe.md,
 # "Stream-K decode"). Nor the warp-specialized Gluon kernels (`decode_ws`): on wgmma they ran the layer 2-12% slower
 # on an H100 (2026-12-06, commit 7a45eb6: 108.7-119.1 against 106.4 µs at 1 token); on mma.sync (`decode_ws=2`) they
-# are not yet timed on a GPU (docs/megamoe.md, "Warp-specialized decode").
+# gave this row's bits and at best its time (H100, 2026-12-07, commit a9f92a4, 8-row blocks at 48 registers: 103.9 /
+# 172.4 / 311.8 against 104.2 / 176.7 / 317.5 µs at 1 / 2 / 4 tokens; docs/megamoe.md, "Warp-specialized decode").
 DECODE_CONFIGS: tuple[tuple[int, KernelConfig], ...] = (
     (24, KernelConfig(block_t=16, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=6, prefetch=0,
                       decode=2)),

@@ -11,7 +11,8 @@ stage's `ready` mbarrier; the four MMA warps wait on it, expand (`hopper_prefill
 instructions) and multiply, then free the stage on its `empty` mbarrier. `KernelConfig.decode_ws` picks the MMA:
 1 wgmma (the Triton kernels' instruction and K order: their bits; measured slower on an H100, its MMA warps stalled
 at the warpgroup's syncs), 2 mma.sync, each MMA warp on its own 16 rows (166 instructions per L1 K tile compiled,
-against 240; not yet timed on a GPU).
+against 240; on an H100 the same bits as the Triton kernels and within 0-2% of their time with 8-row blocks,
+4-12% slower otherwise: docs/megamoe.md).
 
 The schedule is `decode`'s split-K grid: one program per (block, N tile, K slice), the slices' FP32 partial sums
 stored and added in slice order by the tile's last program to arrive (`jit.last_to_arrive`), which runs the epilogue
