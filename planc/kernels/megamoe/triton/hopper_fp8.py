@@ -198,13 +198,9 @@ if hp.gluon is not None:
               BN: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr,
               num_warps: gl.constexpr):
         """FP32 sums [BN, ROWS] of operand a (rows na0..; and b, rows nb0.., when GATED) times the block's
-        activations, promoted per 128-deep K block. GATED: a and b alternate (each expanded and promoted while the
-        other multiplies); else K blocks in pairs into one sum (returned as a, b unused). Per K block a stage of the
-        cp.async ring holds the words, the scale words (one per row), the activation tile and its block scales."""
+        activations (`promoted_sums`), fed by a cp.async ring: per K block a stage holds the words, the scale words
+        (one per row), the activation tile and its block scales."""
         G: gl.constexpr = BN // 16
-        WL: gl.constexpr = words_layout(num_warps)
-        MMA: gl.constexpr = mma_layout(num_warps, ROWS)
-        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
         XS: gl.constexpr = x_tile_layout()
         WS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[4, 3, 2, 1, 0])
         SS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
@@ -228,17 +224,77 @@ if hp.gluon is not None:
         for s in gl.static_range(STAGES - 2):
             _issue(s, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s,
                    wb_s, sa_s, sb_s, x_s, sx_s, s, GATED)
-        acc_a = gl.zeros([BN, ROWS], gl.float32, MMA)
-        acc_b = gl.zeros([BN, ROWS], gl.float32, MMA)
-        pa = gl.zeros([BN, ROWS], gl.float32, MMA)
-        pb = gl.zeros([BN, ROWS], gl.float32, MMA)
-        swb = gl.zeros([BN], gl.float32, gl.SliceLayout(1, MMA))
+        ring = (wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s, wb_s, sa_s, sb_s,
+                x_s, sx_s)
+        return promoted_sums(ring, _ring_acquire, _ring_stage, _ring_release, _ring_drain, wa_s, sa_s, wb_s, sb_s,
+                             x_s, sx_s, tab_ptr, k_blocks, BN, ROWS, STAGES, GATED, num_warps)
+
+    @gluon.jit
+    def _ring_acquire(ring, kb, k_blocks, PAST_END: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr):
+        """The cp.async ring's stage of K block kb (past the end: the last block's again), its copies landed
+        (`_next_block`)."""
+        wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s, wb_s, sa_s, sb_s, x_s, \
+            sx_s = ring
+        return _next_block(kb, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs,
+                           total_rows, wa_s, wb_s, sa_s, sb_s, x_s, sx_s, STAGES, GATED)
+
+    @gluon.jit
+    def _ring_stage(ring, kb, STAGES: gl.constexpr):
+        return kb % STAGES
+
+    @gluon.jit
+    def _ring_release(ring, kb, STAGES: gl.constexpr):
+        """Nothing: a stage is reused once every warp has passed the CTA barrier of a later block (`_next_block`)."""
+
+    @gluon.jit
+    def _ring_drain(ring):
+        _cp.wait_group(0)
+
+    @gluon.jit
+    def _words(w_s, s, WL: gl.constexpr):
+        """Stage s's words as the expansion reads them, [G, 2, 32, 2, 2] (a ring of [G, 256] TMA boxes reshaped)."""
+        G: gl.constexpr = w_s.shape[1]
+        return w_s.index(s).reshape((G, 2, 32, 2, 2)).load(WL)
+
+    @gluon.jit
+    def _scale_tile(s_s, s, G: gl.constexpr):
+        """Stage s's scale words as [G, 2, 8] (rows 16 g + 8 m8 + r; a ring of [1, 16 G] TMA boxes reshaped)."""
+        return s_s.index(s).reshape((G, 2, 8))
+
+    @gluon.jit
+    def _rows(t_s, s, N: gl.constexpr):
+        """Stage s's first N activation rows (tiles [ROWS, 128]) or their scales (rows [ROWS])."""
+        return t_s.index(s).slice(0, N)
+
+    @gluon.jit
+    def promoted_sums(ring, acquire: gl.constexpr, stage_of: gl.constexpr, release: gl.constexpr,
+                      drain: gl.constexpr, wa_s, sa_s, wb_s, sb_s, x_s, sx_s, tab_ptr, k_blocks, BN: gl.constexpr,
+                      N: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, num_warps: gl.constexpr):
+        """The K loop of every FP8 Gluon GEMM: FP32 sums [BN, N] of operand a (and b when GATED) times the stages'
+        activation tiles, promoted per 128-deep K block. GATED: a and b alternate (each expanded and promoted while
+        the other multiplies); else K blocks in pairs into one sum (returned as a, b unused).
+
+        The ring that feeds the stages is the caller's (`ring`, a tuple its functions read): `acquire(ring, kb,
+        k_blocks, PAST_END, STAGES, GATED)` waits for K block kb (PAST_END: kb may be k_blocks, then the last
+        block's again) and returns its stage,
+        `stage_of(ring, kb, STAGES)` names it, `release(ring, kb, STAGES)` frees it once its last read is done,
+        `drain(ring)` ends the ring's copies. The stages: words [G, 2, 32, 2, 2] or [G, 256], scale words [G, 2, 8] or
+        [1, BN], activation tiles [ROWS, 128] and their scales [ROWS] (N of the ROWS read)."""
+        G: gl.constexpr = BN // 16
+        WL: gl.constexpr = words_layout(num_warps)
+        MMA: gl.constexpr = mma_layout(num_warps, N)
+        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
+        SWL: gl.constexpr = gl.SliceLayout(1, MMA)
         SXL: gl.constexpr = gl.SliceLayout(0, MMA)
+        acc_a = gl.zeros([BN, N], gl.float32, MMA)
+        acc_b = gl.zeros([BN, N], gl.float32, MMA)
+        pa = gl.zeros([BN, N], gl.float32, MMA)
+        pb = gl.zeros([BN, N], gl.float32, MMA)
+        swb = gl.zeros([BN], gl.float32, SWL)
         STEP: gl.constexpr = 1 if GATED else 2
-        st = _next_block(0, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows,
-                         wa_s, wb_s, sa_s, sb_s, x_s, sx_s, STAGES, GATED)
-        lo, hi = lane_tables(sa_s.index(st).permute((0, 2, 1)), tab_ptr, WL, num_warps)
-        ka0, ka1 = expand_e4m3(wa_s.index(st).load(WL), lo, hi)
+        st = acquire(ring, 0, k_blocks, False, STAGES, GATED)
+        lo, hi = lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), tab_ptr, WL, num_warps)
+        ka0, ka1 = expand_e4m3(_words(wa_s, st, WL), lo, hi)
         # One iteration: a's block multiplies while b's last block sum is promoted and b's operand expanded; b's block
         # multiplies while a's sum is promoted and the next a operand expanded (from the next stage). Each block sum is
         # read while the other operand's wgmma is in flight, but never across the loop's back edge: there ptxas
@@ -246,43 +302,47 @@ if hp.gluon is not None:
         # ends waiting for b. The wait after each promotion pins it before the next MMA into the same registers (sunk
         # below it, the block sum would need a copy, which reads a wgmma's accumulator in flight).
         for i in range(0, k_blocks, STEP):
-            x_t = x_s.index(st).permute((1, 0))
+            x_t = _rows(x_s, st, N).permute((1, 0))
             pa = warpgroup_mma(operand(ka0, ka1, AL), x_t, pa, use_acc=False, is_async=True)
             pa, pb, ka0, ka1 = warpgroup_mma_wait(1, deps=(pa, pb, ka0, ka1))
-            # b's last block sum (block i - 1: its stage is reused only from the next block's copies on); the next b
-            # operand's shared-memory reads go first, so that their latency passes under the promotion
-            sxb = sx_s.index(gl.maximum(i - 1, 0) % STAGES).load(SXL)
+            # b's last block sum (block i - 1: its MMAs retired in iteration i - 1, and its activation scales are its
+            # stage's last read); the next b operand's shared-memory reads go first, so that their latency passes
+            # under the promotion
+            sxb = _rows(sx_s, stage_of(ring, gl.maximum(i - 1, 0), STAGES), N).load(SXL)
+            if i > 0:
+                release(ring, i - 1, STAGES)
             if GATED:
-                lo, hi = lane_tables(sb_s.index(st).permute((0, 2, 1)), tab_ptr, WL, num_warps)
-                wb = wb_s.index(st).load(WL)
+                lo, hi = lane_tables(_scale_tile(sb_s, st, G).permute((0, 2, 1)), tab_ptr, WL, num_warps)
+                wb = _words(wb_s, st, WL)
                 acc_b = warpgroup_mma_wait(1, deps=(acc_b + pb * (swb[:, None] * sxb[None, :]),))
-                swb = row_scales(sb_s.index(st), BN, gl.SliceLayout(1, MMA))
+                swb = row_scales(_scale_tile(sb_s, st, G), BN, SWL)
                 kb0, kb1 = expand_e4m3(wb, lo, hi)
             else:
                 acc_a = warpgroup_mma_wait(1, deps=(acc_a + pb * (swb[:, None] * sxb[None, :]),))
-                st = _next_block(i + 1, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs,
-                                 total_rows, wa_s, wb_s, sa_s, sb_s, x_s, sx_s, STAGES, GATED)
-                x_t = x_s.index(st).permute((1, 0))
-                lo, hi = lane_tables(sa_s.index(st).permute((0, 2, 1)), tab_ptr, WL, num_warps)
-                swb = row_scales(sa_s.index(st), BN, gl.SliceLayout(1, MMA))
-                kb0, kb1 = expand_e4m3(wa_s.index(st).load(WL), lo, hi)
+                st = acquire(ring, i + 1, k_blocks, False, STAGES, GATED)
+                x_t = _rows(x_s, st, N).permute((1, 0))
+                lo, hi = lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), tab_ptr, WL, num_warps)
+                swb = row_scales(_scale_tile(sa_s, st, G), BN, SWL)
+                kb0, kb1 = expand_e4m3(_words(wa_s, st, WL), lo, hi)
             pb = warpgroup_mma(operand(kb0, kb1, AL), x_t, pb, use_acc=False, is_async=True)
             pa, pb, ka0, ka1, kb0, kb1 = warpgroup_mma_wait(1, deps=(pa, pb, ka0, ka1, kb0, kb1))
-            sta = i % STAGES
-            swa = row_scales(sa_s.index(sta), BN, gl.SliceLayout(1, MMA))
-            sxa = sx_s.index(sta).load(SXL)
+            sta = stage_of(ring, i, STAGES)
+            swa = row_scales(_scale_tile(sa_s, sta, G), BN, SWL)
+            sxa = _rows(sx_s, sta, N).load(SXL)
+            if not GATED:
+                release(ring, i, STAGES)  # (L2) block i: its MMA retired, its scales read
             # the next a operand (past the end: the last block's again, never multiplied): its stage's reads go out
-            # before a's promotion (block i's stage is rewritten only from block i + STAGES - 1's copies on)
-            st = _next_block(i + STEP, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs,
-                             total_rows, wa_s, wb_s, sa_s, sb_s, x_s, sx_s, STAGES, GATED)
-            lo, hi = lane_tables(sa_s.index(st).permute((0, 2, 1)), tab_ptr, WL, num_warps)
-            wa = wa_s.index(st).load(WL)
+            # before a's promotion
+            st = acquire(ring, i + STEP, k_blocks, True, STAGES, GATED)
+            lo, hi = lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), tab_ptr, WL, num_warps)
+            wa = _words(wa_s, st, WL)
             acc_a = warpgroup_mma_wait(1, deps=(acc_a + pa * (swa[:, None] * sxa[None, :]),))
             ka0, ka1 = expand_e4m3(wa, lo, hi)
             pb, kb0, kb1, ka0, ka1 = warpgroup_mma_wait(0, deps=(pb, kb0, kb1, ka0, ka1))
         # b's last block
-        _cp.wait_group(0)
-        sxb = sx_s.index((k_blocks - 1) % STAGES).load(SXL)
+        drain(ring)
+        sxb = _rows(sx_s, stage_of(ring, k_blocks - 1, STAGES), N).load(SXL)
+        release(ring, k_blocks - 1, STAGES)
         if GATED:
             acc_b += pb * (swb[:, None] * sxb[None, :])
         else:

@@ -3,7 +3,7 @@
 Why: the FP8 Gluon kernels (`KernelConfig(fp8=3)`) ran at 0.73x of the BF16 path at 4096 tokens (H100, docs/megamoe.md).
 Their K loop issues about twice the MMA's time on the CUDA cores (expansion, promotion, the cp.async ring's
 addresses, waits, CTA barriers and fences), and ptxas makes each iteration end waiting for its last wgmma (C7514,
-`hopper_fp8._gemm`), so the tensor cores idle while one program's warps expand and promote. Here (`KernelConfig(fp8=4)`)
+`hopper_fp8.promoted_sums`), so the tensor cores idle while one program's warps expand and promote. Here (`KernelConfig(fp8=4)`)
 one producer warp (`gl.warp_specialize`) streams each 128-deep K block into a ring of stages: the weight words
 `[G, 256]` and scale words `[1, BN]` (gate and up for L1) by TMA, the block's e4m3 activation rows `[ROWS, 128]` and
 their block scales by cp.async (L1 gathers the rows by token, which TMA cannot), all completing on the stage's
@@ -12,8 +12,8 @@ four MMA warps only wait, expand, multiply and promote, and free a stage on its 
 of it is done: no CTA barrier, fence or copy address in their loop, fewer registers, so two programs share an SM and
 one's MMAs run while the other's warps promote and expand.
 
-The expansion, the MMA and promotion order and the epilogues are `hopper_fp8`'s, so the outputs are its bits (the
-`gpu` tests compare them). Numerics: `fp8`'s module docstring. Gluon has no CPU interpreter: CI compiles the kernels
+The K loop (`hopper_fp8.promoted_sums`, here fed by the producer's ring) and the epilogues are `hopper_fp8`'s, so the
+outputs are its bits (the `gpu` tests compare them). Numerics: `fp8`'s module docstring. Gluon has no CPU interpreter: CI compiles the kernels
 for sm_90 (`tests/kernels/megamoe/test_hopper_fp8_compile.py`).
 """
 
@@ -34,7 +34,7 @@ if unavailable_reason is None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as _cp
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     _PRODUCER_WARPS = gl.constexpr(1)
@@ -78,81 +78,35 @@ if unavailable_reason is None:
                 hpws.tma_load(s_desc, [s_row + i, nb0 + p * BN], bar, sb_s.index(s))
 
     @gluon.jit
-    def _words(w_s, s, WL: gl.constexpr):
-        """Stage s's words [G, 256] as the expansion reads them, [G, 2, 32, 2, 2] (`hopper_fp8.words_layout`)."""
-        G: gl.constexpr = w_s.shape[1]
-        return w_s.index(s).reshape((G, 2, 32, 2, 2)).load(WL)
+    def _ring_acquire(ring, kb, k_blocks, PAST_END: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr):
+        """The stage of K block kb, its copies landed (PAST_END: kb may be k_blocks, then the last block's again, its
+        stage not yet freed: its barrier's phase is the one already waited for). `ring`: (ready, empty, the ring's
+        count of K blocks before this loop's first: the earlier passes')."""
+        ready, empty, j0 = ring
+        if PAST_END:
+            kb = gl.minimum(kb, k_blocks - 1)
+        return hpws.wait_stage(ready, j0 + kb, STAGES)
 
     @gluon.jit
-    def _scale_tile(s_s, s, G: gl.constexpr):
-        """Stage s's scale words [1, BN] as [G, 2, 8] (rows 16 g + 8 m8 + r)."""
-        return s_s.index(s).reshape((G, 2, 8))
+    def _ring_stage(ring, kb, STAGES: gl.constexpr):
+        ready, empty, j0 = ring
+        return (j0 + kb) % STAGES
+
+    @gluon.jit
+    def _ring_release(ring, kb, STAGES: gl.constexpr):
+        ready, empty, j0 = ring
+        hpws.release_stage(empty, j0 + kb, STAGES)
+
+    @gluon.jit
+    def _ring_drain(ring):
+        """Nothing: the producer's copies are waited for by `ready`."""
 
     @gluon.jit
     def _gemm(wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, tab_ptr, j0, k_blocks, BN: gl.constexpr,
               N: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, num_warps: gl.constexpr):
-        """`hopper_fp8._gemm`'s loop, fed by the ring: the same expansions, MMAs, promotions and waits in the same
-        order. A stage is freed once its last read is done: in iteration i, block i - 1's after its activation
-        scales are read for the promotion of its last sum (its MMAs retired in iteration i - 1), and (L2) block i's
-        once its MMA is retired and its scales read. Past the last block the next operand is the last block's again
-        (its stage not yet freed: its barrier's phase is the one already waited for). `j0`: the ring's count of
-        K blocks before this loop's first (the earlier passes')."""
-        G: gl.constexpr = BN // 16
-        WL: gl.constexpr = hf8.words_layout(num_warps)
-        MMA: gl.constexpr = hf8.mma_layout(num_warps, N)
-        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
-        SWL: gl.constexpr = gl.SliceLayout(1, MMA)
-        SXL: gl.constexpr = gl.SliceLayout(0, MMA)
-        acc_a = gl.zeros([BN, N], gl.float32, MMA)
-        acc_b = gl.zeros([BN, N], gl.float32, MMA)
-        pa = gl.zeros([BN, N], gl.float32, MMA)
-        pb = gl.zeros([BN, N], gl.float32, MMA)
-        swb = gl.zeros([BN], gl.float32, SWL)
-        STEP: gl.constexpr = 1 if GATED else 2
-        st = hpws.wait_stage(ready, j0, STAGES)
-        lo, hi = hf8.lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), tab_ptr, WL, num_warps)
-        ka0, ka1 = hf8.expand_e4m3(_words(wa_s, st, WL), lo, hi)
-        for i in range(0, k_blocks, STEP):
-            x_t = x_s.index(st).slice(0, N).permute((1, 0))
-            pa = warpgroup_mma(hf8.operand(ka0, ka1, AL), x_t, pa, use_acc=False, is_async=True)
-            pa, pb, ka0, ka1 = warpgroup_mma_wait(1, deps=(pa, pb, ka0, ka1))
-            sxb = sx_s.index((j0 + gl.maximum(i - 1, 0)) % STAGES).slice(0, N).load(SXL)
-            if i > 0:
-                hpws.release_stage(empty, j0 + i - 1, STAGES)
-            if GATED:
-                lo, hi = hf8.lane_tables(_scale_tile(sb_s, st, G).permute((0, 2, 1)), tab_ptr, WL, num_warps)
-                wb = _words(wb_s, st, WL)
-                acc_b = warpgroup_mma_wait(1, deps=(acc_b + pb * (swb[:, None] * sxb[None, :]),))
-                swb = hf8.row_scales(_scale_tile(sb_s, st, G), BN, SWL)
-                kb0, kb1 = hf8.expand_e4m3(wb, lo, hi)
-            else:
-                acc_a = warpgroup_mma_wait(1, deps=(acc_a + pb * (swb[:, None] * sxb[None, :]),))
-                st = hpws.wait_stage(ready, j0 + i + 1, STAGES)
-                x_t = x_s.index(st).slice(0, N).permute((1, 0))
-                lo, hi = hf8.lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), tab_ptr, WL, num_warps)
-                swb = hf8.row_scales(_scale_tile(sa_s, st, G), BN, SWL)
-                kb0, kb1 = hf8.expand_e4m3(_words(wa_s, st, WL), lo, hi)
-            pb = warpgroup_mma(hf8.operand(kb0, kb1, AL), x_t, pb, use_acc=False, is_async=True)
-            pa, pb, ka0, ka1, kb0, kb1 = warpgroup_mma_wait(1, deps=(pa, pb, ka0, ka1, kb0, kb1))
-            sta = (j0 + i) % STAGES
-            swa = hf8.row_scales(_scale_tile(sa_s, sta, G), BN, SWL)
-            sxa = sx_s.index(sta).slice(0, N).load(SXL)
-            if not GATED:
-                hpws.release_stage(empty, j0 + i, STAGES)
-            st = hpws.wait_stage(ready, j0 + gl.minimum(i + STEP, k_blocks - 1), STAGES)
-            lo, hi = hf8.lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), tab_ptr, WL, num_warps)
-            wa = _words(wa_s, st, WL)
-            acc_a = warpgroup_mma_wait(1, deps=(acc_a + pa * (swa[:, None] * sxa[None, :]),))
-            ka0, ka1 = hf8.expand_e4m3(wa, lo, hi)
-            pb, kb0, kb1, ka0, ka1 = warpgroup_mma_wait(0, deps=(pb, kb0, kb1, ka0, ka1))
-        # b's last block; then its stage is free (for the next pass's copies)
-        sxb = sx_s.index((j0 + k_blocks - 1) % STAGES).slice(0, N).load(SXL)
-        hpws.release_stage(empty, j0 + k_blocks - 1, STAGES)
-        if GATED:
-            acc_b += pb * (swb[:, None] * sxb[None, :])
-        else:
-            acc_a += pb * (swb[:, None] * sxb[None, :])
-        return acc_a, acc_b
+        """`hopper_fp8.promoted_sums` fed by the producer's ring."""
+        return hf8.promoted_sums((ready, empty, j0), _ring_acquire, _ring_stage, _ring_release, _ring_drain, wa_s,
+                                 sa_s, wb_s, sb_s, x_s, sx_s, tab_ptr, k_blocks, BN, N, STAGES, GATED, num_warps)
 
     @gluon.jit
     def _mma_block(wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, tab_ptr, k_blocks, sorted_ptr, weight_ptr, out_ptr,
