@@ -238,7 +238,8 @@ GLUON_CONFIGS = (
 # layer, `bench/megamoe_gpu.py --sweep --configs ...`, docs/megamoe.md) the FP8 kernels run the experts 4.4-8.1x
 # slower than the BF16 path's pick at 2048 and 4096 tokens (34.8-66.6 ms against 7.8-8.2 ms), and the Gluon FP8
 # kernels (`fp8=3`, `hopper_fp8`) 1.4x slower at 4096 tokens (H100, 2026-12-06, commit bfbff80: 11.0 against 8.1 ms;
-# at f51beff 1.3-2.2x at 1024-4096 tokens), so no batch size takes them; they run where a config asks for them (`KernelConfig(fp8=1, 2 or 3)`).
+# at f51beff 1.3-2.2x at 1024-4096 tokens; at a9f92a4, 2026-12-07: `fp8=3` 10.5 and warp-specialized `fp8=4` 12.4
+# against 7.9 ms), so no batch size takes them; they run where a config asks for them (`KernelConfig(fp8=1 to 4)`).
 FP8_CONFIGS: tuple[tuple[int, KernelConfig], ...] = ()
 
 
