@@ -275,11 +275,11 @@ if hp.gluon is not None:
         the other multiplies); else K blocks in pairs into one sum (returned as a, b unused).
 
         The ring that feeds the stages is the caller's (`ring`, a tuple its functions read): `acquire(ring, kb,
-        k_blocks, PAST_END, STAGES, GATED)` waits for K block kb (PAST_END: kb may be k_blocks, then the last
-        block's again) and returns its stage,
-        `stage_of(ring, kb, STAGES)` names it, `release(ring, kb, STAGES)` frees it once its last read is done,
-        `drain(ring)` ends the ring's copies. The stages: words [G, 2, 32, 2, 2] or [G, 256], scale words [G, 2, 8] or
-        [1, BN], activation tiles [ROWS, 128] and their scales [ROWS] (N of the ROWS read)."""
+        k_blocks, PAST_END, STAGES, GATED)` waits for K block kb (PAST_END: kb may be k_blocks, then the last block's
+        again) and returns its stage, `stage_of(ring, kb, STAGES)` names it, `release(ring, kb, STAGES)` frees it
+        once its last read is done, `drain(ring)` ends the ring's copies. The stages: words [G, 2, 32, 2, 2] or
+        [G, 256], scale words [G, 2, 8] or [1, BN], activation tiles [ROWS, 128] and their scales [ROWS] (N of the
+        ROWS read)."""
         G: gl.constexpr = BN // 16
         WL: gl.constexpr = words_layout(num_warps)
         MMA: gl.constexpr = mma_layout(num_warps, N)
