@@ -252,13 +252,14 @@ if hp.gluon is not None:
 
     @gluon.jit
     def _words(w_s, s, WL: gl.constexpr):
-        """Stage s's words as the expansion reads them, [G, 2, 32, 2, 2] (a ring of [G, 256] TMA boxes reshaped)."""
+        """Stage s's words as the expansion reads them, [G, 2, 32, 2, 2] (`fp8=3`'s stages have that shape; `fp8=4`'s
+        [G, 256] TMA boxes are reshaped)."""
         G: gl.constexpr = w_s.shape[1]
         return w_s.index(s).reshape((G, 2, 32, 2, 2)).load(WL)
 
     @gluon.jit
     def _scale_tile(s_s, s, G: gl.constexpr):
-        """Stage s's scale words as [G, 2, 8] (rows 16 g + 8 m8 + r; a ring of [1, 16 G] TMA boxes reshaped)."""
+        """Stage s's scale words as [G, 2, 8] (rows 16 g + 8 m8 + r; `fp8=4`'s [1, 16 G] TMA boxes reshaped)."""
         return s_s.index(s).reshape((G, 2, 8))
 
     @gluon.jit

@@ -3,18 +3,19 @@
 Why: the FP8 Gluon kernels (`KernelConfig(fp8=3)`) ran at 0.73x of the BF16 path at 4096 tokens (H100, docs/megamoe.md).
 Their K loop issues about twice the MMA's time on the CUDA cores (expansion, promotion, the cp.async ring's
 addresses, waits, CTA barriers and fences), and ptxas makes each iteration end waiting for its last wgmma (C7514,
-`hopper_fp8.promoted_sums`), so the tensor cores idle while one program's warps expand and promote. Here (`KernelConfig(fp8=4)`)
-one producer warp (`gl.warp_specialize`) streams each 128-deep K block into a ring of stages: the weight words
-`[G, 256]` and scale words `[1, BN]` (gate and up for L1) by TMA, the block's e4m3 activation rows `[ROWS, 128]` and
-their block scales by cp.async (L1 gathers the rows by token, which TMA cannot), all completing on the stage's
-`ready` mbarrier (`hopper_decode`'s protocol: `cp.async.mbarrier.arrive` per copying thread, then the TMA bytes). The
-four MMA warps only wait, expand, multiply and promote, and free a stage on its `empty` mbarrier once the last read
-of it is done: no CTA barrier, fence or copy address in their loop, fewer registers, so two programs share an SM and
-one's MMAs run while the other's warps promote and expand.
+`hopper_fp8.promoted_sums`), so the tensor cores idle while one program's warps expand and promote. Here
+(`KernelConfig(fp8=4)`) one producer warp (`gl.warp_specialize`) streams each 128-deep K block into a ring of
+stages: the weight words `[G, 256]` and scale words `[1, BN]` (gate and up for L1) by TMA, the block's e4m3
+activation rows `[ROWS, 128]` and their block scales by cp.async (L1 gathers the rows by token, which TMA cannot),
+all completing on the stage's `ready` mbarrier (`hopper_decode`'s protocol: `cp.async.mbarrier.arrive` per copying
+thread, then the TMA bytes). The four MMA warps only wait, expand, multiply and promote, and free a stage on its
+`empty` mbarrier once the last read of it is done (`hopper_prefill_ws.release_stage`: a proxy fence and a barrier of
+the 128 MMA threads): no CTA barrier, cp.async wait or copy address in their loop, fewer registers, so two programs
+share an SM and one's MMAs run while the other's warps promote and expand.
 
 The K loop (`hopper_fp8.promoted_sums`, here fed by the producer's ring) and the epilogues are `hopper_fp8`'s, so the
-outputs are its bits (the `gpu` tests compare them). Numerics: `fp8`'s module docstring. Gluon has no CPU interpreter: CI compiles the kernels
-for sm_90 (`tests/kernels/megamoe/test_hopper_fp8_compile.py`).
+outputs are its bits (the `gpu` tests compare them). Numerics: `fp8`'s module docstring. Gluon has no CPU
+interpreter: CI compiles the kernels for sm_90 (`tests/kernels/megamoe/test_hopper_fp8_compile.py`).
 """
 
 from __future__ import annotations
