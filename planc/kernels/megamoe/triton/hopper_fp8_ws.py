@@ -9,9 +9,9 @@ stages: the weight words `[G, 256]` and scale words `[1, BN]` (gate and up for L
 activation rows `[ROWS, 128]` and their block scales by cp.async (L1 gathers the rows by token, which TMA cannot),
 all completing on the stage's `ready` mbarrier (`hopper_decode`'s protocol: `cp.async.mbarrier.arrive` per copying
 thread, then the TMA bytes). The four MMA warps only wait, expand, multiply and promote, and free a stage on its
-`empty` mbarrier once the last read of it is done (`hopper_prefill_ws.release_stage`: a proxy fence and a barrier of
-the 128 MMA threads): no CTA barrier, cp.async wait or copy address in their loop, fewer registers, so two programs
-share an SM and one's MMAs run while the other's warps promote and expand.
+`empty` mbarrier once the last read of it is done, each thread by its own arrival: no CTA barrier, fence, cp.async
+wait or copy address in their loop, fewer registers, so two programs share an SM and one's MMAs run while the
+other's warps promote and expand.
 
 The K loop (`hopper_fp8.promoted_sums`, here fed by the producer's ring) and the epilogues are `hopper_fp8`'s, so the
 outputs are its bits (the `gpu` tests compare them). Numerics: `fp8`'s module docstring. Gluon has no CPU
@@ -79,6 +79,14 @@ if unavailable_reason is None:
                 hpws.tma_load(s_desc, [s_row + i, nb0 + p * BN], bar, sb_s.index(s))
 
     @gluon.jit
+    def _release(empty, j, STAGES: gl.constexpr):
+        """Free K block j's stage by this thread's arrival (`empty` counts every MMA thread, as in `hopper_decode`'s
+        mma.sync loop), after its wait that retired the stage's wgmma and its loads from the stage: no barrier of the
+        MMA warps and no proxy fence per stage (`hopper_prefill_ws.release_stage` has both: MEMBAR, FENCE and a
+        128-thread BAR.SYNC in SASS)."""
+        _cp.mbarrier_arrive(empty.index(j % STAGES), increment_count=False)
+
+    @gluon.jit
     def _ring_acquire(ring, kb, k_blocks, PAST_END: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr):
         """The stage of K block kb, its copies landed (PAST_END: kb may be k_blocks, then the last block's again, its
         stage not yet freed: its barrier's phase is the one already waited for). `ring`: (ready, empty, the ring's
@@ -96,7 +104,7 @@ if unavailable_reason is None:
     @gluon.jit
     def _ring_release(ring, kb, STAGES: gl.constexpr):
         ready, empty, j0 = ring
-        hpws.release_stage(empty, j0 + kb, STAGES)
+        _release(empty, j0 + kb, STAGES)
 
     @gluon.jit
     def _ring_drain(ring):
@@ -187,7 +195,7 @@ if unavailable_reason is None:
             empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             for s in gl.static_range(STAGES):
                 mbarrier.init(ready.index(s), count=1 + 32 * _PRODUCER_WARPS)  # the TMA bytes' and each copier's
-                mbarrier.init(empty.index(s), count=1)
+                mbarrier.init(empty.index(s), count=32 * num_warps)  # each MMA thread (`_release`)
             s_row = expert * k_blocks  # the scale words' rows: one per (expert, K block), n_rows words each
             wa_row = s_row * num_g + pid_n * PASSES * G  # the words' rows: per (expert, K block, row group), 256 words
             wb_row = wa_row + num_g // 2  # L1's up rows: I further
