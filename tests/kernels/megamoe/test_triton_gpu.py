@@ -333,6 +333,12 @@ def test_installed_layer_graph_capture_without_host_sync(world1):
             torch.cuda.synchronize()
             assert torch.equal(y_graph, y)
             check(y, ref_layer(x, idx, w), fp8=picks_fp8(t * NK))
+            # the decode kernels' arrival counters were zeroed before the capture: no fill kernel in the graph
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                graph.replay()
+                torch.cuda.synchronize()
+            fills = [e.name for e in prof.events() if "FillFunctor<int>" in e.name]
+            assert not fills, (t, fills)
 
 
 # The FP8-math path (`triton/fp8.py`) at real tile sizes against its float64 emulation (only the FP32 sum order

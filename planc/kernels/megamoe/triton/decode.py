@@ -35,6 +35,12 @@ from planc.kernels.megamoe.triton.target import tl, triton
 # Arrival counters (int32, zero between kernels: the last program of each tile puts its counter back to 0), one set
 # per device and stream: kernels on one stream run one after the other, so a set is never in use by two at once.
 _COUNTERS: dict[tuple[str, int | None, int], torch.Tensor] = {}
+# The sets are slices of one buffer per device, zeroed when it is allocated, outside any CUDA-graph capture: a stream
+# whose first decode call is captured (torch.cuda.graph captures on a stream of its own, after warm-up calls on
+# another) takes a slice with no launch, where a `torch.zeros` there would put a fill kernel into the graph, run on
+# every replay (1 µs beside the 97 µs of V4's experts at 1 token on an H100).
+_POOL_COUNTERS = 1 << 16
+_POOLS: dict[tuple[str, int | None], list] = {}
 
 
 def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
@@ -48,10 +54,27 @@ def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
     key = (device.type, index, stream)
     have = _COUNTERS.get(key)
     if have is None or have.numel() < count:
-        have = torch.zeros(max(count, 2 * (have.numel() if have is not None else 0)), dtype=torch.int32,
-                           device=device)
+        have = _zeroed_slice(device, index, max(count, 2 * (have.numel() if have is not None else 0)))
         _COUNTERS[key] = have
     return have
+
+
+def _zeroed_slice(device: torch.device, index: int | None, count: int) -> torch.Tensor:
+    """`count` zeroed int32 counters no other stream holds: the next slice of the device's buffer (`_POOLS`); a new
+    buffer, zeroed and synchronized before any stream uses it, where this one is spent, unless the current stream
+    is capturing: then a `torch.zeros` of its own, which the graph replays."""
+    key = (device.type, index)
+    pool = _POOLS.get(key)
+    if pool is None or pool[1] + count > pool[0].numel():
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.zeros(count, dtype=torch.int32, device=device)
+        pool = [torch.zeros(max(count, _POOL_COUNTERS), dtype=torch.int32, device=device), 0]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # zeroed on this stream before another stream takes a slice
+        _POOLS[key] = pool
+    buf, start = pool
+    pool[1] = start + count
+    return buf[start:start + count]
 
 
 # The persistent decode kernel (`KernelConfig.persistent`): its register cap where the config sets none, programs
