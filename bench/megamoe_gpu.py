@@ -109,6 +109,9 @@ def parse_args(argv=None):
                         "rows for this run, e.g. 48 to time the decode variants at 8 tokens of top-6")
     p.add_argument("--profile", type=int, default=None, metavar="TOKENS",
                    help="print the GPU kernels of Triton layer calls at this batch size (torch.profiler) and stop")
+    p.add_argument("--read-patterns", action="store_true",
+                   help="time load-only kernels with the decode grids' access pattern beside a plain read stream "
+                        "(`decode_read_patterns`) and stop")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     tiny_shapes(args)
@@ -244,6 +247,28 @@ if torch.cuda.is_available():
             acc ^= tl.load(p + offs, mask=offs < n_words, other=0, cache_modifier=".cg")
         tl.store(out + tl.program_id(0), tl.xor_sum(acc, axis=0))
 
+    @triton.jit
+    def _decode_pattern_kernel(w_ptr, s_ptr, out, NUM_G: tl.constexpr, K_STEPS: tl.constexpr, TILES: tl.constexpr,
+                               SPLIT: tl.constexpr, STAGES: tl.constexpr, UP: tl.constexpr):
+        """The loads of a split-K decode program (`decode.decode_l1_kernel` / `decode_l2_kernel` at 64-row tiles,
+        grid (expert x N tile, slice)) and nothing else: per 64-deep K step its 64 rows' 2 KB of words and 128 bytes
+        of scale words, L1 (UP > 0) also the up rows' UP groups further, XOR-reduced (`decode_read_patterns`)."""
+        tile = tl.program_id(0)
+        sid = tl.program_id(1)
+        w_base = w_ptr + (tile // TILES).to(tl.int64) * (K_STEPS * NUM_G * 128)
+        s_base = s_ptr + (tile // TILES).to(tl.int64) * (K_STEPS * NUM_G * 8)
+        g0 = (tile % TILES) * 4
+        acc = tl.zeros((512,), dtype=tl.int32)
+        sacc = tl.zeros((32,), dtype=tl.int32)
+        steps = K_STEPS // SPLIT
+        for kc in tl.range(sid * steps, sid * steps + steps, num_stages=STAGES):
+            acc ^= tl.load(w_base + (kc * NUM_G + g0) * 128 + tl.arange(0, 512))
+            sacc ^= tl.load(s_base + (kc * NUM_G + g0) * 8 + tl.arange(0, 32))
+            if UP:
+                acc ^= tl.load(w_base + (kc * NUM_G + g0 + UP) * 128 + tl.arange(0, 512))
+                sacc ^= tl.load(s_base + (kc * NUM_G + g0 + UP) * 8 + tl.arange(0, 32))
+        tl.store(out + (tile * SPLIT + sid) * 512 + tl.arange(0, 512), acc ^ tl.xor_sum(sacc, axis=0))
+
 
 def read_bandwidth(device, measure, nbytes: int = 256 << 20) -> float:
     """TB/s of a plain read stream of `nbytes` in Triton (each word read once and XOR-reduced, one program of 8 warps
@@ -260,6 +285,42 @@ def read_bandwidth(device, measure, nbytes: int = 256 << 20) -> float:
 
     us, _ = graph_or_eager(device, measure, run, True)
     return 4 * nbytes / (us * 1e-6) / 1e12
+
+
+def decode_read_patterns(args, device, measure) -> list[dict]:
+    """Graph-replay µs of load-only kernels with the split-K decode grids' access pattern (`_decode_pattern_kernel`)
+    over one token's experts (top-k of them, FP4 words and scale words as the layer holds them), per GEMM and slice
+    count, beside the plain read stream of the same bytes (`read_bandwidth`): how fast the decode kernels could read
+    their weights if their expansion and MMAs cost nothing."""
+    stages = triton_config.DECODE_CONFIGS[0][1].num_stages
+    rows = []
+    for gemm, n, k, splits in (("L1", 2 * args.intermediate, args.hidden, (1, 2, 4, 8)),
+                               ("L2", args.hidden, args.intermediate, (1, 2, 4))):
+        words = torch.randint(-2**31, 2**31 - 1, (args.topk, n * k // 8), dtype=torch.int32, device=device)
+        scales = torch.randint(-2**31, 2**31 - 1, (args.topk, n * k // 128), dtype=torch.int32, device=device)
+        nbytes = words.nbytes + scales.nbytes
+        tiles = (n // 2 if gemm == "L1" else n) // 64
+        for split in splits:
+            grid = (args.topk * tiles, split)
+            out = torch.empty(grid[0] * split * 512, dtype=torch.int32, device=device)
+
+            def run(grid=grid, split=split, out=out, words=words, scales=scales, n=n, k=k):
+                _decode_pattern_kernel[grid](words, scales, out, n // 16, k // 64, tiles, split, stages,
+                                             n // 32 if gemm == "L1" else 0, num_warps=4)
+
+            us, _ = graph_or_eager(device, measure, run, True)
+            rows.append(dict(gemm=gemm, split=split, programs=grid[0] * split, us=us, mb=nbytes / 1e6,
+                             tbps=nbytes / (us * 1e-6) / 1e12))
+    stream = read_bandwidth(device, measure, nbytes=int(sum(r["mb"] for r in rows if r["split"] == 1) * 1e6) // 4 * 4)
+    print(f"\nLoad-only kernels with the decode grids' access pattern, 1 token ({args.topk} experts), "
+          f"{stages} cp.async stages, graph replay; the plain read stream of the same bytes: {stream:.2f} TB/s")
+    print("| GEMM | slices | programs | MB | µs | TB/s | plain stream's µs for these bytes |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        r["stream_us"] = r["mb"] / stream
+        print(f"| {r['gemm']} | {r['split']} | {r['programs']} | {r['mb']:.1f} | {r['us']:.1f} | {r['tbps']:.2f} | "
+              f"{r['stream_us']:.1f} |")
+    return rows
 
 
 def dense_ceiling(args, n, device, measure, use_graph) -> dict:
@@ -575,6 +636,10 @@ def main(argv=None):
     group = init_one_rank(args.device)
     measure = timer(args.device, args.warmup, args.iters)
     use_graph = device.type == "cuda" and not args.no_graph
+    if args.read_patterns:
+        if device.type != "cuda":
+            raise SystemExit("--read-patterns needs a CUDA GPU")
+        return finish(args, dict(read_patterns=decode_read_patterns(args, device, measure)))
 
     experts, cfg = build_experts(args, device)
     undo = install_megamoe_forward(experts, backend="reference", quantize="fp4", activation_clamp=args.clamp,
