@@ -291,7 +291,7 @@ def decode_read_patterns(args, device, measure) -> list[dict]:
     """Graph-replay µs of load-only kernels with the split-K decode grids' access pattern (`_decode_pattern_kernel`)
     over one token's experts (top-k of them, FP4 words and scale words as the layer holds them), per GEMM and slice
     count, beside the plain read stream of the same bytes (`read_bandwidth`): how fast the decode kernels could read
-    their weights if their expansion and MMAs cost nothing."""
+    their weights if their expansion and MMAs cost nothing (graph replays of 4 launches, as `read_bandwidth`)."""
     stages = triton_config.DECODE_CONFIGS[0][1].num_stages
     rows = []
     for gemm, n, k, splits in (("L1", 2 * args.intermediate, args.hidden, (1, 2, 4, 8)),
@@ -305,10 +305,11 @@ def decode_read_patterns(args, device, measure) -> list[dict]:
             out = torch.empty(grid[0] * split * 512, dtype=torch.int32, device=device)
 
             def run(grid=grid, split=split, out=out, words=words, scales=scales, n=n, k=k):
-                _decode_pattern_kernel[grid](words, scales, out, n // 16, k // 64, tiles, split, stages,
-                                             n // 32 if gemm == "L1" else 0, num_warps=4)
+                for _ in range(4):  # as `read_bandwidth`: one replay's start is not counted whole in each launch
+                    _decode_pattern_kernel[grid](words, scales, out, n // 16, k // 64, tiles, split, stages,
+                                                 n // 32 if gemm == "L1" else 0, num_warps=4)
 
-            us, _ = graph_or_eager(device, measure, run, True)
+            us = graph_or_eager(device, measure, run, True)[0] / 4
             rows.append(dict(gemm=gemm, split=split, programs=grid[0] * split, us=us, mb=nbytes / 1e6,
                              tbps=nbytes / (us * 1e-6) / 1e12))
     stream = read_bandwidth(device, measure, nbytes=int(sum(r["mb"] for r in rows if r["split"] == 1) * 1e6) // 4 * 4)

@@ -10,7 +10,8 @@ GEMMs, e.g.
         --section MemoryWorkloadAnalysis --section Occupancy --section SchedulerStats \\
         python3 bench/megamoe_profile.py --tokens 16
 
-`--table` prints torch.profiler's per-kernel device time of the timed calls instead (no ncu needed).
+`--table` prints torch.profiler's per-kernel device time of the timed calls instead (no ncu needed); with `--graph`
+of CUDA-graph replays, e.g. `--tokens 1 --table --graph --calls 20` for the decode kernels as the layer runs them.
 CPU smoke test (Triton's interpreter): TRITON_INTERPRET=1 python bench/megamoe_profile.py --device cpu --tiny
 """
 
@@ -30,7 +31,7 @@ from planc.kernels.megamoe.triton.forward import triton_local_experts_forward
 from planc.kernels.megamoe.triton.layout import PackedExperts
 
 from megamoe_gpu import (  # this folder
-    DECODE_VARIANTS, add_layer_args, decode_row, kernel_table, random_batch, tiny_shapes,
+    DECODE_VARIANTS, add_layer_args, capture_graph, decode_row, kernel_table, random_batch, tiny_shapes,
 )
 
 
@@ -56,6 +57,9 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--calls", type=int, default=5)
     p.add_argument("--table", action="store_true", help="print torch.profiler's kernel table of the timed calls")
+    p.add_argument("--graph", action="store_true",
+                   help="with --table: the timed calls are replays of a CUDA graph of one call (as megamoe_gpu.py "
+                        "times the layer): the kernels' time without launch gaps, and what the graph replays")
     p.add_argument("--decode-variant", default=None, choices=list(DECODE_VARIANTS),
                    help="run the decode rows as this variant (megamoe_gpu.py's `DECODE_VARIANTS`)")
     p.add_argument("--config", default=None, metavar="INTS",
@@ -90,7 +94,8 @@ def run(args):
         for _ in range(args.calls):
             call()
         return None
-    table = kernel_table(device, call, calls=args.calls, rows=10)
+    timed = capture_graph(call)[0].replay if args.graph and device.type == "cuda" else call
+    table = kernel_table(device, timed, calls=args.calls, rows=10)
     print(table)
     return table
 
