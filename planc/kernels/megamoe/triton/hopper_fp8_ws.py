@@ -79,14 +79,6 @@ if unavailable_reason is None:
                 hpws.tma_load(s_desc, [s_row + i, nb0 + p * BN], bar, sb_s.index(s))
 
     @gluon.jit
-    def _release(empty, j, STAGES: gl.constexpr):
-        """Free K block j's stage by this thread's arrival (`empty` counts every MMA thread, as in `hopper_decode`'s
-        mma.sync loop), after its wait that retired the stage's wgmma and its loads from the stage: no barrier of the
-        MMA warps and no proxy fence per stage (`hopper_prefill_ws.release_stage` has both: MEMBAR, FENCE and a
-        128-thread BAR.SYNC in SASS)."""
-        _cp.mbarrier_arrive(empty.index(j % STAGES), increment_count=False)
-
-    @gluon.jit
     def _ring_acquire(ring, kb, k_blocks, PAST_END: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr):
         """The stage of K block kb, its copies landed (PAST_END: kb may be k_blocks, then the last block's again, its
         stage not yet freed: its barrier's phase is the one already waited for). `ring`: (ready, empty, the ring's
@@ -103,8 +95,12 @@ if unavailable_reason is None:
 
     @gluon.jit
     def _ring_release(ring, kb, STAGES: gl.constexpr):
+        """Free K block kb's stage by this thread's arrival (`empty` counts every MMA thread, as in `hopper_decode`'s
+        mma.sync loop), after its wait that retired the stage's wgmma and its loads from the stage: no barrier of the
+        MMA warps and no proxy fence per stage (`hopper_prefill_ws.release_stage` has both: MEMBAR, FENCE and a
+        128-thread BAR.SYNC in SASS)."""
         ready, empty, j0 = ring
-        _release(empty, j0 + kb, STAGES)
+        _cp.mbarrier_arrive(empty.index((j0 + kb) % STAGES), increment_count=False)
 
     @gluon.jit
     def _ring_drain(ring):
@@ -195,7 +191,7 @@ if unavailable_reason is None:
             empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             for s in gl.static_range(STAGES):
                 mbarrier.init(ready.index(s), count=1 + 32 * _PRODUCER_WARPS)  # the TMA bytes' and each copier's
-                mbarrier.init(empty.index(s), count=32 * num_warps)  # each MMA thread (`_release`)
+                mbarrier.init(empty.index(s), count=32 * num_warps)  # each MMA thread (`_ring_release`)
             s_row = expert * k_blocks  # the scale words' rows: one per (expert, K block), n_rows words each
             wa_row = s_row * num_g + pid_n * PASSES * G  # the words' rows: per (expert, K block, row group), 256 words
             wb_row = wa_row + num_g // 2  # L1's up rows: I further
