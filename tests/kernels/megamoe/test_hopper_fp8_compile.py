@@ -27,6 +27,8 @@ VARIANTS = [("L1", 64, 8, 4, 0), ("L2", 64, 4, 4, 0)]
 # the warp-specialized kernels (`hopper_fp8_ws`, fp8=4) at their default cap: L1 on 4 warps in one pass (64
 # channels) and in two (128), L2; and L1 on 8 MMA warps
 WS_VARIANTS = [("L1WS", 64, 4, 4, 0), ("L1WS2", 64, 4, 4, 0), ("L2WS", 64, 4, 4, 0), ("L1WS", 64, 8, 4, 168)]
+# with the converter warps (fp8=5) at their default caps: L1 in two passes, L2
+CV_VARIANTS = [("L1CV2", 64, 4, 3, 0), ("L2CV", 64, 4, 4, 0)]
 
 FP8_COMPILE = COMPILE[:COMPILE.index("out = {}")] + r'''
 from planc.kernels.megamoe.triton import hopper_fp8
@@ -45,17 +47,22 @@ for layer, rows, warps, stages, maxnreg in json.loads(sys.argv[1]):
     if layer == "L1":
         kernel = compile_sm90(hopper_fp8.l1_kernel, maxnreg, pointer_types={**POINTERS, "out_ptr": "*u8"},
                               HAS_CLAMP=True, ROWS=rows, STAGES=stages, num_warps=warps)
-    elif layer.startswith(("L1WS", "L2WS")):  # the warp-specialized kernels (`hopper_fp8_ws`); L1WS2: two passes
+    elif layer[2:4] in ("WS", "CV"):  # the warp-specialized kernels (`hopper_fp8_ws`); CV: fp8=5; L1WS2: two passes
         gated = layer.startswith("L1")
-        kernel = compile_sm90(hopper_fp8_ws.fp8_ws_kernel, maxnreg or hopper_fp8_ws.DEFAULT_REGISTERS, ws_types(warps),
+        cap = hopper_fp8_ws.CONVERT_DEFAULT_REGISTERS if layer[2:4] == "CV" else hopper_fp8_ws.DEFAULT_REGISTERS
+        kernel = compile_sm90(hopper_fp8_ws.fp8_ws_kernel, maxnreg or cap, ws_types(warps),
                               {**POINTERS, "x_ptr": "*fp8e4nv", "out_ptr": "*u8" if gated else "*bf16"},
                               GATED=gated, HAS_CLAMP=gated, ROWS=rows, STAGES=stages,
-                              PASSES=2 if layer == "L1WS2" else 1, num_warps=warps)
+                              PASSES=2 if layer.endswith("2") else 1, CONVERT=layer[2:4] == "CV",
+                              CONVERT_REGS=hopper_fp8_ws.CONVERT_REGISTERS, num_warps=warps)
     else:
         kernel = compile_sm90(hopper_fp8.l2_kernel, maxnreg, pointer_types=POINTERS, ROWS=rows, STAGES=stages,
                               num_warps=warps)
     text, usage = sass(kernel.asm["cubin"]), cuobjdump(kernel.asm["cubin"], "-res-usage")
     k_loops = loops(text)
+    # the converter's loop (fp8=5): the innermost loop without an MMA that expands words (PRMT) into shared memory
+    expand = [b for b in loops(text, mma=False) if any("PRMT" in x for x in b) and any("STS" in x for x in b)]
+    expand = [min(expand, key=len)] if expand else []
     body = [x for b in k_loops for x in b]
     out[f"{layer}_{rows}_{warps}_{stages}_{maxnreg}"] = dict(
         registers=int(re.search(r"REG:(\d+)", usage).group(1)),
@@ -64,6 +71,10 @@ for layer, rows, warps, stages, maxnreg in json.loads(sys.argv[1]):
         loop_spills=sum(bool(re.search(r"\b(LDL|STL)\b", x)) for x in body),
         qgmma=[sum("QGMMA" in x for x in b) for b in k_loops],
         loop_sts=sum(bool(re.search(r"\bSTS\b", x)) for x in body),
+        shared_bytes=kernel.metadata.shared,
+        convert=[dict(instructions=len(b), prmt=sum("PRMT" in x for x in b), sts=sum(bool(re.search(r"\bSTS", x)) for x in b),
+                      wide=sum("STS.128" in x or x.startswith("STSM") for x in b), spills=sum(bool(re.search(r"\b(LDL|STL)\b", x)) for x in b))
+                 for b in expand],
         async_waits=sum("DEPBAR.LE gsb0, 0x1" in x for x in body),
         full_waits=sum("DEPBAR.LE gsb0, 0x0" in x for x in body),
         loops=len(k_loops),
@@ -92,13 +103,13 @@ def compile_variants(variants) -> dict:
 
 @pytest.fixture(scope="module")
 def compiled():
-    return compile_variants(VARIANTS + WS_VARIANTS)
+    return compile_variants(VARIANTS + WS_VARIANTS + CV_VARIANTS)
 
 
 def test_fp8_kernels_multiply_e4m3_registers_without_serializing_or_spilling(compiled):
-    assert len(compiled) == len(VARIANTS + WS_VARIANTS)
+    assert len(compiled) == len(VARIANTS + WS_VARIANTS + CV_VARIANTS)
     for name, got in compiled.items():
-        if "WS" in name:
+        if "WS" in name or "CV" in name:
             continue
         # a K loop for blocks of 64 rows and one for an expert's last block of up to 32 (an MMA half as wide)
         assert got["loops"] == 2, name
@@ -132,6 +143,29 @@ def test_warp_specialized_fp8_kernels_leave_the_copies_to_the_producer(compiled)
         assert got["barrier_threads"] == [32 * warps], (name, got["barrier_threads"])
         assert all(waits == 0 for waits, _, _ in got["syncs"]), (name, got["syncs"])
         assert hopper_prefill_ws.PRODUCER_REGS.value in got["setmaxnreg"], (name, got["setmaxnreg"])
+
+
+@pytest.mark.skipif(hopper_fp8_ws.unavailable_reason is not None, reason=str(hopper_fp8_ws.unavailable_reason))
+def test_converter_warps_expand_into_shared_memory_and_the_mma_warps_only_multiply(compiled):
+    """fp8=5: the MMA warps' loops take both operands from shared memory (8 QGMMA per loop, no expansion: no PRMT,
+    no shared-memory store, no spill, a block sum promoted with the other MMA in flight, only their own barrier);
+    the converter's loop expands each stage's words (16 PRMT per operand and lane) into 16-byte stores (STS.128 or
+    stmatrix), and two
+    programs fit an SM (shared memory under half of the SM's 228 KB, the caps as `CONVERT_DEFAULT_REGISTERS` says)."""
+    cv = {name: got for name, got in compiled.items() if "CV" in name}
+    assert len(cv) == len(CV_VARIANTS)
+    for name, got in cv.items():
+        gated = name.startswith("L1")
+        loops = 4 if name.startswith("L1CV2") else 2  # a loop per pass and body width
+        assert got["loops"] == loops and got["qgmma"] == [8] * loops and got["loop_sts"] == 0, (name, got)
+        assert got["loop_spills"] == 0, (name, got["loop_spills"])
+        assert got["async_waits"] >= 2 * got["loops"] and got["full_waits"] <= got["loops"], (name, got)
+        assert got["barrier_threads"] == [128], (name, got["barrier_threads"])
+        assert got["shared_bytes"] <= 228 * 1024 // 2 - 1024, (name, got["shared_bytes"])
+        [conv] = got["convert"]
+        assert conv["prmt"] == (32 if gated else 16) and conv["sts"] == conv["wide"] == conv["prmt"] // 4, (name, conv)
+        assert conv["spills"] <= 4, (name, conv)  # a few values the partition keeps on the stack (Triton 3.6: 2, 3.9: 3)
+        assert {hopper_prefill_ws.PRODUCER_REGS.value, hopper_fp8_ws.CONVERT_REGISTERS} <= set(got["setmaxnreg"]), name
 
 
 if __name__ == "__main__":  # the GPU script's register and spill dump

@@ -65,10 +65,11 @@ def cuobjdump(cubin, flag):
 def sass(cubin):
     return cuobjdump(cubin, "-sass")
 
-def loops(text):
-    """The instructions of each SASS loop that holds HGMMAs, QGMMAs or HMMAs (the K loops): from a backward
-    branch's target to it, conditional or (a loop whose test is at its top) unconditional within the kernel's body
-    (an mbarrier wait's retry code, past an EXIT, jumps back into the loop unconditionally: not a loop)."""
+def loops(text, mma=True):
+    """The instructions of each SASS loop that holds HGMMAs, QGMMAs or HMMAs (the K loops; mma=False: every loop):
+    from a backward branch's target to it, conditional or (a loop whose test is at its top) unconditional within the
+    kernel's body (an mbarrier wait's retry code, past an EXIT, jumps back into the loop unconditionally: not a
+    loop)."""
     ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
            (re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in text.splitlines()) if m]
     at = {a: i for i, (a, _) in enumerate(ins)}
@@ -78,7 +79,7 @@ def loops(text):
         lo = at.get(int(m.group(2), 16)) if m else None
         if lo is not None and not m.group(1) and any(x.startswith("EXIT") for _, x in ins[lo:i + 1]):
             continue
-        if lo is not None and lo < i and any("GMMA" in x or "HMMA" in x for _, x in ins[lo:i + 1]):
+        if lo is not None and lo < i and (not mma or any("GMMA" in x or "HMMA" in x for _, x in ins[lo:i + 1])):
             found.append([x for _, x in ins[lo:i + 1]])
     return found
 

@@ -103,23 +103,24 @@ def test_fp8_path_is_picked_by_its_table_row_only_where_fp8_mma_runs(monkeypatch
         FP8_TINY.fit(192, 128)
 
 
-@pytest.mark.parametrize("fp8", [3, 4])
+@pytest.mark.parametrize("fp8", [3, 4, 5])
 def test_the_gluon_fp8_kernels_refuse_an_odd_number_of_l2_k_blocks(fp8):
     """Their L2 takes its 128-deep K blocks in pairs: intermediate 384 (3 blocks) would multiply the last one twice."""
     gluon = KernelConfig(block_t=64, l1_n=128, l1_k=128, l2_n=64, l2_k=128, num_warps=4, num_stages=4, fp8=fp8)
     assert gluon.fit(256, 512).fp8 == fp8
     with pytest.raises(ValueError, match=rf"\(fp8={fp8}\) run L2's 128-deep K blocks in pairs: intermediate 384"):
         gluon.fit(256, 384)
-    with pytest.raises(ValueError, match=r"fp8=5\) names no FP8 kernels"):
-        dataclasses.replace(gluon, fp8=5).fit(256, 512)
+    with pytest.raises(ValueError, match=r"fp8=6\) names no FP8 kernels"):
+        dataclasses.replace(gluon, fp8=6).fit(256, 512)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a device without Hopper's Gluon kernels")
-def test_the_warp_specialized_fp8_kernels_are_refused_off_hopper_by_name():
+@pytest.mark.parametrize("fp8", [4, 5])
+def test_the_warp_specialized_fp8_kernels_are_refused_off_hopper_by_name(fp8):
     fp4 = quantize_experts_fp4(*full_weights(0, num_experts=E, hidden=H, inter=256))  # 2 L2 K blocks: a pair
     packed = PackedExperts.from_params(fp4.gate_up_proj, fp4.gate_up_proj_scale_inv, fp4.down_proj,
                                        fp4.down_proj_scale_inv)
     _, q, sf, idx, w = staged(4, 0)
-    ws = KernelConfig(block_t=64, l1_n=128, l1_k=128, l2_n=64, l2_k=128, num_warps=4, num_stages=4, fp8=4)
-    with pytest.raises(RuntimeError, match=r"fp8=4\) runs warp-specialized Gluon kernels for Hopper: .*use fp8=3"):
+    ws = KernelConfig(block_t=64, l1_n=128, l1_k=128, l2_n=64, l2_k=128, num_warps=4, num_stages=4, fp8=fp8)
+    with pytest.raises(RuntimeError, match=rf"fp8={fp8}\) runs warp-specialized Gluon kernels for Hopper: .*use fp8=3"):
         triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=None, config=ws)

@@ -365,7 +365,10 @@ needs_fp8_ws = pytest.mark.skipif(hopper_fp8_ws.unavailable(torch.device("cuda")
     pytest.param(KernelConfig(64, 128, 128, 64, 128, 4, 4, fp8=4), marks=needs_fp8_ws),
     pytest.param(KernelConfig(64, 64, 128, 64, 128, 4, 3, fp8=4), marks=needs_fp8_ws),
     pytest.param(KernelConfig(32, 128, 128, 128, 128, 8, 3, fp8=4), marks=needs_fp8_ws),
-], ids=["swap_ab", "rows_m", "gluon_64", "gluon_32", "ws_64", "ws_64_cast_apart", "ws_32"])
+    # the converter warps expand into shared memory: two passes, cast in the kernel; 32-row blocks on 8 warps
+    pytest.param(KernelConfig(64, 128, 128, 64, 128, 4, 3, fp8=5), marks=needs_fp8_ws),
+    pytest.param(KernelConfig(32, 128, 128, 128, 128, 8, 3, maxnreg=96, fp8=5), marks=needs_fp8_ws),
+], ids=["swap_ab", "rows_m", "gluon_64", "gluon_32", "ws_64", "ws_64_cast_apart", "ws_32", "cv_64", "cv_32"])
 @pytest.mark.parametrize("num_tokens,clamp", [(5, None), (150, 0.05)])
 def test_fp8_path_matches_its_emulation(config, num_tokens, clamp):
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -396,9 +399,11 @@ def test_fp8_path_matches_its_emulation(config, num_tokens, clamp):
     (dict(block_t=32, num_warps=4, l2_n=64, num_stages=3, l2_maxnreg=168), {})],
     ids=["64rows", "2passes", "8warps", "32rows"])
 @pytest.mark.parametrize("num_tokens", [5, 150, 700])  # up to ~525 rows per expert: several blocks, half-width tails
-def test_warp_specialized_fp8_kernels_give_the_fp8_gluon_bits(fields, ws_fields, num_tokens):
-    """`hopper_fp8_ws` (fp8=4) runs `hopper_fp8`'s (fp8=3) expansions, MMAs, promotions and casts in the same order:
-    the same bits, on every call (L1 in two passes casts in the kernel what fp8=3 on 4 warps casts apart)."""
+@pytest.mark.parametrize("fp8", [4, 5])
+def test_warp_specialized_fp8_kernels_give_the_fp8_gluon_bits(fields, ws_fields, num_tokens, fp8):
+    """`hopper_fp8_ws` (fp8=4; fp8=5 with the converter warps, the same e4m3 operand from shared memory) runs
+    `hopper_fp8`'s (fp8=3) expansions, MMAs, promotions and casts in the same order: the same bits, on every call (L1
+    in two passes casts in the kernel what fp8=3 on 4 warps casts apart)."""
     g = torch.Generator(device="cuda").manual_seed(11)
     w1 = torch.randn(FP8_NE, 2 * FP8_NI, FP8_NH, generator=g, device="cuda").bfloat16() * FP8_NH**-0.5
     w2 = torch.randn(FP8_NE, FP8_NH, FP8_NI, generator=g, device="cuda").bfloat16() * FP8_NI**-0.5
@@ -411,7 +416,10 @@ def test_warp_specialized_fp8_kernels_give_the_fp8_gluon_bits(fields, ws_fields,
     sf = float_to_ue8m0_bytes(sf)
     gluon = KernelConfig(**{**dict(l1_n=128, l1_k=128, l2_k=128, fp8=3), **fields})
     base = triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=0.05, config=gluon)
-    ws = dataclasses.replace(gluon, fp8=4, **ws_fields)
+    ws = dataclasses.replace(gluon, fp8=fp8, **ws_fields)
+    if fp8 == 5:  # the converter's tiles take shared memory and its warps registers: 3 stages, the default caps (8 MMA
+        # and 8 converter warps: 96, one program per SM)
+        ws = dataclasses.replace(ws, num_stages=3, maxnreg=96 if ws.num_warps == 8 else 0, l2_maxnreg=0)
     for _ in range(3):
         assert torch.equal(triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=0.05,
                                                         config=ws), base)

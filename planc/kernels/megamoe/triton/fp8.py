@@ -255,7 +255,7 @@ def fp8_local_experts_forward(
     x_fp8: torch.Tensor, x_sf: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
     experts: PackedExperts, *, first_expert: int, clamp: float | None, config: KernelConfig,
 ) -> torch.Tensor:
-    """`triton_local_experts_forward` for a `KernelConfig(fp8=1 to 4)`: BF16 ``[M, K, H]`` slot outputs (zeros for other
+    """`triton_local_experts_forward` for a `KernelConfig(fp8=1 to 5)`: BF16 ``[M, K, H]`` slot outputs (zeros for other
     ranks' experts), the FP8 numerics of the module docstring."""
     m, k = topk_idx.shape
     hidden, inter, num_local = experts.hidden, experts.intermediate, experts.num_local_experts
@@ -267,11 +267,11 @@ def fp8_local_experts_forward(
         why = hopper_prefill.gluon_unavailable_reason(device)
         if why is not None:
             raise RuntimeError(f"KernelConfig(fp8=3) runs Gluon kernels for Hopper: {why}; use fp8=1 or a BF16 config")
-    if config.fp8 == 4:
+    if config.fp8 >= 4:
         why = hopper_fp8_ws.unavailable(device)
         if why is not None:
-            raise RuntimeError(f"KernelConfig(fp8=4) runs warp-specialized Gluon kernels for Hopper: {why}; use "
-                               f"fp8=3, fp8=1 or a BF16 config")
+            raise RuntimeError(f"KernelConfig(fp8={config.fp8}) runs warp-specialized Gluon kernels for Hopper: {why}; "
+                               f"use fp8=3, fp8=1 or a BF16 config")
     out = torch.zeros((m * k, hidden), dtype=torch.bfloat16, device=device)
     if m == 0:
         return out.view(m, k, hidden)
@@ -285,7 +285,7 @@ def fp8_local_experts_forward(
     act = torch.empty((nblocks * bt, inter), dtype=torch.uint8, device=device)
     act_s = torch.empty((nblocks * bt, inter // BLOCK), dtype=torch.float32, device=device)
     if gluon:
-        kernels = hopper_fp8_ws if config.fp8 == 4 else hopper_fp8
+        kernels = hopper_fp8_ws if config.fp8 >= 4 else hopper_fp8
         e4 = experts.e4m3()
         act_s = torch.empty((inter // BLOCK, nblocks * bt), dtype=torch.float32, device=device)
         xs = hopper_fp8.block_row_scales(xs, sorted_slots, block_row, block_end, num_topk=k, block_t=bt)

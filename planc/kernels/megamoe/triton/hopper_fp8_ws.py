@@ -35,7 +35,7 @@ if unavailable_reason is None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as _cp
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     _PRODUCER_WARPS = gl.constexpr(1)
@@ -107,23 +107,116 @@ if unavailable_reason is None:
         """Nothing: the producer's copies are waited for by `ready`."""
 
     @gluon.jit
-    def _gemm(wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, tab_ptr, j0, k_blocks, BN: gl.constexpr,
-              N: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, num_warps: gl.constexpr):
-        """`hopper_fp8.promoted_sums` fed by the producer's ring."""
-        return hf8.promoted_sums((ready, empty, j0), _ring_acquire, _ring_stage, _ring_release, _ring_drain, wa_s,
-                                 sa_s, wb_s, sb_s, x_s, sx_s, tab_ptr, k_blocks, BN, N, STAGES, GATED, num_warps)
+    def _convert_operand(w_s, s_s, c_s, s, tab_ptr, BN: gl.constexpr, WARPS: gl.constexpr):
+        """Stage s's words of one operand -> its e4m3 tile [BN, 128] in `c_s` (the wgmma's shared-memory A operand,
+        the MMA's K order of `layout.fp8_k_order`), by `hopper_fp8`'s table expansion: the A registers `fp8=3`
+        multiplies, stored."""
+        G: gl.constexpr = BN // 16
+        WL: gl.constexpr = hf8.words_layout(WARPS)
+        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=hf8.mma_layout(WARPS, 64), k_width=4)
+        lo, hi = hf8.lane_tables(hf8._scale_tile(s_s, s, G).permute((0, 2, 1)), tab_ptr, WL, WARPS)
+        d0, d1 = hf8.expand_e4m3(hf8._words(w_s, s, WL), lo, hi)
+        c_s.index(s).store(hf8.operand(d0, d1, AL))
 
     @gluon.jit
-    def _mma_block(wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, tab_ptr, k_blocks, sorted_ptr, weight_ptr, out_ptr,
-                   outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter, total_rows, stride_out, clamp,
-                   HAS_CLAMP: gl.constexpr, N: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr,
-                   GATED: gl.constexpr, PASSES: gl.constexpr, num_warps: gl.constexpr):
+    def _convert_partition(wa_s, sa_s, wb_s, sb_s, ca_s, cb_s, ready, conv, tab_ptr, k_blocks, BN: gl.constexpr,
+                           STAGES: gl.constexpr, GATED: gl.constexpr, PASSES: gl.constexpr, WARPS: gl.constexpr):
+        """The converter warps (`fp8=5`): each K block's words (gate and up when GATED), once landed, expanded to
+        e4m3 tiles in the stage's A buffers; a proxy fence and one arrival on `conv` after the partition's barrier
+        (`hopper_prefill_ws.release_stage`) hand them to the wgmma. A stage's A buffers are rewritten only after the
+        producer refilled it, which waits for the MMA warps to free it (their wgmma retired)."""
+        for j in range(PASSES * k_blocks):
+            s = hpws.wait_stage(ready, j, STAGES)
+            _convert_operand(wa_s, sa_s, ca_s, s, tab_ptr, BN, WARPS)
+            if GATED:
+                _convert_operand(wb_s, sb_s, cb_s, s, tab_ptr, BN, WARPS)
+            hpws.release_stage(conv, j, STAGES)
+
+    @gluon.jit
+    def _converted_stage(ready, conv, j, STAGES: gl.constexpr):
+        """K block j's stage, its copies landed and its operands converted."""
+        s = hpws.wait_stage(conv, j, STAGES)
+        mbarrier.wait(ready.index(s), (j // STAGES) & 1)  # passed already: the cp.async rows' and scales' visibility
+        return s
+
+    @gluon.jit
+    def converted_sums(ops, j0, k_blocks, BN: gl.constexpr, N: gl.constexpr, STAGES: gl.constexpr,
+                       GATED: gl.constexpr, num_warps: gl.constexpr):
+        """`hopper_fp8.promoted_sums`' block sums on the converter's e4m3 tiles (`fp8=5`): both wgmma operands from
+        shared memory, so the MMA warps only wait, multiply, promote and free stages. GATED: gate (a) and up (b)
+        of each K block alternate; else K blocks in pairs into one sum. Each block sum is promoted while the other
+        operand's wgmma runs, never across the loop's back edge (C7514, `promoted_sums`), in `promoted_sums`'
+        order: the same bits."""
+        wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, ca_s, cb_s, conv = ops
+        G: gl.constexpr = BN // 16
+        MMA: gl.constexpr = hf8.mma_layout(num_warps, N)
+        SWL: gl.constexpr = gl.SliceLayout(1, MMA)
+        SXL: gl.constexpr = gl.SliceLayout(0, MMA)
+        acc_a = gl.zeros([BN, N], gl.float32, MMA)
+        acc_b = gl.zeros([BN, N], gl.float32, MMA)
+        pa = gl.zeros([BN, N], gl.float32, MMA)
+        pb = gl.zeros([BN, N], gl.float32, MMA)
+        STEP: gl.constexpr = 1 if GATED else 2
+        ring = (ready, empty, j0)
+        for i in range(0, k_blocks, STEP):
+            st = _converted_stage(ready, conv, j0 + i, STAGES)
+            x_t = hf8._rows(x_s, st, N).permute((1, 0))
+            pa = warpgroup_mma(ca_s.index(st), x_t, pa, use_acc=False, is_async=True)
+            pa, pb = warpgroup_mma_wait(1, deps=(pa, pb))  # retires nothing; without it ptxas waits for a here
+            # b's block sum of block i - 1 (retired by the last iteration's final wait), promoted under a's MMA
+            sp = (j0 + gl.maximum(i - 1, 0)) % STAGES
+            swb = hf8.row_scales(hf8._scale_tile(sb_s if GATED else sa_s, sp, G), BN, SWL)
+            sxb = hf8._rows(sx_s, sp, N).load(SXL)
+            if i > 0:
+                _ring_release(ring, i - 1, STAGES)
+            if GATED:
+                acc_b = warpgroup_mma_wait(1, deps=(acc_b + pb * (swb[:, None] * sxb[None, :]),))
+                pb = warpgroup_mma(cb_s.index(st), x_t, pb, use_acc=False, is_async=True)
+            else:
+                acc_a = warpgroup_mma_wait(1, deps=(acc_a + pb * (swb[:, None] * sxb[None, :]),))
+                st1 = _converted_stage(ready, conv, j0 + i + 1, STAGES)
+                pb = warpgroup_mma(ca_s.index(st1), hf8._rows(x_s, st1, N).permute((1, 0)), pb, use_acc=False,
+                                   is_async=True)
+            pa, pb = warpgroup_mma_wait(1, deps=(pa, pb))
+            swa = hf8.row_scales(hf8._scale_tile(sa_s, st, G), BN, SWL)
+            sxa = hf8._rows(sx_s, st, N).load(SXL)
+            if not GATED:
+                _ring_release(ring, i, STAGES)
+            acc_a = warpgroup_mma_wait(1, deps=(acc_a + pa * (swa[:, None] * sxa[None, :]),))
+            pb = warpgroup_mma_wait(0, deps=(pb,))
+        # b's last block
+        sp = (j0 + k_blocks - 1) % STAGES
+        swb = hf8.row_scales(hf8._scale_tile(sb_s if GATED else sa_s, sp, G), BN, SWL)
+        sxb = hf8._rows(sx_s, sp, N).load(SXL)
+        _ring_release(ring, k_blocks - 1, STAGES)
+        if GATED:
+            acc_b += pb * (swb[:, None] * sxb[None, :])
+        else:
+            acc_a += pb * (swb[:, None] * sxb[None, :])
+        return acc_a, acc_b
+
+    @gluon.jit
+    def _gemm(ops, tab_ptr, j0, k_blocks, BN: gl.constexpr, N: gl.constexpr, STAGES: gl.constexpr,
+              GATED: gl.constexpr, CONVERT: gl.constexpr, num_warps: gl.constexpr):
+        """The block sums of K blocks j0.. of the producer's ring: expanded by the MMA warps (`hopper_fp8.promoted_sums`,
+        fp8=4) or by the converter warps (`converted_sums`, fp8=5)."""
+        if CONVERT:
+            return converted_sums(ops, j0, k_blocks, BN, N, STAGES, GATED, num_warps)
+        else:
+            wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, ca_s, cb_s, conv = ops
+            return hf8.promoted_sums((ready, empty, j0), _ring_acquire, _ring_stage, _ring_release, _ring_drain, wa_s,
+                                     sa_s, wb_s, sb_s, x_s, sx_s, tab_ptr, k_blocks, BN, N, STAGES, GATED, num_warps)
+
+    @gluon.jit
+    def _mma_block(ops, tab_ptr, k_blocks, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0,
+                   nrows, inter, total_rows, stride_out, clamp, HAS_CLAMP: gl.constexpr, N: gl.constexpr,
+                   ROWS: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, PASSES: gl.constexpr,
+                   CONVERT: gl.constexpr, num_warps: gl.constexpr):
         """The K loops over the block's first N rows and the epilogue: `hopper_fp8`'s, or (L1 in two passes of 64
         channels on 4 warps) both halves of a 128-channel scale block, the first's SwiGLU output held while the
         second multiplies, cast together: no FP32 round trip through memory."""
         BN: gl.constexpr = 16 * num_warps
-        acc_a, acc_b = _gemm(wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, tab_ptr, 0, k_blocks, BN, N, STAGES,
-                             GATED, num_warps)
+        acc_a, acc_b = _gemm(ops, tab_ptr, 0, k_blocks, BN, N, STAGES, GATED, CONVERT, num_warps)
         if not GATED:
             hf8.l2_epilogue(acc_a, sorted_ptr, out_ptr, pid_n, row0, nrows, stride_out, N, num_warps)
         elif PASSES == 1:
@@ -132,8 +225,7 @@ if unavailable_reason is None:
         else:
             MMA: gl.constexpr = hf8.mma_layout(num_warps, N)
             a0 = hf8.l1_activation(acc_a, acc_b, sorted_ptr, weight_ptr, row0, nrows, clamp, HAS_CLAMP, N, num_warps)
-            acc_a, acc_b = _gemm(wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, tab_ptr, k_blocks, k_blocks, BN, N,
-                                 STAGES, GATED, num_warps)
+            acc_a, acc_b = _gemm(ops, tab_ptr, k_blocks, k_blocks, BN, N, STAGES, GATED, CONVERT, num_warps)
             a1 = hf8.l1_activation(acc_a, acc_b, sorted_ptr, weight_ptr, row0, nrows, clamp, HAS_CLAMP, N, num_warps)
             amax = gl.maximum(gl.max(gl.abs(a0), axis=0), gl.max(gl.abs(a1), axis=0))
             out_rows = pid_b * ROWS + gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
@@ -143,32 +235,35 @@ if unavailable_reason is None:
             gl.store(outs_ptr + pid_n * total_rows + out_rows, (e << 23).to(gl.float32, bitcast=True))
 
     @gluon.jit
-    def _mma_partition(wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, tab_ptr, k_blocks, sorted_ptr, weight_ptr,
-                       out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter, total_rows, stride_out, clamp,
-                       HAS_CLAMP: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr,
-                       PASSES: gl.constexpr, num_warps: gl.constexpr):
+    def _mma_partition(wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, ca_s, cb_s, conv, tab_ptr, k_blocks,
+                       sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter, total_rows, stride_out, clamp, HAS_CLAMP: gl.constexpr, ROWS: gl.constexpr,
+                       STAGES: gl.constexpr, GATED: gl.constexpr, PASSES: gl.constexpr, CONVERT: gl.constexpr,
+                       num_warps: gl.constexpr):
         """The MMA warps: a block of at most half ROWS rows (an expert's last) runs an MMA half as wide, as
         `hopper_fp8` does."""
+        ops = (wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, ca_s, cb_s, conv)
         if ROWS > 32 and nrows <= ROWS // 2:
-            _mma_block(wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, tab_ptr, k_blocks, sorted_ptr, weight_ptr,
-                       out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter, total_rows, stride_out, clamp,
-                       HAS_CLAMP, ROWS // 2, ROWS, STAGES, GATED, PASSES, num_warps)
+            _mma_block(ops, tab_ptr, k_blocks, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0,
+                       nrows, inter, total_rows, stride_out, clamp, HAS_CLAMP, ROWS // 2, ROWS, STAGES, GATED, PASSES,
+                       CONVERT, num_warps)
         else:
-            _mma_block(wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, tab_ptr, k_blocks, sorted_ptr, weight_ptr,
-                       out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter, total_rows, stride_out, clamp,
-                       HAS_CLAMP, ROWS, ROWS, STAGES, GATED, PASSES, num_warps)
+            _mma_block(ops, tab_ptr, k_blocks, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0,
+                       nrows, inter, total_rows, stride_out, clamp, HAS_CLAMP, ROWS, ROWS, STAGES, GATED, PASSES,
+                       CONVERT, num_warps)
 
     @gluon.jit
     def fp8_ws_kernel(
         x_ptr, xs_ptr, w_desc, s_desc, tab_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr,
         block_end_ptr, out_ptr, outs_ptr, a32_ptr, n_rows, k_dim, inter, num_topk, num_local, total_rows, stride_out,
         clamp, GATED: gl.constexpr, HAS_CLAMP: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr,
-        PASSES: gl.constexpr, num_warps: gl.constexpr,
+        PASSES: gl.constexpr, CONVERT: gl.constexpr, CONVERT_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
         """One GEMM of the FP8 path for one block of up to ROWS rows and PASSES x BN output channels, BN = 16 x
         num_warps: L1 (GATED: `n_rows` = 2I gate|up rows over K = hidden, the tokens' e4m3 rows gathered, `xs`
         their block scales [H/128, R] in block-row order) or L2 (`n_rows` = hidden over K = intermediate, L1's e4m3
-        rows in block order, `xs` [I/128, R])."""
+        rows in block order, `xs` [I/128, R]). CONVERT (fp8=5): as many converter warps as MMA warps, at
+        CONVERT_REGS registers a thread, expand each stage's words into e4m3 tiles the wgmma reads from shared
+        memory."""
         BN: gl.constexpr = 16 * num_warps
         G: gl.constexpr = BN // 16
         n_out = (n_rows // 2 if GATED else n_rows) // (BN * PASSES)
@@ -189,29 +284,65 @@ if unavailable_reason is None:
                                              gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
             ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            if CONVERT:
+                ca_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, 128], hf8.x_tile_layout())
+                if GATED:
+                    cb_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, 128], hf8.x_tile_layout())
+                else:  # not read
+                    cb_s = ca_s
+                conv = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            else:  # not read
+                ca_s = x_s
+                cb_s = x_s
+                conv = ready
             for s in gl.static_range(STAGES):
                 mbarrier.init(ready.index(s), count=1 + 32 * _PRODUCER_WARPS)  # the TMA bytes' and each copier's
                 mbarrier.init(empty.index(s), count=32 * num_warps)  # each MMA thread (`_ring_release`)
+                if CONVERT:
+                    mbarrier.init(conv.index(s), count=1)  # the converter warps' (`hopper_prefill_ws.release_stage`)
             s_row = expert * k_blocks  # the scale words' rows: one per (expert, K block), n_rows words each
             wa_row = s_row * num_g + pid_n * PASSES * G  # the words' rows: per (expert, K block, row group), 256 words
             wb_row = wa_row + num_g // 2  # L1's up rows: I further
             na0 = pid_n * PASSES * BN
-            gl.warp_specialize([
-                (_mma_partition, (wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, tab_ptr, k_blocks, sorted_ptr,
-                                  weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter,
-                                  total_rows, stride_out, clamp, HAS_CLAMP, ROWS, STAGES, GATED, PASSES,
-                                  num_warps)),
-                (_copy_partition, (w_desc, s_desc, wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, x_ptr, xs_ptr,
-                                   sorted_ptr, row0, nrows, pid_b * ROWS, num_topk, k_dim, total_rows, k_blocks,
-                                   wa_row, wb_row, s_row, na0, na0 + n_rows // 2, num_g, ROWS, STAGES, GATED,
-                                   PASSES)),
-            ], [_PRODUCER_WARPS], [hpws.PRODUCER_REGS])
+            # (the partitions' arguments are written out in each call: a tuple built apart turns constexprs into
+            # tensors)
+            if CONVERT:
+                gl.warp_specialize([
+                    (_mma_partition, (wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, ca_s, cb_s, conv, tab_ptr,
+                                      k_blocks, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0,
+                                      nrows, inter, total_rows, stride_out, clamp, HAS_CLAMP, ROWS, STAGES, GATED,
+                                      PASSES, CONVERT, num_warps)),
+                    (_copy_partition, (w_desc, s_desc, wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, x_ptr, xs_ptr,
+                                       sorted_ptr, row0, nrows, pid_b * ROWS, num_topk, k_dim, total_rows, k_blocks,
+                                       wa_row, wb_row, s_row, na0, na0 + n_rows // 2, num_g, ROWS, STAGES, GATED,
+                                       PASSES)),
+                    (_convert_partition, (wa_s, sa_s, wb_s, sb_s, ca_s, cb_s, ready, conv, tab_ptr, k_blocks, BN,
+                                          STAGES, GATED, PASSES, num_warps)),
+                ], [_PRODUCER_WARPS, num_warps], [hpws.PRODUCER_REGS, CONVERT_REGS])
+            else:
+                gl.warp_specialize([
+                    (_mma_partition, (wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, ca_s, cb_s, conv, tab_ptr,
+                                      k_blocks, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0,
+                                      nrows, inter, total_rows, stride_out, clamp, HAS_CLAMP, ROWS, STAGES, GATED,
+                                      PASSES, CONVERT, num_warps)),
+                    (_copy_partition, (w_desc, s_desc, wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, x_ptr, xs_ptr,
+                                       sorted_ptr, row0, nrows, pid_b * ROWS, num_topk, k_dim, total_rows, k_blocks,
+                                       wa_row, wb_row, s_row, na0, na0 + n_rows // 2, num_g, ROWS, STAGES, GATED,
+                                       PASSES)),
+                ], [_PRODUCER_WARPS], [hpws.PRODUCER_REGS])
 
 
 # The register cap where the config sets none: a program is 8 warps (the 4 MMA warps and the producer's warpgroup at
 # 24 registers a thread), so 128 fits two programs per SM and leaves the MMA warps 232; uncapped, ptxas may take 255
 # and one program fills an SM.
 DEFAULT_REGISTERS = 128
+# With the converter warps (fp8=5) a program is 12 warps (4 MMA, the converter's 4, the producer's warpgroup): 80
+# fits two programs per SM and leaves the MMA warps 160 beside the converter's `CONVERT_REGISTERS`.
+CONVERT_DEFAULT_REGISTERS = 80
+# The converter warps' registers: a lane expands 8 words of one row group at a time (16 A registers, its group's
+# table words and the store addresses). At 56 (Triton 3.6, V4's tiles) its loop reloads one value from the stack and
+# the MMA warps' loops spill nothing; at 64 they spill.
+CONVERT_REGISTERS = 56
 
 
 def descriptors(w, s_words, bn: int) -> tuple:
@@ -235,8 +366,8 @@ def _launch(x, xs, w, s_words, sorted_slots, weights, block_expert, block_row, b
         x, xs, w_desc, s_desc, hf8.tables(x.device), sorted_slots, weights, block_expert, block_row, block_end, out,
         outs, a32, n_rows, k_dim, inter, num_topk, w.shape[0], total_rows, out.stride(0),
         0.0 if clamp is None else clamp, GATED=gated, HAS_CLAMP=clamp is not None, ROWS=config.block_t,
-        STAGES=config.num_stages, PASSES=passes, num_warps=num_warps,
-        maxnreg=config.launch_registers(layer).get("maxnreg", DEFAULT_REGISTERS),
+        STAGES=config.num_stages, PASSES=passes, CONVERT=config.fp8 == 5, CONVERT_REGS=CONVERT_REGISTERS,
+        num_warps=num_warps, maxnreg=config.launch_registers(layer).get("maxnreg", DEFAULT_REGISTERS),
     )
 
 
@@ -270,5 +401,5 @@ def l2(act, act_s, w2, s2, sorted_slots, block_expert, block_row, block_end, out
 
 
 def unavailable(device: torch.device) -> str | None:
-    """Why `KernelConfig(fp8=4)` cannot run on `device`, or None."""
+    """Why `KernelConfig(fp8=4 or 5)` cannot run on `device`, or None."""
     return hp.gluon_unavailable_reason(device) or unavailable_reason
