@@ -95,10 +95,10 @@ _STALLS: dict[tuple[str, int | None], torch.Tensor] = {}
 def stalls(device: torch.device) -> torch.Tensor:
     """The count (int32, one per device, never reset) of L2 items of the persistent decode kernel that stopped
     waiting for their block's L1 tiles (`_MAX_POLLS`): their slots are wrong. 0 unless something is broken."""
-    key = (device.type, device.index if device.type != "cuda" or device.index is not None
-           else torch.cuda.current_device())
-    if key not in _STALLS:
-        _STALLS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    index = device.index if device.type != "cuda" or device.index is not None else torch.cuda.current_device()
+    key = (device.type, index)
+    if key not in _STALLS:  # a slice of the counters' zeroed buffer: no fill kernel, captured or not
+        _STALLS[key] = _zeroed_slice(device, index, 1)
     return _STALLS[key]
 
 
