@@ -130,8 +130,8 @@ def parse_args(argv=None):
         args.configs = [KernelConfig(*(int(v) for v in c.split(","))) for c in args.configs.split(";") if c.strip()]
     if args.fp8_config:
         cfg = KernelConfig(*(int(v) for v in args.fp8_config.split(",")))
-        bounds = [bound for bound, _ in triton_config.FP8_CONFIGS] or [args.fp8_rows]
-        triton_config.FP8_CONFIGS = tuple((bound, cfg) for bound in bounds)
+        rows = triton_config.FP8_CONFIGS or ((args.fp8_rows, cfg),)  # rows of None (the BF16 tables) are kept
+        triton_config.FP8_CONFIGS = tuple((bound, None if c is None else cfg) for bound, c in rows)
     return args
 
 

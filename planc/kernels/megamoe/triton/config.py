@@ -235,14 +235,18 @@ GLUON_CONFIGS = (
 )
 
 
-# The FP8-math path (`fp8`): rows (from this many rows per local expert on average, config) that `pick_config` takes
-# on devices with FP8 MMAs (sm_89+) before the BF16 table. Empty: measured on an H100 (2026-12-06, Triton 3.6, V4
-# layer, `bench/megamoe_gpu.py --sweep --configs ...`, docs/megamoe.md) the FP8 kernels run the experts 4.4-8.1x
-# slower than the BF16 path's pick at 2048 and 4096 tokens (34.8-66.6 ms against 7.8-8.2 ms), and the Gluon FP8
-# kernels (`fp8=3`, `hopper_fp8`) 1.4x slower at 4096 tokens (H100, 2026-12-06, commit bfbff80: 11.0 against 8.1 ms;
-# at f51beff 1.3-2.2x at 1024-4096 tokens; at a9f92a4, 2026-12-07: `fp8=3` 10.5 and warp-specialized `fp8=4` 12.4
-# against 7.9 ms), so no batch size takes them; they run where a config asks for them (`KernelConfig(fp8=1 to 4)`).
-FP8_CONFIGS: tuple[tuple[int, KernelConfig], ...] = ()
+# The FP8-math path (`fp8`): rows (from this many rows per local expert on average, config; None: the BF16 tables
+# from there on) that `pick_config` takes before the BF16 tables on Hopper with Gluon and FP8 MMAs. Measured on an
+# H100 (2026-12-07, Triton 3.6, V4 layer, the experts alone, `bench/megamoe_gpu.py --sweep`, docs/megamoe.md "The FP8
+# path in Gluon"): the Gluon FP8 kernels (`fp8=3`, L2 capped at 168) beat the BF16 pick at 16-32 rows per expert
+# (1024 tokens: 32-row blocks 5544.8 against 6077.6 µs; 1536: 5771.6 against 5971.9; 2048: 64-row blocks 7154.7 and
+# 7242.8 against 7614.2 and 7723.0 in two calls) and lose above (3072 tokens, 48 rows: 7900.8 against 6817.1; 4096:
+# 10546.4 against 7544.4). The last row's bound sits between 32 and 48, where none was swept.
+FP8_CONFIGS: tuple[tuple[int, KernelConfig | None], ...] = (
+    (16, KernelConfig(32, 128, 128, 64, 128, 4, 4, l2_maxnreg=168, fp8=3)),
+    (28, KernelConfig(64, 128, 128, 64, 128, 4, 4, l2_maxnreg=168, fp8=3)),
+    (40, None),
+)
 
 
 # The split-K decode kernels (`decode`): (up to this many (token, slot) rows in the batch, config), before the tables
@@ -318,8 +322,8 @@ def pick_config(
 ) -> KernelConfig:
     """The tuned config for a batch of `num_rows` (token, slot) pairs gathered from every rank, of which this rank's
     `num_local_experts` of the layer's `num_experts` (None: all of them) get their share (`local_rows`; shapes and SM
-    count only: no device read); `fp8`: the device has FP8 MMAs (`FP8_CONFIGS` then takes large batches); `gluon`:
-    the Hopper Gluon kernels can run (`hopper_prefill.gluon_unavailable_reason`); `warp_specialized`: and this Triton
+    count only: no device read); `fp8`: the device has FP8 MMAs (with `gluon`, `FP8_CONFIGS` takes its batches);
+    `gluon`: the Hopper Gluon kernels can run (`hopper_prefill.gluon_unavailable_reason`); `warp_specialized`: and this Triton
     builds the warp-specialized L2 (`hopper_prefill_ws.unavailable_reason`), else the cp.async L2 runs under L1's
     register cap."""
     rows = local_rows(num_rows, num_local_experts, num_experts)
@@ -327,10 +331,12 @@ def pick_config(
     for decode_bound, decode_config in DECODE_CONFIGS:
         if rows <= decode_bound:
             return _decode_splits(decode_config, max(round(rows), 1), num_local_experts, hidden, inter, num_sms)
-    if fp8 and hidden % 128 == 0 and inter % 128 == 0:
+    if fp8 and gluon and hidden % 128 == 0 and inter % 256 == 0:  # the Gluon FP8 L2 takes K blocks in pairs
         for fp8_bound, fp8_config in reversed(FP8_CONFIGS):
             if per_expert >= fp8_bound:
-                return fp8_config.fit(hidden, inter)
+                if fp8_config is not None:
+                    return fp8_config.fit(hidden, inter)
+                break
     if gluon:
         for bound, config in GLUON_CONFIGS:
             if per_expert <= bound:
