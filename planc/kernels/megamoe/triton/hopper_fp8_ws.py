@@ -13,6 +13,9 @@ thread, then the TMA bytes). The four MMA warps only wait, expand, multiply and 
 wait or copy address in their loop, fewer registers, so two programs share an SM and one's MMAs run while the
 other's warps promote and expand.
 
+`KernelConfig(fp8=5)` adds converter warps (`_convert_partition`): they expand each stage's words into e4m3 tiles in
+shared memory, and the MMA warps (`converted_sums`) multiply both operands from there and promote.
+
 The K loop (`hopper_fp8.promoted_sums`, here fed by the producer's ring) and the epilogues are `hopper_fp8`'s, so the
 outputs are its bits (the `gpu` tests compare them). Numerics: `fp8`'s module docstring. Gluon has no CPU
 interpreter: CI compiles the kernels for sm_90 (`tests/kernels/megamoe/test_hopper_fp8_compile.py`).
@@ -236,7 +239,8 @@ if unavailable_reason is None:
 
     @gluon.jit
     def _mma_partition(wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, ca_s, cb_s, conv, tab_ptr, k_blocks,
-                       sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter, total_rows, stride_out, clamp, HAS_CLAMP: gl.constexpr, ROWS: gl.constexpr,
+                       sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter,
+                       total_rows, stride_out, clamp, HAS_CLAMP: gl.constexpr, ROWS: gl.constexpr,
                        STAGES: gl.constexpr, GATED: gl.constexpr, PASSES: gl.constexpr, CONVERT: gl.constexpr,
                        num_warps: gl.constexpr):
         """The MMA warps: a block of at most half ROWS rows (an expert's last) runs an MMA half as wide, as
