@@ -16,7 +16,7 @@ from planc.kernels.megamoe.reference import DequantizedExperts, ReferenceBuffer,
 from planc.kernels.megamoe.reference import combine as reference_combine
 from planc.kernels.megamoe.reference import stage as reference_stage
 from planc.kernels.megamoe.triton import config as triton_config
-from planc.kernels.megamoe.triton import decode
+from planc.kernels.megamoe.triton import decode, fp8
 from planc.kernels.megamoe.triton import routing as routing_module
 from planc.kernels.megamoe.triton import stream_k
 from planc.kernels.megamoe.triton import target
@@ -234,6 +234,27 @@ def test_decode_prologue_routes_dequantizes_and_zeroes_the_other_slots():
     assert torch.equal(xb, dequantize_x(q, sf))
     for got, want in zip(routed, route_torch(idx, first_expert=2, num_local_experts=3, block_t=16)):
         assert torch.equal(got, want)
+    other = ((idx < 2) | (idx >= 5)).reshape(-1)
+    assert other.any() and (~other).any()
+    assert torch.equal(out[other], torch.zeros_like(out[other])) and out[~other].isnan().all()
+
+
+@pytest.mark.parametrize("pre_pass", ["dequantize_x", "x_blocks"])
+def test_pre_pass_zeroes_exactly_the_slots_of_no_local_expert(pre_pass):
+    """The general and FP8 paths' slot output starts uninitialized: the pre-pass over the tokens' rows
+    (`dequantize_x`, `fp8.x_blocks`) writes zeros into every slot whose expert is not local (other ranks' and -1)
+    and leaves the local ones (NaN here) for L2; its own output is the same bits as without zeroing."""
+    x, idx, _ = routing(5, 3, num_experts=8, masked=0.3, hidden=256)
+    idx[1, 0] = -1
+    q, sf = quantize_fp8(x)
+    sf = float_to_ue8m0_bytes(sf)
+    out = torch.full((idx.numel(), 256), float("nan"), dtype=torch.bfloat16)
+    zero = routing_module.other_slots(idx, out, 2, 3)
+    if pre_pass == "dequantize_x":
+        assert torch.equal(dequantize_x(q, sf, zero), dequantize_x(q, sf))
+    else:
+        for got, want in zip(fp8.x_blocks(q, sf, permute=True, zero=zero), fp8.x_blocks(q, sf, permute=True)):
+            assert torch.equal(got, want)
     other = ((idx < 2) | (idx >= 5)).reshape(-1)
     assert other.any() and (~other).any()
     assert torch.equal(out[other], torch.zeros_like(out[other])) and out[~other].isnan().all()

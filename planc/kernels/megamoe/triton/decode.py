@@ -122,8 +122,7 @@ if triton is not None:
     ):
         """What a decode batch needs before L1, in one launch: program 0 routes (`jit.route_kernel`); program
         1 + r * chunks + c dequantizes channels [c * BH, +BH) of token row r to BF16 (`jit.dequant_x_chunk`) and
-        writes zeros there in the row's slots whose expert is not local (-1 and other ranks' experts: the combine
-        adds them), so the slot output needs no fill of its own and L2 writes only the local slots."""
+        writes zeros there in the row's slots whose expert is not local (`jit.zero_other_slots`)."""
         _dependent_launch(PDL)
         pid = tl.program_id(0)
         if pid == 0:
@@ -134,12 +133,7 @@ if triton is not None:
             row = ((pid - 1) // chunks).to(tl.int64)
             chunk = (pid - 1) % chunks
             jit.dequant_x_chunk(q_ptr, sf_ptr, x_ptr, row, chunk, hidden, BH)
-            j = tl.arange(0, BK)
-            e = tl.load(idx_ptr + row * NUM_TOPK + j, mask=j < NUM_TOPK, other=first)
-            other = (j < NUM_TOPK) & ((e < first) | (e >= first + num_local))
-            col = chunk * BH + tl.arange(0, BH)
-            ptrs = out_ptr + (row * NUM_TOPK + j)[:, None] * stride_out + col[None, :]
-            tl.store(ptrs, tl.zeros((BK, BH), dtype=tl.bfloat16), mask=other[:, None] & (col < hidden)[None, :])
+            jit.zero_other_slots(idx_ptr, out_ptr, row, chunk, first, num_local, hidden, stride_out, NUM_TOPK, BK, BH)
 
     @triton.jit
     def _l1_chunk(w_base, s_base, wg_off, sg_off, wu_off, su_off, x_ptrs, row_ok, kc, num_g):

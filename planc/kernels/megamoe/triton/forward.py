@@ -8,7 +8,7 @@ import torch
 from planc.kernels.megamoe.triton import decode, fp8, hopper_prefill, hopper_prefill_ws, jit, target
 from planc.kernels.megamoe.triton.config import KernelConfig, pick_config
 from planc.kernels.megamoe.triton.layout import PackedExperts
-from planc.kernels.megamoe.triton.routing import FUSED_ROUTE_MAX_SLOTS, route
+from planc.kernels.megamoe.triton.routing import FUSED_ROUTE_MAX_SLOTS, no_slots, other_slots, route
 from planc.kernels.megamoe.triton.target import triton
 
 
@@ -62,13 +62,15 @@ def stage(buf, hidden_states: torch.Tensor, topk_idx: torch.Tensor, topk_weights
     )
 
 
-def dequantize_x(x_fp8: torch.Tensor, x_sf: torch.Tensor) -> torch.Tensor:
-    """FP8 rows ``[M, H]`` with UE8M0 bytes ``[M, H/32]`` -> the exact BF16 values L1 reads, one kernel."""
+def dequantize_x(x_fp8: torch.Tensor, x_sf: torch.Tensor, zero: dict | None = None) -> torch.Tensor:
+    """FP8 rows ``[M, H]`` with UE8M0 bytes ``[M, H/32]`` -> the exact BF16 values L1 reads, one kernel; `zero`
+    (`other_slots`): that kernel also zeroes the slot outputs of no local expert."""
     m, hidden = x_fp8.shape
     out = torch.empty((m, hidden), dtype=torch.bfloat16, device=x_fp8.device)
     bh = min(1024, triton.next_power_of_2(hidden))
     jit.dequant_x_kernel[(m, triton.cdiv(hidden, bh))](
-        x_fp8.contiguous().view(torch.uint8), x_sf.contiguous(), out, hidden, BH=bh, num_warps=4)
+        x_fp8.contiguous().view(torch.uint8), x_sf.contiguous(), out, hidden, **(zero or no_slots(x_fp8)), BH=bh,
+        num_warps=4)
     return out
 
 
@@ -113,8 +115,8 @@ def triton_local_experts_forward(
         decode.decode_forward(x, routed, weights, experts, out, num_topk=k, clamp=clamp, config=cfg,
                               prefetch=prefetch, interpret=interpret)
         return out.view(m, k, hidden)
-    out = torch.zeros((m * k, hidden), dtype=torch.bfloat16, device=device)
-    x = dequantize_x(x_fp8, x_sf)  # read by the L1 kernel by token
+    out = torch.empty((m * k, hidden), dtype=torch.bfloat16, device=device)
+    x = dequantize_x(x_fp8, x_sf, other_slots(topk_idx, out, first_expert, num_local))  # L1 reads it by token
     sorted_slots, block_expert, block_row, block_end = route(
         topk_idx, first_expert=first_expert, num_local_experts=num_local, block_t=cfg.block_t
     )

@@ -25,7 +25,7 @@ import torch
 from planc.kernels.megamoe.triton import hopper_fp8, hopper_fp8_ws, hopper_prefill, target
 from planc.kernels.megamoe.triton.config import KernelConfig
 from planc.kernels.megamoe.triton.layout import PackedExperts
-from planc.kernels.megamoe.triton.routing import route
+from planc.kernels.megamoe.triton.routing import no_slots, other_slots, route
 from planc.kernels.megamoe.triton.target import tl, triton
 
 BLOCK = 128  # the scale block of both operands along K, and of the L1 output along its channels
@@ -43,6 +43,7 @@ if triton is not None:
         e4m3_value,
         swiglu,
         tile_ids,
+        zero_other_slots,
     )
 
     @triton.jit
@@ -61,11 +62,17 @@ if triton is not None:
         return tl.reshape(_e4m3_bits(q), (ROWS, COLS)), (e << 23).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def x_blocks_kernel(q_ptr, sf_ptr, x8_ptr, xs_ptr, hidden, BH: tl.constexpr, PERMUTE: tl.constexpr):
+    def x_blocks_kernel(q_ptr, sf_ptr, x8_ptr, xs_ptr, hidden, idx_ptr, slots_ptr, first, num_local, stride_slots,
+                        BH: tl.constexpr, PERMUTE: tl.constexpr, NUM_TOPK: tl.constexpr, BK: tl.constexpr,
+                        ZERO: tl.constexpr):
         """The staged FP8 rows (per-32 UE8M0) of one row and BH channels -> e4m3 bytes with one FP32 scale per 128
         channels (what the FP8 L1 reads); PERMUTE: each 128 channels stored in the FP8 wgmma's K order
-        (`layout.fp8_k_order`: channel 32 q + 8 s + 4 h + i at 32 s + 16 h + 4 q + i)."""
+        (`layout.fp8_k_order`: channel 32 q + 8 s + 4 h + i at 32 s + 16 h + 4 q + i); ZERO: also zeros in those
+        channels of the row's slots on no local expert (`jit.zero_other_slots`)."""
         row = tl.program_id(0).to(tl.int64)
+        if ZERO:
+            zero_other_slots(idx_ptr, slots_ptr, row, tl.program_id(1), first, num_local, hidden, stride_slots,
+                             NUM_TOPK, BK, BH)
         col = tl.program_id(1) * BH + tl.arange(0, BH)
         b = tl.load(q_ptr + row * hidden + col).to(tl.int32)
         s = tl.load(sf_ptr + row * (hidden // 32) + col // 32).to(tl.int32)
@@ -220,17 +227,19 @@ if triton is not None:
             tl.store(out_ptrs, bf16_rne(acc), mask=row_ok[:, None])
 
 
-def x_blocks(x_fp8: torch.Tensor, x_sf: torch.Tensor, permute: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def x_blocks(x_fp8: torch.Tensor, x_sf: torch.Tensor, permute: bool = False,
+             zero: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Staged FP8 rows ``[M, H]`` with UE8M0 bytes ``[M, H/32]`` -> e4m3 bytes ``[M, H]`` (uint8) and FP32 scales
     ``[M, H/128]``, one per 128 channels (see the module docstring); `permute`: the channels of each 128 in the FP8
-    wgmma kernels' K order (`layout.fp8_k_order`)."""
+    wgmma kernels' K order (`layout.fp8_k_order`); `zero` (`routing.other_slots`): the same kernel zeroes the slot
+    outputs of no local expert."""
     m, hidden = x_fp8.shape
     x8 = torch.empty((m, hidden), dtype=torch.uint8, device=x_fp8.device)
     xs = torch.empty((m, hidden // BLOCK), dtype=torch.float32, device=x_fp8.device)
     if m:
         bh = 1024 if hidden % 1024 == 0 else BLOCK
         x_blocks_kernel[(m, hidden // bh)](x_fp8.contiguous().view(torch.uint8), x_sf.contiguous(), x8, xs, hidden,
-                                           BH=bh, PERMUTE=permute, num_warps=4)
+                                           **(zero or no_slots(x_fp8)), BH=bh, PERMUTE=permute, num_warps=4)
     return x8, xs
 
 
@@ -272,11 +281,11 @@ def fp8_local_experts_forward(
         if why is not None:
             raise RuntimeError(f"KernelConfig(fp8={config.fp8}) runs warp-specialized Gluon kernels for Hopper: {why}; "
                                f"use fp8=3, fp8=1 or a BF16 config")
-    out = torch.zeros((m * k, hidden), dtype=torch.bfloat16, device=device)
+    out = torch.empty((m * k, hidden), dtype=torch.bfloat16, device=device)
     if m == 0:
         return out.view(m, k, hidden)
     gluon = config.fp8 >= 3  # the Gluon kernels, on the FP8 layout of the same experts
-    x8, xs = x_blocks(x_fp8, x_sf, permute=gluon)
+    x8, xs = x_blocks(x_fp8, x_sf, permute=gluon, zero=other_slots(topk_idx, out, first_expert, num_local))
     weights = topk_weights.reshape(-1).float().contiguous()
     bt = config.block_t
     sorted_slots, block_expert, block_row, block_end = route(

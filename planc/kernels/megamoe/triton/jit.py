@@ -270,10 +270,30 @@ if triton is not None:
             tl.store(w_out_ptr + row * NUM_TOPK + j, w, mask=jk)
 
     @triton.jit
-    def dequant_x_kernel(q_ptr, sf_ptr, out_ptr, hidden, BH: tl.constexpr):
+    def dequant_x_kernel(q_ptr, sf_ptr, out_ptr, hidden, idx_ptr, slots_ptr, first, num_local, stride_slots,
+                         BH: tl.constexpr, NUM_TOPK: tl.constexpr, BK: tl.constexpr, ZERO: tl.constexpr):
         """FP8 bytes times their UE8M0 scales -> BF16 (exact: an e4m3 value times a power of two), for one row and
-        BH channels: what L1 reads."""
-        dequant_x_chunk(q_ptr, sf_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), hidden, BH)
+        BH channels: what L1 reads; ZERO: also zeros in those channels of the row's slots on no local expert
+        (`zero_other_slots`)."""
+        row = tl.program_id(0).to(tl.int64)
+        dequant_x_chunk(q_ptr, sf_ptr, out_ptr, row, tl.program_id(1), hidden, BH)
+        if ZERO:
+            zero_other_slots(idx_ptr, slots_ptr, row, tl.program_id(1), first, num_local, hidden, stride_slots,
+                             NUM_TOPK, BK, BH)
+
+    @triton.jit
+    def zero_other_slots(idx_ptr, slots_ptr, row, chunk, first, num_local, hidden, stride_slots,
+                         NUM_TOPK: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr):
+        """Zeros in channels [chunk * BH, +BH) of token `row`'s slot outputs (``[M*K, H]`` BF16) whose expert is not
+        local (-1 and other ranks' experts: the combine adds every slot). L2 writes each local slot whole, so with
+        this the slot output needs no fill of its own (a memset of the whole ``[M*K, H]``: ~0.1 ms at 4096 V4
+        tokens)."""
+        j = tl.arange(0, BK)
+        e = tl.load(idx_ptr + row * NUM_TOPK + j, mask=j < NUM_TOPK, other=first)
+        other = (j < NUM_TOPK) & ((e < first) | (e >= first + num_local))
+        col = chunk * BH + tl.arange(0, BH)
+        ptrs = slots_ptr + (row * NUM_TOPK + j)[:, None] * stride_slots + col[None, :]
+        tl.store(ptrs, tl.zeros((BK, BH), dtype=tl.bfloat16), mask=other[:, None] & (col < hidden)[None, :])
 
     @triton.jit
     def dequant_x_chunk(q_ptr, sf_ptr, out_ptr, row, chunk, hidden, BH: tl.constexpr):

@@ -83,3 +83,17 @@ def route_torch(topk_idx: torch.Tensor, *, first_expert: int, num_local_experts:
         row.to(torch.int32),
         end.to(torch.int32),
     )
+
+
+def other_slots(topk_idx: torch.Tensor, slots: torch.Tensor, first_expert: int, num_local_experts: int) -> dict:
+    """The arguments of `jit.zero_other_slots` for a pre-pass kernel over the tokens' rows (`dequant_x_kernel`,
+    `fp8.x_blocks_kernel`): zeros into the ``[M*K, H]`` slot outputs `slots` where the slot's expert is not local, so
+    that they start as `torch.empty` (L2 writes every local slot)."""
+    k = topk_idx.shape[1]
+    return dict(idx_ptr=topk_idx.contiguous(), slots_ptr=slots, first=first_expert, num_local=num_local_experts,
+                stride_slots=slots.stride(0), NUM_TOPK=k, BK=triton.next_power_of_2(k), ZERO=True)
+
+
+def no_slots(x_fp8: torch.Tensor) -> dict:
+    """`other_slots` for a pre-pass kernel that zeroes nothing."""
+    return dict(idx_ptr=x_fp8, slots_ptr=x_fp8, first=0, num_local=0, stride_slots=0, NUM_TOPK=1, BK=1, ZERO=False)
