@@ -241,7 +241,8 @@ GLUON_CONFIGS = (
 # path in Gluon"): the Gluon FP8 kernels (`fp8=3`, L2 capped at 168) beat the BF16 pick at 16-32 rows per expert
 # (1024 tokens: 32-row blocks 5544.8 against 6077.6 µs; 1536: 5771.6 against 5971.9; 2048: 64-row blocks 7154.7 and
 # 7242.8 against 7614.2 and 7723.0 in two calls) and lose above (3072 tokens, 48 rows: 7900.8 against 6817.1; 4096:
-# 10546.4 against 7544.4). The last row's bound sits between 32 and 48, where none was swept.
+# 10546.4 against 7544.4). Both bounds checked in a later call: below 16 rows the BF16 kernels stay ahead (512 / 768
+# tokens: 4896.4 / 5179.4 against 5779.4 / 5677.1), and at 40 rows (2560 tokens) the two tie (7799.2 against 7877.0).
 FP8_CONFIGS: tuple[tuple[int, KernelConfig | None], ...] = (
     (16, KernelConfig(32, 128, 128, 64, 128, 4, 4, l2_maxnreg=168, fp8=3)),
     (28, KernelConfig(64, 128, 128, 64, 128, 4, 4, l2_maxnreg=168, fp8=3)),
