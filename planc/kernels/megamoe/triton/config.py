@@ -216,10 +216,13 @@ CONFIGS = (
 )
 
 
-# On Hopper, where the Gluon kernels run (`hopper_prefill`), they take the batches of 45-80 rows per local expert
+# On Hopper, where the Gluon kernels run (`hopper_prefill`), they take the batches of 35-80 rows per local expert
 # from the Triton kernels: blocks of 80 rows up to 68 rows per expert, 96 above (an average expert no longer fits 80
-# rows), 1.05-1.2x faster than the best Triton config from 48 to 80 rows on V4; below 48 rows the bound sits halfway
-# to 40, where the 96-row kernel lost by 1.09x. 4 warps with 64-column tiles and 4 stages beat 8 warps with 128 and 6
+# rows), 1.05-1.2x faster than the best Triton config from 48 to 80 rows on V4. From 36 rows the 80-row blocks also beat
+# the Triton pick and the FP8 path (H100, 2026-12-07, Triton 3.6, V4 experts alone, µs: 36 rows 7335.3 against fp8=3's
+# 7581.2, 40 rows 7010.7 against 7797.3 and 7877.2, 44 rows 6867.3 against 7816.3 and 7767.9; the 96-row kernel had
+# lost at 40 rows by 1.09x on an H200); the bound sits between 32 rows, where the FP8 path wins, and 36. Measured on
+# V4 only. 4 warps with 64-column tiles and 4 stages beat 8 warps with 128 and 6
 # stages. Registers: L1 holds 214 with the two-tail body of 96-row blocks (two programs per SM), 191 without it
 # (80-row blocks); capped at 168, three fit (spills outside the K loops only, which the compile test checks): ptxas
 # then serializes the 96-row L1's wgmma and keeps the 80-row L1's async, and both run 3-14% faster than uncapped.
@@ -227,7 +230,7 @@ CONFIGS = (
 # cp.async L2 with four programs per SM (64 registers, 104 for the MMA warps), ahead of three (80) and two (96);
 # 6 stages are slower. 96-row blocks: 80 registers (three programs; ptxas serializes the wgmma at 136) beat 96 (two).
 GLUON_CONFIGS = (
-    (44, None),
+    (34, None),
     (68, KernelConfig(block_t=80, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=4, maxnreg=168, gluon=2,
                       l2_maxnreg=64)),
     (80, KernelConfig(block_t=96, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=4, maxnreg=168, gluon=2,
@@ -242,11 +245,12 @@ GLUON_CONFIGS = (
 # (1024 tokens: 32-row blocks 5544.8 against 6077.6 µs; 1536: 5771.6 against 5971.9; 2048: 64-row blocks 7154.7 and
 # 7242.8 against 7614.2 and 7723.0 in two calls) and lose above (3072 tokens, 48 rows: 7900.8 against 6817.1; 4096:
 # 10546.4 against 7544.4). Both bounds checked in a later call: below 16 rows the BF16 kernels stay ahead (512 / 768
-# tokens: 4896.4 / 5179.4 against 5779.4 / 5677.1), and at 40 rows (2560 tokens) the two tie (7799.2 against 7877.0).
+# tokens: 4896.4 / 5179.4 against 5779.4 / 5677.1); from 36 rows the Gluon BF16 kernels with 80-row blocks win
+# (`GLUON_CONFIGS`), so the last row hands back from 34.
 FP8_CONFIGS: tuple[tuple[int, KernelConfig | None], ...] = (
     (16, KernelConfig(32, 128, 128, 64, 128, 4, 4, l2_maxnreg=168, fp8=3)),
     (28, KernelConfig(64, 128, 128, 64, 128, 4, 4, l2_maxnreg=168, fp8=3)),
-    (40, None),
+    (34, None),
 )
 
 

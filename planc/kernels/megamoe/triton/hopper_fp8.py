@@ -542,5 +542,5 @@ def block_row_scales(xs, sorted_slots, block_row, block_end, *, num_topk, block_
     rows = block_row[:, None] + torch.arange(block_t, device=xs.device)[None, :]
     ok = rows < block_end[:, None]
     slot = sorted_slots[rows.clamp(max=max(sorted_slots.numel() - 1, 0))]
-    token = torch.where(ok, slot // num_topk, 0).reshape(-1)
+    token = ((slot // num_topk) * ok).reshape(-1)  # not torch.where(.., 0): its scalar is a fill kernel on the device
     return xs[token].t().contiguous()
