@@ -112,6 +112,8 @@ def parse_args(argv=None):
     p.add_argument("--read-patterns", action="store_true",
                    help="time load-only kernels with the decode grids' access pattern beside a plain read stream "
                         "(`decode_read_patterns`) and stop")
+    p.add_argument("--captures", type=int, default=3, metavar="N",
+                   help="time each layer row over N fresh CUDA-graph captures and take the median (`graph_or_eager`)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     tiny_shapes(args)
@@ -484,12 +486,21 @@ def capture_graph(fn):
     return graph, out
 
 
-def graph_or_eager(device, measure, fn, use_graph):
-    """Median µs of `fn` by CUDA-graph replay (`capture_graph`), else eager."""
+def graph_or_eager(device, measure, fn, use_graph, captures=1, spread=None):
+    """Median µs of `fn` by CUDA-graph replay (`capture_graph`), else eager. With `captures` > 1: the median over that
+    many graphs, each captured afresh (its own memory pool, so its buffers at other addresses), each timed by
+    `measure`; `spread` (a list) gets each graph's time. Why: at prefill sizes one capture of the V4 layer timed up to
+    17% apart from another of the same kernels in the same process, while replays of one graph repeat within ~1%."""
     if not use_graph:
         return measure(fn), None
-    graph, out = capture_graph(fn)
-    return measure(graph.replay), out
+    times, out = [], None
+    for _ in range(max(captures, 1)):
+        graph, out = capture_graph(fn)
+        times.append(measure(graph.replay))
+        del graph
+    if spread is not None:
+        spread.extend(times)
+    return statistics.median(times), out
 
 
 # The candidates of the last tuning (docs/benchmarks.md, H200, 2026-12-03), picks first; the
@@ -688,6 +699,12 @@ def main(argv=None):
     for n in args.tokens:
         x, w, idx = random_batch(args, n, device, seed=n)
         row = dict(tokens=n, distinct_experts=int(torch.unique(idx).numel()))
+
+        def timed(fn, key, row=row):
+            """`graph_or_eager` over `--captures` graphs; each graph's µs under ``row[key + "_captures"]``."""
+            row[key + "_captures"] = []
+            return graph_or_eager(device, measure, fn, use_graph, args.captures, row[key + "_captures"])
+
         with torch.no_grad():
             row["triton_eager_us"] = measure(lambda: tri_layer(x, idx, w))
             if device.type == "cuda":
@@ -696,13 +713,12 @@ def main(argv=None):
                     tri_layer(x, idx, w)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-            row["triton_us"], y_tri = graph_or_eager(device, measure, lambda: tri_layer(x, idx, w), use_graph)
+            row["triton_us"], y_tri = timed(lambda: tri_layer(x, idx, w), "triton")
             if y_tri is None:
                 y_tri = tri_layer(x, idx, w)
             if triton_config.FP8_CONFIGS:
                 with bf16_path_only():  # the backend before its FP8 path, in this process on this card
-                    row["bf16_path_us"], y_bf16 = graph_or_eager(device, measure, lambda: tri_layer(x, idx, w),
-                                                                 use_graph)
+                    row["bf16_path_us"], y_bf16 = timed(lambda: tri_layer(x, idx, w), "bf16_path")
                     if y_bf16 is None:
                         y_bf16 = tri_layer(x, idx, w)
             else:  # no FP8 rows in the table: the same kernels
@@ -713,8 +729,7 @@ def main(argv=None):
             row["picked"] = picked.__dict__
             if picked.decode:  # the general kernels on this batch, as before the decode rows (`general_path_only`)
                 with general_path_only():
-                    row["general_us"], y_gen = graph_or_eager(device, measure, lambda: tri_layer(x, idx, w),
-                                                              use_graph)
+                    row["general_us"], y_gen = timed(lambda: tri_layer(x, idx, w), "general")
                     if y_gen is None:
                         y_gen = tri_layer(x, idx, w)
                 row["calc_diff_vs_general"] = calc_diff(y_tri.float(), y_gen.float())
@@ -726,7 +741,7 @@ def main(argv=None):
                     fields = DECODE_VARIANTS[name]
                     try:
                         with decode_row(**fields):
-                            us, y_var = graph_or_eager(device, measure, lambda: tri_layer(x, idx, w), use_graph)
+                            us, y_var = timed(lambda: tri_layer(x, idx, w), f"variant_{name}")
                             if y_var is None:
                                 y_var = tri_layer(x, idx, w)
                         row["variants"][name] = dict(us=us, same_bits=bool(torch.equal(y_var, y_tri)),
@@ -739,12 +754,12 @@ def main(argv=None):
 
                     row["persistent_stalls"] = int(decode_kernels.stalls(device).item())
             if baseline is not None:
-                row["reference_us"], y_ref = graph_or_eager(device, measure, lambda: ref_layer(x, idx, w), use_graph)
+                row["reference_us"], y_ref = timed(lambda: ref_layer(x, idx, w), "reference")
                 if y_ref is None:
                     y_ref = ref_layer(x, idx, w)
                 row["calc_diff"] = calc_diff(y_tri.float(), y_ref.float())
                 try:
-                    row["grouped_mm_us"], _ = graph_or_eager(device, measure, lambda: baseline(x, idx, w), use_graph)
+                    row["grouped_mm_us"], _ = timed(lambda: baseline(x, idx, w), "grouped_mm")
                     row["grouped_mm_mode"] = "graph" if use_graph else "eager"
                 except Exception as e:  # noqa: BLE001 - report the eager time if the baseline cannot be captured
                     print(f"grouped_mm capture failed ({type(e).__name__}: {e}); timing it eagerly", file=sys.stderr)
@@ -797,6 +812,14 @@ def main(argv=None):
               f"{f(gm)} | {f(r['bound_us'])} | {r['bound']} | {r['ratio']:.2f}x | "
               f"{f(gm / r['triton_us'] if gm else None, '.2f')} | {f(r.get('calc_diff'), '.1e')} | "
               f"{r['calc_diff_vs_bf16_path']:.1e} |")
+    if use_graph and args.captures > 1:
+        print(f"\nEach time above is the median over {args.captures} graphs, each captured afresh; their spread (µs):\n")
+        print("| tokens | triton: min | max | max / min | BF16 path only: min | max | max / min |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            t, b = r.get("triton_captures") or [r["triton_us"]], r.get("bf16_path_captures") or [r["bf16_path_us"]]
+            print(f"| {r['tokens']} | {min(t):.1f} | {max(t):.1f} | {max(t) / min(t):.3f} | {min(b):.1f} | "
+                  f"{max(b):.1f} | {max(b) / min(b):.3f} |")
     print(f"\nSplit-K decode against the general kernels (same process, same card). bound: the FP4 read at "
           f"{args.hbm_tbps} TB/s; copy bound: the same bytes at the rate a device-to-device copy reached here "
           f"({f(copy_tbps, '.2f')} TB/s, bytes read + written); read bound: at the rate a plain Triton read stream "
