@@ -95,5 +95,6 @@ def other_slots(topk_idx: torch.Tensor, slots: torch.Tensor, first_expert: int, 
 
 
 def no_slots(x_fp8: torch.Tensor) -> dict:
-    """`other_slots` for a pre-pass kernel that zeroes nothing."""
-    return dict(idx_ptr=x_fp8, slots_ptr=x_fp8, first=0, num_local=0, stride_slots=0, NUM_TOPK=1, BK=1, ZERO=False)
+    """`other_slots` for a pre-pass kernel that zeroes nothing (its pointers: the FP8 rows' bytes, never touched)."""
+    dummy = x_fp8.view(torch.uint8)  # as bytes: an e4m3 pointer does not compile before sm_89
+    return dict(idx_ptr=dummy, slots_ptr=dummy, first=0, num_local=0, stride_slots=0, NUM_TOPK=1, BK=1, ZERO=False)
