@@ -26,7 +26,7 @@ arithmetic and only the order of the FP32 sums differs, which can flip the final
 ulp, at most eps(bf16) = 2^-7 of it) and, through L1's rounding, an FP8 requantization step. Every output one ulp off
 gives calc_diff <= eps^2 / 2 = 3.1e-5; the bound, 1e-4, is about three times that (the contract the GPU tests hold
 the backend to). One wrong expert out of 32, a wrong scale or a misplaced slot gives 1e-3 and more. The FP8 path
-(`config.FP8_CONFIGS`: on Hopper, batches of 16-33 rows per local expert) rounds its operands to e4m3 per 128
+(on Hopper, the batches whose rows per local expert `config.FP8_CONFIGS` names) rounds its operands to e4m3 per 128
 channels: DeepGEMM's bound for its FP8 GEMMs against BF16, 1e-2.
 """
 

@@ -32,8 +32,8 @@ How it is organized (the ideas of vLLM's fused_moe, triton_kernels' matmul_ogs a
   instead of staging them in shared memory through Triton's cp.async pipeline: 15-30% fewer instructions per weight.
 - L1 fuses SwiGLU, the clamp, the routing weight and the FP8 requantization into its epilogue; L2 writes
   each slot's output straight to its slot.
-On Hopper, batches of 35-80 rows per expert run the Gluon kernels of `hopper_prefill` (async wgmma) and
-`hopper_prefill_ws` (L2 with a TMA producer warp) instead.
+On Hopper, the batches `config.GLUON_CONFIGS` names (by rows per expert) run the Gluon kernels of `hopper_prefill`
+(async wgmma) and `hopper_prefill_ws` (L2 with a TMA producer warp) instead.
 Both GEMMs are issue-bound at decode (Nsight Compute: instructions issued in ~80-85% of cycles with 3-4 other warps
 eligible), so what counts is instructions per weight at a given register and shared-memory budget per program: the
 expansion is 13 per 8 weights; tiles with fewer instructions overall but more registers or shared-memory traffic ran
