@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from planc.kernels.megamoe.quant import (
     calc_diff,
@@ -23,6 +24,7 @@ from planc.kernels.megamoe.triton import target
 from planc.kernels.megamoe.triton import config as triton_config
 from planc.kernels.megamoe.triton.config import KernelConfig, pick_config
 from planc.kernels.megamoe.triton.fp8 import x_blocks
+from planc.kernels.megamoe.triton.hopper_fp8 import block_row_scales
 from planc.kernels.megamoe.triton.forward import combine, triton_local_experts_forward
 from planc.kernels.megamoe.triton.layout import PackedExperts
 from tests.kernels.megamoe.common import full_weights, routing
@@ -109,6 +111,30 @@ def test_fp8_path_is_picked_by_its_table_row_only_where_fp8_mma_runs(monkeypatch
     assert not pick_config(rows, 384, 7168, 3136, gluon=True, fp8=True).fp8  # intermediate % 128 != 0
     with pytest.raises(ValueError, match="hidden and intermediate % 128"):
         FP8_TINY.fit(192, 128)
+
+
+def test_block_row_scales_puts_no_fill_kernel_into_a_graph():
+    """The Gluon FP8 path's host-side gather of the activations' scales runs inside every captured layer: a torch op
+    that makes a tensor from a scalar (``torch.where(ok, x, 0)``: a device `scalar_tensor`) is a fill kernel replayed
+    with the graph, which the installed-layer GPU test forbids. Traced here op by op; the result is the scale of each
+    block row's token (token 0's past a block's end)."""
+    xs = torch.rand(10, 8)
+    sorted_slots = torch.randperm(20).to(torch.int32)
+    block_row, block_end = torch.tensor([0, 16], dtype=torch.int32), torch.tensor([13, 20], dtype=torch.int32)
+    ops = []
+
+    class Trace(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Trace():
+        got = block_row_scales(xs, sorted_slots, block_row, block_end, num_topk=2, block_t=16)
+    assert not [op for op in ops if op.split(".")[0] in ("scalar_tensor", "fill_", "full", "zeros", "zeros_like")], ops
+    rows = (block_row[:, None] + torch.arange(16)).reshape(-1)
+    ok = rows < block_end.repeat_interleave(16)
+    token = torch.tensor([int(sorted_slots[r]) // 2 if k else 0 for r, k in zip(rows.clamp(max=19).tolist(), ok)])
+    assert torch.equal(got, xs[token].t())
 
 
 @pytest.mark.parametrize("fp8", [3, 4, 5])
