@@ -268,6 +268,14 @@ if hp.gluon is not None:
         return t_s.index(s).slice(0, N)
 
     @gluon.jit
+    def block_scales(s_s, sx_s, s, BN: gl.constexpr, N: gl.constexpr, num_warps: gl.constexpr):
+        """Stage s's scales of one operand's 128-deep K block: the weight rows' [BN] and the activation rows' [N],
+        in the layouts of a promotion ``acc += part * (sw[:, None] * sx[None, :])``."""
+        MMA: gl.constexpr = mma_layout(num_warps, N)
+        return (row_scales(_scale_tile(s_s, s, BN // 16), BN, gl.SliceLayout(1, MMA)),
+                _rows(sx_s, s, N).load(gl.SliceLayout(0, MMA)))
+
+    @gluon.jit
     def promoted_sums(ring, acquire: gl.constexpr, stage_of: gl.constexpr, release: gl.constexpr,
                       drain: gl.constexpr, wa_s, sa_s, wb_s, sb_s, x_s, sx_s, tab_ptr, k_blocks, BN: gl.constexpr,
                       N: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, num_warps: gl.constexpr):
@@ -327,9 +335,7 @@ if hp.gluon is not None:
                 kb0, kb1 = expand_e4m3(_words(wa_s, st, WL), lo, hi)
             pb = warpgroup_mma(operand(kb0, kb1, AL), x_t, pb, use_acc=False, is_async=True)
             pa, pb, ka0, ka1, kb0, kb1 = warpgroup_mma_wait(1, deps=(pa, pb, ka0, ka1, kb0, kb1))
-            sta = stage_of(ring, i, STAGES)
-            swa = row_scales(_scale_tile(sa_s, sta, G), BN, SWL)
-            sxa = _rows(sx_s, sta, N).load(SXL)
+            swa, sxa = block_scales(sa_s, sx_s, stage_of(ring, i, STAGES), BN, N, num_warps)
             if not GATED:
                 release(ring, i, STAGES)  # (L2) block i: its MMA retired, its scales read
             # the next a operand (past the end: the last block's again, never multiplied): its stage's reads go out

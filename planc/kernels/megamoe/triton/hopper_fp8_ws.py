@@ -151,10 +151,7 @@ if unavailable_reason is None:
         operand's wgmma runs, never across the loop's back edge (C7514, `promoted_sums`), in `promoted_sums`'
         order: the same bits."""
         wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, ca_s, cb_s, conv = ops
-        G: gl.constexpr = BN // 16
         MMA: gl.constexpr = hf8.mma_layout(num_warps, N)
-        SWL: gl.constexpr = gl.SliceLayout(1, MMA)
-        SXL: gl.constexpr = gl.SliceLayout(0, MMA)
         acc_a = gl.zeros([BN, N], gl.float32, MMA)
         acc_b = gl.zeros([BN, N], gl.float32, MMA)
         pa = gl.zeros([BN, N], gl.float32, MMA)
@@ -167,9 +164,8 @@ if unavailable_reason is None:
             pa = warpgroup_mma(ca_s.index(st), x_t, pa, use_acc=False, is_async=True)
             pa, pb = warpgroup_mma_wait(1, deps=(pa, pb))  # retires nothing; without it ptxas waits for a here
             # b's block sum of block i - 1 (retired by the last iteration's final wait), promoted under a's MMA
-            sp = (j0 + gl.maximum(i - 1, 0)) % STAGES
-            swb = hf8.row_scales(hf8._scale_tile(sb_s if GATED else sa_s, sp, G), BN, SWL)
-            sxb = hf8._rows(sx_s, sp, N).load(SXL)
+            swb, sxb = hf8.block_scales(sb_s if GATED else sa_s, sx_s, (j0 + gl.maximum(i - 1, 0)) % STAGES, BN, N,
+                                        num_warps)
             if i > 0:
                 _ring_release(ring, i - 1, STAGES)
             if GATED:
@@ -181,16 +177,13 @@ if unavailable_reason is None:
                 pb = warpgroup_mma(ca_s.index(st1), hf8._rows(x_s, st1, N).permute((1, 0)), pb, use_acc=False,
                                    is_async=True)
             pa, pb = warpgroup_mma_wait(1, deps=(pa, pb))
-            swa = hf8.row_scales(hf8._scale_tile(sa_s, st, G), BN, SWL)
-            sxa = hf8._rows(sx_s, st, N).load(SXL)
+            swa, sxa = hf8.block_scales(sa_s, sx_s, st, BN, N, num_warps)
             if not GATED:
                 _ring_release(ring, i, STAGES)
             acc_a = warpgroup_mma_wait(1, deps=(acc_a + pa * (swa[:, None] * sxa[None, :]),))
             pb = warpgroup_mma_wait(0, deps=(pb,))
         # b's last block
-        sp = (j0 + k_blocks - 1) % STAGES
-        swb = hf8.row_scales(hf8._scale_tile(sb_s if GATED else sa_s, sp, G), BN, SWL)
-        sxb = hf8._rows(sx_s, sp, N).load(SXL)
+        swb, sxb = hf8.block_scales(sb_s if GATED else sa_s, sx_s, (j0 + k_blocks - 1) % STAGES, BN, N, num_warps)
         _ring_release(ring, k_blocks - 1, STAGES)
         if GATED:
             acc_b += pb * (swb[:, None] * sxb[None, :])
