@@ -16,8 +16,10 @@ them once to BF16). Per batch size (decode 1/16/64/256, prefill 4096), CUDA-even
 `--ceiling` also times cuBLAS's dense GEMMs of the same math per batch size (`dense_ceiling`): what the vendor's
 best kernels take with no routing, padding or FP4 expansion, in BF16 and in FP8 with the finest block scaling
 Hopper's cuBLAS has (1x128 x 128x128; the kernel's 1x32 MX scales are SM100-only, and the attempt is recorded).
-Peers: SGLang's FP8 `fused_moe` is probed in a child process (`sglang_peer`); where it does not import (the device
-has no SGLang) the bench says so and goes on without its column. DeepGEMM's SM90 FP8 Mega MoE has no column: it
+Peers: SGLang's FP8 `fused_moe` runs first, in a child process (`sglang_peer`: bench/sglang_fused_moe.py, SGLang
+0.5.23's Triton kernels from its PyPI wheel, on the same FP4 experts cast to its block-FP8 layout, the same batches):
+`sglang_us` (its own tile config), `sglang_best_us` (with `--sglang-configs` too), `calc_diff_vs_sglang`. Without the
+wheel the bench says so and goes on. DeepGEMM's SM90 FP8 Mega MoE has no column: it
 exists only in sgl-project/DeepGEMM (`sm90_fp8_fp4_mega_moe.cuh`, fork commit b9bb630); the device has nvcc 13.0
 and CUDA's and torch's headers, but no whole source tree of the fork at that commit (with its CUTLASS and fmt
 submodules) can be brought there, and its build (`deep_gemm._C`, then an nvcc JIT per batch band) and weight layout
@@ -114,6 +116,12 @@ def parse_args(argv=None):
                         "(`decode_read_patterns`) and stop")
     p.add_argument("--captures", type=int, default=3, metavar="N",
                    help="time each layer row over N fresh CUDA-graph captures and take the median (`graph_or_eager`)")
+    p.add_argument("--sglang-wheel", default=None, metavar="WHL",
+                   help="SGLang's wheel for the peer (bench/sglang_fused_moe.py `find_wheel`: else $PLANC_SGLANG_WHEEL "
+                        "or .whl/)")
+    p.add_argument("--sglang-configs", default=None, metavar="M,N,K,GROUP,WARPS,STAGES;...",
+                   help="tile configs the peer also times beside its own pick (bench/sglang_fused_moe.py --configs)")
+    p.add_argument("--no-sglang", action="store_true", help="do not run the SGLang peer")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     tiny_shapes(args)
@@ -441,21 +449,43 @@ DECODE_VARIANTS = {
 SPLIT_K_VARIANT = "prologue"
 
 
-def sglang_peer() -> dict:
-    """Whether SGLang's FP8 `fused_moe` (the peer the issue's table names) can be imported here, asked in a child
-    process (its import pulls in SGLang's serving stack and `sgl_kernel`; a failure must not touch this process's
-    CUDA context). Where it cannot, the bench says why and goes on without the column."""
+def sglang_peer(args) -> dict:
+    """SGLang's FP8 `fused_moe` on this layer and these batches (bench/sglang_fused_moe.py), in a child process that
+    runs and exits before this one builds its layer (the child holds the GPU's memory while it runs: V4's experts in
+    BF16, then FP4 and its block-FP8 copy). Returns its rows and each batch's output (`tokens_<n>`), or why not."""
     import subprocess
+    import tempfile
 
-    probe = "from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe; print('ok')"
+    from bench.sglang_fused_moe import find_wheel
+
+    if args.no_sglang:
+        return dict(available=False, why="--no-sglang")
     try:
-        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
-    except subprocess.TimeoutExpired:
-        return dict(available=False, why="importing sglang's fused_moe took over 120 s")
-    if done.returncode == 0 and done.stdout.strip().endswith("ok"):
-        return dict(available=True, why="importable; its timing is not wired into this bench (docs/megamoe.md)")
-    last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-    return dict(available=False, why=f"not importable here: {last[:200]}")
+        wheel = find_wheel(args.sglang_wheel)
+    except FileNotFoundError as e:
+        return dict(available=False, why=str(e))
+    work = tempfile.mkdtemp(prefix="sglang_peer_")
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_fused_moe.py"),
+           "--wheel", wheel, "--device", args.device, "--tokens", ",".join(map(str, args.tokens)),
+           "--hidden", str(args.hidden), "--intermediate", str(args.intermediate), "--experts", str(args.experts),
+           "--topk", str(args.topk), "--clamp", str(args.clamp), "--warmup", str(args.warmup), "--iters",
+           str(args.iters), "--captures", str(args.captures), "--json", os.path.join(work, "peer.json"),
+           "--outputs", os.path.join(work, "outputs.safetensors")]
+    if args.sglang_configs:
+        cmd += ["--configs", args.sglang_configs]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    sys.stderr.write(done.stderr)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return dict(available=False, why=f"the peer's process failed ({done.returncode}): {last[:200]}")
+    print(done.stdout)
+    from safetensors.torch import load_file
+
+    with open(os.path.join(work, "peer.json")) as f:
+        result = json.load(f)
+    outputs = load_file(os.path.join(work, "outputs.safetensors"))
+    return dict(available=True, why=result["peer"], rows={r["tokens"]: r for r in result["rows"]}, outputs=outputs,
+                wheel_sha256=result["wheel_sha256"])
 
 
 @contextlib.contextmanager
@@ -653,6 +683,9 @@ def main(argv=None):
             raise SystemExit("--read-patterns needs a CUDA GPU")
         return finish(args, dict(read_patterns=decode_read_patterns(args, device, measure)))
 
+    peer = sglang_peer(args) if not (args.profile is not None or args.sweep) else dict(available=False, why="")
+    print(f"SGLang fused_moe peer: {'measured' if peer['available'] else 'not measured'} ({peer['why']})",
+          file=sys.stderr)
     experts, cfg = build_experts(args, device)
     undo = install_megamoe_forward(experts, backend="reference", quantize="fp4", activation_clamp=args.clamp,
                                    num_global_experts=args.experts, ep_rank=0, ep_size=1)
@@ -690,9 +723,6 @@ def main(argv=None):
         reference_bytes = resident_fp4 + weights.gate_up.nbytes + weights.down.nbytes
         baseline = grouped_mm_baseline(cfg, weights)
 
-    peer = sglang_peer()
-    print(f"SGLang fused_moe peer: {'available' if peer['available'] else 'not measured'} ({peer['why']})",
-          file=sys.stderr)
     copy_tbps = copy_bandwidth(device, measure) if device.type == "cuda" else None
     read_tbps = read_bandwidth(device, measure) if device.type == "cuda" else None
     rows = []
@@ -764,6 +794,12 @@ def main(argv=None):
                 except Exception as e:  # noqa: BLE001 - report the eager time if the baseline cannot be captured
                     print(f"grouped_mm capture failed ({type(e).__name__}: {e}); timing it eagerly", file=sys.stderr)
                     row["grouped_mm_us"], row["grouped_mm_mode"] = measure(lambda: baseline(x, idx, w)), "eager"
+        if peer["available"]:
+            p = peer["rows"][n]
+            row["sglang_us"], row["sglang_config"] = p.get("us"), p["config_source"]
+            row["sglang_best_us"] = p["best"] and p["best"]["us"]
+            row["sglang_align_us"] = p.get("align_us")
+            row["calc_diff_vs_sglang"] = calc_diff(y_tri.float().cpu(), peer["outputs"][f"tokens_{n}"])
         if args.ceiling and device.type == "cuda":
             row["ceiling"] = dense_ceiling(args, n, device, measure, use_graph)
         row["bound_us"], row["bound"] = bound_us(args, n, bytes_per_expert)
@@ -790,7 +826,7 @@ def main(argv=None):
         backend_reason=tri_state.reason,
         copy_tbps=copy_tbps,
         read_tbps=read_tbps,
-        sglang=peer,
+        sglang={k: v for k, v in peer.items() if k != "outputs"},
         resident_bytes=dict(triton=resident_fp4, reference=reference_bytes),
         buffer_allocations=stats.allocations, buffer_bytes=stats.live_bytes,
         rows=rows,
@@ -860,7 +896,22 @@ def main(argv=None):
                   + f" | {bits}{'; ' + '; '.join(errors) if errors else ''} |")
         stalls = [r.get("persistent_stalls") for r in varied if r.get("persistent_stalls")]
         print(f"persistent kernel stalls (L2 items that stopped waiting; must be 0): {max(stalls) if stalls else 0}")
-    print(f"SGLang fused_moe: {'available' if peer['available'] else 'not measured'}: {peer['why']}")
+    if peer["available"]:
+        print(f"\nAgainst SGLang's FP8 fused_moe (its process, run just before on this card: {peer['why']}, sha256 "
+              f"{peer['wheel_sha256'][:12]}; SGLang's own tile config, and the best of it and --sglang-configs; µs)\n")
+        print("| tokens | planc | SGLang | SGLang / planc | SGLang, best config | best / planc | SGLang's align step | "
+              "calc_diff planc vs SGLang |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            s, b = r.get("sglang_us"), r.get("sglang_best_us")
+            print(f"| {r['tokens']} | {f(r['triton_us'])} | {f(s)} | {f(s / r['triton_us'] if s else None, '.2f')}x | "
+                  f"{f(b)} | {f(b / r['triton_us'] if b else None, '.2f')}x | {f(r.get('sglang_align_us'))} | "
+                  f"{r['calc_diff_vs_sglang']:.1e} |")
+        if device.type == "cpu":
+            print("(On CPU Triton's interpreter multiplies SGLang's BF16 values as raw bits, so its output is not "
+                  "SGLang's: tests/kernels/megamoe/test_sglang_peer.py)")
+    else:
+        print(f"SGLang fused_moe: not measured: {peer['why']}")
     ceilings = [r for r in rows if "ceiling" in r]
     if ceilings:
         print("\nThe same math as cuBLAS dense GEMMs (no routing, padding or FP4; µs, and TFLOP/s of the layer's math)\n")

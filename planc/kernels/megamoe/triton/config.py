@@ -246,10 +246,12 @@ GLUON_CONFIGS = (
 # 7242.8 against 7614.2 and 7723.0 in two calls) and lose above (3072 tokens, 48 rows: 7900.8 against 6817.1; 4096:
 # 10546.4 against 7544.4). Both bounds checked in a later call: below 16 rows the BF16 kernels stay ahead (512 / 768
 # tokens: 4896.4 / 5179.4 against 5779.4 / 5677.1); from 36 rows the Gluon BF16 kernels with 80-row blocks win
-# (`GLUON_CONFIGS`), so the last row hands back from 34.
+# (`GLUON_CONFIGS`), so the last row hands back from 34. Between the two block heights (H100, 2026-12-07, kernels
+# of 0d1d370): 32-row blocks ahead at 28 / 29 / 30 rows (6214.4 / 6639.5 / 6730.9 against 6717.1 / 6882.8 / 6918.9 µs),
+# 64-row ones from 31 (7039.2 against 7165.2).
 FP8_CONFIGS: tuple[tuple[int, KernelConfig | None], ...] = (
     (16, KernelConfig(32, 128, 128, 64, 128, 4, 4, l2_maxnreg=168, fp8=3)),
-    (28, KernelConfig(64, 128, 128, 64, 128, 4, 4, l2_maxnreg=168, fp8=3)),
+    (31, KernelConfig(64, 128, 128, 64, 128, 4, 4, l2_maxnreg=168, fp8=3)),
     (34, None),
 )
 
