@@ -60,3 +60,25 @@ def routing(num_tokens: int, seed: int, *, num_experts=E, topk=K, masked: float 
         idx = idx.masked_fill(drop, -1)
         weights = weights.masked_fill(drop, 0.0)
     return x, idx, weights
+
+
+# Ops that make a device tensor from a Python number or fill one: on a GPU each is a kernel of its own, replayed with
+# every CUDA graph of the layer (the installed-layer GPU test forbids them in its graphs).
+FILL_OPS = ("scalar_tensor", "fill_", "full", "zeros", "zeros_like", "ones", "ones_like", "full_like", "new_zeros",
+            "new_ones", "new_full")
+
+
+def fill_ops(fn) -> tuple[object, list[str]]:
+    """`fn()`'s result and the `FILL_OPS` it dispatched, traced op by op on CPU (TorchDispatchMode)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops = []
+
+    class Trace(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Trace():
+        result = fn()
+    return result, [op for op in ops if op.split(".")[0] in FILL_OPS]

@@ -27,7 +27,7 @@ from planc.kernels.megamoe.triton.layout import PackedExperts, shuffle_fp4
 from planc.kernels.megamoe.triton.routing import max_blocks, route, route_fused, route_torch
 from planc.runtime.ep.megamoe import MegaMoeEPRuntime
 from planc.runtime.megamoe import install_megamoe_forward, megamoe_state
-from tests.kernels.megamoe.common import full_weights, mixtral_experts, routing
+from tests.kernels.megamoe.common import fill_ops, full_weights, mixtral_experts, routing
 from planc.spec.ep import MegaMoeEP
 
 pytestmark = pytest.mark.skipif(
@@ -82,6 +82,17 @@ def test_fused_route_equals_the_torch_route():
         valid = ref[1] < e_loc  # rows of the unused blocks are not read
         assert torch.equal(fused[0], ref[0]) and torch.equal(fused[1], ref[1])
         assert torch.equal(fused[2][valid], ref[2][valid]) and torch.equal(fused[3][valid], ref[3][valid])
+
+
+def test_torch_route_puts_no_fill_kernel_into_a_graph():
+    """Batches above `FUSED_ROUTE_MAX_SLOTS` route by torch ops inside every captured layer: none may make a tensor
+    from a Python number or fill one (each a kernel replayed with the graph)."""
+    idx = torch.randint(-1, 40, (700, 6), generator=torch.Generator().manual_seed(3))
+    assert idx.numel() > routing_module.FUSED_ROUTE_MAX_SLOTS
+    routed, fills = fill_ops(lambda: route(idx, first_expert=8, num_local_experts=16, block_t=64))
+    assert not fills, fills
+    assert all(torch.equal(a, b) for a, b in zip(routed, route_fused(idx, first_expert=8, num_local_experts=16,
+                                                                     block_t=64)[:2]))
 
 
 def test_combine_kernel_is_the_reference_combine():

@@ -9,7 +9,6 @@ import dataclasses
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from planc.kernels.megamoe.quant import (
     calc_diff,
@@ -27,7 +26,7 @@ from planc.kernels.megamoe.triton.fp8 import x_blocks
 from planc.kernels.megamoe.triton.hopper_fp8 import block_row_scales
 from planc.kernels.megamoe.triton.forward import combine, triton_local_experts_forward
 from planc.kernels.megamoe.triton.layout import PackedExperts
-from tests.kernels.megamoe.common import full_weights, routing
+from tests.kernels.megamoe.common import fill_ops, full_weights, routing
 from tests.kernels.megamoe.emulation import emulate_fp8, fp8_block_cast, moe_float64
 
 pytestmark = pytest.mark.skipif(
@@ -121,16 +120,8 @@ def test_block_row_scales_puts_no_fill_kernel_into_a_graph():
     xs = torch.rand(10, 8)
     sorted_slots = torch.randperm(20).to(torch.int32)
     block_row, block_end = torch.tensor([0, 16], dtype=torch.int32), torch.tensor([13, 20], dtype=torch.int32)
-    ops = []
-
-    class Trace(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append(func.__name__)
-            return func(*args, **(kwargs or {}))
-
-    with Trace():
-        got = block_row_scales(xs, sorted_slots, block_row, block_end, num_topk=2, block_t=16)
-    assert not [op for op in ops if op.split(".")[0] in ("scalar_tensor", "fill_", "full", "zeros", "zeros_like")], ops
+    got, fills = fill_ops(lambda: block_row_scales(xs, sorted_slots, block_row, block_end, num_topk=2, block_t=16))
+    assert not fills, fills
     rows = (block_row[:, None] + torch.arange(16)).reshape(-1)
     ok = rows < block_end.repeat_interleave(16)
     token = torch.tensor([int(sorted_slots[r]) // 2 if k else 0 for r, k in zip(rows.clamp(max=19).tolist(), ok)])

@@ -58,31 +58,28 @@ def route_fused(topk_idx: torch.Tensor, *, first_expert: int, num_local_experts:
 
 
 def route_torch(topk_idx: torch.Tensor, *, first_expert: int, num_local_experts: int, block_t: int):
-    """`route` in torch ops (any size, any device)."""
+    """`route` in torch ops (any size, any device). No op makes a tensor from a scalar or fills one (`torch.where`
+    with a Python number, `zeros`, `ones_like`): on a GPU each is a kernel of its own, replayed with every graph of a
+    large batch."""
     device = topk_idx.device
     e = topk_idx.reshape(-1)
     num_slots = e.numel()
     local = (e >= first_expert) & (e < first_expert + num_local_experts)
-    local_id = torch.where(local, e - first_expert, num_local_experts)
-    sorted_slots = torch.argsort(local_id, stable=True).to(torch.int32)
-    counts = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, local_id, torch.ones_like(local_id))
-    counts = counts[:num_local_experts]
-    starts = torch.cumsum(counts, 0) - counts
+    local_id = (e - (first_expert + num_local_experts)) * local + num_local_experts  # E_loc where not local
+    order = torch.argsort(local_id, stable=True)
+    sorted_slots = order.to(torch.int32)
+    experts = torch.arange(num_local_experts + 1, device=device)
+    ends = torch.searchsorted(local_id[order], experts[1:], right=False)  # each expert's end among the sorted
+    counts = torch.diff(ends, prepend=ends[:1] * 0)
+    starts = ends - counts
     blocks = (counts + block_t - 1) // block_t
     block_end_cum = torch.cumsum(blocks, 0)
     b = torch.arange(max_blocks(num_slots, num_local_experts, block_t), device=device)
-    expert = torch.searchsorted(block_end_cum, b, right=True)
-    valid = expert < num_local_experts
+    expert = torch.searchsorted(block_end_cum, b, right=True)  # E_loc past the last block: no block
     ec = expert.clamp(max=num_local_experts - 1)
     row = starts[ec] + (b - (block_end_cum[ec] - blocks[ec])) * block_t
     end = starts[ec] + counts[ec]
-    return (
-        sorted_slots,
-        torch.where(valid, expert, num_local_experts).to(torch.int32),
-        row.to(torch.int32),
-        end.to(torch.int32),
-    )
+    return sorted_slots, expert.to(torch.int32), row.to(torch.int32), end.to(torch.int32)
 
 
 def other_slots(topk_idx: torch.Tensor, slots: torch.Tensor, first_expert: int, num_local_experts: int) -> dict:
