@@ -683,7 +683,8 @@ def main(argv=None):
             raise SystemExit("--read-patterns needs a CUDA GPU")
         return finish(args, dict(read_patterns=decode_read_patterns(args, device, measure)))
 
-    peer = sglang_peer(args) if not (args.profile is not None or args.sweep) else dict(available=False, why="")
+    peer = (sglang_peer(args) if not (args.profile is not None or args.sweep)
+            else dict(available=False, why="not run with --profile or --sweep"))
     print(f"SGLang fused_moe peer: {'measured' if peer['available'] else 'not measured'} ({peer['why']})",
           file=sys.stderr)
     experts, cfg = build_experts(args, device)

@@ -3,8 +3,8 @@
 The bench's ratios against SGLang are only worth what its launch of SGLang's kernels is. On a GPU (`gpu`) the
 kernels taken from the wheel run at small shapes against a float64 emulation of SGLang's block-FP8 math written apart
 from them, and against planc's reference on the same FP4 experts within DeepGEMM's FP8 bound. Under Triton's CPU
-interpreter only the align kernel runs (against the bench's torch align): the interpreter multiplies two BF16 values
-as their raw 16-bit patterns (Triton 3.6-3.9; SGLang's `act_and_mul_kernel` does) and rounds some FP32 values just
+interpreter only the align kernel runs (against the bench's torch align): the interpreter (Triton 3.9) multiplies
+two BF16 values as their raw 16-bit patterns (SGLang's `act_and_mul_kernel` does) and rounds some FP32 values just
 below a power of two to e4m3 one binade low, so the whole sequence there would test the interpreter. Needs SGLang's
 wheel (`bench/sglang_fused_moe.find_wheel`; CI downloads it).
 """

@@ -68,8 +68,7 @@ def route_torch(topk_idx: torch.Tensor, *, first_expert: int, num_local_experts:
     local_id = (e - (first_expert + num_local_experts)) * local + num_local_experts  # E_loc where not local
     order = torch.argsort(local_id, stable=True)
     sorted_slots = order.to(torch.int32)
-    experts = torch.arange(num_local_experts + 1, device=device)
-    ends = torch.searchsorted(local_id[order], experts[1:], right=False)  # each expert's end among the sorted
+    ends = torch.searchsorted(local_id[order], torch.arange(1, num_local_experts + 1, device=device))  # each end
     counts = torch.diff(ends, prepend=ends[:1] * 0)
     starts = ends - counts
     blocks = (counts + block_t - 1) // block_t
