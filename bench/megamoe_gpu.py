@@ -453,6 +453,7 @@ def sglang_peer(args) -> dict:
     """SGLang's FP8 `fused_moe` on this layer and these batches (bench/sglang_fused_moe.py), in a child process that
     runs and exits before this one builds its layer (the child holds the GPU's memory while it runs: V4's experts in
     BF16, then FP4 and its block-FP8 copy). Returns its rows and each batch's output (`tokens_<n>`), or why not."""
+    import shutil
     import subprocess
     import tempfile
 
@@ -473,17 +474,20 @@ def sglang_peer(args) -> dict:
            "--outputs", os.path.join(work, "outputs.safetensors")]
     if args.sglang_configs:
         cmd += ["--configs", args.sglang_configs]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    sys.stderr.write(done.stderr)
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return dict(available=False, why=f"the peer's process failed ({done.returncode}): {last[:200]}")
-    print(done.stdout)
-    from safetensors.torch import load_file
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        sys.stderr.write(done.stderr)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            return dict(available=False, why=f"the peer's process failed ({done.returncode}): {last[:200]}")
+        print(done.stdout)
+        from safetensors.torch import load_file
 
-    with open(os.path.join(work, "peer.json")) as f:
-        result = json.load(f)
-    outputs = load_file(os.path.join(work, "outputs.safetensors"))
+        with open(os.path.join(work, "peer.json")) as f:
+            result = json.load(f)
+        outputs = load_file(os.path.join(work, "outputs.safetensors"))  # in memory: the files can go
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return dict(available=True, why=result["peer"], rows={r["tokens"]: r for r in result["rows"]}, outputs=outputs,
                 wheel_sha256=result["wheel_sha256"])
 
@@ -800,7 +804,7 @@ def main(argv=None):
             row["sglang_us"], row["sglang_config"] = p.get("us"), p["config_source"]
             row["sglang_best_us"] = p["best"] and p["best"]["us"]
             row["sglang_align_us"] = p.get("align_us")
-            row["calc_diff_vs_sglang"] = calc_diff(y_tri.float().cpu(), peer["outputs"][f"tokens_{n}"])
+            row["calc_diff_vs_sglang"] = calc_diff(y_tri.float().cpu(), peer["outputs"][f"tokens_{n}"].float())
         if args.ceiling and device.type == "cuda":
             row["ceiling"] = dense_ceiling(args, n, device, measure, use_graph)
         row["bound_us"], row["bound"] = bound_us(args, n, bytes_per_expert)

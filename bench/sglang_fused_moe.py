@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import argparse
 import ast
+import atexit
 import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import tempfile
 import zipfile
@@ -128,7 +130,9 @@ def kernel_module(wheel: str):
     with zipfile.ZipFile(wheel) as z:
         for member, names in KERNEL_SOURCES.items():
             parts.append(f"# --- {member}\n" + extract(z.read(member).decode(), names, member))
-    path = os.path.join(tempfile.mkdtemp(prefix="sglang_kernels_"), "sglang_fused_moe_kernels.py")
+    where = tempfile.mkdtemp(prefix="sglang_kernels_")
+    atexit.register(shutil.rmtree, where, True)
+    path = os.path.join(where, "sglang_fused_moe_kernels.py")
     with open(path, "w") as f:
         f.write("\n\n\n".join(parts) + "\n")
     spec = importlib.util.spec_from_file_location("sglang_fused_moe_kernels", path)
@@ -353,7 +357,7 @@ def main(argv=None):
                 y = moe(x, idx, w, config) if y is None else y
                 row["candidates"].append(dict(config=config, us=us, captures=spread))
                 if config is picked:
-                    row["us"], outputs[f"tokens_{n}"] = us, y.float().cpu().contiguous()
+                    row["us"], outputs[f"tokens_{n}"] = us, y.cpu().contiguous()  # BF16, as the layer returns it
             if cuda:  # the align step alone (step 2), graph replay: what this bench runs in SGLang's JIT kernel's place
                 graph, _ = capture_graph(lambda: moe.align(idx, picked["BLOCK_SIZE_M"]))
                 row["align_us"] = measure(graph.replay)
