@@ -18,12 +18,11 @@ best kernels take with no routing, padding or FP4 expansion, in BF16 and in FP8 
 Hopper's cuBLAS has (1x128 x 128x128; the kernel's 1x32 MX scales are SM100-only, and the attempt is recorded).
 Peers: SGLang's FP8 `fused_moe` runs first, in a child process (`sglang_peer`: bench/sglang_fused_moe.py, SGLang
 0.5.23's Triton kernels from its PyPI wheel, on the same FP4 experts cast to its block-FP8 layout, the same batches):
-`sglang_us` (its own tile config), `sglang_best_us` (with `--sglang-configs` too), `calc_diff_vs_sglang`. Without the
-wheel the bench says so and goes on. DeepGEMM's SM90 FP8 Mega MoE has no column: it
-exists only in sgl-project/DeepGEMM (`sm90_fp8_fp4_mega_moe.cuh`, fork commit b9bb630); the device has nvcc 13.0
-and CUDA's and torch's headers, but no whole source tree of the fork at that commit (with its CUTLASS and fmt
-submodules) can be brought there, and its build (`deep_gemm._C`, then an nvcc JIT per batch band) and weight layout
-are a device call and a binding of their own (docs/megamoe.md, "Peers").
+`sglang_us` (its own tile config), `sglang_best_us` (with `--sglang-configs` too), `calc_diff_vs_sglang`. Then, on
+sm_90 with its source archive (`--deepgemm-sm90` or $PLANC_DEEPGEMM_SM90), DeepGEMM's SM90 FP8 Mega MoE in a child
+process (`deepgemm_peer`: bench/deepgemm_sm90_mega_moe.py, SGLang's fork of DeepGEMM built there, the same experts as
+block FP8): `deepgemm_us` (its input copies and kernel), `deepgemm_kernel_us`, `calc_diff_vs_deepgemm`. Without a
+wheel or an archive the bench says so and goes on.
 `--sweep` times each candidate tile config of the Triton kernels per batch size instead (graph replay of the
 experts computation alone) and prints the best: the table in `planc.kernels.megamoe.triton.config` comes from it.
 
@@ -122,6 +121,12 @@ def parse_args(argv=None):
     p.add_argument("--sglang-configs", default=None, metavar="M,N,K,GROUP,WARPS,STAGES;...",
                    help="tile configs the peer also times beside its own pick (bench/sglang_fused_moe.py --configs)")
     p.add_argument("--no-sglang", action="store_true", help="do not run the SGLang peer")
+    p.add_argument("--deepgemm-sm90", default=os.environ.get("PLANC_DEEPGEMM_SM90"), metavar="ARCHIVE",
+                   help="the DeepGEMM fork's source archive for its SM90 Mega MoE peer (bench/deepgemm_sm90_mega_moe.py"
+                        " --assemble writes it; default: $PLANC_DEEPGEMM_SM90)")
+    p.add_argument("--deepgemm-cache", default=None, metavar="DIR",
+                   help="where that peer stages and builds it (its `_C.so` and JIT cache are kept there)")
+    p.add_argument("--no-deepgemm", action="store_true", help="do not run the DeepGEMM peer")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     tiny_shapes(args)
@@ -449,35 +454,23 @@ DECODE_VARIANTS = {
 SPLIT_K_VARIANT = "prologue"
 
 
-def sglang_peer(args) -> dict:
-    """SGLang's FP8 `fused_moe` on this layer and these batches (bench/sglang_fused_moe.py), in a child process that
-    runs and exits before this one builds its layer (the child holds the GPU's memory while it runs: V4's experts in
-    BF16, then FP4 and its block-FP8 copy). Returns its rows and each batch's output (`tokens_<n>`), or why not."""
+def child_peer(script: str, flags: list[str], prefix: str) -> dict:
+    """Run a peer's script (bench/<script>) in a child process on this layer and these batches, with `--json` and
+    `--outputs` into a temporary directory (removed after): its result and each batch's output (`tokens_<n>`), or
+    why not. The child runs and exits before this process builds its layer: it holds the GPU's memory while it runs
+    (V4's experts in BF16, then FP4 and its block-FP8 copy)."""
     import shutil
     import subprocess
     import tempfile
 
-    from bench.sglang_fused_moe import find_wheel
-
-    if args.no_sglang:
-        return dict(available=False, why="--no-sglang")
-    try:
-        wheel = find_wheel(args.sglang_wheel)
-    except FileNotFoundError as e:
-        return dict(available=False, why=str(e))
-    work = tempfile.mkdtemp(prefix="sglang_peer_")
-    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_fused_moe.py"),
-           "--wheel", wheel, "--device", args.device, "--tokens", ",".join(map(str, args.tokens)),
-           "--hidden", str(args.hidden), "--intermediate", str(args.intermediate), "--experts", str(args.experts),
-           "--topk", str(args.topk), "--clamp", str(args.clamp), "--warmup", str(args.warmup), "--iters",
-           str(args.iters), "--captures", str(args.captures), "--json", os.path.join(work, "peer.json"),
-           "--outputs", os.path.join(work, "outputs.safetensors")]
-    if args.sglang_configs:
-        cmd += ["--configs", args.sglang_configs]
+    work = tempfile.mkdtemp(prefix=prefix)
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), script), *flags,
+           "--json", os.path.join(work, "peer.json"), "--outputs", os.path.join(work, "outputs.safetensors")]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)
         sys.stderr.write(done.stderr)
         if done.returncode != 0:
+            sys.stderr.write("".join(done.stdout.splitlines(keepends=True)[-40:]))  # e.g. a compiler's messages
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
             return dict(available=False, why=f"the peer's process failed ({done.returncode}): {last[:200]}")
         print(done.stdout)
@@ -489,7 +482,53 @@ def sglang_peer(args) -> dict:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return dict(available=True, why=result["peer"], rows={r["tokens"]: r for r in result["rows"]}, outputs=outputs,
-                wheel_sha256=result["wheel_sha256"])
+                result=result)
+
+
+def layer_flags(args) -> list[str]:
+    """The layer's shapes, batches and timing as a peer script's flags."""
+    return ["--device", args.device, "--tokens", ",".join(map(str, args.tokens)), "--hidden", str(args.hidden),
+            "--intermediate", str(args.intermediate), "--experts", str(args.experts), "--topk", str(args.topk),
+            "--clamp", str(args.clamp), "--warmup", str(args.warmup), "--iters", str(args.iters), "--captures",
+            str(args.captures)]
+
+
+def sglang_peer(args) -> dict:
+    """SGLang's FP8 `fused_moe` on this layer and these batches (bench/sglang_fused_moe.py, `child_peer`)."""
+    from bench.sglang_fused_moe import find_wheel
+
+    if args.no_sglang:
+        return dict(available=False, why="--no-sglang")
+    try:
+        wheel = find_wheel(args.sglang_wheel)
+    except FileNotFoundError as e:
+        return dict(available=False, why=str(e))
+    flags = ["--wheel", wheel, *layer_flags(args)]
+    if args.sglang_configs:
+        flags += ["--configs", args.sglang_configs]
+    peer = child_peer("sglang_fused_moe.py", flags, "sglang_peer_")
+    if peer["available"]:
+        peer["wheel_sha256"] = peer.pop("result")["wheel_sha256"]
+    return peer
+
+
+def deepgemm_peer(args) -> dict:
+    """DeepGEMM's SM90 FP8 Mega MoE on this layer and these batches (bench/deepgemm_sm90_mega_moe.py, `child_peer`):
+    on sm_90 with the fork's source archive (`--deepgemm-sm90` or $PLANC_DEEPGEMM_SM90), else why not."""
+    if args.no_deepgemm:
+        return dict(available=False, why="--no-deepgemm")
+    if not args.deepgemm_sm90:
+        return dict(available=False, why="no source archive (--deepgemm-sm90 or $PLANC_DEEPGEMM_SM90; "
+                                         "bench/deepgemm_sm90_mega_moe.py --assemble writes one)")
+    if args.device != "cuda" or torch.cuda.get_device_capability()[0] != 9:
+        return dict(available=False, why="the kernel is sm_90's (Hopper) only")
+    flags = ["--source", args.deepgemm_sm90, *layer_flags(args)]
+    if args.deepgemm_cache:
+        flags += ["--cache", args.deepgemm_cache]
+    peer = child_peer("deepgemm_sm90_mega_moe.py", flags, "deepgemm_peer_")
+    if peer["available"]:
+        peer["source"] = peer.pop("result")["source"]
+    return peer
 
 
 @contextlib.contextmanager
@@ -687,9 +726,12 @@ def main(argv=None):
             raise SystemExit("--read-patterns needs a CUDA GPU")
         return finish(args, dict(read_patterns=decode_read_patterns(args, device, measure)))
 
-    peer = (sglang_peer(args) if not (args.profile is not None or args.sweep)
-            else dict(available=False, why="not run with --profile or --sweep"))
+    skipped = dict(available=False, why="not run with --profile or --sweep")
+    peer = sglang_peer(args) if not (args.profile is not None or args.sweep) else skipped
     print(f"SGLang fused_moe peer: {'measured' if peer['available'] else 'not measured'} ({peer['why']})",
+          file=sys.stderr)
+    dg_peer = deepgemm_peer(args) if not (args.profile is not None or args.sweep) else skipped
+    print(f"DeepGEMM SM90 Mega MoE peer: {'measured' if dg_peer['available'] else 'not measured'} ({dg_peer['why']})",
           file=sys.stderr)
     experts, cfg = build_experts(args, device)
     undo = install_megamoe_forward(experts, backend="reference", quantize="fp4", activation_clamp=args.clamp,
@@ -805,6 +847,10 @@ def main(argv=None):
             row["sglang_best_us"] = p["best"] and p["best"]["us"]
             row["sglang_align_us"] = p.get("align_us")
             row["calc_diff_vs_sglang"] = calc_diff(y_tri.float().cpu(), peer["outputs"][f"tokens_{n}"].float())
+        if dg_peer["available"]:
+            p = dg_peer["rows"][n]
+            row["deepgemm_us"], row["deepgemm_kernel_us"] = p["us"], p["kernel_us"]
+            row["calc_diff_vs_deepgemm"] = calc_diff(y_tri.float().cpu(), dg_peer["outputs"][f"tokens_{n}"].float())
         if args.ceiling and device.type == "cuda":
             row["ceiling"] = dense_ceiling(args, n, device, measure, use_graph)
         row["bound_us"], row["bound"] = bound_us(args, n, bytes_per_expert)
@@ -832,6 +878,7 @@ def main(argv=None):
         copy_tbps=copy_tbps,
         read_tbps=read_tbps,
         sglang={k: v for k, v in peer.items() if k != "outputs"},
+        deepgemm={k: v for k, v in dg_peer.items() if k != "outputs"},
         resident_bytes=dict(triton=resident_fp4, reference=reference_bytes),
         buffer_allocations=stats.allocations, buffer_bytes=stats.live_bytes,
         rows=rows,
@@ -917,6 +964,19 @@ def main(argv=None):
                   "SGLang's: tests/kernels/megamoe/test_sglang_peer.py)")
     else:
         print(f"SGLang fused_moe: not measured: {peer['why']}")
+    if dg_peer["available"]:
+        src = dg_peer["source"]
+        print(f"\nAgainst DeepGEMM's SM90 FP8 Mega MoE (its process, run just before on this card: sgl-project/DeepGEMM "
+              f"{src['deepgemm']['commit'][:12]}, CUTLASS {src['cutlass']['commit'][:12]}; one rank; planc: the layer "
+              f"with its FP8 cast, DeepGEMM: its input copies and kernel, its FP8 cast not counted; µs)\n")
+        print("| tokens | planc | DeepGEMM | DeepGEMM / planc | DeepGEMM kernel alone | calc_diff planc vs DeepGEMM |")
+        print("|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            d = r.get("deepgemm_us")
+            print(f"| {r['tokens']} | {f(r['triton_us'])} | {f(d)} | {f(d / r['triton_us'] if d else None, '.2f')}x | "
+                  f"{f(r.get('deepgemm_kernel_us'))} | {r['calc_diff_vs_deepgemm']:.1e} |")
+    else:
+        print(f"DeepGEMM SM90 Mega MoE: not measured: {dg_peer['why']}")
     ceilings = [r for r in rows if "ceiling" in r]
     if ceilings:
         print("\nThe same math as cuBLAS dense GEMMs (no routing, padding or FP4; µs, and TFLOP/s of the layer's math)\n")
