@@ -378,7 +378,7 @@ def test_picked_config_fits_the_shapes(monkeypatch):
                                                                                       prefetch=0)
     with pytest.raises(ValueError, match="divisible by 64.*backend: reference"):
         KernelConfig().fit(128, 48)
-    # Where the Hopper Gluon kernels can run they take 35-80 rows per expert: blocks of 80 rows up to 68 (V4 at 4096
+    # Where the Hopper Gluon kernels can run they take 35-512 rows per expert: blocks of 80 rows up to 68 (V4 at 4096
     # tokens: 64), of 96 above.
     gluon = pick_config(4096 * 6, 384, 7168, 3072, gluon=True)
     assert gluon.gluon and gluon.block_t == 80 and gluon.l1_n == gluon.l2_n == 16 * gluon.num_warps
@@ -387,14 +387,16 @@ def test_picked_config_fits_the_shapes(monkeypatch):
     plain = pick_config(4096 * 6, 384, 7168, 3072, gluon=True, warp_specialized=False)
     assert (plain.gluon, plain.l2_maxnreg, plain.maxnreg, plain.block_t) == (1, 0, 168, 80)
     assert not pick_config(256 * 6, 384, 7168, 3072, gluon=True).gluon  # decode: the Triton kernels
-    assert not pick_config(4096 * 6, 64, 2048, 1408, gluon=True).gluon  # 384 rows per expert: Triton's 64-row blocks
+    assert pick_config(4096 * 6, 64, 2048, 1408, gluon=True).block_t == 96  # the mid-size layer, 384 rows per expert
     assert not pick_config(4096 * 6, 384, 7168, 3072 - 64, gluon=True).gluon  # L2's K tiles do not pair: 3008 % 128
     assert pick_config(3072 * 6, 384, 7168, 3072, gluon=True).block_t == 80  # 48 rows per expert
     assert pick_config(2560 * 6, 384, 7168, 3072, gluon=True).block_t == 80  # 40 rows
     assert not pick_config(2048 * 6, 384, 7168, 3072, gluon=True).gluon  # 32 rows: Triton's 32-row blocks
     assert pick_config(4608 * 6, 384, 7168, 3072, gluon=True).block_t == 96  # 72 rows: an expert fits 96 rows, not 80
     assert pick_config(5120 * 6, 384, 7168, 3072, gluon=True).block_t == 96  # 80 rows: one 96-row block per expert
-    assert pick_config(6144 * 6, 384, 7168, 3072, gluon=True).block_t == 64  # 96 rows: Triton's 64-row blocks
+    assert pick_config(6144 * 6, 384, 7168, 3072, gluon=True).block_t == 96  # 96 rows: an expert spans two blocks
+    assert pick_config(4096 * 6, 48, 7168, 3072, gluon=True).block_t == 96  # 512 rows: EP 8's share of V4's prefill
+    assert pick_config(4096 * 6, 24, 7168, 3072, gluon=True).block_t == 64  # 1024 rows: not measured, Triton's
     with pytest.raises(ValueError, match="blocks of 80 or 96 rows, not block_t=64"):
         dataclasses.replace(gluon, block_t=64).fit(7168, 3072)  # the kernels have no loop body for it
 

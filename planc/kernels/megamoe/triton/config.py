@@ -216,7 +216,7 @@ CONFIGS = (
 )
 
 
-# On Hopper, where the Gluon kernels run (`hopper_prefill`), they take the batches of 35-80 rows per local expert
+# On Hopper, where the Gluon kernels run (`hopper_prefill`), they take the batches of 35-512 rows per local expert
 # from the Triton kernels: blocks of 80 rows up to 68 rows per expert, 96 above (an average expert no longer fits 80
 # rows), 1.05-1.2x faster than the best Triton config from 48 to 80 rows on V4. From 36 rows the 80-row blocks also beat
 # the Triton pick and the FP8 path (H100, 2026-12-07, Triton 3.6, V4 experts alone, µs: 36 rows 7335.3 against fp8=3's
@@ -229,12 +229,19 @@ CONFIGS = (
 # L2 is the warp-specialized one (`hopper_prefill_ws`): at 4096 tokens with 80-row blocks ~5% faster than the
 # cp.async L2 with four programs per SM (64 registers, 104 for the MMA warps), ahead of three (80) and two (96);
 # 6 stages are slower. 96-row blocks: 80 registers (three programs; ptxas serializes the wgmma at 136) beat 96 (two).
+# The 96-row blocks also take 81-512 rows, where an expert spans several blocks (one rank's share of an EP 8 prefill:
+# 48 of 384 V4 experts at 2048 and 4096 tokens, 256 and 512 rows each): 1.27x and 1.21x faster there than Triton's
+# 64-row blocks (H100, 2026-12-07, Triton 3.6, the experts alone, µs: 3318.7 against 4225.0, 6383.9 against 7753.9;
+# 80-row blocks 3804.5 / 6403.1, with L2 tiles of 128 3760.0 / 6368.6; fp8=3 4351.8 / 7690.7), 1.14-1.15x at 96 and 128
+# rows (768 and 1024 tokens: 1770.0 against 2043.1, 2166.8 against 2466.1), and 1.11-1.13x on the mid-size layer at
+# 192 and 384 rows (64 experts, 2048 and 4096 tokens: 750.1 against 828.9, 1189.0 against 1348.9). Not measured above
+# 512.
 GLUON_CONFIGS = (
     (34, None),
     (68, KernelConfig(block_t=80, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=4, maxnreg=168, gluon=2,
                       l2_maxnreg=64)),
-    (80, KernelConfig(block_t=96, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=4, maxnreg=168, gluon=2,
-                      l2_maxnreg=80)),
+    (512, KernelConfig(block_t=96, l1_n=64, l1_k=64, l2_n=64, l2_k=64, num_warps=4, num_stages=4, maxnreg=168, gluon=2,
+                       l2_maxnreg=80)),
 )
 
 
