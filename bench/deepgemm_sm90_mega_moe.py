@@ -213,10 +213,10 @@ class SM90MegaMoE:
 
 
 def parse_args(argv=None):
-    from bench.megamoe_gpu import add_layer_args
+    from bench.megamoe_gpu import add_peer_args
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_layer_args(p)
+    add_peer_args(p)
     p.add_argument("--source", default=os.environ.get("PLANC_DEEPGEMM_SM90"),
                    help="the archive `--assemble` writes, or its unpacked tree (default: $PLANC_DEEPGEMM_SM90)")
     p.add_argument("--cache", default=None, help="where it is staged and built (default: ~/.cache/planc/deepgemm_sm90/"
@@ -224,13 +224,6 @@ def parse_args(argv=None):
     p.add_argument("--assemble", default=None, metavar="OUT", help="write the source archive to OUT and exit")
     for name in SOURCE:
         p.add_argument(f"--git-{name}", default=None, metavar="DIR", help=f"a local clone holding {name}'s commit")
-    p.add_argument("--tokens", default="1,16,64,256,4096")
-    p.add_argument("--clamp", type=float, default=10.0, help="the SwiGLU limit (planc's activation clamp)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--captures", type=int, default=3, help="as bench/megamoe_gpu.py: the median over N graphs")
-    p.add_argument("--outputs", default=None, help="write each batch's output here (safetensors, `tokens_<n>`)")
-    p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     args.tokens = [int(t) for t in args.tokens.split(",")]
     return args
@@ -247,9 +240,8 @@ def main(argv=None):
         return None
     import torch
 
-    from bench.megamoe_gpu import build_experts, graph_or_eager, random_batch, timer
-    from bench.sglang_fused_moe import from_fp4
-    from planc.runtime.megamoe import install_megamoe_forward
+    from bench.megamoe_gpu import graph_or_eager, random_batch, timer, write_peer
+    from bench.sglang_fused_moe import block_fp8_experts
 
     if not args.source:
         raise SystemExit("no DeepGEMM source: --source or $PLANC_DEEPGEMM_SM90 (write it with --assemble)")
@@ -258,15 +250,7 @@ def main(argv=None):
     dg = load(prepare(args.source, cache), cache)
     device = torch.device("cuda")
     name = torch.cuda.get_device_name(device)
-    experts, _ = build_experts(args, device)
-    undo = install_megamoe_forward(experts, backend="reference", quantize="fp4", activation_clamp=args.clamp,
-                                   num_global_experts=args.experts, ep_rank=0, ep_size=1)
-    del undo  # frees the BF16 originals: the FP4 parameters stay
-    w13, s13, w2, s2 = from_fp4(experts)
-    del experts
-    torch.cuda.empty_cache()
-    moe = SM90MegaMoE(dg, w13, s13, w2, s2, args.topk, max(args.tokens), args.clamp)
-    del w13, w2
+    moe = SM90MegaMoE(dg, *block_fp8_experts(args, device), args.topk, max(args.tokens), args.clamp)
     measure = timer("cuda", args.warmup, args.iters)
     rows, outputs = [], {}
     for n in args.tokens:
@@ -298,14 +282,7 @@ def main(argv=None):
     print("|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['tokens']} | {r['us']:.1f} | {r['kernel_us']:.1f} | {r['first_call_s']:.1f} |")
-    if args.outputs:
-        from safetensors.torch import save_file
-
-        save_file(outputs, args.outputs)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return write_peer(args, result, outputs)
 
 
 if __name__ == "__main__":

@@ -485,8 +485,32 @@ def child_peer(script: str, flags: list[str], prefix: str) -> dict:
                 result=result)
 
 
+def add_peer_args(p: argparse.ArgumentParser) -> None:
+    """A peer script's flags: what `layer_flags` passes, and where `child_peer` reads its results (`write_peer`)."""
+    add_layer_args(p)
+    p.add_argument("--tokens", default="1,16,64,256,4096")
+    p.add_argument("--clamp", type=float, default=10.0, help="the SwiGLU limit (planc's activation clamp)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--captures", type=int, default=3, help="as bench/megamoe_gpu.py: the median over N graphs")
+    p.add_argument("--outputs", default=None, help="write each batch's output here (safetensors, `tokens_<n>`)")
+    p.add_argument("--json", default=None)
+
+
+def write_peer(args, result: dict, outputs: dict) -> dict:
+    """A peer's result to `--json` and each batch's output to `--outputs`, where `child_peer` reads them."""
+    if args.outputs:
+        from safetensors.torch import save_file
+
+        save_file(outputs, args.outputs)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
 def layer_flags(args) -> list[str]:
-    """The layer's shapes, batches and timing as a peer script's flags."""
+    """The layer's shapes, batches and timing as a peer script's flags (`add_peer_args`)."""
     return ["--device", args.device, "--tokens", ",".join(map(str, args.tokens)), "--hidden", str(args.hidden),
             "--intermediate", str(args.intermediate), "--experts", str(args.experts), "--topk", str(args.topk),
             "--clamp", str(args.clamp), "--warmup", str(args.warmup), "--iters", str(args.iters), "--captures",

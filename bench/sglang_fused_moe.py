@@ -196,6 +196,23 @@ def from_fp4(experts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.T
     return tuple(out)
 
 
+def block_fp8_experts(args, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The FP4 experts bench/megamoe_gpu.py serves (`build_experts`, same seed; their BF16 originals freed) as
+    block-FP8 weights (`from_fp4`): what both FP8 peers run on."""
+    from bench.megamoe_gpu import build_experts
+    from planc.runtime.megamoe import install_megamoe_forward
+
+    experts, _ = build_experts(args, device)
+    undo = install_megamoe_forward(experts, backend="reference", quantize="fp4", activation_clamp=args.clamp,
+                                   num_global_experts=args.experts, ep_rank=0, ep_size=1)
+    del undo  # frees the BF16 originals: the FP4 parameters stay
+    weights = from_fp4(experts)
+    del experts
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return weights
+
+
 def align_torch(topk_ids: torch.Tensor, block_m: int, num_experts: int, sorted_ids: torch.Tensor,
                 expert_ids: torch.Tensor, num_post_pad: torch.Tensor) -> None:
     """`moe_align_block_size`'s buffers by torch ops, with no host sync (a graph captures it): the (token, slot)
@@ -298,20 +315,13 @@ class SGLangFusedMoE:
 
 
 def parse_args(argv=None):
-    from bench.megamoe_gpu import add_layer_args, tiny_shapes
+    from bench.megamoe_gpu import add_peer_args, tiny_shapes
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_layer_args(p)
+    add_peer_args(p)
     p.add_argument("--wheel", default=None, help=f"SGLang's wheel ({WHEEL_NAME}; `find_wheel`)")
-    p.add_argument("--tokens", default="1,16,64,256,4096")
-    p.add_argument("--clamp", type=float, default=10.0, help="the SwiGLU limit (planc's activation clamp)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--captures", type=int, default=3, help="as bench/megamoe_gpu.py: the median over N graphs")
     p.add_argument("--configs", default=None, metavar="M,N,K,GROUP,WARPS,STAGES;...",
                    help="tile configs to time beside SGLang's pick (BLOCK_SIZE_M/N/K, GROUP_SIZE_M, warps, stages)")
-    p.add_argument("--outputs", default=None, help="write each batch's output here (safetensors, `tokens_<n>`)")
-    p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     tiny_shapes(args)
     args.tokens = [int(t) for t in args.tokens.split(",")]
@@ -322,22 +332,13 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    from bench.megamoe_gpu import build_experts, capture_graph, graph_or_eager, random_batch, timer
-    from planc.runtime.megamoe import install_megamoe_forward
+    from bench.megamoe_gpu import capture_graph, graph_or_eager, random_batch, timer, write_peer
 
     args = parse_args(argv)
     wheel = find_wheel(args.wheel)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    experts, _ = build_experts(args, device)
-    undo = install_megamoe_forward(experts, backend="reference", quantize="fp4", activation_clamp=args.clamp,
-                                   num_global_experts=args.experts, ep_rank=0, ep_size=1)
-    del undo  # frees the BF16 originals: the FP4 parameters stay
-    w13, s13, w2, s2 = from_fp4(experts)
-    del experts
-    if cuda:
-        torch.cuda.empty_cache()
-    moe = SGLangFusedMoE(wheel, w13, s13, w2, s2, args.topk, args.clamp)
+    moe = SGLangFusedMoE(wheel, *block_fp8_experts(args, device), args.topk, args.clamp)
     measure = timer(args.device, args.warmup, args.iters)
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     rows, outputs = [], {}
@@ -379,14 +380,7 @@ def main(argv=None):
         b = r["best"] or {}
         print(f"| {r['tokens']} | {r.get('us', float('nan')):.1f} | {r['config_source']} | {b.get('us', float('nan')):.1f}"
               f" | {b.get('config')} | {r.get('align_us', float('nan')):.1f} | {r.get('align', '-')} |")
-    if args.outputs:
-        from safetensors.torch import save_file
-
-        save_file(outputs, args.outputs)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return write_peer(args, result, outputs)
 
 
 if __name__ == "__main__":

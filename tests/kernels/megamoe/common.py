@@ -62,6 +62,19 @@ def routing(num_tokens: int, seed: int, *, num_experts=E, topk=K, masked: float 
     return x, idx, weights
 
 
+def planc_reference(fp4, x, idx, w, clamp: float) -> torch.Tensor:
+    """planc's reference layer on FP4 experts `fp4` (a module holding them) for BF16 tokens `x`, after its staging's
+    FP8 cast: what a peer's output is judged against, within DeepGEMM's FP8 bound."""
+    from planc.kernels.megamoe.quant import float_to_ue8m0_bytes, quantize_fp8
+    from planc.kernels.megamoe.reference import DequantizedExperts, combine, local_experts_forward
+
+    ref = DequantizedExperts.from_fp4(fp4.gate_up_proj, fp4.gate_up_proj_scale_inv, fp4.down_proj,
+                                      fp4.down_proj_scale_inv)
+    q, sf = quantize_fp8(x)
+    return combine(local_experts_forward(q, float_to_ue8m0_bytes(sf), idx, w, ref, first_expert=0,
+                                         activation_clamp=clamp))
+
+
 # Ops that make a device tensor from a Python number or fill one: on a GPU each is a kernel of its own, replayed with
 # every CUDA graph of the layer (the installed-layer GPU test forbids them in its graphs).
 FILL_OPS = ("scalar_tensor", "fill_", "full", "zeros", "zeros_like", "ones", "ones_like", "full_like", "new_zeros",

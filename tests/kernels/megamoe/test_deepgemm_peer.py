@@ -137,10 +137,8 @@ def emulate(xq, x_sf, idx, w, w13, s13, w2, s2, limit=LIMIT):
 @pytest.mark.parametrize("tokens", [1, 5, 40, 300])
 def test_peer_matches_the_emulation_of_its_math_and_planc_within_the_fp8_bound(deep_gemm, tokens):
     from bench.sglang_fused_moe import from_fp4
-    from planc.kernels.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_experts_fp4, quantize_fp8
-    from planc.kernels.megamoe.reference import DequantizedExperts, local_experts_forward
-    from planc.kernels.megamoe.reference import combine as reference_combine
-    from tests.kernels.megamoe.common import full_weights, routing
+    from planc.kernels.megamoe.quant import calc_diff, quantize_experts_fp4
+    from tests.kernels.megamoe.common import full_weights, planc_reference, routing
 
     w1, w2 = full_weights(0, num_experts=E, hidden=H, inter=I)
     fp4 = quantize_experts_fp4(w1.cuda(), w2.cuda())
@@ -158,9 +156,5 @@ def test_peer_matches_the_emulation_of_its_math_and_planc_within_the_fp8_bound(d
     print(f"tokens {tokens}: calc_diff against the emulation {got:.2e}")
     assert got < 2e-4
     assert calc_diff(y, emulate(xq, x_sf, idx, w.float(), w13, s13, w2q, s2, limit=2 * LIMIT).float()) > 2e-3
-    ref = DequantizedExperts.from_fp4(fp4.gate_up_proj, fp4.gate_up_proj_scale_inv, fp4.down_proj,
-                                      fp4.down_proj_scale_inv)
-    q, sf = quantize_fp8(x)  # planc's staging: the activations as its layer sees them
-    planc = reference_combine(local_experts_forward(q, float_to_ue8m0_bytes(sf), idx, w, ref, first_expert=0,
-                                                    activation_clamp=LIMIT))
+    planc = planc_reference(fp4, x, idx, w, LIMIT)
     assert calc_diff(y, planc.float().cpu()) < 1e-2  # DeepGEMM's bound for FP8 GEMMs against BF16

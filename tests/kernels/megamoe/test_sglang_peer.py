@@ -12,11 +12,9 @@ wheel (`bench/sglang_fused_moe.find_wheel`; CI downloads it).
 import pytest
 import torch
 
-from planc.kernels.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_experts_fp4, quantize_fp8
-from planc.kernels.megamoe.reference import DequantizedExperts, local_experts_forward
-from planc.kernels.megamoe.reference import combine as reference_combine
+from planc.kernels.megamoe.quant import calc_diff, quantize_experts_fp4
 from planc.kernels.megamoe.triton import target
-from tests.kernels.megamoe.common import full_weights, routing
+from tests.kernels.megamoe.common import full_weights, planc_reference, routing
 
 from bench import sglang_fused_moe as peer
 
@@ -92,11 +90,7 @@ def test_peer_matches_the_emulation_of_its_math_and_planc_within_the_fp8_bound(t
     # (a stride, the gate and up halves, a scale, the routing weight, the limit) moves it by orders of magnitude more.
     assert calc_diff(y, emulate(x, idx, w.float(), w13, s13, w2, s2).float()) < 2e-4
     assert calc_diff(y, emulate(x, idx, w.float(), w13, s13, w2, s2, limit=2 * LIMIT).float()) > 2e-3  # it can fail
-    ref = DequantizedExperts.from_fp4(fp4.gate_up_proj, fp4.gate_up_proj_scale_inv, fp4.down_proj,
-                                      fp4.down_proj_scale_inv)
-    q, sf = quantize_fp8(x)  # planc's staging: the activations as its layer sees them
-    planc = reference_combine(local_experts_forward(q, float_to_ue8m0_bytes(sf), idx, w, ref, first_expert=0,
-                                                    activation_clamp=LIMIT))
+    planc = planc_reference(fp4, x, idx, w, LIMIT)
     assert calc_diff(y, planc.float().cpu()) < 1e-2  # DeepGEMM's bound for FP8 GEMMs against BF16
 
 
