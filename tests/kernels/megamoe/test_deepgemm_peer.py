@@ -87,6 +87,17 @@ def test_an_archive_of_other_pins_is_refused(repos, tmp_path, monkeypatch):
         peer.prepare(archive, str(tmp_path / "cache"))
 
 
+def test_the_flags_the_bench_passes_are_the_peers():
+    """`bench/megamoe_gpu.py` runs the peer with `layer_flags` and its result files (`child_peer`)."""
+    from bench import megamoe_gpu
+
+    bench = megamoe_gpu.parse_args(["--tokens", "1,16,4096", "--experts", "48", "--clamp", "7", "--captures", "2"])
+    args = peer.parse_args(["--source", "dg.tar.xz", *megamoe_gpu.layer_flags(bench), "--json", "p.json",
+                            "--outputs", "o.safetensors"])
+    assert (args.tokens, args.experts, args.hidden, args.clamp, args.captures) == ([1, 16, 4096], 48, 7168, 7.0, 2)
+    assert (args.source, args.json, args.outputs) == ("dg.tar.xz", "p.json", "o.safetensors")
+
+
 def _sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
