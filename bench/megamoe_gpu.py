@@ -68,6 +68,19 @@ def add_layer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=int, default=6)
 
 
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """The layer (`add_layer_args`), its batches and their timing: this bench's flags and every peer's, the ones
+    `layer_flags` forwards to a peer's process."""
+    add_layer_args(p)
+    p.add_argument("--tokens", default="1,16,64,256,4096")
+    p.add_argument("--clamp", type=float, default=10.0, help="the SwiGLU limit (planc's activation clamp)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--captures", type=int, default=3, metavar="N",
+                   help="time each layer row over N fresh CUDA-graph captures and take the median (`graph_or_eager`)")
+    p.add_argument("--json", default=None, help="write the results here")
+
+
 def tiny_shapes(args) -> None:
     if args.tiny:
         args.hidden, args.intermediate, args.experts, args.topk = 256, 128, 8, 2
@@ -75,11 +88,7 @@ def tiny_shapes(args) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_layer_args(p)
-    p.add_argument("--tokens", default="1,16,64,256,4096")
-    p.add_argument("--clamp", type=float, default=10.0)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=20)
+    add_run_args(p)
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for the bound (H200: 4.8 TB/s)")
     p.add_argument("--bf16-tflops", type=float, default=989.0, help="dense BF16 rate for the bound (H200: 989)")
@@ -113,8 +122,6 @@ def parse_args(argv=None):
     p.add_argument("--read-patterns", action="store_true",
                    help="time load-only kernels with the decode grids' access pattern beside a plain read stream "
                         "(`decode_read_patterns`) and stop")
-    p.add_argument("--captures", type=int, default=3, metavar="N",
-                   help="time each layer row over N fresh CUDA-graph captures and take the median (`graph_or_eager`)")
     p.add_argument("--sglang-wheel", default=None, metavar="WHL",
                    help="SGLang's wheel for the peer (bench/sglang_fused_moe.py `find_wheel`: else $PLANC_SGLANG_WHEEL "
                         "or .whl/)")
@@ -127,7 +134,6 @@ def parse_args(argv=None):
     p.add_argument("--deepgemm-cache", default=None, metavar="DIR",
                    help="where that peer stages and builds it (its `_C.so` and JIT cache are kept there)")
     p.add_argument("--no-deepgemm", action="store_true", help="do not run the DeepGEMM peer")
-    p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     tiny_shapes(args)
     if args.tiny:
@@ -486,15 +492,10 @@ def child_peer(script: str, flags: list[str], prefix: str) -> dict:
 
 
 def add_peer_args(p: argparse.ArgumentParser) -> None:
-    """A peer script's flags: what `layer_flags` passes, and where `child_peer` reads its results (`write_peer`)."""
-    add_layer_args(p)
-    p.add_argument("--tokens", default="1,16,64,256,4096")
-    p.add_argument("--clamp", type=float, default=10.0, help="the SwiGLU limit (planc's activation clamp)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--captures", type=int, default=3, help="as bench/megamoe_gpu.py: the median over N graphs")
+    """A peer script's flags: the bench's own (`add_run_args`, which `layer_flags` passes) and where `child_peer`
+    reads its results back (`--json`, `--outputs`: `write_peer`)."""
+    add_run_args(p)
     p.add_argument("--outputs", default=None, help="write each batch's output here (safetensors, `tokens_<n>`)")
-    p.add_argument("--json", default=None)
 
 
 def write_peer(args, result: dict, outputs: dict) -> dict:
@@ -510,7 +511,7 @@ def write_peer(args, result: dict, outputs: dict) -> dict:
 
 
 def layer_flags(args) -> list[str]:
-    """The layer's shapes, batches and timing as a peer script's flags (`add_peer_args`)."""
+    """The layer's shapes, batches and timing as a peer script's flags (`add_run_args`)."""
     return ["--device", args.device, "--tokens", ",".join(map(str, args.tokens)), "--hidden", str(args.hidden),
             "--intermediate", str(args.intermediate), "--experts", str(args.experts), "--topk", str(args.topk),
             "--clamp", str(args.clamp), "--warmup", str(args.warmup), "--iters", str(args.iters), "--captures",
