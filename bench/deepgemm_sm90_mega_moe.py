@@ -66,12 +66,12 @@ def _git(repo: str, *args: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(["git", "-C", repo, *args], check=True, capture_output=True, **kw)
 
 
-def _clone(url: str, commit: str, ref: str | None, where: str) -> str:
-    """A bare clone of `url` holding `commit` (fetched by `ref` where the default branches do not reach it)."""
+def _clone(url: str, ref: str | None, where: str) -> str:
+    """A bare clone of `url`, with `ref` fetched where the default branches do not reach the pinned commit (which
+    `assemble` checks for every repository, cloned or given)."""
     subprocess.run(["git", "clone", "--bare", "--filter=blob:none", url, where], check=True)
     if ref:
         _git(where, "fetch", "origin", f"{ref}:{ref}")
-    _git(where, "cat-file", "-e", commit)
     return where
 
 
@@ -81,7 +81,7 @@ def assemble(out: str, git: dict[str, str | None]) -> str:
     with tempfile.TemporaryDirectory(prefix="deepgemm_src_") as tmp:
         repos = {}
         for name, (url, commit, ref) in SOURCE.items():
-            repos[name] = git.get(name) or _clone(url, commit, ref, os.path.join(tmp, name + ".git"))
+            repos[name] = git.get(name) or _clone(url, ref, os.path.join(tmp, name + ".git"))
             _git(repos[name], "cat-file", "-e", f"{commit}^{{commit}}")
         tree = SOURCE["deepgemm"][1]
         for name, (path, _) in SUBMODULES.items():
