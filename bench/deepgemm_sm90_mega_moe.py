@@ -1,33 +1,41 @@
-"""DeepGEMM's SM90 FP8 Mega MoE on planc's Mega MoE layer: a peer of bench/megamoe_gpu.py, in a process of its own.
+"""DeepGEMM's SM90 Mega MoE kernels on planc's Mega MoE layer: a peer of bench/megamoe_gpu.py, in a process of its own.
 
-Where it comes from: upstream deepseek-ai/DeepGEMM's Mega MoE is SM100-only; the Hopper kernel
-(`sm90_fp8_mega_moe.cuh`, FP8 x FP8, block-128 FP32 scales, dispatch, both GEMMs, SwiGLU and combine in one
-kernel) is SGLang's fork, sgl-project/DeepGEMM, pull request 36 ("Add SM90 MegaMoE support with TVM FFI bindings",
-"Apply SM90 MegaMoE kernel fixes"), at its head `SOURCE["deepgemm"]`, with the two submodules at the commits that
-tree pins (NVIDIA/cutlass, fmtlib/fmt) and its host module bound through apache-tvm-ffi (its pyproject's pin).
+Where they come from: upstream deepseek-ai/DeepGEMM's Mega MoE is SM100-only; the Hopper kernels are SGLang's fork's,
+sgl-project/DeepGEMM: `sm90_fp8_mega_moe.cuh` (FP8 x FP8, block-128 FP32 weight scales; pull requests 36 and 48) and
+`sm90_fp8_fp4_mega_moe.cuh` (FP8 x FP4: DeepSeek-V4's packed e2m1 experts with per-32 UE8M0 scales, decoded to e4m3
+in shared memory for the FP8 wgmma; pull request 53). Each does the dispatch, both GEMMs, the SwiGLU and the combine
+in one kernel. The tree that holds both and builds is qiushixiaoyu/DeepGEMM's main at `SOURCE["deepgemm"]` ("Merge
+sgl-project/DeepGEMM PR #53", then "Fix SM90 FP4 MegaMoE build against post-#364 signatures"), with the two
+submodules at the commits that tree pins (NVIDIA/cutlass, fmtlib/fmt) and its host module bound through
+apache-tvm-ffi (its pyproject's pin).
 
 - `assemble` writes one archive of that tree: `git archive` of each pinned commit (from a local clone, or cloned
   from GitHub), the submodule commits checked against the tree's gitlinks. A machine without GitHub (the device)
   gets the archive.
 - `prepare` unpacks it into a cache directory and stages the package as the fork's `build_sgl_deep_gemm.sh` does:
   CUTLASS's `cute` and `cutlass` headers under `deep_gemm/include` (what its JIT compiles against) and
-  `sgl_deep_gemm/__init__.py` (the tvm-ffi bindings, `fp8_mega_moe`) as `deep_gemm/__init__.py`.
+  `sgl_deep_gemm`'s Python files (the tvm-ffi bindings) into `deep_gemm/`.
 - `load` imports it: the first import builds `deep_gemm/_C.so` (the fork's `_build_module`: `tvm_ffi.cpp.build` over
   `csrc/tvm_ffi_api.cpp`, CUDA's and torch's headers); the kernel compiles at its first call per config (DeepGEMM's
   JIT, nvcc, cached under `<cache>/jit`).
 
-What runs (`SM90MegaMoE`): `deep_gemm.fp8_mega_moe` at one rank, as the fork's `tests/test_mega_moe_hopper.py`
-calls it: the inputs copied into the kernel's buffer (FP8 tokens, their scales, top-k ids and weights), then the
-one kernel. Its buffer is symmetric memory across ranks; at one rank it is a plain device buffer whose own address
-is the only peer pointer (`_C.get_symm_buffer_size_for_sm90_mega_moe` sizes and slices it, as `SM90SymmBuffer`
-does). `fast_math` is the binding's default (on).
+What runs (`SM90MegaMoE`, one per `--kinds` entry): the kernel at one rank, as the fork's tests call it
+(`tests/test_mega_moe_hopper.py`, `sgl_deep_gemm/tests/test_mega_moe_fp4_hopper.py`): the inputs copied into the
+kernel's buffer (FP8 tokens, their scales, top-k ids and weights), then the one kernel. Its buffer is symmetric memory
+across ranks; at one rank it is a plain device buffer whose own address is the only peer pointer
+(`_C.get_symm_buffer_size_for_sm90_mega_moe` sizes and slices it, as `SM90SymmBuffer` does). `fast_math` is the
+bindings' default (on).
 
-Weights: the FP4 experts planc serves (built as bench/megamoe_gpu.py builds them, same seed), dequantized and cast
-per 128 x 128 block to e4m3 with FP32 scales (amax / 448; `sglang_fused_moe.from_fp4`: the recipe the kernel asserts,
-(128, 128, 128)), gate and up rows interleaved by `transform_weights_for_mega_moe_sm90`. Activations: per (token, 128
-channels) e4m3 with FP32 scales (`deep_gemm.utils.per_token_cast_to_fp8`, as its test does), cast outside the timed
-call: `us` is the input copies and the kernel (the part a serving stack runs per layer once its tokens are FP8),
-`kernel_us` the kernel alone; planc's layer time includes its own FP8 cast, so the ratio leans toward the peer.
+Weights: the FP4 experts planc serves (built as bench/megamoe_gpu.py builds them, same seed).
+- `fp4`: those very bytes and scales (planc's module layout is DeepGEMM's `per_token_cast_to_fp4(use_ue8m0=True,
+  gran_k=32)`: low nibble the even K), gate and up rows interleaved and the scales packed by
+  `transform_weights_for_mega_moe_sm90_fp4`, recipe (1, 1, 32).
+- `fp8`: dequantized and cast per 128 x 128 block to e4m3 with FP32 scales (amax / 448; `sglang_fused_moe.from_fp4`:
+  the recipe the kernel asserts, (128, 128, 128)), gate and up rows interleaved by `transform_weights_for_mega_moe_sm90`.
+Activations: per (token, 128 channels) e4m3 with FP32 scales (`deep_gemm.utils.per_token_cast_to_fp8`, as its tests
+do), cast outside the timed call: `us` is the input copies and the kernel (the part a serving stack runs per layer
+once its tokens are FP8), `kernel_us` the kernel alone; planc's layer time includes its own FP8 cast, so the ratio
+leans toward the peer.
 
 GPU, DeepSeek-V4 layer:  python bench/deepgemm_sm90_mega_moe.py --source .dg/deepgemm-sm90.tar.xz --tokens 1,16,4096
 Assemble the source:     python bench/deepgemm_sm90_mega_moe.py --assemble .dg/deepgemm-sm90.tar.xz \
@@ -50,16 +58,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The source, pinned: (repository, commit) of the tree and of each submodule, and where a clone finds the commit.
 SOURCE = {
-    "deepgemm": ("https://github.com/sgl-project/DeepGEMM", "3f9268b5c15d4b939957051a1b5d22d2ef3dcf4e",
-                 "refs/pull/36/head"),
+    "deepgemm": ("https://github.com/qiushixiaoyu/DeepGEMM", "820861bd3edb77c88d2e7d8d8030249afc1c6b5b", None),
     "cutlass": ("https://github.com/NVIDIA/cutlass", "f3fde58372d33e9a5650ba7b80fc48b3b49d40c8", None),
     "fmt": ("https://github.com/fmtlib/fmt", "553ec11ec06fbe0beebfbb45f9dc3c9eabd83d28", None),
 }
 # Each submodule's path in the tree and the parts of it the build reads.
 SUBMODULES = {"cutlass": ("third-party/cutlass", ("include", "LICENSE.txt")),
               "fmt": ("third-party/fmt", ("include", "LICENSE"))}
-TVM_FFI = "apache-tvm-ffi==0.1.9"  # sgl_deep_gemm/pyproject.toml's pin
+TVM_FFI = "apache-tvm-ffi==0.1.11"  # sgl_deep_gemm/pyproject.toml's pin
 ARCHIVE_ROOT = "DeepGEMM"
+# What build_sgl_deep_gemm.sh copies from sgl_deep_gemm/ into the package, the bindings as deep_gemm/__init__.py.
+STAGED = ("__init__.py", "cuda_helpers.py", "VERSION")
 
 
 def _git(repo: str, *args: str, **kw) -> subprocess.CompletedProcess:
@@ -132,16 +141,17 @@ def prepare(source: str, cache: str) -> str:
         link = os.path.join(include, name)
         if not os.path.lexists(link):
             os.symlink(os.path.join("..", "..", "third-party", "cutlass", "include", name), link)  # relative: movable
-    init = os.path.join(root, "deep_gemm", "__init__.py")
-    with open(os.path.join(root, "sgl_deep_gemm", "__init__.py")) as f:
-        sgl_init = f.read()
-    with open(init) as f:
-        staged = f.read() == sgl_init
-    if not staged:
-        with open(init, "w") as f:
-            f.write(sgl_init)
-        shutil.copy(os.path.join(root, "sgl_deep_gemm", "VERSION"), os.path.join(root, "deep_gemm", "VERSION"))
+    for name in STAGED:  # build_sgl_deep_gemm.sh: sgl_deep_gemm's files over deep_gemm's
+        want, dst = _read(os.path.join(root, "sgl_deep_gemm", name)), os.path.join(root, "deep_gemm", name)
+        if not os.path.exists(dst) or _read(dst) != want:
+            with open(dst, "wb") as f:
+                f.write(want)
     return root
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def load(root: str, cache: str):
@@ -158,34 +168,68 @@ def load(root: str, cache: str):
     return deep_gemm
 
 
-def transform_weights(dg, w13, s13, w2, s2):
-    """`transform_weights_for_mega_moe_sm90` (gate and up rows interleaved by 8), one expert at a time into `w13`
-    itself: its copy of every expert at once is a second 16 GB at V4's size, which a GPU of 80 GB holding the FP4 and
-    FP8 experts does not have. The transform leaves the scales and L2 as they are; a version that changes them is
-    refused rather than half applied."""
+def fp8_weights(dg, experts):
+    """Block-FP8 weights (`sglang_fused_moe.from_fp4` of planc's FP4 experts) in the FP8 kernel's layout:
+    `transform_weights_for_mega_moe_sm90` (gate and up rows interleaved by 8), one expert at a time into the FP8
+    gate-up tensor itself (its copy of every expert at once is a second 16 GB at V4's size, which a GPU of 80 GB
+    holding the FP4 and FP8 experts does not have). It leaves the scales and L2 as they are; a version that changes
+    them is refused rather than half applied."""
+    from bench.sglang_fused_moe import from_fp4
+
+    w13, s13, w2, s2 = from_fp4(experts)
     for i in range(w13.shape[0]):
         l1, l2 = (w13[i : i + 1], s13[i : i + 1]), (w2[i : i + 1], s2[i : i + 1])
         (t13, t_s13), t2 = dg.transform_weights_for_mega_moe_sm90(l1, l2)
         if t_s13 is not l1[1] or t2 is not l2:
             raise RuntimeError("transform_weights_for_mega_moe_sm90 changes more than the gate/up row order here")
         w13[i : i + 1].copy_(t13)
-    return w13, s13, w2, s2
+    return (w13, s13), (w2, s2)
+
+
+def fp4_weights(dg, experts):
+    """planc's FP4 experts, the same bytes, in the FP8 x FP4 kernel's layout: `transform_weights_for_mega_moe_sm90_fp4`
+    (gate and up rows and their scales interleaved by 8, the scales as UE8M0 bytes packed 4 to an int32 along K) over
+    each expert's packed e2m1 and its per-32 scales as FP32 powers of two, one expert at a time into tensors of their
+    own (the module's parameters stay as they are)."""
+    import torch
+
+    out = None
+    for i in range(experts.gate_up_proj.shape[0]):
+        l1 = (experts.gate_up_proj[i : i + 1], experts.gate_up_proj_scale_inv[i : i + 1].float())
+        l2 = (experts.down_proj[i : i + 1], experts.down_proj_scale_inv[i : i + 1].float())
+        got = [t for pair in dg.transform_weights_for_mega_moe_sm90_fp4(l1, l2) for t in pair]
+        if out is None:
+            out = [torch.empty((experts.gate_up_proj.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+                   for t in got]
+        for dst, t in zip(out, got):
+            dst[i : i + 1].copy_(t)
+    return (out[0], out[1]), (out[2], out[3])
+
+
+# Each kernel this peer runs: its weights (from planc's FP4 experts), its binding in `deep_gemm._C`, its recipe.
+KINDS = {
+    "fp4": (fp4_weights, "fp8_fp4_mega_moe_sm90", (1, 1, 32)),
+    "fp8": (fp8_weights, "fp8_mega_moe", (128, 128, 128)),
+}
 
 
 class SM90MegaMoE:
-    """`deep_gemm.fp8_mega_moe` at one rank over block-FP8 weights (`w13` [E, 2I, H] e4m3, `w2` [E, H, I], FP32
-    scales per 128 x 128) for up to `max_tokens` tokens a call."""
+    """One of DeepGEMM's SM90 Mega MoE kernels (`kind`, a key of `KINDS`) at one rank over planc's FP4 experts
+    (`experts`: the module with FP4 parameters, `gate_up_proj` [E, 2I, H / 2] ...) for up to `max_tokens` tokens a
+    call."""
 
-    def __init__(self, dg, w13, s13, w2, s2, top_k: int, max_tokens: int, clamp: float | None):
+    def __init__(self, dg, kind: str, experts, top_k: int, max_tokens: int, clamp: float | None):
         import torch
 
-        self.dg, self.top_k, self.clamp = dg, top_k, clamp
-        self.experts, self.hidden, self.intermediate = w13.shape[0], w2.shape[1], w2.shape[2]
-        self.w13, self.s13, self.w2, self.s2 = transform_weights(dg, w13, s13, w2, s2)
+        make, self.binding, self.recipe = KINDS[kind]
+        self.dg, self.kind, self.top_k, self.clamp = dg, kind, top_k, clamp
+        self.experts, two_i, _ = experts.gate_up_proj.shape
+        self.hidden, self.intermediate = experts.down_proj.shape[1], two_i // 2
+        self.l1, self.l2 = make(dg, experts)
         self.max_tokens = dg.utils.math.align(max_tokens, dg._C.get_token_alignment_for_mega_moe())
         nbytes, slicer = dg._C.get_symm_buffer_size_for_sm90_mega_moe(
             1, self.experts, self.max_tokens, top_k, self.hidden, self.intermediate, True, "swiglu")
-        self.buffer = torch.zeros(nbytes, dtype=torch.int8, device=w13.device)
+        self.buffer = torch.zeros(nbytes, dtype=torch.int8, device=experts.gate_up_proj.device)
         x, x_sf, idx, w, *_ = slicer(self.buffer)
         self.x = dg._from_dlpack_if_needed(x, torch.float8_e4m3fn)
         self.x_sf = dg._from_dlpack_if_needed(x_sf)
@@ -193,14 +237,14 @@ class SM90MegaMoE:
         self.w = dg._from_dlpack_if_needed(w)
 
     def cast(self, x):
-        """BF16 tokens -> (e4m3, FP32 scales per 128 channels), as the fork's test casts them."""
+        """BF16 tokens -> (e4m3, FP32 scales per 128 channels), as the fork's tests cast them."""
         return self.dg.utils.per_token_cast_to_fp8(x, use_ue8m0=False, gran_k=128, use_packed_ue8m0=False)
 
     def kernel(self, y):
         """The kernel alone on the inputs in its buffer, into `y` [T, H] BF16."""
-        self.dg._C.fp8_mega_moe(y, self.w13, self.s13, self.w2, self.s2, None, self.buffer, [self.buffer.data_ptr()],
-                                0, self.max_tokens, self.experts, self.top_k, (128, 128, 128), "swiglu", self.clamp,
-                                True)
+        getattr(self.dg._C, self.binding)(y, *self.l1, *self.l2, None, self.buffer, [self.buffer.data_ptr()], 0,
+                                          self.max_tokens, self.experts, self.top_k, self.recipe, "swiglu",
+                                          self.clamp, True)
         return y
 
     def __call__(self, xq, x_sf, topk_ids, topk_weights, y):
@@ -222,10 +266,15 @@ def parse_args(argv=None):
     p.add_argument("--cache", default=None, help="where it is staged and built (default: ~/.cache/planc/deepgemm_sm90/"
                    "<commit>; `_C.so` and the JIT cache are kept there)")
     p.add_argument("--assemble", default=None, metavar="OUT", help="write the source archive to OUT and exit")
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"the kernels to run, of {', '.join(KINDS)}")
     for name in SOURCE:
         p.add_argument(f"--git-{name}", default=None, metavar="DIR", help=f"a local clone holding {name}'s commit")
     args = p.parse_args(argv)
     args.tokens = [int(t) for t in args.tokens.split(",")]
+    args.kinds = args.kinds.split(",")
+    unknown = set(args.kinds) - set(KINDS)
+    if unknown:
+        p.error(f"--kinds: {', '.join(sorted(unknown))} is none of {', '.join(KINDS)}")
     return args
 
 
@@ -233,26 +282,14 @@ def default_cache() -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "planc", "deepgemm_sm90", SOURCE["deepgemm"][1][:12])
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if args.assemble:
-        print(assemble(args.assemble, {k: getattr(args, f"git_{k}") for k in SOURCE}))
-        return None
+def time_kernel(args, moe: SM90MegaMoE, measure, outputs: dict) -> dict:
+    """Each batch of `args.tokens` through `moe` (graph replay, `args.captures` graphs): its row per batch size, and
+    its output into `outputs` (`tokens_<n>_<kind>`)."""
     import torch
 
-    from bench.megamoe_gpu import graph_or_eager, random_batch, timer, write_peer
-    from bench.sglang_fused_moe import block_fp8_experts
+    from bench.megamoe_gpu import graph_or_eager, random_batch
 
-    if not args.source:
-        raise SystemExit("no DeepGEMM source: --source or $PLANC_DEEPGEMM_SM90 (write it with --assemble)")
-    cache = args.cache or default_cache()
-    os.makedirs(cache, exist_ok=True)
-    dg = load(prepare(args.source, cache), cache)
-    device = torch.device("cuda")
-    name = torch.cuda.get_device_name(device)
-    moe = SM90MegaMoE(dg, *block_fp8_experts(args, device), args.topk, max(args.tokens), args.clamp)
-    measure = timer("cuda", args.warmup, args.iters)
-    rows, outputs = [], {}
+    device, rows = torch.device("cuda"), {}
     for n in args.tokens:
         x, w, idx = random_batch(args, n, device, seed=n)
         xq, x_sf = moe.cast(x)
@@ -263,25 +300,57 @@ def main(argv=None):
             torch.cuda.synchronize()
             first_s = time.perf_counter() - t0
             spread, kspread = [], []
-            us, out = graph_or_eager(device, measure, lambda: moe(xq, x_sf, idx, w, y), True, args.captures, spread)
+            us, _ = graph_or_eager(device, measure, lambda: moe(xq, x_sf, idx, w, y), True, args.captures, spread)
             kernel_us, _ = graph_or_eager(device, measure, lambda: moe.kernel(y), True, args.captures, kspread)
             moe(xq, x_sf, idx, w, y)
             torch.cuda.synchronize()
-        outputs[f"tokens_{n}"] = y.cpu().contiguous()
-        rows.append(dict(tokens=n, us=us, captures=spread, kernel_us=kernel_us, kernel_captures=kspread,
-                         first_call_s=first_s))
-        print(f"tokens {n}: {us:.1f} us with the input copies, kernel {kernel_us:.1f} us (first call {first_s:.1f} s)",
-              file=sys.stderr)
-    result = dict(peer=f"DeepGEMM SM90 FP8 Mega MoE (sgl-project/DeepGEMM {SOURCE['deepgemm'][1][:12]})",
-                  source={k: dict(url=v[0], commit=v[1]) for k, v in SOURCE.items()}, tvm_ffi=TVM_FFI, device=name,
-                  torch=torch.__version__, shapes=dict(hidden=args.hidden, intermediate=args.intermediate,
-                                                       experts=args.experts, topk=args.topk), rows=rows)
-    print(f"\nDeepGEMM SM90 FP8 Mega MoE, one rank ({name}; H={args.hidden}, I={args.intermediate}, "
-          f"E={args.experts}, top-{args.topk}; graph replay, µs)\n")
-    print("| tokens | input copies + kernel | kernel alone | first call (s, JIT) |")
-    print("|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['tokens']} | {r['us']:.1f} | {r['kernel_us']:.1f} | {r['first_call_s']:.1f} |")
+        outputs[f"tokens_{n}_{moe.kind}"] = y.cpu().contiguous()
+        rows[n] = dict(us=us, captures=spread, kernel_us=kernel_us, kernel_captures=kspread, first_call_s=first_s)
+        print(f"{moe.kind}, tokens {n}: {us:.1f} us with the input copies, kernel {kernel_us:.1f} us (first call "
+              f"{first_s:.1f} s)", file=sys.stderr)
+    return rows
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.assemble:
+        print(assemble(args.assemble, {k: getattr(args, f"git_{k}") for k in SOURCE}))
+        return None
+    import torch
+
+    from bench.megamoe_gpu import timer, write_peer
+    from bench.sglang_fused_moe import served_experts
+
+    if not args.source:
+        raise SystemExit("no DeepGEMM source: --source or $PLANC_DEEPGEMM_SM90 (write it with --assemble)")
+    cache = args.cache or default_cache()
+    os.makedirs(cache, exist_ok=True)
+    dg = load(prepare(args.source, cache), cache)
+    device = torch.device("cuda")
+    name = torch.cuda.get_device_name(device)
+    experts = served_experts(args, device)
+    measure = timer("cuda", args.warmup, args.iters)
+    rows = {n: dict(tokens=n) for n in args.tokens}
+    outputs = {}
+    for kind in args.kinds:
+        for n, row in time_kernel(args, SM90MegaMoE(dg, kind, experts, args.topk, max(args.tokens), args.clamp),
+                                  measure, outputs).items():
+            rows[n][kind] = row
+        torch.cuda.empty_cache()
+    result = dict(peer=f"DeepGEMM SM90 Mega MoE ({', '.join(args.kinds)}; {SOURCE['deepgemm'][0].split('/')[-2]}/"
+                       f"DeepGEMM {SOURCE['deepgemm'][1][:12]})",
+                  kinds=args.kinds, source={k: dict(url=v[0], commit=v[1]) for k, v in SOURCE.items()},
+                  tvm_ffi=TVM_FFI, device=name, torch=torch.__version__,
+                  shapes=dict(hidden=args.hidden, intermediate=args.intermediate, experts=args.experts, topk=args.topk),
+                  rows=list(rows.values()))
+    print(f"\nDeepGEMM SM90 Mega MoE, one rank ({name}; H={args.hidden}, I={args.intermediate}, E={args.experts}, "
+          f"top-{args.topk}; graph replay, µs)\n")
+    print("| kernel | tokens | input copies + kernel | kernel alone | first call (s, JIT) |")
+    print("|---|---:|---:|---:|---:|")
+    for kind in args.kinds:
+        for r in rows.values():
+            k = r[kind]
+            print(f"| {kind} | {r['tokens']} | {k['us']:.1f} | {k['kernel_us']:.1f} | {k['first_call_s']:.1f} |")
     return write_peer(args, result, outputs)
 
 

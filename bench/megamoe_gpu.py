@@ -19,10 +19,11 @@ Hopper's cuBLAS has (1x128 x 128x128; the kernel's 1x32 MX scales are SM100-only
 Peers: SGLang's FP8 `fused_moe` runs first, in a child process (`sglang_peer`: bench/sglang_fused_moe.py, SGLang
 0.5.23's Triton kernels from its PyPI wheel, on the same FP4 experts cast to its block-FP8 layout, the same batches):
 `sglang_us` (its own tile config), `sglang_best_us` (with `--sglang-configs` too), `calc_diff_vs_sglang`. Then, on
-sm_90 with its source archive (`--deepgemm-sm90` or $PLANC_DEEPGEMM_SM90), DeepGEMM's SM90 FP8 Mega MoE in a child
-process (`deepgemm_peer`: bench/deepgemm_sm90_mega_moe.py, SGLang's fork of DeepGEMM built there, the same experts as
-block FP8): `deepgemm_us` (its input copies and kernel), `deepgemm_kernel_us`, `calc_diff_vs_deepgemm`. Without a
-wheel or an archive the bench says so and goes on.
+sm_90 with its source archive (`--deepgemm-sm90` or $PLANC_DEEPGEMM_SM90), DeepGEMM's SM90 Mega MoE kernels in a child
+process (`deepgemm_peer`: bench/deepgemm_sm90_mega_moe.py, SGLang's fork of DeepGEMM built there): FP8 x FP4 on the same
+FP4 bytes and FP8 x FP8 on them cast to block FP8, per kernel `deepgemm_<kind>_us` (its input copies and kernel),
+`deepgemm_<kind>_kernel_us`, `calc_diff_vs_deepgemm_<kind>`. Without a wheel or an archive the bench says so and goes
+on.
 `--sweep` times each candidate tile config of the Triton kernels per batch size instead (graph replay of the
 experts computation alone) and prints the best: the table in `planc.kernels.megamoe.triton.config` comes from it.
 
@@ -538,8 +539,9 @@ def sglang_peer(args) -> dict:
 
 
 def deepgemm_peer(args) -> dict:
-    """DeepGEMM's SM90 FP8 Mega MoE on this layer and these batches (bench/deepgemm_sm90_mega_moe.py, `child_peer`):
-    on sm_90 with the fork's source archive (`--deepgemm-sm90` or $PLANC_DEEPGEMM_SM90), else why not."""
+    """DeepGEMM's SM90 Mega MoE kernels (FP8 x FP4, FP8 x FP8) on this layer and these batches
+    (bench/deepgemm_sm90_mega_moe.py, `child_peer`): on sm_90 with the fork's source archive (`--deepgemm-sm90` or
+    $PLANC_DEEPGEMM_SM90), else why not."""
     if args.no_deepgemm:
         return dict(available=False, why="--no-deepgemm")
     if not args.deepgemm_sm90:
@@ -552,7 +554,8 @@ def deepgemm_peer(args) -> dict:
         flags += ["--cache", args.deepgemm_cache]
     peer = child_peer("deepgemm_sm90_mega_moe.py", flags, "deepgemm_peer_")
     if peer["available"]:
-        peer["source"] = peer.pop("result")["source"]
+        result = peer.pop("result")
+        peer["source"], peer["kinds"] = result["source"], result["kinds"]
     return peer
 
 
@@ -873,9 +876,11 @@ def main(argv=None):
             row["sglang_align_us"] = p.get("align_us")
             row["calc_diff_vs_sglang"] = calc_diff(y_tri.float().cpu(), peer["outputs"][f"tokens_{n}"].float())
         if dg_peer["available"]:
-            p = dg_peer["rows"][n]
-            row["deepgemm_us"], row["deepgemm_kernel_us"] = p["us"], p["kernel_us"]
-            row["calc_diff_vs_deepgemm"] = calc_diff(y_tri.float().cpu(), dg_peer["outputs"][f"tokens_{n}"].float())
+            for kind in dg_peer["kinds"]:
+                p = dg_peer["rows"][n][kind]
+                row[f"deepgemm_{kind}_us"], row[f"deepgemm_{kind}_kernel_us"] = p["us"], p["kernel_us"]
+                row[f"calc_diff_vs_deepgemm_{kind}"] = calc_diff(y_tri.float().cpu(),
+                                                                 dg_peer["outputs"][f"tokens_{n}_{kind}"].float())
         if args.ceiling and device.type == "cuda":
             row["ceiling"] = dense_ceiling(args, n, device, measure, use_graph)
         row["bound_us"], row["bound"] = bound_us(args, n, bytes_per_expert)
@@ -991,15 +996,19 @@ def main(argv=None):
         print(f"SGLang fused_moe: not measured: {peer['why']}")
     if dg_peer["available"]:
         src = dg_peer["source"]
-        print(f"\nAgainst DeepGEMM's SM90 FP8 Mega MoE (its process, run just before on this card: sgl-project/DeepGEMM "
-              f"{src['deepgemm']['commit'][:12]}, CUTLASS {src['cutlass']['commit'][:12]}; one rank; planc: the layer "
-              f"with its FP8 cast, DeepGEMM: its input copies and kernel, its FP8 cast not counted; µs)\n")
-        print("| tokens | planc | DeepGEMM | DeepGEMM / planc | DeepGEMM kernel alone | calc_diff planc vs DeepGEMM |")
-        print("|---:|---:|---:|---:|---:|---:|")
-        for r in rows:
-            d = r.get("deepgemm_us")
-            print(f"| {r['tokens']} | {f(r['triton_us'])} | {f(d)} | {f(d / r['triton_us'] if d else None, '.2f')}x | "
-                  f"{f(r.get('deepgemm_kernel_us'))} | {r['calc_diff_vs_deepgemm']:.1e} |")
+        repo = src["deepgemm"]["url"].rstrip("/").split("/")[-2]
+        print(f"\nAgainst DeepGEMM's SM90 Mega MoE kernels (their process, run just before on this card: {repo}/DeepGEMM "
+              f"{src['deepgemm']['commit'][:12]}, CUTLASS {src['cutlass']['commit'][:12]}; one rank; fp4: FP8 x FP4 on "
+              f"planc's FP4 bytes, fp8: FP8 x FP8 on them as block FP8; planc: the layer with its FP8 cast, DeepGEMM: "
+              f"its input copies and kernel, its FP8 cast not counted; µs)\n")
+        print("| kernel | tokens | planc | DeepGEMM | DeepGEMM / planc | DeepGEMM kernel alone | calc_diff planc vs DeepGEMM |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for kind in dg_peer["kinds"]:
+            for r in rows:
+                d = r.get(f"deepgemm_{kind}_us")
+                print(f"| {kind} | {r['tokens']} | {f(r['triton_us'])} | {f(d)} | "
+                      f"{f(d / r['triton_us'] if d else None, '.2f')}x | {f(r.get(f'deepgemm_{kind}_kernel_us'))} | "
+                      f"{r[f'calc_diff_vs_deepgemm_{kind}']:.1e} |")
     else:
         print(f"DeepGEMM SM90 Mega MoE: not measured: {dg_peer['why']}")
     ceilings = [r for r in rows if "ceiling" in r]

@@ -196,9 +196,9 @@ def from_fp4(experts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.T
     return tuple(out)
 
 
-def block_fp8_experts(args, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The FP4 experts bench/megamoe_gpu.py serves (`build_experts`, same seed; their BF16 originals freed) as
-    block-FP8 weights (`from_fp4`): what both FP8 peers run on."""
+def served_experts(args, device):
+    """The experts module bench/megamoe_gpu.py serves (`build_experts`, same seed) with its FP4 parameters only (the
+    BF16 originals freed): what every peer's weights are made from."""
     from bench.megamoe_gpu import build_experts
     from planc.runtime.megamoe import install_megamoe_forward
 
@@ -206,6 +206,14 @@ def block_fp8_experts(args, device) -> tuple[torch.Tensor, torch.Tensor, torch.T
     undo = install_megamoe_forward(experts, backend="reference", quantize="fp4", activation_clamp=args.clamp,
                                    num_global_experts=args.experts, ep_rank=0, ep_size=1)
     del undo  # frees the BF16 originals: the FP4 parameters stay
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return experts
+
+
+def block_fp8_experts(args, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`served_experts` as block-FP8 weights (`from_fp4`), the FP4 module freed."""
+    experts = served_experts(args, device)
     weights = from_fp4(experts)
     del experts
     if device.type == "cuda":

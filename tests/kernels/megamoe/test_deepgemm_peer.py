@@ -3,10 +3,11 @@
 The bench's ratios against DeepGEMM are only worth what the peer's source and call are. On CPU: `assemble` takes each
 pinned commit and refuses a tree whose submodule gitlinks name other commits, and `prepare` stages the tree as the
 fork's build script does and refuses an archive of other pins (local git repositories stand in for GitHub, with
-`SOURCE` pointed at them). On an H100 or H200 (`gpu`, with the archive in $PLANC_DEEPGEMM_SM90): the kernel at small
-shapes against a float64 emulation of its math (the fork's own reference, `_reference_fused` in
-tests/test_mega_moe_hopper.py, with the kernel's power-of-two scales for the down GEMM's input), and against planc's
-reference on the same FP4 experts within DeepGEMM's FP8 bound.
+`SOURCE` pointed at them). On an H100 or H200 (`gpu`, with the archive in $PLANC_DEEPGEMM_SM90): each kernel (FP8 x
+FP4, FP8 x FP8) at small shapes against a float64 emulation of its math (the fork's own references, `_reference_fused`
+in tests/test_mega_moe_hopper.py and sgl_deep_gemm/tests/test_mega_moe_fp4_hopper.py, with the kernels' power-of-two
+scales for the down GEMM's input and, for FP4, the weights as the e4m3 values its decode table holds), and against
+planc's reference on the same FP4 experts within DeepGEMM's FP8 bound.
 """
 
 import json
@@ -45,6 +46,7 @@ def repos(tmp_path, monkeypatch):
     tree = _commit(tmp_path / "deepgemm", {"deep_gemm/__init__.py": "# upstream's torch binding",
                                            "deep_gemm/include/deep_gemm/k.cuh": "// kernel",
                                            "sgl_deep_gemm/__init__.py": "# the tvm-ffi binding",
+                                           "sgl_deep_gemm/cuda_helpers.py": "# its helpers",
                                            "sgl_deep_gemm/VERSION": "0.0.0\n", "csrc/tvm_ffi_api.cpp": "//"},
                    {"third-party/cutlass": cutlass, "third-party/fmt": fmt})
     source = {"deepgemm": ("u", tree, None), "cutlass": ("u", cutlass, None), "fmt": ("u", fmt, None)}
@@ -65,6 +67,7 @@ def test_assemble_then_prepare_stages_the_tree_as_the_forks_build_script(repos, 
         assert open(os.path.join(include, name)).read() == text
         assert not os.path.isabs(os.readlink(os.path.join(include, name.split("/")[0])))  # the cache can move
     assert open(os.path.join(root, "deep_gemm", "__init__.py")).read() == "# the tvm-ffi binding"
+    assert open(os.path.join(root, "deep_gemm", "cuda_helpers.py")).read() == "# its helpers"
     assert open(os.path.join(root, "deep_gemm", "VERSION")).read() == "0.0.0\n"
     (tmp_path / "cache" / "DeepGEMM" / "deep_gemm" / "_C.so").write_bytes(b"built")  # a build survives again
     assert peer.prepare(archive, str(tmp_path / "cache")) == root
@@ -116,20 +119,35 @@ def deep_gemm(tmp_path_factory):
     return peer.load(peer.prepare(ARCHIVE, cache), cache)
 
 
-def emulate(xq, x_sf, idx, w, w13, s13, w2, s2, limit=LIMIT):
-    """The kernel's math in float64: FP8 tokens and block-FP8 weights dequantized, the gate-up GEMM, gate clamped
-    above and up on both sides at `limit`, silu(gate) * up times the routing weight, cast to e4m3 per 64 channels
-    with a power-of-two scale, 2^ceil(log2(amax / 448)) (`sm90_fp8_mega_moe_get_e4m3_sf_and_sf_inv`; the fork's own
-    reference takes amax / 448, which the kernel's output misses by ~6e-4 in calc_diff), the down GEMM rounded to
-    BF16 per slot, the slots summed in FP32 and rounded to BF16 (`_reference_fused` in its test)."""
+def fp8_dense(w13, s13, w2, s2):
+    """Block-FP8 weights (128 x 128 FP32 scales) as float64."""
 
     def deq(q, s):
         n, k = q.shape[-2:]
         return (q.double().view(-1, n // 128, 128, k // 128, 128) * s.double()[:, :, None, :, None]).view(q.shape)
 
-    xq, x_sf, idx, w, w13, s13, w2, s2 = (t.cpu() for t in (xq, x_sf, idx, w, w13, s13, w2, s2))
+    return deq(w13.cpu(), s13.cpu()), deq(w2.cpu(), s2.cpu())
+
+
+def fp4_dense(fp4):
+    """planc's FP4 experts as the FP8 x FP4 kernel multiplies them: each e2m1 value times its scale as an e4m3 byte
+    of its decode table (`kScaledE4M3LutFromE8M0`: the value rounded to e4m3, RNE, which these weights' scales keep
+    in range), no scale left over."""
+    from planc.kernels.megamoe.quant import dequantize_fp4_batched
+
+    return tuple(dequantize_fp4_batched(p.cpu(), s.cpu()).to(torch.float8_e4m3fn).double()
+                 for p, s in ((fp4.gate_up_proj, fp4.gate_up_proj_scale_inv), (fp4.down_proj, fp4.down_proj_scale_inv)))
+
+
+def emulate(xq, x_sf, idx, w, w13d, w2d, limit=LIMIT):
+    """A kernel's math in float64 over its weights as float64 (`fp8_dense`, `fp4_dense`): FP8 tokens dequantized, the
+    gate-up GEMM, gate clamped above and up on both sides at `limit`, silu(gate) * up times the routing weight, cast
+    to e4m3 per 64 channels with a power-of-two scale, 2^ceil(log2(amax / 448)) (`sm90_fp8_mega_moe_get_e4m3_sf_and_sf_inv`
+    and its FP4 twin; the fork's own references take amax / 448, which the FP8 kernel's output misses by ~6e-4 in
+    calc_diff), the down GEMM rounded to BF16 per slot, the slots summed in FP32 and rounded to BF16
+    (`_reference_fused` in its tests)."""
+    xq, x_sf, idx, w = (t.cpu() for t in (xq, x_sf, idx, w))
     x = (xq.double().view(xq.shape[0], -1, 128) * x_sf.double()[..., None]).view(xq.shape)
-    w13d, w2d = deq(w13, s13), deq(w2, s2)
     out = torch.zeros(x.shape[0], H, dtype=torch.float32)
     for t in range(x.shape[0]):
         for j in range(idx.shape[1]):
@@ -145,27 +163,27 @@ def emulate(xq, x_sf, idx, w, w13, s13, w2, s2, limit=LIMIT):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", list(peer.KINDS))
 @pytest.mark.parametrize("tokens", [1, 5, 40, 300])
-def test_peer_matches_the_emulation_of_its_math_and_planc_within_the_fp8_bound(deep_gemm, tokens):
+def test_peer_matches_the_emulation_of_its_math_and_planc_within_the_fp8_bound(deep_gemm, kind, tokens):
     from bench.sglang_fused_moe import from_fp4
     from planc.kernels.megamoe.quant import calc_diff, quantize_experts_fp4
     from tests.kernels.megamoe.common import full_weights, planc_reference, routing
 
     w1, w2 = full_weights(0, num_experts=E, hidden=H, inter=I)
     fp4 = quantize_experts_fp4(w1.cuda(), w2.cuda())
-    w13, s13, w2q, s2 = from_fp4(fp4)
-    moe = peer.SM90MegaMoE(deep_gemm, w13.clone(), s13, w2q, s2, TOPK, 512, LIMIT)
+    moe = peer.SM90MegaMoE(deep_gemm, kind, fp4, TOPK, 512, LIMIT)
     x, idx, w = (t.cuda() for t in routing(tokens, seed=tokens, num_experts=E, topk=TOPK, hidden=H))
     xq, x_sf = moe.cast(x)
     y = moe(xq, x_sf, idx, w.float(), torch.empty(tokens, H, dtype=torch.bfloat16, device="cuda")).float().cpu()
     assert torch.isfinite(y).all()
-    want = emulate(xq, x_sf, idx, w.float(), w13, s13, w2q, s2).float()
-    got = calc_diff(y, want)
+    dense = fp8_dense(*from_fp4(fp4)) if kind == "fp8" else fp4_dense(fp4)
+    got = calc_diff(y, emulate(xq, x_sf, idx, w.float(), *dense).float())
     # Not bit for bit: the emulation sums in float64, the kernel in its MMAs' FP32 order with fast math, which moves
     # some BF16 and e4m3 roundings; a launch mistake (a scale, the gate and up order, the routing weight, the limit)
     # moves it by orders of magnitude more, as the wrong limit shows.
-    print(f"tokens {tokens}: calc_diff against the emulation {got:.2e}")
+    print(f"{kind}, tokens {tokens}: calc_diff against the emulation {got:.2e}")
     assert got < 2e-4
-    assert calc_diff(y, emulate(xq, x_sf, idx, w.float(), w13, s13, w2q, s2, limit=2 * LIMIT).float()) > 2e-3
+    assert calc_diff(y, emulate(xq, x_sf, idx, w.float(), *dense, limit=2 * LIMIT).float()) > 2e-3
     planc = planc_reference(fp4, x, idx, w, LIMIT)
     assert calc_diff(y, planc.float().cpu()) < 1e-2  # DeepGEMM's bound for FP8 GEMMs against BF16
