@@ -461,6 +461,11 @@ DECODE_VARIANTS = {
 SPLIT_K_VARIANT = "prologue"
 
 
+# DeepGEMM's bound for its FP8 GEMMs against BF16 (calc_diff): a peer whose output is further from planc's than this
+# computed another layer, and its time is no ratio.
+PEER_BOUND = 1e-2
+
+
 def child_peer(script: str, flags: list[str], prefix: str) -> dict:
     """Run a peer's script (bench/<script>) in a child process on this layer and these batches, with `--json` and
     `--outputs` into a temporary directory (removed after): its result and each batch's output (`tokens_<n>`), or
@@ -1005,10 +1010,12 @@ def main(argv=None):
         print("|---|---:|---:|---:|---:|---:|---:|")
         for kind in dg_peer["kinds"]:
             for r in rows:
-                d = r.get(f"deepgemm_{kind}_us")
-                print(f"| {kind} | {r['tokens']} | {f(r['triton_us'])} | {f(d)} | "
-                      f"{f(d / r['triton_us'] if d else None, '.2f')}x | {f(r.get(f'deepgemm_{kind}_kernel_us'))} | "
-                      f"{r[f'calc_diff_vs_deepgemm_{kind}']:.1e} |")
+                d, diff = r.get(f"deepgemm_{kind}_us"), r[f"calc_diff_vs_deepgemm_{kind}"]
+                ratio = f"{f(d / r['triton_us'] if d else None, '.2f')}x" if diff < PEER_BOUND else "not the layer"
+                print(f"| {kind} | {r['tokens']} | {f(r['triton_us'])} | {f(d)} | {ratio} | "
+                      f"{f(r.get(f'deepgemm_{kind}_kernel_us'))} | {diff:.1e} |")
+        print(f"(A ratio only where the peer's output is within {PEER_BOUND:g} of planc's in calc_diff, DeepGEMM's "
+              f"bound for FP8 GEMMs against BF16; elsewhere it computed something else.)")
     else:
         print(f"DeepGEMM SM90 Mega MoE: not measured: {dg_peer['why']}")
     ceilings = [r for r in rows if "ceiling" in r]

@@ -165,7 +165,9 @@ def emulate(xq, x_sf, idx, w, w13d, w2d, limit=LIMIT):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", list(peer.KINDS))
 @pytest.mark.parametrize("tokens", [1, 5, 40, 300])
-def test_peer_matches_the_emulation_of_its_math_and_planc_within_the_fp8_bound(deep_gemm, kind, tokens):
+def test_peer_matches_the_emulation_of_its_math_and_planc_within_the_fp8_bound(deep_gemm, kind, tokens, request):
+    if kind == "fp8" and tokens <= peer.FP8_SWAP_AB_TOKENS:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=peer.FP8_SWAP_AB_WRONG))
     from bench.sglang_fused_moe import from_fp4
     from planc.kernels.megamoe.quant import calc_diff, quantize_experts_fp4
     from tests.kernels.megamoe.common import full_weights, planc_reference, routing
