@@ -210,8 +210,9 @@ def fp4_weights(dg, experts):
 # tokens a rank at small blocks) computes something else at one rank in this tree: calc_diff 0.6-0.7 against planc on
 # an H100 where its other batches and the FP8 x FP4 kernel's are ~2e-3 to 5e-3 apart. Its rows there are no peer's.
 FP8_SWAP_AB_TOKENS = 128
-FP8_SWAP_AB_WRONG = ("DeepGEMM's FP8 Mega MoE (qiushixiaoyu/DeepGEMM 820861b) takes its swap-AB path (sgl-project/DeepGEMM "
-                     "pull request 48) up to 128 tokens a rank, and there its output is not the layer's at one rank")
+FP8_SWAP_AB_WRONG = (f"DeepGEMM's FP8 Mega MoE (qiushixiaoyu/DeepGEMM 820861b) takes its swap-AB path (sgl-project/"
+                     f"DeepGEMM pull request 48) up to {FP8_SWAP_AB_TOKENS} tokens a rank, and there its output is not "
+                     f"the layer's at one rank")
 
 # Each kernel this peer runs: its weights (from planc's FP4 experts), its binding in `deep_gemm._C`, its recipe.
 KINDS = {

@@ -462,13 +462,20 @@ SPLIT_K_VARIANT = "prologue"
 
 
 # DeepGEMM's bound for its FP8 GEMMs against BF16 (calc_diff): a peer whose output is further from planc's than this
-# computed another layer, and its time is no ratio.
+# computed another layer, and its time is no ratio (`peer_ratio`; the peers' tests hold them to it too).
 PEER_BOUND = 1e-2
+
+
+def peer_ratio(peer_us: float | None, planc_us: float, diff: float) -> str:
+    """A peer's time over planc's, as the bench's tables print it: only where the peer computed the layer."""
+    if peer_us is None:
+        return "-"
+    return f"{peer_us / planc_us:.2f}x" if diff < PEER_BOUND else "not the layer"
 
 
 def child_peer(script: str, flags: list[str], prefix: str) -> dict:
     """Run a peer's script (bench/<script>) in a child process on this layer and these batches, with `--json` and
-    `--outputs` into a temporary directory (removed after): its result and each batch's output (`tokens_<n>`), or
+    `--outputs` into a temporary directory (removed after): its result and each batch's output (`tokens_<n>`, with a suffix of its own where it runs several kernels), or
     why not. The child runs and exits before this process builds its layer: it holds the GPU's memory while it runs
     (V4's experts in BF16, then FP4 and its block-FP8 copy)."""
     import shutil
@@ -990,10 +997,9 @@ def main(argv=None):
               "calc_diff planc vs SGLang |")
         print("|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
-            s, b = r.get("sglang_us"), r.get("sglang_best_us")
-            print(f"| {r['tokens']} | {f(r['triton_us'])} | {f(s)} | {f(s / r['triton_us'] if s else None, '.2f')}x | "
-                  f"{f(b)} | {f(b / r['triton_us'] if b else None, '.2f')}x | {f(r.get('sglang_align_us'))} | "
-                  f"{r['calc_diff_vs_sglang']:.1e} |")
+            s, b, diff = r.get("sglang_us"), r.get("sglang_best_us"), r["calc_diff_vs_sglang"]
+            print(f"| {r['tokens']} | {f(r['triton_us'])} | {f(s)} | {peer_ratio(s, r['triton_us'], diff)} | {f(b)} | "
+                  f"{peer_ratio(b, r['triton_us'], diff)} | {f(r.get('sglang_align_us'))} | {diff:.1e} |")
         if device.type == "cpu":
             print("(On CPU Triton's interpreter multiplies SGLang's BF16 values as raw bits, so its output is not "
                   "SGLang's: tests/kernels/megamoe/test_sglang_peer.py)")
@@ -1011,13 +1017,13 @@ def main(argv=None):
         for kind in dg_peer["kinds"]:
             for r in rows:
                 d, diff = r.get(f"deepgemm_{kind}_us"), r[f"calc_diff_vs_deepgemm_{kind}"]
-                ratio = f"{f(d / r['triton_us'] if d else None, '.2f')}x" if diff < PEER_BOUND else "not the layer"
-                print(f"| {kind} | {r['tokens']} | {f(r['triton_us'])} | {f(d)} | {ratio} | "
-                      f"{f(r.get(f'deepgemm_{kind}_kernel_us'))} | {diff:.1e} |")
-        print(f"(A ratio only where the peer's output is within {PEER_BOUND:g} of planc's in calc_diff, DeepGEMM's "
-              f"bound for FP8 GEMMs against BF16; elsewhere it computed something else.)")
+                print(f"| {kind} | {r['tokens']} | {f(r['triton_us'])} | {f(d)} | {peer_ratio(d, r['triton_us'], diff)} "
+                      f"| {f(r.get(f'deepgemm_{kind}_kernel_us'))} | {diff:.1e} |")
     else:
         print(f"DeepGEMM SM90 Mega MoE: not measured: {dg_peer['why']}")
+    if peer["available"] or dg_peer["available"]:
+        print(f"(A peer's ratio only where its output is within {PEER_BOUND:g} of planc's in calc_diff, DeepGEMM's "
+              f"bound for FP8 GEMMs against BF16: elsewhere it computed another layer.)")
     ceilings = [r for r in rows if "ceiling" in r]
     if ceilings:
         print("\nThe same math as cuBLAS dense GEMMs (no routing, padding or FP4; µs, and TFLOP/s of the layer's math)\n")
