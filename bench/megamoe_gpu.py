@@ -22,8 +22,9 @@ Peers: SGLang's FP8 `fused_moe` runs first, in a child process (`sglang_peer`: b
 sm_90 with its source archive (`--deepgemm-sm90` or $PLANC_DEEPGEMM_SM90), DeepGEMM's SM90 Mega MoE kernels in a child
 process (`deepgemm_peer`: bench/deepgemm_sm90_mega_moe.py, SGLang's fork of DeepGEMM built there): FP8 x FP4 on the same
 FP4 bytes and FP8 x FP8 on them cast to block FP8, per kernel `deepgemm_<kind>_us` (its input copies and kernel),
-`deepgemm_<kind>_kernel_us`, `calc_diff_vs_deepgemm_<kind>`. Without a wheel or an archive the bench says so and goes
-on.
+`deepgemm_<kind>_kernel_us`, `calc_diff_vs_deepgemm_<kind>`. A peer's time is a ratio against planc only where its
+output is within DeepGEMM's FP8 bound of planc's (`PEER_BOUND`). Without a wheel or an archive the bench says so and
+goes on.
 `--sweep` times each candidate tile config of the Triton kernels per batch size instead (graph replay of the
 experts computation alone) and prints the best: the table in `planc.kernels.megamoe.triton.config` comes from it.
 
