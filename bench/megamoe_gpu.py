@@ -476,9 +476,9 @@ def peer_ratio(peer_us: float | None, planc_us: float, diff: float) -> str:
 
 def child_peer(script: str, flags: list[str], prefix: str) -> dict:
     """Run a peer's script (bench/<script>) in a child process on this layer and these batches, with `--json` and
-    `--outputs` into a temporary directory (removed after): its result and each batch's output (`tokens_<n>`, with a suffix of its own where it runs several kernels), or
-    why not. The child runs and exits before this process builds its layer: it holds the GPU's memory while it runs
-    (V4's experts in BF16, then FP4 and its block-FP8 copy)."""
+    `--outputs` into a temporary directory (removed after): its result and each batch's output (`tokens_<n>`, with a
+    suffix of its own where it runs several kernels), or why not. The child runs and exits before this process builds
+    its layer: it holds the GPU's memory while it runs (V4's experts in BF16, then FP4 and its block-FP8 copy)."""
     import shutil
     import subprocess
     import tempfile
@@ -767,11 +767,12 @@ def main(argv=None):
             raise SystemExit("--read-patterns needs a CUDA GPU")
         return finish(args, dict(read_patterns=decode_read_patterns(args, device, measure)))
 
+    run_peers = args.profile is None and not args.sweep
     skipped = dict(available=False, why="not run with --profile or --sweep")
-    peer = sglang_peer(args) if not (args.profile is not None or args.sweep) else skipped
+    peer = sglang_peer(args) if run_peers else skipped
     print(f"SGLang fused_moe peer: {'measured' if peer['available'] else 'not measured'} ({peer['why']})",
           file=sys.stderr)
-    dg_peer = deepgemm_peer(args) if not (args.profile is not None or args.sweep) else skipped
+    dg_peer = deepgemm_peer(args) if run_peers else skipped
     print(f"DeepGEMM SM90 Mega MoE peer: {'measured' if dg_peer['available'] else 'not measured'} ({dg_peer['why']})",
           file=sys.stderr)
     experts, cfg = build_experts(args, device)
