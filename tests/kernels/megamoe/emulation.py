@@ -124,51 +124,56 @@ def _f32(v: float) -> float:
     return float(torch.tensor(v, dtype=torch.float32))
 
 
-def fp8_block_cast(v: torch.Tensor, *, floor: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The FP8 path's cast of one row (float64 [C]) per 128 channels: sf = 2**ceil(log2(fl32(amax) * fl32(1/448))),
-    at least 2**-126 with `floor` (else 0 for an all-zero group), values RNE onto e4m3. Returns (e4m3 values,
-    scales per 128) in float64."""
+def fp8_block_cast(v: torch.Tensor, *, floor: bool, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 path's cast of one row (float64 [C]) per `block` channels (the row-scaled path: the whole row): sf =
+    2**ceil(log2(fl32(amax) * fl32(1/448))), at least 2**-126 with `floor` (else 0 for an all-zero group), values
+    RNE onto e4m3. Returns (e4m3 values, scales per block) in float64."""
     q = torch.zeros_like(v)
-    sf = torch.zeros(v.shape[-1] // 128, dtype=torch.float64)
-    for b in range(v.shape[-1] // 128):
-        chunk = v[b * 128:(b + 1) * 128]
+    sf = torch.zeros(v.shape[-1] // block, dtype=torch.float64)
+    for b in range(v.shape[-1] // block):
+        chunk = v[b * block:(b + 1) * block]
         amax = float(chunk.abs().max())
         if amax == 0 and not floor:
             continue
         scaled = _f32(_f32(amax) * _f32(1 / 448.0))
         s = max(pow2_ceil(scaled), 2.0**-126) if scaled > 0 else 2.0**-126
         sf[b] = s
-        q[b * 128:(b + 1) * 128] = round_e4m3(chunk / s)
+        q[b * block:(b + 1) * block] = round_e4m3(chunk / s)
     return q, sf
 
 
-def fp8_weights(packed: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
+def fp8_weights(packed: torch.Tensor, scale_bytes: torch.Tensor, *, block: int = 128) -> torch.Tensor:
     """int8 [N, K/2] e2m1 codes + UE8M0 exponent bytes [N, K/32] -> the FP8 path's weights as float64 [N, K]: per
-    (row, 128 K) ref = the largest byte, each code times 2**(s - ref + 1) rounded to e4m3, times 2**(ref - 128)."""
+    (row, `block` K; the row-scaled path: the whole row) ref = the largest byte, each code times 2**(s - ref + 1)
+    rounded to e4m3, times 2**(ref - 128)."""
     b = packed.view(torch.uint8).long()
     codes = torch.stack([b & 15, b >> 4], dim=-1).reshape(packed.shape[0], -1)
     mag = torch.tensor(E2M1, dtype=torch.float64)[codes & 7]
     vals = torch.where(codes >= 8, -mag, mag)
     s = scale_bytes.long()
     n, groups = s.shape
-    ref = s.view(n, groups // 4, 4).amax(dim=-1)  # [N, K/128]
-    shift = (s - ref.repeat_interleave(4, dim=1)).double()
+    g = min(block, 32 * groups) // 32
+    ref = s.view(n, groups // g, g).amax(dim=-1)  # [N, K/block]
+    shift = (s - ref.repeat_interleave(g, dim=1)).double()
     q = round_e4m3(vals * torch.pow(2.0, shift + 1).repeat_interleave(32, dim=1))
-    return q * torch.pow(2.0, ref.double() - 128).repeat_interleave(128, dim=1)
+    return q * torch.pow(2.0, ref.double() - 128).repeat_interleave(32 * g, dim=1)
 
 
-def emulate_fp8(x_q, x_sf, idx, weights, fp4, *, clamp=None):
+def emulate_fp8(x_q, x_sf, idx, weights, fp4, *, clamp=None, rows=False):
     """The FP8 path in float64 from the staged FP8 rows (`x_q` e4m3 [T, H], `x_sf` UE8M0 bytes [T, H/32]) and the
-    module-layout FP4 experts (`quant.FP4Experts`). Returns float64 [T, H] holding BF16 values."""
+    module-layout FP4 experts (`quant.FP4Experts`); `rows`: the row-scaled path (`KernelConfig(fp8=6)`: one scale per
+    row of every operand). Returns float64 [T, H] holding BF16 values."""
     T, K = idx.shape
-    w1 = torch.stack([fp8_weights(p, s) for p, s in zip(fp4.gate_up_proj, _bytes(fp4.gate_up_proj_scale_inv))])
-    w2 = torch.stack([fp8_weights(p, s) for p, s in zip(fp4.down_proj, _bytes(fp4.down_proj_scale_inv))])
-    inter = w2.shape[2]
+    hidden, inter = fp4.down_proj.shape[1], fp4.down_proj.shape[2] * 2
+    bh, bi = (hidden, inter) if rows else (128, 128)
+    w1 = torch.stack([fp8_weights(p, s, block=bh) for p, s in zip(fp4.gate_up_proj,
+                                                                    _bytes(fp4.gate_up_proj_scale_inv))])
+    w2 = torch.stack([fp8_weights(p, s, block=bi) for p, s in zip(fp4.down_proj, _bytes(fp4.down_proj_scale_inv))])
     x = x_q.double() * torch.pow(2.0, x_sf.long().double() - 127).repeat_interleave(32, dim=1)
     y = torch.zeros(T, w2.shape[1], dtype=torch.float64)
     for t in range(T):
-        q, sf = fp8_block_cast(x[t], floor=True)
-        xq = q * sf.repeat_interleave(128)
+        q, sf = fp8_block_cast(x[t], floor=True, block=bh)
+        xq = q * sf.repeat_interleave(bh)
         acc = torch.zeros(w2.shape[1], dtype=torch.float64)
         for j in range(K):
             e = int(idx[t, j])
@@ -180,8 +185,8 @@ def emulate_fp8(x_q, x_sf, idx, weights, fp4, *, clamp=None):
                 c = float(round_bf16(torch.tensor(float(clamp), dtype=torch.float64)))
                 gate, up = gate.clamp(max=c), up.clamp(min=-c, max=c)
             a = gate / (1 + torch.exp(-gate)) * up * _f32(float(weights[t, j]))
-            aq, asf = fp8_block_cast(a, floor=False)
-            acc = acc + round_bf16(w2[e] @ (aq * asf.repeat_interleave(128)))
+            aq, asf = fp8_block_cast(a, floor=False, block=bi)
+            acc = acc + round_bf16(w2[e] @ (aq * asf.repeat_interleave(bi)))
         y[t] = round_bf16(acc)
     return y
 

@@ -65,7 +65,10 @@ def decode(words: torch.Tensor, sbytes: torch.Tensor) -> torch.Tensor:
     return v.permute(1, 6, 3, 0, 2, 5, 7, 4, 8).reshape(n, k)
 
 
-def test_words_expand_to_the_emulated_weights_in_the_mma_k_order():
+@pytest.mark.parametrize("row_scaled", [False, True], ids=["block_scales", "row_scales"])
+def test_words_expand_to_the_emulated_weights_in_the_mma_k_order(row_scaled):
+    """Per 128-deep K block (fp8=3), and with the row-scaled scale words (fp8=6, `E4m3Experts.row_scaled`, made from
+    the block words): one ref per row, the groups far below it rounded or zero as the emulation rounds them."""
     w1, w2 = full_weights(3, num_experts=2, hidden=256, inter=128)
     # groups 2**-12 and 2**-30 below their block's largest: rounded on the e4m3 grid, or to 0
     w1[:, ::3, 32:64] *= 2.0**-12
@@ -74,14 +77,17 @@ def test_words_expand_to_the_emulated_weights_in_the_mma_k_order():
     packed = PackedExperts.from_params(fp4.gate_up_proj, fp4.gate_up_proj_scale_inv, fp4.down_proj,
                                        fp4.down_proj_scale_inv)
     e4 = E4m3Experts.from_packed(packed)
+    s1, s2 = e4.row_scaled() if row_scaled else (e4.s1, e4.s2)
     order = fp8_k_order()
     inter = 128
     l1_rows = torch.cat([torch.arange(0, 2 * inter, 128)[:, None] + order[None, :]], dim=0).reshape(-1)
     for e in range(2):
-        want1 = fp8_weights(fp4.gate_up_proj[e], float_to_ue8m0_bytes(fp4.gate_up_proj_scale_inv[e]))
-        want2 = fp8_weights(fp4.down_proj[e], float_to_ue8m0_bytes(fp4.down_proj_scale_inv[e]))
-        got1 = decode(e4.w1[e], e4.s1[e])
-        got2 = decode(e4.w2[e], e4.s2[e])
+        want1 = fp8_weights(fp4.gate_up_proj[e], float_to_ue8m0_bytes(fp4.gate_up_proj_scale_inv[e]),
+                            block=256 if row_scaled else 128)
+        want2 = fp8_weights(fp4.down_proj[e], float_to_ue8m0_bytes(fp4.down_proj_scale_inv[e]),
+                            block=inter if row_scaled else 128)
+        got1 = decode(e4.w1[e], s1[e])
+        got2 = decode(e4.w2[e], s2[e])
         # MMA K position j holds weight K 128 kb + order[j]; L1's row j of each 128 is the module's row order[j]
         perm1 = (torch.arange(0, 256, 128)[:, None] + order[None, :]).reshape(-1)
         perm2 = (torch.arange(0, inter, 128)[:, None] + order[None, :]).reshape(-1)
@@ -110,3 +116,41 @@ def test_activations_are_stored_in_the_mma_k_order():
     permuted, s_perm = x_blocks(q, sf, permute=True)
     perm = (torch.arange(0, 256, 128)[:, None] + fp8_k_order()[None, :]).reshape(-1)
     assert torch.equal(permuted, plain[:, perm]) and torch.equal(s_perm, s_plain)
+
+
+@pytest.mark.skipif(not target.interpreting(), reason="CPU tensors need Triton's interpreter")
+def test_row_scaled_casts_match_the_emulation():
+    """The row-scaled path's casts (`fp8.x_rows`, `fp8.l1_out_rows`) under the interpreter: one scale for the whole
+    row, as `emulation.fp8_block_cast` with a block of the row; the activations in the MMA's K order, and the slots
+    of no local expert zeroed by the same kernel."""
+    from planc.kernels.megamoe.triton.fp8 import l1_out_rows, x_rows
+    from planc.kernels.megamoe.triton.routing import other_slots
+    from tests.kernels.megamoe.emulation import fp8_block_cast
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 1024, generator=g)
+    x[1, 512:640] *= 2.0**-9  # a group far below the row's largest: off e4m3's normal range
+    x[2, 7] = 300.0
+    q, sf = quantize_fp8(x.bfloat16())
+    sf = float_to_ue8m0_bytes(sf)
+    idx = torch.tensor([[0, 5], [3, -1], [1, 2]])
+    slots = torch.ones(6, 1024, dtype=torch.bfloat16)
+    got, got_s = x_rows(q, sf, zero=other_slots(idx, slots, 0, 3))
+    staged = q.double() * torch.pow(2.0, sf.long().double() - 127).repeat_interleave(32, dim=1)
+    perm = (torch.arange(0, 1024, 128)[:, None] + fp8_k_order()[None, :]).reshape(-1)
+    for t in range(3):
+        want, want_s = fp8_block_cast(staged[t], floor=True, block=1024)
+        assert torch.equal(got[t].view(torch.float8_e4m3fn).double(), want[perm]) and got_s[t, 0] == want_s[0]
+    assert torch.equal(slots[[1, 2, 3]].float(), torch.zeros(3, 1024))  # experts 5, 3 and -1: not local (0-2)
+    assert torch.equal(slots[[0, 4, 5]].float(), torch.ones(3, 1024))
+
+    a32 = torch.randn(8, 256, generator=g)
+    a32[2] = 0.0  # an all-zero row: scale 0, no floor
+    a32[3, :128] *= 2.0**-10
+    act = torch.zeros(8, 256, dtype=torch.uint8)
+    act_s = torch.full((1, 8), -1.0)
+    l1_out_rows(a32, act, act_s, torch.tensor([0, 1, 2, 9]), num_local=3, block_t=2)  # block 3 is past the routed
+    for r in range(6):
+        want, want_s = fp8_block_cast(a32[r].double(), floor=False, block=256)
+        assert torch.equal(act[r].view(torch.float8_e4m3fn).double(), want) and act_s[0, r] == want_s[0], r
+    assert not act[6:].any() and (act_s[0, 6:] == -1).all()  # rows of the unrouted block: not touched

@@ -24,6 +24,8 @@ pytestmark = pytest.mark.skipif(hopper_prefill.gluon is None, reason="this Trito
 
 # (layer, block rows, warps, stages, register cap): the configs `bench/megamoe_gpu.py --sweep` runs on the GPU
 VARIANTS = [("L1", 64, 8, 4, 0), ("L2", 64, 4, 4, 0)]
+# the row-scaled kernels (fp8=6: no promotion): L1 on 4 warps (three programs an SM), L2 on 4 (four)
+ROW_VARIANTS = [("L1R", 64, 4, 4, 0), ("L2R", 64, 4, 4, 0)]
 # the warp-specialized kernels (`hopper_fp8_ws`, fp8=4) at their default cap: L1 on 4 warps in one pass (64
 # channels) and in two (128), L2; and L1 on 8 MMA warps
 WS_VARIANTS = [("L1WS", 64, 4, 4, 0), ("L1WS2", 64, 4, 4, 0), ("L2WS", 64, 4, 4, 0), ("L1WS", 64, 8, 4, 168)]
@@ -44,9 +46,9 @@ def ws_types(warps):
 
 out = {}
 for layer, rows, warps, stages, maxnreg in json.loads(sys.argv[1]):
-    if layer == "L1":
+    if layer in ("L1", "L1R"):  # R: row-scaled (fp8=6)
         kernel = compile_sm90(hopper_fp8.l1_kernel, maxnreg, pointer_types={**POINTERS, "out_ptr": "*u8"},
-                              HAS_CLAMP=True, ROWS=rows, STAGES=stages, num_warps=warps)
+                              HAS_CLAMP=True, ROWS=rows, STAGES=stages, num_warps=warps, ROW_SCALED=layer == "L1R")
     elif layer[2:4] in ("WS", "CV"):  # the warp-specialized kernels (`hopper_fp8_ws`); CV: fp8=5; L1WS2: two passes
         gated = layer.startswith("L1")
         cap = hopper_fp8_ws.CONVERT_DEFAULT_REGISTERS if layer[2:4] == "CV" else hopper_fp8_ws.DEFAULT_REGISTERS
@@ -57,7 +59,7 @@ for layer, rows, warps, stages, maxnreg in json.loads(sys.argv[1]):
                               CONVERT_REGS=hopper_fp8_ws.CONVERT_REGISTERS, num_warps=warps)
     else:
         kernel = compile_sm90(hopper_fp8.l2_kernel, maxnreg, pointer_types=POINTERS, ROWS=rows, STAGES=stages,
-                              num_warps=warps)
+                              num_warps=warps, ROW_SCALED=layer == "L2R")
     text, usage = sass(kernel.asm["cubin"]), cuobjdump(kernel.asm["cubin"], "-res-usage")
     k_loops = loops(text)
     # the converter's loop (fp8=5): the innermost loop without an MMA that expands words (PRMT) into shared memory
@@ -103,13 +105,13 @@ def compile_variants(variants) -> dict:
 
 @pytest.fixture(scope="module")
 def compiled():
-    return compile_variants(VARIANTS + WS_VARIANTS + CV_VARIANTS)
+    return compile_variants(VARIANTS + ROW_VARIANTS + WS_VARIANTS + CV_VARIANTS)
 
 
 def test_fp8_kernels_multiply_e4m3_registers_without_serializing_or_spilling(compiled):
-    assert len(compiled) == len(VARIANTS + WS_VARIANTS + CV_VARIANTS)
+    assert len(compiled) == len(VARIANTS + ROW_VARIANTS + WS_VARIANTS + CV_VARIANTS)
     for name, got in compiled.items():
-        if "WS" in name or "CV" in name:
+        if "WS" in name or "CV" in name or "R_" in name:
             continue
         # a K loop for blocks of 64 rows and one for an expert's last block of up to 32 (an MMA half as wide)
         assert got["loops"] == 2, name
@@ -121,6 +123,21 @@ def test_fp8_kernels_multiply_e4m3_registers_without_serializing_or_spilling(com
         # serializing the kernel (C7514) would wait after every QGMMA
         assert got["async_waits"] >= 2 * got["loops"] and got["full_waits"] <= got["loops"], (name, got)
         assert got["in_flight_writes"] == [], (name, got["in_flight_writes"][:5])
+
+
+def test_row_scaled_kernels_keep_a_wgmma_in_flight_across_iterations(compiled):
+    """fp8=6 reads no accumulator in its K loop: one wait for the MMA before the last per operand, none for all of
+    them (fp8=3 ends each iteration waiting for its last), no spill; L1 fits three programs an SM, L2 four."""
+    for (layer, rows, warps, stages, cap), programs in zip(ROW_VARIANTS, (3, 4)):
+        got = compiled[f"{layer}_{rows}_{warps}_{stages}_{cap}"]
+        assert got["loops"] == 2 and got["qgmma"] == [8, 8], (layer, got)
+        assert got["loop_sts"] == 0 and got["loop_spills"] == 0 and got["spills"] == 0, (layer, got)
+        assert got["async_waits"] == 2 * got["loops"] and got["full_waits"] == 0, (layer, got)
+        assert got["in_flight_writes"] == [], (layer, got["in_flight_writes"][:5])
+        assert programs * 32 * warps * ((got["registers"] + 7) // 8 * 8) <= 65536, (layer, got["registers"])
+        # fewer instructions per iteration than fp8=3's loop at the tiles `VARIANTS` compiles
+        plain = compiled["_".join(map(str, next(v for v in VARIANTS if v[0] == layer[:2])))]
+        assert max(got["loop_instructions"]) < min(plain["loop_instructions"]), (layer, got, plain)
 
 
 @pytest.mark.skipif(hopper_fp8_ws.unavailable_reason is not None, reason=str(hopper_fp8_ws.unavailable_reason))

@@ -89,6 +89,27 @@ def test_fp8_path_matches_its_float64_emulation(num_tokens, clamp, masked, sprea
     assert calc_diff(y.double(), moe_float64(x, idx, w, w1, w2, clamp=clamp)) < 0.01
 
 
+@pytest.mark.parametrize("spread", [False, True], ids=["plain", "spread_groups"])
+def test_row_scaled_numerics_stay_within_deepgemms_fp8_bound(spread):
+    """The row-scaled path (`KernelConfig(fp8=6)`, one scale per row of each operand: its Gluon kernels run only on
+    Hopper, `test_triton_gpu.py` checks them against this emulation) against the BF16-path reference on the same FP4
+    weights and the float64 MoE: within DeepGEMM's FP8 bound, with 32-groups 2**-12 and 2**-30 below their rows'."""
+    fp4, _, deq = fp4_experts(3, spread)
+    x, _, _, idx, w = staged(6, 6, 0.2)
+    if spread:  # activations as LLMs have them: an outlier channel, a group far below the row's largest
+        x = x.clone()
+        x[:, 5] *= 60
+        x[:, 64:96] *= 2.0**-8
+    q, sf = quantize_fp8(x)
+    sf = float_to_ue8m0_bytes(sf)
+    rows = emulate_fp8(q, sf, idx, w, fp4, clamp=0.5, rows=True)
+    ref = reference_combine(local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=0.5))
+    assert calc_diff(rows, ref.double()) < 0.01
+    w1, w2 = dequantize_experts_fp4(fp4, torch.float64)
+    assert calc_diff(rows, moe_float64(x, idx, w, w1, w2, clamp=0.5)) < 0.01
+    assert calc_diff(rows, emulate_fp8(q, sf, idx, w, fp4, clamp=0.5)) < 0.01  # and the per-128 blocks
+
+
 def test_fp8_path_is_picked_by_its_table_row_only_where_fp8_mma_runs(monkeypatch):
     """`FP8_CONFIGS` as measured: the Gluon FP8 kernels take V4's batches of 16 to 33 rows per local expert on Hopper
     (32-row blocks, then 64-row ones from 31), the BF16 tables below and from 34 on, and wherever FP8 MMAs or the
@@ -128,24 +149,25 @@ def test_block_row_scales_puts_no_fill_kernel_into_a_graph():
     assert torch.equal(got, xs[token].t())
 
 
-@pytest.mark.parametrize("fp8", [3, 4, 5])
+@pytest.mark.parametrize("fp8", [3, 4, 5, 6])
 def test_the_gluon_fp8_kernels_refuse_an_odd_number_of_l2_k_blocks(fp8):
     """Their L2 takes its 128-deep K blocks in pairs: intermediate 384 (3 blocks) would multiply the last one twice."""
     gluon = KernelConfig(block_t=64, l1_n=128, l1_k=128, l2_n=64, l2_k=128, num_warps=4, num_stages=4, fp8=fp8)
     assert gluon.fit(256, 512).fp8 == fp8
     with pytest.raises(ValueError, match=rf"\(fp8={fp8}\) run L2's 128-deep K blocks in pairs: intermediate 384"):
         gluon.fit(256, 384)
-    with pytest.raises(ValueError, match=r"fp8=6\) names no FP8 kernels"):
-        dataclasses.replace(gluon, fp8=6).fit(256, 512)
+    with pytest.raises(ValueError, match=r"fp8=7\) names no FP8 kernels"):
+        dataclasses.replace(gluon, fp8=7).fit(256, 512)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a device without Hopper's Gluon kernels")
-@pytest.mark.parametrize("fp8", [4, 5])
-def test_the_warp_specialized_fp8_kernels_are_refused_off_hopper_by_name(fp8):
+@pytest.mark.parametrize("fp8", [4, 5, 6])
+def test_the_hopper_fp8_kernels_are_refused_off_hopper_by_name(fp8):
     fp4 = quantize_experts_fp4(*full_weights(0, num_experts=E, hidden=H, inter=256))  # 2 L2 K blocks: a pair
     packed = PackedExperts.from_params(fp4.gate_up_proj, fp4.gate_up_proj_scale_inv, fp4.down_proj,
                                        fp4.down_proj_scale_inv)
     _, q, sf, idx, w = staged(4, 0)
     ws = KernelConfig(block_t=64, l1_n=128, l1_k=128, l2_n=64, l2_k=128, num_warps=4, num_stages=4, fp8=fp8)
-    with pytest.raises(RuntimeError, match=rf"fp8={fp8}\) runs warp-specialized Gluon kernels for Hopper: .*use fp8=3"):
+    what = "Gluon kernels for Hopper: .*use fp8=1" if fp8 == 6 else "warp-specialized Gluon kernels for Hopper: .*use fp8=3"
+    with pytest.raises(RuntimeError, match=rf"fp8={fp8}\) runs {what}"):
         triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=None, config=ws)

@@ -46,7 +46,9 @@ class KernelConfig:
     # `num_stages` stages by TMA and cp.async; register caps `maxnreg` / `l2_maxnreg`, 128 where unset; an L1 program
     # covers `l1_n` channels, 128 on 4 warps in two passes cast in the kernel, 64 on 4 warps cast by a kernel), 5 the
     # same with a converter warpgroup (`hopper_fp8_ws`, CONVERT: as many warps as the MMA's expand each stage into
-    # e4m3 tiles in shared memory, both wgmma operands from there; caps 80 where unset: two programs per SM).
+    # e4m3 tiles in shared memory, both wgmma operands from there; caps 80 where unset: two programs per SM), 6 the
+    # kernels of 3 with one scale per row of each operand instead of per 128-deep K block (`hopper_fp8`, ROW_SCALED:
+    # every K block's wgmma accumulates into the same registers, no promotion; the numerics of the row-scaled path).
     fp8: int = 0
     # The split-K decode kernels (`decode`: both GEMMs split over K, the partial sums reduced by each tile's last
     # program, this many 64-deep K tiles in flight per program: 1, 2 or 4); 0 the general kernels. `l1_split` then
@@ -129,14 +131,14 @@ class KernelConfig:
             return tile
 
         if self.fp8:
-            if self.fp8 > 5:
-                raise ValueError(f"KernelConfig(fp8={self.fp8}) names no FP8 kernels: 1, 2, 3, 4 or 5")
+            if self.fp8 > 6:
+                raise ValueError(f"KernelConfig(fp8={self.fp8}) names no FP8 kernels: 1 to 6")
             if hidden % 128 or inter % 128 or (self.l1_n % 128 and self.fp8 < 3) or inter % self.l1_n \
                     or hidden % self.l2_n:
                 raise ValueError(f"the FP8 kernels need hidden and intermediate % 128 and N tiles of 128 that divide "
                                  f"them, got hidden={hidden}, intermediate={inter}, l1_n={self.l1_n}, "
                                  f"l2_n={self.l2_n}: `pick_config` picks them only where they fit")
-            l1_n_ok = self.l1_n == 128 or (self.fp8 >= 4 and self.l1_n == 64 and self.num_warps == 4)
+            l1_n_ok = self.l1_n == 128 or (self.fp8 in (4, 5) and self.l1_n == 64 and self.num_warps == 4)
             if self.fp8 >= 3 and (self.block_t not in self.FP8_GLUON_BLOCK_ROWS or not l1_n_ok
                                   or self.l2_n not in (64, 128) or self.num_stages < 3 or self.num_warps not in (4, 8)):
                 raise ValueError(f"the FP8 Gluon kernels (fp8={self.fp8}) take block_t in {self.FP8_GLUON_BLOCK_ROWS}, "

@@ -52,14 +52,37 @@ if triton is not None:
         columns sf = 2**ceil(log2(amax * fl(1/448))), at least 2**-126 when FLOOR (else 0 for an all-zero group),
         RNE onto e4m3."""
         g = tl.reshape(v, (ROWS, COLS // 128, 128))
-        amax = tl.max(tl.abs(g), axis=2)
+        e = _scale_exponent(tl.max(tl.abs(g), axis=2), FLOOR)
+        return tl.reshape(_e4m3_at(g, e[:, :, None]), (ROWS, COLS)), (e << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _scale_exponent(amax, FLOOR: tl.constexpr):
+        """The biased exponent e of the scale 2**(e - 127) = 2**ceil(log2(amax * fl(1/448))) of a group whose largest
+        magnitude is `amax` (at least 2**-126 when FLOOR, else 0 for an all-zero group)."""
         e = _pow2_ceil_exponent(amax * (1.0 / 448.0))
         if FLOOR:
             e = tl.maximum(e, 1)
-        e = tl.minimum(e, 254)
+        return tl.minimum(e, 254)
+
+    @triton.jit
+    def _e4m3_at(v, e):
+        """FP32 values -> e4m3 bytes of v / 2**(e - 127) (RNE, saturated at 448)."""
         sf_inv = (tl.minimum(tl.maximum(254 - e, 0), 254) << 23).to(tl.float32, bitcast=True)
-        q = tl.minimum(tl.maximum(g * sf_inv[:, :, None], -448.0), 448.0)
-        return tl.reshape(_e4m3_bits(q), (ROWS, COLS)), (e << 23).to(tl.float32, bitcast=True)
+        return _e4m3_bits(tl.minimum(tl.maximum(v * sf_inv, -448.0), 448.0))
+
+    @triton.jit
+    def _staged_values(q_ptr, sf_ptr, row, col, hidden):
+        """The staged FP8 rows' values (e4m3 bytes times their per-32 UE8M0 scales) at channels `col` of `row`."""
+        b = tl.load(q_ptr + row * hidden + col).to(tl.int32)
+        s = tl.load(sf_ptr + row * (hidden // 32) + col // 32).to(tl.int32)
+        return e4m3_value(b) * (s << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _k_position(col):
+        """Where channel `col` goes in the FP8 wgmma kernels' K order (`layout.fp8_k_order`: channel 32 q + 8 s + 4 h
+        + i of each 128 at 32 s + 16 h + 4 q + i)."""
+        c = col % 128
+        return col - c + ((c // 8) % 4) * 32 + ((c // 4) % 2) * 16 + (c // 32) * 4 + c % 4
 
     @triton.jit
     def x_blocks_kernel(q_ptr, sf_ptr, x8_ptr, xs_ptr, hidden, idx_ptr, slots_ptr, first, num_local, stride_slots,
@@ -74,16 +97,51 @@ if triton is not None:
             zero_other_slots(idx_ptr, slots_ptr, row, tl.program_id(1), first, num_local, hidden, stride_slots,
                              NUM_TOPK, BK, BH)
         col = tl.program_id(1) * BH + tl.arange(0, BH)
-        b = tl.load(q_ptr + row * hidden + col).to(tl.int32)
-        s = tl.load(sf_ptr + row * (hidden // 32) + col // 32).to(tl.int32)
-        v = e4m3_value(b) * (s << 23).to(tl.float32, bitcast=True)
+        v = _staged_values(q_ptr, sf_ptr, row, col, hidden)
         q, sf = _cast_blocks(tl.reshape(v, (1, BH)), 1, BH, True)
         if PERMUTE:
-            c = col % 128
-            col = col - c + ((c // 8) % 4) * 32 + ((c // 4) % 2) * 16 + (c // 32) * 4 + c % 4
+            col = _k_position(col)
         tl.store(x8_ptr + row * hidden + col, tl.reshape(q, (BH,)))
         blk = tl.program_id(1) * (BH // 128) + tl.arange(0, BH // 128)
         tl.store(xs_ptr + row * (hidden // 128) + blk, tl.reshape(sf, (BH // 128,)))
+
+    @triton.jit
+    def x_rows_kernel(q_ptr, sf_ptr, x8_ptr, xs_ptr, hidden, idx_ptr, slots_ptr, first, num_local, stride_slots,
+                      BH: tl.constexpr, NUM_TOPK: tl.constexpr, BK: tl.constexpr, ZERO: tl.constexpr):
+        """`x_blocks_kernel` with one scale for the whole row (the row-scaled path, `KernelConfig(fp8=6)`), the
+        channels in the FP8 wgmma kernels' K order: two passes over the row (its largest magnitude, then the cast),
+        BH channels at a time."""
+        row = tl.program_id(0).to(tl.int64)
+        amax = 0.0
+        for c in range(0, hidden // BH):
+            v = _staged_values(q_ptr, sf_ptr, row, c * BH + tl.arange(0, BH), hidden)
+            amax = tl.maximum(amax, tl.max(tl.abs(v), axis=0))
+        e = _scale_exponent(amax, True)
+        for c in range(0, hidden // BH):
+            if ZERO:
+                zero_other_slots(idx_ptr, slots_ptr, row, c, first, num_local, hidden, stride_slots, NUM_TOPK, BK, BH)
+            col = c * BH + tl.arange(0, BH)
+            q = _e4m3_at(_staged_values(q_ptr, sf_ptr, row, col, hidden), e)
+            tl.store(x8_ptr + row * hidden + _k_position(col), q)
+        tl.store(xs_ptr + row, (e << 23).to(tl.float32, bitcast=True))
+
+    @triton.jit
+    def l1_out_rows_kernel(a_ptr, q_ptr, s_ptr, block_expert_ptr, inter, num_local, BT: tl.constexpr,
+                           BC: tl.constexpr):
+        """`l1_out_blocks_kernel` with one scale for the whole row (the row-scaled path), stored ``[R]``: two passes
+        over the row, BC channels at a time."""
+        row = tl.program_id(0)
+        if tl.load(block_expert_ptr + row // BT) >= num_local:
+            return
+        base = row.to(tl.int64) * inter
+        amax = 0.0
+        for c in range(0, inter // BC):
+            amax = tl.maximum(amax, tl.max(tl.abs(tl.load(a_ptr + base + c * BC + tl.arange(0, BC))), axis=0))
+        e = _scale_exponent(amax, False)
+        for c in range(0, inter // BC):
+            col = c * BC + tl.arange(0, BC)
+            tl.store(q_ptr + base + col, _e4m3_at(tl.load(a_ptr + base + col), e))
+        tl.store(s_ptr + row, (e << 23).to(tl.float32, bitcast=True))
 
     @triton.jit
     def l1_out_blocks_kernel(a_ptr, q_ptr, s_ptr, block_expert_ptr, inter, total_rows, num_local,
@@ -243,6 +301,27 @@ def x_blocks(x_fp8: torch.Tensor, x_sf: torch.Tensor, permute: bool = False,
     return x8, xs
 
 
+def x_rows(x_fp8: torch.Tensor, x_sf: torch.Tensor, zero: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x_blocks(permute=True)` with one scale per row (the row-scaled path): e4m3 bytes ``[M, H]`` and FP32 scales
+    ``[M, 1]``."""
+    m, hidden = x_fp8.shape
+    x8 = torch.empty((m, hidden), dtype=torch.uint8, device=x_fp8.device)
+    xs = torch.empty((m, 1), dtype=torch.float32, device=x_fp8.device)
+    if m:
+        x_rows_kernel[(m,)](x_fp8.contiguous().view(torch.uint8), x_sf.contiguous(), x8, xs, hidden,
+                            **(zero or no_slots(x_fp8)),
+                            BH=1024 if hidden % 1024 == 0 else BLOCK, num_warps=4)
+    return x8, xs
+
+
+def l1_out_rows(a32: torch.Tensor, act: torch.Tensor, act_s: torch.Tensor, block_expert: torch.Tensor,
+                num_local: int, block_t: int) -> None:
+    """L1's FP32 outputs ``[R, I]`` -> e4m3 bytes `act` ``[R, I]`` and one scale per row, `act_s` ``[1, R]``."""
+    rows, inter = a32.shape
+    l1_out_rows_kernel[(rows,)](a32, act, act_s, block_expert, inter, num_local, BT=block_t,
+                                BC=1024 if inter % 1024 == 0 else BLOCK, num_warps=4)
+
+
 def l1_out_blocks(a32: torch.Tensor, act: torch.Tensor, act_s: torch.Tensor, block_expert: torch.Tensor,
                   num_local: int, block_t: int) -> None:
     """L1's FP32 outputs ``[R, I]`` -> e4m3 bytes `act` ``[R, I]`` and scales `act_s` ``[I/128, R]`` per (row, 128
@@ -264,19 +343,22 @@ def fp8_local_experts_forward(
     x_fp8: torch.Tensor, x_sf: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
     experts: PackedExperts, *, first_expert: int, clamp: float | None, config: KernelConfig,
 ) -> torch.Tensor:
-    """`triton_local_experts_forward` for a `KernelConfig(fp8=1 to 5)`: BF16 ``[M, K, H]`` slot outputs (zeros for other
-    ranks' experts), the FP8 numerics of the module docstring."""
+    """`triton_local_experts_forward` for a `KernelConfig(fp8=1 to 6)`: BF16 ``[M, K, H]`` slot outputs (zeros for other
+    ranks' experts), the FP8 numerics of the module docstring (fp8=6: the row-scaled ones)."""
     m, k = topk_idx.shape
     hidden, inter, num_local = experts.hidden, experts.intermediate, experts.num_local_experts
     problem = size_problem(hidden, inter)
     if problem:
         raise ValueError(problem + ": use a config without fp8")
     device = x_fp8.device
-    if config.fp8 == 3:
+    ws = config.fp8 in (4, 5)  # the warp-specialized kernels (`hopper_fp8_ws`)
+    rows = config.fp8 == 6  # one scale per row (`hopper_fp8`, ROW_SCALED)
+    if config.fp8 in (3, 6):
         why = hopper_prefill.gluon_unavailable_reason(device)
         if why is not None:
-            raise RuntimeError(f"KernelConfig(fp8=3) runs Gluon kernels for Hopper: {why}; use fp8=1 or a BF16 config")
-    if config.fp8 >= 4:
+            raise RuntimeError(f"KernelConfig(fp8={config.fp8}) runs Gluon kernels for Hopper: {why}; use fp8=1 or a "
+                               f"BF16 config")
+    if ws:
         why = hopper_fp8_ws.unavailable(device)
         if why is not None:
             raise RuntimeError(f"KernelConfig(fp8={config.fp8}) runs warp-specialized Gluon kernels for Hopper: {why}; "
@@ -285,7 +367,8 @@ def fp8_local_experts_forward(
     if m == 0:
         return out.view(m, k, hidden)
     gluon = config.fp8 >= 3  # the Gluon kernels, on the FP8 layout of the same experts
-    x8, xs = x_blocks(x_fp8, x_sf, permute=gluon, zero=other_slots(topk_idx, out, first_expert, num_local))
+    zero = other_slots(topk_idx, out, first_expert, num_local)
+    x8, xs = x_rows(x_fp8, x_sf, zero) if rows else x_blocks(x_fp8, x_sf, permute=gluon, zero=zero)
     weights = topk_weights.reshape(-1).float().contiguous()
     bt = config.block_t
     sorted_slots, block_expert, block_row, block_end = route(
@@ -294,21 +377,26 @@ def fp8_local_experts_forward(
     act = torch.empty((nblocks * bt, inter), dtype=torch.uint8, device=device)
     act_s = torch.empty((nblocks * bt, inter // BLOCK), dtype=torch.float32, device=device)
     if gluon:
-        kernels = hopper_fp8_ws if config.fp8 >= 4 else hopper_fp8
+        kernels = hopper_fp8_ws if ws else hopper_fp8
         e4 = experts.e4m3()
-        act_s = torch.empty((inter // BLOCK, nblocks * bt), dtype=torch.float32, device=device)
+        act_s = torch.empty((1 if rows else inter // BLOCK, nblocks * bt), dtype=torch.float32, device=device)
         xs = hopper_fp8.block_row_scales(xs, sorted_slots, block_row, block_end, num_topk=k, block_t=bt)
-        s1 = e4.s1.reshape(num_local, -1).view(torch.int32)
-        s2 = e4.s2.reshape(num_local, -1).view(torch.int32)
-        # a program of less than a scale block leaves its SwiGLU output in FP32 for `l1_out_blocks` to cast
-        half = kernels.l1_channels(config) < BLOCK
+        s1, s2 = e4.row_scaled() if rows else (e4.s1, e4.s2)
+        s1 = s1.reshape(num_local, -1).view(torch.int32)
+        s2 = s2.reshape(num_local, -1).view(torch.int32)
+        # a program of less than a scale block (or of part of a row's, `rows`) leaves its SwiGLU output in FP32 for
+        # `l1_out_blocks` (`l1_out_rows`) to cast
+        half = rows or kernels.l1_channels(config) < BLOCK
         a32 = torch.empty((nblocks * bt, inter), dtype=torch.float32, device=device) if half else None
+        extra = dict(row_scaled=True) if rows else {}
         kernels.l1(x8.view(torch.float8_e4m3fn), xs, e4.w1, s1, sorted_slots, weights, block_expert, block_row,
-                   block_end, act, act_s, clamp=clamp, num_topk=k, config=config, a32=a32)
-        if a32 is not None:
+                   block_end, act, act_s, clamp=clamp, num_topk=k, config=config, a32=a32, **extra)
+        if rows:
+            l1_out_rows(a32, act, act_s, block_expert, num_local, bt)
+        elif a32 is not None:
             l1_out_blocks(a32, act, act_s, block_expert, num_local, bt)
         kernels.l2(act.view(torch.float8_e4m3fn), act_s, e4.w2, s2, sorted_slots, block_expert, block_row,
-                   block_end, out, config=config)
+                   block_end, out, config=config, **extra)
         return out.view(m, k, hidden)
     s1 = experts.s1.reshape(num_local, -1).view(torch.int32)
     s2 = experts.s2.reshape(num_local, -1).view(torch.int32)

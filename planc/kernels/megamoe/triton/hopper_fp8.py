@@ -131,7 +131,11 @@ if hp.gluon is not None:
     def row_scales(s_tile, BN: gl.constexpr, L: gl.constexpr):
         """A stage's scale words [G, 2, 8] (rows 16 g + 8 m8 + r, in order) -> the weight block scales 2**(ref - 128)
         of its rows [BN] in layout L (ref: the scale word's low byte)."""
-        ref = s_tile.reshape([BN]).load(L) & 0xFF
+        return ref_scale(s_tile.reshape([BN]).load(L) & 0xFF)
+
+    @gluon.jit
+    def ref_scale(ref):
+        """UE8M0 bytes -> 2**(ref - 128) in FP32 (subnormal below ref 2)."""
         bits = gl.where(ref >= 2, (ref - 1) << 23, 0x800000 >> (2 - gl.minimum(ref, 2)))
         return bits.to(gl.float32, bitcast=True)
 
@@ -167,9 +171,9 @@ if hp.gluon is not None:
 
     @gluon.jit
     def _issue(kb, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s, wb_s,
-               sa_s, sb_s, x_s, sx_s, stage, GATED: gl.constexpr):
+               sa_s, sb_s, x_s, sx_s, stage, GATED: gl.constexpr, ROW_SCALED: gl.constexpr):
         """cp.async K block `kb` (the last one again past the end) into stage `stage`: the words and scale words of
-        one or two operands, the activation tile and its block scales; one commit group."""
+        one or two operands, the activation tile and (not ROW_SCALED) its block scales; one commit group."""
         k = gl.minimum(kb, k_blocks - 1)
         async_load(wa_s.index(stage), wa_ptrs + k * step)
         async_load(sa_s.index(stage), sa_ptrs + k * n_rows)
@@ -177,29 +181,32 @@ if hp.gluon is not None:
             async_load(wb_s.index(stage), wb_ptrs + k * step)
             async_load(sb_s.index(stage), sb_ptrs + k * n_rows)
         async_load(x_s.index(stage), x_ptrs + k * 128)
-        async_load(sx_s.index(stage), sx_ptrs + k * total_rows)
+        if not ROW_SCALED:
+            async_load(sx_s.index(stage), sx_ptrs + k * total_rows)
         _cp.commit_group()
 
     @gluon.jit
     def _next_block(kb, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s,
-                    wb_s, sa_s, sb_s, x_s, sx_s, STAGES: gl.constexpr, GATED: gl.constexpr):
+                    wb_s, sa_s, sb_s, x_s, sx_s, STAGES: gl.constexpr, GATED: gl.constexpr,
+                    ROW_SCALED: gl.constexpr = False):
         """Wait for block kb's copies, issue block kb + STAGES - 2's (into the stage of block kb - 2, whose MMAs are
         retired and whose scales are read), fence: `hopper_prefill._next_tile`'s order. Returns kb's stage."""
         _cp.wait_group(STAGES - 3)
         _cta_barrier()
         nxt = kb + STAGES - 2
         _issue(nxt, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s,
-               wb_s, sa_s, sb_s, x_s, sx_s, nxt % STAGES, GATED)
+               wb_s, sa_s, sb_s, x_s, sx_s, nxt % STAGES, GATED, ROW_SCALED)
         fence_async_shared()
         return kb % STAGES
 
     @gluon.jit
     def _gemm(x_ptrs, sx_ptrs, total_rows, w_base, s_base, tab_ptr, wa_off, wb_off, na0, nb0, n_rows, num_g, k_blocks,
               BN: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr,
-              num_warps: gl.constexpr):
+              ROW_SCALED: gl.constexpr, num_warps: gl.constexpr):
         """FP32 sums [BN, ROWS] of operand a (rows na0..; and b, rows nb0.., when GATED) times the block's
-        activations (`promoted_sums`), fed by a cp.async ring: per K block a stage holds the words, the scale words
-        (one per row), the activation tile and its block scales."""
+        activations (`promoted_sums`; ROW_SCALED: `accumulated_sums`, not scaled), fed by a cp.async ring: per K block
+        a stage holds the words, the scale words (one per row), the activation tile and (not ROW_SCALED) its block
+        scales."""
         G: gl.constexpr = BN // 16
         XS: gl.constexpr = x_tile_layout()
         WS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[4, 3, 2, 1, 0])
@@ -223,9 +230,12 @@ if hp.gluon is not None:
         sb_ptrs = s_base + nb0 + gl.permute(s_off, (0, 2, 1))
         for s in gl.static_range(STAGES - 2):
             _issue(s, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s,
-                   wb_s, sa_s, sb_s, x_s, sx_s, s, GATED)
+                   wb_s, sa_s, sb_s, x_s, sx_s, s, GATED, ROW_SCALED)
         ring = (wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s, wb_s, sa_s, sb_s,
                 x_s, sx_s)
+        if ROW_SCALED:
+            return accumulated_sums(ring, _ring_acquire_rows, wa_s, sa_s, wb_s, sb_s, x_s, tab_ptr, k_blocks, BN,
+                                    ROWS, STAGES, GATED, num_warps)
         return promoted_sums(ring, _ring_acquire, _ring_stage, _ring_release, _ring_drain, wa_s, sa_s, wb_s, sb_s,
                              x_s, sx_s, tab_ptr, k_blocks, BN, ROWS, STAGES, GATED, num_warps)
 
@@ -237,6 +247,14 @@ if hp.gluon is not None:
             sx_s = ring
         return _next_block(kb, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs,
                            total_rows, wa_s, wb_s, sa_s, sb_s, x_s, sx_s, STAGES, GATED)
+
+    @gluon.jit
+    def _ring_acquire_rows(ring, kb, k_blocks, STAGES: gl.constexpr, GATED: gl.constexpr):
+        """`_ring_acquire` for the row-scaled stages (no activation block scales)."""
+        wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s, wb_s, sa_s, sb_s, x_s, \
+            sx_s = ring
+        return _next_block(kb, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs,
+                           total_rows, wa_s, wb_s, sa_s, sb_s, x_s, sx_s, STAGES, GATED, True)
 
     @gluon.jit
     def _ring_stage(ring, kb, STAGES: gl.constexpr):
@@ -357,12 +375,61 @@ if hp.gluon is not None:
         return acc_a, acc_b
 
     @gluon.jit
+    def accumulated_sums(ring, acquire: gl.constexpr, wa_s, sa_s, wb_s, sb_s, x_s, tab_ptr, k_blocks,
+                         BN: gl.constexpr, N: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr,
+                         num_warps: gl.constexpr):
+        """The K loop of the row-scaled FP8 GEMMs (`KernelConfig(fp8=6)`): the sums [BN, N] of operand a (and b when
+        GATED) times the stages' activation tiles, every K block's FP8 wgmma accumulating into the same FP32
+        registers (one scale per weight row and per activation row, applied by the caller). Nothing reads an
+        accumulator in the loop, so a wgmma stays in flight across iterations as in the BF16 kernels
+        (`hopper_prefill._gemm`): per iteration expand a (the last b multiplying), issue a, wait for b, expand b (L2:
+        the next K block) while a multiplies, issue b, wait for a. `acquire(ring, kb, k_blocks, STAGES, GATED)` waits
+        for K block kb's stage and refills the stage of kb - 2, whose MMAs every warp has waited for."""
+        G: gl.constexpr = BN // 16
+        WL: gl.constexpr = words_layout(num_warps)
+        MMA: gl.constexpr = mma_layout(num_warps, N)
+        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
+        acc_a = gl.zeros([BN, N], gl.float32, MMA)
+        acc_b = gl.zeros([BN, N], gl.float32, MMA)
+        WZ = gl.zeros([G, 2, 32, 2, 2], gl.int32, WL)
+        # the operand registers of the MMAs in flight, kept alive through each wait (`expand_e4m3`)
+        pa0, pa1, pb0, pb1 = WZ, WZ, WZ, WZ
+        for i in range(0, k_blocks, 1 if GATED else 2):
+            st = acquire(ring, i, k_blocks, STAGES, GATED)
+            x_t = _rows(x_s, st, N).permute((1, 0))
+            lo, hi = lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), tab_ptr, WL, num_warps)
+            pa0, pa1 = expand_e4m3(_words(wa_s, st, WL), lo, hi)
+            acc_a = warpgroup_mma(operand(pa0, pa1, AL), x_t, acc_a, is_async=True)
+            acc_a, acc_b, pa0, pa1, pb0, pb1 = warpgroup_mma_wait(1, deps=(acc_a, acc_b, pa0, pa1, pb0, pb1))
+            if GATED:
+                lo, hi = lane_tables(_scale_tile(sb_s, st, G).permute((0, 2, 1)), tab_ptr, WL, num_warps)
+                pb0, pb1 = expand_e4m3(_words(wb_s, st, WL), lo, hi)
+                acc_b = warpgroup_mma(operand(pb0, pb1, AL), x_t, acc_b, is_async=True)
+            else:  # K block i + 1 (k_blocks is even), into a's accumulators
+                st = acquire(ring, i + 1, k_blocks, STAGES, GATED)
+                lo, hi = lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), tab_ptr, WL, num_warps)
+                pb0, pb1 = expand_e4m3(_words(wa_s, st, WL), lo, hi)
+                acc_a = warpgroup_mma(operand(pb0, pb1, AL), _rows(x_s, st, N).permute((1, 0)), acc_a, is_async=True)
+            acc_a, acc_b, pa0, pa1, pb0, pb1 = warpgroup_mma_wait(1, deps=(acc_a, acc_b, pa0, pa1, pb0, pb1))
+        acc_a, acc_b = warpgroup_mma_wait(0, deps=(acc_a, acc_b))
+        _cp.wait_group(0)
+        return acc_a, acc_b
+
+    @gluon.jit
+    def weight_row_scales(s_base, n0, BN: gl.constexpr, L: gl.constexpr):
+        """The row scales 2**(ref - 128) [BN] of rows n0.. in layout L, from their row-scaled scale words (every K
+        block's holds the row's ref; K block 0's are read)."""
+        return ref_scale(gl.load(s_base + n0 + gl.arange(0, BN, layout=L)) & 0xFF)
+
+    @gluon.jit
     def _l1_block(x8_ptr, xs_ptr, w_base, s_base, tab_ptr, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b,
                   pid_n, row0, nrows, hidden, inter, num_topk, total_rows, clamp, HAS_CLAMP: gl.constexpr,
-                  N: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                  N: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, ROW_SCALED: gl.constexpr,
+                  num_warps: gl.constexpr):
         """L1 of the block's first N rows (of ROWS): the K loop, the SwiGLU epilogue and the output's cast (rows past
         N are the expert's none, and L2 reads only N of them: the same branch on the same rows). With 4 warps (64
-        channels, half a scale block) the SwiGLU output goes out in FP32 to `a32` and `fp8.l1_out_blocks` casts it."""
+        channels, half a scale block) the SwiGLU output goes out in FP32 to `a32` and `fp8.l1_out_blocks` casts it;
+        ROW_SCALED (`xs`: one scale per block row [R]) it always does, for `fp8.l1_out_rows`."""
         BN: gl.constexpr = 16 * num_warps
         G: gl.constexpr = BN // 16
         WL: gl.constexpr = words_layout(num_warps)
@@ -377,9 +444,15 @@ if hp.gluon is not None:
         x_ptrs = x8_ptr + token[:, None] * hidden + gl.arange(0, 128, layout=gl.SliceLayout(0, XL))[None, :]
         sx_ptrs = xs_ptr + pid_b * ROWS + gl.arange(0, N, layout=sx_layout(num_warps))
         acc_g, acc_u = _gemm(x_ptrs, sx_ptrs, total_rows, w_base, s_base, tab_ptr, wg_off, wu_off, pid_n * BN,
-                             inter + pid_n * BN, 2 * inter, num_g, hidden // 128, BN, N, STAGES, True, num_warps)
+                             inter + pid_n * BN, 2 * inter, num_g, hidden // 128, BN, N, STAGES, True, ROW_SCALED,
+                             num_warps)
+        if ROW_SCALED:
+            MMA: gl.constexpr = mma_layout(num_warps, N)
+            sx = gl.load(xs_ptr + pid_b * ROWS + gl.arange(0, N, layout=gl.SliceLayout(0, MMA)))[None, :]
+            acc_g = acc_g * (weight_row_scales(s_base, pid_n * BN, BN, gl.SliceLayout(1, MMA))[:, None] * sx)
+            acc_u = acc_u * (weight_row_scales(s_base, inter + pid_n * BN, BN, gl.SliceLayout(1, MMA))[:, None] * sx)
         l1_epilogue(acc_g, acc_u, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter,
-                    total_rows, clamp, HAS_CLAMP, N, ROWS, num_warps)
+                    total_rows, clamp, HAS_CLAMP, N, ROWS, num_warps, ROW_SCALED)
 
     @gluon.jit
     def l1_activation(acc_g, acc_u, sorted_ptr, weight_ptr, row0, nrows, clamp, HAS_CLAMP: gl.constexpr,
@@ -405,16 +478,16 @@ if hp.gluon is not None:
     @gluon.jit
     def l1_epilogue(acc_g, acc_u, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter,
                     total_rows, clamp, HAS_CLAMP: gl.constexpr, N: gl.constexpr, ROWS: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    num_warps: gl.constexpr, TO_A32: gl.constexpr = False):
         """L1's sums [BN, N] of the block's first N rows -> the SwiGLU output of its 16 x num_warps channels: with 8
-        warps (128 channels, a scale block) cast to e4m3 per (row, 128 channels) into `out` and `outs`; with 4 in
-        FP32 to `a32`, for `fp8.l1_out_blocks` to cast."""
+        warps (128 channels, a scale block) cast to e4m3 per (row, 128 channels) into `out` and `outs`; with 4 (or
+        TO_A32) in FP32 to `a32`, for `fp8.l1_out_blocks` (or `l1_out_rows`) to cast."""
         BN: gl.constexpr = 16 * num_warps
         MMA: gl.constexpr = mma_layout(num_warps, N)
         a = l1_activation(acc_g, acc_u, sorted_ptr, weight_ptr, row0, nrows, clamp, HAS_CLAMP, N, num_warps)
         out_rows = pid_b * ROWS + gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
         offs = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
-        if BN < 128:
+        if BN < 128 or TO_A32:
             gl.store(a32_ptr + out_rows[None, :].to(gl.int64) * inter + offs[:, None], a)
         else:
             e = l1_cast_store(a, gl.max(gl.abs(a), axis=0), out_ptr, out_rows, offs, inter)
@@ -425,11 +498,12 @@ if hp.gluon is not None:
         x8_ptr, xs_ptr, w_ptr, s_ptr, tab_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr, block_end_ptr,
         out_ptr, outs_ptr, a32_ptr, hidden, inter, num_topk, num_local, total_rows, stride_we, stride_se, clamp,
         HAS_CLAMP: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+        ROW_SCALED: gl.constexpr = False,
     ):
         """L1 of one block of up to ROWS rows and 16 x num_warps gate (and as many up) channels in FP8, the SwiGLU
         epilogue, and (with 8 warps: 128 channels) the output's e4m3 cast per (row, 128 channels):
         `fp8.fp8_l1_kernel`'s numerics. A block of at most half ROWS rows (an expert's last) runs an MMA half as
-        wide."""
+        wide. ROW_SCALED: the row-scaled numerics (`fp8` docstring; `fp8.l1_out_rows` casts the FP32 output)."""
         pid_b, pid_n, expert, row0, nrows = hp.program_block(block_expert_ptr, block_row_ptr, block_end_ptr,
                                                              inter // (16 * num_warps))
         if expert < num_local:
@@ -438,16 +512,16 @@ if hp.gluon is not None:
             if ROWS > 32 and nrows <= ROWS // 2:
                 _l1_block(x8_ptr, xs_ptr, w_base, s_base, tab_ptr, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr,
                           pid_b, pid_n, row0, nrows, hidden, inter, num_topk, total_rows, clamp, HAS_CLAMP, ROWS // 2, ROWS,
-                          STAGES, num_warps)
+                          STAGES, ROW_SCALED, num_warps)
             else:
                 _l1_block(x8_ptr, xs_ptr, w_base, s_base, tab_ptr, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr,
                           pid_b, pid_n, row0, nrows, hidden, inter, num_topk, total_rows, clamp, HAS_CLAMP, ROWS, ROWS,
-                          STAGES, num_warps)
+                          STAGES, ROW_SCALED, num_warps)
 
     @gluon.jit
     def _l2_block(a8_ptr, as_ptr, w_base, s_base, tab_ptr, sorted_ptr, out_ptr, pid_b, pid_n, row0, nrows, hidden,
                   inter, total_rows, stride_out, N: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr,
-                  num_warps: gl.constexpr):
+                  ROW_SCALED: gl.constexpr, num_warps: gl.constexpr):
         """L2 of the block's first N rows (of ROWS)."""
         BN: gl.constexpr = 16 * num_warps
         G: gl.constexpr = BN // 16
@@ -460,7 +534,11 @@ if hp.gluon is not None:
         a_ptrs = a8_ptr + rows[:, None] * inter + gl.arange(0, 128, layout=gl.SliceLayout(0, XL))[None, :]
         sx_ptrs = as_ptr + pid_b * ROWS + gl.arange(0, N, layout=sx_layout(num_warps))
         acc, _ = _gemm(a_ptrs, sx_ptrs, total_rows, w_base, s_base, tab_ptr, w_off, w_off, pid_n * BN, pid_n * BN,
-                       hidden, num_g, inter // 128, BN, N, STAGES, False, num_warps)
+                       hidden, num_g, inter // 128, BN, N, STAGES, False, ROW_SCALED, num_warps)
+        if ROW_SCALED:
+            MMA: gl.constexpr = mma_layout(num_warps, N)
+            sa = gl.load(as_ptr + pid_b * ROWS + gl.arange(0, N, layout=gl.SliceLayout(0, MMA)))[None, :]
+            acc = acc * (weight_row_scales(s_base, pid_n * BN, BN, gl.SliceLayout(1, MMA))[:, None] * sa)
         l2_epilogue(acc, sorted_ptr, out_ptr, pid_n, row0, nrows, stride_out, N, num_warps)
 
     @gluon.jit
@@ -479,10 +557,10 @@ if hp.gluon is not None:
     def l2_kernel(
         a8_ptr, as_ptr, w_ptr, s_ptr, tab_ptr, sorted_ptr, block_expert_ptr, block_row_ptr, block_end_ptr, out_ptr,
         hidden, inter, num_local, total_rows, stride_we, stride_se, stride_out,
-        ROWS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+        ROWS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr, ROW_SCALED: gl.constexpr = False,
     ):
         """L2 of one block of up to ROWS rows and 16 x num_warps hidden columns in FP8; BF16 outputs to their slots.
-        A block of at most half ROWS rows runs an MMA half as wide."""
+        A block of at most half ROWS rows runs an MMA half as wide. ROW_SCALED: the row-scaled numerics."""
         pid_b, pid_n, expert, row0, nrows = hp.program_block(block_expert_ptr, block_row_ptr, block_end_ptr,
                                                              hidden // (16 * num_warps))
         if expert < num_local:
@@ -490,10 +568,10 @@ if hp.gluon is not None:
             s_base = s_ptr + expert.to(gl.int64) * stride_se
             if ROWS > 32 and nrows <= ROWS // 2:
                 _l2_block(a8_ptr, as_ptr, w_base, s_base, tab_ptr, sorted_ptr, out_ptr, pid_b, pid_n, row0, nrows,
-                          hidden, inter, total_rows, stride_out, ROWS // 2, ROWS, STAGES, num_warps)
+                          hidden, inter, total_rows, stride_out, ROWS // 2, ROWS, STAGES, ROW_SCALED, num_warps)
             else:
                 _l2_block(a8_ptr, as_ptr, w_base, s_base, tab_ptr, sorted_ptr, out_ptr, pid_b, pid_n, row0, nrows,
-                          hidden, inter, total_rows, stride_out, ROWS, ROWS, STAGES, num_warps)
+                          hidden, inter, total_rows, stride_out, ROWS, ROWS, STAGES, ROW_SCALED, num_warps)
 
 
 _TABLES: dict = {}
@@ -513,11 +591,12 @@ def l1_channels(config) -> int:
 
 
 def l1(x8, xs, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act, act_s, *, clamp, num_topk,
-       config, a32=None):
+       config, a32=None, row_scaled=False):
     """L1 into `act` (e4m3 bytes [R, I], R block rows) and `act_s` (their FP32 scales [I/128, R]), blocks of
     `config.block_t` rows, 16 x `config.num_warps` channels a program; `xs`: the activations' scales in block-row
     order [H/128, R] (`block_row_scales`). With 4 warps the SwiGLU output goes to `a32` (FP32 [R, I]) instead, for
-    `fp8.l1_out_blocks` to cast."""
+    `fp8.l1_out_blocks` to cast. `row_scaled` (`KernelConfig(fp8=6)`): one scale per row of each operand (`xs`
+    [1, R], `s1` the row-scaled scale words), the output always to `a32`, for `fp8.l1_out_rows`."""
     hidden, inter, num_local = x8.shape[1], w1.shape[1] // 2, w1.shape[0]
     bn = l1_channels(config)
     l1_kernel[(block_expert.numel() * (inter // bn),)](
@@ -525,18 +604,18 @@ def l1(x8, xs, w1, s1, sorted_slots, weights, block_expert, block_row, block_end
         act_s if a32 is None else a32,
         hidden, inter, num_topk, num_local, act.shape[0], w1.stride(0), s1.stride(0), 0.0 if clamp is None else clamp,
         HAS_CLAMP=clamp is not None, ROWS=config.block_t, STAGES=config.num_stages, num_warps=config.num_warps,
-        **config.launch_registers(),
+        ROW_SCALED=row_scaled, **config.launch_registers(),
     )
 
 
-def l2(act, act_s, w2, s2, sorted_slots, block_expert, block_row, block_end, out, *, config):
-    """L2 from `act` (scales `act_s` [I/128, R]) into the slot rows of `out` (hidden tiles of `config.l2_n` rows,
-    l2_n / 16 warps)."""
+def l2(act, act_s, w2, s2, sorted_slots, block_expert, block_row, block_end, out, *, config, row_scaled=False):
+    """L2 from `act` (scales `act_s` [I/128, R]; `row_scaled`: [1, R], and `s2` row-scaled) into the slot rows of
+    `out` (hidden tiles of `config.l2_n` rows, l2_n / 16 warps)."""
     inter, hidden, num_local = act.shape[1], w2.shape[1], w2.shape[0]
     l2_kernel[(block_expert.numel() * (hidden // config.l2_n),)](
         act, act_s, w2, s2, tables(act.device), sorted_slots, block_expert, block_row, block_end, out,
         hidden, inter, num_local, act.shape[0], w2.stride(0), s2.stride(0), out.stride(0),
-        ROWS=config.block_t, STAGES=config.num_stages, num_warps=config.l2_n // 16,
+        ROWS=config.block_t, STAGES=config.num_stages, num_warps=config.l2_n // 16, ROW_SCALED=row_scaled,
         **config.launch_registers("L2"),
     )
 

@@ -192,6 +192,23 @@ def shuffle_fp4_e4m3(packed: torch.Tensor, scales: torch.Tensor, *, reorder_rows
 E4M3_TABLE_ROWS = 17
 
 
+def row_scaled_words(sbytes: torch.Tensor) -> torch.Tensor:
+    """The FP8 layout's scale words (uint8 ``[E, N, K/32]``, int32 (kb, n) per expert) -> the row-scaled path's
+    (`KernelConfig(fp8=6)`): ref the largest UE8M0 byte of the whole row (the row's one scale 2**(ref - 128)) in
+    every K block's word, t_q = min(ref - s_q, 16) against it. Exact from the block words: t_q < 16 gives s_q =
+    ref_block - t_q, and t_q = 16 stays 16 (ref >= ref_block)."""
+    e, n, k32 = sbytes.shape
+    w = sbytes.contiguous().view(torch.int32).reshape(e, k32 // 4, n).to(torch.int64) & 0xFFFFFFFF
+    ref = w & 0xFF
+    row = ref.amax(dim=1, keepdim=True)
+    shifts = 8 + 5 * torch.arange(4, device=sbytes.device)
+    t = (w[..., None] >> shifts) & 31  # [E, K/128, N, 4]
+    cap = E4M3_TABLE_ROWS - 1
+    t = torch.where(t >= cap, cap, (row - ref)[..., None] + t).clamp(max=cap)
+    word = row | (t << shifts).sum(-1)
+    return word.to(torch.int32).view(torch.uint8).reshape(e, n, k32)
+
+
 def e4m3_tables(device: torch.device) -> torch.Tensor:
     """The FP8 path's lookup tables: int64 ``[17]``, row t the e4m3 bytes of the 8 e2m1 magnitudes times 2**(1 - t)
     (RNE, as the emulation rounds), byte m = magnitude code m (the kernel's `prmt` selects them by the codes)."""
@@ -233,6 +250,15 @@ class E4m3Experts:
     s1: torch.Tensor  # uint8 [E, 2I, H/32]
     w2: torch.Tensor  # int32 [E, H, I/8]
     s2: torch.Tensor  # uint8 [E, H, I/32]
+    _rows: list = field(default_factory=list, compare=False, repr=False)
+
+    def row_scaled(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(s1, s2) as `row_scaled_words` (the row-scaled path's scale words, beside the block ones: 1/8 of the FP4
+        bytes), made on the first call and kept."""
+        if not self._rows:
+            self._rows.append(tuple(torch.cat([row_scaled_words(s[i:i + 1]) for i in range(s.shape[0])])
+                                    for s in (self.s1, self.s2)))
+        return self._rows[0]
 
     @classmethod
     def from_packed(cls, experts: PackedExperts) -> "E4m3Experts":
