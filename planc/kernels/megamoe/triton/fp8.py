@@ -113,11 +113,11 @@ if triton is not None:
         BH channels at a time."""
         row = tl.program_id(0).to(tl.int64)
         amax = 0.0
-        for c in range(0, hidden // BH):
+        for c in range(hidden // BH):
             v = _staged_values(q_ptr, sf_ptr, row, c * BH + tl.arange(0, BH), hidden)
             amax = tl.maximum(amax, tl.max(tl.abs(v), axis=0))
         e = _scale_exponent(amax, True)
-        for c in range(0, hidden // BH):
+        for c in range(hidden // BH):
             if ZERO:
                 zero_other_slots(idx_ptr, slots_ptr, row, c, first, num_local, hidden, stride_slots, NUM_TOPK, BK, BH)
             col = c * BH + tl.arange(0, BH)
@@ -135,10 +135,10 @@ if triton is not None:
             return
         base = row.to(tl.int64) * inter
         amax = 0.0
-        for c in range(0, inter // BC):
+        for c in range(inter // BC):
             amax = tl.maximum(amax, tl.max(tl.abs(tl.load(a_ptr + base + c * BC + tl.arange(0, BC))), axis=0))
         e = _scale_exponent(amax, False)
-        for c in range(0, inter // BC):
+        for c in range(inter // BC):
             col = c * BC + tl.arange(0, BC)
             tl.store(q_ptr + base + col, _e4m3_at(tl.load(a_ptr + base + col), e))
         tl.store(s_ptr + row, (e << 23).to(tl.float32, bitcast=True))
@@ -391,10 +391,8 @@ def fp8_local_experts_forward(
         extra = dict(row_scaled=True) if rows else {}
         kernels.l1(x8.view(torch.float8_e4m3fn), xs, e4.w1, s1, sorted_slots, weights, block_expert, block_row,
                    block_end, act, act_s, clamp=clamp, num_topk=k, config=config, a32=a32, **extra)
-        if rows:
-            l1_out_rows(a32, act, act_s, block_expert, num_local, bt)
-        elif a32 is not None:
-            l1_out_blocks(a32, act, act_s, block_expert, num_local, bt)
+        if a32 is not None:
+            (l1_out_rows if rows else l1_out_blocks)(a32, act, act_s, block_expert, num_local, bt)
         kernels.l2(act.view(torch.float8_e4m3fn), act_s, e4.w2, s2, sorted_slots, block_expert, block_row,
                    block_end, out, config=config, **extra)
         return out.view(m, k, hidden)

@@ -269,4 +269,4 @@ class E4m3Experts:
             sl = slice(i, i + 1)
             out[0][sl], out[1][sl] = shuffle_fp4_e4m3(*unshuffle_fp4(experts.w1[sl], experts.s1[sl]), reorder_rows=True)
             out[2][sl], out[3][sl] = shuffle_fp4_e4m3(*unshuffle_fp4(experts.w2[sl], experts.s2[sl]))
-        return cls(*out)
+        return cls(out[0], out[1], out[2], out[3])
