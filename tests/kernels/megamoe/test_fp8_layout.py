@@ -149,8 +149,11 @@ def test_row_scaled_casts_match_the_emulation():
     a32[3, :128] *= 2.0**-10
     act = torch.zeros(8, 256, dtype=torch.uint8)
     act_s = torch.full((1, 8), -1.0)
-    l1_out_rows(a32, act, act_s, torch.tensor([0, 1, 2, 9]), num_local=3, block_t=2)  # block 3 is past the routed
-    for r in range(6):
+    # blocks of 2 rows: block 1 holds one routed row, block 3 is past the routed ones
+    l1_out_rows(a32, act, act_s, torch.tensor([0, 1, 2, 9]), torch.tensor([0, 2, 3, 5]), torch.tensor([2, 3, 5, 5]),
+                num_local=3, block_t=2)
+    for r in (0, 1, 2, 4, 5):
         want, want_s = fp8_block_cast(a32[r].double(), floor=False, block=256)
         assert torch.equal(act[r].view(torch.float8_e4m3fn).double(), want) and act_s[0, r] == want_s[0], r
-    assert not act[6:].any() and (act_s[0, 6:] == -1).all()  # rows of the unrouted block: not touched
+    for r in (3, 6, 7):  # past a block's routed rows, and the unrouted block: not touched
+        assert not act[r].any() and act_s[0, r] == -1, r

@@ -160,6 +160,14 @@ def test_the_gluon_fp8_kernels_refuse_an_odd_number_of_l2_k_blocks(fp8):
         dataclasses.replace(gluon, fp8=7).fit(256, 512)
 
 
+def test_only_the_row_scaled_kernels_take_blocks_of_128_rows():
+    """fp8=6 holds one accumulator per operand (fp8=3 also holds the block sums being promoted)."""
+    rows = KernelConfig(block_t=128, l1_n=128, l1_k=128, l2_n=64, l2_k=128, num_warps=4, num_stages=4, fp8=6)
+    assert rows.fit(256, 512).block_t == 128
+    with pytest.raises(ValueError, match=r"\(fp8=3\) take block_t in \(32, 64\)"):
+        dataclasses.replace(rows, fp8=3).fit(256, 512)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a device without Hopper's Gluon kernels")
 @pytest.mark.parametrize("fp8", [4, 5, 6])
 def test_the_hopper_fp8_kernels_are_refused_off_hopper_by_name(fp8):

@@ -90,6 +90,8 @@ class KernelConfig:
 
     # The block sizes the FP8 Gluon kernels (`fp8=3`) take: the wgmma's N, one MMA per block.
     FP8_GLUON_BLOCK_ROWS: ClassVar[tuple[int, ...]] = (32, 64)
+    # fp8=6 (no block sums to promote: the registers of a 128-wide accumulator fit) also takes blocks of 128 rows.
+    FP8_ROW_SCALED_BLOCK_ROWS: ClassVar[tuple[int, ...]] = (32, 64, 128)
 
     # From this many rows per block the BF16 L2 races through Triton's cp.async pipeline (`pipeline_race`).
     PIPELINE_RACE_ROWS: ClassVar[int] = 128
@@ -139,9 +141,10 @@ class KernelConfig:
                                  f"them, got hidden={hidden}, intermediate={inter}, l1_n={self.l1_n}, "
                                  f"l2_n={self.l2_n}: `pick_config` picks them only where they fit")
             l1_n_ok = self.l1_n == 128 or (self.fp8 in (4, 5) and self.l1_n == 64 and self.num_warps == 4)
-            if self.fp8 >= 3 and (self.block_t not in self.FP8_GLUON_BLOCK_ROWS or not l1_n_ok
+            block_rows = self.FP8_ROW_SCALED_BLOCK_ROWS if self.fp8 == 6 else self.FP8_GLUON_BLOCK_ROWS
+            if self.fp8 >= 3 and (self.block_t not in block_rows or not l1_n_ok
                                   or self.l2_n not in (64, 128) or self.num_stages < 3 or self.num_warps not in (4, 8)):
-                raise ValueError(f"the FP8 Gluon kernels (fp8={self.fp8}) take block_t in {self.FP8_GLUON_BLOCK_ROWS}, "
+                raise ValueError(f"the FP8 Gluon kernels (fp8={self.fp8}) take block_t in {block_rows}, "
                                  f"l1_n=128 (fp8=4 or 5 on 4 warps: or 64), l2_n 64 or 128, num_warps 4 or 8 and "
                                  f"num_stages >= 3, got "
                                  f"block_t={self.block_t}, l1_n={self.l1_n}, l2_n={self.l2_n}, "

@@ -126,12 +126,16 @@ if triton is not None:
         tl.store(xs_ptr + row, (e << 23).to(tl.float32, bitcast=True))
 
     @triton.jit
-    def l1_out_rows_kernel(a_ptr, q_ptr, s_ptr, block_expert_ptr, inter, num_local, BT: tl.constexpr,
-                           BC: tl.constexpr):
+    def l1_out_rows_kernel(a_ptr, q_ptr, s_ptr, block_expert_ptr, block_row_ptr, block_end_ptr, inter, num_local,
+                           BT: tl.constexpr, BC: tl.constexpr):
         """`l1_out_blocks_kernel` with one scale for the whole row (the row-scaled path), stored ``[R]``: two passes
-        over the row, BC channels at a time."""
+        over the row, BC channels at a time. Only the blocks' routed rows (L1 writes no others; L2 multiplies the
+        rest of its block's tile into output columns it drops)."""
         row = tl.program_id(0)
-        if tl.load(block_expert_ptr + row // BT) >= num_local:
+        b = row // BT
+        if tl.load(block_expert_ptr + b) >= num_local:
+            return
+        if row % BT >= tl.load(block_end_ptr + b) - tl.load(block_row_ptr + b):
             return
         base = row.to(tl.int64) * inter
         amax = 0.0
@@ -315,10 +319,11 @@ def x_rows(x_fp8: torch.Tensor, x_sf: torch.Tensor, zero: dict | None = None) ->
 
 
 def l1_out_rows(a32: torch.Tensor, act: torch.Tensor, act_s: torch.Tensor, block_expert: torch.Tensor,
-                num_local: int, block_t: int) -> None:
-    """L1's FP32 outputs ``[R, I]`` -> e4m3 bytes `act` ``[R, I]`` and one scale per row, `act_s` ``[1, R]``."""
+                block_row: torch.Tensor, block_end: torch.Tensor, num_local: int, block_t: int) -> None:
+    """L1's FP32 outputs ``[R, I]`` -> e4m3 bytes `act` ``[R, I]`` and one scale per row, `act_s` ``[1, R]`` (the
+    routed rows of each block: `routing.route`'s `block_row` / `block_end`)."""
     rows, inter = a32.shape
-    l1_out_rows_kernel[(rows,)](a32, act, act_s, block_expert, inter, num_local, BT=block_t,
+    l1_out_rows_kernel[(rows,)](a32, act, act_s, block_expert, block_row, block_end, inter, num_local, BT=block_t,
                                 BC=1024 if inter % 1024 == 0 else BLOCK, num_warps=4)
 
 
@@ -391,8 +396,10 @@ def fp8_local_experts_forward(
         extra = dict(row_scaled=True) if rows else {}
         kernels.l1(x8.view(torch.float8_e4m3fn), xs, e4.w1, s1, sorted_slots, weights, block_expert, block_row,
                    block_end, act, act_s, clamp=clamp, num_topk=k, config=config, a32=a32, **extra)
-        if a32 is not None:
-            (l1_out_rows if rows else l1_out_blocks)(a32, act, act_s, block_expert, num_local, bt)
+        if rows:
+            l1_out_rows(a32, act, act_s, block_expert, block_row, block_end, num_local, bt)
+        elif a32 is not None:
+            l1_out_blocks(a32, act, act_s, block_expert, num_local, bt)
         kernels.l2(act.view(torch.float8_e4m3fn), act_s, e4.w2, s2, sorted_slots, block_expert, block_row,
                    block_end, out, config=config, **extra)
         return out.view(m, k, hidden)

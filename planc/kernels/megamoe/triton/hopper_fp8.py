@@ -487,7 +487,10 @@ if hp.gluon is not None:
         a = l1_activation(acc_g, acc_u, sorted_ptr, weight_ptr, row0, nrows, clamp, HAS_CLAMP, N, num_warps)
         out_rows = pid_b * ROWS + gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
         offs = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
-        if BN < 128 or TO_A32:
+        if TO_A32:  # the block's rows only (`fp8.l1_out_rows` casts no others, and L2's columns past them are dropped)
+            ok = (out_rows < pid_b * ROWS + nrows)[None, :]
+            gl.store(a32_ptr + out_rows[None, :].to(gl.int64) * inter + offs[:, None], a, mask=ok)
+        elif BN < 128:
             gl.store(a32_ptr + out_rows[None, :].to(gl.int64) * inter + offs[:, None], a)
         else:
             e = l1_cast_store(a, gl.max(gl.abs(a), axis=0), out_ptr, out_rows, offs, inter)
