@@ -396,7 +396,7 @@ def fp8_local_experts_forward(
         extra = dict(row_scaled=True) if rows else {}
         kernels.l1(x8.view(torch.float8_e4m3fn), xs, e4.w1, s1, sorted_slots, weights, block_expert, block_row,
                    block_end, act, act_s, clamp=clamp, num_topk=k, config=config, a32=a32, **extra)
-        if rows:
+        if a32 is not None and rows:
             l1_out_rows(a32, act, act_s, block_expert, block_row, block_end, num_local, bt)
         elif a32 is not None:
             l1_out_blocks(a32, act, act_s, block_expert, num_local, bt)
