@@ -26,8 +26,8 @@ arithmetic and only the order of the FP32 sums differs, which can flip the final
 ulp, at most eps(bf16) = 2^-7 of it) and, through L1's rounding, an FP8 requantization step. Every output one ulp off
 gives calc_diff <= eps^2 / 2 = 3.1e-5; the bound, 1e-4, is about three times that (the contract the GPU tests hold
 the backend to). One wrong expert out of 32, a wrong scale or a misplaced slot gives 1e-3 and more. The FP8 path
-(on Hopper, the batches whose rows per local expert `config.FP8_CONFIGS` names) rounds its operands to e4m3 per 128
-channels: DeepGEMM's bound for its FP8 GEMMs against BF16, 1e-2.
+(on Hopper, the batches whose rows per local expert `config.FP8_CONFIGS` names) rounds its operands to e4m3 with one
+scale per row (or per 128 channels): DeepGEMM's bound for its FP8 GEMMs against BF16, 1e-2.
 """
 
 from __future__ import annotations

@@ -252,19 +252,21 @@ GLUON_CONFIGS = (
 
 # The FP8-math path (`fp8`): rows (from this many rows per local expert on average, config; None: the BF16 tables
 # from there on) that `pick_config` takes before the BF16 tables on Hopper with Gluon and FP8 MMAs. Measured on an
-# H100 (2026-12-07, Triton 3.6, V4 layer, the experts alone, `bench/megamoe_gpu.py --sweep`, docs/megamoe.md "The FP8
-# path in Gluon"): the Gluon FP8 kernels (`fp8=3`, L2 capped at 168) beat the BF16 pick at 16-32 rows per expert
-# (1024 tokens: 32-row blocks 5544.8 against 6077.6 µs; 1536: 5771.6 against 5971.9; 2048: 64-row blocks 7154.7 and
-# 7242.8 against 7614.2 and 7723.0 in two calls) and lose above (3072 tokens, 48 rows: 7900.8 against 6817.1; 4096:
-# 10546.4 against 7544.4). Both bounds checked in a later call: below 16 rows the BF16 kernels stay ahead (512 / 768
-# tokens: 4896.4 / 5179.4 against 5779.4 / 5677.1); from 36 rows the Gluon BF16 kernels with 80-row blocks win
-# (`GLUON_CONFIGS`), so the last row hands back from 34. Between the two block heights (H100, 2026-12-07, kernels
-# of 0d1d370): 32-row blocks ahead at 28 / 29 / 30 rows (6214.4 / 6639.5 / 6730.9 against 6717.1 / 6882.8 / 6918.9 µs),
-# 64-row ones from 31 (7039.2 against 7165.2).
+# H100 (2026-12-07, Triton 3.6, the experts alone, `bench/megamoe_gpu.py --sweep`, docs/megamoe.md "The row-scaled
+# FP8 path"): the row-scaled Gluon kernels (`fp8=6`) beat the BF16 pick and `fp8=3` from 16 rows per expert on V4
+# (1024 tokens: 32-row blocks 5044.0 against fp8=3's 5511.3 and the BF16 pick's 6014.0 µs; 2048: 64-row blocks 5797.3
+# against 7095.9 and 7586.9; 3072: 6091.6 against the BF16 pick's 6733.7; 3328: 6259.7 against 6779.4; 3584: 6713.8
+# against 6980.5) and lose at 64 (4096 tokens: 7909.4 and 8038.6 against 7376.2 and 7392.4; 128-row blocks 9399.3):
+# the BF16 tables from 60. On an EP 8 rank's share (48 of V4's 384 experts) 64 rows again go to the BF16 pick (512
+# tokens: 1011.5 against 1099.5), 96 rows to fp8=6 (768: 1477.7 with 64-row and 1489.2 with 128-row blocks against
+# 1762.1), 128 and 512 rows too (1024 / 4096 tokens, 128-row blocks: 1830.2 / 5015.6 against 2149.7 / 6426.2). The
+# bounds at 31 (32- against 64-row blocks: 6324.1 against 5797.3 at 32 rows, 5044.0 against 5362.5 at 16) and 60
+# sit between measured points; 65-95 rows and above 512 were not measured.
 FP8_CONFIGS: tuple[tuple[int, KernelConfig | None], ...] = (
-    (16, KernelConfig(32, 128, 128, 64, 128, 4, 4, l2_maxnreg=168, fp8=3)),
-    (31, KernelConfig(64, 128, 128, 64, 128, 4, 4, l2_maxnreg=168, fp8=3)),
-    (34, None),
+    (16, KernelConfig(32, 128, 128, 64, 128, 4, 4, fp8=6)),
+    (31, KernelConfig(64, 128, 128, 64, 128, 4, 4, fp8=6)),
+    (60, None),
+    (96, KernelConfig(128, 128, 128, 64, 128, 4, 4, fp8=6)),
 )
 
 

@@ -16,6 +16,11 @@ Numerics (docs/megamoe.md, "The FP8 path"; `tests/kernels/megamoe/emulation.py` 
   (clamp, routing weight); the result re-cast per (row, 128 intermediate channels) as the activations (no floor:
   an all-zero group gets sf 0), stored as e4m3 bytes and FP32 scales.
 - L2: the same block MMAs over the intermediate dimension, rounded to BF16 per slot; the combine is unchanged.
+
+The row-scaled numerics (`KernelConfig(fp8=6)`, `hopper_fp8` with ROW_SCALED): the same casts with one scale for a
+whole row instead of per 128 (activations per token, `x_rows_kernel`; weights: ref the largest UE8M0 byte of the row,
+`layout.row_scaled_words`; L1's output per row, `l1_out_rows_kernel`), so the FP8 MMAs of every K block accumulate in
+one FP32 sum (the tensor cores' own accumulation), scaled by sw * sx once before the BF16 rounding.
 """
 
 from __future__ import annotations

@@ -18,6 +18,10 @@ path. Here (`KernelConfig(fp8=3)`), written as the BF16 Gluon kernels (`hopper_p
 - words and activation tiles stream through a `num_stages` cp.async ring as in `hopper_prefill`; the scale words
   (one int32 per row and K block) and the activations' block scales are loaded from global memory (L2-resident).
 
+`KernelConfig(fp8=6)` runs the same kernels with ROW_SCALED: one scale per row of each operand, so nothing is
+promoted (`accumulated_sums`: every K block's wgmma accumulates into the same registers, and one stays in flight
+across iterations as in the BF16 kernels), the scales applied in the epilogue; 128-row blocks fit there too.
+
 Numerics: `fp8`'s module docstring (per-128 block scales on both operands, promotion in FP32, L1 rounded to BF16 once,
 the SwiGLU epilogue, L1's output cast per (row, 128 channels)), with the K order of `layout.fp8_k_order` inside each
 128 block (a permutation of the same products). Gluon has no CPU interpreter: CI compiles these kernels for sm_90
