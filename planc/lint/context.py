@@ -53,7 +53,8 @@ class LintContext:
         """`fix`: the text that replaces the key (or the value, `at_value`) when the hint is that sure of it."""
         from planc.lint.registry import severity_of
 
-        if self.path is None and not self.key_positions:  # a plan given as a mapping: no text to point into
+        # a plan given as a mapping: no text to point into (a text's root value has a position, even `{}`'s)
+        if self.path is None and not self.key_positions and not self.value_positions:
             return Diagnostic(code, severity_of(code), message, hint, None, key=mapping_key(keypath))
         pos = self.value_position(keypath) if at_value else self.position(keypath)
         exact = tuple(keypath) in (self.value_positions if at_value else self.key_positions)
