@@ -253,11 +253,14 @@ class E4m3Experts:
     _rows: list = field(default_factory=list, compare=False, repr=False)
 
     def row_scaled(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(s1, s2) as `row_scaled_words` (the row-scaled path's scale words, beside the block ones: 1/8 of the FP4
-        bytes), made on the first call and kept."""
+        """(s1, s2) as `row_scaled_words` (the row-scaled path's scale words, beside the block ones: 1/16 of the FP4
+        bytes), made on the first call, one expert at a time, and kept."""
         if not self._rows:
-            self._rows.append(tuple(torch.cat([row_scaled_words(s[i:i + 1]) for i in range(s.shape[0])])
-                                    for s in (self.s1, self.s2)))
+            words = (torch.empty_like(self.s1), torch.empty_like(self.s2))
+            for out, s in zip(words, (self.s1, self.s2)):
+                for i in range(s.shape[0]):
+                    out[i:i + 1] = row_scaled_words(s[i:i + 1])
+            self._rows.append(words)
         return self._rows[0]
 
     @classmethod
