@@ -239,6 +239,12 @@ def fp4_bytes(m) -> int:
                                                "down_proj_scale_inv"))
 
 
+def fp8_layout_bytes(state, device) -> int:
+    """The bytes of the Triton backend's FP8-layout copy of the experts (0 where no batch took the FP8 path)."""
+    weights = state.runner.weights(device)
+    return getattr(weights, "fp8_layout_nbytes", 0)
+
+
 def bound_us(args, n, bytes_per_expert) -> tuple[float, str]:
     """max(FP4 HBM read of the expected distinct experts, dense BF16 math) in µs, and which one binds."""
     touched = args.experts * (1 - (1 - args.topk / args.experts) ** n)
@@ -923,7 +929,8 @@ def main(argv=None):
         read_tbps=read_tbps,
         sglang={k: v for k, v in peer.items() if k != "outputs"},
         deepgemm={k: v for k, v in dg_peer.items() if k != "outputs"},
-        resident_bytes=dict(triton=resident_fp4, reference=reference_bytes),
+        resident_bytes=dict(triton=resident_fp4, triton_fp8_layout=fp8_layout_bytes(tri_state, device),
+                            reference=reference_bytes),
         buffer_allocations=stats.allocations, buffer_bytes=stats.live_bytes,
         rows=rows,
     )
@@ -1041,7 +1048,10 @@ def main(argv=None):
         c = ceilings[-1]["ceiling"]
         print(f"FP8 1x128 scales: {c.get('fp8_1x128_scales') or c.get('fp8_1x128_error')}; "
               f"FP8 per-1x32 (MX) scales: {c['fp8_1x32']}")
-    print(f"\nresident expert bytes per layer: triton {resident_fp4 / 1e9:.2f} GB (FP4 + UE8M0, no other copy)"
+    fp8_copy = fp8_layout_bytes(tri_state, device)
+    print(f"\nresident expert bytes per layer: triton {resident_fp4 / 1e9:.2f} GB (FP4 + UE8M0"
+          + (f"; + {fp8_copy / 1e9:.2f} GB, the FP8 path's copy of them, made for its batches)" if fp8_copy
+             else ", no other copy)")
           + (f", reference {reference_bytes / 1e9:.2f} GB (FP4 + its BF16 cache)" if reference_bytes else ""))
     print(f"buffer allocations: {stats.allocations} ({stats.live_bytes / 2**20:.1f} MiB live)")
     return finish(args, result)

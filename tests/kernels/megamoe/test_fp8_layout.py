@@ -157,3 +157,17 @@ def test_row_scaled_casts_match_the_emulation():
         assert torch.equal(act[r].view(torch.float8_e4m3fn).double(), want) and act_s[0, r] == want_s[0], r
     for r in (3, 6, 7):  # past a block's routed rows, and the unrouted block: not touched
         assert not act[r].any() and act_s[0, r] == -1, r
+
+
+def test_the_fp8_layout_copy_is_counted_once_made():
+    """`PackedExperts.fp8_layout_nbytes` (what the bench reports beside the FP4 bytes): 0 until a batch takes the FP8
+    path, then the second copy's bytes, then also its row-scaled scale words (one byte per 32 weights)."""
+    fp4 = quantize_experts_fp4(*full_weights(0, num_experts=2, hidden=256, inter=128))
+    packed = PackedExperts.from_params(fp4.gate_up_proj, fp4.gate_up_proj_scale_inv, fp4.down_proj,
+                                       fp4.down_proj_scale_inv)
+    assert packed.fp8_layout_nbytes == 0
+    e4 = packed.e4m3()
+    assert packed.fp8_layout_nbytes == packed.nbytes
+    s1, s2 = e4.row_scaled()
+    assert packed.fp8_layout_nbytes == packed.nbytes + s1.nbytes + s2.nbytes == packed.nbytes + packed.s1.nbytes \
+        + packed.s2.nbytes

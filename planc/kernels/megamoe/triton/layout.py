@@ -105,6 +105,12 @@ class PackedExperts:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.w1, self.s1, self.w2, self.s2))
 
+    @property
+    def fp8_layout_nbytes(self) -> int:
+        """The bytes of the FP8 path's copy of these experts (`e4m3`, with its row-scaled scale words), 0 until a
+        batch made it."""
+        return sum(e4.nbytes for e4 in self._e4m3)
+
 
 def has_large_scales(*scales: torch.Tensor) -> bool:
     """Whether any UE8M0 byte is above 128 (one host read: at install, never in a forward)."""
@@ -251,6 +257,11 @@ class E4m3Experts:
     w2: torch.Tensor  # int32 [E, H, I/8]
     s2: torch.Tensor  # uint8 [E, H, I/32]
     _rows: list = field(default_factory=list, compare=False, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        """These words and scale words, and the row-scaled scale words once made."""
+        return sum(t.nbytes for t in (self.w1, self.s1, self.w2, self.s2, *(w for r in self._rows for w in r)))
 
     def row_scaled(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(s1, s2) as `row_scaled_words` (the row-scaled path's scale words, beside the block ones: 1/16 of the FP4
