@@ -919,6 +919,7 @@ def main(argv=None):
               f"{row['calc_diff_vs_general']:.1e}, vs reference {row.get('calc_diff', float('nan')):.2e}", file=sys.stderr)
 
     stats = buffer_stats()
+    fp8_copy = fp8_layout_bytes(tri_state, device)  # made by the batches above that took the FP8 path
     result = dict(
         command=" ".join([os.path.basename(sys.executable), *sys.argv]),
         device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -929,8 +930,7 @@ def main(argv=None):
         read_tbps=read_tbps,
         sglang={k: v for k, v in peer.items() if k != "outputs"},
         deepgemm={k: v for k, v in dg_peer.items() if k != "outputs"},
-        resident_bytes=dict(triton=resident_fp4, triton_fp8_layout=fp8_layout_bytes(tri_state, device),
-                            reference=reference_bytes),
+        resident_bytes=dict(triton=resident_fp4, triton_fp8_layout=fp8_copy, reference=reference_bytes),
         buffer_allocations=stats.allocations, buffer_bytes=stats.live_bytes,
         rows=rows,
     )
@@ -1048,7 +1048,6 @@ def main(argv=None):
         c = ceilings[-1]["ceiling"]
         print(f"FP8 1x128 scales: {c.get('fp8_1x128_scales') or c.get('fp8_1x128_error')}; "
               f"FP8 per-1x32 (MX) scales: {c['fp8_1x32']}")
-    fp8_copy = fp8_layout_bytes(tri_state, device)
     print(f"\nresident expert bytes per layer: triton {resident_fp4 / 1e9:.2f} GB (FP4 + UE8M0"
           + (f"; + {fp8_copy / 1e9:.2f} GB, the FP8 path's copy of them, made for its batches)" if fp8_copy
              else ", no other copy)")

@@ -238,27 +238,20 @@ if hp.gluon is not None:
         ring = (wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s, wb_s, sa_s, sb_s,
                 x_s, sx_s)
         if ROW_SCALED:
-            return accumulated_sums(ring, _ring_acquire_rows, wa_s, sa_s, wb_s, sb_s, x_s, tab_ptr, k_blocks, BN,
+            return accumulated_sums(ring, _ring_acquire, wa_s, sa_s, wb_s, sb_s, x_s, tab_ptr, k_blocks, BN,
                                     ROWS, STAGES, GATED, num_warps)
         return promoted_sums(ring, _ring_acquire, _ring_stage, _ring_release, _ring_drain, wa_s, sa_s, wb_s, sb_s,
                              x_s, sx_s, tab_ptr, k_blocks, BN, ROWS, STAGES, GATED, num_warps)
 
     @gluon.jit
-    def _ring_acquire(ring, kb, k_blocks, PAST_END: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr):
+    def _ring_acquire(ring, kb, k_blocks, PAST_END: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr,
+                      ROW_SCALED: gl.constexpr = False):
         """The cp.async ring's stage of K block kb (past the end: the last block's again), its copies landed
-        (`_next_block`)."""
+        (`_next_block`; ROW_SCALED: stages without activation block scales)."""
         wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s, wb_s, sa_s, sb_s, x_s, \
             sx_s = ring
         return _next_block(kb, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs,
-                           total_rows, wa_s, wb_s, sa_s, sb_s, x_s, sx_s, STAGES, GATED)
-
-    @gluon.jit
-    def _ring_acquire_rows(ring, kb, k_blocks, STAGES: gl.constexpr, GATED: gl.constexpr):
-        """`_ring_acquire` for the row-scaled stages (no activation block scales)."""
-        wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s, wb_s, sa_s, sb_s, x_s, \
-            sx_s = ring
-        return _next_block(kb, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs,
-                           total_rows, wa_s, wb_s, sa_s, sb_s, x_s, sx_s, STAGES, GATED, True)
+                           total_rows, wa_s, wb_s, sa_s, sb_s, x_s, sx_s, STAGES, GATED, ROW_SCALED)
 
     @gluon.jit
     def _ring_stage(ring, kb, STAGES: gl.constexpr):
@@ -387,8 +380,9 @@ if hp.gluon is not None:
         registers (one scale per weight row and per activation row, applied by the caller). Nothing reads an
         accumulator in the loop, so a wgmma stays in flight across iterations as in the BF16 kernels
         (`hopper_prefill._gemm`): per iteration expand a (the last b multiplying), issue a, wait for b, expand b (L2:
-        the next K block) while a multiplies, issue b, wait for a. `acquire(ring, kb, k_blocks, STAGES, GATED)` waits
-        for K block kb's stage and refills the stage of kb - 2, whose MMAs every warp has waited for."""
+        the next K block) while a multiplies, issue b, wait for a. `acquire(ring, kb, k_blocks, False, STAGES, GATED,
+        True)` (`_ring_acquire`, its stages without block scales) waits for K block kb's stage and refills the stage of
+        kb - 2, whose MMAs every warp has waited for."""
         G: gl.constexpr = BN // 16
         WL: gl.constexpr = words_layout(num_warps)
         MMA: gl.constexpr = mma_layout(num_warps, N)
@@ -399,7 +393,7 @@ if hp.gluon is not None:
         # the operand registers of the MMAs in flight, kept alive through each wait (`expand_e4m3`)
         pa0, pa1, pb0, pb1 = WZ, WZ, WZ, WZ
         for i in range(0, k_blocks, 1 if GATED else 2):
-            st = acquire(ring, i, k_blocks, STAGES, GATED)
+            st = acquire(ring, i, k_blocks, False, STAGES, GATED, True)
             x_t = _rows(x_s, st, N).permute((1, 0))
             lo, hi = lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), tab_ptr, WL, num_warps)
             pa0, pa1 = expand_e4m3(_words(wa_s, st, WL), lo, hi)
@@ -410,7 +404,7 @@ if hp.gluon is not None:
                 pb0, pb1 = expand_e4m3(_words(wb_s, st, WL), lo, hi)
                 acc_b = warpgroup_mma(operand(pb0, pb1, AL), x_t, acc_b, is_async=True)
             else:  # K block i + 1 (k_blocks is even), into a's accumulators
-                st = acquire(ring, i + 1, k_blocks, STAGES, GATED)
+                st = acquire(ring, i + 1, k_blocks, False, STAGES, GATED, True)
                 lo, hi = lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), tab_ptr, WL, num_warps)
                 pb0, pb1 = expand_e4m3(_words(wa_s, st, WL), lo, hi)
                 acc_a = warpgroup_mma(operand(pb0, pb1, AL), _rows(x_s, st, N).permute((1, 0)), acc_a, is_async=True)
