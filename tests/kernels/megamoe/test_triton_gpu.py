@@ -11,12 +11,12 @@ import torch
 
 from planc.kernels.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_experts_fp4, quantize_fp8
 from planc.kernels.megamoe.reference import DequantizedExperts, local_experts_forward
-from planc.kernels.megamoe.triton import decode, hopper_decode, hopper_fp8_ws, target
+from planc.kernels.megamoe.triton import decode, hopper_decode, hopper_fp8, hopper_fp8_ws, hopper_prefill, target
 from planc.kernels.megamoe.triton.config import KernelConfig
 from planc.kernels.megamoe.triton.decode import arrival_counters
 from planc.kernels.megamoe.triton.forward import combine, device_config, triton_local_experts_forward
 from planc.kernels.megamoe.triton.hopper_prefill import gluon_unavailable_reason
-from planc.kernels.megamoe.triton.layout import PackedExperts
+from planc.kernels.megamoe.triton.layout import PackedExperts, e4m3_tables
 from planc.runtime.ep.megamoe import MegaMoeEPRuntime
 from planc.runtime.megamoe import install_megamoe_forward, megamoe_state
 from planc.spec.ep import MegaMoeEP
@@ -394,6 +394,31 @@ def test_fp8_path_matches_its_emulation(config, num_tokens, clamp):
     assert calc_diff(y.double().cpu(), emulated) < 1e-5
     ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=clamp)
     check(out, ref, fp8=True)
+
+
+if hopper_prefill.gluon is not None:
+    @hopper_fp8.gluon.jit
+    def _table_words_kernel(t_ptr, out_ptr):
+        L: hopper_fp8.gl.constexpr = hopper_fp8.gl.BlockedLayout([1], [32], [4], [0])
+        offs = hopper_fp8.gl.program_id(0) * 128 + hopper_fp8.gl.arange(0, 128, layout=L)
+        lo, hi = hopper_fp8.table_words(hopper_fp8.gl.load(t_ptr + offs))
+        hopper_fp8.gl.store(out_ptr + 2 * offs, lo)
+        hopper_fp8.gl.store(out_ptr + 2 * offs + 1, hi)
+
+
+@needs_gluon
+def test_e4m3_table_words_are_the_tables():
+    """`hopper_fp8.table_words` (rows 0-6 by two multiply-adds, the subnormal rows by `cvt` behind a warp vote) gives
+    `layout.e4m3_tables`' words for every row: warps whose lanes need none of the `cvt` rows, some, all, and random."""
+    g = torch.Generator().manual_seed(0)
+    t = torch.cat([torch.arange(128) % 7, torch.arange(128) % 17, 7 + torch.arange(128) % 10,
+                   torch.randint(0, 17, (128,), generator=g)]).int().cuda()
+    tab = e4m3_tables(t.device)
+    out = torch.empty(t.numel(), 2, dtype=torch.int32, device="cuda")
+    _table_words_kernel[(t.numel() // 128,)](t, out, num_warps=4)
+    want = tab[t.long()]
+    assert torch.equal(out[:, 0], (want & 0xFFFFFFFF).to(torch.int32)), (t, out[:, 0], want)
+    assert torch.equal(out[:, 1], (want >> 32).to(torch.int32)), (t, out[:, 1], want)
 
 
 @needs_fp8_ws

@@ -10,8 +10,8 @@ path. Here (`KernelConfig(fp8=3)`), written as the BF16 Gluon kernels (`hopper_p
 - the weights are in the FP8 layout (`layout.shuffle_fp4_e4m3`): each int32 word is 8 codes of one (row, 32-group),
   turned into two A-operand registers of 4 e4m3 bytes by two `prmt` lookups in the group's 8-entry table
   (e4m3(|code| x 2**(s - ref + 1)), RNE below e4m3's normal range as the numerics say: one of the 17 rows of
-  `layout.e4m3_tables`, an 8-byte load picked by the group's index in its row's scale word) and one OR of the sign
-  bits each: 7 instructions per 8 weights;
+  `layout.e4m3_tables`, picked by the group's index in its row's scale word and computed from it in registers,
+  `table_words`) and one OR of the sign bits each: 7 instructions per 8 weights;
 - each 128-deep K block's wgmma writes a fresh FP32 block sum and is waited for one step later: the promotion
   (acc += part x sw x sx) of one block runs while the next block's MMA does, and the next operand is expanded then
   too (L1: gate and up blocks alternate; L2: K blocks in pairs);
@@ -33,7 +33,6 @@ from __future__ import annotations
 import torch
 
 from planc.kernels.megamoe.triton import hopper_prefill as hp
-from planc.kernels.megamoe.triton.layout import e4m3_tables
 
 if hp.gluon is not None:
     import triton
@@ -59,6 +58,36 @@ if hp.gluon is not None:
     shl.b32 t, $2, 4;
     and.b32 t, t, 0x80808080;
     or.b32 $1, $1, t;
+    }""")
+
+    # A group's table row t (`layout.e4m3_tables`: the e4m3 bytes of the 8 e2m1 magnitudes times 2**(1 - t)) -> its
+    # low and high word, computed from t: rows 0-6 (every nonzero magnitude a normal e4m3) are row 0's bytes with t
+    # subtracted from each nonzero byte's exponent, two multiply-adds; a row past 6 (magnitudes in e4m3's subnormal
+    # range) is converted by `cvt` (RNE, as the table), behind a branch that only a warp with such a lane takes.
+    _TABLE_PTX: gl.constexpr = gl.constexpr("""{
+    .reg .pred p, q;
+    .reg .b32 f, z, a1, a3, a4, a5, a6, a7;
+    .reg .b16 h0, h1, h2, h3;
+    mad.lo.u32 $0, $2, 0xF7F7F800, 0x44403800;
+    mad.lo.u32 $1, $2, 0xF7F7F7F8, 0x54504C48;
+    setp.gt.u32 p, $2, 6;
+    vote.sync.any.pred q, p, 0xffffffff;
+    @!q bra.uni TABLE_NORMAL_${:uid};
+    mad.lo.u32 f, $2, 0xFF800000, 0x40000000;
+    mov.b32 z, 0;
+    mul.f32 a1, f, 0f3F000000;
+    mul.f32 a3, f, 0f3FC00000;
+    mul.f32 a4, f, 0f40000000;
+    mul.f32 a5, f, 0f40400000;
+    mul.f32 a6, f, 0f40800000;
+    mul.f32 a7, f, 0f40C00000;
+    cvt.rn.satfinite.e4m3x2.f32 h0, a1, z;
+    cvt.rn.satfinite.e4m3x2.f32 h1, a3, f;
+    cvt.rn.satfinite.e4m3x2.f32 h2, a5, a4;
+    cvt.rn.satfinite.e4m3x2.f32 h3, a7, a6;
+    @p mov.b32 $0, {h0, h1};
+    @p mov.b32 $1, {h2, h3};
+    TABLE_NORMAL_${:uid}:
     }""")
 
     @triton.constexpr_function
@@ -144,7 +173,7 @@ if hp.gluon is not None:
         return bits.to(gl.float32, bitcast=True)
 
     @gluon.jit
-    def lane_tables(s_tile, tab_ptr, WL: gl.constexpr, num_warps: gl.constexpr):
+    def lane_tables(s_tile, WL: gl.constexpr, num_warps: gl.constexpr):
         """A stage's scale words as [G, 8, 2] (r, m8) -> the e4m3 tables (`layout.e4m3_tables`, low and high word) of each
         lane's 32-group, [G, 32, 2] in the expansion's layout: lane 4 r + q, rows 16 g + 8 m8 + r, the table row t_q
         of the row's scale word."""
@@ -155,8 +184,15 @@ if hp.gluon is not None:
         q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4))))
         t = (sw >> (8 + 5 * q)[None, None, :, None]) & 31
         t = gl.convert_layout(gl.reshape(t, (G, 32, 2)), gl.SliceLayout(1, gl.SliceLayout(3, WL)), assert_trivial=True)
-        tab = gl.load(tab_ptr + t)
-        return tab.to(gl.int32), (tab >> 32).to(gl.int32)
+        return table_words(t)
+
+    @gluon.jit
+    def table_words(t):
+        """Table rows t (int32, any layout) -> their low and high words (`_TABLE_PTX`), in registers: a table load in
+        every K block waits behind the stage copies queued in the same load/store unit, between the scale words and
+        the MMA (Nsight Compute: the largest stall of the row-scaled L1 at 4096 tokens)."""
+        return gl.inline_asm_elementwise(_TABLE_PTX, "=r,=r,r", [t], dtype=(gl.int32, gl.int32), is_pure=True,
+                                         pack=1)
 
     @gluon.jit
     def _word_offsets(g0, num_g, G: gl.constexpr, WL: gl.constexpr):
@@ -190,21 +226,7 @@ if hp.gluon is not None:
         _cp.commit_group()
 
     @gluon.jit
-    def _next_block(kb, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s,
-                    wb_s, sa_s, sb_s, x_s, sx_s, STAGES: gl.constexpr, GATED: gl.constexpr,
-                    ROW_SCALED: gl.constexpr = False):
-        """Wait for block kb's copies, issue block kb + STAGES - 2's (into the stage of block kb - 2, whose MMAs are
-        retired and whose scales are read), fence: `hopper_prefill._next_tile`'s order. Returns kb's stage."""
-        _cp.wait_group(STAGES - 3)
-        _cta_barrier()
-        nxt = kb + STAGES - 2
-        _issue(nxt, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s,
-               wb_s, sa_s, sb_s, x_s, sx_s, nxt % STAGES, GATED, ROW_SCALED)
-        fence_async_shared()
-        return kb % STAGES
-
-    @gluon.jit
-    def _gemm(x_ptrs, sx_ptrs, total_rows, w_base, s_base, tab_ptr, wa_off, wb_off, na0, nb0, n_rows, num_g, k_blocks,
+    def _gemm(x_ptrs, sx_ptrs, total_rows, w_base, s_base, wa_off, wb_off, na0, nb0, n_rows, num_g, k_blocks,
               BN: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr,
               ROW_SCALED: gl.constexpr, num_warps: gl.constexpr):
         """FP32 sums [BN, ROWS] of operand a (rows na0..; and b, rows nb0.., when GATED) times the block's
@@ -238,20 +260,37 @@ if hp.gluon is not None:
         ring = (wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s, wb_s, sa_s, sb_s,
                 x_s, sx_s)
         if ROW_SCALED:
-            return accumulated_sums(ring, _ring_acquire, wa_s, sa_s, wb_s, sb_s, x_s, tab_ptr, k_blocks, BN,
+            return accumulated_sums(ring, wa_s, sa_s, wb_s, sb_s, x_s, k_blocks, BN,
                                     ROWS, STAGES, GATED, num_warps)
         return promoted_sums(ring, _ring_acquire, _ring_stage, _ring_release, _ring_drain, wa_s, sa_s, wb_s, sb_s,
-                             x_s, sx_s, tab_ptr, k_blocks, BN, ROWS, STAGES, GATED, num_warps)
+                             x_s, sx_s, k_blocks, BN, ROWS, STAGES, GATED, num_warps)
 
     @gluon.jit
-    def _ring_acquire(ring, kb, k_blocks, PAST_END: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr,
-                      ROW_SCALED: gl.constexpr = False):
-        """The cp.async ring's stage of K block kb (past the end: the last block's again), its copies landed
-        (`_next_block`; ROW_SCALED: stages without activation block scales)."""
+    def _ring_acquire(ring, kb, k_blocks, PAST_END: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr):
+        """The cp.async ring's stage of K block kb (past the end: the last block's again), its copies landed, and the
+        next block's issued (`_ring_wait`, then `_ring_refill`: `hopper_prefill._next_tile`'s order)."""
+        st = _ring_wait(kb, STAGES)
+        _ring_refill(ring, kb, k_blocks, STAGES, GATED, False)
+        return st
+
+    @gluon.jit
+    def _ring_wait(kb, STAGES: gl.constexpr):
+        """Wait for K block kb's copies and for every warp to pass the MMAs of block kb - 2 (CTA barrier). Returns
+        kb's stage."""
+        _cp.wait_group(STAGES - 3)
+        _cta_barrier()
+        return kb % STAGES
+
+    @gluon.jit
+    def _ring_refill(ring, kb, k_blocks, STAGES: gl.constexpr, GATED: gl.constexpr, ROW_SCALED: gl.constexpr):
+        """After `_ring_wait(kb)`: issue block kb + STAGES - 2 into the stage of block kb - 2 (its MMAs retired, its
+        scales read; ROW_SCALED: stages without activation block scales), then fence for the MMAs of block kb."""
         wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s, wb_s, sa_s, sb_s, x_s, \
             sx_s = ring
-        return _next_block(kb, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs,
-                           total_rows, wa_s, wb_s, sa_s, sb_s, x_s, sx_s, STAGES, GATED, ROW_SCALED)
+        nxt = kb + STAGES - 2
+        _issue(nxt, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s,
+               wb_s, sa_s, sb_s, x_s, sx_s, nxt % STAGES, GATED, ROW_SCALED)
+        fence_async_shared()
 
     @gluon.jit
     def _ring_stage(ring, kb, STAGES: gl.constexpr):
@@ -259,7 +298,7 @@ if hp.gluon is not None:
 
     @gluon.jit
     def _ring_release(ring, kb, STAGES: gl.constexpr):
-        """Nothing: a stage is reused once every warp has passed the CTA barrier of a later block (`_next_block`)."""
+        """Nothing: a stage is reused once every warp has passed the CTA barrier of a later block (`_ring_wait`)."""
 
     @gluon.jit
     def _ring_drain(ring):
@@ -292,7 +331,7 @@ if hp.gluon is not None:
 
     @gluon.jit
     def promoted_sums(ring, acquire: gl.constexpr, stage_of: gl.constexpr, release: gl.constexpr,
-                      drain: gl.constexpr, wa_s, sa_s, wb_s, sb_s, x_s, sx_s, tab_ptr, k_blocks, BN: gl.constexpr,
+                      drain: gl.constexpr, wa_s, sa_s, wb_s, sb_s, x_s, sx_s, k_blocks, BN: gl.constexpr,
                       N: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, num_warps: gl.constexpr):
         """The K loop of every FP8 Gluon GEMM: FP32 sums [BN, N] of operand a (and b when GATED) times the stages'
         activation tiles, promoted per 128-deep K block. GATED: a and b alternate (each expanded and promoted while
@@ -317,7 +356,7 @@ if hp.gluon is not None:
         swb = gl.zeros([BN], gl.float32, SWL)
         STEP: gl.constexpr = 1 if GATED else 2
         st = acquire(ring, 0, k_blocks, False, STAGES, GATED)
-        lo, hi = lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), tab_ptr, WL, num_warps)
+        lo, hi = lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), WL, num_warps)
         ka0, ka1 = expand_e4m3(_words(wa_s, st, WL), lo, hi)
         # One iteration: a's block multiplies while b's last block sum is promoted and b's operand expanded; b's block
         # multiplies while a's sum is promoted and the next a operand expanded (from the next stage). Each block sum is
@@ -336,7 +375,7 @@ if hp.gluon is not None:
             if i > 0:
                 release(ring, i - 1, STAGES)
             if GATED:
-                lo, hi = lane_tables(_scale_tile(sb_s, st, G).permute((0, 2, 1)), tab_ptr, WL, num_warps)
+                lo, hi = lane_tables(_scale_tile(sb_s, st, G).permute((0, 2, 1)), WL, num_warps)
                 wb = _words(wb_s, st, WL)
                 acc_b = warpgroup_mma_wait(1, deps=(acc_b + pb * (swb[:, None] * sxb[None, :]),))
                 swb = row_scales(_scale_tile(sb_s, st, G), BN, SWL)
@@ -345,7 +384,7 @@ if hp.gluon is not None:
                 acc_a = warpgroup_mma_wait(1, deps=(acc_a + pb * (swb[:, None] * sxb[None, :]),))
                 st = acquire(ring, i + 1, k_blocks, False, STAGES, GATED)
                 x_t = _rows(x_s, st, N).permute((1, 0))
-                lo, hi = lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), tab_ptr, WL, num_warps)
+                lo, hi = lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), WL, num_warps)
                 swb = row_scales(_scale_tile(sa_s, st, G), BN, SWL)
                 kb0, kb1 = expand_e4m3(_words(wa_s, st, WL), lo, hi)
             pb = warpgroup_mma(operand(kb0, kb1, AL), x_t, pb, use_acc=False, is_async=True)
@@ -356,7 +395,7 @@ if hp.gluon is not None:
             # the next a operand (past the end: the last block's again, never multiplied): its stage's reads go out
             # before a's promotion
             st = acquire(ring, i + STEP, k_blocks, True, STAGES, GATED)
-            lo, hi = lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), tab_ptr, WL, num_warps)
+            lo, hi = lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), WL, num_warps)
             wa = _words(wa_s, st, WL)
             acc_a = warpgroup_mma_wait(1, deps=(acc_a + pa * (swa[:, None] * sxa[None, :]),))
             ka0, ka1 = expand_e4m3(wa, lo, hi)
@@ -372,7 +411,7 @@ if hp.gluon is not None:
         return acc_a, acc_b
 
     @gluon.jit
-    def accumulated_sums(ring, acquire: gl.constexpr, wa_s, sa_s, wb_s, sb_s, x_s, tab_ptr, k_blocks,
+    def accumulated_sums(ring, wa_s, sa_s, wb_s, sb_s, x_s, k_blocks,
                          BN: gl.constexpr, N: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr,
                          num_warps: gl.constexpr):
         """The K loop of the row-scaled FP8 GEMMs (`KernelConfig(fp8=6)`): the sums [BN, N] of operand a (and b when
@@ -380,9 +419,9 @@ if hp.gluon is not None:
         registers (one scale per weight row and per activation row, applied by the caller). Nothing reads an
         accumulator in the loop, so a wgmma stays in flight across iterations as in the BF16 kernels
         (`hopper_prefill._gemm`): per iteration expand a (the last b multiplying), issue a, wait for b, expand b (L2:
-        the next K block) while a multiplies, issue b, wait for a. `acquire(ring, kb, k_blocks, False, STAGES, GATED,
-        True)` (`_ring_acquire`, its stages without block scales) waits for K block kb's stage and refills the stage of
-        kb - 2, whose MMAs every warp has waited for."""
+        the next K block) while a multiplies, issue b, wait for a. Each K block's stage is waited for
+        (`_ring_wait`) and its scale words and words read before the copies of block kb + STAGES - 2 are issued
+        (`_ring_refill`): issued first, those copies queue ahead of the reads in the load/store unit."""
         G: gl.constexpr = BN // 16
         WL: gl.constexpr = words_layout(num_warps)
         MMA: gl.constexpr = mma_layout(num_warps, N)
@@ -393,20 +432,24 @@ if hp.gluon is not None:
         # the operand registers of the MMAs in flight, kept alive through each wait (`expand_e4m3`)
         pa0, pa1, pb0, pb1 = WZ, WZ, WZ, WZ
         for i in range(0, k_blocks, 1 if GATED else 2):
-            st = acquire(ring, i, k_blocks, False, STAGES, GATED, True)
+            st = _ring_wait(i, STAGES)
+            lo, hi = lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), WL, num_warps)
+            wa = _words(wa_s, st, WL)
+            _ring_refill(ring, i, k_blocks, STAGES, GATED, True)
             x_t = _rows(x_s, st, N).permute((1, 0))
-            lo, hi = lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), tab_ptr, WL, num_warps)
-            pa0, pa1 = expand_e4m3(_words(wa_s, st, WL), lo, hi)
+            pa0, pa1 = expand_e4m3(wa, lo, hi)
             acc_a = warpgroup_mma(operand(pa0, pa1, AL), x_t, acc_a, is_async=True)
             acc_a, acc_b, pa0, pa1, pb0, pb1 = warpgroup_mma_wait(1, deps=(acc_a, acc_b, pa0, pa1, pb0, pb1))
             if GATED:
-                lo, hi = lane_tables(_scale_tile(sb_s, st, G).permute((0, 2, 1)), tab_ptr, WL, num_warps)
+                lo, hi = lane_tables(_scale_tile(sb_s, st, G).permute((0, 2, 1)), WL, num_warps)
                 pb0, pb1 = expand_e4m3(_words(wb_s, st, WL), lo, hi)
                 acc_b = warpgroup_mma(operand(pb0, pb1, AL), x_t, acc_b, is_async=True)
             else:  # K block i + 1 (k_blocks is even), into a's accumulators
-                st = acquire(ring, i + 1, k_blocks, False, STAGES, GATED, True)
-                lo, hi = lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), tab_ptr, WL, num_warps)
-                pb0, pb1 = expand_e4m3(_words(wa_s, st, WL), lo, hi)
+                st = _ring_wait(i + 1, STAGES)
+                lo, hi = lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), WL, num_warps)
+                wb = _words(wa_s, st, WL)
+                _ring_refill(ring, i + 1, k_blocks, STAGES, GATED, True)
+                pb0, pb1 = expand_e4m3(wb, lo, hi)
                 acc_a = warpgroup_mma(operand(pb0, pb1, AL), _rows(x_s, st, N).permute((1, 0)), acc_a, is_async=True)
             acc_a, acc_b, pa0, pa1, pb0, pb1 = warpgroup_mma_wait(1, deps=(acc_a, acc_b, pa0, pa1, pb0, pb1))
         acc_a, acc_b = warpgroup_mma_wait(0, deps=(acc_a, acc_b))
@@ -420,7 +463,7 @@ if hp.gluon is not None:
         return ref_scale(gl.load(s_base + n0 + gl.arange(0, BN, layout=L)) & 0xFF)
 
     @gluon.jit
-    def _l1_block(x8_ptr, xs_ptr, w_base, s_base, tab_ptr, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b,
+    def _l1_block(x8_ptr, xs_ptr, w_base, s_base, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b,
                   pid_n, row0, nrows, hidden, inter, num_topk, total_rows, clamp, HAS_CLAMP: gl.constexpr,
                   N: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, ROW_SCALED: gl.constexpr,
                   num_warps: gl.constexpr):
@@ -441,7 +484,7 @@ if hp.gluon is not None:
         token = gl.where(ok, slot // num_topk, 0).to(gl.int64)
         x_ptrs = x8_ptr + token[:, None] * hidden + gl.arange(0, 128, layout=gl.SliceLayout(0, XL))[None, :]
         sx_ptrs = xs_ptr + pid_b * ROWS + gl.arange(0, N, layout=sx_layout(num_warps))
-        acc_g, acc_u = _gemm(x_ptrs, sx_ptrs, total_rows, w_base, s_base, tab_ptr, wg_off, wu_off, pid_n * BN,
+        acc_g, acc_u = _gemm(x_ptrs, sx_ptrs, total_rows, w_base, s_base, wg_off, wu_off, pid_n * BN,
                              inter + pid_n * BN, 2 * inter, num_g, hidden // 128, BN, N, STAGES, True, ROW_SCALED,
                              num_warps)
         if ROW_SCALED:
@@ -496,7 +539,7 @@ if hp.gluon is not None:
 
     @gluon.jit
     def l1_kernel(
-        x8_ptr, xs_ptr, w_ptr, s_ptr, tab_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr, block_end_ptr,
+        x8_ptr, xs_ptr, w_ptr, s_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr, block_end_ptr,
         out_ptr, outs_ptr, a32_ptr, hidden, inter, num_topk, num_local, total_rows, stride_we, stride_se, clamp,
         HAS_CLAMP: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
         ROW_SCALED: gl.constexpr = False,
@@ -511,16 +554,16 @@ if hp.gluon is not None:
             w_base = w_ptr + expert.to(gl.int64) * stride_we
             s_base = s_ptr + expert.to(gl.int64) * stride_se
             if ROWS > 32 and nrows <= ROWS // 2:
-                _l1_block(x8_ptr, xs_ptr, w_base, s_base, tab_ptr, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr,
+                _l1_block(x8_ptr, xs_ptr, w_base, s_base, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr,
                           pid_b, pid_n, row0, nrows, hidden, inter, num_topk, total_rows, clamp, HAS_CLAMP, ROWS // 2, ROWS,
                           STAGES, ROW_SCALED, num_warps)
             else:
-                _l1_block(x8_ptr, xs_ptr, w_base, s_base, tab_ptr, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr,
+                _l1_block(x8_ptr, xs_ptr, w_base, s_base, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr,
                           pid_b, pid_n, row0, nrows, hidden, inter, num_topk, total_rows, clamp, HAS_CLAMP, ROWS, ROWS,
                           STAGES, ROW_SCALED, num_warps)
 
     @gluon.jit
-    def _l2_block(a8_ptr, as_ptr, w_base, s_base, tab_ptr, sorted_ptr, out_ptr, pid_b, pid_n, row0, nrows, hidden,
+    def _l2_block(a8_ptr, as_ptr, w_base, s_base, sorted_ptr, out_ptr, pid_b, pid_n, row0, nrows, hidden,
                   inter, total_rows, stride_out, N: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr,
                   ROW_SCALED: gl.constexpr, num_warps: gl.constexpr):
         """L2 of the block's first N rows (of ROWS)."""
@@ -534,7 +577,7 @@ if hp.gluon is not None:
         rows = (pid_b * ROWS + t).to(gl.int64)
         a_ptrs = a8_ptr + rows[:, None] * inter + gl.arange(0, 128, layout=gl.SliceLayout(0, XL))[None, :]
         sx_ptrs = as_ptr + pid_b * ROWS + gl.arange(0, N, layout=sx_layout(num_warps))
-        acc, _ = _gemm(a_ptrs, sx_ptrs, total_rows, w_base, s_base, tab_ptr, w_off, w_off, pid_n * BN, pid_n * BN,
+        acc, _ = _gemm(a_ptrs, sx_ptrs, total_rows, w_base, s_base, w_off, w_off, pid_n * BN, pid_n * BN,
                        hidden, num_g, inter // 128, BN, N, STAGES, False, ROW_SCALED, num_warps)
         if ROW_SCALED:
             MMA: gl.constexpr = mma_layout(num_warps, N)
@@ -556,7 +599,7 @@ if hp.gluon is not None:
 
     @gluon.jit
     def l2_kernel(
-        a8_ptr, as_ptr, w_ptr, s_ptr, tab_ptr, sorted_ptr, block_expert_ptr, block_row_ptr, block_end_ptr, out_ptr,
+        a8_ptr, as_ptr, w_ptr, s_ptr, sorted_ptr, block_expert_ptr, block_row_ptr, block_end_ptr, out_ptr,
         hidden, inter, num_local, total_rows, stride_we, stride_se, stride_out,
         ROWS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr, ROW_SCALED: gl.constexpr = False,
     ):
@@ -568,21 +611,11 @@ if hp.gluon is not None:
             w_base = w_ptr + expert.to(gl.int64) * stride_we
             s_base = s_ptr + expert.to(gl.int64) * stride_se
             if ROWS > 32 and nrows <= ROWS // 2:
-                _l2_block(a8_ptr, as_ptr, w_base, s_base, tab_ptr, sorted_ptr, out_ptr, pid_b, pid_n, row0, nrows,
+                _l2_block(a8_ptr, as_ptr, w_base, s_base, sorted_ptr, out_ptr, pid_b, pid_n, row0, nrows,
                           hidden, inter, total_rows, stride_out, ROWS // 2, ROWS, STAGES, ROW_SCALED, num_warps)
             else:
-                _l2_block(a8_ptr, as_ptr, w_base, s_base, tab_ptr, sorted_ptr, out_ptr, pid_b, pid_n, row0, nrows,
+                _l2_block(a8_ptr, as_ptr, w_base, s_base, sorted_ptr, out_ptr, pid_b, pid_n, row0, nrows,
                           hidden, inter, total_rows, stride_out, ROWS, ROWS, STAGES, ROW_SCALED, num_warps)
-
-
-_TABLES: dict = {}
-
-
-def tables(device) -> torch.Tensor:
-    """`layout.e4m3_tables` on `device`, made once."""
-    if device not in _TABLES:
-        _TABLES[device] = e4m3_tables(device)
-    return _TABLES[device]
 
 
 def l1_channels(config) -> int:
@@ -601,7 +634,7 @@ def l1(x8, xs, w1, s1, sorted_slots, weights, block_expert, block_row, block_end
     hidden, inter, num_local = x8.shape[1], w1.shape[1] // 2, w1.shape[0]
     bn = l1_channels(config)
     l1_kernel[(block_expert.numel() * (inter // bn),)](
-        x8, xs, w1, s1, tables(x8.device), sorted_slots, weights, block_expert, block_row, block_end, act, act_s,
+        x8, xs, w1, s1, sorted_slots, weights, block_expert, block_row, block_end, act, act_s,
         act_s if a32 is None else a32,
         hidden, inter, num_topk, num_local, act.shape[0], w1.stride(0), s1.stride(0), 0.0 if clamp is None else clamp,
         HAS_CLAMP=clamp is not None, ROWS=config.block_t, STAGES=config.num_stages, num_warps=config.num_warps,
@@ -614,7 +647,7 @@ def l2(act, act_s, w2, s2, sorted_slots, block_expert, block_row, block_end, out
     `out` (hidden tiles of `config.l2_n` rows, l2_n / 16 warps)."""
     inter, hidden, num_local = act.shape[1], w2.shape[1], w2.shape[0]
     l2_kernel[(block_expert.numel() * (hidden // config.l2_n),)](
-        act, act_s, w2, s2, tables(act.device), sorted_slots, block_expert, block_row, block_end, out,
+        act, act_s, w2, s2, sorted_slots, block_expert, block_row, block_end, out,
         hidden, inter, num_local, act.shape[0], w2.stride(0), s2.stride(0), out.stride(0),
         ROWS=config.block_t, STAGES=config.num_stages, num_warps=config.l2_n // 16, ROW_SCALED=row_scaled,
         **config.launch_registers("L2"),

@@ -110,19 +110,19 @@ if unavailable_reason is None:
         """Nothing: the producer's copies are waited for by `ready`."""
 
     @gluon.jit
-    def _convert_operand(w_s, s_s, c_s, s, tab_ptr, BN: gl.constexpr, WARPS: gl.constexpr):
+    def _convert_operand(w_s, s_s, c_s, s, BN: gl.constexpr, WARPS: gl.constexpr):
         """Stage s's words of one operand -> its e4m3 tile [BN, 128] in `c_s` (the wgmma's shared-memory A operand,
         the MMA's K order of `layout.fp8_k_order`), by `hopper_fp8`'s table expansion: the A registers `fp8=3`
         multiplies, stored."""
         G: gl.constexpr = BN // 16
         WL: gl.constexpr = hf8.words_layout(WARPS)
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=hf8.mma_layout(WARPS, 64), k_width=4)
-        lo, hi = hf8.lane_tables(hf8._scale_tile(s_s, s, G).permute((0, 2, 1)), tab_ptr, WL, WARPS)
+        lo, hi = hf8.lane_tables(hf8._scale_tile(s_s, s, G).permute((0, 2, 1)), WL, WARPS)
         d0, d1 = hf8.expand_e4m3(hf8._words(w_s, s, WL), lo, hi)
         c_s.index(s).store(hf8.operand(d0, d1, AL))
 
     @gluon.jit
-    def _convert_partition(wa_s, sa_s, wb_s, sb_s, ca_s, cb_s, ready, conv, tab_ptr, k_blocks, BN: gl.constexpr,
+    def _convert_partition(wa_s, sa_s, wb_s, sb_s, ca_s, cb_s, ready, conv, k_blocks, BN: gl.constexpr,
                            STAGES: gl.constexpr, GATED: gl.constexpr, PASSES: gl.constexpr, WARPS: gl.constexpr):
         """The converter warps (`fp8=5`): each K block's words (gate and up when GATED), once landed, expanded to
         e4m3 tiles in the stage's A buffers; a proxy fence and one arrival on `conv` after the partition's barrier
@@ -130,9 +130,9 @@ if unavailable_reason is None:
         producer refilled it, which waits for the MMA warps to free it (their wgmma retired)."""
         for j in range(PASSES * k_blocks):
             s = hpws.wait_stage(ready, j, STAGES)
-            _convert_operand(wa_s, sa_s, ca_s, s, tab_ptr, BN, WARPS)
+            _convert_operand(wa_s, sa_s, ca_s, s, BN, WARPS)
             if GATED:
-                _convert_operand(wb_s, sb_s, cb_s, s, tab_ptr, BN, WARPS)
+                _convert_operand(wb_s, sb_s, cb_s, s, BN, WARPS)
             hpws.release_stage(conv, j, STAGES)
 
     @gluon.jit
@@ -192,7 +192,7 @@ if unavailable_reason is None:
         return acc_a, acc_b
 
     @gluon.jit
-    def _gemm(ops, tab_ptr, j0, k_blocks, BN: gl.constexpr, N: gl.constexpr, STAGES: gl.constexpr,
+    def _gemm(ops, j0, k_blocks, BN: gl.constexpr, N: gl.constexpr, STAGES: gl.constexpr,
               GATED: gl.constexpr, CONVERT: gl.constexpr, num_warps: gl.constexpr):
         """The block sums of K blocks j0.. of the producer's ring: expanded by the MMA warps (`hopper_fp8.promoted_sums`,
         fp8=4) or by the converter warps (`converted_sums`, fp8=5)."""
@@ -201,10 +201,10 @@ if unavailable_reason is None:
         else:
             wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, ca_s, cb_s, conv = ops
             return hf8.promoted_sums((ready, empty, j0), _ring_acquire, _ring_stage, _ring_release, _ring_drain, wa_s,
-                                     sa_s, wb_s, sb_s, x_s, sx_s, tab_ptr, k_blocks, BN, N, STAGES, GATED, num_warps)
+                                     sa_s, wb_s, sb_s, x_s, sx_s, k_blocks, BN, N, STAGES, GATED, num_warps)
 
     @gluon.jit
-    def _mma_block(ops, tab_ptr, k_blocks, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0,
+    def _mma_block(ops, k_blocks, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0,
                    nrows, inter, total_rows, stride_out, clamp, HAS_CLAMP: gl.constexpr, N: gl.constexpr,
                    ROWS: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, PASSES: gl.constexpr,
                    CONVERT: gl.constexpr, num_warps: gl.constexpr):
@@ -212,7 +212,7 @@ if unavailable_reason is None:
         channels on 4 warps) both halves of a 128-channel scale block, the first's SwiGLU output held while the
         second multiplies, cast together: no FP32 round trip through memory."""
         BN: gl.constexpr = 16 * num_warps
-        acc_a, acc_b = _gemm(ops, tab_ptr, 0, k_blocks, BN, N, STAGES, GATED, CONVERT, num_warps)
+        acc_a, acc_b = _gemm(ops, 0, k_blocks, BN, N, STAGES, GATED, CONVERT, num_warps)
         if not GATED:
             hf8.l2_epilogue(acc_a, sorted_ptr, out_ptr, pid_n, row0, nrows, stride_out, N, num_warps)
         elif PASSES == 1:
@@ -221,7 +221,7 @@ if unavailable_reason is None:
         else:
             MMA: gl.constexpr = hf8.mma_layout(num_warps, N)
             a0 = hf8.l1_activation(acc_a, acc_b, sorted_ptr, weight_ptr, row0, nrows, clamp, HAS_CLAMP, N, num_warps)
-            acc_a, acc_b = _gemm(ops, tab_ptr, k_blocks, k_blocks, BN, N, STAGES, GATED, CONVERT, num_warps)
+            acc_a, acc_b = _gemm(ops, k_blocks, k_blocks, BN, N, STAGES, GATED, CONVERT, num_warps)
             a1 = hf8.l1_activation(acc_a, acc_b, sorted_ptr, weight_ptr, row0, nrows, clamp, HAS_CLAMP, N, num_warps)
             amax = gl.maximum(gl.max(gl.abs(a0), axis=0), gl.max(gl.abs(a1), axis=0))
             out_rows = pid_b * ROWS + gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
@@ -231,7 +231,7 @@ if unavailable_reason is None:
             gl.store(outs_ptr + pid_n * total_rows + out_rows, (e << 23).to(gl.float32, bitcast=True))
 
     @gluon.jit
-    def _mma_partition(wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, ca_s, cb_s, conv, tab_ptr, k_blocks,
+    def _mma_partition(wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, ca_s, cb_s, conv, k_blocks,
                        sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter,
                        total_rows, stride_out, clamp, HAS_CLAMP: gl.constexpr, ROWS: gl.constexpr,
                        STAGES: gl.constexpr, GATED: gl.constexpr, PASSES: gl.constexpr, CONVERT: gl.constexpr,
@@ -240,17 +240,17 @@ if unavailable_reason is None:
         `hopper_fp8` does."""
         ops = (wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, ca_s, cb_s, conv)
         if ROWS > 32 and nrows <= ROWS // 2:
-            _mma_block(ops, tab_ptr, k_blocks, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0,
+            _mma_block(ops, k_blocks, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0,
                        nrows, inter, total_rows, stride_out, clamp, HAS_CLAMP, ROWS // 2, ROWS, STAGES, GATED, PASSES,
                        CONVERT, num_warps)
         else:
-            _mma_block(ops, tab_ptr, k_blocks, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0,
+            _mma_block(ops, k_blocks, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0,
                        nrows, inter, total_rows, stride_out, clamp, HAS_CLAMP, ROWS, ROWS, STAGES, GATED, PASSES,
                        CONVERT, num_warps)
 
     @gluon.jit
     def fp8_ws_kernel(
-        x_ptr, xs_ptr, w_desc, s_desc, tab_ptr, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr,
+        x_ptr, xs_ptr, w_desc, s_desc, sorted_ptr, weight_ptr, block_expert_ptr, block_row_ptr,
         block_end_ptr, out_ptr, outs_ptr, a32_ptr, n_rows, k_dim, inter, num_topk, num_local, total_rows, stride_out,
         clamp, GATED: gl.constexpr, HAS_CLAMP: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr,
         PASSES: gl.constexpr, CONVERT: gl.constexpr, CONVERT_REGS: gl.constexpr, num_warps: gl.constexpr,
@@ -305,7 +305,7 @@ if unavailable_reason is None:
             # tensors)
             if CONVERT:
                 gl.warp_specialize([
-                    (_mma_partition, (wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, ca_s, cb_s, conv, tab_ptr,
+                    (_mma_partition, (wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, ca_s, cb_s, conv,
                                       k_blocks, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0,
                                       nrows, inter, total_rows, stride_out, clamp, HAS_CLAMP, ROWS, STAGES, GATED,
                                       PASSES, CONVERT, num_warps)),
@@ -313,12 +313,12 @@ if unavailable_reason is None:
                                        sorted_ptr, row0, nrows, pid_b * ROWS, num_topk, k_dim, total_rows, k_blocks,
                                        wa_row, wb_row, s_row, na0, na0 + n_rows // 2, num_g, ROWS, STAGES, GATED,
                                        PASSES)),
-                    (_convert_partition, (wa_s, sa_s, wb_s, sb_s, ca_s, cb_s, ready, conv, tab_ptr, k_blocks, BN,
+                    (_convert_partition, (wa_s, sa_s, wb_s, sb_s, ca_s, cb_s, ready, conv, k_blocks, BN,
                                           STAGES, GATED, PASSES, num_warps)),
                 ], [_PRODUCER_WARPS, num_warps], [hpws.PRODUCER_REGS, CONVERT_REGS])
             else:
                 gl.warp_specialize([
-                    (_mma_partition, (wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, ca_s, cb_s, conv, tab_ptr,
+                    (_mma_partition, (wa_s, sa_s, wb_s, sb_s, x_s, sx_s, ready, empty, ca_s, cb_s, conv,
                                       k_blocks, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0,
                                       nrows, inter, total_rows, stride_out, clamp, HAS_CLAMP, ROWS, STAGES, GATED,
                                       PASSES, CONVERT, num_warps)),
@@ -360,7 +360,7 @@ def _launch(x, xs, w, s_words, sorted_slots, weights, block_expert, block_row, b
     n_rows, k_dim = w.shape[1], x.shape[1]
     n_out = (n_rows // 2 if gated else n_rows) // (16 * num_warps * passes)
     fp8_ws_kernel[(block_expert.numel() * n_out,)](
-        x, xs, w_desc, s_desc, hf8.tables(x.device), sorted_slots, weights, block_expert, block_row, block_end, out,
+        x, xs, w_desc, s_desc, sorted_slots, weights, block_expert, block_row, block_end, out,
         outs, a32, n_rows, k_dim, inter, num_topk, w.shape[0], total_rows, out.stride(0),
         0.0 if clamp is None else clamp, GATED=gated, HAS_CLAMP=clamp is not None, ROWS=config.block_t,
         STAGES=config.num_stages, PASSES=passes, CONVERT=config.fp8 == 5, CONVERT_REGS=CONVERT_REGISTERS,
