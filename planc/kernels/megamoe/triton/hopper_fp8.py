@@ -173,13 +173,12 @@ if hp.gluon is not None:
         return bits.to(gl.float32, bitcast=True)
 
     @gluon.jit
-    def lane_tables(s_tile, WL: gl.constexpr, num_warps: gl.constexpr):
-        """A stage's scale words as [G, 8, 2] (r, m8) -> the e4m3 tables (`layout.e4m3_tables`, low and high word) of each
-        lane's 32-group, [G, 32, 2] in the expansion's layout: lane 4 r + q, rows 16 g + 8 m8 + r, the table row t_q
-        of the row's scale word."""
+    def lane_tables(s_s, s, G: gl.constexpr, WL: gl.constexpr, num_warps: gl.constexpr):
+        """Stage s's scale words (`_scale_tile`, read as [G, 8, 2]: r, m8) -> the e4m3 tables (`layout.e4m3_tables`,
+        low and high word) of each lane's 32-group, [G, 32, 2] in the expansion's layout: lane 4 r + q, rows
+        16 g + 8 m8 + r, the table row t_q of the row's scale word."""
         L4: gl.constexpr = scale_layout(num_warps)
-        s8 = s_tile.load(gl.SliceLayout(2, L4))
-        G: gl.constexpr = s8.shape[0]
+        s8 = _scale_tile(s_s, s, G).permute((0, 2, 1)).load(gl.SliceLayout(2, L4))
         sw = gl.broadcast(gl.expand_dims(s8, 2), gl.zeros([G, 8, 4, 2], gl.int32, L4))[0]
         q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4))))
         t = (sw >> (8 + 5 * q)[None, None, :, None]) & 31
@@ -293,6 +292,19 @@ if hp.gluon is not None:
         fence_async_shared()
 
     @gluon.jit
+    def _ring_read(ring, w_s, s_s, kb, k_blocks, G: gl.constexpr, WL: gl.constexpr, STAGES: gl.constexpr,
+                   GATED: gl.constexpr, num_warps: gl.constexpr):
+        """The row-scaled stages' acquire (`accumulated_sums`): wait for K block kb (`_ring_wait`), read its table
+        rows and words of operand (w_s, s_s), then refill (`_ring_refill`): issued first, the copies of block
+        kb + STAGES - 2 queue ahead of those reads in the load/store unit. Returns (stage, low and high table words,
+        words)."""
+        st = _ring_wait(kb, STAGES)
+        lo, hi = lane_tables(s_s, st, G, WL, num_warps)
+        words = _words(w_s, st, WL)
+        _ring_refill(ring, kb, k_blocks, STAGES, GATED, True)
+        return st, lo, hi, words
+
+    @gluon.jit
     def _ring_stage(ring, kb, STAGES: gl.constexpr):
         return kb % STAGES
 
@@ -356,7 +368,7 @@ if hp.gluon is not None:
         swb = gl.zeros([BN], gl.float32, SWL)
         STEP: gl.constexpr = 1 if GATED else 2
         st = acquire(ring, 0, k_blocks, False, STAGES, GATED)
-        lo, hi = lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), WL, num_warps)
+        lo, hi = lane_tables(sa_s, st, G, WL, num_warps)
         ka0, ka1 = expand_e4m3(_words(wa_s, st, WL), lo, hi)
         # One iteration: a's block multiplies while b's last block sum is promoted and b's operand expanded; b's block
         # multiplies while a's sum is promoted and the next a operand expanded (from the next stage). Each block sum is
@@ -375,7 +387,7 @@ if hp.gluon is not None:
             if i > 0:
                 release(ring, i - 1, STAGES)
             if GATED:
-                lo, hi = lane_tables(_scale_tile(sb_s, st, G).permute((0, 2, 1)), WL, num_warps)
+                lo, hi = lane_tables(sb_s, st, G, WL, num_warps)
                 wb = _words(wb_s, st, WL)
                 acc_b = warpgroup_mma_wait(1, deps=(acc_b + pb * (swb[:, None] * sxb[None, :]),))
                 swb = row_scales(_scale_tile(sb_s, st, G), BN, SWL)
@@ -384,7 +396,7 @@ if hp.gluon is not None:
                 acc_a = warpgroup_mma_wait(1, deps=(acc_a + pb * (swb[:, None] * sxb[None, :]),))
                 st = acquire(ring, i + 1, k_blocks, False, STAGES, GATED)
                 x_t = _rows(x_s, st, N).permute((1, 0))
-                lo, hi = lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), WL, num_warps)
+                lo, hi = lane_tables(sa_s, st, G, WL, num_warps)
                 swb = row_scales(_scale_tile(sa_s, st, G), BN, SWL)
                 kb0, kb1 = expand_e4m3(_words(wa_s, st, WL), lo, hi)
             pb = warpgroup_mma(operand(kb0, kb1, AL), x_t, pb, use_acc=False, is_async=True)
@@ -395,7 +407,7 @@ if hp.gluon is not None:
             # the next a operand (past the end: the last block's again, never multiplied): its stage's reads go out
             # before a's promotion
             st = acquire(ring, i + STEP, k_blocks, True, STAGES, GATED)
-            lo, hi = lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), WL, num_warps)
+            lo, hi = lane_tables(sa_s, st, G, WL, num_warps)
             wa = _words(wa_s, st, WL)
             acc_a = warpgroup_mma_wait(1, deps=(acc_a + pa * (swa[:, None] * sxa[None, :]),))
             ka0, ka1 = expand_e4m3(wa, lo, hi)
@@ -419,9 +431,7 @@ if hp.gluon is not None:
         registers (one scale per weight row and per activation row, applied by the caller). Nothing reads an
         accumulator in the loop, so a wgmma stays in flight across iterations as in the BF16 kernels
         (`hopper_prefill._gemm`): per iteration expand a (the last b multiplying), issue a, wait for b, expand b (L2:
-        the next K block) while a multiplies, issue b, wait for a. Each K block's stage is waited for
-        (`_ring_wait`) and its scale words and words read before the copies of block kb + STAGES - 2 are issued
-        (`_ring_refill`): issued first, those copies queue ahead of the reads in the load/store unit."""
+        the next K block) while a multiplies, issue b, wait for a; each K block's stage by `_ring_read`."""
         G: gl.constexpr = BN // 16
         WL: gl.constexpr = words_layout(num_warps)
         MMA: gl.constexpr = mma_layout(num_warps, N)
@@ -432,23 +442,17 @@ if hp.gluon is not None:
         # the operand registers of the MMAs in flight, kept alive through each wait (`expand_e4m3`)
         pa0, pa1, pb0, pb1 = WZ, WZ, WZ, WZ
         for i in range(0, k_blocks, 1 if GATED else 2):
-            st = _ring_wait(i, STAGES)
-            lo, hi = lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), WL, num_warps)
-            wa = _words(wa_s, st, WL)
-            _ring_refill(ring, i, k_blocks, STAGES, GATED, True)
+            st, lo, hi, wa = _ring_read(ring, wa_s, sa_s, i, k_blocks, G, WL, STAGES, GATED, num_warps)
             x_t = _rows(x_s, st, N).permute((1, 0))
             pa0, pa1 = expand_e4m3(wa, lo, hi)
             acc_a = warpgroup_mma(operand(pa0, pa1, AL), x_t, acc_a, is_async=True)
             acc_a, acc_b, pa0, pa1, pb0, pb1 = warpgroup_mma_wait(1, deps=(acc_a, acc_b, pa0, pa1, pb0, pb1))
             if GATED:
-                lo, hi = lane_tables(_scale_tile(sb_s, st, G).permute((0, 2, 1)), WL, num_warps)
+                lo, hi = lane_tables(sb_s, st, G, WL, num_warps)
                 pb0, pb1 = expand_e4m3(_words(wb_s, st, WL), lo, hi)
                 acc_b = warpgroup_mma(operand(pb0, pb1, AL), x_t, acc_b, is_async=True)
             else:  # K block i + 1 (k_blocks is even), into a's accumulators
-                st = _ring_wait(i + 1, STAGES)
-                lo, hi = lane_tables(_scale_tile(sa_s, st, G).permute((0, 2, 1)), WL, num_warps)
-                wb = _words(wa_s, st, WL)
-                _ring_refill(ring, i + 1, k_blocks, STAGES, GATED, True)
+                st, lo, hi, wb = _ring_read(ring, wa_s, sa_s, i + 1, k_blocks, G, WL, STAGES, GATED, num_warps)
                 pb0, pb1 = expand_e4m3(wb, lo, hi)
                 acc_a = warpgroup_mma(operand(pb0, pb1, AL), _rows(x_s, st, N).permute((1, 0)), acc_a, is_async=True)
             acc_a, acc_b, pa0, pa1, pb0, pb1 = warpgroup_mma_wait(1, deps=(acc_a, acc_b, pa0, pa1, pb0, pb1))

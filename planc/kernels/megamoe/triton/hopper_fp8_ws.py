@@ -117,7 +117,7 @@ if unavailable_reason is None:
         G: gl.constexpr = BN // 16
         WL: gl.constexpr = hf8.words_layout(WARPS)
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=hf8.mma_layout(WARPS, 64), k_width=4)
-        lo, hi = hf8.lane_tables(hf8._scale_tile(s_s, s, G).permute((0, 2, 1)), WL, WARPS)
+        lo, hi = hf8.lane_tables(s_s, s, G, WL, WARPS)
         d0, d1 = hf8.expand_e4m3(hf8._words(w_s, s, WL), lo, hi)
         c_s.index(s).store(hf8.operand(d0, d1, AL))
 
