@@ -162,10 +162,12 @@ def test_the_gluon_fp8_kernels_refuse_an_odd_number_of_l2_k_blocks(fp8):
         dataclasses.replace(gluon, fp8=7).fit(256, 512)
 
 
-def test_only_the_row_scaled_kernels_take_blocks_of_128_rows():
-    """fp8=6 holds one accumulator per operand (fp8=3 also holds the block sums being promoted)."""
-    rows = KernelConfig(block_t=128, l1_n=128, l1_k=128, l2_n=64, l2_k=128, num_warps=4, num_stages=4, fp8=6)
-    assert rows.fit(256, 512).block_t == 128
+@pytest.mark.parametrize("block_t", [80, 128])
+def test_only_the_row_scaled_kernels_take_blocks_of_80_and_128_rows(block_t):
+    """fp8=6 holds one accumulator per operand (fp8=3 also holds the block sums being promoted); its 80-row blocks
+    add a 16-row tail MMA on the same operand (fp8=3 has no such loop)."""
+    rows = KernelConfig(block_t=block_t, l1_n=128, l1_k=128, l2_n=64, l2_k=128, num_warps=4, num_stages=4, fp8=6)
+    assert rows.fit(256, 512).block_t == block_t
     with pytest.raises(ValueError, match=r"\(fp8=3\) take block_t in \(32, 64\)"):
         dataclasses.replace(rows, fp8=3).fit(256, 512)
 

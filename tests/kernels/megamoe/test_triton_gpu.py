@@ -368,13 +368,17 @@ needs_fp8_ws = pytest.mark.skipif(hopper_fp8_ws.unavailable(torch.device("cuda")
     # the converter warps expand into shared memory: two passes, cast in the kernel; 32-row blocks on 8 warps
     pytest.param(KernelConfig(64, 128, 128, 64, 128, 4, 3, fp8=5), marks=needs_fp8_ws),
     pytest.param(KernelConfig(32, 128, 128, 128, 128, 8, 3, maxnreg=96, fp8=5), marks=needs_fp8_ws),
-    # one scale per row, no promotion: 64- and 128-row blocks on 4 warps, 32-row blocks on 8
+    # one scale per row, no promotion: 64- and 128-row blocks on 4 warps, 32-row blocks on 8; 80-row blocks (a 16-row
+    # tail MMA) at the cap that fits three programs an SM
     pytest.param(KernelConfig(64, 128, 128, 64, 128, 4, 4, fp8=6), marks=needs_gluon),
     pytest.param(KernelConfig(128, 128, 128, 64, 128, 4, 4, fp8=6), marks=needs_gluon),
     pytest.param(KernelConfig(32, 128, 128, 128, 128, 8, 3, fp8=6), marks=needs_gluon),
+    pytest.param(KernelConfig(80, 128, 128, 64, 128, 4, 4, maxnreg=168, fp8=6), marks=needs_gluon),
 ], ids=["swap_ab", "rows_m", "gluon_64", "gluon_32", "ws_64", "ws_64_cast_apart", "ws_32", "cv_64", "cv_32",
-        "row_scaled_64", "row_scaled_128", "row_scaled_32"])
-@pytest.mark.parametrize("num_tokens,clamp", [(5, None), (150, 0.05)])
+        "row_scaled_64", "row_scaled_128", "row_scaled_32", "row_scaled_80"])
+# ~4, ~61 and ~101 rows per expert (90% of the slots routed): blocks of a few rows; some experts of 65-79 rows (80-row
+# blocks: a tail cut by the expert's end); experts over 80 rows (full tails, then a second block)
+@pytest.mark.parametrize("num_tokens,clamp", [(5, None), (90, None), (150, 0.05)])
 def test_fp8_path_matches_its_emulation(config, num_tokens, clamp):
     g = torch.Generator(device="cuda").manual_seed(7)
     w1 = torch.randn(FP8_NE, 2 * FP8_NI, FP8_NH, generator=g, device="cuda").bfloat16() * FP8_NH**-0.5

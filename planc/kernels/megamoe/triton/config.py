@@ -90,8 +90,9 @@ class KernelConfig:
 
     # The block sizes the FP8 Gluon kernels (`fp8=3`) take: the wgmma's N, one MMA per block.
     FP8_GLUON_BLOCK_ROWS: ClassVar[tuple[int, ...]] = (32, 64)
-    # fp8=6 (no block sums to promote: the registers of a 128-wide accumulator fit) also takes blocks of 128 rows.
-    FP8_ROW_SCALED_BLOCK_ROWS: ClassVar[tuple[int, ...]] = (32, 64, 128)
+    # fp8=6 (no block sums to promote: the registers of a 128-wide accumulator fit) also takes blocks of 128 rows,
+    # and of 80: a 64-row MMA and, where the block has more rows, a 16-row one on the same expanded operand.
+    FP8_ROW_SCALED_BLOCK_ROWS: ClassVar[tuple[int, ...]] = (32, 64, 80, 128)
 
     # From this many rows per block the BF16 L2 races through Triton's cp.async pipeline (`pipeline_race`).
     PIPELINE_RACE_ROWS: ClassVar[int] = 128

@@ -20,7 +20,9 @@ path. Here (`KernelConfig(fp8=3)`), written as the BF16 Gluon kernels (`hopper_p
 
 `KernelConfig(fp8=6)` runs the same kernels with ROW_SCALED: one scale per row of each operand, so nothing is
 promoted (`accumulated_sums`: every K block's wgmma accumulates into the same registers, and one stays in flight
-across iterations as in the BF16 kernels), the scales applied in the epilogue; 128-row blocks fit there too.
+across iterations as in the BF16 kernels), the scales applied in the epilogue; 128-row blocks fit there too, and
+80-row ones: a 64-row MMA and a 16-row one on the same expanded operand (an expert of 65-80 rows expands its weights
+once, not twice as in two 64-row blocks).
 
 Numerics: `fp8`'s module docstring (per-128 block scales on both operands, promotion in FP32, L1 rounded to BF16 once,
 the SwiGLU epilogue, L1's output cast per (row, 128 channels)), with the K order of `layout.fp8_k_order` inside each
@@ -114,6 +116,12 @@ if hp.gluon is not None:
     def _x_layout(num_warps):
         """[rows, 128] e4m3 activation tiles: 16 contiguous bytes a thread (cp.async)."""
         return gl.BlockedLayout([1, 16], [4, 8], [num_warps, 1], [1, 0])
+
+    @triton.constexpr_function
+    def _xt_layout(num_warps):
+        """[16, 128] e4m3 tail tiles (80-row blocks' rows 64-79): each byte copied by one thread (cp.async), 64 /
+        num_warps contiguous bytes a thread."""
+        return gl.BlockedLayout([1, 64 // num_warps], [16 // num_warps, 2 * num_warps], [num_warps, 1], [1, 0])
 
     @gluon.jit
     def _bytes(d):
@@ -210,9 +218,11 @@ if hp.gluon is not None:
 
     @gluon.jit
     def _issue(kb, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s, wb_s,
-               sa_s, sb_s, x_s, sx_s, stage, GATED: gl.constexpr, ROW_SCALED: gl.constexpr):
+               sa_s, sb_s, x_s, sx_s, xt_ptrs, xt_s, stage, GATED: gl.constexpr, ROW_SCALED: gl.constexpr,
+               TAIL: gl.constexpr):
         """cp.async K block `kb` (the last one again past the end) into stage `stage`: the words and scale words of
-        one or two operands, the activation tile and (not ROW_SCALED) its block scales; one commit group."""
+        one or two operands, the activation tile, its 16-row tail (TAIL) and (not ROW_SCALED) its block scales; one
+        commit group."""
         k = gl.minimum(kb, k_blocks - 1)
         async_load(wa_s.index(stage), wa_ptrs + k * step)
         async_load(sa_s.index(stage), sa_ptrs + k * n_rows)
@@ -220,6 +230,8 @@ if hp.gluon is not None:
             async_load(wb_s.index(stage), wb_ptrs + k * step)
             async_load(sb_s.index(stage), sb_ptrs + k * n_rows)
         async_load(x_s.index(stage), x_ptrs + k * 128)
+        if TAIL:
+            async_load(xt_s.index(stage), xt_ptrs + k * 128)
         if not ROW_SCALED:
             async_load(sx_s.index(stage), sx_ptrs + k * total_rows)
         _cp.commit_group()
@@ -227,11 +239,12 @@ if hp.gluon is not None:
     @gluon.jit
     def _gemm(x_ptrs, sx_ptrs, total_rows, w_base, s_base, wa_off, wb_off, na0, nb0, n_rows, num_g, k_blocks,
               BN: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr,
-              ROW_SCALED: gl.constexpr, num_warps: gl.constexpr):
+              ROW_SCALED: gl.constexpr, num_warps: gl.constexpr, xt_ptrs=None, TAIL: gl.constexpr = False):
         """FP32 sums [BN, ROWS] of operand a (rows na0..; and b, rows nb0.., when GATED) times the block's
         activations (`promoted_sums`; ROW_SCALED: `accumulated_sums`, not scaled), fed by a cp.async ring: per K block
         a stage holds the words, the scale words (one per row), the activation tile and (not ROW_SCALED) its block
-        scales."""
+        scales. TAIL (ROW_SCALED only): also the 16 rows after them (`xt_ptrs`), in a tile and sums [BN, 16] of their
+        own (returned after a's and b's)."""
         G: gl.constexpr = BN // 16
         XS: gl.constexpr = x_tile_layout()
         WS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[4, 3, 2, 1, 0])
@@ -246,7 +259,15 @@ if hp.gluon is not None:
             wb_s = wa_s
             sb_s = sa_s
         x_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, ROWS, 128], XS)
-        sx_s = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], S1)
+        if ROW_SCALED:  # not read: no activation block scales
+            sx_s = x_s
+        else:
+            sx_s = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], S1)
+        if TAIL:
+            xt_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 16, 128], XS)
+        else:  # not read
+            xt_s = x_s
+            xt_ptrs = x_ptrs
         step = num_g * 256
         wa_ptrs = w_base + wa_off
         wb_ptrs = w_base + wb_off
@@ -255,21 +276,23 @@ if hp.gluon is not None:
         sb_ptrs = s_base + nb0 + gl.permute(s_off, (0, 2, 1))
         for s in gl.static_range(STAGES - 2):
             _issue(s, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s,
-                   wb_s, sa_s, sb_s, x_s, sx_s, s, GATED, ROW_SCALED)
+                   wb_s, sa_s, sb_s, x_s, sx_s, xt_ptrs, xt_s, s, GATED, ROW_SCALED, TAIL)
         ring = (wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s, wb_s, sa_s, sb_s,
-                x_s, sx_s)
+                x_s, sx_s, xt_ptrs, xt_s)
         if ROW_SCALED:
-            return accumulated_sums(ring, wa_s, sa_s, wb_s, sb_s, x_s, k_blocks, BN,
-                                    ROWS, STAGES, GATED, num_warps)
-        return promoted_sums(ring, _ring_acquire, _ring_stage, _ring_release, _ring_drain, wa_s, sa_s, wb_s, sb_s,
-                             x_s, sx_s, k_blocks, BN, ROWS, STAGES, GATED, num_warps)
+            sums = accumulated_sums(ring, wa_s, sa_s, wb_s, sb_s, x_s, xt_s, k_blocks, BN, ROWS, STAGES, GATED, TAIL,
+                                    num_warps)
+        else:
+            sums = promoted_sums(ring, _ring_acquire, _ring_stage, _ring_release, _ring_drain, wa_s, sa_s, wb_s, sb_s,
+                                 x_s, sx_s, k_blocks, BN, ROWS, STAGES, GATED, num_warps)
+        return sums
 
     @gluon.jit
     def _ring_acquire(ring, kb, k_blocks, PAST_END: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr):
         """The cp.async ring's stage of K block kb (past the end: the last block's again), its copies landed, and the
         next block's issued (`_ring_wait`, then `_ring_refill`: `hopper_prefill._next_tile`'s order)."""
         st = _ring_wait(kb, STAGES)
-        _ring_refill(ring, kb, k_blocks, STAGES, GATED, False)
+        _ring_refill(ring, kb, k_blocks, STAGES, GATED, False, False)
         return st
 
     @gluon.jit
@@ -281,19 +304,21 @@ if hp.gluon is not None:
         return kb % STAGES
 
     @gluon.jit
-    def _ring_refill(ring, kb, k_blocks, STAGES: gl.constexpr, GATED: gl.constexpr, ROW_SCALED: gl.constexpr):
+    def _ring_refill(ring, kb, k_blocks, STAGES: gl.constexpr, GATED: gl.constexpr, ROW_SCALED: gl.constexpr,
+                     TAIL: gl.constexpr):
         """After `_ring_wait(kb)`: issue block kb + STAGES - 2 into the stage of block kb - 2 (its MMAs retired, its
-        scales read; ROW_SCALED: stages without activation block scales), then fence for the MMAs of block kb."""
+        scales read; ROW_SCALED: stages without activation block scales; TAIL: with the tail tiles), then fence for
+        the MMAs of block kb."""
         wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s, wb_s, sa_s, sb_s, x_s, \
-            sx_s = ring
+            sx_s, xt_ptrs, xt_s = ring
         nxt = kb + STAGES - 2
         _issue(nxt, k_blocks, wa_ptrs, wb_ptrs, step, sa_ptrs, sb_ptrs, n_rows, x_ptrs, sx_ptrs, total_rows, wa_s,
-               wb_s, sa_s, sb_s, x_s, sx_s, nxt % STAGES, GATED, ROW_SCALED)
+               wb_s, sa_s, sb_s, x_s, sx_s, xt_ptrs, xt_s, nxt % STAGES, GATED, ROW_SCALED, TAIL)
         fence_async_shared()
 
     @gluon.jit
     def _ring_read(ring, w_s, s_s, kb, k_blocks, G: gl.constexpr, WL: gl.constexpr, STAGES: gl.constexpr,
-                   GATED: gl.constexpr, num_warps: gl.constexpr):
+                   GATED: gl.constexpr, TAIL: gl.constexpr, num_warps: gl.constexpr):
         """The row-scaled stages' acquire (`accumulated_sums`): wait for K block kb (`_ring_wait`), read its table
         rows and words of operand (w_s, s_s), then refill (`_ring_refill`): issued first, the copies of block
         kb + STAGES - 2 queue ahead of those reads in the load/store unit. Returns (stage, low and high table words,
@@ -301,7 +326,7 @@ if hp.gluon is not None:
         st = _ring_wait(kb, STAGES)
         lo, hi = lane_tables(s_s, st, G, WL, num_warps)
         words = _words(w_s, st, WL)
-        _ring_refill(ring, kb, k_blocks, STAGES, GATED, True)
+        _ring_refill(ring, kb, k_blocks, STAGES, GATED, True, TAIL)
         return st, lo, hi, words
 
     @gluon.jit
@@ -423,42 +448,63 @@ if hp.gluon is not None:
         return acc_a, acc_b
 
     @gluon.jit
-    def accumulated_sums(ring, wa_s, sa_s, wb_s, sb_s, x_s, k_blocks,
+    def _row_scaled_mma(a, x_t, xt_s, acc, acc_t, AL16: gl.constexpr, TAIL: gl.constexpr):
+        """acc += a @ x_t, and (TAIL) acc_t += a @ the 16-row tail tile `xt_s`, asynchronously (one commit group
+        each). The tail's operand is a's registers in the 16-column MMA's layout (a renaming: A's layout does not
+        depend on N), so keeping a's expanded registers alive keeps it alive."""
+        acc = warpgroup_mma(a, x_t, acc, is_async=True)
+        if TAIL:
+            acc_t = warpgroup_mma(gl.convert_layout(a, AL16, assert_trivial=True), xt_s.permute((1, 0)), acc_t,
+                                  is_async=True)
+        return acc, acc_t
+
+    @gluon.jit
+    def accumulated_sums(ring, wa_s, sa_s, wb_s, sb_s, x_s, xt_s, k_blocks,
                          BN: gl.constexpr, N: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr,
-                         num_warps: gl.constexpr):
+                         TAIL: gl.constexpr, num_warps: gl.constexpr):
         """The K loop of the row-scaled FP8 GEMMs (`KernelConfig(fp8=6)`): the sums [BN, N] of operand a (and b when
         GATED) times the stages' activation tiles, every K block's FP8 wgmma accumulating into the same FP32
         registers (one scale per weight row and per activation row, applied by the caller). Nothing reads an
         accumulator in the loop, so a wgmma stays in flight across iterations as in the BF16 kernels
         (`hopper_prefill._gemm`): per iteration expand a (the last b multiplying), issue a, wait for b, expand b (L2:
-        the next K block) while a multiplies, issue b, wait for a; each K block's stage by `_ring_read`."""
+        the next K block) while a multiplies, issue b, wait for a; each K block's stage by `_ring_read`. TAIL: each
+        expanded operand also multiplies the stage's 16-row tail tile (`xt_s`) into sums [BN, 16] of its own, returned
+        after a's and b's (a block of 80 rows: one expansion for all of them)."""
         G: gl.constexpr = BN // 16
         WL: gl.constexpr = words_layout(num_warps)
         MMA: gl.constexpr = mma_layout(num_warps, N)
+        MMA16: gl.constexpr = mma_layout(num_warps, 16)
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
+        AL16: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA16, k_width=4)
+        W: gl.constexpr = 1 + TAIL  # commit groups per operand's MMAs
         acc_a = gl.zeros([BN, N], gl.float32, MMA)
         acc_b = gl.zeros([BN, N], gl.float32, MMA)
+        tail_a = gl.zeros([BN, 16], gl.float32, MMA16)
+        tail_b = gl.zeros([BN, 16], gl.float32, MMA16)
         WZ = gl.zeros([G, 2, 32, 2, 2], gl.int32, WL)
         # the operand registers of the MMAs in flight, kept alive through each wait (`expand_e4m3`)
         pa0, pa1, pb0, pb1 = WZ, WZ, WZ, WZ
         for i in range(0, k_blocks, 1 if GATED else 2):
-            st, lo, hi, wa = _ring_read(ring, wa_s, sa_s, i, k_blocks, G, WL, STAGES, GATED, num_warps)
+            st, lo, hi, wa = _ring_read(ring, wa_s, sa_s, i, k_blocks, G, WL, STAGES, GATED, TAIL, num_warps)
             x_t = _rows(x_s, st, N).permute((1, 0))
             pa0, pa1 = expand_e4m3(wa, lo, hi)
-            acc_a = warpgroup_mma(operand(pa0, pa1, AL), x_t, acc_a, is_async=True)
-            acc_a, acc_b, pa0, pa1, pb0, pb1 = warpgroup_mma_wait(1, deps=(acc_a, acc_b, pa0, pa1, pb0, pb1))
+            acc_a, tail_a = _row_scaled_mma(operand(pa0, pa1, AL), x_t, xt_s.index(st), acc_a, tail_a, AL16, TAIL)
+            acc_a, acc_b, tail_a, tail_b, pa0, pa1, pb0, pb1 = warpgroup_mma_wait(
+                W, deps=(acc_a, acc_b, tail_a, tail_b, pa0, pa1, pb0, pb1))
             if GATED:
                 lo, hi = lane_tables(sb_s, st, G, WL, num_warps)
                 pb0, pb1 = expand_e4m3(_words(wb_s, st, WL), lo, hi)
-                acc_b = warpgroup_mma(operand(pb0, pb1, AL), x_t, acc_b, is_async=True)
+                acc_b, tail_b = _row_scaled_mma(operand(pb0, pb1, AL), x_t, xt_s.index(st), acc_b, tail_b, AL16, TAIL)
             else:  # K block i + 1 (k_blocks is even), into a's accumulators
-                st, lo, hi, wb = _ring_read(ring, wa_s, sa_s, i + 1, k_blocks, G, WL, STAGES, GATED, num_warps)
+                st, lo, hi, wb = _ring_read(ring, wa_s, sa_s, i + 1, k_blocks, G, WL, STAGES, GATED, TAIL, num_warps)
                 pb0, pb1 = expand_e4m3(wb, lo, hi)
-                acc_a = warpgroup_mma(operand(pb0, pb1, AL), _rows(x_s, st, N).permute((1, 0)), acc_a, is_async=True)
-            acc_a, acc_b, pa0, pa1, pb0, pb1 = warpgroup_mma_wait(1, deps=(acc_a, acc_b, pa0, pa1, pb0, pb1))
-        acc_a, acc_b = warpgroup_mma_wait(0, deps=(acc_a, acc_b))
+                acc_a, tail_a = _row_scaled_mma(operand(pb0, pb1, AL), _rows(x_s, st, N).permute((1, 0)),
+                                                xt_s.index(st), acc_a, tail_a, AL16, TAIL)
+            acc_a, acc_b, tail_a, tail_b, pa0, pa1, pb0, pb1 = warpgroup_mma_wait(
+                W, deps=(acc_a, acc_b, tail_a, tail_b, pa0, pa1, pb0, pb1))
+        acc_a, acc_b, tail_a, tail_b = warpgroup_mma_wait(0, deps=(acc_a, acc_b, tail_a, tail_b))
         _cp.wait_group(0)
-        return acc_a, acc_b
+        return acc_a, acc_b, tail_a, tail_b
 
     @gluon.jit
     def weight_row_scales(s_base, n0, BN: gl.constexpr, L: gl.constexpr):
@@ -470,40 +516,65 @@ if hp.gluon is not None:
     def _l1_block(x8_ptr, xs_ptr, w_base, s_base, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b,
                   pid_n, row0, nrows, hidden, inter, num_topk, total_rows, clamp, HAS_CLAMP: gl.constexpr,
                   N: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, ROW_SCALED: gl.constexpr,
-                  num_warps: gl.constexpr):
-        """L1 of the block's first N rows (of ROWS): the K loop, the SwiGLU epilogue and the output's cast (rows past
-        N are the expert's none, and L2 reads only N of them: the same branch on the same rows). With 4 warps (64
-        channels, half a scale block) the SwiGLU output goes out in FP32 to `a32` and `fp8.l1_out_blocks` casts it;
-        ROW_SCALED (`xs`: one scale per block row [R]) it always does, for `fp8.l1_out_rows`."""
+                  num_warps: gl.constexpr, TAIL: gl.constexpr = False):
+        """L1 of the block's first N rows (of ROWS; TAIL: and the 16 after them): the K loop, the SwiGLU epilogue and
+        the output's cast (rows past these are the expert's none, and L2 reads only these: the same branch on the
+        same rows). With 4 warps (64 channels, half a scale block) the SwiGLU output goes out in FP32 to `a32` and
+        `fp8.l1_out_blocks` casts it; ROW_SCALED (`xs`: one scale per block row [R]) it always does, for
+        `fp8.l1_out_rows`."""
         BN: gl.constexpr = 16 * num_warps
         G: gl.constexpr = BN // 16
         WL: gl.constexpr = words_layout(num_warps)
-        XL: gl.constexpr = _x_layout(num_warps)
         num_g = inter // 8  # 2I rows in groups of 16
         wg_off = _word_offsets(pid_n * G, num_g, G, WL)
         wu_off = _word_offsets(pid_n * G + inter // 16, num_g, G, WL)
-        t = gl.arange(0, N, layout=gl.SliceLayout(1, XL))
+        x_ptrs = _token_rows(x8_ptr, sorted_ptr, row0, nrows, num_topk, hidden, 0, N, _x_layout(num_warps))
+        if TAIL:
+            xt_ptrs = _token_rows(x8_ptr, sorted_ptr, row0, nrows, num_topk, hidden, N, 16, _xt_layout(num_warps))
+        else:  # not read
+            xt_ptrs = x_ptrs
+        sx_ptrs = xs_ptr + pid_b * ROWS + gl.arange(0, N, layout=sx_layout(num_warps))
+        sums = _gemm(x_ptrs, sx_ptrs, total_rows, w_base, s_base, wg_off, wu_off, pid_n * BN, inter + pid_n * BN,
+                     2 * inter, num_g, hidden // 128, BN, N, STAGES, True, ROW_SCALED, num_warps, xt_ptrs, TAIL)
+        acc_g = sums[0]
+        acc_u = sums[1]
+        if ROW_SCALED:
+            acc_g = _row_scaled(acc_g, xs_ptr, s_base, pid_b * ROWS, pid_n * BN)
+            acc_u = _row_scaled(acc_u, xs_ptr, s_base, pid_b * ROWS, inter + pid_n * BN)
+        l1_epilogue(acc_g, acc_u, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter,
+                    total_rows, clamp, HAS_CLAMP, N, ROWS, num_warps, ROW_SCALED)
+        if TAIL:
+            tail_g = _row_scaled(sums[2], xs_ptr, s_base, pid_b * ROWS + N, pid_n * BN)
+            tail_u = _row_scaled(sums[3], xs_ptr, s_base, pid_b * ROWS + N, inter + pid_n * BN)
+            l1_epilogue(tail_g, tail_u, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows,
+                        inter, total_rows, clamp, HAS_CLAMP, 16, ROWS, num_warps, True, N)
+
+    @gluon.jit
+    def _token_rows(x8_ptr, sorted_ptr, row0, nrows, num_topk, hidden, T0: gl.constexpr, R: gl.constexpr,
+                    L: gl.constexpr):
+        """Pointers [R, 128] to K block 0 of the tokens of the block's rows T0.. in layout L (rows past the expert's
+        end read token 0: finite, never stored)."""
+        t = T0 + gl.arange(0, R, layout=gl.SliceLayout(1, L))
         ok = t < nrows
         slot = gl.load(sorted_ptr + row0 + t, mask=ok, other=0)
         token = gl.where(ok, slot // num_topk, 0).to(gl.int64)
-        x_ptrs = x8_ptr + token[:, None] * hidden + gl.arange(0, 128, layout=gl.SliceLayout(0, XL))[None, :]
-        sx_ptrs = xs_ptr + pid_b * ROWS + gl.arange(0, N, layout=sx_layout(num_warps))
-        acc_g, acc_u = _gemm(x_ptrs, sx_ptrs, total_rows, w_base, s_base, wg_off, wu_off, pid_n * BN,
-                             inter + pid_n * BN, 2 * inter, num_g, hidden // 128, BN, N, STAGES, True, ROW_SCALED,
-                             num_warps)
-        if ROW_SCALED:
-            MMA: gl.constexpr = mma_layout(num_warps, N)
-            sx = gl.load(xs_ptr + pid_b * ROWS + gl.arange(0, N, layout=gl.SliceLayout(0, MMA)))[None, :]
-            acc_g = acc_g * (weight_row_scales(s_base, pid_n * BN, BN, gl.SliceLayout(1, MMA))[:, None] * sx)
-            acc_u = acc_u * (weight_row_scales(s_base, inter + pid_n * BN, BN, gl.SliceLayout(1, MMA))[:, None] * sx)
-        l1_epilogue(acc_g, acc_u, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter,
-                    total_rows, clamp, HAS_CLAMP, N, ROWS, num_warps, ROW_SCALED)
+        return x8_ptr + token[:, None] * hidden + gl.arange(0, 128, layout=gl.SliceLayout(0, L))[None, :]
+
+    @gluon.jit
+    def _row_scaled(acc, xs_ptr, s_base, x_row0, n0):
+        """Row-scaled sums [BN, R] of weight rows n0.. and block rows x_row0.. -> their values: times each weight
+        row's and each activation row's scale."""
+        BN: gl.constexpr = acc.shape[0]
+        R: gl.constexpr = acc.shape[1]
+        L: gl.constexpr = acc.type.layout
+        sx = gl.load(xs_ptr + x_row0 + gl.arange(0, R, layout=gl.SliceLayout(0, L)))[None, :]
+        return acc * (weight_row_scales(s_base, n0, BN, gl.SliceLayout(1, L))[:, None] * sx)
 
     @gluon.jit
     def l1_activation(acc_g, acc_u, sorted_ptr, weight_ptr, row0, nrows, clamp, HAS_CLAMP: gl.constexpr,
-                      N: gl.constexpr, num_warps: gl.constexpr):
-        """L1's sums [BN, N] of the block's first N rows -> their SwiGLU output in FP32 (`jit.swiglu`)."""
-        tc = gl.arange(0, N, layout=gl.SliceLayout(0, mma_layout(num_warps, N)))
+                      N: gl.constexpr, num_warps: gl.constexpr, T0: gl.constexpr = 0):
+        """L1's sums [BN, N] of the block's N rows from T0 -> their SwiGLU output in FP32 (`jit.swiglu`)."""
+        tc = T0 + gl.arange(0, N, layout=gl.SliceLayout(0, mma_layout(num_warps, N)))
         okc = tc < nrows
         slotc = gl.load(sorted_ptr + row0 + tc, mask=okc, other=0)
         topw = gl.load(weight_ptr + slotc, mask=okc, other=0.0)
@@ -523,14 +594,14 @@ if hp.gluon is not None:
     @gluon.jit
     def l1_epilogue(acc_g, acc_u, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter,
                     total_rows, clamp, HAS_CLAMP: gl.constexpr, N: gl.constexpr, ROWS: gl.constexpr,
-                    num_warps: gl.constexpr, TO_A32: gl.constexpr = False):
-        """L1's sums [BN, N] of the block's first N rows -> the SwiGLU output of its 16 x num_warps channels: with 8
+                    num_warps: gl.constexpr, TO_A32: gl.constexpr = False, T0: gl.constexpr = 0):
+        """L1's sums [BN, N] of the block's N rows from T0 -> the SwiGLU output of its 16 x num_warps channels: with 8
         warps (128 channels, a scale block) cast to e4m3 per (row, 128 channels) into `out` and `outs`; with 4 (or
         TO_A32) in FP32 to `a32`, for `fp8.l1_out_blocks` (or `l1_out_rows`) to cast."""
         BN: gl.constexpr = 16 * num_warps
         MMA: gl.constexpr = mma_layout(num_warps, N)
-        a = l1_activation(acc_g, acc_u, sorted_ptr, weight_ptr, row0, nrows, clamp, HAS_CLAMP, N, num_warps)
-        out_rows = pid_b * ROWS + gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
+        a = l1_activation(acc_g, acc_u, sorted_ptr, weight_ptr, row0, nrows, clamp, HAS_CLAMP, N, num_warps, T0)
+        out_rows = pid_b * ROWS + T0 + gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
         offs = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
         if TO_A32:  # the block's rows only (`fp8.l1_out_rows` casts no others, and L2's columns past them are dropped)
             ok = (out_rows < pid_b * ROWS + nrows)[None, :]
@@ -551,13 +622,24 @@ if hp.gluon is not None:
         """L1 of one block of up to ROWS rows and 16 x num_warps gate (and as many up) channels in FP8, the SwiGLU
         epilogue, and (with 8 warps: 128 channels) the output's e4m3 cast per (row, 128 channels):
         `fp8.fp8_l1_kernel`'s numerics. A block of at most half ROWS rows (an expert's last) runs an MMA half as
-        wide. ROW_SCALED: the row-scaled numerics (`fp8` docstring; `fp8.l1_out_rows` casts the FP32 output)."""
+        wide. ROW_SCALED: the row-scaled numerics (`fp8` docstring; `fp8.l1_out_rows` casts the FP32 output); 80-row
+        blocks (ROW_SCALED only) run a 64-row MMA, and a 16-row one where the block has more rows."""
         pid_b, pid_n, expert, row0, nrows = hp.program_block(block_expert_ptr, block_row_ptr, block_end_ptr,
                                                              inter // (16 * num_warps))
         if expert < num_local:
             w_base = w_ptr + expert.to(gl.int64) * stride_we
             s_base = s_ptr + expert.to(gl.int64) * stride_se
-            if ROWS > 32 and nrows <= ROWS // 2:
+            gl.static_assert(ROWS != 80 or ROW_SCALED, "80-row blocks are the row-scaled kernels' (fp8=6)")
+            if ROWS == 80:  # a compile-time branch: 80-row blocks are 64 rows and a tail
+                if nrows > 64:
+                    _l1_block(x8_ptr, xs_ptr, w_base, s_base, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr,
+                              pid_b, pid_n, row0, nrows, hidden, inter, num_topk, total_rows, clamp, HAS_CLAMP, 64,
+                              ROWS, STAGES, ROW_SCALED, num_warps, True)
+                else:
+                    _l1_block(x8_ptr, xs_ptr, w_base, s_base, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr,
+                              pid_b, pid_n, row0, nrows, hidden, inter, num_topk, total_rows, clamp, HAS_CLAMP, 64,
+                              ROWS, STAGES, ROW_SCALED, num_warps)
+            elif ROWS > 32 and nrows <= ROWS // 2:
                 _l1_block(x8_ptr, xs_ptr, w_base, s_base, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr,
                           pid_b, pid_n, row0, nrows, hidden, inter, num_topk, total_rows, clamp, HAS_CLAMP, ROWS // 2, ROWS,
                           STAGES, ROW_SCALED, num_warps)
@@ -569,33 +651,42 @@ if hp.gluon is not None:
     @gluon.jit
     def _l2_block(a8_ptr, as_ptr, w_base, s_base, sorted_ptr, out_ptr, pid_b, pid_n, row0, nrows, hidden,
                   inter, total_rows, stride_out, N: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr,
-                  ROW_SCALED: gl.constexpr, num_warps: gl.constexpr):
-        """L2 of the block's first N rows (of ROWS)."""
+                  ROW_SCALED: gl.constexpr, num_warps: gl.constexpr, TAIL: gl.constexpr = False):
+        """L2 of the block's first N rows (of ROWS; TAIL: and the 16 after them)."""
         BN: gl.constexpr = 16 * num_warps
         G: gl.constexpr = BN // 16
         WL: gl.constexpr = words_layout(num_warps)
-        XL: gl.constexpr = _x_layout(num_warps)
         num_g = hidden // 16
         w_off = _word_offsets(pid_n * G, num_g, G, WL)
-        t = gl.arange(0, N, layout=gl.SliceLayout(1, XL))
-        rows = (pid_b * ROWS + t).to(gl.int64)
-        a_ptrs = a8_ptr + rows[:, None] * inter + gl.arange(0, 128, layout=gl.SliceLayout(0, XL))[None, :]
+        a_ptrs = _block_rows(a8_ptr, pid_b * ROWS, inter, N, _x_layout(num_warps))
+        if TAIL:
+            at_ptrs = _block_rows(a8_ptr, pid_b * ROWS + N, inter, 16, _xt_layout(num_warps))
+        else:  # not read
+            at_ptrs = a_ptrs
         sx_ptrs = as_ptr + pid_b * ROWS + gl.arange(0, N, layout=sx_layout(num_warps))
-        acc, _ = _gemm(a_ptrs, sx_ptrs, total_rows, w_base, s_base, w_off, w_off, pid_n * BN, pid_n * BN,
-                       hidden, num_g, inter // 128, BN, N, STAGES, False, ROW_SCALED, num_warps)
+        sums = _gemm(a_ptrs, sx_ptrs, total_rows, w_base, s_base, w_off, w_off, pid_n * BN, pid_n * BN,
+                     hidden, num_g, inter // 128, BN, N, STAGES, False, ROW_SCALED, num_warps, at_ptrs, TAIL)
+        acc = sums[0]
         if ROW_SCALED:
-            MMA: gl.constexpr = mma_layout(num_warps, N)
-            sa = gl.load(as_ptr + pid_b * ROWS + gl.arange(0, N, layout=gl.SliceLayout(0, MMA)))[None, :]
-            acc = acc * (weight_row_scales(s_base, pid_n * BN, BN, gl.SliceLayout(1, MMA))[:, None] * sa)
+            acc = _row_scaled(acc, as_ptr, s_base, pid_b * ROWS, pid_n * BN)
         l2_epilogue(acc, sorted_ptr, out_ptr, pid_n, row0, nrows, stride_out, N, num_warps)
+        if TAIL:
+            tail = _row_scaled(sums[2], as_ptr, s_base, pid_b * ROWS + N, pid_n * BN)
+            l2_epilogue(tail, sorted_ptr, out_ptr, pid_n, row0, nrows, stride_out, 16, num_warps, N)
+
+    @gluon.jit
+    def _block_rows(a8_ptr, r0, inter, R: gl.constexpr, L: gl.constexpr):
+        """Pointers [R, 128] to K block 0 of L1's output rows r0.. in layout L."""
+        rows = (r0 + gl.arange(0, R, layout=gl.SliceLayout(1, L))).to(gl.int64)
+        return a8_ptr + rows[:, None] * inter + gl.arange(0, 128, layout=gl.SliceLayout(0, L))[None, :]
 
     @gluon.jit
     def l2_epilogue(acc, sorted_ptr, out_ptr, pid_n, row0, nrows, stride_out, N: gl.constexpr,
-                    num_warps: gl.constexpr):
-        """L2's sums [BN, N] of the block's first N rows, rounded to BF16 into their slots' rows."""
+                    num_warps: gl.constexpr, T0: gl.constexpr = 0):
+        """L2's sums [BN, N] of the block's N rows from T0, rounded to BF16 into their slots' rows."""
         BN: gl.constexpr = 16 * num_warps
         MMA: gl.constexpr = mma_layout(num_warps, N)
-        tc = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
+        tc = T0 + gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
         okc = tc < nrows
         slot = gl.load(sorted_ptr + row0 + tc, mask=okc, other=0)
         offs = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
@@ -608,13 +699,22 @@ if hp.gluon is not None:
         ROWS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr, ROW_SCALED: gl.constexpr = False,
     ):
         """L2 of one block of up to ROWS rows and 16 x num_warps hidden columns in FP8; BF16 outputs to their slots.
-        A block of at most half ROWS rows runs an MMA half as wide. ROW_SCALED: the row-scaled numerics."""
+        A block of at most half ROWS rows runs an MMA half as wide. ROW_SCALED: the row-scaled numerics; 80-row blocks
+        (ROW_SCALED only) as `l1_kernel`'s."""
         pid_b, pid_n, expert, row0, nrows = hp.program_block(block_expert_ptr, block_row_ptr, block_end_ptr,
                                                              hidden // (16 * num_warps))
         if expert < num_local:
             w_base = w_ptr + expert.to(gl.int64) * stride_we
             s_base = s_ptr + expert.to(gl.int64) * stride_se
-            if ROWS > 32 and nrows <= ROWS // 2:
+            gl.static_assert(ROWS != 80 or ROW_SCALED, "80-row blocks are the row-scaled kernels' (fp8=6)")
+            if ROWS == 80:
+                if nrows > 64:
+                    _l2_block(a8_ptr, as_ptr, w_base, s_base, sorted_ptr, out_ptr, pid_b, pid_n, row0, nrows,
+                              hidden, inter, total_rows, stride_out, 64, ROWS, STAGES, ROW_SCALED, num_warps, True)
+                else:
+                    _l2_block(a8_ptr, as_ptr, w_base, s_base, sorted_ptr, out_ptr, pid_b, pid_n, row0, nrows,
+                              hidden, inter, total_rows, stride_out, 64, ROWS, STAGES, ROW_SCALED, num_warps)
+            elif ROWS > 32 and nrows <= ROWS // 2:
                 _l2_block(a8_ptr, as_ptr, w_base, s_base, sorted_ptr, out_ptr, pid_b, pid_n, row0, nrows,
                           hidden, inter, total_rows, stride_out, ROWS // 2, ROWS, STAGES, ROW_SCALED, num_warps)
             else:
