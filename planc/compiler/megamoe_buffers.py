@@ -87,17 +87,28 @@ def reference_layer_bytes(ranks: int, rows: int, top_k: int, hidden: int, interm
     return gathered + slots * per_slot + combine
 
 
-def triton_layer_bytes(ranks: int, rows: int, local_experts: int, top_k: int, hidden: int, intermediate: int) -> int:
+def triton_layer_bytes(ranks: int, rows: int, local_experts: int, top_k: int, hidden: int, intermediate: int,
+                       fp8: bool = False) -> int:
     """One Mega MoE layer's work on the triton backend with `rows` staged tokens per rank: the all-gathered
     dispatch, the dequantized BF16 tokens, the BF16 slot outputs (zeros for other ranks' experts), the SwiGLU
-    activations of this rank's slots (each local expert's rows padded to a block) and the combined output."""
+    activations of this rank's slots (each local expert's rows padded to a block) and the combined output. `fp8`:
+    the FP8 path's instead (planc.kernels.megamoe.triton.fp8): the tokens cast to e4m3 with a scale per row, the
+    SwiGLU output in FP32 and then cast to e4m3 with a scale per row."""
     m = ranks * rows
     gathered = m * (hidden + hidden // GRAN + 12 * top_k)
     slots = m * top_k
     act = slots + local_experts * _BLOCK_T
-    return gathered + 2 * m * hidden + 2 * slots * hidden + 2 * act * intermediate + 4 * slots + 2 * rows * hidden
+    tokens, activations = (m * hidden + FP32 * m, (FP32 + 1) * act * intermediate + FP32 * act) if fp8 else \
+        (2 * m * hidden, 2 * act * intermediate)
+    return gathered + tokens + 2 * slots * hidden + activations + 4 * slots + 2 * rows * hidden
+
+
+def triton_fp8_layout_bytes(local_experts: int, hidden: int, intermediate: int) -> int:
+    """The Triton backend's FP8-path layout of one layer's local experts (`PackedExperts.e4m3`, made when a batch
+    first takes that path on Hopper and kept beside the FP4 layout): the same FP4 words and scale bytes reordered,
+    and the row-scaled scale words (one byte per 32 weights)."""
+    return fp4_experts_bytes(local_experts, hidden, intermediate) + local_experts * 3 * hidden * intermediate // GRAN
 
 
 __all__ = ["capacity", "deepgemm_symmetric_bytes", "fp4_experts_bytes", "reference_buffer_bytes",
-           "reference_experts_bytes",
-           "reference_layer_bytes", "triton_layer_bytes"]
+           "reference_experts_bytes", "reference_layer_bytes", "triton_fp8_layout_bytes", "triton_layer_bytes"]

@@ -45,7 +45,7 @@ from planc.compiler.family_memory import FamilyMemory, family_memory
 from planc.compiler.optimizer_step import OPTIMIZER_STEP, STEPS
 from planc.compiler.train_memory import ITEMSIZE, TrainMemory, decoder_layers
 from planc.compiler.units import human_bytes
-from planc.spec.choices import ACTIVATION_CHECKPOINTING_MODES
+from planc.spec.choices import ACTIVATION_CHECKPOINTING_MODES, MEGAMOE_MATH
 from planc.spec.styles import SHARDED, STYLE
 
 if TYPE_CHECKING:
@@ -1229,24 +1229,31 @@ def _megamoe(settings: Any, shapes: list[LayerShape], hidden: int, tokens: int,
     cap = megamoe_buffers.capacity(per_rank, limit)
     rows = per_rank if ep == 1 else min(megamoe_buffers.capacity(per_rank, None), cap)
     k, inter, local = moe.top_k, moe.moe_intermediate, moe.local_experts
+    layers = sum(1 for s in shapes if s.megamoe)
+    # Triton on Hopper may take its FP8 path (`experts.megamoe.math: auto`): priced where it may
+    fp8 = MEGAMOE_MATH[settings.math if settings is not None else "auto"].fp8_layout
     deep = megamoe_buffers.deepgemm_symmetric_bytes(ep, moe.num_experts, cap, k, hidden, inter)
     ref = megamoe_buffers.reference_buffer_bytes(cap, k, hidden)
-    work = megamoe_buffers.triton_layer_bytes(ep, rows, local, k, hidden, inter)
+    # the Triton backend's buffer, and every layer's FP8-path layout of its experts (kept once made)
+    triton = ref + (layers * megamoe_buffers.triton_fp8_layout_bytes(local, hidden, inter) if fp8 else 0)
+    work = megamoe_buffers.triton_layer_bytes(ep, rows, local, k, hidden, inter, fp8=fp8)
     out = 2 * tokens * hidden * 2  # the layer's output and the combined rows (deep_gemm's own work is in its buffer)
     if backend == "deep_gemm":
         buf, work = deep, out
     elif backend == "auto":
-        buf, work = max(deep, ref), max(work, out)
+        buf, work = max(deep, triton), max(work, out)
     elif backend == "reference":  # every layer's dequantized experts and the reference's per-slot work
-        layers = sum(1 for s in shapes if s.megamoe)
         buf = ref + layers * megamoe_buffers.reference_experts_bytes(local, hidden, inter)
         work = megamoe_buffers.reference_layer_bytes(ep, rows, k, hidden, inter)
     else:
-        buf = ref
+        buf = triton
     notes = [f"Mega MoE ({backend}): the symmetric buffer for {cap} tokens per rank"
              + (" (`max_tokens_per_rank` of the plan)" if limit is not None and per_rank <= limit else
                 " (the next power of two: the batch exceeds the plan's `max_tokens_per_rank`)" if limit else "")
              + (", the larger of deep_gemm's and triton's (`auto` picks by device)" if backend == "auto" else "")]
+    if fp8 and backend in ("triton", "auto"):
+        notes.append("Mega MoE (triton): each layer's FP8-path layout of its experts, which Hopper makes once a batch "
+                     "takes that path (`experts.megamoe.math: bf16` keeps one layout), and that path's work")
     unpriced = [] if backend == "reference" else [
         "Mega MoE's deep_gemm and Triton buffers: priced from DeepGEMM's sizing rule and planc's Triton buffer and "
         "layer work, not measured (the grid measures the reference backend)"]

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 from planc.lint.context import LintContext
 from planc.lint.diagnostic import WARNING, Diagnostic
 from planc.lint.registry import rule
-from planc.spec.pairings import MEGAMOE_EP_EXPERTS, MEGAMOE_EXPERTS_EP, MEGAMOE_SETTINGS
+from planc.spec.pairings import MEGAMOE_BF16_BACKEND, MEGAMOE_EP_EXPERTS, MEGAMOE_EXPERTS_EP, MEGAMOE_SETTINGS
 from planc.spec.patterns import Pattern, PatternError
 
 if TYPE_CHECKING:
@@ -24,6 +24,7 @@ MEGAMOE_BLOCK = MEGAMOE_SETTINGS.code  # PLC403
 MISSING_DISPATCH = "PLC404"
 DISPATCH_WITHOUT_EP = "PLC405"
 TP_ON_EP_EXPERTS = "PLC406"
+MEGAMOE_BF16 = MEGAMOE_BF16_BACKEND.code  # PLC407
 
 _TOP = "version: 1\nmodel: {type: deepseek_v4}\n"
 _EP = (
@@ -121,6 +122,26 @@ def check_megamoe_block(ctx: LintContext) -> Iterator[Diagnostic]:
             f"`experts.megamoe` settings have no effect with implementation `{experts.implementation}`",
             "set `experts.implementation: deepgemm_megamoe`, or delete the `megamoe:` block",
             MEGAMOE_SETTINGS.key, at_value=True,  # where the schema reports it too
+        )
+
+
+@rule(
+    MEGAMOE_BF16, "megamoe-bf16-math-backend", "`megamoe.math: bf16` with `backend: deep_gemm`",
+    bad=_TOP + "parallel: {tp_size: 8, ep_size: 8}\n"
+    "experts:\n  implementation: deepgemm_megamoe\n  megamoe: {backend: deep_gemm, math: bf16}\n" + _EP,
+    good=_TOP + "parallel: {tp_size: 8, ep_size: 8}\n"
+    "experts:\n  implementation: deepgemm_megamoe\n  megamoe: {backend: triton, math: bf16}\n" + _EP,
+)
+def check_megamoe_bf16_backend(ctx: LintContext) -> Iterator[Diagnostic]:
+    """`math: bf16` asks for BF16 MMAs at every batch (one layout of the FP4 experts held, the BF16 path's
+    numerics); DeepGEMM's kernel multiplies in FP8 only. `auto` then passes deep_gemm over; a plan that names it
+    would get neither."""
+    if MEGAMOE_BF16_BACKEND.violated(ctx.plan.model_dump(exclude_none=True)):
+        yield ctx.diag(
+            MEGAMOE_BF16,
+            "`experts.megamoe.backend: deep_gemm` multiplies in FP8, but `math: bf16` asks for BF16 MMAs",
+            "write `backend: triton` (or `reference`, or `auto`), or `math: auto`",
+            MEGAMOE_BF16_BACKEND.key, at_value=True,
         )
 
 

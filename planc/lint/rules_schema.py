@@ -47,8 +47,9 @@ register(Rule(
 ))
 register(Rule(
     BAD_VALUE, "bad-enum-value", "A value is not one of the allowed choices",
-    "`experts.implementation`, `experts.ep_implementation`, `experts.megamoe.backend` and\n"
-    "`experts.megamoe.quantize` take one of a fixed set of names; the hint suggests the closest one.",
+    "`experts.implementation`, `experts.ep_implementation`, `experts.megamoe.backend`,\n"
+    "`experts.megamoe.quantize` and `experts.megamoe.math` take one of a fixed set of names; the hint suggests the\n"
+    "closest one.",
     family="schema",
     bad=_BASE + "parallel: {tp_size: 2}\nexperts: {implementation: grouped_mmm}\n",
     good=_BASE + "parallel: {tp_size: 2}\nexperts: {implementation: grouped_mm}\n",

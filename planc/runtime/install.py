@@ -243,7 +243,8 @@ def _unrunnable_experts(model: nn.Module, compiled: CompiledPlan, device: Option
         try:
             from planc.runtime.megamoe import resolve_backend
 
-            resolve_backend(_megamoe_settings(compiled).backend, device if device.type == "cuda" else None)
+            settings = _megamoe_settings(compiled)
+            resolve_backend(settings.backend, device if device.type == "cuda" else None, settings.math)
         except (RuntimeError, ValueError, ImportError, OSError) as e:
             return [f"experts.implementation `{impl}` cannot run here: {e}"]
     return []
@@ -468,6 +469,7 @@ def step_install_megamoe(state: InstallState) -> None:
             max_tokens_per_rank=settings.max_tokens_per_rank,
             activation_clamp=settings.activation_clamp,
             quantize=settings.quantize,
+            math=settings.math,
             num_global_experts=e.num_experts,
             ep_rank=state.groups.ep_rank,
             ep_size=state.groups.ep_size,

@@ -66,7 +66,8 @@ class MegaMoeBackend:
     (None: any device). `per_device`: chooses among the others, in table order, where the plan is applied (`auto`).
     `kernel_blocks`: runs DeepGEMM's kernel, which takes hidden and intermediate sizes on its block grid only
     (planc.spec.megamoe): the compiler refuses other sizes, and warns when a `per_device` backend has to pass it
-    over for them. `slow_fallback`: runs anywhere but many times slower; `per_device` warns when it picks it."""
+    over for them. `slow_fallback`: runs anywhere but many times slower; `per_device` warns when it picks it.
+    `bf16_math`: can multiply as `experts.megamoe.math: bf16` asks (BF16 MMAs at every batch)."""
 
     name: str
     doc: str
@@ -74,6 +75,17 @@ class MegaMoeBackend:
     per_device: bool = False
     kernel_blocks: bool = False
     slow_fallback: bool = False
+    bf16_math: bool = True
+
+
+@dataclass(frozen=True)
+class MegaMoeMath:
+    """One way the Mega MoE experts multiply (`experts.megamoe.math`). `fp8_layout`: the Triton backend may hold a
+    second layout of the FP4 experts for its FP8 MMAs (its FP8 path, on Hopper, once a batch takes it)."""
+
+    name: str
+    doc: str
+    fp8_layout: bool = False
 
 
 @dataclass(frozen=True)
@@ -107,7 +119,7 @@ class ActivationCheckpointingMode:
     recomputes_layers: bool = False
 
 
-Row = TypeVar("Row", ExpertsImplementation, EPStrategyRow, MegaMoeBackend, DataParallelMode,
+Row = TypeVar("Row", ExpertsImplementation, EPStrategyRow, MegaMoeBackend, MegaMoeMath, DataParallelMode,
               ActivationCheckpointingMode)
 
 
@@ -143,11 +155,20 @@ EP_STRATEGIES: dict[str, EPStrategyRow] = _table(
 
 MEGAMOE_BACKENDS: dict[str, MegaMoeBackend] = _table(
     MegaMoeBackend("auto", "deep_gemm on SM100, triton on SM90+, else the reference with a warning", per_device=True),
-    MegaMoeBackend("deep_gemm", "DeepGEMM's SM100 kernel", min_capability=(10, 0), kernel_blocks=True),
+    MegaMoeBackend("deep_gemm", "DeepGEMM's SM100 kernel", min_capability=(10, 0), kernel_blocks=True,
+                   bf16_math=False),
     MegaMoeBackend("triton", "the Triton backend: FP4 kept packed (a CUDA GPU of sm_90 or newer)",
                    min_capability=(9, 0)),
     MegaMoeBackend("reference", "the PyTorch reference of the kernel's computation (any device; slow)",
                    slow_fallback=True),
+)
+
+MEGAMOE_MATH: dict[str, MegaMoeMath] = _table(
+    MegaMoeMath("auto", "the backend's choice: triton multiplies prefill-sized batches in FP8 on Hopper (its table's "
+                "rows), holding a second layout of the FP4 experts once a batch does; deep_gemm always in FP8",
+                fp8_layout=True),
+    MegaMoeMath("bf16", "BF16 MMAs over the FP4 experts expanded on chip, at every batch: one layout of the experts "
+                "held (triton and reference; not deep_gemm)"),
 )
 
 DATA_PARALLEL_MODES: dict[str, DataParallelMode] = _table(

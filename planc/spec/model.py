@@ -45,12 +45,13 @@ class Choice:
         schema["enumDescriptions"] = [row.doc for row in self.table.values()]
 
 
-_IMPL, _EP, _BACKEND, _DP, _AC = (Choice(t) for t in (
-    choices.EXPERTS_IMPLEMENTATIONS, choices.EP_STRATEGIES, choices.MEGAMOE_BACKENDS, choices.DATA_PARALLEL_MODES,
-    choices.ACTIVATION_CHECKPOINTING_MODES))
+_IMPL, _EP, _BACKEND, _MATH, _DP, _AC = (Choice(t) for t in (
+    choices.EXPERTS_IMPLEMENTATIONS, choices.EP_STRATEGIES, choices.MEGAMOE_BACKENDS, choices.MEGAMOE_MATH,
+    choices.DATA_PARALLEL_MODES, choices.ACTIVATION_CHECKPOINTING_MODES))
 ExpertsImplementationName = Annotated[str, _IMPL.validator, _IMPL.field, _IMPL]
 EPImplementationName = Annotated[str, _EP.validator, _EP.field, _EP]
 MegaMoeBackendName = Annotated[str, _BACKEND.validator, _BACKEND.field, _BACKEND]
+MegaMoeMathName = Annotated[str, _MATH.validator, _MATH.field, _MATH]
 DataParallelName = Annotated[str, _DP.validator, _DP.field, _DP]
 ActivationCheckpointingName = Annotated[str, _AC.validator, _AC.field, _AC]
 
@@ -127,6 +128,17 @@ class MegaMoe(_Strict):
     quantize: Literal["none", "fp4"] = Field(
         default="none", description="`fp4`: quantize bf16 experts to FP4 when the plan is applied."
     )
+    math: MegaMoeMathName = Field(
+        default="auto",
+        description="`auto`: the backend's choice (`triton` on Hopper multiplies prefill-sized batches in FP8, holding "
+        "a second layout of the FP4 experts once a batch does); `bf16`: BF16 MMAs at every batch, one layout held "
+        "(`triton` and `reference`; `deep_gemm`'s kernel multiplies in FP8).",
+    )
+
+    @property
+    def math_row(self) -> choices.MegaMoeMath:
+        """The row of `math` in `planc.spec.choices.MEGAMOE_MATH`."""
+        return choices.MEGAMOE_MATH[self.math]
 
     @property
     def backend_row(self) -> choices.MegaMoeBackend:

@@ -2,7 +2,7 @@
 
 Each row says: when `when` holds (a key has a value, or a section is written at all), the setting at
 `key` may take only `allowed`. The linter checks the merged plan against the rows (PLC400 and PLC401
-through `planc.spec.ep.resolve_ep`, which the compiler calls too; PLC403 in `planc.lint.rules_ep`; PLC700
+through `planc.spec.ep.resolve_ep`, which the compiler calls too; PLC403 and PLC407 in `planc.lint.rules_ep`; PLC700
 and PLC701 in `planc.lint.rules_training`),
 and `planc schema` writes each row as an `if`/`then` fragment, so an editor with only the schema
 (yaml-language-server) reports the same pairings on the value that breaks them.
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from planc.spec.choices import DATA_PARALLEL_MODES, EP_STRATEGIES, EXPERTS_IMPLEMENTATIONS
+from planc.spec.choices import DATA_PARALLEL_MODES, EP_STRATEGIES, EXPERTS_IMPLEMENTATIONS, MEGAMOE_BACKENDS
 
 
 @dataclass(frozen=True)
@@ -77,11 +77,17 @@ MEGAMOE_SETTINGS = Pairing(
     "PLC403", ("experts", "megamoe"), None, ("experts", "implementation"), _MEGAMOE, "grouped_mm",
     "the `megamoe:` settings apply only to Mega MoE experts",
 )
+MEGAMOE_BF16_BACKEND = Pairing(
+    "PLC407", ("experts", "megamoe", "math"), "bf16", ("experts", "megamoe", "backend"),
+    tuple(b.name for b in MEGAMOE_BACKENDS.values() if b.bf16_math), "auto",
+    "`math: bf16` asks for BF16 MMAs: deep_gemm's kernel multiplies in FP8",
+)
 MIXED_PRECISION_FSDP = Pairing(
     "PLC701", ("training", "mixed_precision"), None, ("training", "data_parallel"), _SHARDING, "replicate",
     "`mixed_precision` is FSDP2's policy: it applies only with `data_parallel: fsdp`",
 )
 
 PAIRINGS: tuple[Pairing, ...] = (
-    MEGAMOE_EXPERTS_EP, MEGAMOE_EP_EXPERTS, MEGAMOE_SETTINGS, TRAINING_EXPERTS, MIXED_PRECISION_FSDP,
+    MEGAMOE_EXPERTS_EP, MEGAMOE_EP_EXPERTS, MEGAMOE_SETTINGS, MEGAMOE_BF16_BACKEND, TRAINING_EXPERTS,
+    MIXED_PRECISION_FSDP,
 )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -252,8 +253,9 @@ def test_a_family_the_grid_has_not_measured_gets_no_verdict(tmp_path, monkeypatc
     assert memory(*MIXTRAL, "--serve", "--device-memory", "80GiB")["validated"] is True
 
 
-def test_megamoe_buffer_is_priced_at_the_capacity_the_runtime_allocates():
-    from planc.compiler.megamoe_buffers import capacity, deepgemm_symmetric_bytes, reference_buffer_bytes
+def test_megamoe_buffer_is_priced_at_the_capacity_the_runtime_allocates(tmp_path):
+    from planc.compiler.megamoe_buffers import (capacity, deepgemm_symmetric_bytes, reference_buffer_bytes,
+                                                triton_fp8_layout_bytes)
 
     # DeepGEMM's sizing rule at 8 ranks, 256 experts, top-6, hidden 4096, intermediate 2048, FP8
     sizes = [deepgemm_symmetric_bytes(8, 256, t, 6, 4096, 2048) / 2**30 for t in (512, 4096, 8192)]
@@ -264,8 +266,22 @@ def test_megamoe_buffer_is_priced_at_the_capacity_the_runtime_allocates():
     m = memory(*plan)
     buffer = m["breakdown"]["Mega MoE symmetric buffer"]
     # backend auto: the larger of deep_gemm's and triton's buffers for this rank's slice, 4096 / 8 tokens
-    # (MegaMoeEP hands each rank of the EP group that shares the batch an equal slice)
-    assert buffer == max(deepgemm_symmetric_bytes(8, 256, 512, 6, 4096, 2048), reference_buffer_bytes(512, 6, 4096))
+    # (MegaMoeEP hands each rank of the EP group that shares the batch an equal slice); triton's with each of the
+    # two layers' FP8-path layout of its 32 local experts (`math: auto`: Hopper makes it once a batch takes that path)
+    fp8_layouts = 2 * triton_fp8_layout_bytes(32, 4096, 2048)
+    assert fp8_layouts == 2 * (32 * 3 * 4096 * 2048 // 2 + 2 * 32 * 3 * 4096 * 2048 // 32)
+    assert buffer == max(deepgemm_symmetric_bytes(8, 256, 512, 6, 4096, 2048),
+                         reference_buffer_bytes(512, 6, 4096) + fp8_layouts)
+    rc, text, err = explain(*plan)
+    assert rc == 0 and "FP8-path layout" in text and "math: bf16" in text, (text, err)
+    # `math: bf16`: BF16 MMAs at every batch, one layout: triton's buffer alone (smaller than deep_gemm's here)
+    shutil.copytree(REPO / "plans", tmp_path / "plans")  # a parent plan lies next to or below its child
+    bf16 = tmp_path / "plans" / "bf16.yaml"
+    bf16.write_text("version: 1\nextends: deepseek_v4_megamoe.yaml\n"
+                    "experts:\n  megamoe: {backend: auto, quantize: fp4, math: bf16}\n")
+    one = memory(str(bf16), *plan[1:])
+    assert one["breakdown"]["Mega MoE symmetric buffer"] == max(deepgemm_symmetric_bytes(8, 256, 512, 6, 4096, 2048),
+                                                                 reference_buffer_bytes(512, 6, 4096))
     # the GPU backends' buffers are not measured (the grid runs the reference backend): flagged
     assert len(m["unpriced"]) == 1 and "deep_gemm and Triton" in m["unpriced"][0]
     # the experts are held as FP4 (`quantize: fp4`), not in the model dtype the compiled plan counts

@@ -24,22 +24,29 @@ from planc.kernels.megamoe.quant import quantize_experts_fp4
 from planc.runtime.megamoe.runners import FP4_PARAMS, RUNNERS, describe_experts
 from planc.runtime.collectives import to_local
 from planc.runtime.snapshot import Snapshot
-from planc.spec.choices import MEGAMOE_BACKENDS
+from planc.spec.choices import MEGAMOE_BACKENDS, MEGAMOE_MATH
 
 BACKENDS = tuple(MEGAMOE_BACKENDS)  # the names of the table's rows: `auto` first, then the backends it picks from
 _STATE = "_planc_megamoe"
 
 
-def choose_backend(backend: str, device: torch.device | None = None, sizes: tuple[int, int] | None = None
-                   ) -> tuple[str, str]:
-    """The backend that will run and why. A backend the plan names must run here (its runner raises why not). The
-    `per_device` row (`auto`) takes the first of the other rows, in table order, whose runner can run here (and
-    `sizes` = (hidden, intermediate)): deep_gemm on SM100, else Triton on a CUDA GPU of sm_90 or newer, else the
-    `slow_fallback` reference, with a warning naming the slowdown."""
+def choose_backend(backend: str, device: torch.device | None = None, sizes: tuple[int, int] | None = None,
+                   math: str = "auto") -> tuple[str, str]:
+    """The backend that will run and why. A backend the plan names must run here (its runner raises why not) and
+    multiply as `math` says (`experts.megamoe.math`). The `per_device` row (`auto`) takes the first of the other rows,
+    in table order, whose runner can run here (and `sizes` = (hidden, intermediate)) and multiply so: deep_gemm on
+    SM100, else Triton on a CUDA GPU of sm_90 or newer, else the `slow_fallback` reference, with a warning naming the
+    slowdown."""
     row = MEGAMOE_BACKENDS.get(backend)
     if row is None:
         raise ValueError(f"unknown Mega MoE backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    if math not in MEGAMOE_MATH:
+        raise ValueError(f"unknown `experts.megamoe.math` {math!r}: use one of {', '.join(MEGAMOE_MATH)}")
+    bf16_only = math == "bf16"
     if not row.per_device:
+        if bf16_only and not row.bf16_math:
+            raise ValueError(f"`experts.megamoe.backend: {backend}` multiplies in FP8, not as `math: bf16` asks: use "
+                             f"`backend: triton` or `reference`, or `math: auto`")
         RUNNERS[backend].check_runs_here(device, sizes)
         return backend, f"`experts.megamoe.backend: {backend}` in the plan"
     skipped: list[str] = []
@@ -47,7 +54,8 @@ def choose_backend(backend: str, device: torch.device | None = None, sizes: tupl
         if candidate.per_device:
             continue
         runner = RUNNERS[name]
-        why = runner.why_not_here(candidate, device, sizes)
+        why = ("it multiplies in FP8, not as `math: bf16` asks" if bf16_only and not candidate.bf16_math
+               else runner.why_not_here(candidate, device, sizes))
         if why is not None:
             skipped.append(f"no {runner.LABEL} ({why})")
             continue
@@ -59,9 +67,9 @@ def choose_backend(backend: str, device: torch.device | None = None, sizes: tupl
     raise RuntimeError(f"no Mega MoE backend can run here: {'; '.join(skipped)}")
 
 
-def resolve_backend(backend: str, device: torch.device | None = None) -> str:
+def resolve_backend(backend: str, device: torch.device | None = None, math: str = "auto") -> str:
     """The backend name `choose_backend` picks (raises where an explicitly named backend cannot run)."""
-    return choose_backend(backend, device)[0]
+    return choose_backend(backend, device, math=math)[0]
 
 
 @dataclass
@@ -109,6 +117,7 @@ def install_megamoe_forward(
     max_tokens_per_rank: int | None = None,
     activation_clamp: float | None = None,
     quantize: str | None = None,
+    math: str = "auto",
     num_global_experts: int | None = None,
     ep_rank: int = 0,
     ep_size: int = 1,
@@ -126,6 +135,8 @@ def install_megamoe_forward(
     - `activation_clamp`: the SwiGLU clamp c; None -> ``config.swiglu_limit`` if set, else unclamped.
       `config` defaults to ``experts.config``.
     - `max_tokens_per_rank`: fixed buffer size; None -> the next power of two of the tokens per rank.
+    - `math`: ``"auto"`` (the backend's choice: Triton on Hopper multiplies prefill-sized batches in FP8) or
+      ``"bf16"`` (BF16 MMAs at every batch; the Triton backend then holds one layout of the FP4 experts).
     - `device`: the GPU the kernel runs on, for the backend checks (default: the weights' device, else
       the current CUDA device).
 
@@ -161,7 +172,7 @@ def install_megamoe_forward(
     if device is None and gate_up.device.type == "cuda":
         device = gate_up.device
     two_i, h = gate_up.shape[1], gate_up.shape[2] * (2 if gate_up.dtype == torch.int8 else 1)
-    resolved, reason = choose_backend(backend, device, (h, two_i // 2))
+    resolved, reason = choose_backend(backend, device, (h, two_i // 2), math)
 
     # Decide the FP4 parameters without touching the module yet.
     if gate_up.dtype == torch.int8:
@@ -206,7 +217,7 @@ def install_megamoe_forward(
     snapshot = Snapshot(experts)
     try:
         set_fp4_parameters(experts, new_params)
-        runner = RUNNERS[resolved](experts, num_global_experts, activation_clamp, max_tokens_per_rank)
+        runner = RUNNERS[resolved](experts, num_global_experts, activation_clamp, max_tokens_per_rank, math)
         experts.__dict__[_STATE] = MegaMoeState(
             resolved, num_global_experts, ep_rank, ep_size, activation_clamp, runner, reason
         )

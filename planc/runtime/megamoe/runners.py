@@ -5,6 +5,7 @@ names, `why_not_here` for `auto`'s choice). `experts.install_megamoe_forward` pi
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,7 @@ class _StagedRunner:
     num_experts: int
     activation_clamp: float | None
     max_tokens_per_rank: int | None
+    math: str = "auto"  # `experts.megamoe.math` (planc.spec.choices.MEGAMOE_MATH)
 
     def weights(self, device: torch.device) -> DequantizedExperts | layout.PackedExperts:
         raise NotImplementedError
@@ -127,8 +129,10 @@ class TritonRunner(_StagedRunner):
     CHOSEN = "Triton on sm_90+ keeps the FP4 weights packed"
 
     def _local_forward(self) -> dict[str, Any]:
-        return dict(local_forward=forward.triton_local_experts_forward, backend="triton",
-                    combine_fn=forward.combine, stage_fn=forward.stage)
+        local = forward.triton_local_experts_forward
+        if self.math == "bf16":  # the tables without the FP8 path's rows: its second layout is never made
+            local = functools.partial(local, fp8_path=False)
+        return dict(local_forward=local, backend="triton", combine_fn=forward.combine, stage_fn=forward.stage)
 
     @staticmethod
     def _problem(device: torch.device | None, sizes: Sizes | None) -> str | None:
@@ -222,7 +226,8 @@ class DeepGemmRunner:
         return reason
 
     def __init__(self, module: nn.Module, num_experts: int, activation_clamp: float | None,
-                 max_tokens_per_rank: int | None) -> None:
+                 max_tokens_per_rank: int | None, math: str = "auto") -> None:
+        # `math`: the kernel multiplies in FP8 whatever it says (`choose_backend` refuses `bf16` for this row)
         self.module = module
         self.num_experts = num_experts
         self.activation_clamp = activation_clamp

@@ -282,6 +282,21 @@ def test_auto_skips_the_kernel_for_sizes_it_rejects(recording):
     assert name != "deep_gemm" and "intermediate=128" in reason
 
 
+def test_bf16_math_passes_the_fp8_kernel_over(recording):
+    """`experts.megamoe.math: bf16` asks for BF16 MMAs at every batch; deep_gemm's kernel multiplies in FP8: `auto`
+    passes it over where it would run, and a plan that names it is refused with what to write instead."""
+    from planc.runtime.megamoe.experts import choose_backend
+
+    assert choose_backend("auto", sizes=(256, 256))[0] == "deep_gemm"
+    with pytest.warns(RuntimeWarning):  # no GPU here for Triton: the reference
+        name, reason = choose_backend("auto", sizes=(256, 256), math="bf16")
+    assert name == "reference" and "no deep_gemm (it multiplies in FP8, not as `math: bf16` asks)" in reason
+    with pytest.raises(ValueError, match="multiplies in FP8, not as `math: bf16` asks: use `backend: triton`"):
+        choose_backend("deep_gemm", sizes=(256, 256), math="bf16")
+    with pytest.raises(ValueError, match="unknown `experts.megamoe.math` 'fp8': use one of auto, bf16"):
+        choose_backend("auto", math="fp8")
+
+
 def test_destroy_barriers_each_group_before_freeing(monkeypatch):
     from planc.kernels.megamoe import buffers
 

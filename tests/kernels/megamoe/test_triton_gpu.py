@@ -306,6 +306,34 @@ def test_gluon_kernels_on_one_expert_a_rank_slice_and_large_scales(experts, conf
                                      activation_clamp=None))
 
 
+@needs_gluon
+def test_bf16_math_runs_the_bf16_path_and_keeps_one_layout(world1):
+    """`experts.megamoe.math: bf16`: a batch the table gives the FP8 path on Hopper (~34 rows per expert) runs the
+    BF16 path instead, bit for bit the layer with the FP8 rows removed, and the experts keep their one layout
+    (`fp8_layout_nbytes` 0); with `auto` the same batch makes the FP8 layout."""
+    w1, w2 = gpu_weights(1)
+    auto_m, bf16_m = mixtral_experts(w1, w2), mixtral_experts(w1, w2)
+    install_megamoe_forward(auto_m, backend="triton", quantize="fp4", activation_clamp=10.0)
+    install_megamoe_forward(bf16_m, backend="triton", quantize="fp4", activation_clamp=10.0, math="bf16")
+    groups = types.SimpleNamespace(ep_group=world1, ep_rank=0, ep_size=1, tp_group=world1, tp_size=1, shares_batch=True)
+    strategy = MegaMoeEP(reason="the experts implementation")
+    auto, bf16 = MegaMoeEPRuntime(auto_m, strategy, groups), MegaMoeEPRuntime(bf16_m, strategy, groups)
+    device = torch.device("cuda")
+    t = 200  # 200 x 6 / 32 experts: ~34 rows per expert, 90% routed
+    assert device_config(t * NK, NE, NH, NI, device).fp8 and not device_config(t * NK, NE, NH, NI, device, fp8=False).fp8
+    x, idx, w = (a.cuda() for a in routing(t, t, num_experts=NE, topk=NK, hidden=NH, masked=0.1))
+    with torch.no_grad():
+        y_auto, y_bf16 = auto(x, idx, w), bf16(x, idx, w)
+    assert megamoe_state(auto_m).runner.weights(device).fp8_layout_nbytes > 0
+    assert megamoe_state(bf16_m).runner.weights(device).fp8_layout_nbytes == 0
+    q, sf = quantize_fp8(x)
+    packed = megamoe_state(bf16_m).runner.weights(device)
+    want = combine(triton_local_experts_forward(q, float_to_ue8m0_bytes(sf), idx, w, packed, first_expert=0,
+                                                activation_clamp=10.0, fp8_path=False))
+    assert torch.equal(y_bf16, want)
+    check(y_auto, y_bf16, fp8=True)
+
+
 def test_installed_layer_graph_capture_without_host_sync(world1):
     w1, w2 = gpu_weights(1)
     ref_m, tri_m = mixtral_experts(w1, w2), mixtral_experts(w1, w2)

@@ -85,16 +85,19 @@ def triton_local_experts_forward(
     activation_clamp: float | None,
     num_experts: int | None = None,
     config: KernelConfig | None = None,
+    fp8_path: bool = True,
 ) -> torch.Tensor:
     """`reference.local_experts_forward` on packed FP4 weights: BF16 ``[M, K, H]`` slot outputs, zeros for
     slots whose expert is not in ``[first_expert, first_expert + E_loc)``. Without a `config`, the tiles are picked
-    for the rows the local experts receive of the layer's `num_experts` (`config.local_rows`)."""
+    for the rows the local experts receive of the layer's `num_experts` (`config.local_rows`); `fp8_path=False`:
+    without the FP8 path's rows (`experts.megamoe.math: bf16`)."""
     m, k = topk_idx.shape
     hidden, inter, num_local = experts.hidden, experts.intermediate, experts.num_local_experts
     device = x_fp8.device
     if m == 0:
         return torch.zeros((m, k, hidden), dtype=torch.bfloat16, device=device)
-    cfg = config or device_config(m * k, num_local, hidden, inter, device, num_experts=num_experts)
+    cfg = config or device_config(m * k, num_local, hidden, inter, device, fp8=None if fp8_path else False,
+                                  num_experts=num_experts)
     cfg = cfg.fit(hidden, inter)
     interpret = target.interpreting()
     race = None if interpret else cfg.pipeline_race(target.REGISTER_PREFETCH)
