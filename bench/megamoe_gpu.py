@@ -27,6 +27,7 @@ output is within DeepGEMM's FP8 bound of planc's (`PEER_BOUND`). Without a wheel
 goes on.
 `--sweep` times each candidate tile config of the Triton kernels per batch size instead (graph replay of the
 experts computation alone) and prints the best: the table in `planc.kernels.megamoe.triton.config` comes from it.
+`--routes` times the routing alone (`routing.route` against the torch ops it replaced above 2048 pairs).
 
 GPU, DeepSeek-V4 layer:  python bench/megamoe_gpu.py --json megamoe.json
 GPU, mid-size layer:     python bench/megamoe_gpu.py --hidden 2048 --intermediate 1408 --experts 64
@@ -52,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from planc.kernels.megamoe.quant import calc_diff, float_to_ue8m0_bytes, quantize_fp8
 from planc.kernels.megamoe.triton import config as triton_config
+from planc.kernels.megamoe.triton import routing
 from planc.kernels.megamoe.triton.config import KernelConfig
 from planc.kernels.megamoe.triton.forward import device_config, triton_local_experts_forward
 from planc.runtime.ep.megamoe import MegaMoeEPRuntime
@@ -124,6 +126,9 @@ def parse_args(argv=None):
     p.add_argument("--read-patterns", action="store_true",
                    help="time load-only kernels with the decode grids' access pattern beside a plain read stream "
                         "(`decode_read_patterns`) and stop")
+    p.add_argument("--routes", action="store_true",
+                   help="time the routing of --tokens batches (`routing.route`: one program, or the chunked launches "
+                        "above FUSED_ROUTE_MAX_SLOTS) beside the torch ops it replaced (`route_torch`) and stop")
     p.add_argument("--sglang-wheel", default=None, metavar="WHL",
                    help="SGLang's wheel for the peer (bench/sglang_fused_moe.py `find_wheel`: else $PLANC_SGLANG_WHEEL "
                         "or .whl/)")
@@ -350,6 +355,28 @@ def decode_read_patterns(args, device, measure) -> list[dict]:
         r["stream_us"] = r["mb"] / stream
         print(f"| {r['gemm']} | {r['split']} | {r['programs']} | {r['mb']:.1f} | {r['us']:.1f} | {r['tbps']:.2f} | "
               f"{r['stream_us']:.1f} |")
+    return rows
+
+
+def route_times(args, device, measure) -> list[dict]:
+    """Graph-replay µs of routing each --tokens batch over the layer's experts on one rank (the table's block rows
+    for that batch): `routing.route` (what the layer runs) beside `route_torch`, and their ratio."""
+    rows = []
+    for n in args.tokens:
+        _, _, idx = random_batch(args, n, device, seed=n)
+        block_t = device_config(n * args.topk, args.experts, args.hidden, args.intermediate, device).block_t
+        kw = dict(first_expert=0, num_local_experts=args.experts, block_t=block_t)
+        us = {name: graph_or_eager(device, measure, lambda fn=fn: fn(idx, **kw), True, captures=3)[0]
+              for name, fn in (("route", routing.route), ("torch", routing.route_torch))}
+        how = "one program" if idx.numel() <= routing.FUSED_ROUTE_MAX_SLOTS else "chunked"
+        rows.append(dict(tokens=n, pairs=idx.numel(), how=how, block_t=block_t, route_us=us["route"],
+                         torch_us=us["torch"]))
+    print(f"\nRouting on one rank ({args.experts} experts, top-{args.topk}), graph replay, median of 3 captures, µs")
+    print("| tokens | pairs | route | µs | torch ops (route_torch) µs | torch / route |")
+    print("|---:|---:|---|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['tokens']} | {r['pairs']} | {r['how']} | {r['route_us']:.1f} | {r['torch_us']:.1f} | "
+              f"{r['torch_us'] / r['route_us']:.2f}x |")
     return rows
 
 
@@ -772,6 +799,10 @@ def main(argv=None):
         if device.type != "cuda":
             raise SystemExit("--read-patterns needs a CUDA GPU")
         return finish(args, dict(read_patterns=decode_read_patterns(args, device, measure)))
+    if args.routes:
+        if device.type != "cuda":
+            raise SystemExit("--routes needs a CUDA GPU (elsewhere `route` is `route_torch`)")
+        return finish(args, dict(routes=route_times(args, device, measure)))
 
     run_peers = args.profile is None and not args.sweep
     skipped = dict(available=False, why="not run with --profile or --sweep")

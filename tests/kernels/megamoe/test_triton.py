@@ -24,7 +24,7 @@ from planc.kernels.megamoe.triton.config import KernelConfig, local_rows, pick_c
 from planc.kernels.megamoe.triton.decode import arrival_counters
 from planc.kernels.megamoe.triton.forward import combine, dequantize_x, stage, triton_local_experts_forward
 from planc.kernels.megamoe.triton.layout import PackedExperts, shuffle_fp4
-from planc.kernels.megamoe.triton.routing import max_blocks, route, route_fused, route_torch
+from planc.kernels.megamoe.triton.routing import max_blocks, route, route_chunked, route_fused, route_torch
 from planc.runtime.ep.megamoe import MegaMoeEPRuntime
 from planc.runtime.megamoe import install_megamoe_forward, megamoe_state
 from tests.kernels.megamoe.common import fill_ops, full_weights, mixtral_experts, routing
@@ -84,15 +84,36 @@ def test_fused_route_equals_the_torch_route():
         assert torch.equal(fused[2][valid], ref[2][valid]) and torch.equal(fused[3][valid], ref[3][valid])
 
 
-def test_torch_route_puts_no_fill_kernel_into_a_graph():
-    """Batches above `FUSED_ROUTE_MAX_SLOTS` route by torch ops inside every captured layer: none may make a tensor
-    from a Python number or fill one (each a kernel replayed with the graph)."""
+@pytest.mark.parametrize("how", ["torch", "chunked"])
+def test_the_large_batch_routes_put_no_fill_kernel_into_a_graph(how):
+    """Batches above `FUSED_ROUTE_MAX_SLOTS` route inside every captured layer, by three launches on a GPU
+    (`route_chunked`), by torch ops elsewhere: neither may make a tensor from a Python number or fill one (each a
+    kernel replayed with the graph)."""
     idx = torch.randint(-1, 40, (700, 6), generator=torch.Generator().manual_seed(3))
     assert idx.numel() > routing_module.FUSED_ROUTE_MAX_SLOTS
-    routed, fills = fill_ops(lambda: route(idx, first_expert=8, num_local_experts=16, block_t=64))
+    kw = dict(first_expert=8, num_local_experts=16, block_t=64)
+    # chunks of 256 pairs: a sort of 2048 keys takes seconds under the interpreter
+    torch_route, chunked = (lambda: route(idx, **kw)), (lambda: route_chunked(idx, **kw, chunk=256))
+    routed, fills = fill_ops(torch_route if how == "torch" else chunked)
     assert not fills, fills
-    assert all(torch.equal(a, b) for a, b in zip(routed, route_fused(idx, first_expert=8, num_local_experts=16,
-                                                                     block_t=64)[:2]))
+    other = chunked() if how == "torch" else route_torch(idx, **kw)  # the other implementation
+    assert all(torch.equal(a, b) for a, b in zip(routed[:2], other[:2]))
+
+
+def test_chunked_route_equals_the_torch_route():
+    """`route_chunked` (three launches over chunks of pairs; on a GPU every batch above `FUSED_ROUTE_MAX_SLOTS`)
+    gives `route_torch`'s output: one chunk or many, batches a whole number of chunks or not, one local expert or
+    hundreds, first experts of other ranks, -1 slots."""
+    g = torch.Generator().manual_seed(5)
+    for t, k, e_loc, first_rank, block_t, chunk in [(70, 6, 16, 1, 64, 64), (409, 6, 384, 0, 80, 256),
+                                                     (100, 8, 37, 2, 16, 32), (500, 4, 1, 0, 32, 128),
+                                                     (3, 2, 5, 0, 16, 64), (64, 1, 4, 0, 16, 64)]:
+        idx = torch.randint(-1, 3 * e_loc, (t, k), generator=g)
+        kw = dict(first_expert=first_rank * e_loc, num_local_experts=e_loc, block_t=block_t)
+        got, ref = route_chunked(idx, **kw, chunk=chunk), route_torch(idx, **kw)
+        valid = ref[1] < e_loc  # rows of the unused blocks are not read
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (t, k, e_loc)
+        assert torch.equal(got[2][valid], ref[2][valid]) and torch.equal(got[3][valid], ref[3][valid]), (t, k, e_loc)
 
 
 def test_combine_kernel_is_the_reference_combine():
@@ -444,7 +465,8 @@ def test_a_gathered_prefill_with_several_blocks_per_expert_matches_the_reference
     packed, deq = experts
     mine = PackedExperts(*(t[6:] for t in (packed.w1, packed.s1, packed.w2, packed.s2)))
     q, sf, idx, w = staged(4 * 64, 9, masked=0.05)
-    monkeypatch.setattr(routing_module, "FUSED_ROUTE_MAX_SLOTS", 0)  # routed by torch ops, as a prefill is on a GPU
+    # routed by torch ops (a prefill on a GPU: `route_chunked`, the same output; see its test)
+    monkeypatch.setattr(routing_module, "FUSED_ROUTE_MAX_SLOTS", 0)
     cfg = pick_config(idx.numel(), 2, packed.hidden, packed.intermediate).fit(packed.hidden, packed.intermediate)
     assert cfg.block_t == 64 and cfg.pipeline_race(register_prefetch=True) is None
     local = (idx >= 6) & (idx < 8)

@@ -17,6 +17,7 @@ from planc.kernels.megamoe.triton.decode import arrival_counters
 from planc.kernels.megamoe.triton.forward import combine, device_config, triton_local_experts_forward
 from planc.kernels.megamoe.triton.hopper_prefill import gluon_unavailable_reason
 from planc.kernels.megamoe.triton.layout import PackedExperts, e4m3_tables
+from planc.kernels.megamoe.triton.routing import FUSED_ROUTE_MAX_SLOTS, route, route_torch
 from planc.runtime.ep.megamoe import MegaMoeEPRuntime
 from planc.runtime.megamoe import install_megamoe_forward, megamoe_state
 from planc.spec.ep import MegaMoeEP
@@ -179,6 +180,21 @@ def test_all_routes_to_one_expert(experts):
     ref = local_experts_forward(q, sf, idx, w, deq, first_expert=0, activation_clamp=10.0)
     check(triton_local_experts_forward(q, sf, idx, w, packed, first_expert=0, activation_clamp=10.0), ref,
           fp8=picks_fp8(idx.numel()))
+
+
+@pytest.mark.parametrize("tokens,num_local,first", [(4096, 384, 0), (8 * 4096, 48, 96), (2049, 16, 0)])
+def test_chunked_route_on_the_gpu_equals_the_torch_route(tokens, num_local, first):
+    """Every batch above `FUSED_ROUTE_MAX_SLOTS` routes in chunks on a GPU (`routing.route_chunked`): one V4 rank at
+    4096 tokens (24576 pairs, 12 chunks), an EP 8 rank's share of 8 x 4096 gathered (96 chunks), a batch one pair
+    past a chunk."""
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    idx = torch.randint(-1, 384, (tokens, 6), generator=g, device="cuda")
+    kw = dict(first_expert=first, num_local_experts=num_local, block_t=80)
+    assert idx.numel() > FUSED_ROUTE_MAX_SLOTS
+    got, ref = route(idx, **kw), route_torch(idx, **kw)
+    valid = ref[1] < num_local
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert torch.equal(got[2][valid], ref[2][valid]) and torch.equal(got[3][valid], ref[3][valid])
 
 
 def test_rank_slice_and_no_local_expert(experts):

@@ -151,19 +151,29 @@ if triton is not None:
         return tl.reshape(c, (BN, BK))
 
     @triton.jit
+    def _local_ids(idx_ptr, i, num_slots, first, num_local):
+        """Slots i -> their local expert, `num_local` for -1, other ranks' experts and padding (i >= num_slots)."""
+        e = tl.load(idx_ptr + i, mask=i < num_slots, other=-1).to(tl.int32)
+        local = (e >= first) & (e < first + num_local) & (i < num_slots)
+        return tl.where(local, e - first, num_local)
+
+    @triton.jit
     def route_kernel(idx_ptr, sorted_ptr, blocks_ptr, scratch_ptr, num_slots, first, num_local, num_blocks,
                       BS: tl.constexpr, BE: tl.constexpr, BB: tl.constexpr, BT: tl.constexpr, LOG_BE: tl.constexpr):
         """`routing.route` in one program: a stable sort by (local expert, slot) of unique keys, the per-expert counts
-        (a histogram; other ranks' experts, -1 and padding fall in bin `num_local`), their prefix sums, and per block
-        a binary search of the block-count prefix sums (kept in `scratch`) for its expert."""
+        (a histogram; other ranks' experts, -1 and padding fall in bin `num_local`), their prefix sums, and the
+        blocks (`_route_blocks`)."""
         i = tl.arange(0, BS)
-        e = tl.load(idx_ptr + i, mask=i < num_slots, other=-1).to(tl.int32)
-        local = (e >= first) & (e < first + num_local) & (i < num_slots)
-        lid = tl.where(local, e - first, num_local)
+        lid = _local_ids(idx_ptr, i, num_slots, first, num_local)
         key = tl.sort(lid * BS + i)
         tl.store(sorted_ptr + i, key % BS, mask=i < num_slots)
+        _route_blocks(tl.histogram(lid, BE), blocks_ptr, scratch_ptr, num_local, num_blocks, BE, BB, BT, LOG_BE)
 
-        counts = tl.histogram(lid, BE)
+    @triton.jit
+    def _route_blocks(counts, blocks_ptr, scratch_ptr, num_local, num_blocks, BE: tl.constexpr, BB: tl.constexpr,
+                      BT: tl.constexpr, LOG_BE: tl.constexpr):
+        """The block arrays of `routing.route` from the per-bin counts [BE] (bins past the local experts ignored): per
+        block a binary search of the block-count prefix sums (kept in `scratch`) for its expert."""
         ex = tl.arange(0, BE)
         counts = tl.where(ex < num_local, counts, 0)
         starts = tl.cumsum(counts, 0) - counts
@@ -193,6 +203,44 @@ if triton is not None:
         tl.store(blocks_ptr + b, tl.where(expert < num_local, expert, num_local), mask=ok)
         tl.store(blocks_ptr + num_blocks + b, st + (b - first_block) * BT, mask=ok)
         tl.store(blocks_ptr + 2 * num_blocks + b, st + cnt, mask=ok)
+
+    @triton.jit
+    def route_count_kernel(idx_ptr, counts_ptr, num_slots, first, num_local, CH: tl.constexpr, BE: tl.constexpr):
+        """`routing.route_chunked`, step 1 of 3: chunk c's per-bin counts (`route_kernel`'s bins) into row c of
+        `counts` [chunks, BE]."""
+        c = tl.program_id(0)
+        lid = _local_ids(idx_ptr, c * CH + tl.arange(0, CH), num_slots, first, num_local)
+        tl.store(counts_ptr + c * BE + tl.arange(0, BE), tl.histogram(lid, BE))
+
+    @triton.jit
+    def route_offsets_kernel(counts_ptr, delta_ptr, blocks_ptr, scratch_ptr, num_chunks, num_local, num_blocks,
+                             BE: tl.constexpr, BB: tl.constexpr, BT: tl.constexpr, LOG_BE: tl.constexpr):
+        """Step 2, one program: where each chunk's slots of each bin go. A bin's slots are sorted bin by bin, chunk by
+        chunk within a bin, so chunk c's run of bin b starts at (the slots of bins < b) + (bin b's slots in chunks <
+        c); `delta` [chunks, BE] holds that minus the run's start in the chunk's own sorted order (what step 3 adds
+        to a sorted position). Then the blocks from the bins' totals (`_route_blocks`)."""
+        ex = tl.arange(0, BE)
+        total = tl.zeros((BE,), dtype=tl.int32)
+        for c in range(num_chunks):
+            total += tl.load(counts_ptr + c * BE + ex)
+        run = tl.cumsum(total, 0) - total  # bin b's first sorted position, then past each chunk's run
+        for c in range(num_chunks):
+            cnt = tl.load(counts_ptr + c * BE + ex)
+            tl.store(delta_ptr + c * BE + ex, run - (tl.cumsum(cnt, 0) - cnt))
+            run += cnt
+        _route_blocks(total, blocks_ptr, scratch_ptr, num_local, num_blocks, BE, BB, BT, LOG_BE)
+
+    @triton.jit
+    def route_scatter_kernel(idx_ptr, delta_ptr, sorted_ptr, num_slots, first, num_local, CH: tl.constexpr,
+                             BE: tl.constexpr):
+        """Step 3: chunk c's slots sorted by (bin, slot) in the chunk (`route_kernel`'s keys), each stored at its
+        position in the chunk's order plus its bin's `delta` (padding sorts last: past `num_slots`, not stored)."""
+        c = tl.program_id(0)
+        j = tl.arange(0, CH)
+        lid = _local_ids(idx_ptr, c * CH + j, num_slots, first, num_local)
+        key = tl.sort(lid * CH + j)
+        pos = j + tl.load(delta_ptr + c * BE + key // CH)
+        tl.store(sorted_ptr + pos, c * CH + key % CH, mask=pos < num_slots)
 
     @triton.jit
     def combine_kernel(slots_ptr, out_ptr, hidden, stride_t, stride_k,

@@ -15,8 +15,10 @@ def max_blocks(num_slots: int, num_local_experts: int, block_t: int) -> int:
 
 
 # One program does the whole routing (`route_kernel`) up to this many (token, slot) pairs: at decode the ~30 small
-# torch ops of `route_torch` cost more than the GEMMs.
+# torch ops of `route_torch` cost more than the GEMMs. Larger batches route in chunks of as many pairs, in three
+# launches (`route_chunked`), where a prefill took those ~30 ops (a sort of several kernels among them) per layer.
 FUSED_ROUTE_MAX_SLOTS = 2048
+ROUTE_CHUNK = 2048
 
 
 def route(topk_idx: torch.Tensor, *, first_expert: int, num_local_experts: int, block_t: int):
@@ -25,12 +27,18 @@ def route(topk_idx: torch.Tensor, *, first_expert: int, num_local_experts: int, 
     All on the device with static shapes. Returns ``(sorted_slots int32 [S], block_expert, block_row,
     block_end)``, the block arrays int32 of length `max_blocks(S, E_loc, block_t)`: block b covers sorted
     rows ``[block_row[b], block_end[b])`` of local expert ``block_expert[b]`` (``== E_loc``: no block).
-    Small batches on a GPU (or under the interpreter) take one Triton program, others torch ops; same result.
+    On a GPU small batches take one Triton program, larger ones three launches (`route_chunked`); under the
+    interpreter small ones the one program (its sort of ~2048 keys takes seconds there), elsewhere torch ops; the
+    same result.
     """
     num_slots = topk_idx.numel()
-    if triton is not None and 0 < num_slots <= FUSED_ROUTE_MAX_SLOTS and (topk_idx.is_cuda or target.interpreting()):
-        return route_fused(topk_idx, first_expert=first_expert, num_local_experts=num_local_experts, block_t=block_t)
-    return route_torch(topk_idx, first_expert=first_expert, num_local_experts=num_local_experts, block_t=block_t)
+    kw = dict(first_expert=first_expert, num_local_experts=num_local_experts, block_t=block_t)
+    if triton is not None and num_slots > 0 and (topk_idx.is_cuda or target.interpreting()):
+        if num_slots <= FUSED_ROUTE_MAX_SLOTS:
+            return route_fused(topk_idx, **kw)
+        if topk_idx.is_cuda:
+            return route_chunked(topk_idx, **kw)
+    return route_torch(topk_idx, **kw)
 
 
 def fused_route_launch(topk_idx: torch.Tensor, *, first_expert: int, num_local_experts: int, block_t: int):
@@ -55,6 +63,30 @@ def route_fused(topk_idx: torch.Tensor, *, first_expert: int, num_local_experts:
                                                   num_local_experts=num_local_experts, block_t=block_t)
     jit.route_kernel[(1,)](topk_idx.reshape(-1), *args, **constexprs, num_warps=4)
     return routed
+
+
+def route_chunked(topk_idx: torch.Tensor, *, first_expert: int, num_local_experts: int, block_t: int,
+                  chunk: int = ROUTE_CHUNK):
+    """`route` of any size in three launches over chunks of `chunk` pairs (a power of two): each chunk's per-expert
+    counts (`jit.route_count_kernel`), one program placing each chunk's run of each expert and cutting the blocks
+    (`route_offsets_kernel`), each chunk's pairs sorted and stored at their places (`route_scatter_kernel`)."""
+    device = topk_idx.device
+    idx = topk_idx.reshape(-1)
+    num_slots = idx.numel()
+    chunks = -(-num_slots // chunk)
+    nb = max_blocks(num_slots, num_local_experts, block_t)
+    be = triton.next_power_of_2(num_local_experts + 1)
+    sorted_slots = torch.empty(num_slots, dtype=torch.int32, device=device)
+    blocks = torch.empty((3, nb), dtype=torch.int32, device=device)
+    counts = torch.empty((2, chunks, be), dtype=torch.int32, device=device)  # the counts, then the deltas
+    scratch = torch.empty((3, be), dtype=torch.int32, device=device)
+    common = (num_slots, first_expert, num_local_experts)
+    jit.route_count_kernel[(chunks,)](idx, counts[0], *common, CH=chunk, BE=be, num_warps=4)
+    jit.route_offsets_kernel[(1,)](counts[0], counts[1], blocks, scratch, chunks, num_local_experts, nb, BE=be,
+                                   BB=triton.next_power_of_2(nb), BT=block_t, LOG_BE=be.bit_length() - 1,
+                                   num_warps=4)
+    jit.route_scatter_kernel[(chunks,)](idx, counts[1], sorted_slots, *common, CH=chunk, BE=be, num_warps=4)
+    return sorted_slots, blocks[0], blocks[1], blocks[2]
 
 
 def route_torch(topk_idx: torch.Tensor, *, first_expert: int, num_local_experts: int, block_t: int):
