@@ -114,13 +114,18 @@ if triton is not None:
     def x_rows_kernel(q_ptr, sf_ptr, x8_ptr, xs_ptr, hidden, idx_ptr, slots_ptr, first, num_local, stride_slots,
                       BH: tl.constexpr, NUM_TOPK: tl.constexpr, BK: tl.constexpr, ZERO: tl.constexpr):
         """`x_blocks_kernel` with one scale for the whole row (the row-scaled path, `KernelConfig(fp8=6)`), the
-        channels in the FP8 wgmma kernels' K order: two passes over the row (its largest magnitude, then the cast),
-        BH channels at a time."""
+        channels in the FP8 wgmma kernels' K order: two passes over the row (its largest magnitude from each 32-group's
+        largest byte, then the cast), BH channels at a time."""
         row = tl.program_id(0).to(tl.int64)
         amax = 0.0
         for c in range(hidden // BH):
-            v = _staged_values(q_ptr, sf_ptr, row, c * BH + tl.arange(0, BH), hidden)
-            amax = tl.maximum(amax, tl.max(tl.abs(v), axis=0))
+            # e4m3 magnitudes order as their 7-bit patterns, and a power-of-two scale keeps the order (the products
+            # are exact in FP32): each 32-group's largest byte, decoded once, is its largest value
+            b = tl.load(q_ptr + row * hidden + c * BH + tl.arange(0, BH)).to(tl.int32) & 0x7F
+            g = c * (BH // 32) + tl.arange(0, BH // 32)
+            s = tl.load(sf_ptr + row * (hidden // 32) + g).to(tl.int32)
+            top = e4m3_value(tl.max(tl.reshape(b, (BH // 32, 32)), axis=1)) * (s << 23).to(tl.float32, bitcast=True)
+            amax = tl.maximum(amax, tl.max(top, axis=0))
         e = _scale_exponent(amax, True)
         for c in range(hidden // BH):
             if ZERO:
