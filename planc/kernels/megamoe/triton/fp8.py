@@ -395,7 +395,8 @@ def fp8_local_experts_forward(
         kernels = hopper_fp8_ws if ws else hopper_fp8
         e4 = experts.e4m3()
         act_s = torch.empty((1 if rows else inter // BLOCK, nblocks * bt), dtype=torch.float32, device=device)
-        xs = hopper_fp8.block_row_scales(xs, sorted_slots, block_row, block_end, num_topk=k, block_t=bt)
+        if not rows:  # the row-scaled L1 reads each token's one scale where it scales its sums
+            xs = hopper_fp8.block_row_scales(xs, sorted_slots, block_row, block_end, num_topk=k, block_t=bt)
         s1, s2 = e4.row_scaled() if rows else (e4.s1, e4.s2)
         s1 = s1.reshape(num_local, -1).view(torch.int32)
         s2 = s2.reshape(num_local, -1).view(torch.int32)

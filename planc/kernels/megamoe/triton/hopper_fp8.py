@@ -520,7 +520,7 @@ if hp.gluon is not None:
         """L1 of the block's first N rows (of ROWS; TAIL: and the 16 after them): the K loop, the SwiGLU epilogue and
         the output's cast (rows past these are the expert's none, and L2 reads only these: the same branch on the
         same rows). With 4 warps (64 channels, half a scale block) the SwiGLU output goes out in FP32 to `a32` and
-        `fp8.l1_out_blocks` casts it; ROW_SCALED (`xs`: one scale per block row [R]) it always does, for
+        `fp8.l1_out_blocks` casts it; ROW_SCALED (`xs`: one scale per token [M]) it always does, for
         `fp8.l1_out_rows`."""
         BN: gl.constexpr = 16 * num_warps
         G: gl.constexpr = BN // 16
@@ -539,13 +539,15 @@ if hp.gluon is not None:
         acc_g = sums[0]
         acc_u = sums[1]
         if ROW_SCALED:
-            acc_g = _row_scaled(acc_g, xs_ptr, s_base, pid_b * ROWS, pid_n * BN)
-            acc_u = _row_scaled(acc_u, xs_ptr, s_base, pid_b * ROWS, inter + pid_n * BN)
+            sx_tok = _token_scales(xs_ptr, sorted_ptr, row0, nrows, num_topk, 0, N, acc_g.type.layout)
+            acc_g = _row_scaled(acc_g, sx_tok, s_base, pid_n * BN)
+            acc_u = _row_scaled(acc_u, sx_tok, s_base, inter + pid_n * BN)
         l1_epilogue(acc_g, acc_u, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter,
                     total_rows, clamp, HAS_CLAMP, N, ROWS, num_warps, ROW_SCALED)
         if TAIL:
-            tail_g = _row_scaled(sums[2], xs_ptr, s_base, pid_b * ROWS + N, pid_n * BN)
-            tail_u = _row_scaled(sums[3], xs_ptr, s_base, pid_b * ROWS + N, inter + pid_n * BN)
+            sx_tok = _token_scales(xs_ptr, sorted_ptr, row0, nrows, num_topk, N, 16, sums[2].type.layout)
+            tail_g = _row_scaled(sums[2], sx_tok, s_base, pid_n * BN)
+            tail_u = _row_scaled(sums[3], sx_tok, s_base, inter + pid_n * BN)
             l1_epilogue(tail_g, tail_u, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows,
                         inter, total_rows, clamp, HAS_CLAMP, 16, ROWS, num_warps, True, N)
 
@@ -561,14 +563,20 @@ if hp.gluon is not None:
         return x8_ptr + token[:, None] * hidden + gl.arange(0, 128, layout=gl.SliceLayout(0, L))[None, :]
 
     @gluon.jit
-    def _row_scaled(acc, xs_ptr, s_base, x_row0, n0):
-        """Row-scaled sums [BN, R] of weight rows n0.. and block rows x_row0.. -> their values: times each weight
-        row's and each activation row's scale."""
+    def _row_scaled(acc, sx, s_base, n0):
+        """Row-scaled sums [BN, R] of weight rows n0.. -> their values: times each weight row's scale and each
+        activation row's, `sx` [R] (in the sums' column layout)."""
         BN: gl.constexpr = acc.shape[0]
-        R: gl.constexpr = acc.shape[1]
-        L: gl.constexpr = acc.type.layout
-        sx = gl.load(xs_ptr + x_row0 + gl.arange(0, R, layout=gl.SliceLayout(0, L)))[None, :]
-        return acc * (weight_row_scales(s_base, n0, BN, gl.SliceLayout(1, L))[:, None] * sx)
+        return acc * (weight_row_scales(s_base, n0, BN, gl.SliceLayout(1, acc.type.layout))[:, None] * sx[None, :])
+
+    @gluon.jit
+    def _token_scales(xs_ptr, sorted_ptr, row0, nrows, num_topk, T0: gl.constexpr, R: gl.constexpr,
+                      L: gl.constexpr):
+        """The row scales [R] of the tokens of the block's rows T0.. (`xs`: one per token, `fp8.x_rows`), in the
+        column layout of sums in layout L (rows past the expert's end: token 0's, never stored)."""
+        t = T0 + gl.arange(0, R, layout=gl.SliceLayout(0, L))
+        slot = gl.load(sorted_ptr + row0 + t, mask=t < nrows, other=0)
+        return gl.load(xs_ptr + slot // num_topk)
 
     @gluon.jit
     def l1_activation(acc_g, acc_u, sorted_ptr, weight_ptr, row0, nrows, clamp, HAS_CLAMP: gl.constexpr,
@@ -668,11 +676,18 @@ if hp.gluon is not None:
                      hidden, num_g, inter // 128, BN, N, STAGES, False, ROW_SCALED, num_warps, at_ptrs, TAIL)
         acc = sums[0]
         if ROW_SCALED:
-            acc = _row_scaled(acc, as_ptr, s_base, pid_b * ROWS, pid_n * BN)
+            acc = _row_scaled(acc, _block_scales(as_ptr, pid_b * ROWS, N, acc.type.layout), s_base, pid_n * BN)
         l2_epilogue(acc, sorted_ptr, out_ptr, pid_n, row0, nrows, stride_out, N, num_warps)
         if TAIL:
-            tail = _row_scaled(sums[2], as_ptr, s_base, pid_b * ROWS + N, pid_n * BN)
+            tail = _row_scaled(sums[2], _block_scales(as_ptr, pid_b * ROWS + N, 16, sums[2].type.layout), s_base,
+                               pid_n * BN)
             l2_epilogue(tail, sorted_ptr, out_ptr, pid_n, row0, nrows, stride_out, 16, num_warps, N)
+
+    @gluon.jit
+    def _block_scales(as_ptr, r0, R: gl.constexpr, L: gl.constexpr):
+        """The row scales [R] of L1's output rows r0.. (`fp8.l1_out_rows`, by block row), in the column layout of
+        sums in layout L."""
+        return gl.load(as_ptr + r0 + gl.arange(0, R, layout=gl.SliceLayout(0, L)))
 
     @gluon.jit
     def _block_rows(a8_ptr, r0, inter, R: gl.constexpr, L: gl.constexpr):
@@ -734,7 +749,8 @@ def l1(x8, xs, w1, s1, sorted_slots, weights, block_expert, block_row, block_end
     `config.block_t` rows, 16 x `config.num_warps` channels a program; `xs`: the activations' scales in block-row
     order [H/128, R] (`block_row_scales`). With 4 warps the SwiGLU output goes to `a32` (FP32 [R, I]) instead, for
     `fp8.l1_out_blocks` to cast. `row_scaled` (`KernelConfig(fp8=6)`): one scale per row of each operand (`xs`
-    [1, R], `s1` the row-scaled scale words), the output always to `a32`, for `fp8.l1_out_rows`."""
+    one per token [M, 1] as `fp8.x_rows` gives them, `s1` the row-scaled scale words), the output always to `a32`,
+    for `fp8.l1_out_rows`."""
     hidden, inter, num_local = x8.shape[1], w1.shape[1] // 2, w1.shape[0]
     bn = l1_channels(config)
     l1_kernel[(block_expert.numel() * (inter // bn),)](
