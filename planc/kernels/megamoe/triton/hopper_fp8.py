@@ -539,13 +539,13 @@ if hp.gluon is not None:
         acc_g = sums[0]
         acc_u = sums[1]
         if ROW_SCALED:
-            sx_tok = _token_scales(xs_ptr, sorted_ptr, row0, nrows, num_topk, 0, N, acc_g.type.layout)
+            sx_tok = _token_scales(xs_ptr, sorted_ptr, row0, nrows, num_topk, 0, N, num_warps)
             acc_g = _row_scaled(acc_g, sx_tok, s_base, pid_n * BN)
             acc_u = _row_scaled(acc_u, sx_tok, s_base, inter + pid_n * BN)
         l1_epilogue(acc_g, acc_u, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows, inter,
                     total_rows, clamp, HAS_CLAMP, N, ROWS, num_warps, ROW_SCALED)
         if TAIL:
-            sx_tok = _token_scales(xs_ptr, sorted_ptr, row0, nrows, num_topk, N, 16, sums[2].type.layout)
+            sx_tok = _token_scales(xs_ptr, sorted_ptr, row0, nrows, num_topk, N, 16, num_warps)
             tail_g = _row_scaled(sums[2], sx_tok, s_base, pid_n * BN)
             tail_u = _row_scaled(sums[3], sx_tok, s_base, inter + pid_n * BN)
             l1_epilogue(tail_g, tail_u, sorted_ptr, weight_ptr, out_ptr, outs_ptr, a32_ptr, pid_b, pid_n, row0, nrows,
@@ -567,14 +567,15 @@ if hp.gluon is not None:
         """Row-scaled sums [BN, R] of weight rows n0.. -> their values: times each weight row's scale and each
         activation row's, `sx` [R] (in the sums' column layout)."""
         BN: gl.constexpr = acc.shape[0]
-        return acc * (weight_row_scales(s_base, n0, BN, gl.SliceLayout(1, acc.type.layout))[:, None] * sx[None, :])
+        L: gl.constexpr = acc.type.layout
+        return acc * (weight_row_scales(s_base, n0, BN, gl.SliceLayout(1, L))[:, None] * sx[None, :])
 
     @gluon.jit
     def _token_scales(xs_ptr, sorted_ptr, row0, nrows, num_topk, T0: gl.constexpr, R: gl.constexpr,
-                      L: gl.constexpr):
+                      num_warps: gl.constexpr):
         """The row scales [R] of the tokens of the block's rows T0.. (`xs`: one per token, `fp8.x_rows`), in the
-        column layout of sums in layout L (rows past the expert's end: token 0's, never stored)."""
-        t = T0 + gl.arange(0, R, layout=gl.SliceLayout(0, L))
+        column layout of R-wide sums (rows past the expert's end: token 0's, never stored)."""
+        t = T0 + gl.arange(0, R, layout=gl.SliceLayout(0, mma_layout(num_warps, R)))
         slot = gl.load(sorted_ptr + row0 + t, mask=t < nrows, other=0)
         return gl.load(xs_ptr + slot // num_topk)
 
@@ -676,18 +677,18 @@ if hp.gluon is not None:
                      hidden, num_g, inter // 128, BN, N, STAGES, False, ROW_SCALED, num_warps, at_ptrs, TAIL)
         acc = sums[0]
         if ROW_SCALED:
-            acc = _row_scaled(acc, _block_scales(as_ptr, pid_b * ROWS, N, acc.type.layout), s_base, pid_n * BN)
+            acc = _row_scaled(acc, _block_scales(as_ptr, pid_b * ROWS, N, num_warps), s_base, pid_n * BN)
         l2_epilogue(acc, sorted_ptr, out_ptr, pid_n, row0, nrows, stride_out, N, num_warps)
         if TAIL:
-            tail = _row_scaled(sums[2], _block_scales(as_ptr, pid_b * ROWS + N, 16, sums[2].type.layout), s_base,
+            tail = _row_scaled(sums[2], _block_scales(as_ptr, pid_b * ROWS + N, 16, num_warps), s_base,
                                pid_n * BN)
             l2_epilogue(tail, sorted_ptr, out_ptr, pid_n, row0, nrows, stride_out, 16, num_warps, N)
 
     @gluon.jit
-    def _block_scales(as_ptr, r0, R: gl.constexpr, L: gl.constexpr):
+    def _block_scales(as_ptr, r0, R: gl.constexpr, num_warps: gl.constexpr):
         """The row scales [R] of L1's output rows r0.. (`fp8.l1_out_rows`, by block row), in the column layout of
-        sums in layout L."""
-        return gl.load(as_ptr + r0 + gl.arange(0, R, layout=gl.SliceLayout(0, L)))
+        R-wide sums."""
+        return gl.load(as_ptr + r0 + gl.arange(0, R, layout=gl.SliceLayout(0, mma_layout(num_warps, R))))
 
     @gluon.jit
     def _block_rows(a8_ptr, r0, inter, R: gl.constexpr, L: gl.constexpr):
