@@ -25,8 +25,9 @@ pytestmark = pytest.mark.skipif(hopper_prefill.gluon is None, reason="this Trito
 # (layer, block rows, warps, stages, register cap): the configs `bench/megamoe_gpu.py --sweep` runs on the GPU
 VARIANTS = [("L1", 64, 8, 4, 0), ("L2", 64, 4, 4, 0)]
 # the row-scaled kernels (fp8=6: no promotion): L1 on 4 warps (three programs an SM), L2 on 4 (four); with 80-row
-# blocks (a 16-row tail MMA) L1 capped at 168 (three), L2 three (its shared memory)
-ROW_VARIANTS = [("L1R", 64, 4, 4, 0), ("L2R", 64, 4, 4, 0), ("L1R", 80, 4, 4, 168), ("L2R", 80, 4, 4, 0)]
+# blocks (a 16-row tail MMA) L1 capped at 168 (three), L2 three (its shared memory), L2 on 8 warps at 128 two
+ROW_VARIANTS = [("L1R", 64, 4, 4, 0), ("L2R", 64, 4, 4, 0), ("L1R", 80, 4, 4, 168), ("L2R", 80, 4, 4, 0),
+                ("L2R", 80, 8, 4, 128)]
 # the warp-specialized kernels (`hopper_fp8_ws`, fp8=4) at their default cap: L1 on 4 warps in one pass (64
 # channels) and in two (128), L2; and L1 on 8 MMA warps
 WS_VARIANTS = [("L1WS", 64, 4, 4, 0), ("L1WS2", 64, 4, 4, 0), ("L2WS", 64, 4, 4, 0), ("L1WS", 64, 8, 4, 168)]
@@ -131,8 +132,8 @@ def test_fp8_kernels_multiply_e4m3_registers_without_serializing_or_spilling(com
 def test_row_scaled_kernels_keep_a_wgmma_in_flight_across_iterations(compiled):
     """fp8=6 reads no accumulator in its K loop: one wait for the MMAs before the last per operand, none for all of
     them (fp8=3 ends each iteration waiting for its last), no spill in the loops; L1 fits three programs an SM, L2
-    four (80-row blocks: three, by registers and shared memory)."""
-    for (layer, rows, warps, stages, cap), programs in zip(ROW_VARIANTS, (3, 4, 3, 3)):
+    four (80-row blocks: three, by registers and shared memory; L2 on 8 warps: two)."""
+    for (layer, rows, warps, stages, cap), programs in zip(ROW_VARIANTS, (3, 4, 3, 3, 2)):
         got = compiled[f"{layer}_{rows}_{warps}_{stages}_{cap}"]
         # 80-row blocks: the loop with the 16-row tail MMA (16 QGMMA: 4 k32 steps x 2 operands x 2 widths), the one
         # without it; else the full and the half-width loop
