@@ -1236,7 +1236,9 @@ def _megamoe(settings: Any, shapes: list[LayerShape], hidden: int, tokens: int,
     ref = megamoe_buffers.reference_buffer_bytes(cap, k, hidden)
     # the Triton backend's buffer, and every layer's FP8-path layout of its experts (kept once made)
     triton = ref + (layers * megamoe_buffers.triton_fp8_layout_bytes(local, hidden, inter) if fp8 else 0)
-    work = megamoe_buffers.triton_layer_bytes(ep, rows, local, k, hidden, inter, fp8=fp8)
+    # a batch runs one path or the other: the larger work
+    work = max(megamoe_buffers.triton_layer_bytes(ep, rows, local, k, hidden, inter, fp8=path)
+               for path in ((False, True) if fp8 else (False,)))
     out = 2 * tokens * hidden * 2  # the layer's output and the combined rows (deep_gemm's own work is in its buffer)
     if backend == "deep_gemm":
         buf, work = deep, out
