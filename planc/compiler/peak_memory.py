@@ -45,7 +45,8 @@ from planc.compiler.family_memory import FamilyMemory, family_memory
 from planc.compiler.optimizer_step import OPTIMIZER_STEP, STEPS
 from planc.compiler.train_memory import ITEMSIZE, TrainMemory, decoder_layers
 from planc.compiler.units import human_bytes
-from planc.spec.choices import ACTIVATION_CHECKPOINTING_MODES, MEGAMOE_MATH
+from planc.spec.choices import ACTIVATION_CHECKPOINTING_MODES
+from planc.spec.model import MegaMoe
 from planc.spec.styles import SHARDED, STYLE
 
 if TYPE_CHECKING:
@@ -1231,7 +1232,7 @@ def _megamoe(settings: Any, shapes: list[LayerShape], hidden: int, tokens: int,
     k, inter, local = moe.top_k, moe.moe_intermediate, moe.local_experts
     layers = sum(1 for s in shapes if s.megamoe)
     # Triton on Hopper may take its FP8 path (`experts.megamoe.math: auto`): priced where it may
-    fp8 = MEGAMOE_MATH[settings.math if settings is not None else "auto"].fp8_layout
+    fp8 = (settings or MegaMoe()).math_row.fp8_layout
     deep = megamoe_buffers.deepgemm_symmetric_bytes(ep, moe.num_experts, cap, k, hidden, inter)
     ref = megamoe_buffers.reference_buffer_bytes(cap, k, hidden)
     # the Triton backend's buffer, and every layer's FP8-path layout of its experts (kept once made)

@@ -80,8 +80,9 @@ class MegaMoeBackend:
 
 @dataclass(frozen=True)
 class MegaMoeMath:
-    """One way the Mega MoE experts multiply (`experts.megamoe.math`). `fp8_layout`: the Triton backend may hold a
-    second layout of the FP4 experts for its FP8 MMAs (its FP8 path, on Hopper, once a batch takes it)."""
+    """One way the Mega MoE experts multiply (`experts.megamoe.math`). `fp8_layout`: the Triton backend may take its
+    FP8 path (on Hopper, at its table's batches) and hold that path's second layout of the FP4 experts once a batch
+    does: the Triton runner keeps the FP8 rows of its table, and `planc explain` prices the layout."""
 
     name: str
     doc: str

@@ -18,7 +18,7 @@ from planc.kernels.megamoe import reference
 from planc.kernels.megamoe.reference import DequantizedExperts, compute_dtype_for, reference_mega_moe
 from planc.kernels.megamoe.triton import forward, layout, target
 from planc.runtime.collectives import to_local
-from planc.spec.choices import MEGAMOE_BACKENDS, MegaMoeBackend
+from planc.spec.choices import MEGAMOE_BACKENDS, MEGAMOE_MATH, MegaMoeBackend
 
 Sizes = tuple[int, int]  # (hidden, intermediate) of the experts, when known
 
@@ -130,7 +130,7 @@ class TritonRunner(_StagedRunner):
 
     def _local_forward(self) -> dict[str, Any]:
         local = forward.triton_local_experts_forward
-        if self.math == "bf16":  # the tables without the FP8 path's rows: its second layout is never made
+        if not MEGAMOE_MATH[self.math].fp8_layout:  # the tables without the FP8 path's rows: its layout is never made
             local = functools.partial(local, fp8_path=False)
         return dict(local_forward=local, backend="triton", combine_fn=forward.combine, stage_fn=forward.stage)
 

@@ -262,9 +262,9 @@ GLUON_CONFIGS = (
 # 6028.6 / 7184.8 and the BF16 pick's 6698.7 / 6872.9 / 7293.9; the bound sits between 48 and 56). With L2 on 8 warps
 # of 128 hidden rows at 128 registers they ran 2-3% faster (5615.4 / 5572.2 / 5813.5), but that L2's 16-row tail
 # has not run in a `gpu` test yet. 68-95 rows were not measured (an average expert near 80 rows spans two blocks):
-# the BF16 tables there, as the BF16 Gluon rows' 80-row blocks stop at 68. On an EP 8 rank's share (48 of V4's 384 experts) 96 rows go to fp8=6 (768 tokens: 1477.7 with
-# 64-row and 1489.2 with 128-row blocks against 1762.1), 128 and 512 rows too (1024 / 4096 tokens, 128-row blocks:
-# 1830.2 / 5015.6 against 2149.7 / 6426.2). The bound at 31 (32- against 64-row blocks: 6324.1 against 5797.3 at 32
+# the BF16 tables there, as the BF16 Gluon rows' 80-row blocks stop at 68. On an EP 8 rank's share (48 of V4's 384
+# experts) 96 rows go to fp8=6 (768 tokens: 1477.7 with 64-row and 1489.2 with 128-row blocks against 1762.1), 128
+# and 512 rows too (1024 / 4096 tokens, 128-row blocks: 1830.2 / 5015.6 against 2149.7 / 6426.2). The bound at 31 (32- against 64-row blocks: 6324.1 against 5797.3 at 32
 # rows, 5044.0 against 5362.5 at 16) sits between measured points; above 512 was not measured.
 FP8_CONFIGS: tuple[tuple[int, KernelConfig | None], ...] = (
     (16, KernelConfig(32, 128, 128, 64, 128, 4, 4, fp8=6)),

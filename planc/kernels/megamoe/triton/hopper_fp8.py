@@ -533,6 +533,7 @@ if hp.gluon is not None:
             xt_ptrs = _token_rows(x8_ptr, sorted_ptr, row0, nrows, num_topk, hidden, N, 16, _xt_layout(num_warps))
         else:  # not read
             xt_ptrs = x_ptrs
+        # the stages' activation block scales, by block row (not read when ROW_SCALED: `xs` is then one per token)
         sx_ptrs = xs_ptr + pid_b * ROWS + gl.arange(0, N, layout=sx_layout(num_warps))
         sums = _gemm(x_ptrs, sx_ptrs, total_rows, w_base, s_base, wg_off, wu_off, pid_n * BN, inter + pid_n * BN,
                      2 * inter, num_g, hidden // 128, BN, N, STAGES, True, ROW_SCALED, num_warps, xt_ptrs, TAIL)
