@@ -111,18 +111,18 @@ def test_row_scaled_numerics_stay_within_deepgemms_fp8_bound(spread):
 
 
 def test_fp8_path_is_picked_by_its_table_row_only_where_fp8_mma_runs(monkeypatch):
-    """`FP8_CONFIGS` as measured: the row-scaled Gluon FP8 kernels (fp8=6) take V4's batches of 16 to 67 rows per
-    local expert on Hopper (32-row blocks, 64-row ones from 31, 80-row ones from 52), the BF16
-    tables below and at 68-95 rows, fp8=6's 128-row blocks from 96 rows (an EP 8 rank's share of a prefill); the BF16
-    tables wherever FP8 MMAs or the Gluon kernels do not run; a row is taken from its bound up, on shapes it fits."""
+    """`FP8_CONFIGS` as measured: the row-scaled Gluon FP8 kernels (fp8=6) take V4's batches from 16 rows per local
+    expert on Hopper (32-row blocks, 64-row ones from 31, 80-row ones with L2 on 8 warps from 52, 128-row ones from 84,
+    an EP 8 rank's share of a prefill included), the BF16 tables below 16 rows and wherever FP8 MMAs or the Gluon
+    kernels do not run; a row is taken from its bound up, on shapes it fits."""
     def fp8(rows_per_expert, gluon=True, fp8=True, inter=3072):
         return pick_config(round(rows_per_expert * 384), 384, 7168, inter, gluon=gluon, fp8=fp8)
 
-    picks = [fp8(r).fp8 for r in (8, 15.9, 16, 24, 33.9, 48, 56, 64, 67.9, 68, 95.9, 96, 512)]
-    assert picks == [0, 0, 6, 6, 6, 6, 6, 6, 6, 0, 0, 6, 6]
-    assert fp8(68).gluon == 2 and fp8(68).block_t == 80  # at 68-95 rows the Gluon BF16 kernels
-    assert fp8(16).block_t == 32 and fp8(30.9).block_t == 32 and fp8(31).block_t == 64 and fp8(96).block_t == 128
-    assert fp8(51.9).block_t == 64 and fp8(52).block_t == 80 and fp8(64).maxnreg == 168
+    picks = [fp8(r).fp8 for r in (8, 15.9, 16, 24, 33.9, 48, 56, 64, 68, 83.9, 84, 96, 512)]
+    assert picks == [0, 0, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6]
+    assert fp8(16).block_t == 32 and fp8(30.9).block_t == 32 and fp8(31).block_t == 64 and fp8(84).block_t == 128
+    assert fp8(51.9).block_t == 64 and fp8(52).block_t == 80 and fp8(83.9).block_t == 80 and fp8(512).block_t == 128
+    assert fp8(64).maxnreg == 168 and fp8(64).l2_n == 128 and fp8(64).l2_maxnreg == 128
     assert not fp8(24, gluon=False).fp8 and not fp8(24, fp8=False).fp8
     assert not fp8(24, inter=3072 + 128).fp8  # an odd number of L2 K blocks: the Gluon FP8 L2 takes them in pairs
     row = KernelConfig(block_t=128, l1_n=128, l1_k=128, l2_n=128, l2_k=128, num_warps=8, num_stages=3, fp8=2)

@@ -257,21 +257,24 @@ GLUON_CONFIGS = (
 # FP8 path"): the row-scaled Gluon kernels (`fp8=6`) beat the BF16 pick and `fp8=3` from 16 rows per expert on V4
 # (1024 tokens: 32-row blocks 5044.0 against fp8=3's 5511.3 and the BF16 pick's 6014.0 µs; 2048: 64-row blocks 5797.3
 # against 7095.9 and 7586.9). From 52 rows, 80-row blocks (a 64-row MMA and a 16-row one on the same expanded operand:
-# one expansion per expert up to 80 rows), L1 on 4 warps capped at 168 (three programs an SM), L2 on 4 (commit
-# 1262e8b; 3072 / 3584 / 4096 tokens, 48 / 56 / 64 rows: 5760.4 / 5708.0 / 5925.6 µs against 64-row blocks' 5628.7 /
-# 6028.6 / 7184.8 and the BF16 pick's 6698.7 / 6872.9 / 7293.9; the bound sits between 48 and 56). With L2 on 8 warps
-# of 128 hidden rows at 128 registers they ran 2-3% faster (5615.4 / 5572.2 / 5813.5), but that L2's 16-row tail
-# has not run in a `gpu` test yet. 68-95 rows were not measured (an average expert near 80 rows spans two blocks):
-# the BF16 tables there, as the BF16 Gluon rows' 80-row blocks stop at 68. On an EP 8 rank's share (48 of V4's 384
-# experts) 96 rows go to fp8=6 (768 tokens: 1477.7 with 64-row and 1489.2 with 128-row blocks against 1762.1), 128
-# and 512 rows too (1024 / 4096 tokens, 128-row blocks: 1830.2 / 5015.6 against 2149.7 / 6426.2). The bound at 31 (32- against 64-row blocks: 6324.1 against 5797.3 at 32
-# rows, 5044.0 against 5362.5 at 16) sits between measured points; above 512 was not measured.
+# one expansion per expert up to 80 rows), L1 on 4 warps capped at 168 (three programs an SM). With L2 on 4 warps
+# (commit 1262e8b) 3072 / 3584 / 4096 tokens (48 / 56 / 64 rows) took 5760.4 / 5708.0 / 5925.6 µs against 64-row
+# blocks' 5628.7 / 6028.6 / 7184.8 and the BF16 pick's 6698.7 / 6872.9 / 7293.9 (the bound sits between 48 and 56).
+# The row runs L2 on 8 warps of 128 hidden rows at 128 registers (half the programs, each reading its block's
+# activations): on an H100 (2026-12-07, commit 1d2bd63) 3584 / 4096 tokens took 5588.8 / 5830.2 µs against 5701.8 /
+# 5943.3 with L2 on 4 warps (the BF16 pick 6845.9 / 7310.2). Same call, 4608 / 5120 / 5632 tokens (72 / 80 / 88 rows):
+# this row 7016.4 / 9052.7 / 11252.0, fp8=6's 128-row blocks 9617.4 / 9837.7 / 9737.4, the BF16 pick (96-row blocks)
+# 8506.2 / 9071.6 / 10330.9: the 128-row blocks from 84 rows (between the 80 and 88 measured); no BF16 row is left
+# from 16 rows up.
+# On an EP 8 rank's share (48 of V4's 384 experts) 96 rows went to fp8=6 (768 tokens: 1477.7 with 64-row and 1489.2
+# with 128-row blocks against 1762.1), 128 and 512 rows too (1024 / 4096 tokens, 128-row blocks: 1830.2 / 5015.6
+# against 2149.7 / 6426.2). The bound at 31 (32- against 64-row blocks: 6324.1 against 5797.3 at 32 rows, 5044.0
+# against 5362.5 at 16) sits between measured points; above 512 was not measured.
 FP8_CONFIGS: tuple[tuple[int, KernelConfig | None], ...] = (
     (16, KernelConfig(32, 128, 128, 64, 128, 4, 4, fp8=6)),
     (31, KernelConfig(64, 128, 128, 64, 128, 4, 4, fp8=6)),
-    (52, KernelConfig(80, 128, 128, 64, 128, 4, 4, maxnreg=168, fp8=6)),
-    (68, None),
-    (96, KernelConfig(128, 128, 128, 64, 128, 4, 4, fp8=6)),
+    (52, KernelConfig(80, 128, 128, 128, 128, 4, 4, maxnreg=168, l2_maxnreg=128, fp8=6)),
+    (84, KernelConfig(128, 128, 128, 64, 128, 4, 4, fp8=6)),
 )
 
 
