@@ -129,6 +129,9 @@ def parse_args(argv=None):
     p.add_argument("--routes", action="store_true",
                    help="time the routing of --tokens batches (`routing.route`: one program, or the chunked launches "
                         "above FUSED_ROUTE_MAX_SLOTS) beside the torch ops it replaced (`route_torch`) and stop")
+    p.add_argument("--fp8-accumulation", action="store_true",
+                   help="time nothing: print how far cuBLAS's FP8 GEMMs, promoting and not (`use_fast_accum`), leave "
+                        "exact sums (`fp8_accumulation`: what the row-scaled kernels' accumulation costs) and stop")
     p.add_argument("--sglang-wheel", default=None, metavar="WHL",
                    help="SGLang's wheel for the peer (bench/sglang_fused_moe.py `find_wheel`: else $PLANC_SGLANG_WHEEL "
                         "or .whl/)")
@@ -378,6 +381,31 @@ def route_times(args, device, measure) -> list[dict]:
         print(f"| {r['tokens']} | {r['pairs']} | {r['how']} | {r['route_us']:.1f} | {r['torch_us']:.1f} | "
               f"{r['torch_us'] / r['route_us']:.2f}x |")
     return rows
+
+
+def fp8_accumulation(device, ks=(512, 1024, 7168), rows: int = 64, cols: int = 512) -> list[dict]:
+    """How far an FP8 GEMM's sums are from exact ones when the tensor cores accumulate all of K (cuBLAS's
+    `use_fast_accum`, what the row-scaled kernels' wgmma chain does) and when its sums are promoted to FP32 along K:
+    e4m3 operands from N(0, 1), [rows x K] x [K x cols], the error over each output row's largest exact sum."""
+    g = torch.Generator(device=device).manual_seed(0)
+    one = torch.ones((), device=device)
+    out = []
+    for k in ks:
+        a = torch.randn(rows, k, generator=g, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(cols, k, generator=g, device=device).to(torch.float8_e4m3fn)
+        exact = a.double() @ b.double().t()
+        for fast in (False, True):
+            got = torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=fast)
+            err = (got.double() - exact).abs() / exact.abs().amax(dim=1, keepdim=True)
+            out.append(dict(k=k, fast_accum=fast, rms=float(err.pow(2).mean().sqrt()), max=float(err.max()),
+                            bf16_differ=float((got.bfloat16() != exact.bfloat16()).double().mean())))
+    print(f"\ncuBLAS FP8 GEMMs [{rows} x K] x [K x {cols}] (e4m3 from N(0, 1)) against exact sums: error / row's largest")
+    print("| K | accumulation | rms | max | BF16 roundings that differ |")
+    print("|---:|---|---:|---:|---:|")
+    for r in out:
+        how = "tensor cores over all of K (use_fast_accum)" if r["fast_accum"] else "promoted to FP32 along K"
+        print(f"| {r['k']} | {how} | {r['rms']:.2e} | {r['max']:.2e} | {r['bf16_differ']:.2%} |")
+    return out
 
 
 def dense_ceiling(args, n, device, measure, use_graph) -> dict:
@@ -799,6 +827,10 @@ def main(argv=None):
         if device.type != "cuda":
             raise SystemExit("--read-patterns needs a CUDA GPU")
         return finish(args, dict(read_patterns=decode_read_patterns(args, device, measure)))
+    if args.fp8_accumulation:
+        if device.type != "cuda":
+            raise SystemExit("--fp8-accumulation needs a CUDA GPU with FP8 MMAs")
+        return finish(args, dict(fp8_accumulation=fp8_accumulation(device)))
     if args.routes:
         if device.type != "cuda":
             raise SystemExit("--routes needs a CUDA GPU (elsewhere `route` is `route_torch`)")
