@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(hopper_prefill.gluon is None, reason="this Trito
 # (layer, block rows, warps, stages, register cap): the configs `bench/megamoe_gpu.py --sweep` runs on the GPU
 VARIANTS = [("L1", 64, 8, 4, 0), ("L2", 64, 4, 4, 0)]
 # the row-scaled kernels (fp8=6: no promotion): L1 on 4 warps (three programs an SM), L2 on 4 (four); with 80-row
-# blocks (a 16-row tail MMA) L1 capped at 168 (three), L2 three (its shared memory), L2 on 8 warps at 128 two
+# blocks (a 16-row tail MMA) L1 capped at 168 (three), L2 three (its shared memory), L2 on 8 warps capped at 128 (two)
 ROW_VARIANTS = [("L1R", 64, 4, 4, 0), ("L2R", 64, 4, 4, 0), ("L1R", 80, 4, 4, 168), ("L2R", 80, 4, 4, 0),
                 ("L2R", 80, 8, 4, 128)]
 # the warp-specialized kernels (`hopper_fp8_ws`, fp8=4) at their default cap: L1 on 4 warps in one pass (64
